@@ -1,0 +1,1130 @@
+//! The catalogue: every rule about nodes, datasets, versions, manifests, shards, replicas
+//! and import sessions, on top of the `KvStore` interface.
+//!
+//! Invariants it keeps:
+//! - a version exists only once its whole manifest passed the commit checks, and becomes
+//!   visible in the same atomic write that records it (entries are uploaded beforehand under
+//!   an internal uid no version points to, so an abandoned session is invisible garbage
+//!   that the reaper removes);
+//! - version numbers of a dataset are consecutive in commit order and never reused;
+//! - `resident` (version, node) counters always equal the sum of the bytes of the shards
+//!   whose replica set holds that node, because both change in one batch.
+//!
+//! Methods block on storage I/O; the gRPC layer calls them from blocking threads. Writers
+//! serialise on two locks, always taken in the order `versions` then `sessions`.
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use locus_proto::manifest::{Entry, EntryKind};
+use locus_proto::{pb, DatasetName, DatasetRef, InvalidInput, NodeId, VersionSel};
+use prost::Message;
+
+use crate::keys;
+use crate::records::*;
+use crate::store::{Batch, KvStore, StoreError, Table};
+use crate::Clock;
+
+#[derive(Debug, thiserror::Error)]
+pub enum CatalogError {
+    #[error(transparent)]
+    Invalid(#[from] InvalidInput),
+    #[error("{0}")]
+    NotFound(String),
+    #[error("{0}")]
+    Precondition(String),
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    #[error("corrupt metadata record in {table}: {reason}")]
+    Corrupt { table: &'static str, reason: String },
+}
+
+type Result<T, E = CatalogError> = std::result::Result<T, E>;
+
+/// Tunables of the catalogue.
+#[derive(Debug, Clone)]
+pub struct CatalogConfig {
+    /// A node silent this long is down.
+    pub liveness_timeout: Duration,
+    /// An import session idle this long is discarded.
+    pub session_timeout: Duration,
+}
+
+impl Default for CatalogConfig {
+    fn default() -> Self {
+        Self {
+            liveness_timeout: Duration::from_secs(30),
+            session_timeout: Duration::from_secs(3600),
+        }
+    }
+}
+
+/// What the service knows about a node between heartbeats; not persisted, a restarted
+/// service gives every node one liveness timeout of grace.
+#[derive(Debug, Clone, Copy)]
+struct Live {
+    last_seen_ms: i64,
+    free: u64,
+    used: u64,
+}
+
+/// A shard as an import session reports it.
+#[derive(Debug, Clone)]
+pub struct ShardSpec {
+    pub id: u32,
+    pub bytes: u64,
+    pub files: u64,
+    pub replicas: Vec<NodeId>,
+}
+
+impl TryFrom<pb::Shard> for ShardSpec {
+    type Error = InvalidInput;
+    fn try_from(s: pb::Shard) -> std::result::Result<Self, InvalidInput> {
+        let mut replicas = Vec::with_capacity(s.replicas.len());
+        for r in s.replicas {
+            let n = NodeId::try_from(r).map_err(|e| e.within(format_args!("shards[{}]", s.id)))?;
+            if replicas.contains(&n) {
+                return Err(InvalidInput::new(
+                    format!("shards[{}].replicas", s.id),
+                    format!("node {n} is listed twice"),
+                ));
+            }
+            replicas.push(n);
+        }
+        Ok(ShardSpec {
+            id: s.id,
+            bytes: s.bytes,
+            files: s.files,
+            replicas,
+        })
+    }
+}
+
+/// A node registration as the node reports it.
+#[derive(Debug, Clone)]
+pub struct NodeRegistration {
+    pub id: NodeId,
+    pub address: String,
+    pub labels: HashMap<String, String>,
+    pub capacity: u64,
+    pub free: u64,
+    pub used: u64,
+}
+
+impl TryFrom<pb::RegisterNodeRequest> for NodeRegistration {
+    type Error = InvalidInput;
+    fn try_from(r: pb::RegisterNodeRequest) -> std::result::Result<Self, InvalidInput> {
+        let id = NodeId::try_from(r.id)?;
+        if r.address.is_empty() || r.address.len() > 255 || r.address.contains(char::is_whitespace) {
+            return Err(InvalidInput::new("address", "must be HOST:PORT"));
+        }
+        let port_ok = r
+            .address
+            .rsplit_once(':')
+            .is_some_and(|(h, p)| !h.is_empty() && p.parse::<u16>().is_ok());
+        if !port_ok {
+            return Err(InvalidInput::new(
+                "address",
+                format!("{:?} is not HOST:PORT", r.address),
+            ));
+        }
+        for (k, v) in &r.labels {
+            locus_proto::names::check_label(k, v)?;
+        }
+        if r.labels.len() > 64 {
+            return Err(InvalidInput::new("labels", "at most 64 labels"));
+        }
+        Ok(NodeRegistration {
+            id,
+            address: r.address,
+            labels: r.labels,
+            capacity: r.capacity_bytes,
+            free: r.free_bytes,
+            used: r.used_bytes,
+        })
+    }
+}
+
+pub struct Catalog {
+    store: Arc<dyn KvStore>,
+    clock: Arc<dyn Clock>,
+    config: CatalogConfig,
+    cluster_id: String,
+    started_ms: i64,
+    versions_lock: Mutex<()>,
+    sessions_lock: Mutex<()>,
+    live: Mutex<HashMap<String, Live>>,
+}
+
+fn decode<M: Message + Default>(table: Table, bytes: &[u8]) -> Result<M> {
+    M::decode(bytes).map_err(|e| CatalogError::Corrupt {
+        table: table.name(),
+        reason: e.to_string(),
+    })
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // A panic while holding a catalogue lock cannot leave the store half-written (every
+    // change is one batch), so the data behind a poisoned lock is still consistent.
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+impl Catalog {
+    /// Opens the catalogue, initialising a fresh store or checking an existing one's
+    /// schema version.
+    pub fn open(store: Arc<dyn KvStore>, clock: Arc<dyn Clock>, config: CatalogConfig) -> Result<Self> {
+        let cluster_id = match store.get(Table::Meta, keys::META_SCHEMA)? {
+            None => {
+                let id = new_cluster_id();
+                let mut b = Batch::default();
+                b.put(
+                    Table::Meta,
+                    keys::META_SCHEMA,
+                    SCHEMA_VERSION.to_be_bytes().to_vec(),
+                );
+                b.put(Table::Meta, keys::META_CLUSTER_ID, id.clone().into_bytes());
+                b.put(Table::Meta, keys::META_NEXT_UID, 1u64.to_be_bytes().to_vec());
+                store.write(b, true)?;
+                id
+            }
+            Some(v) => {
+                let found = <[u8; 4]>::try_from(v.as_slice())
+                    .map(u32::from_be_bytes)
+                    .map_err(|_| CatalogError::Corrupt {
+                        table: "meta",
+                        reason: "schema_version is not 4 bytes".into(),
+                    })?;
+                if found != SCHEMA_VERSION {
+                    return Err(CatalogError::Precondition(format!(
+                        "the metadata store has schema version {found}; this build reads version \
+                         {SCHEMA_VERSION} and has no migration from it"
+                    )));
+                }
+                let id = store.get(Table::Meta, keys::META_CLUSTER_ID)?.unwrap_or_default();
+                String::from_utf8(id).map_err(|_| CatalogError::Corrupt {
+                    table: "meta",
+                    reason: "cluster_id is not UTF-8".into(),
+                })?
+            }
+        };
+        let started_ms = clock.now_ms();
+        let cat = Catalog {
+            store,
+            clock,
+            config,
+            cluster_id,
+            started_ms,
+            versions_lock: Mutex::new(()),
+            sessions_lock: Mutex::new(()),
+            live: Mutex::new(HashMap::new()),
+        };
+        // Grace period: every known node counts as seen at startup.
+        let nodes = cat.node_records()?;
+        let mut live = lock(&cat.live);
+        for (id, rec) in nodes {
+            live.insert(
+                id,
+                Live {
+                    last_seen_ms: started_ms,
+                    free: rec.free_bytes,
+                    used: rec.used_bytes,
+                },
+            );
+        }
+        drop(live);
+        Ok(cat)
+    }
+
+    pub fn cluster_id(&self) -> &str {
+        &self.cluster_id
+    }
+
+    pub fn config(&self) -> &CatalogConfig {
+        &self.config
+    }
+
+    pub fn uptime_ms(&self) -> u64 {
+        (self.clock.now_ms() - self.started_ms).max(0) as u64
+    }
+
+    pub fn size_on_disk(&self) -> u64 {
+        self.store.size_on_disk()
+    }
+
+    // ---------------------------------------------------------------------------------
+    // Nodes
+
+    pub fn register_node(&self, reg: NodeRegistration) -> Result<()> {
+        let now = self.clock.now_ms();
+        let key = reg.id.as_str().as_bytes();
+        let registered_at_ms = match self.store.get(Table::Nodes, key)? {
+            Some(v) => decode::<NodeRecord>(Table::Nodes, &v)?.registered_at_ms,
+            None => now,
+        };
+        let rec = NodeRecord {
+            address: reg.address,
+            labels: reg.labels,
+            capacity_bytes: reg.capacity,
+            free_bytes: reg.free,
+            used_bytes: reg.used,
+            registered_at_ms,
+        };
+        let mut b = Batch::default();
+        b.put(Table::Nodes, key, rec.encode_to_vec());
+        self.store.write(b, true)?;
+        lock(&self.live).insert(
+            reg.id.to_string(),
+            Live {
+                last_seen_ms: now,
+                free: reg.free,
+                used: reg.used,
+            },
+        );
+        Ok(())
+    }
+
+    pub fn heartbeat(&self, id: &NodeId, free: u64, used: u64) -> Result<()> {
+        if self.store.get(Table::Nodes, id.as_str().as_bytes())?.is_none() {
+            return Err(CatalogError::NotFound(format!(
+                "node {id} is not registered; register before sending heartbeats"
+            )));
+        }
+        lock(&self.live).insert(
+            id.to_string(),
+            Live {
+                last_seen_ms: self.clock.now_ms(),
+                free,
+                used,
+            },
+        );
+        Ok(())
+    }
+
+    fn node_records(&self) -> Result<Vec<(String, NodeRecord)>> {
+        let mut out = Vec::new();
+        for kv in self.store.scan(Table::Nodes, b"", None) {
+            let (k, v) = kv?;
+            let id = String::from_utf8(k.to_vec()).map_err(|_| CatalogError::Corrupt {
+                table: "nodes",
+                reason: "node id is not UTF-8".into(),
+            })?;
+            out.push((id, decode(Table::Nodes, &v)?));
+        }
+        Ok(out)
+    }
+
+    fn node_exists(&self, id: &NodeId) -> Result<bool> {
+        Ok(self.store.get(Table::Nodes, id.as_str().as_bytes())?.is_some())
+    }
+
+    pub fn list_nodes(&self) -> Result<Vec<pb::Node>> {
+        let now = self.clock.now_ms();
+        let timeout = self.config.liveness_timeout.as_millis() as i64;
+        let live = lock(&self.live).clone();
+        Ok(self
+            .node_records()?
+            .into_iter()
+            .map(|(id, rec)| {
+                let l = live.get(&id).copied().unwrap_or(Live {
+                    last_seen_ms: self.started_ms,
+                    free: rec.free_bytes,
+                    used: rec.used_bytes,
+                });
+                let ago = (now - l.last_seen_ms).max(0);
+                let state = if ago <= timeout {
+                    pb::NodeState::Up
+                } else {
+                    pb::NodeState::Down
+                };
+                pb::Node {
+                    id,
+                    address: rec.address,
+                    labels: rec.labels,
+                    capacity_bytes: rec.capacity_bytes,
+                    free_bytes: l.free,
+                    used_bytes: l.used,
+                    state: state as i32,
+                    last_seen_ms_ago: ago as u64,
+                    registered_at_ms: rec.registered_at_ms,
+                }
+            })
+            .collect())
+    }
+
+    // ---------------------------------------------------------------------------------
+    // Datasets and versions (reads)
+
+    fn dataset_record(&self, name: &str) -> Result<Option<DatasetRecord>> {
+        self.store
+            .get(Table::Datasets, name.as_bytes())?
+            .map(|v| decode(Table::Datasets, &v))
+            .transpose()
+    }
+
+    fn versions_of(&self, name: &str) -> Result<Vec<(u64, VersionRecord)>> {
+        let prefix = keys::version_prefix(name);
+        let end = crate::store::prefix_end(&prefix);
+        let mut out = Vec::new();
+        for kv in self.store.scan(Table::Versions, &prefix, end.as_deref()) {
+            let (k, v) = kv?;
+            let n = keys::version_number(&k).ok_or_else(|| CatalogError::Corrupt {
+                table: "versions",
+                reason: "short key".into(),
+            })?;
+            out.push((n, decode(Table::Versions, &v)?));
+        }
+        Ok(out)
+    }
+
+    /// Resolves a reference to a committed version.
+    fn resolve(&self, r: &DatasetRef) -> Result<(u64, VersionRecord)> {
+        let name = r.name.as_str();
+        let ds = self
+            .dataset_record(name)?
+            .filter(|d| !d.deleted)
+            .ok_or_else(|| CatalogError::NotFound(format!("no dataset named {name}")))?;
+        let n = match r.version {
+            VersionSel::Number(n) => n,
+            VersionSel::Latest if ds.latest == 0 => {
+                return Err(CatalogError::NotFound(format!(
+                    "dataset {name} has no committed version"
+                )))
+            }
+            VersionSel::Latest => ds.latest,
+        };
+        let v = self
+            .store
+            .get(Table::Versions, &keys::version(name, n))?
+            .ok_or_else(|| CatalogError::NotFound(format!("version {name}@{n} does not exist")))?;
+        Ok((n, decode(Table::Versions, &v)?))
+    }
+
+    fn version_pb(name: &str, n: u64, v: &VersionRecord) -> pb::Version {
+        pb::Version {
+            dataset: name.to_string(),
+            version: n,
+            created_at_ms: v.created_at_ms,
+            origin: v.origin.clone(),
+            replication: v.replication,
+            chunk_size: v.chunk_size,
+            files: v.files,
+            dirs: v.dirs,
+            symlinks: v.symlinks,
+            bytes: v.bytes,
+            shards: v.shards,
+            committed_by: v.committed_by.clone(),
+            resident: Vec::new(),
+        }
+    }
+
+    pub fn list_datasets(&self) -> Result<Vec<pb::Dataset>> {
+        let mut out = Vec::new();
+        let names: Vec<(String, DatasetRecord)> = self
+            .store
+            .scan(Table::Datasets, b"", None)
+            .map(|kv| {
+                let (k, v) = kv?;
+                Ok((
+                    String::from_utf8_lossy(&k).into_owned(),
+                    decode::<DatasetRecord>(Table::Datasets, &v)?,
+                ))
+            })
+            .collect::<Result<_>>()?;
+        for (name, rec) in names {
+            if rec.deleted {
+                continue;
+            }
+            let versions = self.versions_of(&name)?;
+            out.push(pb::Dataset {
+                name,
+                created_at_ms: rec.created_at_ms,
+                latest: rec.latest,
+                version_count: versions.len() as u64,
+                bytes: versions.iter().map(|(_, v)| v.bytes).sum(),
+                versions: Vec::new(),
+            });
+        }
+        Ok(out)
+    }
+
+    pub fn get_dataset(&self, name: &DatasetName) -> Result<pb::Dataset> {
+        let rec = self
+            .dataset_record(name.as_str())?
+            .filter(|d| !d.deleted)
+            .ok_or_else(|| CatalogError::NotFound(format!("no dataset named {name}")))?;
+        let versions = self.versions_of(name.as_str())?;
+        Ok(pb::Dataset {
+            name: name.to_string(),
+            created_at_ms: rec.created_at_ms,
+            latest: rec.latest,
+            version_count: versions.len() as u64,
+            bytes: versions.iter().map(|(_, v)| v.bytes).sum(),
+            versions: versions
+                .iter()
+                .map(|(n, v)| Self::version_pb(name.as_str(), *n, v))
+                .collect(),
+        })
+    }
+
+    pub fn get_version(&self, r: &DatasetRef) -> Result<pb::Version> {
+        let (n, v) = self.resolve(r)?;
+        let mut out = Self::version_pb(r.name.as_str(), n, &v);
+        let (from, to) = keys::uid_range(v.uid);
+        for kv in self.store.scan(Table::Resident, &from, Some(&to)) {
+            let (k, val) = kv?;
+            out.resident.push(pb::NodeResident {
+                node: String::from_utf8_lossy(&k[8..]).into_owned(),
+                bytes: keys::u64_value(&val).unwrap_or(0),
+            });
+        }
+        Ok(out)
+    }
+
+    /// One page of a version's entries. `directory` restricts the listing to one
+    /// directory's direct children. The page token is the last key returned.
+    pub fn list_entries(
+        &self,
+        r: &DatasetRef,
+        directory: Option<&str>,
+        page_token: &[u8],
+        limit: usize,
+        with_chunks: bool,
+    ) -> Result<(u64, Vec<pb::Entry>, Vec<u8>)> {
+        let (n, v) = self.resolve(r)?;
+        let (prefix, end) = match directory {
+            Some(dir) => {
+                locus_proto::RelPath::check_dir(dir).map_err(|e| e.within("directory"))?;
+                if !dir.is_empty() {
+                    let is_dir = self
+                        .store
+                        .get(Table::Entries, &keys::entry(v.uid, dir))?
+                        .map(|b| decode::<EntryRecord>(Table::Entries, &b))
+                        .transpose()?
+                        .is_some_and(|e| e.kind == KIND_DIR);
+                    if !is_dir {
+                        return Err(CatalogError::NotFound(format!("{r}: no directory {dir:?}")));
+                    }
+                }
+                let p = keys::dir_prefix(v.uid, dir);
+                let e = crate::store::prefix_end(&p).expect("prefix ends in 0x00");
+                (p, e)
+            }
+            None => keys::uid_range(v.uid),
+        };
+        let start = if page_token.is_empty() {
+            prefix.clone()
+        } else {
+            if !page_token.starts_with(&prefix) || page_token >= end.as_slice() {
+                return Err(InvalidInput::new(
+                    "page_token",
+                    "does not belong to this listing; start again with an empty token",
+                )
+                .into());
+            }
+            let mut s = page_token.to_vec();
+            s.push(0);
+            s
+        };
+        let mut out = Vec::new();
+        let mut last = Vec::new();
+        let mut more = false;
+        for kv in self.store.scan(Table::Entries, &start, Some(&end)) {
+            let (k, val) = kv?;
+            if out.len() == limit {
+                more = true;
+                break;
+            }
+            let (dir, name) = keys::split_entry(&k).ok_or_else(|| CatalogError::Corrupt {
+                table: "entries",
+                reason: "malformed key".into(),
+            })?;
+            let rec: EntryRecord = decode(Table::Entries, &val)?;
+            out.push(entry_pb(keys::join(dir, name), rec, with_chunks));
+            last = k.to_vec();
+        }
+        Ok((n, out, if more { last } else { Vec::new() }))
+    }
+
+    pub fn list_shards(
+        &self,
+        r: &DatasetRef,
+        start: u32,
+        limit: usize,
+    ) -> Result<(u64, Vec<pb::Shard>, bool)> {
+        let (n, v) = self.resolve(r)?;
+        let (_, end) = keys::uid_range(v.uid);
+        let mut out = Vec::new();
+        let mut more = false;
+        for kv in self
+            .store
+            .scan(Table::Shards, &keys::shard(v.uid, start), Some(&end))
+        {
+            let (k, val) = kv?;
+            if out.len() == limit {
+                more = true;
+                break;
+            }
+            let rec: ShardRecord = decode(Table::Shards, &val)?;
+            out.push(pb::Shard {
+                id: keys::shard_id(&k).unwrap_or(0),
+                bytes: rec.bytes,
+                files: rec.files,
+                replicas: rec.replicas,
+            });
+        }
+        Ok((n, out, more))
+    }
+
+    // ---------------------------------------------------------------------------------
+    // Import sessions
+
+    fn session(&self, id: u64) -> Result<SessionRecord> {
+        let v = self.store.get(Table::Sessions, &keys::uid(id))?.ok_or_else(|| {
+            CatalogError::NotFound(format!(
+                "no open import session {id} (it was committed, aborted, or expired after {}s idle)",
+                self.config.session_timeout.as_secs()
+            ))
+        })?;
+        decode(Table::Sessions, &v)
+    }
+
+    pub fn open_sessions(&self) -> Result<u64> {
+        let mut n = 0;
+        for kv in self.store.scan(Table::Sessions, b"", None) {
+            kv?;
+            n += 1;
+        }
+        Ok(n)
+    }
+
+    /// Opens an import session for the next version of `dataset`.
+    pub fn begin_version(
+        &self,
+        dataset: &DatasetName,
+        chunk_size: u32,
+        origin: &str,
+        replication: u32,
+        principal: &str,
+    ) -> Result<(u64, u32)> {
+        let chunk_size = if chunk_size == 0 {
+            locus_proto::DEFAULT_CHUNK_SIZE
+        } else {
+            chunk_size
+        };
+        if !chunk_size.is_power_of_two()
+            || !(locus_proto::MIN_CHUNK_SIZE..=locus_proto::MAX_CHUNK_SIZE).contains(&chunk_size)
+        {
+            return Err(InvalidInput::new(
+                "chunk_size",
+                format!("{chunk_size} is not a power of two from 64 KiB to 1 GiB"),
+            )
+            .into());
+        }
+        let origin = if origin.is_empty() { "cluster" } else { origin };
+        check_origin(origin)?;
+        if replication > 16 {
+            return Err(InvalidInput::new("replication", "at most 16 replicas").into());
+        }
+        let _s = lock(&self.sessions_lock);
+        let uid = self
+            .store
+            .get(Table::Meta, keys::META_NEXT_UID)?
+            .and_then(|v| keys::u64_value(&v))
+            .ok_or_else(|| CatalogError::Corrupt {
+                table: "meta",
+                reason: "next_uid missing".into(),
+            })?;
+        let now = self.clock.now_ms();
+        let rec = SessionRecord {
+            dataset: dataset.to_string(),
+            created_at_ms: now,
+            last_active_ms: now,
+            chunk_size,
+            origin: origin.to_string(),
+            replication: replication.max(1),
+            next_entry_page: 0,
+            next_shard_page: 0,
+            entries: 0,
+            opened_by: principal.to_string(),
+        };
+        let mut b = Batch::default();
+        b.put(Table::Meta, keys::META_NEXT_UID, (uid + 1).to_be_bytes().to_vec());
+        b.put(Table::Sessions, keys::uid(uid), rec.encode_to_vec());
+        self.store.write(b, true)?;
+        Ok((uid, chunk_size))
+    }
+
+    /// Stores one page of a session's manifest. A page already applied is acknowledged
+    /// again without effect; a page from the future is refused.
+    pub fn put_entries(&self, session: u64, page: u64, entries: Vec<Entry>) -> Result<(u64, u64)> {
+        let _s = lock(&self.sessions_lock);
+        let mut rec = self.session(session)?;
+        if page < rec.next_entry_page {
+            return Ok((rec.entries, rec.next_entry_page));
+        }
+        if page > rec.next_entry_page {
+            return Err(CatalogError::Precondition(format!(
+                "session {session} expects entry page {}, got page {page}",
+                rec.next_entry_page
+            )));
+        }
+        let mut b = Batch::default();
+        let mut seen = HashSet::with_capacity(entries.len());
+        for (i, e) in entries.iter().enumerate() {
+            e.check_chunks(rec.chunk_size)
+                .map_err(|x| x.within(format_args!("entries[{i}]")))?;
+            let key = keys::entry(session, e.path.as_str());
+            if !seen.insert(key.clone()) || self.store.get(Table::Entries, &key)?.is_some() {
+                return Err(InvalidInput::new(
+                    format!("entries[{i}].path"),
+                    format!("{} appears more than once in the manifest", e.path),
+                )
+                .into());
+            }
+            b.put(Table::Entries, key, entry_record(e).encode_to_vec());
+        }
+        rec.entries += entries.len() as u64;
+        rec.next_entry_page += 1;
+        rec.last_active_ms = self.clock.now_ms();
+        b.put(Table::Sessions, keys::uid(session), rec.encode_to_vec());
+        self.store.write(b, false)?;
+        Ok((rec.entries, rec.next_entry_page))
+    }
+
+    /// Stores one page of a session's shard records.
+    pub fn put_shards(&self, session: u64, page: u64, shards: Vec<ShardSpec>) -> Result<u64> {
+        let _s = lock(&self.sessions_lock);
+        let mut rec = self.session(session)?;
+        if page < rec.next_shard_page {
+            return Ok(rec.next_shard_page);
+        }
+        if page > rec.next_shard_page {
+            return Err(CatalogError::Precondition(format!(
+                "session {session} expects shard page {}, got page {page}",
+                rec.next_shard_page
+            )));
+        }
+        let mut b = Batch::default();
+        let mut seen = HashSet::new();
+        for s in &shards {
+            let key = keys::shard(session, s.id);
+            if !seen.insert(s.id) || self.store.get(Table::Shards, &key)?.is_some() {
+                return Err(
+                    InvalidInput::new("shards", format!("shard {} is sent more than once", s.id)).into(),
+                );
+            }
+            for n in &s.replicas {
+                if !self.node_exists(n)? {
+                    return Err(InvalidInput::new(
+                        format!("shards[{}].replicas", s.id),
+                        format!("node {n} is not registered"),
+                    )
+                    .into());
+                }
+            }
+            let r = ShardRecord {
+                bytes: s.bytes,
+                files: s.files,
+                replicas: s.replicas.iter().map(|n| n.to_string()).collect(),
+            };
+            b.put(Table::Shards, key, r.encode_to_vec());
+        }
+        rec.next_shard_page += 1;
+        rec.last_active_ms = self.clock.now_ms();
+        b.put(Table::Sessions, keys::uid(session), rec.encode_to_vec());
+        self.store.write(b, false)?;
+        Ok(rec.next_shard_page)
+    }
+
+    /// Checks the session's whole manifest and makes it the dataset's next version.
+    pub fn commit(&self, session: u64, principal: &str) -> Result<pb::Version> {
+        let _v = lock(&self.versions_lock);
+        let _s = lock(&self.sessions_lock);
+        let rec = self.session(session)?;
+        let uid = session;
+
+        // One pass over the manifest: parents exist and are directories, tallies per shard.
+        let (from, to) = keys::uid_range(uid);
+        let mut group: Option<Vec<u8>> = None;
+        let (mut files, mut dirs, mut symlinks, mut bytes) = (0u64, 0u64, 0u64, 0u64);
+        let mut per_shard: BTreeMap<u32, (u64, u64)> = BTreeMap::new();
+        for kv in self.store.scan(Table::Entries, &from, Some(&to)) {
+            let (k, v) = kv?;
+            let (dir, name) = keys::split_entry(&k).ok_or_else(|| CatalogError::Corrupt {
+                table: "entries",
+                reason: "malformed key".into(),
+            })?;
+            let dir_key = &k[..8 + dir.len()];
+            if group.as_deref() != Some(dir_key) {
+                if !dir.is_empty() {
+                    let parent = self
+                        .store
+                        .get(Table::Entries, &keys::entry(uid, dir))?
+                        .map(|b| decode::<EntryRecord>(Table::Entries, &b))
+                        .transpose()?;
+                    if parent.as_ref().map(|p| p.kind) != Some(KIND_DIR) {
+                        return Err(CatalogError::Precondition(format!(
+                            "manifest is incomplete: {} is inside {dir:?}, which is not a \
+                             directory in the manifest",
+                            keys::join(dir, name)
+                        )));
+                    }
+                }
+                group = Some(dir_key.to_vec());
+            }
+            let e: EntryRecord = decode(Table::Entries, &v)?;
+            match e.kind {
+                KIND_FILE => {
+                    files += 1;
+                    bytes += e.size;
+                    let t = per_shard.entry(e.shard).or_default();
+                    t.0 += e.size;
+                    t.1 += 1;
+                }
+                KIND_DIR => dirs += 1,
+                _ => symlinks += 1,
+            }
+        }
+
+        let mut shards: Vec<(u32, ShardRecord)> = Vec::new();
+        for kv in self.store.scan(Table::Shards, &from, Some(&to)) {
+            let (k, v) = kv?;
+            shards.push((keys::shard_id(&k).unwrap_or(0), decode(Table::Shards, &v)?));
+        }
+        for (id, s) in &shards {
+            let (b, f) = per_shard.remove(id).unwrap_or((0, 0));
+            if f == 0 {
+                return Err(CatalogError::Precondition(format!("shard {id} has no files")));
+            }
+            if (b, f) != (s.bytes, s.files) {
+                return Err(CatalogError::Precondition(format!(
+                    "shard {id} was declared with {} files and {} bytes, the manifest puts {f} \
+                     files and {b} bytes in it",
+                    s.files, s.bytes
+                )));
+            }
+        }
+        if let Some((id, (_, f))) = per_shard.into_iter().next() {
+            return Err(CatalogError::Precondition(format!(
+                "{f} files belong to shard {id}, which was never sent"
+            )));
+        }
+
+        let now = self.clock.now_ms();
+        let mut ds = self.dataset_record(&rec.dataset)?.unwrap_or(DatasetRecord {
+            created_at_ms: now,
+            next_version: 1,
+            latest: 0,
+            deleted: false,
+        });
+        if ds.deleted {
+            ds = DatasetRecord {
+                created_at_ms: now,
+                next_version: ds.next_version,
+                latest: 0,
+                deleted: false,
+            };
+        }
+        let number = ds.next_version.max(1);
+        ds.next_version = number + 1;
+        ds.latest = number;
+        let vrec = VersionRecord {
+            uid,
+            created_at_ms: now,
+            origin: rec.origin.clone(),
+            replication: rec.replication,
+            chunk_size: rec.chunk_size,
+            files,
+            dirs,
+            symlinks,
+            bytes,
+            shards: shards.len() as u32,
+            committed_by: principal.to_string(),
+        };
+        let mut b = Batch::default();
+        let mut resident: BTreeMap<&str, u64> = BTreeMap::new();
+        for (id, s) in &shards {
+            for n in &s.replicas {
+                b.put(Table::NodeShards, keys::node_shard(n, uid, *id), Vec::new());
+                *resident.entry(n).or_default() += s.bytes;
+            }
+        }
+        for (n, bytes) in resident {
+            b.put(
+                Table::Resident,
+                keys::resident(uid, n),
+                bytes.to_be_bytes().to_vec(),
+            );
+        }
+        b.put(
+            Table::Versions,
+            keys::version(&rec.dataset, number),
+            vrec.encode_to_vec(),
+        );
+        b.put(Table::Datasets, rec.dataset.as_bytes(), ds.encode_to_vec());
+        b.delete(Table::Sessions, keys::uid(uid));
+        self.store.write(b, true)?;
+        Ok(Self::version_pb(&rec.dataset, number, &vrec))
+    }
+
+    fn discard_session(&self, b: &mut Batch, uid: u64) {
+        let (from, to) = keys::uid_range(uid);
+        b.delete_range(Table::Entries, from.clone(), to.clone());
+        b.delete_range(Table::Shards, from, to);
+        b.delete(Table::Sessions, keys::uid(uid));
+    }
+
+    pub fn abort(&self, session: u64) -> Result<()> {
+        let _v = lock(&self.versions_lock);
+        let _s = lock(&self.sessions_lock);
+        self.session(session)?;
+        let mut b = Batch::default();
+        self.discard_session(&mut b, session);
+        self.store.write(b, true)?;
+        Ok(())
+    }
+
+    /// Discards sessions idle longer than the session timeout. Returns how many.
+    pub fn reap_sessions(&self) -> Result<usize> {
+        let _v = lock(&self.versions_lock);
+        let _s = lock(&self.sessions_lock);
+        let deadline = self.clock.now_ms() - self.config.session_timeout.as_millis() as i64;
+        let mut stale = Vec::new();
+        for kv in self.store.scan(Table::Sessions, b"", None) {
+            let (k, v) = kv?;
+            let rec: SessionRecord = decode(Table::Sessions, &v)?;
+            if rec.last_active_ms < deadline {
+                stale.push(keys::u64_value(&k).unwrap_or(0));
+            }
+        }
+        if stale.is_empty() {
+            return Ok(0);
+        }
+        let mut b = Batch::default();
+        for uid in &stale {
+            self.discard_session(&mut b, *uid);
+        }
+        self.store.write(b, true)?;
+        Ok(stale.len())
+    }
+
+    // ---------------------------------------------------------------------------------
+    // Deletion and replicas
+
+    fn delete_version_into(&self, b: &mut Batch, name: &str, n: u64, v: &VersionRecord) -> Result<()> {
+        let (from, to) = keys::uid_range(v.uid);
+        for kv in self.store.scan(Table::Shards, &from, Some(&to)) {
+            let (k, val) = kv?;
+            let s: ShardRecord = decode(Table::Shards, &val)?;
+            let id = keys::shard_id(&k).unwrap_or(0);
+            for node in &s.replicas {
+                b.delete(Table::NodeShards, keys::node_shard(node, v.uid, id));
+            }
+        }
+        b.delete_range(Table::Entries, from.clone(), to.clone());
+        b.delete_range(Table::Shards, from.clone(), to.clone());
+        b.delete_range(Table::Resident, from, to);
+        b.delete(Table::Versions, keys::version(name, n));
+        Ok(())
+    }
+
+    pub fn delete_version(&self, name: &DatasetName, number: u64) -> Result<()> {
+        let _v = lock(&self.versions_lock);
+        let r = DatasetRef {
+            name: name.clone(),
+            version: VersionSel::Number(number),
+        };
+        let (n, v) = self.resolve(&r)?;
+        let mut b = Batch::default();
+        self.delete_version_into(&mut b, name.as_str(), n, &v)?;
+        let mut ds = self
+            .dataset_record(name.as_str())?
+            .expect("resolve found the dataset under the same lock");
+        ds.latest = self
+            .versions_of(name.as_str())?
+            .iter()
+            .map(|(m, _)| *m)
+            .filter(|m| *m != n)
+            .max()
+            .unwrap_or(0);
+        b.put(Table::Datasets, name.as_str().as_bytes(), ds.encode_to_vec());
+        self.store.write(b, true)?;
+        Ok(())
+    }
+
+    pub fn delete_dataset(&self, name: &DatasetName) -> Result<u64> {
+        let _v = lock(&self.versions_lock);
+        let mut ds = self
+            .dataset_record(name.as_str())?
+            .filter(|d| !d.deleted)
+            .ok_or_else(|| CatalogError::NotFound(format!("no dataset named {name}")))?;
+        let versions = self.versions_of(name.as_str())?;
+        let mut b = Batch::default();
+        for (n, v) in &versions {
+            self.delete_version_into(&mut b, name.as_str(), *n, v)?;
+        }
+        ds.deleted = true;
+        ds.latest = 0;
+        b.put(Table::Datasets, name.as_str().as_bytes(), ds.encode_to_vec());
+        self.store.write(b, true)?;
+        Ok(versions.len() as u64)
+    }
+
+    /// Adds and removes replica nodes of one shard. Adding a node that already holds the
+    /// shard, or removing one that does not, changes nothing (repair may retry).
+    pub fn update_replicas(
+        &self,
+        r: &DatasetRef,
+        shard: u32,
+        add: &[NodeId],
+        remove: &[NodeId],
+    ) -> Result<Vec<String>> {
+        let _v = lock(&self.versions_lock);
+        let (n, v) = self.resolve(r)?;
+        let key = keys::shard(v.uid, shard);
+        let mut s: ShardRecord = match self.store.get(Table::Shards, &key)? {
+            Some(b) => decode(Table::Shards, &b)?,
+            None => {
+                return Err(CatalogError::NotFound(format!(
+                    "{}@{n} has no shard {shard}",
+                    r.name
+                )))
+            }
+        };
+        for node in add {
+            if !self.node_exists(node)? {
+                return Err(InvalidInput::new("add", format!("node {node} is not registered")).into());
+            }
+        }
+        let mut b = Batch::default();
+        let mut delta: BTreeMap<&str, i128> = BTreeMap::new();
+        for node in remove {
+            if let Some(pos) = s.replicas.iter().position(|x| x == node.as_str()) {
+                s.replicas.remove(pos);
+                b.delete(Table::NodeShards, keys::node_shard(node.as_str(), v.uid, shard));
+                *delta.entry(node.as_str()).or_default() -= i128::from(s.bytes);
+            }
+        }
+        for node in add {
+            if !s.replicas.iter().any(|x| x == node.as_str()) {
+                s.replicas.push(node.to_string());
+                b.put(
+                    Table::NodeShards,
+                    keys::node_shard(node.as_str(), v.uid, shard),
+                    Vec::new(),
+                );
+                *delta.entry(node.as_str()).or_default() += i128::from(s.bytes);
+            }
+        }
+        for (node, d) in delta {
+            if d == 0 {
+                continue;
+            }
+            let rk = keys::resident(v.uid, node);
+            let cur = self
+                .store
+                .get(Table::Resident, &rk)?
+                .and_then(|x| keys::u64_value(&x))
+                .unwrap_or(0);
+            let new = (i128::from(cur) + d).max(0) as u64;
+            if new == 0 {
+                b.delete(Table::Resident, rk);
+            } else {
+                b.put(Table::Resident, rk, new.to_be_bytes().to_vec());
+            }
+        }
+        b.put(Table::Shards, key, s.encode_to_vec());
+        self.store.write(b, true)?;
+        Ok(s.replicas)
+    }
+}
+
+fn check_origin(origin: &str) -> Result<(), InvalidInput> {
+    if origin == "cluster" {
+        return Ok(());
+    }
+    let ok = origin.split_once("://").is_some_and(|(scheme, rest)| {
+        matches!(scheme, "s3" | "gs" | "az" | "abfs" | "file" | "http" | "https")
+            && !rest.is_empty()
+            && !rest.contains(char::is_whitespace)
+    });
+    if !ok || origin.len() > 2048 {
+        return Err(InvalidInput::new(
+            "origin",
+            format!("{origin:?} is neither \"cluster\" nor an object-store URL (s3://, gs://, az://, file://, https://)"),
+        ));
+    }
+    Ok(())
+}
+
+fn entry_record(e: &Entry) -> EntryRecord {
+    let mut r = EntryRecord {
+        mode: e.mode,
+        mtime_ns: e.mtime_ns,
+        ..Default::default()
+    };
+    match &e.kind {
+        EntryKind::File {
+            size,
+            blob,
+            chunks,
+            shard,
+        } => {
+            r.kind = KIND_FILE;
+            r.size = *size;
+            r.blob = blob.0.to_vec();
+            r.chunks = chunks.iter().flat_map(|c| c.0).collect();
+            r.shard = *shard;
+        }
+        EntryKind::Dir => r.kind = KIND_DIR,
+        EntryKind::Symlink { target } => {
+            r.kind = KIND_SYMLINK;
+            r.target = target.clone();
+        }
+    }
+    r
+}
+
+fn entry_pb(path: String, r: EntryRecord, with_chunks: bool) -> pb::Entry {
+    let kind = match r.kind {
+        KIND_FILE => pb::EntryKind::File,
+        KIND_DIR => pb::EntryKind::Dir,
+        _ => pb::EntryKind::Symlink,
+    };
+    pb::Entry {
+        path,
+        kind: kind as i32,
+        size: r.size,
+        mode: r.mode,
+        mtime_ns: r.mtime_ns,
+        blob: r.blob,
+        chunks: if with_chunks {
+            r.chunks.chunks(32).map(<[u8]>::to_vec).collect()
+        } else {
+            Vec::new()
+        },
+        symlink_target: r.target,
+        shard: r.shard,
+    }
+}
+
+fn new_cluster_id() -> String {
+    use std::hash::{BuildHasher, Hasher};
+    // RandomState is seeded from the OS's random source: enough for an identifier.
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u128(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos())
+            .unwrap_or(0),
+    );
+    let a = h.finish();
+    let b = std::collections::hash_map::RandomState::new()
+        .build_hasher()
+        .finish();
+    format!("{a:016x}{b:016x}")
+}
+
+#[cfg(test)]
+mod tests;

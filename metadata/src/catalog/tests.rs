@@ -1,0 +1,389 @@
+use std::sync::Arc;
+
+use locus_proto::manifest::{BlobHash, Entry, EntryKind, RelPath};
+
+use super::*;
+use crate::store::MemStore;
+use crate::ManualClock;
+
+struct Fixture {
+    cat: Catalog,
+    clock: Arc<ManualClock>,
+}
+
+fn fixture() -> Fixture {
+    let clock = Arc::new(ManualClock::default());
+    clock.advance_ms(1_000_000);
+    let cat = Catalog::open(
+        Arc::new(MemStore::default()),
+        clock.clone(),
+        CatalogConfig {
+            liveness_timeout: Duration::from_secs(10),
+            session_timeout: Duration::from_secs(60),
+        },
+    )
+    .unwrap();
+    Fixture { cat, clock }
+}
+
+fn dir(p: &str) -> Entry {
+    Entry {
+        path: RelPath::try_from(p).unwrap(),
+        kind: EntryKind::Dir,
+        mode: 0o755,
+        mtime_ns: 1,
+    }
+}
+
+fn file(p: &str, size: u64, shard: u32) -> Entry {
+    Entry {
+        path: RelPath::try_from(p).unwrap(),
+        kind: EntryKind::File {
+            size,
+            blob: BlobHash::of(p.as_bytes()),
+            chunks: (0..chunk_count_4m(size))
+                .map(|i| BlobHash::of(&[i as u8]))
+                .collect(),
+            shard,
+        },
+        mode: 0o644,
+        mtime_ns: 2,
+    }
+}
+
+fn chunk_count_4m(size: u64) -> u64 {
+    size.div_ceil(4 << 20)
+}
+
+fn name(s: &str) -> DatasetName {
+    DatasetName::try_from(s).unwrap()
+}
+
+fn node(s: &str) -> NodeId {
+    NodeId::try_from(s).unwrap()
+}
+
+fn register(cat: &Catalog, id: &str) {
+    cat.register_node(NodeRegistration {
+        id: node(id),
+        address: format!("{id}:7500"),
+        labels: HashMap::from([("zone".to_string(), "z1".to_string())]),
+        capacity: 1 << 40,
+        free: 1 << 39,
+        used: 0,
+    })
+    .unwrap();
+}
+
+fn shard(id: u32, bytes: u64, files: u64, replicas: &[&str]) -> ShardSpec {
+    ShardSpec {
+        id,
+        bytes,
+        files,
+        replicas: replicas.iter().map(|r| node(r)).collect(),
+    }
+}
+
+/// A small valid version: a/, a/x (10 bytes, shard 0), a/y (5 MiB, shard 1), l -> a/x.
+fn small_version(cat: &Catalog, ds: &str, replicas: &[&str]) -> pb::Version {
+    let (s, _) = cat.begin_version(&name(ds), 0, "", 2, "tester").unwrap();
+    let link = Entry {
+        path: RelPath::try_from("l").unwrap(),
+        kind: EntryKind::Symlink { target: "a/x".into() },
+        mode: 0o777,
+        mtime_ns: 3,
+    };
+    cat.put_entries(s, 0, vec![dir("a"), file("a/x", 10, 0)]).unwrap();
+    cat.put_entries(s, 1, vec![file("a/y", 5 << 20, 1), link])
+        .unwrap();
+    cat.put_shards(
+        s,
+        0,
+        vec![shard(0, 10, 1, replicas), shard(1, 5 << 20, 1, replicas)],
+    )
+    .unwrap();
+    cat.commit(s, "tester").unwrap()
+}
+
+fn latest(ds: &str) -> DatasetRef {
+    format!("{ds}@latest").parse().unwrap()
+}
+
+#[test]
+fn commit_makes_a_complete_version() {
+    let f = fixture();
+    register(&f.cat, "n1");
+    register(&f.cat, "n2");
+    let v = small_version(&f.cat, "ds", &["n1", "n2"]);
+    assert_eq!(
+        (v.version, v.files, v.dirs, v.symlinks, v.shards),
+        (1, 2, 1, 1, 2)
+    );
+    assert_eq!(v.bytes, 10 + (5 << 20));
+
+    let (n, all, next) = f.cat.list_entries(&latest("ds"), None, b"", 100, true).unwrap();
+    assert_eq!(n, 1);
+    assert!(next.is_empty());
+    let mut paths: Vec<_> = all.iter().map(|e| e.path.as_str()).collect();
+    paths.sort();
+    assert_eq!(paths, vec!["a", "a/x", "a/y", "l"]);
+    let y = all.iter().find(|e| e.path == "a/y").unwrap();
+    assert_eq!(y.chunks.len(), 2);
+    assert_eq!(Entry::try_from(y.clone()).unwrap(), file("a/y", 5 << 20, 1));
+
+    let (_, in_a, _) = f
+        .cat
+        .list_entries(&latest("ds"), Some("a"), b"", 100, false)
+        .unwrap();
+    assert_eq!(
+        in_a.iter().map(|e| e.path.as_str()).collect::<Vec<_>>(),
+        vec!["a/x", "a/y"]
+    );
+    assert!(in_a.iter().all(|e| e.chunks.is_empty()));
+    assert!(matches!(
+        f.cat.list_entries(&latest("ds"), Some("a/x"), b"", 100, false),
+        Err(CatalogError::NotFound(_))
+    ));
+
+    let got = f.cat.get_version(&latest("ds")).unwrap();
+    let mut res: Vec<_> = got.resident.iter().map(|r| (r.node.as_str(), r.bytes)).collect();
+    res.sort();
+    assert_eq!(res, vec![("n1", v.bytes), ("n2", v.bytes)]);
+}
+
+#[test]
+fn paging_visits_every_entry_once() {
+    let f = fixture();
+    let (s, _) = f.cat.begin_version(&name("p"), 0, "", 1, "t").unwrap();
+    let mut entries = vec![dir("d")];
+    for i in 0..250 {
+        entries.push(file(&format!("d/f{i:03}"), 1, 0));
+        entries.push(file(&format!("g{i:03}"), 1, 0));
+    }
+    f.cat.put_entries(s, 0, entries).unwrap();
+    f.cat.put_shards(s, 0, vec![shard(0, 500, 500, &[])]).unwrap();
+    f.cat.commit(s, "t").unwrap();
+    let mut token = Vec::new();
+    let mut seen = HashSet::new();
+    let mut pages = 0;
+    loop {
+        let (_, page, next) = f.cat.list_entries(&latest("p"), None, &token, 64, false).unwrap();
+        pages += 1;
+        for e in page {
+            assert!(seen.insert(e.path));
+        }
+        if next.is_empty() {
+            break;
+        }
+        token = next;
+    }
+    assert_eq!(seen.len(), 501);
+    assert_eq!(pages, 8);
+    // A token from another listing is refused.
+    let (_, _, tok) = f.cat.list_entries(&latest("p"), None, b"", 10, false).unwrap();
+    assert!(matches!(
+        f.cat.list_entries(&latest("p"), Some("d"), &tok, 10, false),
+        Err(CatalogError::Invalid(_))
+    ));
+}
+
+#[test]
+fn uncommitted_and_aborted_sessions_stay_invisible() {
+    let f = fixture();
+    let (s, _) = f.cat.begin_version(&name("ds"), 0, "", 1, "t").unwrap();
+    f.cat.put_entries(s, 0, vec![dir("a")]).unwrap();
+    assert!(f.cat.list_datasets().unwrap().is_empty());
+    assert!(matches!(
+        f.cat.get_version(&latest("ds")),
+        Err(CatalogError::NotFound(_))
+    ));
+    f.cat.abort(s).unwrap();
+    assert_eq!(f.cat.open_sessions().unwrap(), 0);
+    assert!(matches!(f.cat.commit(s, "t"), Err(CatalogError::NotFound(_))));
+    let (from, to) = keys::uid_range(s);
+    assert_eq!(f.cat.store.scan(Table::Entries, &from, Some(&to)).count(), 0);
+}
+
+#[test]
+fn idle_sessions_are_reaped() {
+    let f = fixture();
+    let (old, _) = f.cat.begin_version(&name("ds"), 0, "", 1, "t").unwrap();
+    f.cat.put_entries(old, 0, vec![dir("a")]).unwrap();
+    f.clock.advance_ms(50_000);
+    let (fresh, _) = f.cat.begin_version(&name("ds"), 0, "", 1, "t").unwrap();
+    f.clock.advance_ms(20_000);
+    assert_eq!(f.cat.reap_sessions().unwrap(), 1);
+    assert!(matches!(
+        f.cat.put_entries(old, 1, vec![]),
+        Err(CatalogError::NotFound(_))
+    ));
+    f.cat.put_entries(fresh, 0, vec![dir("b")]).unwrap();
+    let (from, to) = keys::uid_range(old);
+    assert_eq!(f.cat.store.scan(Table::Entries, &from, Some(&to)).count(), 0);
+}
+
+#[test]
+fn pages_are_idempotent_and_ordered() {
+    let f = fixture();
+    let (s, _) = f.cat.begin_version(&name("ds"), 0, "", 1, "t").unwrap();
+    assert_eq!(f.cat.put_entries(s, 0, vec![dir("a")]).unwrap(), (1, 1));
+    // A retried page is acknowledged without being applied twice.
+    assert_eq!(f.cat.put_entries(s, 0, vec![dir("a")]).unwrap(), (1, 1));
+    assert!(matches!(
+        f.cat.put_entries(s, 5, vec![dir("b")]),
+        Err(CatalogError::Precondition(_))
+    ));
+    // A duplicate path in a later page is refused and changes nothing.
+    assert!(matches!(
+        f.cat.put_entries(s, 1, vec![dir("b"), dir("a")]),
+        Err(CatalogError::Invalid(_))
+    ));
+    assert!(matches!(
+        f.cat.put_entries(s, 1, vec![dir("c"), dir("c")]),
+        Err(CatalogError::Invalid(_))
+    ));
+    assert_eq!(f.cat.put_entries(s, 1, vec![dir("b")]).unwrap(), (2, 2));
+    // Wrong chunk count for the session's chunk size.
+    let mut bad = file("b/f", 10, 0);
+    if let EntryKind::File { chunks, .. } = &mut bad.kind {
+        chunks.push(BlobHash::of(b"extra"));
+    }
+    assert!(matches!(
+        f.cat.put_entries(s, 2, vec![bad]),
+        Err(CatalogError::Invalid(_))
+    ));
+}
+
+#[test]
+fn commit_checks_the_whole_manifest() {
+    let f = fixture();
+    // A file whose parent directory is missing.
+    let (s, _) = f.cat.begin_version(&name("ds"), 0, "", 1, "t").unwrap();
+    f.cat.put_entries(s, 0, vec![file("nodir/x", 1, 0)]).unwrap();
+    f.cat.put_shards(s, 0, vec![shard(0, 1, 1, &[])]).unwrap();
+    let e = f.cat.commit(s, "t").unwrap_err();
+    assert!(e.to_string().contains("not a directory"), "{e}");
+    // A parent that is a file.
+    let (s, _) = f.cat.begin_version(&name("ds"), 0, "", 1, "t").unwrap();
+    f.cat
+        .put_entries(s, 0, vec![file("x", 1, 0), file("x/y", 1, 0)])
+        .unwrap();
+    f.cat.put_shards(s, 0, vec![shard(0, 2, 2, &[])]).unwrap();
+    assert!(matches!(f.cat.commit(s, "t"), Err(CatalogError::Precondition(_))));
+    // Shard totals that disagree with the files.
+    let (s, _) = f.cat.begin_version(&name("ds"), 0, "", 1, "t").unwrap();
+    f.cat.put_entries(s, 0, vec![file("x", 1, 0)]).unwrap();
+    f.cat.put_shards(s, 0, vec![shard(0, 2, 1, &[])]).unwrap();
+    assert!(matches!(f.cat.commit(s, "t"), Err(CatalogError::Precondition(_))));
+    // Files in a shard never sent.
+    let (s, _) = f.cat.begin_version(&name("ds"), 0, "", 1, "t").unwrap();
+    f.cat.put_entries(s, 0, vec![file("x", 1, 3)]).unwrap();
+    assert!(matches!(f.cat.commit(s, "t"), Err(CatalogError::Precondition(_))));
+    // None of these became a version.
+    assert!(f.cat.list_datasets().unwrap().is_empty());
+    // Unregistered replica nodes are refused at upload.
+    let (s, _) = f.cat.begin_version(&name("ds"), 0, "", 1, "t").unwrap();
+    assert!(matches!(
+        f.cat.put_shards(s, 0, vec![shard(0, 1, 1, &["ghost"])]),
+        Err(CatalogError::Invalid(_))
+    ));
+}
+
+#[test]
+fn numbers_are_consecutive_and_never_reused() {
+    let f = fixture();
+    for want in 1..=3 {
+        assert_eq!(small_version(&f.cat, "ds", &[]).version, want);
+    }
+    f.cat.delete_version(&name("ds"), 3).unwrap();
+    assert_eq!(f.cat.get_dataset(&name("ds")).unwrap().latest, 2);
+    assert_eq!(small_version(&f.cat, "ds", &[]).version, 4);
+    assert_eq!(f.cat.delete_dataset(&name("ds")).unwrap(), 3);
+    assert!(f.cat.list_datasets().unwrap().is_empty());
+    assert!(matches!(
+        f.cat.get_dataset(&name("ds")),
+        Err(CatalogError::NotFound(_))
+    ));
+    assert_eq!(small_version(&f.cat, "ds", &[]).version, 5);
+    assert_eq!(f.cat.list_datasets().unwrap()[0].version_count, 1);
+}
+
+#[test]
+fn replica_changes_move_resident_counters() {
+    let f = fixture();
+    for n in ["n1", "n2", "n3"] {
+        register(&f.cat, n);
+    }
+    small_version(&f.cat, "ds", &["n1", "n2"]);
+    let r: DatasetRef = "ds@1".parse().unwrap();
+    let reps = f
+        .cat
+        .update_replicas(&r, 1, &[node("n3")], &[node("n1")])
+        .unwrap();
+    assert_eq!(reps, vec!["n2", "n3"]);
+    // Repeating the same change is a no-op.
+    f.cat
+        .update_replicas(&r, 1, &[node("n3")], &[node("n1")])
+        .unwrap();
+    let resident: HashMap<_, _> = f
+        .cat
+        .get_version(&r)
+        .unwrap()
+        .resident
+        .into_iter()
+        .map(|x| (x.node, x.bytes))
+        .collect();
+    assert_eq!(resident["n1"], 10);
+    assert_eq!(resident["n2"], 10 + (5 << 20));
+    assert_eq!(resident["n3"], 5 << 20);
+    assert!(matches!(
+        f.cat.update_replicas(&r, 9, &[node("n3")], &[]),
+        Err(CatalogError::NotFound(_))
+    ));
+    f.cat.delete_version(&name("ds"), 1).unwrap();
+    assert_eq!(f.cat.store.scan(Table::NodeShards, b"", None).count(), 0);
+    assert_eq!(f.cat.store.scan(Table::Resident, b"", None).count(), 0);
+}
+
+#[test]
+fn liveness_follows_heartbeats() {
+    let f = fixture();
+    register(&f.cat, "n1");
+    register(&f.cat, "n2");
+    f.clock.advance_ms(8_000);
+    f.cat.heartbeat(&node("n1"), 5, 6).unwrap();
+    f.clock.advance_ms(8_000);
+    let nodes = f.cat.list_nodes().unwrap();
+    let state = |id: &str| nodes.iter().find(|n| n.id == id).unwrap().state;
+    assert_eq!(state("n1"), pb::NodeState::Up as i32);
+    assert_eq!(state("n2"), pb::NodeState::Down as i32);
+    assert_eq!(nodes.iter().find(|n| n.id == "n1").unwrap().free_bytes, 5);
+    assert!(matches!(
+        f.cat.heartbeat(&node("ghost"), 0, 0),
+        Err(CatalogError::NotFound(_))
+    ));
+}
+
+#[test]
+fn begin_validates_its_arguments() {
+    let f = fixture();
+    for (chunk, origin) in [
+        (1000, ""),
+        (1 << 12, ""),
+        (0, "ftp://x"),
+        (0, "s3://"),
+        (0, "cluster2"),
+    ] {
+        assert!(
+            matches!(
+                f.cat.begin_version(&name("ds"), chunk, origin, 1, "t"),
+                Err(CatalogError::Invalid(_))
+            ),
+            "{chunk} {origin}"
+        );
+    }
+    assert!(f
+        .cat
+        .begin_version(&name("ds"), 1 << 16, "s3://bucket/prefix", 3, "t")
+        .is_ok());
+}

@@ -1,0 +1,137 @@
+//! Key layouts of the catalogue tables. Every multi-part key puts fixed-width big-endian
+//! integers and NUL-terminated names first so that one version's (or one directory's,
+//! or one dataset's) keys are one contiguous range.
+//!
+//! entries: `uid(8) | parent dir | 0x00 | name` — a directory's children are contiguous,
+//! and a parent's own key always sorts before its children's (its group is a prefix of
+//! theirs followed by 0x00, which sorts before '/'), which the commit check relies on.
+
+pub const META_SCHEMA: &[u8] = b"schema_version";
+pub const META_CLUSTER_ID: &[u8] = b"cluster_id";
+pub const META_NEXT_UID: &[u8] = b"next_uid";
+
+pub fn uid(uid: u64) -> [u8; 8] {
+    uid.to_be_bytes()
+}
+
+pub fn version(dataset: &str, number: u64) -> Vec<u8> {
+    let mut k = version_prefix(dataset);
+    k.extend_from_slice(&number.to_be_bytes());
+    k
+}
+
+pub fn version_prefix(dataset: &str) -> Vec<u8> {
+    let mut k = Vec::with_capacity(dataset.len() + 9);
+    k.extend_from_slice(dataset.as_bytes());
+    k.push(0);
+    k
+}
+
+pub fn version_number(key: &[u8]) -> Option<u64> {
+    let tail = key.get(key.len().checked_sub(8)?..)?;
+    Some(u64::from_be_bytes(tail.try_into().ok()?))
+}
+
+/// Key of the entry at `path` (non-empty) in version `uid`.
+pub fn entry(uid: u64, path: &str) -> Vec<u8> {
+    let (dir, name) = path.rsplit_once('/').unwrap_or(("", path));
+    let mut k = dir_prefix(uid, dir);
+    k.extend_from_slice(name.as_bytes());
+    k
+}
+
+/// Prefix of the keys of the direct children of `dir` ("" = root).
+pub fn dir_prefix(uid: u64, dir: &str) -> Vec<u8> {
+    let mut k = Vec::with_capacity(8 + dir.len() + 1);
+    k.extend_from_slice(&uid.to_be_bytes());
+    k.extend_from_slice(dir.as_bytes());
+    k.push(0);
+    k
+}
+
+/// Splits an entries key into (parent dir, name).
+pub fn split_entry(key: &[u8]) -> Option<(&str, &str)> {
+    let rest = key.get(8..)?;
+    let nul = rest.iter().position(|b| *b == 0)?;
+    let dir = std::str::from_utf8(&rest[..nul]).ok()?;
+    let name = std::str::from_utf8(&rest[nul + 1..]).ok()?;
+    Some((dir, name))
+}
+
+pub fn join(dir: &str, name: &str) -> String {
+    if dir.is_empty() {
+        name.to_string()
+    } else {
+        format!("{dir}/{name}")
+    }
+}
+
+pub fn shard(uid: u64, shard: u32) -> Vec<u8> {
+    let mut k = uid.to_be_bytes().to_vec();
+    k.extend_from_slice(&shard.to_be_bytes());
+    k
+}
+
+pub fn shard_id(key: &[u8]) -> Option<u32> {
+    Some(u32::from_be_bytes(key.get(8..12)?.try_into().ok()?))
+}
+
+pub fn node_shard(node: &str, uid: u64, shard: u32) -> Vec<u8> {
+    let mut k = node.as_bytes().to_vec();
+    k.push(0);
+    k.extend_from_slice(&uid.to_be_bytes());
+    k.extend_from_slice(&shard.to_be_bytes());
+    k
+}
+
+pub fn resident(uid: u64, node: &str) -> Vec<u8> {
+    let mut k = uid.to_be_bytes().to_vec();
+    k.extend_from_slice(node.as_bytes());
+    k
+}
+
+/// The range `[uid, uid + 1)` that holds every key of one version in a uid-keyed table.
+pub fn uid_range(uid: u64) -> (Vec<u8>, Vec<u8>) {
+    (
+        uid.to_be_bytes().to_vec(),
+        uid.checked_add(1)
+            .map(|n| n.to_be_bytes().to_vec())
+            .unwrap_or_else(|| vec![0xff; 9]),
+    )
+}
+
+pub fn u64_value(v: &[u8]) -> Option<u64> {
+    Some(u64::from_be_bytes(v.try_into().ok()?))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parent_sorts_before_children() {
+        let paths = [
+            "a", "a/b", "a/b/c", "a-b", "a.b", "a.b/x", "ab", "a/b c", "z", "z/a",
+        ];
+        let mut keys: Vec<_> = paths.iter().map(|p| (entry(7, p), *p)).collect();
+        keys.sort();
+        for (i, (_, p)) in keys.iter().enumerate() {
+            if let Some((parent, _)) = p.rsplit_once('/') {
+                let pi = keys.iter().position(|(_, q)| *q == parent).unwrap();
+                assert!(pi < i, "{parent} must sort before {p}");
+            }
+        }
+        let k = entry(7, "a/b/c");
+        assert_eq!(split_entry(&k), Some(("a/b", "c")));
+        assert!(k.starts_with(&dir_prefix(7, "a/b")));
+        assert!(!entry(7, "a/bc").starts_with(&dir_prefix(7, "a/b")));
+    }
+
+    #[test]
+    fn version_keys_are_per_dataset() {
+        let a = version("ab", 1);
+        assert!(a.starts_with(&version_prefix("ab")));
+        assert!(!version("abc", 1).starts_with(&version_prefix("ab")));
+        assert_eq!(version_number(&a), Some(1));
+    }
+}

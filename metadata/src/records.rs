@@ -1,0 +1,126 @@
+//! On-disk record formats (protobuf-encoded values of the catalogue tables), schema
+//! version 1. Fields are only ever added, with new tags; a change that cannot be expressed
+//! that way bumps `SCHEMA_VERSION` and adds a migration in `catalog::open`.
+
+use std::collections::HashMap;
+
+pub const SCHEMA_VERSION: u32 = 1;
+
+pub const KIND_FILE: u32 = 1;
+pub const KIND_DIR: u32 = 2;
+pub const KIND_SYMLINK: u32 = 3;
+
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct NodeRecord {
+    #[prost(string, tag = "1")]
+    pub address: String,
+    #[prost(map = "string, string", tag = "2")]
+    pub labels: HashMap<String, String>,
+    #[prost(uint64, tag = "3")]
+    pub capacity_bytes: u64,
+    #[prost(uint64, tag = "4")]
+    pub free_bytes: u64,
+    #[prost(uint64, tag = "5")]
+    pub used_bytes: u64,
+    #[prost(int64, tag = "6")]
+    pub registered_at_ms: i64,
+}
+
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct DatasetRecord {
+    #[prost(int64, tag = "1")]
+    pub created_at_ms: i64,
+    /// The number the next commit gets. Never goes down, so a number is never reused.
+    #[prost(uint64, tag = "2")]
+    pub next_version: u64,
+    /// Highest committed version still present; 0 for none.
+    #[prost(uint64, tag = "3")]
+    pub latest: u64,
+    /// Set by DeleteDataset; the record stays so numbering continues if the name returns.
+    #[prost(bool, tag = "4")]
+    pub deleted: bool,
+}
+
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct VersionRecord {
+    /// Internal id under which the version's entries, shards and resident counters are
+    /// keyed; allocated when its import session began.
+    #[prost(uint64, tag = "1")]
+    pub uid: u64,
+    #[prost(int64, tag = "2")]
+    pub created_at_ms: i64,
+    #[prost(string, tag = "3")]
+    pub origin: String,
+    #[prost(uint32, tag = "4")]
+    pub replication: u32,
+    #[prost(uint32, tag = "5")]
+    pub chunk_size: u32,
+    #[prost(uint64, tag = "6")]
+    pub files: u64,
+    #[prost(uint64, tag = "7")]
+    pub dirs: u64,
+    #[prost(uint64, tag = "8")]
+    pub symlinks: u64,
+    #[prost(uint64, tag = "9")]
+    pub bytes: u64,
+    #[prost(uint32, tag = "10")]
+    pub shards: u32,
+    #[prost(string, tag = "11")]
+    pub committed_by: String,
+}
+
+/// A manifest entry; its path is the key.
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct EntryRecord {
+    #[prost(uint32, tag = "1")]
+    pub kind: u32,
+    #[prost(uint64, tag = "2")]
+    pub size: u64,
+    #[prost(uint32, tag = "3")]
+    pub mode: u32,
+    #[prost(int64, tag = "4")]
+    pub mtime_ns: i64,
+    #[prost(bytes = "vec", tag = "5")]
+    pub blob: Vec<u8>,
+    /// Chunk hashes, 32 bytes each, concatenated.
+    #[prost(bytes = "vec", tag = "6")]
+    pub chunks: Vec<u8>,
+    #[prost(string, tag = "7")]
+    pub target: String,
+    #[prost(uint32, tag = "8")]
+    pub shard: u32,
+}
+
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct ShardRecord {
+    #[prost(uint64, tag = "1")]
+    pub bytes: u64,
+    #[prost(uint64, tag = "2")]
+    pub files: u64,
+    #[prost(string, repeated, tag = "3")]
+    pub replicas: Vec<String>,
+}
+
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct SessionRecord {
+    #[prost(string, tag = "1")]
+    pub dataset: String,
+    #[prost(int64, tag = "2")]
+    pub created_at_ms: i64,
+    #[prost(int64, tag = "3")]
+    pub last_active_ms: i64,
+    #[prost(uint32, tag = "4")]
+    pub chunk_size: u32,
+    #[prost(string, tag = "5")]
+    pub origin: String,
+    #[prost(uint32, tag = "6")]
+    pub replication: u32,
+    #[prost(uint64, tag = "7")]
+    pub next_entry_page: u64,
+    #[prost(uint64, tag = "8")]
+    pub next_shard_page: u64,
+    #[prost(uint64, tag = "9")]
+    pub entries: u64,
+    #[prost(string, tag = "10")]
+    pub opened_by: String,
+}

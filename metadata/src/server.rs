@@ -1,0 +1,276 @@
+//! Runs the metadata service: opens the store, binds the gRPC and HTTP listeners (TLS
+//! optional), refuses an unauthenticated service on a non-loopback address, reaps idle
+//! import sessions, and shuts down cleanly (stop accepting, drain calls, close the store)
+//! when the given shutdown future completes.
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::net::TcpListener;
+
+use crate::audit::AuditLog;
+use crate::auth::{AuthLayer, TokenSet};
+use crate::catalog::{Catalog, CatalogConfig};
+use crate::metrics::{Metrics, StateLabel};
+use crate::service::MetadataService;
+use crate::store::RocksStore;
+use crate::SystemClock;
+
+#[derive(Debug, Clone)]
+pub struct ServerConfig {
+    pub data_dir: PathBuf,
+    pub listen: SocketAddr,
+    /// Metrics and health; None disables the HTTP port.
+    pub http_listen: Option<SocketAddr>,
+    pub tokens_file: Option<PathBuf>,
+    /// PEM certificate chain and key; both or neither.
+    pub tls: Option<(PathBuf, PathBuf)>,
+    /// Allow serving without tokens on a non-loopback address.
+    pub insecure: bool,
+    pub catalog: CatalogConfig,
+    /// Written once listening: `grpc=ADDR` and `http=ADDR` lines, for supervisors and tests
+    /// that bind port 0.
+    pub addr_file: Option<PathBuf>,
+    /// Default: DATA_DIR/audit.log.
+    pub audit_log: Option<PathBuf>,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ServerError {
+    #[error(
+        "refusing to serve {0} without tokens: anyone who can reach it could delete data. \
+         Configure tokens (--tokens-file), listen on a loopback address, or pass --insecure"
+    )]
+    InsecureBind(SocketAddr),
+    #[error(transparent)]
+    Tokens(#[from] crate::auth::TokenFileError),
+    #[error("cannot use data dir {path}: {reason}")]
+    DataDir { path: String, reason: String },
+    #[error(transparent)]
+    Catalog(#[from] crate::catalog::CatalogError),
+    #[error("cannot listen on {addr}: {reason}")]
+    Bind { addr: SocketAddr, reason: String },
+    #[error("TLS: {0}")]
+    Tls(String),
+    #[error("gRPC server failed: {0}")]
+    Serve(String),
+}
+
+fn bind(addr: SocketAddr) -> Result<TcpListener, ServerError> {
+    let err = |e: std::io::Error| ServerError::Bind {
+        addr,
+        reason: e.to_string(),
+    };
+    let sock = if addr.is_ipv4() {
+        tokio::net::TcpSocket::new_v4()
+    } else {
+        tokio::net::TcpSocket::new_v6()
+    }
+    .map_err(err)?;
+    // A restarted service must get its port back while old connections sit in TIME_WAIT.
+    sock.set_reuseaddr(true).map_err(err)?;
+    sock.bind(addr).map_err(err)?;
+    sock.listen(1024).map_err(err)
+}
+
+/// Runs the service until `shutdown` completes.
+pub async fn serve(
+    config: ServerConfig,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<(), ServerError> {
+    let tokens = match &config.tokens_file {
+        Some(p) => Some(Arc::new(TokenSet::load(p)?)),
+        None => None,
+    };
+    if tokens.is_none() && !config.listen.ip().is_loopback() && !config.insecure {
+        return Err(ServerError::InsecureBind(config.listen));
+    }
+    if tokens.is_none() {
+        tracing::warn!("no tokens configured: every caller may do everything (loopback or --insecure)");
+    }
+
+    let dd = |e: std::io::Error| ServerError::DataDir {
+        path: config.data_dir.display().to_string(),
+        reason: e.to_string(),
+    };
+    std::fs::create_dir_all(&config.data_dir).map_err(dd)?;
+    let store = RocksStore::open(&config.data_dir.join("db")).map_err(crate::catalog::CatalogError::from)?;
+    let catalog = Arc::new(Catalog::open(
+        Arc::new(store),
+        Arc::new(SystemClock),
+        config.catalog.clone(),
+    )?);
+    let audit_path = config
+        .audit_log
+        .clone()
+        .unwrap_or_else(|| config.data_dir.join("audit.log"));
+    let audit = Arc::new(AuditLog::open(&audit_path).map_err(dd)?);
+    let metrics = Arc::new(Metrics::default());
+
+    let grpc_listener = bind(config.listen)?;
+    let grpc_addr = grpc_listener.local_addr().map_err(|e| ServerError::Bind {
+        addr: config.listen,
+        reason: e.to_string(),
+    })?;
+    let http_listener = match config.http_listen {
+        Some(a) => Some(bind(a)?),
+        None => None,
+    };
+    let http_addr = http_listener.as_ref().and_then(|l| l.local_addr().ok());
+
+    let mut server = tonic::transport::Server::builder()
+        .http2_keepalive_interval(Some(Duration::from_secs(30)))
+        .tcp_nodelay(true);
+    if let Some((cert, key)) = &config.tls {
+        let read =
+            |p: &PathBuf| std::fs::read(p).map_err(|e| ServerError::Tls(format!("{}: {e}", p.display())));
+        let identity = tonic::transport::Identity::from_pem(read(cert)?, read(key)?);
+        server = server
+            .tls_config(tonic::transport::ServerTlsConfig::new().identity(identity))
+            .map_err(|e| ServerError::Tls(locus_proto::client::error_chain(&e)))?;
+    }
+    let svc = pb_server(MetadataService::new(catalog.clone(), audit, metrics.clone()));
+
+    // One shutdown signal fanned out to every task.
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    tokio::spawn(async move {
+        shutdown.await;
+        let _ = stop_tx.send(true);
+    });
+    let stopped = |mut rx: tokio::sync::watch::Receiver<bool>| async move {
+        let _ = rx.wait_for(|s| *s).await;
+    };
+
+    if let Some(path) = &config.addr_file {
+        let mut s = format!("grpc={grpc_addr}\n");
+        if let Some(h) = http_addr {
+            s.push_str(&format!("http={h}\n"));
+        }
+        let tmp = path.with_extension("tmp");
+        std::fs::write(&tmp, s)
+            .and_then(|_| std::fs::rename(&tmp, path))
+            .map_err(dd)?;
+    }
+    tracing::info!(
+        grpc = %grpc_addr,
+        http = ?http_addr,
+        tls = config.tls.is_some(),
+        auth = tokens.is_some(),
+        cluster = catalog.cluster_id(),
+        "metadata service listening"
+    );
+
+    let reaper = tokio::spawn(reap_sessions(catalog.clone(), metrics.clone(), stop_rx.clone()));
+    let http = http_listener.map(|l| {
+        let app = http_router(catalog.clone(), metrics.clone());
+        let rx = stop_rx.clone();
+        tokio::spawn(async move {
+            if let Err(e) = axum::serve(l, app).with_graceful_shutdown(stopped(rx)).await {
+                tracing::error!("HTTP server failed: {e}");
+            }
+        })
+    });
+
+    let incoming = tonic::transport::server::TcpIncoming::from(grpc_listener).with_nodelay(Some(true));
+    let grpc = server
+        .layer(AuthLayer::new(tokens, metrics))
+        .add_service(svc)
+        .serve_with_incoming_shutdown(incoming, stopped(stop_rx.clone()));
+    // Once shutdown is asked for, in-flight calls get a bounded time to finish.
+    let mut rx = stop_rx.clone();
+    let drain_deadline = async move {
+        let _ = rx.wait_for(|s| *s).await;
+        tokio::time::sleep(Duration::from_secs(10)).await;
+    };
+    tokio::select! {
+        r = grpc => r.map_err(|e| ServerError::Serve(locus_proto::client::error_chain(&e)))?,
+        _ = drain_deadline => tracing::warn!("calls still running after 10 s; stopping anyway"),
+    }
+    reaper.abort();
+    if let Some(h) = http {
+        let _ = tokio::time::timeout(Duration::from_secs(5), h).await;
+    }
+    // Dropping the last catalogue reference closes RocksDB (memtables are in the WAL,
+    // which every acknowledged commit synced).
+    drop(catalog);
+    tracing::info!("metadata service stopped");
+    Ok(())
+}
+
+fn pb_server(svc: MetadataService) -> locus_proto::pb::metadata_server::MetadataServer<MetadataService> {
+    locus_proto::pb::metadata_server::MetadataServer::new(svc)
+        .max_decoding_message_size(locus_proto::MAX_MESSAGE_BYTES)
+        .max_encoding_message_size(locus_proto::MAX_MESSAGE_BYTES)
+}
+
+async fn reap_sessions(
+    catalog: Arc<Catalog>,
+    metrics: Arc<Metrics>,
+    mut stop: tokio::sync::watch::Receiver<bool>,
+) {
+    let every =
+        (catalog.config().session_timeout / 4).clamp(Duration::from_millis(100), Duration::from_secs(30));
+    loop {
+        tokio::select! {
+            _ = tokio::time::sleep(every) => {}
+            _ = stop.wait_for(|s| *s) => return,
+        }
+        let c = catalog.clone();
+        match tokio::task::spawn_blocking(move || c.reap_sessions()).await {
+            Ok(Ok(0)) => {}
+            Ok(Ok(n)) => {
+                metrics.sessions_reaped.inc_by(n as u64);
+                tracing::info!(sessions = n, "discarded idle import sessions");
+            }
+            Ok(Err(e)) => tracing::error!("reaping import sessions failed: {e}"),
+            Err(e) => tracing::error!("reaper task failed: {e}"),
+        }
+    }
+}
+
+fn http_router(catalog: Arc<Catalog>, metrics: Arc<Metrics>) -> axum::Router {
+    use axum::routing::get;
+    axum::Router::new()
+        .route("/healthz", get(|| async { "ok\n" }))
+        .route(
+            "/metrics",
+            get(move || {
+                let catalog = catalog.clone();
+                let metrics = metrics.clone();
+                async move { render_metrics(catalog, metrics).await }
+            }),
+        )
+}
+
+async fn render_metrics(catalog: Arc<Catalog>, metrics: Arc<Metrics>) -> impl axum::response::IntoResponse {
+    let m = metrics.clone();
+    let _ = tokio::task::spawn_blocking(move || {
+        if let Ok(nodes) = catalog.list_nodes() {
+            let up = nodes
+                .iter()
+                .filter(|n| n.state == locus_proto::pb::NodeState::Up as i32)
+                .count();
+            m.nodes
+                .get_or_create(&StateLabel { state: "up".into() })
+                .set(up as i64);
+            m.nodes
+                .get_or_create(&StateLabel { state: "down".into() })
+                .set((nodes.len() - up) as i64);
+        }
+        if let Ok(n) = catalog.open_sessions() {
+            m.open_sessions.set(n as i64);
+        }
+        m.store_bytes.set(catalog.size_on_disk() as i64);
+    })
+    .await;
+    (
+        [(
+            http::header::CONTENT_TYPE,
+            "application/openmetrics-text; version=1.0.0; charset=utf-8",
+        )],
+        metrics.encode(),
+    )
+}

@@ -1,0 +1,348 @@
+//! gRPC handlers: turn wire messages into validated domain values, run the catalogue on a
+//! blocking thread, and map its errors to `Status` — the one place this service's errors
+//! meet the outside world. Admin actions are written to the audit log here.
+
+use std::sync::Arc;
+
+use locus_proto::{pb, DatasetName, DatasetRef, Entry, NodeId, VersionSel};
+use tonic::{Request, Response, Status};
+
+use crate::audit::AuditLog;
+use crate::auth::Principal;
+use crate::catalog::{Catalog, CatalogError, NodeRegistration, ShardSpec};
+use crate::metrics::Metrics;
+
+pub struct MetadataService {
+    catalog: Arc<Catalog>,
+    audit: Arc<AuditLog>,
+    metrics: Arc<Metrics>,
+}
+
+impl MetadataService {
+    pub fn new(catalog: Arc<Catalog>, audit: Arc<AuditLog>, metrics: Arc<Metrics>) -> Self {
+        Self {
+            catalog,
+            audit,
+            metrics,
+        }
+    }
+
+    /// Runs catalogue work off the async workers.
+    async fn run<T, F>(&self, f: F) -> Result<T, CatalogError>
+    where
+        T: Send + 'static,
+        F: FnOnce(&Catalog) -> Result<T, CatalogError> + Send + 'static,
+    {
+        let cat = self.catalog.clone();
+        match tokio::task::spawn_blocking(move || f(&cat)).await {
+            Ok(r) => r,
+            Err(e) => Err(CatalogError::Precondition(format!("internal task failed: {e}"))),
+        }
+    }
+
+    fn audit<T>(
+        &self,
+        who: &Principal,
+        action: &str,
+        target: &str,
+        r: &Result<T, CatalogError>,
+        ok: impl FnOnce(&T) -> String,
+    ) {
+        let result = match r {
+            Ok(v) => Ok(ok(v)),
+            Err(e) => Err(e.to_string()),
+        };
+        self.audit.record(who, action, target, result);
+    }
+}
+
+/// Maps catalogue errors to gRPC codes. Storage failures are logged here, where they
+/// are handled; the caller gets a message without internals.
+pub fn to_status(e: CatalogError) -> Status {
+    match e {
+        CatalogError::Invalid(e) => Status::invalid_argument(e.to_string()),
+        CatalogError::NotFound(m) => Status::not_found(m),
+        CatalogError::Precondition(m) => Status::failed_precondition(m),
+        CatalogError::Store(e) => {
+            tracing::error!("metadata store failure: {e}");
+            Status::unavailable(format!("the metadata store failed: {e}"))
+        }
+        CatalogError::Corrupt { table, reason } => {
+            tracing::error!(table, "corrupt metadata record: {reason}");
+            Status::data_loss(format!("corrupt metadata record in {table}: {reason}"))
+        }
+    }
+}
+
+fn principal<T>(req: &Request<T>) -> Principal {
+    // The auth layer puts a principal on every request it lets through; a request that
+    // arrives without one was not authenticated, so it gets the least trust.
+    req.extensions()
+        .get::<Principal>()
+        .cloned()
+        .unwrap_or_else(|| Principal {
+            name: "unauthenticated".into(),
+            role: Some(crate::auth::Role::Reader),
+        })
+}
+
+fn version_ref(r: Option<pb::VersionRef>) -> Result<DatasetRef, Status> {
+    let r = r.ok_or_else(|| Status::invalid_argument("ref: a dataset reference is required"))?;
+    Ok(DatasetRef::try_from(r).map_err(|e| e.within("ref"))?)
+}
+
+fn page_limit(limit: u32) -> usize {
+    match limit {
+        0 => 1000,
+        n => n.min(10_000) as usize,
+    }
+}
+
+type Res<T> = Result<Response<T>, Status>;
+
+#[tonic::async_trait]
+impl pb::metadata_server::Metadata for MetadataService {
+    async fn get_cluster_info(&self, req: Request<pb::GetClusterInfoRequest>) -> Res<pb::ClusterInfo> {
+        let p = principal(&req);
+        let open_sessions = self.run(|c| c.open_sessions()).await.map_err(to_status)?;
+        Ok(Response::new(pb::ClusterInfo {
+            cluster_id: self.catalog.cluster_id().to_string(),
+            server_version: env!("CARGO_PKG_VERSION").to_string(),
+            schema_version: crate::records::SCHEMA_VERSION,
+            uptime_ms: self.catalog.uptime_ms(),
+            open_sessions,
+            caller_role: p.role_name().to_string(),
+            caller_name: p.name,
+        }))
+    }
+
+    async fn register_node(&self, req: Request<pb::RegisterNodeRequest>) -> Res<pb::RegisterNodeResponse> {
+        let reg = NodeRegistration::try_from(req.into_inner())?;
+        let id = reg.id.clone();
+        self.run(move |c| c.register_node(reg)).await.map_err(to_status)?;
+        tracing::info!(node = %id, "node registered");
+        Ok(Response::new(pb::RegisterNodeResponse {
+            liveness_timeout_ms: self.catalog.config().liveness_timeout.as_millis() as u64,
+        }))
+    }
+
+    async fn heartbeat(&self, req: Request<pb::HeartbeatRequest>) -> Res<pb::HeartbeatResponse> {
+        let r = req.into_inner();
+        let id = NodeId::try_from(r.id)?;
+        self.run(move |c| c.heartbeat(&id, r.free_bytes, r.used_bytes))
+            .await
+            .map_err(to_status)?;
+        Ok(Response::new(pb::HeartbeatResponse {}))
+    }
+
+    async fn list_nodes(&self, _req: Request<pb::ListNodesRequest>) -> Res<pb::ListNodesResponse> {
+        let nodes = self.run(|c| c.list_nodes()).await.map_err(to_status)?;
+        Ok(Response::new(pb::ListNodesResponse { nodes }))
+    }
+
+    async fn list_datasets(&self, _req: Request<pb::ListDatasetsRequest>) -> Res<pb::ListDatasetsResponse> {
+        let datasets = self.run(|c| c.list_datasets()).await.map_err(to_status)?;
+        Ok(Response::new(pb::ListDatasetsResponse { datasets }))
+    }
+
+    async fn get_dataset(&self, req: Request<pb::GetDatasetRequest>) -> Res<pb::Dataset> {
+        let name = DatasetName::try_from(req.into_inner().name)?;
+        let d = self.run(move |c| c.get_dataset(&name)).await.map_err(to_status)?;
+        Ok(Response::new(d))
+    }
+
+    async fn get_version(&self, req: Request<pb::GetVersionRequest>) -> Res<pb::Version> {
+        let r = version_ref(req.into_inner().r#ref)?;
+        let v = self.run(move |c| c.get_version(&r)).await.map_err(to_status)?;
+        Ok(Response::new(v))
+    }
+
+    async fn list_entries(&self, req: Request<pb::ListEntriesRequest>) -> Res<pb::ListEntriesResponse> {
+        let q = req.into_inner();
+        let r = version_ref(q.r#ref)?;
+        let limit = page_limit(q.limit);
+        let (version, entries, next_page_token) = self
+            .run(move |c| {
+                c.list_entries(
+                    &r,
+                    q.directory.as_deref(),
+                    &q.page_token,
+                    limit,
+                    !q.without_chunks,
+                )
+            })
+            .await
+            .map_err(to_status)?;
+        Ok(Response::new(pb::ListEntriesResponse {
+            version,
+            entries,
+            next_page_token,
+        }))
+    }
+
+    async fn list_shards(&self, req: Request<pb::ListShardsRequest>) -> Res<pb::ListShardsResponse> {
+        let q = req.into_inner();
+        let r = version_ref(q.r#ref)?;
+        let limit = page_limit(q.limit);
+        let (version, shards, more) = self
+            .run(move |c| c.list_shards(&r, q.start, limit))
+            .await
+            .map_err(to_status)?;
+        Ok(Response::new(pb::ListShardsResponse {
+            version,
+            shards,
+            more,
+        }))
+    }
+
+    async fn delete_version(&self, req: Request<pb::DeleteVersionRequest>) -> Res<pb::DeleteVersionResponse> {
+        let p = principal(&req);
+        let q = req.into_inner();
+        let name = DatasetName::try_from(q.dataset)?;
+        if q.version == 0 {
+            return Err(Status::invalid_argument(
+                "version: name the version to delete explicitly; 0 (latest) is not accepted",
+            ));
+        }
+        let target = format!("{name}@{}", q.version);
+        let r = self.run(move |c| c.delete_version(&name, q.version)).await;
+        self.audit(&p, "version.delete", &target, &r, |_| "deleted".into());
+        r.map_err(to_status)?;
+        tracing::info!(%target, who = %p.name, "version deleted");
+        Ok(Response::new(pb::DeleteVersionResponse {}))
+    }
+
+    async fn delete_dataset(&self, req: Request<pb::DeleteDatasetRequest>) -> Res<pb::DeleteDatasetResponse> {
+        let p = principal(&req);
+        let name = DatasetName::try_from(req.into_inner().name)?;
+        let target = name.to_string();
+        let r = self.run(move |c| c.delete_dataset(&name)).await;
+        self.audit(&p, "dataset.delete", &target, &r, |n| {
+            format!("{n} versions deleted")
+        });
+        let versions_deleted = r.map_err(to_status)?;
+        tracing::info!(dataset = %target, who = %p.name, versions_deleted, "dataset deleted");
+        Ok(Response::new(pb::DeleteDatasetResponse { versions_deleted }))
+    }
+
+    async fn begin_version(&self, req: Request<pb::BeginVersionRequest>) -> Res<pb::BeginVersionResponse> {
+        let p = principal(&req);
+        let q = req.into_inner();
+        let name = DatasetName::try_from(q.dataset)?;
+        let target = name.to_string();
+        let who = p.name.clone();
+        let r = self
+            .run(move |c| c.begin_version(&name, q.chunk_size, &q.origin, q.replication, &who))
+            .await;
+        self.audit(&p, "version.begin", &target, &r, |(s, _)| format!("session {s}"));
+        let (session_id, chunk_size) = r.map_err(to_status)?;
+        Ok(Response::new(pb::BeginVersionResponse {
+            session_id,
+            chunk_size,
+        }))
+    }
+
+    async fn put_entries(&self, req: Request<pb::PutEntriesRequest>) -> Res<pb::PutEntriesResponse> {
+        let q = req.into_inner();
+        let entries = q
+            .entries
+            .into_iter()
+            .enumerate()
+            .map(|(i, e)| Entry::try_from(e).map_err(|x| x.within(format_args!("entries[{i}]"))))
+            .collect::<Result<Vec<_>, _>>()?;
+        let n = entries.len() as u64;
+        let (entries_received, next_page) = self
+            .run(move |c| c.put_entries(q.session_id, q.page, entries))
+            .await
+            .map_err(to_status)?;
+        self.metrics.entries_received.inc_by(n);
+        Ok(Response::new(pb::PutEntriesResponse {
+            entries_received,
+            next_page,
+        }))
+    }
+
+    async fn put_shards(&self, req: Request<pb::PutShardsRequest>) -> Res<pb::PutShardsResponse> {
+        let q = req.into_inner();
+        let shards = q
+            .shards
+            .into_iter()
+            .map(ShardSpec::try_from)
+            .collect::<Result<Vec<_>, _>>()?;
+        let next_page = self
+            .run(move |c| c.put_shards(q.session_id, q.page, shards))
+            .await
+            .map_err(to_status)?;
+        Ok(Response::new(pb::PutShardsResponse { next_page }))
+    }
+
+    async fn commit_version(&self, req: Request<pb::CommitVersionRequest>) -> Res<pb::CommitVersionResponse> {
+        let p = principal(&req);
+        let session = req.into_inner().session_id;
+        let who = p.name.clone();
+        let r = self.run(move |c| c.commit(session, &who)).await;
+        let target = match &r {
+            Ok(v) => format!("{}@{}", v.dataset, v.version),
+            Err(_) => format!("session {session}"),
+        };
+        self.audit(&p, "version.commit", &target, &r, |v| {
+            format!(
+                "session {session}: {} files, {} bytes, {} shards",
+                v.files, v.bytes, v.shards
+            )
+        });
+        let version = r.map_err(to_status)?;
+        self.metrics.versions_committed.inc();
+        tracing::info!(dataset = %version.dataset, version = version.version, files = version.files, who = %p.name, "version committed");
+        Ok(Response::new(pb::CommitVersionResponse {
+            version: Some(version),
+        }))
+    }
+
+    async fn abort_version(&self, req: Request<pb::AbortVersionRequest>) -> Res<pb::AbortVersionResponse> {
+        let p = principal(&req);
+        let session = req.into_inner().session_id;
+        let r = self.run(move |c| c.abort(session)).await;
+        self.audit(&p, "version.abort", &format!("session {session}"), &r, |_| {
+            "aborted".into()
+        });
+        r.map_err(to_status)?;
+        Ok(Response::new(pb::AbortVersionResponse {}))
+    }
+
+    async fn update_replicas(
+        &self,
+        req: Request<pb::UpdateReplicasRequest>,
+    ) -> Res<pb::UpdateReplicasResponse> {
+        let p = principal(&req);
+        let q = req.into_inner();
+        let r = version_ref(q.r#ref)?;
+        if r.version == VersionSel::Latest {
+            return Err(Status::invalid_argument(
+                "ref.version: replica changes must name the version explicitly",
+            ));
+        }
+        let parse = |field: &str, v: Vec<String>| {
+            v.into_iter()
+                .map(|n| NodeId::try_from(n).map_err(|e| e.within(field)))
+                .collect::<Result<Vec<_>, _>>()
+        };
+        let add = parse("add", q.add)?;
+        let remove = parse("remove", q.remove)?;
+        let target = format!("{r} shard {}", q.shard);
+        let shard = q.shard;
+        let detail = format!(
+            "add [{}] remove [{}]",
+            add.iter().map(|n| n.as_str()).collect::<Vec<_>>().join(","),
+            remove.iter().map(|n| n.as_str()).collect::<Vec<_>>().join(",")
+        );
+        let res = self
+            .run(move |c| c.update_replicas(&r, shard, &add, &remove))
+            .await;
+        if p.role == Some(crate::auth::Role::Admin) {
+            self.audit(&p, "replicas.update", &target, &res, |_| detail);
+        }
+        let replicas = res.map_err(to_status)?;
+        Ok(Response::new(pb::UpdateReplicasResponse { replicas }))
+    }
+}

@@ -1,0 +1,172 @@
+//! The storage interface of the metadata service: ordered key-value tables with atomic
+//! multi-table batches. The catalogue speaks only this interface, so it never sees RocksDB
+//! types and a replicated backend can be put underneath later without touching it.
+//!
+//! Contract every backend keeps: a `write` is all-or-nothing and, with `sync`, durable
+//! when it returns; `scan` yields keys in ascending byte order.
+
+mod mem;
+mod rocks;
+
+pub use mem::MemStore;
+pub use rocks::RocksStore;
+
+/// The tables (RocksDB column families) of the catalogue. The names are the on-disk
+/// column-family names and must never change.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Table {
+    Meta,
+    Nodes,
+    Datasets,
+    Versions,
+    Entries,
+    Shards,
+    NodeShards,
+    Resident,
+    Sessions,
+    Backups,
+}
+
+impl Table {
+    pub const ALL: [Table; 10] = [
+        Table::Meta,
+        Table::Nodes,
+        Table::Datasets,
+        Table::Versions,
+        Table::Entries,
+        Table::Shards,
+        Table::NodeShards,
+        Table::Resident,
+        Table::Sessions,
+        Table::Backups,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Table::Meta => "meta",
+            Table::Nodes => "nodes",
+            Table::Datasets => "datasets",
+            Table::Versions => "versions",
+            Table::Entries => "entries",
+            Table::Shards => "shards",
+            Table::NodeShards => "node_shards",
+            Table::Resident => "resident",
+            Table::Sessions => "sessions",
+            Table::Backups => "backups",
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    #[error("cannot open the metadata store at {path}: {reason}")]
+    Open { path: String, reason: String },
+    #[error("metadata store I/O failed: {0}")]
+    Io(String),
+}
+
+/// One change inside a batch.
+#[derive(Debug, Clone)]
+pub enum Op {
+    Put(Table, Vec<u8>, Vec<u8>),
+    Delete(Table, Vec<u8>),
+    /// Deletes keys in `[from, to)`.
+    DeleteRange(Table, Vec<u8>, Vec<u8>),
+}
+
+/// Changes applied together or not at all.
+#[derive(Debug, Default, Clone)]
+pub struct Batch {
+    pub ops: Vec<Op>,
+}
+
+impl Batch {
+    pub fn put(&mut self, t: Table, k: impl Into<Vec<u8>>, v: impl Into<Vec<u8>>) {
+        self.ops.push(Op::Put(t, k.into(), v.into()));
+    }
+    pub fn delete(&mut self, t: Table, k: impl Into<Vec<u8>>) {
+        self.ops.push(Op::Delete(t, k.into()));
+    }
+    pub fn delete_range(&mut self, t: Table, from: impl Into<Vec<u8>>, to: impl Into<Vec<u8>>) {
+        self.ops.push(Op::DeleteRange(t, from.into(), to.into()));
+    }
+    pub fn len(&self) -> usize {
+        self.ops.len()
+    }
+    pub fn is_empty(&self) -> bool {
+        self.ops.is_empty()
+    }
+}
+
+pub type KeyValue = (Box<[u8]>, Box<[u8]>);
+pub type ScanIter<'a> = Box<dyn Iterator<Item = Result<KeyValue, StoreError>> + 'a>;
+
+pub trait KvStore: Send + Sync + 'static {
+    fn get(&self, t: Table, key: &[u8]) -> Result<Option<Vec<u8>>, StoreError>;
+    /// Keys in `[from, to)` in ascending order; `to = None` means to the end of the table.
+    fn scan<'a>(&'a self, t: Table, from: &[u8], to: Option<&[u8]>) -> ScanIter<'a>;
+    fn write(&self, batch: Batch, sync: bool) -> Result<(), StoreError>;
+    /// Approximate bytes on disk, for status and benchmarks.
+    fn size_on_disk(&self) -> u64;
+}
+
+/// The smallest key greater than every key that starts with `prefix`, for range ends.
+/// `None` when no such key exists (the prefix is all 0xff).
+pub fn prefix_end(prefix: &[u8]) -> Option<Vec<u8>> {
+    let mut end = prefix.to_vec();
+    while let Some(last) = end.pop() {
+        if last < 0xff {
+            end.push(last + 1);
+            return Some(end);
+        }
+    }
+    None
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn contract(s: &dyn KvStore) {
+        let mut b = Batch::default();
+        for k in [b"a1".as_slice(), b"a2", b"a3", b"b1"] {
+            b.put(Table::Entries, k, k);
+        }
+        b.put(Table::Shards, b"a1", b"other table");
+        s.write(b, true).unwrap();
+        let keys: Vec<_> = s
+            .scan(Table::Entries, b"a", Some(b"b"))
+            .map(|r| r.unwrap().0.to_vec())
+            .collect();
+        assert_eq!(keys, vec![b"a1".to_vec(), b"a2".to_vec(), b"a3".to_vec()]);
+        let mut b = Batch::default();
+        b.delete_range(Table::Entries, b"a2".to_vec(), b"b".to_vec());
+        b.delete(Table::Entries, b"b1");
+        s.write(b, false).unwrap();
+        let keys: Vec<_> = s
+            .scan(Table::Entries, b"", None)
+            .map(|r| r.unwrap().0.to_vec())
+            .collect();
+        assert_eq!(keys, vec![b"a1".to_vec()]);
+        assert_eq!(s.get(Table::Shards, b"a1").unwrap().unwrap(), b"other table");
+        assert_eq!(s.get(Table::Shards, b"a2").unwrap(), None);
+    }
+
+    #[test]
+    fn mem_store_contract() {
+        contract(&MemStore::default());
+    }
+
+    #[test]
+    fn rocks_store_contract() {
+        let dir = tempfile::tempdir().unwrap();
+        contract(&RocksStore::open(dir.path()).unwrap());
+    }
+
+    #[test]
+    fn prefix_ends() {
+        assert_eq!(prefix_end(b"ab"), Some(b"ac".to_vec()));
+        assert_eq!(prefix_end(&[1, 0xff]), Some(vec![2]));
+        assert_eq!(prefix_end(&[0xff, 0xff]), None);
+    }
+}

@@ -1,0 +1,221 @@
+//! The typed client of the metadata service: connection (plain or TLS), the bearer token on
+//! every call, message-size limits that match the server's, and helpers that page large
+//! uploads so no single message approaches those limits.
+
+use std::time::Duration;
+
+use prost::Message;
+use tonic::service::interceptor::InterceptedService;
+use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint};
+
+use crate::pb;
+
+/// Target encoded size of one manifest page. Well under `MAX_MESSAGE_BYTES`, so that even
+/// a page that ends with a huge file's chunk list fits.
+pub const ENTRY_PAGE_BYTES: usize = 4 * 1024 * 1024;
+/// Most shards sent in one page.
+pub const SHARD_PAGE_LEN: usize = 10_000;
+
+/// How to reach the metadata service.
+#[derive(Debug, Clone)]
+pub struct ClientOptions {
+    /// `http://host:port` or `https://host:port`.
+    pub url: String,
+    pub token: Option<String>,
+    /// PEM of the CA that signed the server's certificate, for `https://` URLs.
+    pub ca_cert_pem: Option<Vec<u8>>,
+    pub connect_timeout: Duration,
+}
+
+impl ClientOptions {
+    pub fn new(url: impl Into<String>) -> Self {
+        Self {
+            url: url.into(),
+            token: None,
+            ca_cert_pem: None,
+            connect_timeout: Duration::from_secs(5),
+        }
+    }
+
+    pub fn with_token(mut self, token: Option<String>) -> Self {
+        self.token = token;
+        self
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ClientError {
+    #[error("{0:?} is not a metadata service URL (expected http://HOST:PORT or https://HOST:PORT)")]
+    BadUrl(String),
+    #[error("the token contains characters that cannot be sent in a header")]
+    BadToken,
+    #[error("https:// needs the CA certificate that signed the server's (--ca-cert)")]
+    MissingCa,
+    #[error("TLS setup failed: {0}")]
+    Tls(String),
+    #[error("cannot reach the metadata service at {url}: {reason}")]
+    Connect { url: String, reason: String },
+}
+
+/// Adds `authorization: Bearer <token>` to every request.
+#[derive(Clone)]
+pub struct BearerToken(Option<tonic::metadata::AsciiMetadataValue>);
+
+impl tonic::service::Interceptor for BearerToken {
+    fn call(&mut self, mut req: tonic::Request<()>) -> Result<tonic::Request<()>, tonic::Status> {
+        if let Some(v) = &self.0 {
+            req.metadata_mut().insert("authorization", v.clone());
+        }
+        Ok(req)
+    }
+}
+
+pub type MetadataClient = pb::metadata_client::MetadataClient<InterceptedService<Channel, BearerToken>>;
+
+/// Connects now, so that an unreachable service is reported at once and clearly.
+pub async fn connect(opts: &ClientOptions) -> Result<MetadataClient, ClientError> {
+    let token = match &opts.token {
+        Some(t) => Some(
+            format!("Bearer {t}")
+                .parse::<tonic::metadata::AsciiMetadataValue>()
+                .map_err(|_| ClientError::BadToken)?,
+        ),
+        None => None,
+    };
+    let url = opts.url.trim_end_matches('/');
+    let tls = if url.starts_with("https://") {
+        true
+    } else if url.starts_with("http://") {
+        false
+    } else {
+        return Err(ClientError::BadUrl(opts.url.clone()));
+    };
+    let mut ep = Endpoint::from_shared(url.to_string())
+        .map_err(|_| ClientError::BadUrl(opts.url.clone()))?
+        .connect_timeout(opts.connect_timeout)
+        .tcp_nodelay(true)
+        .http2_keep_alive_interval(Duration::from_secs(30));
+    if tls {
+        let ca = opts.ca_cert_pem.as_ref().ok_or(ClientError::MissingCa)?;
+        ep = ep
+            .tls_config(ClientTlsConfig::new().ca_certificate(Certificate::from_pem(ca)))
+            .map_err(|e| ClientError::Tls(error_chain(&e)))?;
+    }
+    let channel = ep.connect().await.map_err(|e| ClientError::Connect {
+        url: opts.url.clone(),
+        reason: error_chain(&e),
+    })?;
+    Ok(
+        pb::metadata_client::MetadataClient::with_interceptor(channel, BearerToken(token))
+            .max_decoding_message_size(crate::MAX_MESSAGE_BYTES)
+            .max_encoding_message_size(crate::MAX_MESSAGE_BYTES),
+    )
+}
+
+/// An error and its sources on one line: transport errors hide the useful part
+/// ("connection refused") in their source chain.
+pub fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut cur = e.source();
+    while let Some(inner) = cur {
+        let msg = inner.to_string();
+        if !s.contains(&msg) {
+            s.push_str(": ");
+            s.push_str(&msg);
+        }
+        cur = inner.source();
+    }
+    s
+}
+
+/// Uploads a manifest to an open import session in pages of about `ENTRY_PAGE_BYTES`.
+/// Returns the number of entries the service has received.
+pub async fn put_entries_paged(
+    client: &mut MetadataClient,
+    session_id: u64,
+    entries: impl IntoIterator<Item = pb::Entry>,
+) -> Result<u64, tonic::Status> {
+    let mut page = Vec::new();
+    let mut page_bytes = 0usize;
+    let mut page_no = 0u64;
+    let mut received = 0;
+    for e in entries {
+        let len = e.encoded_len() + 8;
+        if !page.is_empty() && page_bytes + len > ENTRY_PAGE_BYTES {
+            received = send_entries(client, session_id, page_no, std::mem::take(&mut page)).await?;
+            page_no += 1;
+            page_bytes = 0;
+        }
+        page_bytes += len;
+        page.push(e);
+    }
+    if !page.is_empty() {
+        received = send_entries(client, session_id, page_no, page).await?;
+    }
+    Ok(received)
+}
+
+async fn send_entries(
+    client: &mut MetadataClient,
+    session_id: u64,
+    page: u64,
+    entries: Vec<pb::Entry>,
+) -> Result<u64, tonic::Status> {
+    let r = client
+        .put_entries(pb::PutEntriesRequest {
+            session_id,
+            page,
+            entries,
+        })
+        .await?;
+    Ok(r.into_inner().entries_received)
+}
+
+/// Uploads shard records in pages of `SHARD_PAGE_LEN`.
+pub async fn put_shards_paged(
+    client: &mut MetadataClient,
+    session_id: u64,
+    shards: Vec<pb::Shard>,
+) -> Result<(), tonic::Status> {
+    for (page, chunk) in shards.chunks(SHARD_PAGE_LEN).enumerate() {
+        client
+            .put_shards(pb::PutShardsRequest {
+                session_id,
+                page: page as u64,
+                shards: chunk.to_vec(),
+            })
+            .await?;
+    }
+    Ok(())
+}
+
+/// Reads a whole manifest (or one directory of it), page by page.
+pub async fn list_all_entries(
+    client: &mut MetadataClient,
+    r: pb::VersionRef,
+    directory: Option<String>,
+    without_chunks: bool,
+) -> Result<(u64, Vec<pb::Entry>), tonic::Status> {
+    let mut out = Vec::new();
+    let mut token = Vec::new();
+    let mut r = r;
+    loop {
+        let resp = client
+            .list_entries(pb::ListEntriesRequest {
+                r#ref: Some(r.clone()),
+                directory: directory.clone(),
+                page_token: token,
+                limit: 10_000,
+                without_chunks,
+            })
+            .await?
+            .into_inner();
+        // Pin the version so a concurrent commit cannot switch "latest" under us.
+        r.version = resp.version;
+        out.extend(resp.entries);
+        if resp.next_page_token.is_empty() {
+            return Ok((resp.version, out));
+        }
+        token = resp.next_page_token;
+    }
+}

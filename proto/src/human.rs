@@ -1,0 +1,138 @@
+//! Formats for people: byte sizes (`4MiB`, `1.5 GB` in, `1.2 GiB` out), durations
+//! (`30s`, `5m`, `250ms`) and timestamps (RFC 3339, UTC).
+
+use crate::InvalidInput;
+
+/// Parses a size. Binary (`KiB`, `MiB`, ...) and decimal (`KB`, `MB`, ...) units; a bare
+/// letter (`k`, `m`, `g`, `t`) is binary, as in most storage tools.
+pub fn parse_size(s: &str) -> Result<u64, InvalidInput> {
+    let t = s.trim();
+    let split = t
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let bad = || InvalidInput::new("size", format!("{s:?} is not a size such as 512MiB or 2TB"));
+    let n: f64 = num.parse().map_err(|_| bad())?;
+    let mult: u64 = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1,
+        "k" | "kib" => 1 << 10,
+        "m" | "mib" => 1 << 20,
+        "g" | "gib" => 1 << 30,
+        "t" | "tib" => 1 << 40,
+        "p" | "pib" => 1 << 50,
+        "kb" => 1_000,
+        "mb" => 1_000_000,
+        "gb" => 1_000_000_000,
+        "tb" => 1_000_000_000_000,
+        "pb" => 1_000_000_000_000_000,
+        _ => return Err(bad()),
+    };
+    let v = n * mult as f64;
+    if !v.is_finite() || v < 0.0 || v > u64::MAX as f64 {
+        return Err(bad());
+    }
+    Ok(v.round() as u64)
+}
+
+/// Formats a byte count for people: `0 B`, `512 B`, `4.0 KiB`, `1.2 GiB`.
+pub fn format_size(bytes: u64) -> String {
+    const UNITS: [&str; 6] = ["KiB", "MiB", "GiB", "TiB", "PiB", "EiB"];
+    if bytes < 1024 {
+        return format!("{bytes} B");
+    }
+    let mut v = bytes as f64 / 1024.0;
+    let mut i = 0;
+    while v >= 1024.0 && i < UNITS.len() - 1 {
+        v /= 1024.0;
+        i += 1;
+    }
+    format!("{v:.1} {}", UNITS[i])
+}
+
+/// Parses a duration: `250ms`, `30s`, `5m`, `2h`, `1d`; a bare number is seconds.
+pub fn parse_duration(s: &str) -> Result<std::time::Duration, InvalidInput> {
+    let t = s.trim();
+    let split = t
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let bad = || InvalidInput::new("duration", format!("{s:?} is not a duration such as 30s or 5m"));
+    let n: f64 = num.parse().map_err(|_| bad())?;
+    let secs = match unit.trim() {
+        "ms" => n / 1000.0,
+        "" | "s" => n,
+        "m" | "min" => n * 60.0,
+        "h" => n * 3600.0,
+        "d" => n * 86400.0,
+        _ => return Err(bad()),
+    };
+    std::time::Duration::try_from_secs_f64(secs).map_err(|_| bad())
+}
+
+/// Formats milliseconds since the Unix epoch as RFC 3339 in UTC:
+/// `2026-11-29T15:39:08.123Z`.
+pub fn format_time_ms(ms: i64) -> String {
+    let secs = ms.div_euclid(1000);
+    let millis = ms.rem_euclid(1000);
+    let days = secs.div_euclid(86_400);
+    let sod = secs.rem_euclid(86_400);
+    // Civil-from-days (proleptic Gregorian), after H. Hinnant's public-domain algorithm.
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 };
+    let y = yoe + era * 400 + i64::from(m <= 2);
+    format!(
+        "{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}.{millis:03}Z",
+        sod / 3600,
+        sod % 3600 / 60,
+        sod % 60
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn durations() {
+        use std::time::Duration;
+        assert_eq!(parse_duration("250ms").unwrap(), Duration::from_millis(250));
+        assert_eq!(parse_duration("30").unwrap(), Duration::from_secs(30));
+        assert_eq!(parse_duration("5m").unwrap(), Duration::from_secs(300));
+        assert_eq!(parse_duration("1.5h").unwrap(), Duration::from_secs(5400));
+        assert!(parse_duration("soon").is_err());
+        assert!(parse_duration("5 fortnights").is_err());
+    }
+
+    #[test]
+    fn times() {
+        assert_eq!(format_time_ms(0), "1970-01-01T00:00:00.000Z");
+        assert_eq!(format_time_ms(951_782_400_000), "2000-02-29T00:00:00.000Z");
+        assert_eq!(format_time_ms(1_795_966_748_123), "2026-11-29T15:39:08.123Z");
+    }
+
+    #[test]
+    fn parse() {
+        assert_eq!(parse_size("0").unwrap(), 0);
+        assert_eq!(parse_size("4MiB").unwrap(), 4 << 20);
+        assert_eq!(parse_size("4m").unwrap(), 4 << 20);
+        assert_eq!(parse_size("1.5 GiB").unwrap(), 3 << 29);
+        assert_eq!(parse_size("2TB").unwrap(), 2_000_000_000_000);
+        assert!(parse_size("lots").is_err());
+        assert!(parse_size("4 parsecs").is_err());
+        assert!(parse_size("").is_err());
+    }
+
+    #[test]
+    fn format() {
+        assert_eq!(format_size(0), "0 B");
+        assert_eq!(format_size(1023), "1023 B");
+        assert_eq!(format_size(4096), "4.0 KiB");
+        assert_eq!(format_size(3 << 29), "1.5 GiB");
+    }
+}

@@ -1,0 +1,317 @@
+//! `locus dataset …`: list, inspect and delete datasets and versions.
+
+use anyhow::bail;
+use clap::Subcommand;
+use locus_proto::manifest::BlobHash;
+use locus_proto::{pb, DatasetName, DatasetRef, VersionSel};
+
+use crate::config::Resolved;
+use crate::output::{self, StatusExt};
+
+#[derive(Subcommand, Debug)]
+pub enum DatasetCmd {
+    /// List datasets with their latest version and size.
+    List,
+    /// Show a dataset's versions (NAME) or one version in detail (NAME@VERSION,
+    /// NAME@latest), with the bytes each node holds.
+    Show {
+        /// NAME, NAME@VERSION or NAME@latest.
+        dataset: String,
+    },
+    /// List the entries of a version: one directory, or the whole tree with --recursive.
+    Ls {
+        /// NAME, NAME@VERSION or NAME@latest.
+        dataset: String,
+        /// Directory inside the version [default: the root].
+        #[arg(default_value = "")]
+        directory: String,
+        /// Every entry of the version, not only one directory's.
+        #[arg(long, short)]
+        recursive: bool,
+    },
+    /// Delete a version (NAME@VERSION), or every version of a dataset (NAME
+    /// --all-versions). Version numbers are never reused.
+    Rm {
+        dataset: String,
+        /// Required to delete a whole dataset.
+        #[arg(long)]
+        all_versions: bool,
+    },
+}
+
+pub async fn run(cmd: DatasetCmd, cfg: &Resolved) -> anyhow::Result<()> {
+    match cmd {
+        DatasetCmd::List => list(cfg).await,
+        DatasetCmd::Show { dataset } => show(cfg, &dataset).await,
+        DatasetCmd::Ls {
+            dataset,
+            directory,
+            recursive,
+        } => ls(cfg, &dataset, &directory, recursive).await,
+        DatasetCmd::Rm {
+            dataset,
+            all_versions,
+        } => rm(cfg, &dataset, all_versions).await,
+    }
+}
+
+fn parse_ref(s: &str) -> anyhow::Result<DatasetRef> {
+    s.parse::<DatasetRef>().map_err(|e| {
+        anyhow::anyhow!(
+            "{s:?} is not a dataset reference (NAME, NAME@VERSION or NAME@latest): {}",
+            e.reason
+        )
+    })
+}
+
+pub fn version_json(v: &pb::Version) -> serde_json::Value {
+    serde_json::json!({
+        "dataset": v.dataset,
+        "version": v.version,
+        "created_at": output::time(v.created_at_ms),
+        "origin": v.origin,
+        "replication": v.replication,
+        "chunk_size": v.chunk_size,
+        "files": v.files,
+        "dirs": v.dirs,
+        "symlinks": v.symlinks,
+        "bytes": v.bytes,
+        "shards": v.shards,
+        "committed_by": v.committed_by,
+        "resident": v.resident.iter().map(|r| serde_json::json!({"node": r.node, "bytes": r.bytes})).collect::<Vec<_>>(),
+    })
+}
+
+fn dataset_json(d: &pb::Dataset) -> serde_json::Value {
+    serde_json::json!({
+        "name": d.name,
+        "created_at": output::time(d.created_at_ms),
+        "latest": d.latest,
+        "versions": d.version_count,
+        "bytes": d.bytes,
+        "version_list": d.versions.iter().map(version_json).collect::<Vec<_>>(),
+    })
+}
+
+async fn list(cfg: &Resolved) -> anyhow::Result<()> {
+    let mut c = cfg.connect().await?;
+    let ds = c
+        .list_datasets(pb::ListDatasetsRequest {})
+        .await
+        .or_status()?
+        .datasets;
+    if cfg.json {
+        return output::json(&ds.iter().map(dataset_json).collect::<Vec<_>>());
+    }
+    let rows: Vec<Vec<String>> = ds
+        .iter()
+        .map(|d| {
+            vec![
+                d.name.clone(),
+                if d.latest == 0 {
+                    "-".into()
+                } else {
+                    d.latest.to_string()
+                },
+                d.version_count.to_string(),
+                output::size(d.bytes),
+                output::time(d.created_at_ms),
+            ]
+        })
+        .collect();
+    output::table(
+        &["DATASET", "LATEST", "VERSIONS", "BYTES (ALL VERSIONS)", "CREATED"],
+        &rows,
+    );
+    Ok(())
+}
+
+async fn show(cfg: &Resolved, s: &str) -> anyhow::Result<()> {
+    let r = parse_ref(s)?;
+    let mut c = cfg.connect().await?;
+    if !s.contains('@') {
+        let d = c
+            .get_dataset(pb::GetDatasetRequest {
+                name: r.name.to_string(),
+            })
+            .await
+            .or_status()?;
+        if cfg.json {
+            return output::json(&dataset_json(&d));
+        }
+        println!(
+            "dataset {}: {} versions, latest {}",
+            d.name, d.version_count, d.latest
+        );
+        let rows: Vec<Vec<String>> = d
+            .versions
+            .iter()
+            .map(|v| {
+                vec![
+                    v.version.to_string(),
+                    v.files.to_string(),
+                    output::size(v.bytes),
+                    v.shards.to_string(),
+                    v.origin.clone(),
+                    output::time(v.created_at_ms),
+                    v.committed_by.clone(),
+                ]
+            })
+            .collect();
+        output::table(
+            &["VERSION", "FILES", "BYTES", "SHARDS", "ORIGIN", "CREATED", "BY"],
+            &rows,
+        );
+        return Ok(());
+    }
+    let v = c
+        .get_version(pb::GetVersionRequest {
+            r#ref: Some((&r).into()),
+        })
+        .await
+        .or_status()?;
+    if cfg.json {
+        return output::json(&version_json(&v));
+    }
+    println!("{}@{}", v.dataset, v.version);
+    println!(
+        "  created      {} by {}",
+        output::time(v.created_at_ms),
+        v.committed_by
+    );
+    println!("  origin       {}", v.origin);
+    println!(
+        "  files        {} ({}), {} dirs, {} symlinks",
+        v.files,
+        output::size(v.bytes),
+        v.dirs,
+        v.symlinks
+    );
+    println!("  shards       {} (replication {})", v.shards, v.replication);
+    println!("  chunk size   {}", output::size(u64::from(v.chunk_size)));
+    if v.resident.is_empty() {
+        println!("  resident     on no node");
+    } else {
+        println!("  resident");
+        for r in &v.resident {
+            let frac = if v.bytes == 0 {
+                1.0
+            } else {
+                r.bytes as f64 / v.bytes as f64
+            };
+            println!(
+                "    {:<20} {:>10}  {:5.1}%",
+                r.node,
+                output::size(r.bytes),
+                frac * 100.0
+            );
+        }
+    }
+    Ok(())
+}
+
+fn kind_char(k: i32) -> char {
+    match pb::EntryKind::try_from(k) {
+        Ok(pb::EntryKind::Dir) => 'd',
+        Ok(pb::EntryKind::Symlink) => 'l',
+        _ => '-',
+    }
+}
+
+async fn ls(cfg: &Resolved, s: &str, dir: &str, recursive: bool) -> anyhow::Result<()> {
+    let r = parse_ref(s)?;
+    let dir = dir.trim_end_matches('/');
+    let mut c = cfg.connect().await?;
+    let directory = if recursive { None } else { Some(dir.to_string()) };
+    if recursive && !dir.is_empty() {
+        bail!("--recursive lists the whole version; leave out the directory");
+    }
+    let (version, entries) = locus_proto::client::list_all_entries(&mut c, (&r).into(), directory, true)
+        .await
+        .map_err(output::status_error)?;
+    if cfg.json {
+        let v: Vec<_> = entries
+            .iter()
+            .map(|e| {
+                serde_json::json!({
+                    "path": e.path,
+                    "kind": match kind_char(e.kind) { 'd' => "dir", 'l' => "symlink", _ => "file" },
+                    "size": e.size,
+                    "mode": format!("{:o}", e.mode),
+                    "mtime_ns": e.mtime_ns,
+                    "blob": BlobHash::from_slice("blob", &e.blob).map(|h| h.to_hex()).ok(),
+                    "chunks": e.chunks.len(),
+                    "shard": e.shard,
+                    "target": e.symlink_target,
+                })
+            })
+            .collect();
+        return output::json(&serde_json::json!({"dataset": r.name, "version": version, "entries": v}));
+    }
+    let rows: Vec<Vec<String>> = entries
+        .iter()
+        .map(|e| {
+            let mut name = e.path.clone();
+            if !e.symlink_target.is_empty() {
+                name = format!("{name} -> {}", e.symlink_target);
+            }
+            vec![
+                format!("{}{:04o}", kind_char(e.kind), e.mode),
+                if kind_char(e.kind) == '-' {
+                    output::size(e.size)
+                } else {
+                    "-".into()
+                },
+                name,
+            ]
+        })
+        .collect();
+    output::table(&["MODE", "SIZE", "PATH"], &rows);
+    Ok(())
+}
+
+async fn rm(cfg: &Resolved, s: &str, all_versions: bool) -> anyhow::Result<()> {
+    let r = parse_ref(s)?;
+    let mut c = cfg.connect().await?;
+    match (s.contains('@'), r.version) {
+        (true, VersionSel::Number(n)) => {
+            c.delete_version(pb::DeleteVersionRequest {
+                dataset: r.name.to_string(),
+                version: n,
+            })
+            .await
+            .or_status()?;
+            if cfg.json {
+                return output::json(&serde_json::json!({"deleted": format!("{}@{n}", r.name)}));
+            }
+            println!("deleted {}@{n}", r.name);
+        }
+        (true, VersionSel::Latest) => {
+            bail!(
+                "name the version to delete ({}@N); \"latest\" is too easy to get wrong",
+                r.name
+            )
+        }
+        (false, _) => {
+            if !all_versions {
+                bail!(
+                    "{s} names a whole dataset; to delete every version add --all-versions, \
+                     to delete one name it as {s}@N"
+                );
+            }
+            let name: DatasetName = r.name;
+            let n = c
+                .delete_dataset(pb::DeleteDatasetRequest {
+                    name: name.to_string(),
+                })
+                .await
+                .or_status()?
+                .versions_deleted;
+            if cfg.json {
+                return output::json(&serde_json::json!({"deleted": name, "versions": n}));
+            }
+            println!("deleted dataset {name} ({n} versions)");
+        }
+    }
+    Ok(())
+}

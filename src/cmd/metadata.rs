@@ -1,0 +1,130 @@
+//! `locus metadata serve`.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+
+use anyhow::{bail, Context};
+use clap::{Args, Subcommand};
+
+use crate::config::Resolved;
+
+#[derive(Subcommand, Debug)]
+pub enum MetadataCmd {
+    /// Run the metadata service until SIGTERM or SIGINT.
+    ///
+    /// Without --tokens-file every caller may do everything, so the service then only
+    /// listens on loopback addresses unless --insecure is given.
+    Serve(ServeArgs),
+}
+
+#[derive(Args, Debug)]
+pub struct ServeArgs {
+    /// Directory for the RocksDB store and the audit log [default: ./locus-metadata].
+    #[arg(long, env = "LOCUS_METADATA_DATA_DIR", value_name = "DIR")]
+    pub data_dir: Option<PathBuf>,
+    /// gRPC listen address [default: 127.0.0.1:7400].
+    #[arg(long, env = "LOCUS_METADATA_LISTEN", value_name = "ADDR")]
+    pub listen: Option<String>,
+    /// HTTP address for /metrics and /healthz [default: 127.0.0.1:7401]; "off" disables.
+    #[arg(long, env = "LOCUS_METADATA_HTTP_LISTEN", value_name = "ADDR")]
+    pub http_listen: Option<String>,
+    /// TOML file of [[token]] entries (name, role = admin|node|reader, token or blake3).
+    #[arg(long, env = "LOCUS_METADATA_TOKENS_FILE", value_name = "FILE")]
+    pub tokens_file: Option<PathBuf>,
+    /// TLS certificate chain (PEM) for the gRPC endpoint; needs --tls-key.
+    #[arg(
+        long,
+        env = "LOCUS_METADATA_TLS_CERT",
+        value_name = "FILE",
+        requires = "tls_key"
+    )]
+    pub tls_cert: Option<PathBuf>,
+    /// TLS private key (PEM).
+    #[arg(
+        long,
+        env = "LOCUS_METADATA_TLS_KEY",
+        value_name = "FILE",
+        requires = "tls_cert"
+    )]
+    pub tls_key: Option<PathBuf>,
+    /// Serve without tokens on a non-loopback address. Anyone who can reach it can then
+    /// delete datasets.
+    #[arg(long)]
+    pub insecure: bool,
+    /// A node silent this long is down [default: 30s].
+    #[arg(long, env = "LOCUS_LIVENESS_TIMEOUT", value_name = "DURATION")]
+    pub liveness_timeout: Option<String>,
+    /// An import session idle this long is discarded [default: 1h].
+    #[arg(long, env = "LOCUS_SESSION_TIMEOUT", value_name = "DURATION")]
+    pub session_timeout: Option<String>,
+    /// Audit log file [default: DATA_DIR/audit.log].
+    #[arg(long, env = "LOCUS_METADATA_AUDIT_LOG", value_name = "FILE")]
+    pub audit_log: Option<PathBuf>,
+    /// Write the bound addresses (grpc=…, http=…) to this file once listening; useful with
+    /// port 0.
+    #[arg(long, value_name = "FILE")]
+    pub addr_file: Option<PathBuf>,
+}
+
+pub async fn run(cmd: MetadataCmd, cfg: &Resolved) -> anyhow::Result<()> {
+    match cmd {
+        MetadataCmd::Serve(a) => serve(a, cfg).await,
+    }
+}
+
+fn addr(what: &str, s: &str) -> anyhow::Result<SocketAddr> {
+    s.parse()
+        .with_context(|| format!("{what} {s:?} is not an address such as 127.0.0.1:7400"))
+}
+
+fn duration(what: &str, s: Option<String>, default: &str) -> anyhow::Result<std::time::Duration> {
+    let s = s.unwrap_or_else(|| default.to_string());
+    let d = locus_proto::human::parse_duration(&s).map_err(|e| anyhow::anyhow!("{what}: {}", e.reason))?;
+    if d.is_zero() {
+        bail!("{what} must be more than zero");
+    }
+    Ok(d)
+}
+
+async fn serve(a: ServeArgs, cfg: &Resolved) -> anyhow::Result<()> {
+    let f = cfg.server_file.clone();
+    let data_dir = crate::absolute(
+        a.data_dir
+            .or(f.data_dir)
+            .unwrap_or_else(|| PathBuf::from("locus-metadata")),
+    );
+    let listen = addr(
+        "--listen",
+        &a.listen.or(f.listen).unwrap_or_else(|| "127.0.0.1:7400".into()),
+    )?;
+    let http_listen = match a.http_listen.or(f.http_listen).as_deref() {
+        Some("off") => None,
+        Some(s) => Some(addr("--http-listen", s)?),
+        None => Some(addr("--http-listen", "127.0.0.1:7401")?),
+    };
+    let tls = match (a.tls_cert.or(f.tls_cert), a.tls_key.or(f.tls_key)) {
+        (Some(c), Some(k)) => Some((c, k)),
+        (None, None) => None,
+        _ => bail!("TLS needs both a certificate and a key"),
+    };
+    let config = locus_metadata::ServerConfig {
+        data_dir,
+        listen,
+        http_listen,
+        tokens_file: a.tokens_file.or(f.tokens_file),
+        tls,
+        insecure: a.insecure || f.insecure.unwrap_or(false),
+        catalog: locus_metadata::CatalogConfig {
+            liveness_timeout: duration(
+                "--liveness-timeout",
+                a.liveness_timeout.or(f.liveness_timeout),
+                "30s",
+            )?,
+            session_timeout: duration("--session-timeout", a.session_timeout.or(f.session_timeout), "1h")?,
+        },
+        addr_file: a.addr_file,
+        audit_log: a.audit_log.or(f.audit_log),
+    };
+    locus_metadata::serve(config, super::shutdown_signal()).await?;
+    Ok(())
+}

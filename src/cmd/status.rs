@@ -1,0 +1,77 @@
+//! `locus status`: the cluster on one screen.
+
+use locus_proto::pb;
+
+use crate::config::Resolved;
+use crate::output::{self, StatusExt};
+
+pub async fn run(cfg: &Resolved) -> anyhow::Result<()> {
+    let mut c = cfg.connect().await?;
+    let info = c
+        .get_cluster_info(pb::GetClusterInfoRequest {})
+        .await
+        .or_status()?;
+    let nodes = c.list_nodes(pb::ListNodesRequest {}).await.or_status()?.nodes;
+    let datasets = c
+        .list_datasets(pb::ListDatasetsRequest {})
+        .await
+        .or_status()?
+        .datasets;
+    let up: Vec<_> = nodes
+        .iter()
+        .filter(|n| n.state == pb::NodeState::Up as i32)
+        .collect();
+    let capacity: u64 = up.iter().map(|n| n.capacity_bytes).sum();
+    let free: u64 = up.iter().map(|n| n.free_bytes).sum();
+    let versions: u64 = datasets.iter().map(|d| d.version_count).sum();
+    let bytes: u64 = datasets.iter().map(|d| d.bytes).sum();
+    if cfg.json {
+        return output::json(&serde_json::json!({
+            "metadata": {
+                "url": cfg.metadata_url,
+                "cluster_id": info.cluster_id,
+                "server_version": info.server_version,
+                "schema_version": info.schema_version,
+                "uptime_ms": info.uptime_ms,
+                "open_import_sessions": info.open_sessions,
+                "caller": {"name": info.caller_name, "role": info.caller_role},
+            },
+            "nodes": {"total": nodes.len(), "up": up.len(), "down": nodes.len() - up.len(),
+                      "capacity_bytes": capacity, "free_bytes": free},
+            "datasets": {"count": datasets.len(), "versions": versions, "bytes": bytes},
+        }));
+    }
+    println!(
+        "metadata   {} (cluster {}, v{}, up {:.0}s)",
+        cfg.metadata_url,
+        info.cluster_id,
+        info.server_version,
+        info.uptime_ms as f64 / 1000.0
+    );
+    println!("you        {} (role {})", info.caller_name, info.caller_role);
+    println!(
+        "nodes      {} up, {} down; {} free of {} on live nodes",
+        up.len(),
+        nodes.len() - up.len(),
+        output::size(free),
+        output::size(capacity)
+    );
+    for n in nodes.iter().filter(|n| n.state != pb::NodeState::Up as i32) {
+        println!(
+            "  down: {} ({}), last seen {:.0}s ago",
+            n.id,
+            n.address,
+            n.last_seen_ms_ago as f64 / 1000.0
+        );
+    }
+    println!(
+        "datasets   {} with {} versions, {}",
+        datasets.len(),
+        versions,
+        output::size(bytes)
+    );
+    if info.open_sessions > 0 {
+        println!("imports    {} in progress", info.open_sessions);
+    }
+    Ok(())
+}

@@ -1,0 +1,183 @@
+//! Configuration: command-line flags, then `LOCUS_*` environment variables (clap reads
+//! both, flags first), then the TOML config file, then built-in defaults.
+//!
+//! The config file is `--config`/`LOCUS_CONFIG`, else `~/.config/locus/locus.toml` or
+//! `/etc/locus/locus.toml` when present. Example:
+//!
+//! ```toml
+//! metadata = "https://meta.example:7400"
+//! token = "..."               # keep this file mode 0600
+//! ca_cert = "/etc/locus/ca.pem"
+//!
+//! [metadata_server]
+//! data_dir = "/var/lib/locus/metadata"
+//! listen = "0.0.0.0:7400"
+//! http_listen = "0.0.0.0:7401"
+//! tokens_file = "/etc/locus/tokens.toml"
+//! liveness_timeout = "30s"
+//! session_timeout = "1h"
+//! ```
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Context};
+use clap::Args;
+use serde::Deserialize;
+
+pub const DEFAULT_METADATA_URL: &str = "http://127.0.0.1:7400";
+
+#[derive(Args, Debug, Clone)]
+pub struct GlobalArgs {
+    /// Metadata service URL (http://HOST:PORT, or https:// with TLS).
+    #[arg(long, global = true, env = "LOCUS_METADATA", value_name = "URL")]
+    pub metadata: Option<String>,
+    /// Bearer token for the metadata service. Prefer LOCUS_TOKEN or the config file: a
+    /// flag is visible to other users in the process list.
+    #[arg(
+        long,
+        global = true,
+        env = "LOCUS_TOKEN",
+        hide_env_values = true,
+        value_name = "TOKEN"
+    )]
+    pub token: Option<String>,
+    /// CA certificate (PEM) that signed the metadata service's TLS certificate.
+    #[arg(long, global = true, env = "LOCUS_CA_CERT", value_name = "FILE")]
+    pub ca_cert: Option<PathBuf>,
+    /// Config file (TOML).
+    #[arg(long, global = true, env = "LOCUS_CONFIG", value_name = "FILE")]
+    pub config: Option<PathBuf>,
+    /// Print machine-readable JSON instead of tables.
+    #[arg(long, global = true)]
+    pub json: bool,
+    /// Log format of daemons: text or json.
+    #[arg(long, global = true, env = "LOCUS_LOG_FORMAT", value_name = "FORMAT")]
+    pub log_format: Option<String>,
+}
+
+/// The TOML config file.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ConfigFile {
+    pub metadata: Option<String>,
+    pub token: Option<String>,
+    pub ca_cert: Option<PathBuf>,
+    pub log_format: Option<String>,
+    #[serde(default)]
+    pub metadata_server: MetadataServerFile,
+}
+
+#[derive(Debug, Default, Deserialize, Clone)]
+#[serde(deny_unknown_fields)]
+pub struct MetadataServerFile {
+    pub data_dir: Option<PathBuf>,
+    pub listen: Option<String>,
+    pub http_listen: Option<String>,
+    pub tokens_file: Option<PathBuf>,
+    pub tls_cert: Option<PathBuf>,
+    pub tls_key: Option<PathBuf>,
+    pub insecure: Option<bool>,
+    pub liveness_timeout: Option<String>,
+    pub session_timeout: Option<String>,
+    pub audit_log: Option<PathBuf>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LogFormat {
+    Text,
+    Json,
+}
+
+/// Settings after precedence has been applied.
+#[derive(Debug, Clone)]
+pub struct Resolved {
+    pub metadata_url: String,
+    pub token: Option<String>,
+    pub ca_cert: Option<PathBuf>,
+    pub json: bool,
+    pub log_format: LogFormat,
+    pub server_file: MetadataServerFile,
+}
+
+impl Resolved {
+    pub fn load(args: &GlobalArgs) -> anyhow::Result<Self> {
+        let file = match &args.config {
+            Some(p) => read_config(p)?,
+            None => match default_config_path() {
+                Some(p) => read_config(&p)?,
+                None => ConfigFile::default(),
+            },
+        };
+        let log_format = match args.log_format.as_deref().or(file.log_format.as_deref()) {
+            None | Some("text") => LogFormat::Text,
+            Some("json") => LogFormat::Json,
+            Some(other) => bail!("log format {other:?} is neither text nor json"),
+        };
+        Ok(Resolved {
+            metadata_url: args
+                .metadata
+                .clone()
+                .or(file.metadata)
+                .unwrap_or_else(|| DEFAULT_METADATA_URL.to_string()),
+            token: args.token.clone().or(file.token).filter(|t| !t.is_empty()),
+            ca_cert: args.ca_cert.clone().or(file.ca_cert),
+            json: args.json,
+            log_format,
+            server_file: file.metadata_server,
+        })
+    }
+
+    /// Connects to the metadata service with the resolved URL, token and CA.
+    pub async fn connect(&self) -> anyhow::Result<locus_proto::client::MetadataClient> {
+        let mut opts =
+            locus_proto::client::ClientOptions::new(&self.metadata_url).with_token(self.token.clone());
+        if let Some(ca) = &self.ca_cert {
+            opts.ca_cert_pem = Some(
+                std::fs::read(ca).with_context(|| format!("cannot read CA certificate {}", ca.display()))?,
+            );
+        }
+        Ok(locus_proto::client::connect(&opts).await?)
+    }
+}
+
+fn default_config_path() -> Option<PathBuf> {
+    let home = std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".config/locus/locus.toml"));
+    [home, Some(PathBuf::from("/etc/locus/locus.toml"))]
+        .into_iter()
+        .flatten()
+        .find(|p| p.is_file())
+}
+
+fn read_config(path: &Path) -> anyhow::Result<ConfigFile> {
+    let text = std::fs::read_to_string(path)
+        .with_context(|| format!("cannot read config file {}", path.display()))?;
+    let file: ConfigFile = toml::from_str(&text)
+        .map_err(|e| anyhow::anyhow!("config file {}: {}", path.display(), e.message()))?;
+    if file.token.is_some() {
+        use std::os::unix::fs::PermissionsExt;
+        if let Ok(m) = std::fs::metadata(path) {
+            if m.permissions().mode() & 0o077 != 0 {
+                eprintln!(
+                    "warning: {} holds a token but other users can read it; run: chmod 600 {}",
+                    path.display(),
+                    path.display()
+                );
+            }
+        }
+    }
+    Ok(file)
+}
+
+/// Logs go to stderr. Daemons log at info, commands at warn, unless RUST_LOG says more.
+pub fn init_logging(cfg: &Resolved, daemon: bool) {
+    let default = if daemon { "info" } else { "warn" };
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    match cfg.log_format {
+        LogFormat::Json => builder.json().init(),
+        LogFormat::Text => builder.init(),
+    }
+}

@@ -1,0 +1,94 @@
+//! `locus`: one binary for every role of a Locus cluster — the metadata service, the
+//! operator's commands, and a self-contained demo.
+//!
+//! Errors are reported here and only here: a command returns `anyhow::Error`, `main`
+//! prints it as one plain sentence (never a debug dump) and picks the exit status.
+
+mod cmd;
+mod config;
+mod output;
+mod scan;
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+/// Locus keeps training datasets on GPU nodes' local NVMe, mounts them read-only, and
+/// tells schedulers where each dataset's bytes already are.
+#[derive(Parser, Debug)]
+#[command(name = "locus", version, propagate_version = true, max_term_width = 100)]
+struct Cli {
+    #[command(flatten)]
+    global: config::GlobalArgs,
+
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Run or manage the metadata service.
+    #[command(subcommand)]
+    Metadata(cmd::metadata::MetadataCmd),
+    /// Inspect cache nodes.
+    #[command(subcommand)]
+    Node(cmd::node::NodeCmd),
+    /// List, inspect and delete datasets and their versions.
+    #[command(subcommand)]
+    Dataset(cmd::dataset::DatasetCmd),
+    /// One-screen summary of the cluster: service, nodes, capacity, datasets.
+    Status,
+    /// Start a throwaway local cluster, commit a sample dataset through the real API and
+    /// list it.
+    Demo(cmd::demo::DemoArgs),
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let cfg = match config::Resolved::load(&cli.global) {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            return ExitCode::from(2);
+        }
+    };
+    let is_daemon = matches!(
+        cli.command,
+        Command::Metadata(cmd::metadata::MetadataCmd::Serve(_))
+    );
+    config::init_logging(&cfg, is_daemon);
+
+    let rt = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("error: cannot start the async runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let result = rt.block_on(async move {
+        match cli.command {
+            Command::Metadata(c) => cmd::metadata::run(c, &cfg).await,
+            Command::Node(c) => cmd::node::run(c, &cfg).await,
+            Command::Dataset(c) => cmd::dataset::run(c, &cfg).await,
+            Command::Status => cmd::status::run(&cfg).await,
+            Command::Demo(a) => cmd::demo::run(a, &cfg).await,
+        }
+    });
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// Where a relative path given on the command line points.
+pub fn absolute(p: PathBuf) -> PathBuf {
+    if p.is_absolute() {
+        p
+    } else {
+        std::env::current_dir().map(|d| d.join(&p)).unwrap_or(p)
+    }
+}

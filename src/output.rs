@@ -1,0 +1,73 @@
+//! Output for people and scripts: aligned tables, JSON, and gRPC errors turned into one
+//! readable sentence.
+
+use serde::Serialize;
+
+/// Prints rows under headers, columns aligned; nothing but the headers for no rows.
+pub fn table(headers: &[&str], rows: &[Vec<String>]) {
+    let mut width: Vec<usize> = headers.iter().map(|h| h.len()).collect();
+    for r in rows {
+        for (i, c) in r.iter().enumerate() {
+            width[i] = width[i].max(c.chars().count());
+        }
+    }
+    let line = |cells: Vec<&str>| {
+        let mut s = String::new();
+        for (i, c) in cells.iter().enumerate() {
+            if i + 1 == cells.len() {
+                s.push_str(c);
+            } else {
+                s.push_str(&format!("{c:<w$}  ", w = width[i]));
+            }
+        }
+        println!("{}", s.trim_end());
+    };
+    line(headers.to_vec());
+    for r in rows {
+        line(r.iter().map(String::as_str).collect());
+    }
+}
+
+pub fn json<T: Serialize>(v: &T) -> anyhow::Result<()> {
+    println!("{}", serde_json::to_string_pretty(v)?);
+    Ok(())
+}
+
+/// A refused or failed call as a sentence for the operator.
+pub fn status_error(s: tonic::Status) -> anyhow::Error {
+    use tonic::Code::*;
+    let what = match s.code() {
+        Unauthenticated => "not authenticated",
+        PermissionDenied => "permission denied",
+        NotFound => "not found",
+        InvalidArgument => "invalid request",
+        FailedPrecondition => "refused",
+        Unavailable => "metadata service unavailable",
+        DeadlineExceeded => "timed out",
+        _ => "metadata service error",
+    };
+    anyhow::anyhow!("{what}: {}", s.message())
+}
+
+pub trait StatusExt<T> {
+    /// Converts a gRPC error into an operator-facing error.
+    fn or_status(self) -> anyhow::Result<T>;
+}
+
+impl<T> StatusExt<T> for Result<tonic::Response<T>, tonic::Status> {
+    fn or_status(self) -> anyhow::Result<T> {
+        self.map(tonic::Response::into_inner).map_err(status_error)
+    }
+}
+
+pub fn time(ms: i64) -> String {
+    if ms == 0 {
+        "-".into()
+    } else {
+        locus_proto::human::format_time_ms(ms)
+    }
+}
+
+pub fn size(b: u64) -> String {
+    locus_proto::human::format_size(b)
+}

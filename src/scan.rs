@@ -1,0 +1,183 @@
+//! Builds a manifest from a local directory: walks it, hashes every file with BLAKE3
+//! (whole blob and fixed-size chunks) and groups files into shards in path order.
+//!
+//! Never follows symlinks (they are recorded as links) and never leaves the root.
+
+use std::io::Read;
+use std::os::unix::fs::{MetadataExt, PermissionsExt};
+use std::path::Path;
+
+use anyhow::{bail, Context};
+use locus_proto::manifest::{BlobHash, Entry, EntryKind, RelPath};
+use locus_proto::pb;
+
+pub struct Scanned {
+    pub entries: Vec<pb::Entry>,
+    pub shards: Vec<pb::Shard>,
+    pub files: u64,
+    pub bytes: u64,
+}
+
+/// Hashes a file: the BLAKE3 of its content and of each `chunk_size` piece.
+pub fn hash_file(path: &Path, chunk_size: u32) -> anyhow::Result<(u64, BlobHash, Vec<BlobHash>)> {
+    let mut f = std::fs::File::open(path).with_context(|| format!("cannot open {}", path.display()))?;
+    let mut whole = blake3::Hasher::new();
+    let mut chunks = Vec::new();
+    let mut buf = vec![0u8; chunk_size as usize];
+    let mut size = 0u64;
+    loop {
+        let mut filled = 0;
+        while filled < buf.len() {
+            let n = f
+                .read(&mut buf[filled..])
+                .with_context(|| format!("cannot read {}", path.display()))?;
+            if n == 0 {
+                break;
+            }
+            filled += n;
+        }
+        if filled == 0 {
+            break;
+        }
+        whole.update(&buf[..filled]);
+        chunks.push(BlobHash::of(&buf[..filled]));
+        size += filled as u64;
+        if filled < buf.len() {
+            break;
+        }
+    }
+    Ok((size, BlobHash(*whole.finalize().as_bytes()), chunks))
+}
+
+/// Scans `root` into a manifest with `chunk_size` chunks and shards of about `shard_size`.
+pub fn scan_dir(root: &Path, chunk_size: u32, shard_size: u64) -> anyhow::Result<Scanned> {
+    let mut found = Vec::new();
+    walk(root, "", &mut found)?;
+    found.sort_by(|a, b| a.0.cmp(&b.0));
+    let mut entries = Vec::with_capacity(found.len());
+    let mut shards: Vec<pb::Shard> = Vec::new();
+    let (mut files, mut bytes) = (0u64, 0u64);
+    for (rel, meta) in found {
+        let path = RelPath::try_from(rel.as_str()).map_err(|e| anyhow::anyhow!("{rel:?}: {}", e.reason))?;
+        let full = root.join(&rel);
+        let ft = meta.file_type();
+        let kind = if ft.is_dir() {
+            EntryKind::Dir
+        } else if ft.is_symlink() {
+            let t =
+                std::fs::read_link(&full).with_context(|| format!("cannot read link {}", full.display()))?;
+            let target = t
+                .to_str()
+                .with_context(|| format!("{}: link target is not UTF-8", full.display()))?
+                .to_string();
+            EntryKind::Symlink { target }
+        } else {
+            let (size, blob, chunks) = hash_file(&full, chunk_size)?;
+            // Start a new shard when this file would overflow the current one, and give a
+            // file of at least a shard's size a shard of its own.
+            let start_new = match shards.last() {
+                None => true,
+                Some(s) => s.bytes + size > shard_size && s.files > 0,
+            };
+            if start_new {
+                shards.push(pb::Shard {
+                    id: shards.len() as u32,
+                    ..Default::default()
+                });
+            }
+            let s = shards.last_mut().expect("a shard was just ensured");
+            s.bytes += size;
+            s.files += 1;
+            files += 1;
+            bytes += size;
+            EntryKind::File {
+                size,
+                blob,
+                chunks,
+                shard: s.id,
+            }
+        };
+        entries.push(pb::Entry::from(Entry {
+            path,
+            kind,
+            mode: meta.permissions().mode() & 0o7777,
+            mtime_ns: meta.mtime() * 1_000_000_000 + meta.mtime_nsec(),
+        }));
+    }
+    Ok(Scanned {
+        entries,
+        shards,
+        files,
+        bytes,
+    })
+}
+
+fn walk(root: &Path, rel: &str, out: &mut Vec<(String, std::fs::Metadata)>) -> anyhow::Result<()> {
+    let dir = if rel.is_empty() {
+        root.to_path_buf()
+    } else {
+        root.join(rel)
+    };
+    let rd = std::fs::read_dir(&dir).with_context(|| format!("cannot list {}", dir.display()))?;
+    for e in rd {
+        let e = e.with_context(|| format!("cannot list {}", dir.display()))?;
+        let name = e.file_name();
+        let Some(name) = name.to_str() else {
+            bail!(
+                "{}: file name is not UTF-8; rename it to import",
+                e.path().display()
+            );
+        };
+        let child = if rel.is_empty() {
+            name.to_string()
+        } else {
+            format!("{rel}/{name}")
+        };
+        let meta = std::fs::symlink_metadata(e.path())
+            .with_context(|| format!("cannot stat {}", e.path().display()))?;
+        let ft = meta.file_type();
+        if ft.is_dir() {
+            out.push((child.clone(), meta));
+            walk(root, &child, out)?;
+        } else if ft.is_file() || ft.is_symlink() {
+            out.push((child, meta));
+        } else {
+            tracing::warn!(
+                "skipping {}: not a file, directory or symlink",
+                e.path().display()
+            );
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn scans_a_tree() {
+        let d = tempfile::tempdir().unwrap();
+        std::fs::create_dir_all(d.path().join("a/b")).unwrap();
+        std::fs::write(d.path().join("a/b/big"), vec![7u8; 300_000]).unwrap();
+        std::fs::write(d.path().join("a/small"), b"hello").unwrap();
+        std::fs::write(d.path().join("empty"), b"").unwrap();
+        std::os::unix::fs::symlink("a/small", d.path().join("link")).unwrap();
+        let s = scan_dir(d.path(), 1 << 16, 200_000).unwrap();
+        let paths: Vec<_> = s.entries.iter().map(|e| e.path.as_str()).collect();
+        assert_eq!(paths, vec!["a", "a/b", "a/b/big", "a/small", "empty", "link"]);
+        let big = &s.entries[2];
+        assert_eq!(big.chunks.len(), 5);
+        assert_eq!(big.blob, blake3::hash(&vec![7u8; 300_000]).as_bytes().to_vec());
+        assert_eq!(
+            big.chunks[4],
+            blake3::hash(&vec![7u8; 300_000 - 4 * 65536]).as_bytes().to_vec()
+        );
+        assert_eq!(s.entries[4].chunks.len(), 0);
+        assert_eq!(s.entries[5].symlink_target, "a/small");
+        // The big file fills shard 0; the small files share shard 1.
+        assert_eq!(s.shards.len(), 2);
+        assert_eq!((s.shards[0].files, s.shards[1].files), (1, 2));
+        assert_eq!(s.bytes, 300_005);
+    }
+}
