@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Installs the system packages Locus builds and tests with, on Debian 12 (as root).
+#   librocksdb-dev  RocksDB 7.8, linked instead of compiling RocksDB from source
+#   libclang-dev    bindgen for the RocksDB bindings
+#   protobuf-compiler  protoc for the gRPC code generation
+#   fuse3           fusermount3 for the FUSE mount
+#   openssl         test certificates for the TLS tests
+set -euo pipefail
+pkgs=(librocksdb-dev libclang-dev clang protobuf-compiler pkg-config fuse3 openssl ca-certificates)
+missing=()
+for p in "${pkgs[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if [ ${#missing[@]} -eq 0 ]; then
+  exit 0
+fi
+echo "installing: ${missing[*]}"
+SUDO=""
+if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
+$SUDO apt-get update -qq
+DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"

@@ -1,0 +1,255 @@
+//! End-to-end tests of the `locus` command line against a real metadata service.
+
+mod support;
+
+use std::process::Command;
+
+use locus_proto::pb;
+use support::*;
+
+fn json(o: &std::process::Output) -> serde_json::Value {
+    assert!(o.status.success(), "command failed: {}", stderr(o));
+    serde_json::from_str(&stdout(o)).unwrap_or_else(|e| panic!("not JSON ({e}): {}", stdout(o)))
+}
+
+fn fails_with(o: &std::process::Output, needle: &str) {
+    assert_eq!(
+        o.status.code(),
+        Some(1),
+        "stdout: {} stderr: {}",
+        stdout(o),
+        stderr(o)
+    );
+    let err = stderr(o);
+    assert!(err.contains(needle), "expected {needle:?} in: {err}");
+    assert!(
+        !err.contains("Status {") && !err.contains("Error {"),
+        "debug dump: {err}"
+    );
+}
+
+#[tokio::test]
+async fn listing_showing_and_deleting_datasets() {
+    let h = Harness::new("cli");
+    let m = h.start_metadata("meta", MetadataOpts::default()).await;
+    let mut c = m.client(None).await;
+    let mut entries = vec![dir_entry("train"), dir_entry("train/cats")];
+    let (files, shards) = synthetic_manifest("c", 30, 10, 10, 1 << 22);
+    entries.extend(files);
+    entries.push(pb::Entry {
+        path: "train/link".into(),
+        kind: pb::EntryKind::Symlink as i32,
+        symlink_target: "../top".into(),
+        mode: 0o777,
+        ..Default::default()
+    });
+    let v1 = commit(&mut c, "imagenet", 1 << 22, entries.clone(), shards.clone())
+        .await
+        .unwrap();
+    let v2 = commit(&mut c, "imagenet", 1 << 22, entries.clone(), shards)
+        .await
+        .unwrap();
+    assert_eq!((v1.version, v2.version), (1, 2));
+
+    let list = json(&m.cli(&["dataset", "list", "--json"]));
+    assert_eq!(list[0]["name"], "imagenet");
+    assert_eq!(list[0]["latest"], 2);
+    assert_eq!(list[0]["versions"], 2);
+    assert_eq!(list[0]["bytes"], 2 * v1.bytes);
+    let human = m.cli(&["dataset", "list"]);
+    assert!(
+        stdout(&human)
+            .lines()
+            .any(|l| l.starts_with("imagenet") && l.contains(" 2 ")),
+        "{}",
+        stdout(&human)
+    );
+
+    let show = json(&m.cli(&["dataset", "show", "imagenet", "--json"]));
+    assert_eq!(show["version_list"].as_array().unwrap().len(), 2);
+    let one = json(&m.cli(&["dataset", "show", "imagenet@latest", "--json"]));
+    assert_eq!(one["version"], 2);
+    assert_eq!(one["files"], 30);
+    assert_eq!(one["dirs"], 2 + 1 + 3);
+    assert_eq!(one["symlinks"], 1);
+    let text = stdout(&m.cli(&["dataset", "show", "imagenet@1"]));
+    assert!(text.contains("imagenet@1") && text.contains("30 ("), "{text}");
+
+    let root = json(&m.cli(&["dataset", "ls", "imagenet@1", "--json"]));
+    let names: Vec<_> = root["entries"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e["path"].as_str().unwrap())
+        .collect();
+    assert_eq!(names, vec!["top", "train"]);
+    let train = json(&m.cli(&["dataset", "ls", "imagenet@1", "train", "--json"]));
+    let link = &train["entries"].as_array().unwrap()[1];
+    assert_eq!(
+        (link["path"].as_str(), link["target"].as_str()),
+        (Some("train/link"), Some("../top"))
+    );
+    let all = json(&m.cli(&["dataset", "ls", "imagenet@1", "--recursive", "--json"]));
+    assert_eq!(all["entries"].as_array().unwrap().len(), entries.len());
+
+    // Errors read as sentences, with exit status 1.
+    fails_with(
+        &m.cli(&["dataset", "show", "imagenet@9"]),
+        "not found: version imagenet@9 does not exist",
+    );
+    fails_with(
+        &m.cli(&["dataset", "show", "nosuch"]),
+        "not found: no dataset named nosuch",
+    );
+    fails_with(
+        &m.cli(&["dataset", "show", "Bad@x"]),
+        "is not a dataset reference",
+    );
+    fails_with(&m.cli(&["dataset", "ls", "imagenet@1", "nodir"]), "no directory");
+    fails_with(
+        &m.cli(&["dataset", "ls", "imagenet@1", "../etc"]),
+        "invalid request",
+    );
+    fails_with(&m.cli(&["dataset", "rm", "imagenet"]), "--all-versions");
+    fails_with(&m.cli(&["dataset", "rm", "imagenet@latest"]), "name the version");
+
+    // Deleting.
+    let out = m.cli(&["dataset", "rm", "imagenet@1"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    fails_with(&m.cli(&["dataset", "show", "imagenet@1"]), "does not exist");
+    assert_eq!(
+        json(&m.cli(&["dataset", "show", "imagenet@latest", "--json"]))["version"],
+        2
+    );
+    let out = m.cli(&["dataset", "rm", "imagenet", "--all-versions"]);
+    assert!(stdout(&out).contains("1 versions"), "{}", stdout(&out));
+    assert_eq!(
+        json(&m.cli(&["dataset", "list", "--json"])),
+        serde_json::json!([])
+    );
+    // Numbers are not reused after the dataset came back.
+    let (e, s) = synthetic_manifest("again", 3, 3, 3, 1 << 22);
+    assert_eq!(
+        commit(&mut c, "imagenet", 1 << 22, e, s).await.unwrap().version,
+        3
+    );
+
+    let st = json(&m.cli(&["status", "--json"]));
+    assert_eq!(st["datasets"]["count"], 1);
+    assert_eq!(st["metadata"]["caller"]["role"], "anonymous");
+}
+
+#[tokio::test]
+async fn tokens_and_config_precedence() {
+    let h = Harness::new("cli-auth");
+    let m = h
+        .start_metadata(
+            "meta",
+            MetadataOpts {
+                tokens: tokens(),
+                ..Default::default()
+            },
+        )
+        .await;
+    let reader = tokens().into_iter().find(|t| t.role == "reader").unwrap().secret;
+    let run = |args: &[&str], env: &[(&str, &str)]| {
+        let mut cmd = Command::new(LOCUS);
+        cmd.args(args)
+            .env_remove("LOCUS_METADATA")
+            .env_remove("LOCUS_TOKEN")
+            .env_remove("LOCUS_CONFIG")
+            .env("HOME", h.path("home"));
+        for (k, v) in env {
+            cmd.env(k, v);
+        }
+        cmd.output().unwrap()
+    };
+    let url = m.url();
+    fails_with(
+        &run(&["--metadata", &url, "dataset", "list"], &[]),
+        "not authenticated",
+    );
+    fails_with(
+        &run(
+            &["--metadata", &url, "dataset", "rm", "x@1"],
+            &[("LOCUS_TOKEN", &reader)],
+        ),
+        "permission denied",
+    );
+    let out = run(
+        &["--metadata", &url, "status", "--json"],
+        &[("LOCUS_TOKEN", &reader)],
+    );
+    assert_eq!(json(&out)["metadata"]["caller"]["name"], "trainer");
+
+    // The config file supplies what flags and environment leave out; they win over it.
+    let cfg = h.path("locus.toml");
+    std::fs::write(&cfg, format!("metadata = \"{url}\"\ntoken = \"{reader}\"\n")).unwrap();
+    let cfg_s = cfg.to_str().unwrap();
+    let out = run(&["--config", cfg_s, "status", "--json"], &[]);
+    assert_eq!(json(&out)["metadata"]["caller"]["role"], "reader");
+    assert!(
+        stderr(&out).contains("chmod 600"),
+        "warns about a readable token file"
+    );
+    let out = run(
+        &["--config", cfg_s, "status"],
+        &[("LOCUS_METADATA", "http://127.0.0.1:1")],
+    );
+    fails_with(&out, "cannot reach the metadata service at http://127.0.0.1:1");
+    let out = run(
+        &["--config", cfg_s, "--metadata", &url, "status", "--json"],
+        &[("LOCUS_METADATA", "http://127.0.0.1:1")],
+    );
+    assert!(out.status.success(), "flag beats environment: {}", stderr(&out));
+    let bad = h.path("bad.toml");
+    std::fs::write(&bad, "metdata = \"typo\"\n").unwrap();
+    let out = run(&["--config", bad.to_str().unwrap(), "status"], &[]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(stderr(&out).contains("unknown field"), "{}", stderr(&out));
+}
+
+#[test]
+fn demo_commits_and_lists_a_sample_dataset() {
+    let h = Harness::new("demo");
+    let out = Command::new(LOCUS)
+        .args(["demo", "--dir"])
+        .arg(h.path("demo"))
+        .env_remove("LOCUS_METADATA")
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}\n{}", stdout(&out), stderr(&out));
+    let text = stdout(&out);
+    assert!(text.contains("committed sample@1: 29 files"), "{text}");
+    assert!(text.contains("images/train/img-023.jpg"), "{text}");
+    assert!(text.contains("latest.bin -> shard-000.bin"), "{text}");
+    assert!(text.contains("metadata service stopped"), "{text}");
+    // The service it started is gone, and its store is on disk.
+    assert!(h.path("demo/metadata/db/CURRENT").exists());
+}
+
+#[test]
+fn help_explains_every_command() {
+    for args in [
+        vec!["--help"],
+        vec!["metadata", "serve", "--help"],
+        vec!["dataset", "--help"],
+        vec!["dataset", "rm", "--help"],
+        vec!["node", "list", "--help"],
+        vec!["demo", "--help"],
+    ] {
+        let out = Command::new(LOCUS).args(&args).output().unwrap();
+        assert!(out.status.success(), "{args:?}");
+        assert!(stdout(&out).contains("Usage:"), "{args:?}");
+    }
+    let out = Command::new(LOCUS)
+        .args(["metadata", "serve", "--help"])
+        .output()
+        .unwrap();
+    assert!(stdout(&out).contains("--tokens-file"));
+    let out = Command::new(LOCUS)
+        .args(["dataset", "frobnicate"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+}

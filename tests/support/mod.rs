@@ -1,0 +1,557 @@
+//! The cluster test harness: starts real `locus` processes on loopback, each with its own
+//! directory, log file and ports, waits for readiness by polling, offers fault injection
+//! (kill -9, SIGSTOP/SIGCONT, SIGTERM), and cleans up everything it started. When a test
+//! fails, the run directory with every daemon's log is kept and its path printed.
+//!
+//! Later end-to-end tests (cache nodes, mounts, an S3 server) extend this module.
+
+#![allow(dead_code)]
+
+use std::ffi::OsString;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Output, Stdio};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use locus_proto::client::{ClientOptions, MetadataClient};
+use locus_proto::manifest::{BlobHash, Entry, EntryKind, RelPath};
+use locus_proto::pb;
+
+pub const LOCUS: &str = env!("CARGO_BIN_EXE_locus");
+
+static RUN: AtomicUsize = AtomicUsize::new(0);
+
+/// One test's run directory. Keeps it (and says where) if the test panics.
+pub struct Harness {
+    pub root: PathBuf,
+}
+
+impl Harness {
+    pub fn new(test: &str) -> Self {
+        let n = RUN.fetch_add(1, Ordering::SeqCst);
+        let root = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
+            .join("runs")
+            .join(format!("{test}-{}-{n}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&root);
+        std::fs::create_dir_all(&root).expect("create the test run directory");
+        Harness { root }
+    }
+
+    pub fn path(&self, rel: &str) -> PathBuf {
+        self.root.join(rel)
+    }
+}
+
+impl Drop for Harness {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            eprintln!("test failed: logs and data kept in {}", self.root.display());
+            for e in std::fs::read_dir(&self.root).into_iter().flatten().flatten() {
+                let p = e.path();
+                if p.extension().is_some_and(|x| x == "log") {
+                    let text = std::fs::read_to_string(&p).unwrap_or_default();
+                    let tail: Vec<_> = text.lines().rev().take(40).collect();
+                    eprintln!("--- last lines of {} ---", p.display());
+                    for l in tail.iter().rev() {
+                        eprintln!("{l}");
+                    }
+                }
+            }
+        } else {
+            let _ = std::fs::remove_dir_all(&self.root);
+        }
+    }
+}
+
+/// A token the harness configures, with its role.
+#[derive(Clone, Debug)]
+pub struct Token {
+    pub name: &'static str,
+    pub role: &'static str,
+    pub secret: String,
+}
+
+pub fn tokens() -> Vec<Token> {
+    ["admin", "node", "reader"]
+        .iter()
+        .map(|role| Token {
+            name: match *role {
+                "admin" => "ops",
+                "node" => "gpu-node",
+                _ => "trainer",
+            },
+            role,
+            secret: format!("{role}-secret-0123456789abcdef"),
+        })
+        .collect()
+}
+
+#[derive(Clone, Debug, Default)]
+pub struct MetadataOpts {
+    pub tokens: Vec<Token>,
+    pub tls: bool,
+    pub liveness_timeout: Option<&'static str>,
+    pub session_timeout: Option<&'static str>,
+    pub extra: Vec<String>,
+}
+
+/// A running (or stopped) `locus metadata serve`.
+pub struct Metadata {
+    pub name: String,
+    pub data_dir: PathBuf,
+    pub log: PathBuf,
+    pub grpc: SocketAddr,
+    pub http: SocketAddr,
+    pub opts: MetadataOpts,
+    pub ca_pem: Option<Vec<u8>>,
+    dir: PathBuf,
+    child: Option<Child>,
+}
+
+impl Drop for Metadata {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+fn spawn_logged(args: &[OsString], log: &Path) -> Child {
+    let out = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(log)
+        .expect("open the daemon log");
+    Command::new(LOCUS)
+        .args(args)
+        .env("RUST_LOG", "info")
+        .env_remove("LOCUS_TOKEN")
+        .env_remove("LOCUS_METADATA")
+        .stdin(Stdio::null())
+        .stdout(out.try_clone().expect("clone log handle"))
+        .stderr(out)
+        .spawn()
+        .expect("spawn locus")
+}
+
+#[allow(unsafe_code)]
+fn signal(child: &Child, sig: i32) {
+    // SAFETY: kill(2) on a pid we spawned and have not reaped; no memory is involved.
+    unsafe {
+        libc::kill(child.id() as libc::pid_t, sig);
+    }
+}
+
+/// Polls `f` until it returns Some, or panics after `timeout` with `what`.
+pub async fn wait_until<T, F, Fut>(what: &str, timeout: Duration, mut f: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Option<T>>,
+{
+    let deadline = Instant::now() + timeout;
+    loop {
+        if let Some(v) = f().await {
+            return v;
+        }
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+impl Harness {
+    /// Starts a metadata service on free loopback ports and waits until it answers.
+    pub async fn start_metadata(&self, name: &str, opts: MetadataOpts) -> Metadata {
+        let dir = self.path(name);
+        std::fs::create_dir_all(&dir).unwrap();
+        let ca_pem = if opts.tls { Some(make_tls(&dir)) } else { None };
+        if !opts.tokens.is_empty() {
+            let mut t = String::new();
+            for tok in &opts.tokens {
+                t.push_str(&format!(
+                    "[[token]]\nname = \"{}\"\nrole = \"{}\"\ntoken = \"{}\"\n",
+                    tok.name, tok.role, tok.secret
+                ));
+            }
+            std::fs::write(dir.join("tokens.toml"), t).unwrap();
+        }
+        let mut m = Metadata {
+            name: name.to_string(),
+            data_dir: dir.join("data"),
+            log: self.path(&format!("{name}.log")),
+            grpc: "127.0.0.1:0".parse().unwrap(),
+            http: "127.0.0.1:0".parse().unwrap(),
+            opts,
+            ca_pem,
+            dir,
+            child: None,
+        };
+        m.spawn();
+        m.wait_ready().await;
+        m
+    }
+}
+
+impl Metadata {
+    fn args(&self) -> Vec<OsString> {
+        let mut a: Vec<OsString> = vec!["metadata".into(), "serve".into(), "--data-dir".into()];
+        a.push(self.data_dir.clone().into());
+        a.push("--listen".into());
+        a.push(self.grpc.to_string().into());
+        a.push("--http-listen".into());
+        a.push(self.http.to_string().into());
+        a.push("--addr-file".into());
+        a.push(self.dir.join("addr").into());
+        if !self.opts.tokens.is_empty() {
+            a.push("--tokens-file".into());
+            a.push(self.dir.join("tokens.toml").into());
+        }
+        if self.opts.tls {
+            a.push("--tls-cert".into());
+            a.push(self.dir.join("server.pem").into());
+            a.push("--tls-key".into());
+            a.push(self.dir.join("server.key").into());
+        }
+        if let Some(t) = self.opts.liveness_timeout {
+            a.push("--liveness-timeout".into());
+            a.push(t.into());
+        }
+        if let Some(t) = self.opts.session_timeout {
+            a.push("--session-timeout".into());
+            a.push(t.into());
+        }
+        a.extend(self.opts.extra.iter().map(OsString::from));
+        a
+    }
+
+    fn spawn(&mut self) {
+        let _ = std::fs::remove_file(self.dir.join("addr"));
+        self.child = Some(spawn_logged(&self.args(), &self.log));
+    }
+
+    async fn wait_ready(&mut self) {
+        let addr_file = self.dir.join("addr");
+        let log = self.log.clone();
+        let mut child = self.child.take().expect("spawned");
+        let (grpc, http) = wait_until("the metadata service to listen", Duration::from_secs(30), || {
+            let exited = child.try_wait().ok().flatten();
+            let addr_file = addr_file.clone();
+            let log = log.clone();
+            async move {
+                if let Some(st) = exited {
+                    panic!(
+                        "metadata service exited with {st} before listening:\n{}",
+                        std::fs::read_to_string(&log).unwrap_or_default()
+                    );
+                }
+                let s = std::fs::read_to_string(&addr_file).ok()?;
+                let get = |k: &str| {
+                    s.lines()
+                        .find_map(|l| l.strip_prefix(k))
+                        .and_then(|v| v.parse::<SocketAddr>().ok())
+                };
+                Some((get("grpc=")?, get("http=")?))
+            }
+        })
+        .await;
+        self.child = Some(child);
+        self.grpc = grpc;
+        self.http = http;
+        let token = self.opts.tokens.first().map(|t| t.secret.clone());
+        let opts = self.client_options(token);
+        wait_until("the metadata service to answer", Duration::from_secs(30), || {
+            let opts = opts.clone();
+            async move {
+                let mut c = locus_proto::client::connect(&opts).await.ok()?;
+                c.get_cluster_info(pb::GetClusterInfoRequest {}).await.ok()
+            }
+        })
+        .await;
+    }
+
+    pub fn url(&self) -> String {
+        if self.opts.tls {
+            format!("https://localhost:{}", self.grpc.port())
+        } else {
+            format!("http://{}", self.grpc)
+        }
+    }
+
+    pub fn client_options(&self, token: Option<String>) -> ClientOptions {
+        let mut o = ClientOptions::new(self.url()).with_token(token);
+        o.ca_cert_pem = self.ca_pem.clone();
+        o
+    }
+
+    /// A client with the token of `role` ("admin", "node", "reader"), or none.
+    pub async fn client(&self, role: Option<&str>) -> MetadataClient {
+        let token = role.map(|r| {
+            self.opts
+                .tokens
+                .iter()
+                .find(|t| t.role == r)
+                .unwrap_or_else(|| panic!("no {r} token configured"))
+                .secret
+                .clone()
+        });
+        locus_proto::client::connect(&self.client_options(token))
+            .await
+            .expect("connect to the metadata service")
+    }
+
+    /// Runs the `locus` CLI against this service, with the admin token if any.
+    pub fn cli(&self, args: &[&str]) -> Output {
+        let mut cmd = Command::new(LOCUS);
+        cmd.args(args)
+            .env("LOCUS_METADATA", self.url())
+            .env_remove("LOCUS_CONFIG");
+        cmd.env("HOME", &self.dir);
+        match self.opts.tokens.iter().find(|t| t.role == "admin") {
+            Some(t) => cmd.env("LOCUS_TOKEN", &t.secret),
+            None => cmd.env_remove("LOCUS_TOKEN"),
+        };
+        if self.opts.tls {
+            cmd.env("LOCUS_CA_CERT", self.dir.join("ca.pem"));
+        }
+        cmd.output().expect("run locus")
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.as_ref().map_or(0, Child::id)
+    }
+
+    pub fn kill9(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            c.kill().expect("kill -9");
+            c.wait().expect("reap");
+        }
+    }
+
+    pub fn sigstop(&self) {
+        signal(self.child.as_ref().expect("running"), libc::SIGSTOP);
+    }
+
+    pub fn sigcont(&self) {
+        signal(self.child.as_ref().expect("running"), libc::SIGCONT);
+    }
+
+    /// SIGTERM, then waits for the exit status (panics after 30 s). Async so that the
+    /// test's own client connections keep running and can answer the server's GOAWAY.
+    pub async fn terminate(&mut self) -> ExitStatus {
+        let mut c = self.child.take().expect("running");
+        signal(&c, libc::SIGTERM);
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            if let Some(st) = c.try_wait().expect("wait") {
+                return st;
+            }
+            if Instant::now() > deadline {
+                let _ = c.kill();
+                panic!("metadata service did not stop within 30 s of SIGTERM");
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    /// Starts it again on the same data dir and ports.
+    pub async fn restart(&mut self) {
+        assert!(self.child.is_none(), "stop it first");
+        self.spawn();
+        self.wait_ready().await;
+    }
+
+    pub fn audit_lines(&self) -> Vec<serde_json::Value> {
+        std::fs::read_to_string(self.data_dir.join("audit.log"))
+            .unwrap_or_default()
+            .lines()
+            .map(|l| serde_json::from_str(l).expect("audit lines are JSON"))
+            .collect()
+    }
+}
+
+/// A self-signed CA and a server certificate for `localhost`, made with openssl(1).
+fn make_tls(dir: &Path) -> Vec<u8> {
+    let run = |args: &[&str]| {
+        let st = Command::new("openssl")
+            .args(args)
+            .current_dir(dir)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status()
+            .expect("openssl is needed for the TLS test");
+        assert!(st.success(), "openssl {args:?} failed");
+    };
+    run(&[
+        "req",
+        "-x509",
+        "-newkey",
+        "ec",
+        "-pkeyopt",
+        "ec_paramgen_curve:prime256v1",
+        "-nodes",
+        "-keyout",
+        "ca.key",
+        "-out",
+        "ca.pem",
+        "-days",
+        "2",
+        "-subj",
+        "/CN=locus test CA",
+    ]);
+    run(&[
+        "req",
+        "-newkey",
+        "ec",
+        "-pkeyopt",
+        "ec_paramgen_curve:prime256v1",
+        "-nodes",
+        "-keyout",
+        "server.key",
+        "-out",
+        "server.csr",
+        "-subj",
+        "/CN=localhost",
+    ]);
+    std::fs::write(dir.join("ext.cnf"), "subjectAltName=DNS:localhost,IP:127.0.0.1\n").unwrap();
+    run(&[
+        "x509",
+        "-req",
+        "-in",
+        "server.csr",
+        "-CA",
+        "ca.pem",
+        "-CAkey",
+        "ca.key",
+        "-CAcreateserial",
+        "-out",
+        "server.pem",
+        "-days",
+        "2",
+        "-extfile",
+        "ext.cnf",
+    ]);
+    std::fs::read(dir.join("ca.pem")).unwrap()
+}
+
+// ---------------------------------------------------------------------------------------
+// Manifests
+
+/// A deterministic synthetic manifest: `files` files spread over directories of
+/// `per_dir` files each, under `top/`; sizes vary from 0 to a few chunks. Files go into
+/// shards of `files_per_shard` in path order. Returns the entries and shard records.
+pub fn synthetic_manifest(
+    seed: &str,
+    files: usize,
+    per_dir: usize,
+    files_per_shard: usize,
+    chunk_size: u32,
+) -> (Vec<pb::Entry>, Vec<pb::Shard>) {
+    let mut entries = vec![dir_entry("top")];
+    let mut shards: Vec<pb::Shard> = Vec::new();
+    for i in 0..files {
+        if i % per_dir == 0 {
+            entries.push(dir_entry(&format!("top/d{:05}", i / per_dir)));
+        }
+        let size = match i % 7 {
+            0 => 0,
+            1 => u64::from(chunk_size) * 2 + 17,
+            _ => (i as u64 * 7919) % 200_000,
+        };
+        let shard = (i / files_per_shard) as u32;
+        if shards.len() <= shard as usize {
+            shards.push(pb::Shard {
+                id: shard,
+                ..Default::default()
+            });
+        }
+        let s = &mut shards[shard as usize];
+        s.bytes += size;
+        s.files += 1;
+        let name = format!("top/d{:05}/{seed}-f{i:07}.bin", i / per_dir);
+        let blob = BlobHash::of(name.as_bytes());
+        let chunks = (0..size.div_ceil(u64::from(chunk_size)))
+            .map(|c| BlobHash::of(format!("{name}#{c}").as_bytes()))
+            .collect();
+        entries.push(pb::Entry::from(Entry {
+            path: RelPath::try_from(name).unwrap(),
+            kind: EntryKind::File {
+                size,
+                blob,
+                chunks,
+                shard,
+            },
+            mode: 0o644,
+            mtime_ns: 1_700_000_000_000_000_000 + i as i64,
+        }));
+    }
+    (entries, shards)
+}
+
+pub fn dir_entry(path: &str) -> pb::Entry {
+    pb::Entry {
+        path: path.into(),
+        kind: pb::EntryKind::Dir as i32,
+        mode: 0o755,
+        mtime_ns: 1_700_000_000_000_000_000,
+        ..Default::default()
+    }
+}
+
+/// Opens a session, uploads the manifest in pages and commits it.
+pub async fn commit(
+    c: &mut MetadataClient,
+    dataset: &str,
+    chunk_size: u32,
+    entries: Vec<pb::Entry>,
+    shards: Vec<pb::Shard>,
+) -> Result<pb::Version, tonic::Status> {
+    let s = c
+        .begin_version(pb::BeginVersionRequest {
+            dataset: dataset.into(),
+            replication: 1,
+            chunk_size,
+            ..Default::default()
+        })
+        .await?
+        .into_inner();
+    locus_proto::client::put_entries_paged(c, s.session_id, entries).await?;
+    locus_proto::client::put_shards_paged(c, s.session_id, shards).await?;
+    let v = c
+        .commit_version(pb::CommitVersionRequest {
+            session_id: s.session_id,
+        })
+        .await?
+        .into_inner();
+    Ok(v.version.expect("commit returns the version"))
+}
+
+/// Every entry of a version, sorted by path.
+pub async fn all_entries(c: &mut MetadataClient, dataset: &str, version: u64) -> Vec<pb::Entry> {
+    let (_, mut e) = locus_proto::client::list_all_entries(
+        c,
+        pb::VersionRef {
+            dataset: dataset.into(),
+            version,
+        },
+        None,
+        false,
+    )
+    .await
+    .expect("list entries");
+    e.sort_by(|a, b| a.path.cmp(&b.path));
+    e
+}
+
+pub fn sorted(mut e: Vec<pb::Entry>) -> Vec<pb::Entry> {
+    e.sort_by(|a, b| a.path.cmp(&b.path));
+    e
+}
+
+pub fn stdout(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+pub fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
