@@ -1,7 +1,10 @@
 // Generates the gRPC code from proto/*.proto. Needs `protoc` (Debian: protobuf-compiler),
 // which .ci/run installs; PROTOC may point at another one.
 fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let protos = ["proto/locus/metadata/v1/metadata.proto"];
+    let protos = [
+        "proto/locus/metadata/v1/metadata.proto",
+        "proto/locus/node/v1/node.proto",
+    ];
     for p in &protos {
         println!("cargo:rerun-if-changed={p}");
     }

@@ -79,6 +79,7 @@ pub struct MetadataServerFile {
     pub insecure: Option<bool>,
     pub liveness_timeout: Option<String>,
     pub session_timeout: Option<String>,
+    pub repair_interval: Option<String>,
     pub audit_log: Option<PathBuf>,
 }
 

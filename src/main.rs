@@ -31,7 +31,7 @@ enum Command {
     /// Run or manage the metadata service.
     #[command(subcommand)]
     Metadata(cmd::metadata::MetadataCmd),
-    /// Inspect cache nodes.
+    /// Run, list and drain cache nodes.
     #[command(subcommand)]
     Node(cmd::node::NodeCmd),
     /// List, inspect and delete datasets and their versions.

@@ -7,7 +7,8 @@ use serde::Serialize;
 pub fn table(headers: &[&str], rows: &[Vec<String>]) {
     let mut width: Vec<usize> = headers.iter().map(|h| h.len()).collect();
     for r in rows {
-        for (i, c) in r.iter().enumerate() {
+        debug_assert_eq!(r.len(), headers.len(), "a row must have a cell per column");
+        for (i, c) in r.iter().enumerate().take(width.len()) {
             width[i] = width[i].max(c.chars().count());
         }
     }
@@ -17,7 +18,7 @@ pub fn table(headers: &[&str], rows: &[Vec<String>]) {
             if i + 1 == cells.len() {
                 s.push_str(c);
             } else {
-                s.push_str(&format!("{c:<w$}  ", w = width[i]));
+                s.push_str(&format!("{c:<w$}  ", w = width.get(i).copied().unwrap_or(0)));
             }
         }
         println!("{}", s.trim_end());

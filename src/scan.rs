@@ -16,6 +16,10 @@ pub struct Scanned {
     pub shards: Vec<pb::Shard>,
     pub files: u64,
     pub bytes: u64,
+    /// For each distinct blob, one local file holding it and its size.
+    pub blobs: std::collections::HashMap<BlobHash, (std::path::PathBuf, u64)>,
+    /// For each shard, its distinct blobs.
+    pub shard_blobs: Vec<Vec<BlobHash>>,
 }
 
 /// Hashes a file: the BLAKE3 of its content and of each `chunk_size` piece.
@@ -49,15 +53,53 @@ pub fn hash_file(path: &Path, chunk_size: u32) -> anyhow::Result<(u64, BlobHash,
     Ok((size, BlobHash(*whole.finalize().as_bytes()), chunks))
 }
 
-/// Scans `root` into a manifest with `chunk_size` chunks and shards of about `shard_size`.
-pub fn scan_dir(root: &Path, chunk_size: u32, shard_size: u64) -> anyhow::Result<Scanned> {
+/// Scans `root` into a manifest with `chunk_size` chunks and shards of about `shard_size`,
+/// hashing files on `threads` threads. `progress` is told the bytes hashed so far.
+pub fn scan_dir_parallel(
+    root: &Path,
+    chunk_size: u32,
+    shard_size: u64,
+    threads: usize,
+    progress: &(dyn Fn(u64) + Sync),
+) -> anyhow::Result<Scanned> {
+    use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
     let mut found = Vec::new();
     walk(root, "", &mut found)?;
     found.sort_by(|a, b| a.0.cmp(&b.0));
+    let files_idx: Vec<usize> = (0..found.len()).filter(|i| found[*i].1.file_type().is_file()).collect();
+    let next = AtomicUsize::new(0);
+    let done = AtomicU64::new(0);
+    let results: Vec<std::sync::Mutex<Option<(u64, BlobHash, Vec<BlobHash>)>>> =
+        (0..found.len()).map(|_| std::sync::Mutex::new(None)).collect();
+    let first_err: std::sync::Mutex<Option<anyhow::Error>> = std::sync::Mutex::new(None);
+    std::thread::scope(|s| {
+        for _ in 0..threads.max(1) {
+            s.spawn(|| loop {
+                let k = next.fetch_add(1, Ordering::Relaxed);
+                let Some(&i) = files_idx.get(k) else { break };
+                match hash_file(&root.join(&found[i].0), chunk_size) {
+                    Ok(r) => {
+                        progress(done.fetch_add(r.0, Ordering::Relaxed) + r.0);
+                        *results[i].lock().expect("no panics while held") = Some(r);
+                    }
+                    Err(e) => {
+                        first_err.lock().expect("no panics while held").get_or_insert(e);
+                        next.store(usize::MAX / 2, Ordering::Relaxed);
+                        break;
+                    }
+                }
+            });
+        }
+    });
+    if let Some(e) = first_err.into_inner().expect("threads joined") {
+        return Err(e);
+    }
     let mut entries = Vec::with_capacity(found.len());
     let mut shards: Vec<pb::Shard> = Vec::new();
+    let mut blobs = std::collections::HashMap::new();
+    let mut shard_blobs: Vec<Vec<BlobHash>> = Vec::new();
     let (mut files, mut bytes) = (0u64, 0u64);
-    for (rel, meta) in found {
+    for (i, (rel, meta)) in found.into_iter().enumerate() {
         let path = RelPath::try_from(rel.as_str()).map_err(|e| anyhow::anyhow!("{rel:?}: {}", e.reason))?;
         let full = root.join(&rel);
         let ft = meta.file_type();
@@ -72,7 +114,11 @@ pub fn scan_dir(root: &Path, chunk_size: u32, shard_size: u64) -> anyhow::Result
                 .to_string();
             EntryKind::Symlink { target }
         } else {
-            let (size, blob, chunks) = hash_file(&full, chunk_size)?;
+            let (size, blob, chunks) = results[i]
+                .lock()
+                .expect("threads joined")
+                .take()
+                .expect("every file was hashed");
             // Start a new shard when this file would overflow the current one, and give a
             // file of at least a shard's size a shard of its own.
             let start_new = match shards.last() {
@@ -84,6 +130,10 @@ pub fn scan_dir(root: &Path, chunk_size: u32, shard_size: u64) -> anyhow::Result
                     id: shards.len() as u32,
                     ..Default::default()
                 });
+                shard_blobs.push(Vec::new());
+            }
+            if blobs.insert(blob, (full.clone(), size)).is_none() || !shard_blobs.last().expect("pushed").contains(&blob) {
+                shard_blobs.last_mut().expect("pushed").push(blob);
             }
             let s = shards.last_mut().expect("a shard was just ensured");
             s.bytes += size;
@@ -109,7 +159,15 @@ pub fn scan_dir(root: &Path, chunk_size: u32, shard_size: u64) -> anyhow::Result
         shards,
         files,
         bytes,
+        blobs,
+        shard_blobs,
     })
+}
+
+/// Scans `root` on one thread per core, without progress reports.
+pub fn scan_dir(root: &Path, chunk_size: u32, shard_size: u64) -> anyhow::Result<Scanned> {
+    let threads = std::thread::available_parallelism().map_or(2, |n| n.get());
+    scan_dir_parallel(root, chunk_size, shard_size, threads, &|_| {})
 }
 
 fn walk(root: &Path, rel: &str, out: &mut Vec<(String, std::fs::Metadata)>) -> anyhow::Result<()> {

@@ -240,6 +240,24 @@ async fn bad_input_is_refused_with_a_message_and_changes_nothing() {
     assert_eq!(e.code(), Code::InvalidArgument);
     assert!(e.message().contains("more than once"), "{}", e.message());
 
+    // An oversized message (a 40 MiB page) is refused by the server before it is decoded,
+    // and the session is untouched.
+    let channel = tonic::transport::Endpoint::from_shared(m.url()).unwrap().connect().await.unwrap();
+    let mut raw = pb::metadata_client::MetadataClient::new(channel).max_encoding_message_size(usize::MAX);
+    let mut huge = good[2].clone();
+    huge.path = "huge".into();
+    huge.size = (1u64 << 22) * 1_300_000;
+    huge.chunks = vec![vec![9u8; 32]; 1_300_000];
+    let e = raw
+        .put_entries(pb::PutEntriesRequest {
+            session_id: s.session_id,
+            page: 1,
+            entries: vec![huge],
+        })
+        .await
+        .unwrap_err();
+    assert!(matches!(e.code(), Code::OutOfRange | Code::ResourceExhausted), "{e:?}");
+
     // Versions that do not exist.
     for (ds, v) in [("good", 7u64), ("nosuch", 1), ("nosuch", 0)] {
         let e = c

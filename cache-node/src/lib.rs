@@ -1,5 +1,398 @@
-//! The Locus cache node: the blob store on a GPU host's NVMe, the node API its peers and
-//! the import call, and the local socket the FUSE mount asks for blobs.
+//! The Locus cache node: the blob store on a GPU host's NVMe, the node API its peers,
+//! importers and the repair loop use, and the local socket the FUSE mount asks for blobs.
 //!
-//! This crate is empty until the cache-node work lands; nothing here is in use yet. It
-//! depends only on `locus-proto` and must never reach into another Locus crate.
+//! Background work of a running node: heartbeats (with space and inventory figures), pin
+//! sync (the metadata service says which blobs this node must hold; the node pins exactly
+//! those and fetches any that are missing — after a crash, a quarantine, or a repair it
+//! missed), and scrub (re-verifies stored blobs at a bounded rate; a blob that fails is
+//! quarantined and, if pinned, refetched by the next pin sync, which it triggers).
+//!
+//! It depends only on `locus-proto` and never reaches into another Locus crate.
+
+pub mod service;
+pub mod store;
+
+use std::collections::{HashMap, HashSet};
+use std::future::Future;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use locus_proto::client::{ClientOptions, MetadataClient};
+use locus_proto::{nodepb, pb, BlobHash, NodeId};
+use tokio::sync::Notify;
+use tonic::Status;
+
+use crate::service::NodeService;
+use crate::store::{BlobStore, StoreConfig};
+
+#[derive(Debug, Clone)]
+pub struct NodeConfig {
+    pub id: NodeId,
+    pub metadata: ClientOptions,
+    pub listen: SocketAddr,
+    /// Address peers and the metadata service use to reach this node; default: the bound
+    /// address (which must then not be a wildcard).
+    pub advertise: Option<String>,
+    pub local_socket: Option<PathBuf>,
+    pub store: StoreConfig,
+    pub labels: HashMap<String, String>,
+    pub heartbeat_interval: Duration,
+    pub pin_sync_interval: Duration,
+    /// Scrub rate in bytes per second; 0 disables scrubbing.
+    pub scrub_rate: u64,
+    pub addr_file: Option<PathBuf>,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum NodeError {
+    #[error(transparent)]
+    Store(#[from] store::StoreError),
+    #[error("cannot listen on {addr}: {reason}")]
+    Bind { addr: String, reason: String },
+    #[error("{0}")]
+    Config(String),
+    #[error("node API server failed: {0}")]
+    Serve(String),
+}
+
+/// The node's view of the rest of the cluster, through the metadata service.
+pub struct Peers {
+    opts: ClientOptions,
+    client: tokio::sync::Mutex<Option<MetadataClient>>,
+}
+
+impl Peers {
+    pub fn new(opts: ClientOptions) -> Self {
+        Self {
+            opts,
+            client: tokio::sync::Mutex::new(None),
+        }
+    }
+
+    pub async fn metadata(&self) -> Result<MetadataClient, Status> {
+        let mut c = self.client.lock().await;
+        if let Some(c) = c.as_ref() {
+            return Ok(c.clone());
+        }
+        let fresh = locus_proto::client::connect(&self.opts)
+            .await
+            .map_err(|e| Status::unavailable(e.to_string()))?;
+        *c = Some(fresh.clone());
+        Ok(fresh)
+    }
+
+    /// Live nodes holding `h` as a replica: (id, address).
+    pub async fn locate(&self, h: &BlobHash) -> Result<Vec<(String, String)>, Status> {
+        let mut m = self.metadata().await?;
+        let r = m
+            .locate_blobs(pb::LocateBlobsRequest {
+                hashes: vec![h.0.to_vec()],
+            })
+            .await?
+            .into_inner();
+        Ok(r.blobs
+            .into_iter()
+            .next()
+            .map(|b| b.nodes.into_iter().zip(b.addresses).collect())
+            .unwrap_or_default())
+    }
+}
+
+fn bind(addr: SocketAddr) -> Result<tokio::net::TcpListener, NodeError> {
+    let err = |e: std::io::Error| NodeError::Bind {
+        addr: addr.to_string(),
+        reason: e.to_string(),
+    };
+    let sock = if addr.is_ipv4() {
+        tokio::net::TcpSocket::new_v4()
+    } else {
+        tokio::net::TcpSocket::new_v6()
+    }
+    .map_err(err)?;
+    sock.set_reuseaddr(true).map_err(err)?;
+    sock.bind(addr).map_err(err)?;
+    sock.listen(1024).map_err(err)
+}
+
+/// Runs a cache node until `shutdown` completes.
+pub async fn serve(cfg: NodeConfig, shutdown: impl Future<Output = ()> + Send + 'static) -> Result<(), NodeError> {
+    let (store, rep) = BlobStore::open(cfg.store.clone())?;
+    tracing::info!(
+        indexed = rep.indexed,
+        missing = rep.missing,
+        adopted = rep.adopted,
+        quarantined = rep.quarantined,
+        tmp_removed = rep.tmp_removed,
+        "blob store opened"
+    );
+    if rep.missing > 0 {
+        tracing::warn!(missing = rep.missing, "blobs in the index were missing on disk; pin sync will refetch pinned ones");
+    }
+    let listener = bind(cfg.listen)?;
+    let bound = listener.local_addr().map_err(|e| NodeError::Bind {
+        addr: cfg.listen.to_string(),
+        reason: e.to_string(),
+    })?;
+    let advertise = match &cfg.advertise {
+        Some(a) => a.clone(),
+        None if bound.ip().is_unspecified() => {
+            return Err(NodeError::Config(format!(
+                "listening on {bound}: give --advertise HOST:PORT so peers know where to reach this node"
+            )))
+        }
+        None => bound.to_string(),
+    };
+    let peers = Arc::new(Peers::new(cfg.metadata.clone()));
+    let svc = NodeService {
+        store: store.clone(),
+        peers: peers.clone(),
+        id: cfg.id.to_string(),
+        local: false,
+    };
+
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    tokio::spawn(async move {
+        shutdown.await;
+        let _ = stop_tx.send(true);
+    });
+    let stopped = |mut rx: tokio::sync::watch::Receiver<bool>| async move {
+        let _ = rx.wait_for(|s| *s).await;
+    };
+
+    let mut uds = None;
+    if let Some(p) = &cfg.local_socket {
+        let _ = std::fs::remove_file(p);
+        let l = tokio::net::UnixListener::bind(p).map_err(|e| NodeError::Bind {
+            addr: p.display().to_string(),
+            reason: e.to_string(),
+        })?;
+        let local = NodeService {
+            local: true,
+            ..svc.clone()
+        };
+        let rx = stop_rx.clone();
+        uds = Some(tokio::spawn(async move {
+            let incoming = tokio_stream::wrappers::UnixListenerStream::new(l);
+            if let Err(e) = tonic::transport::Server::builder()
+                .add_service(node_server(local))
+                .serve_with_incoming_shutdown(incoming, stopped(rx))
+                .await
+            {
+                tracing::error!("local socket server failed: {e}");
+            }
+        }));
+    }
+    if let Some(path) = &cfg.addr_file {
+        let tmp = path.with_extension("tmp");
+        std::fs::write(&tmp, format!("grpc={bound}\n"))
+            .and_then(|_| std::fs::rename(&tmp, path))
+            .map_err(|e| NodeError::Config(format!("cannot write {}: {e}", path.display())))?;
+    }
+    tracing::info!(node = %cfg.id, %bound, %advertise, "cache node listening");
+
+    let resync = Arc::new(Notify::new());
+    let agent = tokio::spawn(agent(cfg.clone(), advertise, store.clone(), peers.clone(), resync.clone(), stop_rx.clone()));
+    let scrubber = tokio::spawn(scrub(store.clone(), cfg.scrub_rate, resync.clone(), stop_rx.clone()));
+
+    let incoming = tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
+    let server = tonic::transport::Server::builder()
+        .add_service(node_server(svc))
+        .serve_with_incoming_shutdown(incoming, stopped(stop_rx.clone()));
+    let mut rx = stop_rx.clone();
+    let deadline = async move {
+        let _ = rx.wait_for(|s| *s).await;
+        tokio::time::sleep(Duration::from_secs(10)).await;
+    };
+    tokio::select! {
+        r = server => r.map_err(|e| NodeError::Serve(locus_proto::client::error_chain(&e)))?,
+        _ = deadline => tracing::warn!("transfers still running after 10 s; stopping anyway"),
+    }
+    agent.abort();
+    scrubber.abort();
+    if let Some(u) = uds {
+        let _ = tokio::time::timeout(Duration::from_secs(2), u).await;
+    }
+    if let Some(p) = &cfg.local_socket {
+        let _ = std::fs::remove_file(p);
+    }
+    tracing::info!("cache node stopped");
+    Ok(())
+}
+
+fn node_server(svc: NodeService) -> nodepb::node_server::NodeServer<NodeService> {
+    nodepb::node_server::NodeServer::new(svc)
+        .max_decoding_message_size(locus_proto::MAX_MESSAGE_BYTES)
+        .max_encoding_message_size(locus_proto::MAX_MESSAGE_BYTES)
+}
+
+async fn register(cfg: &NodeConfig, advertise: &str, store: &BlobStore, peers: &Peers) -> Result<(), Status> {
+    let s = store.stats();
+    let mut m = peers.metadata().await?;
+    m.register_node(pb::RegisterNodeRequest {
+        id: cfg.id.to_string(),
+        address: advertise.to_string(),
+        labels: cfg.labels.clone(),
+        capacity_bytes: s.capacity,
+        free_bytes: s.placeable,
+        used_bytes: s.used,
+    })
+    .await?;
+    Ok(())
+}
+
+/// Registration, heartbeats and pin sync, until stopped.
+async fn agent(
+    cfg: NodeConfig,
+    advertise: String,
+    store: Arc<BlobStore>,
+    peers: Arc<Peers>,
+    resync: Arc<Notify>,
+    mut stop: tokio::sync::watch::Receiver<bool>,
+) {
+    let mut registered = false;
+    let mut last_sync = tokio::time::Instant::now() - cfg.pin_sync_interval;
+    loop {
+        if !registered {
+            match register(&cfg, &advertise, &store, &peers).await {
+                Ok(()) => {
+                    tracing::info!(node = %cfg.id, "registered with the metadata service");
+                    registered = true;
+                }
+                Err(s) => tracing::warn!("cannot register yet: {}", s.message()),
+            }
+        } else {
+            let s = store.stats();
+            let hb = async {
+                peers
+                    .metadata()
+                    .await?
+                    .heartbeat(pb::HeartbeatRequest {
+                        id: cfg.id.to_string(),
+                        free_bytes: s.placeable,
+                        used_bytes: s.used,
+                        pinned_bytes: s.pinned,
+                        cached_bytes: s.cached,
+                        blobs: s.blobs,
+                    })
+                    .await
+            };
+            match hb.await {
+                Ok(_) => {}
+                Err(s) if s.code() == tonic::Code::NotFound => registered = false,
+                Err(s) => tracing::warn!("heartbeat failed: {}", s.message()),
+            }
+        }
+        if registered && last_sync.elapsed() >= cfg.pin_sync_interval {
+            match sync_pins(&cfg, &store, &peers).await {
+                Ok((changed, fetched)) if changed + fetched > 0 => {
+                    tracing::info!(changed, fetched, "pins synced with the metadata service")
+                }
+                Ok(_) => {}
+                Err(s) => tracing::warn!("pin sync failed: {}", s.message()),
+            }
+            last_sync = tokio::time::Instant::now();
+        }
+        tokio::select! {
+            _ = tokio::time::sleep(cfg.heartbeat_interval) => {}
+            _ = resync.notified() => last_sync = tokio::time::Instant::now() - cfg.pin_sync_interval,
+            _ = stop.wait_for(|s| *s) => return,
+        }
+    }
+}
+
+/// Pins exactly the blobs this node's shards need, and fetches those that are missing
+/// from live peers. Returns (pins changed, blobs fetched).
+async fn sync_pins(cfg: &NodeConfig, store: &Arc<BlobStore>, peers: &Peers) -> Result<(usize, usize), Status> {
+    let mut m = peers.metadata().await?;
+    let mut want: HashMap<BlobHash, (u64, u32)> = HashMap::new();
+    let mut token = Vec::new();
+    loop {
+        let r = m
+            .list_node_blobs(pb::ListNodeBlobsRequest {
+                node: cfg.id.to_string(),
+                page_token: token,
+                limit: 0,
+            })
+            .await?
+            .into_inner();
+        for b in r.blobs {
+            let h = BlobHash::from_slice("hash", &b.hash)?;
+            want.insert(h, (b.size, b.chunk_size));
+        }
+        if r.next_page_token.is_empty() {
+            break;
+        }
+        token = r.next_page_token;
+    }
+    let set: HashSet<BlobHash> = want.keys().copied().collect();
+    let st = store.clone();
+    let changed = tokio::task::spawn_blocking(move || st.sync_pins(&set))
+        .await
+        .map_err(|e| Status::internal(e.to_string()))?
+        .map_err(service::to_status)?;
+    let mut fetched = 0;
+    for (h, (size, cs)) in want {
+        if store.contains(&h) {
+            continue;
+        }
+        let mut done = false;
+        for (id, addr) in peers.locate(&h).await? {
+            if id == cfg.id.as_str() {
+                continue;
+            }
+            let Ok(mut peer) = locus_proto::client::connect_node(&addr, None, Duration::from_secs(3)).await else {
+                continue;
+            };
+            match service::fetch_from_peer(store, &mut peer, h, size, cs, true).await {
+                Ok(_) => {
+                    fetched += 1;
+                    done = true;
+                    tracing::info!(blob = %h, from = %id, "restored a missing pinned blob");
+                    break;
+                }
+                Err(s) => tracing::warn!(blob = %h, peer = %id, "refetch failed: {}", s.message()),
+            }
+        }
+        if !done {
+            tracing::warn!(blob = %h, "pinned blob missing and no peer could supply it");
+        }
+    }
+    Ok((changed, fetched))
+}
+
+/// Re-verifies every stored blob at about `rate` bytes per second, forever.
+async fn scrub(store: Arc<BlobStore>, rate: u64, resync: Arc<Notify>, mut stop: tokio::sync::watch::Receiver<bool>) {
+    if rate == 0 {
+        return;
+    }
+    loop {
+        let hashes = store.hashes();
+        if hashes.is_empty() {
+            tokio::select! {
+                _ = tokio::time::sleep(Duration::from_secs(1)) => continue,
+                _ = stop.wait_for(|s| *s) => return,
+            }
+        }
+        for h in hashes {
+            let st = store.clone();
+            let size = store.size_of(&h).unwrap_or(0);
+            let ok = tokio::task::spawn_blocking(move || st.verify(&h)).await;
+            match ok {
+                Ok(Ok(true)) => {}
+                Ok(Ok(false)) => {
+                    tracing::error!(blob = %h, "scrub found a corrupt blob; quarantined, refetching");
+                    resync.notify_one();
+                }
+                Ok(Err(e)) => tracing::warn!(blob = %h, "scrub could not verify: {e}"),
+                Err(e) => tracing::warn!("scrub task failed: {e}"),
+            }
+            let pause = Duration::from_secs_f64(size.max(4096) as f64 / rate as f64);
+            tokio::select! {
+                _ = tokio::time::sleep(pause) => {}
+                _ = stop.wait_for(|s| *s) => return,
+            }
+        }
+    }
+}

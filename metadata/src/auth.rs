@@ -76,12 +76,11 @@ pub fn required_access(method: &str) -> Option<Access> {
     Some(match method {
         "GetClusterInfo" => Access::Any,
         "RegisterNode" | "Heartbeat" => Access::Node,
-        "ListNodes" | "ListDatasets" | "GetDataset" | "GetVersion" | "ListEntries" | "ListShards" => {
-            Access::Read
-        }
+        "ListNodes" | "ListDatasets" | "GetDataset" | "GetVersion" | "ListEntries" | "ListShards"
+        | "LocateBlobs" => Access::Read,
         "DeleteVersion" | "DeleteDataset" | "BeginVersion" | "PutEntries" | "PutShards" | "CommitVersion"
-        | "AbortVersion" => Access::Admin,
-        "UpdateReplicas" => Access::NodeOrAdmin,
+        | "AbortVersion" | "PlaceShards" | "DrainNode" => Access::Admin,
+        "UpdateReplicas" | "ListNodeBlobs" => Access::NodeOrAdmin,
         _ => return None,
     })
 }

@@ -17,11 +17,12 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
-use locus_proto::manifest::{Entry, EntryKind};
+use locus_proto::manifest::{BlobHash, Entry, EntryKind};
 use locus_proto::{pb, DatasetName, DatasetRef, InvalidInput, NodeId, VersionSel};
 use prost::Message;
 
 use crate::keys;
+use crate::placement;
 use crate::records::*;
 use crate::store::{Batch, KvStore, StoreError, Table};
 use crate::Clock;
@@ -49,6 +50,8 @@ pub struct CatalogConfig {
     pub liveness_timeout: Duration,
     /// An import session idle this long is discarded.
     pub session_timeout: Duration,
+    /// How often under-replicated shards are looked for and repaired.
+    pub repair_interval: Duration,
 }
 
 impl Default for CatalogConfig {
@@ -56,17 +59,43 @@ impl Default for CatalogConfig {
         Self {
             liveness_timeout: Duration::from_secs(30),
             session_timeout: Duration::from_secs(3600),
+            repair_interval: Duration::from_secs(10),
         }
     }
 }
 
 /// What the service knows about a node between heartbeats; not persisted, a restarted
 /// service gives every node one liveness timeout of grace.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone, Copy, Default)]
 struct Live {
     last_seen_ms: i64,
     free: u64,
     used: u64,
+    pinned: u64,
+    cached: u64,
+    blobs: u64,
+}
+
+/// What a node reports with each heartbeat.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct NodeStats {
+    pub free: u64,
+    pub used: u64,
+    pub pinned: u64,
+    pub cached: u64,
+    pub blobs: u64,
+}
+
+/// One shard to re-replicate: copy it from `source` to `target`, then drop `drop`.
+#[derive(Debug, Clone)]
+pub struct RepairTask {
+    pub dataset: String,
+    pub version: u64,
+    pub shard: u32,
+    pub bytes: u64,
+    pub source: (String, String),
+    pub target: (String, String),
+    pub drop: Vec<String>,
 }
 
 /// A shard as an import session reports it.
@@ -229,6 +258,7 @@ impl Catalog {
                     last_seen_ms: started_ms,
                     free: rec.free_bytes,
                     used: rec.used_bytes,
+                    ..Default::default()
                 },
             );
         }
@@ -258,9 +288,12 @@ impl Catalog {
     pub fn register_node(&self, reg: NodeRegistration) -> Result<()> {
         let now = self.clock.now_ms();
         let key = reg.id.as_str().as_bytes();
-        let registered_at_ms = match self.store.get(Table::Nodes, key)? {
-            Some(v) => decode::<NodeRecord>(Table::Nodes, &v)?.registered_at_ms,
-            None => now,
+        let (registered_at_ms, draining) = match self.store.get(Table::Nodes, key)? {
+            Some(v) => {
+                let old = decode::<NodeRecord>(Table::Nodes, &v)?;
+                (old.registered_at_ms, old.draining)
+            }
+            None => (now, false),
         };
         let rec = NodeRecord {
             address: reg.address,
@@ -269,22 +302,20 @@ impl Catalog {
             free_bytes: reg.free,
             used_bytes: reg.used,
             registered_at_ms,
+            draining,
         };
         let mut b = Batch::default();
         b.put(Table::Nodes, key, rec.encode_to_vec());
         self.store.write(b, true)?;
-        lock(&self.live).insert(
-            reg.id.to_string(),
-            Live {
-                last_seen_ms: now,
-                free: reg.free,
-                used: reg.used,
-            },
-        );
+        let mut live = lock(&self.live);
+        let l = live.entry(reg.id.to_string()).or_default();
+        l.last_seen_ms = now;
+        l.free = reg.free;
+        l.used = reg.used;
         Ok(())
     }
 
-    pub fn heartbeat(&self, id: &NodeId, free: u64, used: u64) -> Result<()> {
+    pub fn heartbeat(&self, id: &NodeId, st: NodeStats) -> Result<()> {
         if self.store.get(Table::Nodes, id.as_str().as_bytes())?.is_none() {
             return Err(CatalogError::NotFound(format!(
                 "node {id} is not registered; register before sending heartbeats"
@@ -294,11 +325,40 @@ impl Catalog {
             id.to_string(),
             Live {
                 last_seen_ms: self.clock.now_ms(),
-                free,
-                used,
+                free: st.free,
+                used: st.used,
+                pinned: st.pinned,
+                cached: st.cached,
+                blobs: st.blobs,
             },
         );
         Ok(())
+    }
+
+    /// Marks a node draining (or not). Returns how many shards it still holds.
+    pub fn drain_node(&self, id: &NodeId, drain: bool) -> Result<u64> {
+        let key = id.as_str().as_bytes();
+        let mut rec: NodeRecord = match self.store.get(Table::Nodes, key)? {
+            Some(v) => decode(Table::Nodes, &v)?,
+            None => return Err(CatalogError::NotFound(format!("node {id} is not registered"))),
+        };
+        rec.draining = drain;
+        let mut b = Batch::default();
+        b.put(Table::Nodes, key, rec.encode_to_vec());
+        self.store.write(b, true)?;
+        self.node_shard_count(id.as_str())
+    }
+
+    fn node_shard_count(&self, id: &str) -> Result<u64> {
+        let mut prefix = id.as_bytes().to_vec();
+        prefix.push(0);
+        let end = crate::store::prefix_end(&prefix);
+        let mut n = 0;
+        for kv in self.store.scan(Table::NodeShards, &prefix, end.as_deref()) {
+            kv?;
+            n += 1;
+        }
+        Ok(n)
     }
 
     fn node_records(&self) -> Result<Vec<(String, NodeRecord)>> {
@@ -330,6 +390,7 @@ impl Catalog {
                     last_seen_ms: self.started_ms,
                     free: rec.free_bytes,
                     used: rec.used_bytes,
+                    ..Default::default()
                 });
                 let ago = (now - l.last_seen_ms).max(0);
                 let state = if ago <= timeout {
@@ -347,6 +408,10 @@ impl Catalog {
                     state: state as i32,
                     last_seen_ms_ago: ago as u64,
                     registered_at_ms: rec.registered_at_ms,
+                    pinned_bytes: l.pinned,
+                    cached_bytes: l.cached,
+                    blobs: l.blobs,
+                    draining: rec.draining,
                 }
             })
             .collect())
@@ -683,6 +748,12 @@ impl Catalog {
                 .into());
             }
             b.put(Table::Entries, key, entry_record(e).encode_to_vec());
+            if let EntryKind::File { size, blob, shard, .. } = &e.kind {
+                let mut v = size.to_be_bytes().to_vec();
+                v.extend_from_slice(&rec.chunk_size.to_be_bytes());
+                b.put(Table::ShardBlobs, keys::shard_blob(session, *shard, &blob.0), v);
+                b.put(Table::BlobShards, keys::blob_shard(&blob.0, session, *shard), Vec::new());
+            }
         }
         rec.entries += entries.len() as u64;
         rec.next_entry_page += 1;
@@ -868,11 +939,27 @@ impl Catalog {
         Ok(Self::version_pb(&rec.dataset, number, &vrec))
     }
 
-    fn discard_session(&self, b: &mut Batch, uid: u64) {
+    fn discard_session(&self, b: &mut Batch, uid: u64) -> Result<()> {
         let (from, to) = keys::uid_range(uid);
+        self.delete_shard_blobs(b, uid)?;
         b.delete_range(Table::Entries, from.clone(), to.clone());
         b.delete_range(Table::Shards, from, to);
         b.delete(Table::Sessions, keys::uid(uid));
+        Ok(())
+    }
+
+    /// Deletes the shard → blob and blob → shard rows of one version or session.
+    fn delete_shard_blobs(&self, b: &mut Batch, uid: u64) -> Result<()> {
+        let (from, to) = keys::uid_range(uid);
+        for kv in self.store.scan(Table::ShardBlobs, &from, Some(&to)) {
+            let (k, _) = kv?;
+            if k.len() == 44 {
+                let shard = keys::shard_id(&k).unwrap_or(0);
+                b.delete(Table::BlobShards, keys::blob_shard(&k[12..44], uid, shard));
+            }
+        }
+        b.delete_range(Table::ShardBlobs, from, to);
+        Ok(())
     }
 
     pub fn abort(&self, session: u64) -> Result<()> {
@@ -880,7 +967,7 @@ impl Catalog {
         let _s = lock(&self.sessions_lock);
         self.session(session)?;
         let mut b = Batch::default();
-        self.discard_session(&mut b, session);
+        self.discard_session(&mut b, session)?;
         self.store.write(b, true)?;
         Ok(())
     }
@@ -903,7 +990,7 @@ impl Catalog {
         }
         let mut b = Batch::default();
         for uid in &stale {
-            self.discard_session(&mut b, *uid);
+            self.discard_session(&mut b, *uid)?;
         }
         self.store.write(b, true)?;
         Ok(stale.len())
@@ -922,6 +1009,7 @@ impl Catalog {
                 b.delete(Table::NodeShards, keys::node_shard(node, v.uid, id));
             }
         }
+        self.delete_shard_blobs(b, v.uid)?;
         b.delete_range(Table::Entries, from.clone(), to.clone());
         b.delete_range(Table::Shards, from.clone(), to.clone());
         b.delete_range(Table::Resident, from, to);
@@ -1037,6 +1125,275 @@ impl Catalog {
         b.put(Table::Shards, key, s.encode_to_vec());
         self.store.write(b, true)?;
         Ok(s.replicas)
+    }
+
+    // ---------------------------------------------------------------------------------
+    // Placement, location, repair
+
+    /// Live, non-draining nodes as placement candidates.
+    fn candidates(&self) -> Result<Vec<(placement::Candidate, String)>> {
+        Ok(self
+            .list_nodes()?
+            .into_iter()
+            .filter(|n| n.state == pb::NodeState::Up as i32 && !n.draining)
+            .map(|n| {
+                let c = placement::Candidate {
+                    host: n.labels.get("host").cloned().unwrap_or_else(|| n.id.clone()),
+                    rack: n.labels.get("rack").cloned().unwrap_or_default(),
+                    free: n.free_bytes,
+                    id: n.id,
+                };
+                (c, n.address)
+            })
+            .collect())
+    }
+
+    /// Chooses `replication` nodes for each shard. Shards that cannot be placed are
+    /// returned with the reason, and debit nothing.
+    pub fn place_shards(
+        &self,
+        shards: &[(u32, u64)],
+        replication: u32,
+    ) -> Result<(Vec<(u32, Vec<String>)>, Vec<(u32, String)>)> {
+        if replication == 0 || replication > 16 {
+            return Err(InvalidInput::new("replication", "must be 1 to 16").into());
+        }
+        let mut seen = HashSet::new();
+        if let Some((id, _)) = shards.iter().find(|(id, _)| !seen.insert(*id)) {
+            return Err(InvalidInput::new("shards", format!("shard {id} is listed twice")).into());
+        }
+        let mut nodes: Vec<_> = self.candidates()?.into_iter().map(|(c, _)| c).collect();
+        let reqs: Vec<_> = shards
+            .iter()
+            .map(|(id, bytes)| placement::Request {
+                shard: *id,
+                bytes: *bytes,
+                replicas: replication as usize,
+                existing: Vec::new(),
+            })
+            .collect();
+        let mut placed = Vec::new();
+        let mut unplaced = Vec::new();
+        for (shard, o) in placement::place(&reqs, &mut nodes) {
+            match o {
+                placement::Outcome::Placed(n) => placed.push((shard, n)),
+                placement::Outcome::Unplaced(why) => unplaced.push((shard, why)),
+            }
+        }
+        Ok((placed, unplaced))
+    }
+
+    fn live_addresses(&self) -> Result<HashMap<String, String>> {
+        Ok(self
+            .list_nodes()?
+            .into_iter()
+            .filter(|n| n.state == pb::NodeState::Up as i32)
+            .map(|n| (n.id, n.address))
+            .collect())
+    }
+
+    /// For each blob, the live nodes that hold it as a replica.
+    pub fn locate_blobs(&self, hashes: &[BlobHash]) -> Result<Vec<(Vec<String>, Vec<String>)>> {
+        let live = self.live_addresses()?;
+        let mut out = Vec::with_capacity(hashes.len());
+        for h in hashes {
+            let end = crate::store::prefix_end(&h.0);
+            let mut nodes: Vec<String> = Vec::new();
+            for kv in self.store.scan(Table::BlobShards, &h.0, end.as_deref()) {
+                let (k, _) = kv?;
+                if k.len() != 44 {
+                    continue;
+                }
+                let uid = keys::u64_value(&k[32..40]).unwrap_or(0);
+                let shard = u32::from_be_bytes(k[40..44].try_into().expect("4 bytes"));
+                if let Some(v) = self.store.get(Table::Shards, &keys::shard(uid, shard))? {
+                    let rec: ShardRecord = decode(Table::Shards, &v)?;
+                    for n in rec.replicas {
+                        if live.contains_key(&n) && !nodes.contains(&n) {
+                            nodes.push(n);
+                        }
+                    }
+                }
+            }
+            let addrs = nodes.iter().map(|n| live[n].clone()).collect();
+            out.push((nodes, addrs));
+        }
+        Ok(out)
+    }
+
+    /// The blobs `node` must hold, a page at a time (whole shards per page). The token is
+    /// the last `node_shards` key covered.
+    pub fn list_node_blobs(
+        &self,
+        node: &NodeId,
+        token: &[u8],
+        limit: usize,
+    ) -> Result<(Vec<pb::NodeBlob>, Vec<u8>)> {
+        let mut prefix = node.as_str().as_bytes().to_vec();
+        prefix.push(0);
+        let end = crate::store::prefix_end(&prefix).expect("prefix ends in 0x00");
+        let start = if token.is_empty() {
+            prefix.clone()
+        } else {
+            if !token.starts_with(&prefix) {
+                return Err(InvalidInput::new("page_token", "does not belong to this node's listing").into());
+            }
+            let mut t = token.to_vec();
+            t.push(0);
+            t
+        };
+        let mut out = Vec::new();
+        let mut last = Vec::new();
+        let mut more = false;
+        for kv in self.store.scan(Table::NodeShards, &start, Some(&end)) {
+            let (k, _) = kv?;
+            if out.len() >= limit {
+                more = true;
+                break;
+            }
+            let tail = &k[prefix.len()..];
+            if tail.len() != 12 {
+                continue;
+            }
+            let uid = keys::u64_value(&tail[..8]).unwrap_or(0);
+            let shard = u32::from_be_bytes(tail[8..12].try_into().expect("4 bytes"));
+            for (hash, size, chunk_size) in self.shard_blobs(uid, shard)? {
+                out.push(pb::NodeBlob {
+                    hash: hash.0.to_vec(),
+                    size,
+                    chunk_size,
+                });
+            }
+            last = k.to_vec();
+        }
+        Ok((out, if more { last } else { Vec::new() }))
+    }
+
+    /// The blobs of one shard: (hash, size, chunk size).
+    pub fn shard_blobs(&self, uid: u64, shard: u32) -> Result<Vec<(BlobHash, u64, u32)>> {
+        let prefix = keys::shard(uid, shard);
+        let end = crate::store::prefix_end(&prefix);
+        let mut out = Vec::new();
+        for kv in self.store.scan(Table::ShardBlobs, &prefix, end.as_deref()) {
+            let (k, v) = kv?;
+            if k.len() != 44 || v.len() != 12 {
+                return Err(CatalogError::Corrupt {
+                    table: "shard_blobs",
+                    reason: "malformed row".into(),
+                });
+            }
+            let hash = BlobHash(k[12..44].try_into().expect("32 bytes"));
+            let size = keys::u64_value(&v[..8]).unwrap_or(0);
+            let chunk = u32::from_be_bytes(v[8..12].try_into().expect("4 bytes"));
+            out.push((hash, size, chunk));
+        }
+        Ok(out)
+    }
+
+    /// The blobs of a shard of a committed version, by reference.
+    pub fn version_shard_blobs(&self, r: &DatasetRef, shard: u32) -> Result<Vec<(BlobHash, u64, u32)>> {
+        let (_, v) = self.resolve(r)?;
+        self.shard_blobs(v.uid, shard)
+    }
+
+    /// Shards with fewer live replicas than their version's replication factor (replicas
+    /// on down or draining nodes do not count), each with a source and a new target.
+    /// Shards with no live replica at all are reported in the second list.
+    pub fn repair_plan(&self, limit: usize) -> Result<(Vec<RepairTask>, Vec<String>)> {
+        let nodes = self.list_nodes()?;
+        let serving: HashMap<&str, &pb::Node> = nodes
+            .iter()
+            .filter(|n| n.state == pb::NodeState::Up as i32)
+            .map(|n| (n.id.as_str(), n))
+            .collect();
+        let mut cands: Vec<placement::Candidate> = self.candidates()?.into_iter().map(|(c, _)| c).collect();
+        let cand_of = |n: &pb::Node| placement::Candidate {
+            id: n.id.clone(),
+            host: n.labels.get("host").cloned().unwrap_or_else(|| n.id.clone()),
+            rack: n.labels.get("rack").cloned().unwrap_or_default(),
+            free: 0,
+        };
+        let mut tasks = Vec::new();
+        let mut lost = Vec::new();
+        let versions: Vec<(String, u64, VersionRecord)> = self
+            .store
+            .scan(Table::Versions, b"", None)
+            .map(|kv| {
+                let (k, v) = kv?;
+                let name = String::from_utf8_lossy(&k[..k.len().saturating_sub(9)]).into_owned();
+                let n = keys::version_number(&k).unwrap_or(0);
+                Ok((name, n, decode::<VersionRecord>(Table::Versions, &v)?))
+            })
+            .collect::<Result<_>>()?;
+        for (name, n, v) in versions {
+            let (from, to) = keys::uid_range(v.uid);
+            for kv in self.store.scan(Table::Shards, &from, Some(&to)) {
+                let (k, val) = kv?;
+                let shard = keys::shard_id(&k).unwrap_or(0);
+                let rec: ShardRecord = decode(Table::Shards, &val)?;
+                if rec.replicas.is_empty() {
+                    continue; // an origin-only version: nothing to keep replicated
+                }
+                let counting: Vec<&pb::Node> = rec
+                    .replicas
+                    .iter()
+                    .filter_map(|r| serving.get(r.as_str()).copied())
+                    .filter(|n| !n.draining)
+                    .collect();
+                let drop: Vec<String> = rec
+                    .replicas
+                    .iter()
+                    .filter(|r| !counting.iter().any(|c| &c.id == *r))
+                    .cloned()
+                    .collect();
+                if counting.len() >= v.replication as usize {
+                    continue;
+                }
+                // A draining node that is still up can be the source.
+                let source = counting.first().copied().or_else(|| {
+                    rec.replicas.iter().find_map(|r| serving.get(r.as_str()).copied())
+                });
+                let Some(source) = source else {
+                    lost.push(format!("{name}@{n} shard {shard}: no live replica"));
+                    continue;
+                };
+                let req = placement::Request {
+                    shard,
+                    bytes: rec.bytes,
+                    replicas: counting.len() + 1,
+                    existing: rec
+                        .replicas
+                        .iter()
+                        .filter_map(|r| serving.get(r.as_str()).copied())
+                        .map(cand_of)
+                        .collect(),
+                };
+                // existing includes live draining replicas (so they are not chosen again);
+                // ask for one more replica than currently counts.
+                let req = placement::Request {
+                    replicas: req.existing.len() + 1,
+                    ..req
+                };
+                if let Some((_, placement::Outcome::Placed(t))) =
+                    placement::place(&[req], &mut cands).into_iter().next()
+                {
+                    let target = &t[0];
+                    tasks.push(RepairTask {
+                        dataset: name.clone(),
+                        version: n,
+                        shard,
+                        bytes: rec.bytes,
+                        source: (source.id.clone(), source.address.clone()),
+                        target: (target.clone(), serving[target.as_str()].address.clone()),
+                        drop: if counting.len() + 1 >= v.replication as usize { drop } else { Vec::new() },
+                    });
+                    if tasks.len() >= limit {
+                        return Ok((tasks, lost));
+                    }
+                }
+            }
+        }
+        Ok((tasks, lost))
     }
 }
 

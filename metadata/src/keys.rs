@@ -84,6 +84,21 @@ pub fn node_shard(node: &str, uid: u64, shard: u32) -> Vec<u8> {
     k
 }
 
+/// `uid | shard | blob`: the blobs one shard needs (value: size u64 BE, chunk size u32 BE).
+pub fn shard_blob(uid: u64, shard: u32, blob: &[u8; 32]) -> Vec<u8> {
+    let mut k = self::shard(uid, shard);
+    k.extend_from_slice(blob);
+    k
+}
+
+/// `blob | uid | shard`: the shards that need one blob, for locating it.
+pub fn blob_shard(blob: &[u8], uid: u64, shard: u32) -> Vec<u8> {
+    let mut k = blob.to_vec();
+    k.extend_from_slice(&uid.to_be_bytes());
+    k.extend_from_slice(&shard.to_be_bytes());
+    k
+}
+
 pub fn resident(uid: u64, node: &str) -> Vec<u8> {
     let mut k = uid.to_be_bytes().to_vec();
     k.extend_from_slice(node.as_bytes());

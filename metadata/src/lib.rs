@@ -13,12 +13,14 @@ pub mod auth;
 pub mod catalog;
 pub mod keys;
 pub mod metrics;
+pub mod placement;
 pub mod records;
+pub mod repair;
 pub mod server;
 pub mod service;
 pub mod store;
 
-pub use catalog::{Catalog, CatalogConfig, CatalogError};
+pub use catalog::{Catalog, CatalogConfig, CatalogError, NodeStats, RepairTask};
 pub use server::{serve, ServerConfig, ServerError};
 
 /// Wall-clock time in milliseconds since the Unix epoch, from a source tests can control.

@@ -11,6 +11,9 @@
 //! | locus_metadata_nodes | gauge | nodes | registered nodes by state (up, down) |
 //! | locus_metadata_open_sessions | gauge | sessions | import sessions not yet committed |
 //! | locus_metadata_store_bytes | gauge | bytes | size of the RocksDB directory |
+//! | locus_metadata_repairs_total | counter | shards | shard repairs by result (ok, failed) |
+//! | locus_metadata_repair_bytes_total | counter | bytes | bytes of shards re-replicated |
+//! | locus_metadata_shards_without_replica | gauge | shards | shards with no live replica |
 
 use std::time::Duration;
 
@@ -55,6 +58,9 @@ pub struct Metrics {
     pub nodes: Family<StateLabel, Gauge>,
     pub open_sessions: Gauge,
     pub store_bytes: Gauge,
+    pub repairs: Family<ReasonLabel, Counter>,
+    pub repair_bytes: Counter,
+    pub shards_lost: Gauge,
 }
 
 fn latency_histogram() -> Histogram {
@@ -74,6 +80,9 @@ impl Default for Metrics {
         let nodes = Family::<StateLabel, Gauge>::default();
         let open_sessions = Gauge::default();
         let store_bytes = Gauge::default();
+        let repairs = Family::<ReasonLabel, Counter>::default();
+        let repair_bytes = Counter::default();
+        let shards_lost = Gauge::default();
         registry.register(
             "rpc_requests",
             "gRPC calls by method and status code",
@@ -122,6 +131,9 @@ impl Default for Metrics {
             nodes,
             open_sessions,
             store_bytes,
+            repairs,
+            repair_bytes,
+            shards_lost,
         }
     }
 }

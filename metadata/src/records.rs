@@ -24,6 +24,9 @@ pub struct NodeRecord {
     pub used_bytes: u64,
     #[prost(int64, tag = "6")]
     pub registered_at_ms: i64,
+    /// Set by DrainNode: no new replicas, existing ones are moved away by repair.
+    #[prost(bool, tag = "7")]
+    pub draining: bool,
 }
 
 #[derive(Clone, PartialEq, prost::Message)]

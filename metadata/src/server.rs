@@ -164,6 +164,7 @@ pub async fn serve(
     );
 
     let reaper = tokio::spawn(reap_sessions(catalog.clone(), metrics.clone(), stop_rx.clone()));
+    let repairer = tokio::spawn(crate::repair::run(catalog.clone(), metrics.clone(), stop_rx.clone()));
     let http = http_listener.map(|l| {
         let app = http_router(catalog.clone(), metrics.clone());
         let rx = stop_rx.clone();
@@ -190,6 +191,7 @@ pub async fn serve(
         _ = drain_deadline => tracing::warn!("calls still running after 10 s; stopping anyway"),
     }
     reaper.abort();
+    repairer.abort();
     if let Some(h) = http {
         let _ = tokio::time::timeout(Duration::from_secs(5), h).await;
     }

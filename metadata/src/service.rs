@@ -129,15 +129,99 @@ impl pb::metadata_server::Metadata for MetadataService {
     async fn heartbeat(&self, req: Request<pb::HeartbeatRequest>) -> Res<pb::HeartbeatResponse> {
         let r = req.into_inner();
         let id = NodeId::try_from(r.id)?;
-        self.run(move |c| c.heartbeat(&id, r.free_bytes, r.used_bytes))
-            .await
-            .map_err(to_status)?;
+        let st = crate::catalog::NodeStats {
+            free: r.free_bytes,
+            used: r.used_bytes,
+            pinned: r.pinned_bytes,
+            cached: r.cached_bytes,
+            blobs: r.blobs,
+        };
+        self.run(move |c| c.heartbeat(&id, st)).await.map_err(to_status)?;
         Ok(Response::new(pb::HeartbeatResponse {}))
     }
 
     async fn list_nodes(&self, _req: Request<pb::ListNodesRequest>) -> Res<pb::ListNodesResponse> {
         let nodes = self.run(|c| c.list_nodes()).await.map_err(to_status)?;
         Ok(Response::new(pb::ListNodesResponse { nodes }))
+    }
+
+    async fn drain_node(&self, req: Request<pb::DrainNodeRequest>) -> Res<pb::DrainNodeResponse> {
+        let p = principal(&req);
+        let q = req.into_inner();
+        let id = NodeId::try_from(q.id)?;
+        let target = id.to_string();
+        let drain = q.drain;
+        let r = self.run(move |c| c.drain_node(&id, drain)).await;
+        let action = if drain { "node.drain" } else { "node.undrain" };
+        self.audit(&p, action, &target, &r, |n| format!("{n} shards held"));
+        let shards_remaining = r.map_err(to_status)?;
+        tracing::info!(node = %target, drain, shards_remaining, "node drain state changed");
+        Ok(Response::new(pb::DrainNodeResponse { shards_remaining }))
+    }
+
+    async fn list_node_blobs(&self, req: Request<pb::ListNodeBlobsRequest>) -> Res<pb::ListNodeBlobsResponse> {
+        let q = req.into_inner();
+        let id = NodeId::try_from(q.node)?;
+        let limit = match q.limit {
+            0 => 10_000,
+            n => n.min(100_000) as usize,
+        };
+        let (blobs, next_page_token) = self
+            .run(move |c| c.list_node_blobs(&id, &q.page_token, limit))
+            .await
+            .map_err(to_status)?;
+        Ok(Response::new(pb::ListNodeBlobsResponse {
+            blobs,
+            next_page_token,
+        }))
+    }
+
+    async fn place_shards(&self, req: Request<pb::PlaceShardsRequest>) -> Res<pb::PlaceShardsResponse> {
+        let q = req.into_inner();
+        if q.shards.len() > 1_000_000 {
+            return Err(Status::invalid_argument("shards: at most 1,000,000 per call"));
+        }
+        let shards: Vec<(u32, u64)> = q.shards.iter().map(|s| (s.id, s.bytes)).collect();
+        let replication = if q.replication == 0 { 1 } else { q.replication };
+        let (placed, unplaced) = self
+            .run(move |c| c.place_shards(&shards, replication))
+            .await
+            .map_err(to_status)?;
+        Ok(Response::new(pb::PlaceShardsResponse {
+            placements: placed
+                .into_iter()
+                .map(|(shard, nodes)| pb::ShardPlacement { shard, nodes })
+                .collect(),
+            unplaced: unplaced
+                .into_iter()
+                .map(|(shard, reason)| pb::UnplacedShard { shard, reason })
+                .collect(),
+        }))
+    }
+
+    async fn locate_blobs(&self, req: Request<pb::LocateBlobsRequest>) -> Res<pb::LocateBlobsResponse> {
+        let q = req.into_inner();
+        if q.hashes.len() > 10_000 {
+            return Err(Status::invalid_argument("hashes: at most 10,000 per call"));
+        }
+        let hashes = q
+            .hashes
+            .iter()
+            .map(|h| locus_proto::BlobHash::from_slice("hashes", h))
+            .collect::<Result<Vec<_>, _>>()?;
+        let found = self.run(move |c| c.locate_blobs(&hashes)).await.map_err(to_status)?;
+        Ok(Response::new(pb::LocateBlobsResponse {
+            blobs: q
+                .hashes
+                .into_iter()
+                .zip(found)
+                .map(|(hash, (nodes, addresses))| pb::BlobLocation {
+                    hash,
+                    nodes,
+                    addresses,
+                })
+                .collect(),
+        }))
     }
 
     async fn list_datasets(&self, _req: Request<pb::ListDatasetsRequest>) -> Res<pb::ListDatasetsResponse> {

@@ -112,6 +112,36 @@ pub async fn connect(opts: &ClientOptions) -> Result<MetadataClient, ClientError
     )
 }
 
+pub type NodeClient =
+    crate::nodepb::node_client::NodeClient<InterceptedService<Channel, BearerToken>>;
+
+/// Connects to a cache node's API at `host:port`.
+pub async fn connect_node(addr: &str, token: Option<&str>, timeout: Duration) -> Result<NodeClient, ClientError> {
+    let url = if addr.contains("://") { addr.to_string() } else { format!("http://{addr}") };
+    let token = match token {
+        Some(t) => Some(
+            format!("Bearer {t}")
+                .parse::<tonic::metadata::AsciiMetadataValue>()
+                .map_err(|_| ClientError::BadToken)?,
+        ),
+        None => None,
+    };
+    let channel = Endpoint::from_shared(url.clone())
+        .map_err(|_| ClientError::BadUrl(addr.to_string()))?
+        .connect_timeout(timeout)
+        .tcp_nodelay(true)
+        .http2_adaptive_window(true)
+        .connect()
+        .await
+        .map_err(|e| ClientError::Connect {
+            url,
+            reason: error_chain(&e),
+        })?;
+    Ok(crate::nodepb::node_client::NodeClient::with_interceptor(channel, BearerToken(token))
+        .max_decoding_message_size(crate::MAX_MESSAGE_BYTES)
+        .max_encoding_message_size(crate::MAX_MESSAGE_BYTES))
+}
+
 /// An error and its sources on one line: transport errors hide the useful part
 /// ("connection refused") in their source chain.
 pub fn error_chain(e: &dyn std::error::Error) -> String {

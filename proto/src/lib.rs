@@ -13,10 +13,16 @@ pub mod human;
 pub mod manifest;
 pub mod names;
 
-/// Generated protobuf and gRPC code.
+/// Generated protobuf and gRPC code of the metadata service.
 #[allow(clippy::all, missing_docs)]
 pub mod pb {
     tonic::include_proto!("locus.metadata.v1");
+}
+
+/// Generated protobuf and gRPC code of the cache node.
+#[allow(clippy::all, missing_docs)]
+pub mod nodepb {
+    tonic::include_proto!("locus.node.v1");
 }
 
 pub use manifest::{BlobHash, Entry, EntryKind, RelPath};

@@ -10,6 +10,9 @@ use crate::output::{self, StatusExt};
 
 #[derive(Subcommand, Debug)]
 pub enum DatasetCmd {
+    /// Import a local directory as the next version of a dataset: hash every file, place
+    /// shards on cache nodes, send each node its blobs (verified), then commit.
+    Import(super::import::ImportArgs),
     /// List datasets with their latest version and size.
     List,
     /// Show a dataset's versions (NAME) or one version in detail (NAME@VERSION,
@@ -41,6 +44,7 @@ pub enum DatasetCmd {
 
 pub async fn run(cmd: DatasetCmd, cfg: &Resolved) -> anyhow::Result<()> {
     match cmd {
+        DatasetCmd::Import(a) => super::import::run(a, cfg).await,
         DatasetCmd::List => list(cfg).await,
         DatasetCmd::Show { dataset } => show(cfg, &dataset).await,
         DatasetCmd::Ls {

@@ -57,6 +57,9 @@ pub struct ServeArgs {
     /// An import session idle this long is discarded [default: 1h].
     #[arg(long, env = "LOCUS_SESSION_TIMEOUT", value_name = "DURATION")]
     pub session_timeout: Option<String>,
+    /// How often under-replicated shards are looked for and repaired [default: 10s].
+    #[arg(long, env = "LOCUS_REPAIR_INTERVAL", value_name = "DURATION")]
+    pub repair_interval: Option<String>,
     /// Audit log file [default: DATA_DIR/audit.log].
     #[arg(long, env = "LOCUS_METADATA_AUDIT_LOG", value_name = "FILE")]
     pub audit_log: Option<PathBuf>,
@@ -121,6 +124,7 @@ async fn serve(a: ServeArgs, cfg: &Resolved) -> anyhow::Result<()> {
                 "30s",
             )?,
             session_timeout: duration("--session-timeout", a.session_timeout.or(f.session_timeout), "1h")?,
+            repair_interval: duration("--repair-interval", a.repair_interval.or(f.repair_interval), "10s")?,
         },
         addr_file: a.addr_file,
         audit_log: a.audit_log.or(f.audit_log),

@@ -2,6 +2,7 @@
 
 pub mod dataset;
 pub mod demo;
+pub mod import;
 pub mod metadata;
 pub mod node;
 pub mod status;

@@ -1,6 +1,10 @@
 //! `locus node …`: the cluster's cache nodes as the metadata service sees them.
 
-use clap::Subcommand;
+use std::collections::HashMap;
+use std::path::PathBuf;
+
+use anyhow::{bail, Context};
+use clap::{Args, Subcommand};
 use locus_proto::pb;
 
 use crate::config::Resolved;
@@ -8,13 +12,158 @@ use crate::output::{self, StatusExt};
 
 #[derive(Subcommand, Debug)]
 pub enum NodeCmd {
+    /// Run a cache node on this host until SIGTERM or SIGINT: registers with the metadata
+    /// service, stores verified blobs in the data dirs, serves peers, repairs and scrubs.
+    Serve(ServeArgs),
     /// List registered nodes with state, labels and space.
     List,
+    /// Move a node's replicas to other nodes before maintenance (placement then avoids
+    /// it). `--undo` returns it to service.
+    Drain {
+        node: String,
+        #[arg(long)]
+        undo: bool,
+    },
+}
+
+#[derive(Args, Debug)]
+pub struct ServeArgs {
+    /// Node id [default: the host name].
+    #[arg(long, env = "LOCUS_NODE_ID")]
+    pub id: Option<String>,
+    /// Data directories, comma-separated (one per NVMe device).
+    #[arg(long, env = "LOCUS_NODE_DATA_DIR", value_name = "DIR[,DIR...]", value_delimiter = ',', required = true)]
+    pub data_dir: Vec<PathBuf>,
+    /// Most bytes of blobs to keep, e.g. 3TiB.
+    #[arg(long, env = "LOCUS_NODE_CAPACITY", value_name = "SIZE")]
+    pub capacity: String,
+    /// Free space to leave on each data dir's filesystem.
+    #[arg(long, env = "LOCUS_NODE_RESERVE", value_name = "SIZE", default_value = "1GiB")]
+    pub reserve: String,
+    /// Topology labels: zone=…,rack=…,host=… (host defaults to the host name).
+    #[arg(long, env = "LOCUS_NODE_LABELS", value_name = "K=V,...", default_value = "")]
+    pub labels: String,
+    /// Node API listen address.
+    #[arg(long, env = "LOCUS_NODE_LISTEN", value_name = "ADDR", default_value = "127.0.0.1:7500")]
+    pub listen: String,
+    /// Address peers use to reach this node [default: the listen address].
+    #[arg(long, env = "LOCUS_NODE_ADVERTISE", value_name = "HOST:PORT")]
+    pub advertise: Option<String>,
+    /// Unix socket for same-host clients (the mount).
+    #[arg(long, env = "LOCUS_NODE_SOCKET", value_name = "PATH")]
+    pub local_socket: Option<PathBuf>,
+    #[arg(long, value_name = "DURATION", default_value = "2s")]
+    pub heartbeat_interval: String,
+    /// How often to re-read which blobs this node must hold.
+    #[arg(long, value_name = "DURATION", default_value = "30s")]
+    pub pin_sync_interval: String,
+    /// Background re-verification rate per second (0 disables).
+    #[arg(long, value_name = "SIZE", default_value = "64MiB")]
+    pub scrub_rate: String,
+    /// Write the bound address (grpc=…) here once listening.
+    #[arg(long, value_name = "FILE")]
+    pub addr_file: Option<PathBuf>,
 }
 
 pub async fn run(cmd: NodeCmd, cfg: &Resolved) -> anyhow::Result<()> {
     match cmd {
+        NodeCmd::Serve(a) => serve(a, cfg).await,
         NodeCmd::List => list(cfg).await,
+        NodeCmd::Drain { node, undo } => drain(cfg, &node, !undo).await,
+    }
+}
+
+fn hostname() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|s| s.trim().to_ascii_lowercase())
+        .unwrap_or_else(|_| "localhost".into())
+}
+
+fn size_arg(what: &str, s: &str) -> anyhow::Result<u64> {
+    locus_proto::human::parse_size(s).map_err(|e| anyhow::anyhow!("{what}: {}", e.reason))
+}
+
+fn duration_arg(what: &str, s: &str) -> anyhow::Result<std::time::Duration> {
+    let d = locus_proto::human::parse_duration(s).map_err(|e| anyhow::anyhow!("{what}: {}", e.reason))?;
+    if d.is_zero() {
+        bail!("{what} must be more than zero");
+    }
+    Ok(d)
+}
+
+pub fn parse_labels(s: &str) -> anyhow::Result<HashMap<String, String>> {
+    let mut out = HashMap::new();
+    for kv in s.split(',').map(str::trim).filter(|x| !x.is_empty()) {
+        let (k, v) = kv.split_once('=').with_context(|| format!("label {kv:?} is not KEY=VALUE"))?;
+        locus_proto::names::check_label(k, v).map_err(|e| anyhow::anyhow!("{}", e.reason))?;
+        out.insert(k.to_string(), v.to_string());
+    }
+    Ok(out)
+}
+
+async fn serve(a: ServeArgs, cfg: &Resolved) -> anyhow::Result<()> {
+    let id_s = a.id.unwrap_or_else(hostname);
+    let id = locus_proto::NodeId::try_from(id_s.as_str())
+        .map_err(|e| anyhow::anyhow!("node id {id_s:?}: {} (use --id)", e.reason))?;
+    let mut labels = parse_labels(&a.labels)?;
+    labels.entry("host".into()).or_insert_with(hostname);
+    let listen = a
+        .listen
+        .parse()
+        .with_context(|| format!("--listen {:?} is not an address such as 127.0.0.1:7500", a.listen))?;
+    let mut metadata =
+        locus_proto::client::ClientOptions::new(&cfg.metadata_url).with_token(cfg.token.clone());
+    if let Some(ca) = &cfg.ca_cert {
+        metadata.ca_cert_pem = Some(std::fs::read(ca).with_context(|| format!("cannot read {}", ca.display()))?);
+    }
+    let config = locus_cache_node::NodeConfig {
+        id,
+        metadata,
+        listen,
+        advertise: a.advertise,
+        local_socket: a.local_socket.map(crate::absolute),
+        store: locus_cache_node::store::StoreConfig {
+            dirs: a.data_dir.into_iter().map(crate::absolute).collect(),
+            capacity: size_arg("--capacity", &a.capacity)?,
+            reserve: size_arg("--reserve", &a.reserve)?,
+        },
+        labels,
+        heartbeat_interval: duration_arg("--heartbeat-interval", &a.heartbeat_interval)?,
+        pin_sync_interval: duration_arg("--pin-sync-interval", &a.pin_sync_interval)?,
+        scrub_rate: size_arg("--scrub-rate", &a.scrub_rate)?,
+        addr_file: a.addr_file,
+    };
+    locus_cache_node::serve(config, super::shutdown_signal()).await?;
+    Ok(())
+}
+
+async fn drain(cfg: &Resolved, node: &str, drain: bool) -> anyhow::Result<()> {
+    let mut c = cfg.connect().await?;
+    let r = c
+        .drain_node(pb::DrainNodeRequest {
+            id: node.to_string(),
+            drain,
+        })
+        .await
+        .or_status()?;
+    if cfg.json {
+        return output::json(&serde_json::json!({"node": node, "draining": drain, "shards_remaining": r.shards_remaining}));
+    }
+    if drain {
+        println!(
+            "{node} is draining: {} shard replica(s) will move to other nodes; `locus node list` shows progress",
+            r.shards_remaining
+        );
+    } else {
+        println!("{node} is back in service");
+    }
+    Ok(())
+}
+
+pub fn state_of(n: &pb::Node) -> &'static str {
+    match (state_name(n.state), n.draining) {
+        ("up", true) => "draining",
+        (s, _) => s,
     }
 }
 
@@ -31,10 +180,14 @@ pub fn node_json(n: &pb::Node) -> serde_json::Value {
         "id": n.id,
         "address": n.address,
         "state": state_name(n.state),
+        "draining": n.draining,
         "labels": n.labels,
         "capacity_bytes": n.capacity_bytes,
         "used_bytes": n.used_bytes,
         "free_bytes": n.free_bytes,
+        "pinned_bytes": n.pinned_bytes,
+        "cached_bytes": n.cached_bytes,
+        "blobs": n.blobs,
         "last_seen_ms_ago": n.last_seen_ms_ago,
         "registered_at": output::time(n.registered_at_ms),
     })
@@ -53,13 +206,15 @@ async fn list(cfg: &Resolved) -> anyhow::Result<()> {
         .map(|n| {
             vec![
                 n.id.clone(),
-                state_name(n.state).into(),
+                state_of(n).into(),
                 n.address.clone(),
                 label(n, "zone"),
                 label(n, "rack"),
                 label(n, "host"),
                 output::size(n.capacity_bytes),
                 output::size(n.used_bytes),
+                output::size(n.pinned_bytes),
+                output::size(n.cached_bytes),
                 output::size(n.free_bytes),
                 format!("{:.1}s ago", n.last_seen_ms_ago as f64 / 1000.0),
             ]
@@ -67,7 +222,8 @@ async fn list(cfg: &Resolved) -> anyhow::Result<()> {
         .collect();
     output::table(
         &[
-            "NODE", "STATE", "ADDRESS", "ZONE", "RACK", "HOST", "CAPACITY", "USED", "FREE", "SEEN",
+            "NODE", "STATE", "ADDRESS", "ZONE", "RACK", "HOST", "CAPACITY", "USED", "PINNED", "CACHED", "FREE",
+            "SEEN",
         ],
         &rows,
     );

@@ -20,6 +20,7 @@ fn fixture() -> Fixture {
         CatalogConfig {
             liveness_timeout: Duration::from_secs(10),
             session_timeout: Duration::from_secs(60),
+            repair_interval: Duration::from_secs(1),
         },
     )
     .unwrap();
@@ -351,7 +352,16 @@ fn liveness_follows_heartbeats() {
     register(&f.cat, "n1");
     register(&f.cat, "n2");
     f.clock.advance_ms(8_000);
-    f.cat.heartbeat(&node("n1"), 5, 6).unwrap();
+    f.cat
+        .heartbeat(
+            &node("n1"),
+            NodeStats {
+                free: 5,
+                used: 6,
+                ..Default::default()
+            },
+        )
+        .unwrap();
     f.clock.advance_ms(8_000);
     let nodes = f.cat.list_nodes().unwrap();
     let state = |id: &str| nodes.iter().find(|n| n.id == id).unwrap().state;
@@ -359,7 +369,7 @@ fn liveness_follows_heartbeats() {
     assert_eq!(state("n2"), pb::NodeState::Down as i32);
     assert_eq!(nodes.iter().find(|n| n.id == "n1").unwrap().free_bytes, 5);
     assert!(matches!(
-        f.cat.heartbeat(&node("ghost"), 0, 0),
+        f.cat.heartbeat(&node("ghost"), NodeStats::default()),
         Err(CatalogError::NotFound(_))
     ));
 }

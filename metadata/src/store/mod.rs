@@ -25,10 +25,12 @@ pub enum Table {
     Resident,
     Sessions,
     Backups,
+    ShardBlobs,
+    BlobShards,
 }
 
 impl Table {
-    pub const ALL: [Table; 10] = [
+    pub const ALL: [Table; 12] = [
         Table::Meta,
         Table::Nodes,
         Table::Datasets,
@@ -39,6 +41,8 @@ impl Table {
         Table::Resident,
         Table::Sessions,
         Table::Backups,
+        Table::ShardBlobs,
+        Table::BlobShards,
     ];
 
     pub fn name(self) -> &'static str {
@@ -53,6 +57,8 @@ impl Table {
             Table::Resident => "resident",
             Table::Sessions => "sessions",
             Table::Backups => "backups",
+            Table::ShardBlobs => "shard_blobs",
+            Table::BlobShards => "blob_shards",
         }
     }
 }

@@ -1,0 +1,330 @@
+//! The node API over gRPC: streaming blob reads and writes, presence checks, peer fetches
+//! and, for same-host clients on the Unix socket, "make this blob local". Store errors are
+//! mapped to `Status` here and nowhere else. Blob I/O runs on blocking threads.
+
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::Duration;
+
+use locus_proto::nodepb::{self, node_server::Node};
+use locus_proto::BlobHash;
+use tokio::sync::mpsc;
+use tokio_stream::{Stream, StreamExt};
+use tonic::{Request, Response, Status, Streaming};
+
+use crate::store::{BlobStore, StoreError};
+use crate::Peers;
+
+/// Bytes per streamed message.
+pub const STREAM_PIECE: usize = 1 << 20;
+
+pub fn to_status(e: StoreError) -> Status {
+    match e {
+        StoreError::NotFound(_) => Status::not_found(e.to_string()),
+        StoreError::Corrupt { .. } => Status::data_loss(e.to_string()),
+        StoreError::Mismatch { .. } => Status::invalid_argument(e.to_string()),
+        StoreError::Full { .. } => Status::resource_exhausted(e.to_string()),
+        StoreError::DataDir { .. } | StoreError::Io(_) | StoreError::Index(_) => {
+            tracing::error!("{e}");
+            Status::internal(e.to_string())
+        }
+    }
+}
+
+#[derive(Clone)]
+pub struct NodeService {
+    pub store: Arc<BlobStore>,
+    pub peers: Arc<Peers>,
+    pub id: String,
+    /// True for the instance serving the Unix socket.
+    pub local: bool,
+}
+
+fn hash(b: &[u8]) -> Result<BlobHash, Status> {
+    Ok(BlobHash::from_slice("hash", b)?)
+}
+
+type BlobStream = Pin<Box<dyn Stream<Item = Result<nodepb::BlobData, Status>> + Send>>;
+
+/// Streams `[offset, offset+len)` of a local blob into a channel, verified chunk by chunk.
+pub fn stream_blob(store: Arc<BlobStore>, h: BlobHash, offset: u64, len: u64) -> BlobStream {
+    let (tx, rx) = mpsc::channel::<Result<nodepb::BlobData, Status>>(4);
+    tokio::task::spawn_blocking(move || {
+        let size = store.size_of(&h).unwrap_or(0);
+        let end = if len == 0 { size } else { offset.saturating_add(len).min(size) };
+        let mut pos = offset;
+        // Read a few chunks' worth at a time; each read verifies the chunks it touches.
+        let step = (STREAM_PIECE as u64) * 4;
+        if pos >= end {
+            if !store.contains(&h) {
+                let _ = tx.blocking_send(Err(to_status(StoreError::NotFound(h))));
+            }
+            return;
+        }
+        while pos < end {
+            let n = step.min(end - pos);
+            match store.read_range(&h, pos, n) {
+                Ok(buf) => {
+                    for piece in buf.chunks(STREAM_PIECE) {
+                        if tx.blocking_send(Ok(nodepb::BlobData { data: piece.to_vec() })).is_err() {
+                            return; // the reader went away
+                        }
+                    }
+                    pos += n;
+                }
+                Err(e) => {
+                    let _ = tx.blocking_send(Err(to_status(e)));
+                    return;
+                }
+            }
+        }
+    });
+    Box::pin(tokio_stream::wrappers::ReceiverStream::new(rx))
+}
+
+/// Copies one blob from a peer into the local store, verifying it. Returns false if it was
+/// already here.
+pub async fn fetch_from_peer(
+    store: &Arc<BlobStore>,
+    peer: &mut locus_proto::client::NodeClient,
+    h: BlobHash,
+    size: u64,
+    chunk_size: u32,
+    pin: bool,
+) -> Result<bool, Status> {
+    let st = store.clone();
+    let writer = tokio::task::spawn_blocking(move || st.begin_write(h, size, chunk_size, pin))
+        .await
+        .map_err(|e| Status::internal(e.to_string()))?
+        .map_err(to_status)?;
+    let Some(writer) = writer else {
+        return Ok(false);
+    };
+    let mut stream = peer
+        .read_blob(nodepb::ReadBlobRequest {
+            hash: h.0.to_vec(),
+            offset: 0,
+            length: 0,
+        })
+        .await?
+        .into_inner();
+    let (tx, mut rx) = mpsc::channel::<Vec<u8>>(8);
+    let sink = tokio::task::spawn_blocking(move || {
+        let mut w = writer;
+        while let Some(buf) = rx.blocking_recv() {
+            w.write(&buf)?;
+        }
+        w.finish()
+    });
+    let mut failed = None;
+    while let Some(msg) = stream.next().await {
+        match msg {
+            Ok(d) => {
+                if tx.send(d.data).await.is_err() {
+                    break;
+                }
+            }
+            Err(s) => {
+                failed = Some(s);
+                break;
+            }
+        }
+    }
+    drop(tx);
+    let done = sink.await.map_err(|e| Status::internal(e.to_string()))?;
+    if let Some(s) = failed {
+        return Err(s);
+    }
+    done.map_err(to_status)?;
+    Ok(true)
+}
+
+#[tonic::async_trait]
+impl Node for NodeService {
+    type ReadBlobStream = BlobStream;
+
+    async fn read_blob(&self, req: Request<nodepb::ReadBlobRequest>) -> Result<Response<BlobStream>, Status> {
+        let q = req.into_inner();
+        let h = hash(&q.hash)?;
+        if !self.store.contains(&h) {
+            return Err(to_status(StoreError::NotFound(h)));
+        }
+        Ok(Response::new(stream_blob(self.store.clone(), h, q.offset, q.length)))
+    }
+
+    async fn write_blob(
+        &self,
+        req: Request<Streaming<nodepb::WriteBlobMessage>>,
+    ) -> Result<Response<nodepb::WriteBlobResponse>, Status> {
+        use nodepb::write_blob_message::Msg;
+        let mut stream = req.into_inner();
+        let header = match stream.next().await {
+            Some(Ok(nodepb::WriteBlobMessage {
+                msg: Some(Msg::Header(h)),
+            })) => h,
+            Some(Err(s)) => return Err(s),
+            _ => return Err(Status::invalid_argument("the first message must be the header")),
+        };
+        let h = hash(&header.hash)?;
+        let st = self.store.clone();
+        let writer = tokio::task::spawn_blocking(move || {
+            st.begin_write(h, header.size, header.chunk_size, header.pin)
+        })
+        .await
+        .map_err(|e| Status::internal(e.to_string()))?
+        .map_err(to_status)?;
+        let Some(writer) = writer else {
+            return Ok(Response::new(nodepb::WriteBlobResponse { stored: false }));
+        };
+        let (tx, mut rx) = mpsc::channel::<Vec<u8>>(8);
+        let sink = tokio::task::spawn_blocking(move || {
+            let mut w = writer;
+            while let Some(buf) = rx.blocking_recv() {
+                w.write(&buf)?;
+            }
+            w.finish()
+        });
+        let mut failed = None;
+        while let Some(msg) = stream.next().await {
+            match msg {
+                Ok(nodepb::WriteBlobMessage { msg: Some(Msg::Data(d)) }) => {
+                    if tx.send(d).await.is_err() {
+                        break; // the writer failed; its error is reported below
+                    }
+                }
+                Ok(_) => {
+                    failed = Some(Status::invalid_argument("only data may follow the header"));
+                    break;
+                }
+                Err(s) => {
+                    failed = Some(s);
+                    break;
+                }
+            }
+        }
+        drop(tx);
+        let done = sink.await.map_err(|e| Status::internal(e.to_string()))?;
+        if let Some(s) = failed {
+            return Err(s);
+        }
+        done.map_err(to_status)?;
+        Ok(Response::new(nodepb::WriteBlobResponse { stored: true }))
+    }
+
+    async fn have_blobs(
+        &self,
+        req: Request<nodepb::HaveBlobsRequest>,
+    ) -> Result<Response<nodepb::HaveBlobsResponse>, Status> {
+        let q = req.into_inner();
+        if q.hashes.len() > 100_000 {
+            return Err(Status::invalid_argument("hashes: at most 100,000 per call"));
+        }
+        let present = q
+            .hashes
+            .iter()
+            .map(|h| hash(h).map(|h| self.store.contains(&h)))
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(Response::new(nodepb::HaveBlobsResponse { present }))
+    }
+
+    async fn fetch_blobs(
+        &self,
+        req: Request<nodepb::FetchBlobsRequest>,
+    ) -> Result<Response<nodepb::FetchBlobsResponse>, Status> {
+        let q = req.into_inner();
+        let blobs = q
+            .blobs
+            .iter()
+            .map(|b| hash(&b.hash).map(|h| (h, b.size)))
+            .collect::<Result<Vec<_>, _>>()?;
+        let peer = locus_proto::client::connect_node(&q.source, None, Duration::from_secs(5))
+            .await
+            .map_err(|e| Status::unavailable(e.to_string()))?;
+        let mut resp = nodepb::FetchBlobsResponse::default();
+        // A few transfers at once keep the link busy without unbounded memory.
+        let mut set = tokio::task::JoinSet::new();
+        let mut iter = blobs.into_iter();
+        loop {
+            while set.len() < 4 {
+                let Some((h, size)) = iter.next() else { break };
+                let store = self.store.clone();
+                let mut p = peer.clone();
+                let (cs, pin) = (q.chunk_size, q.pin);
+                set.spawn(async move { (size, fetch_from_peer(&store, &mut p, h, size, cs, pin).await) });
+            }
+            let Some(r) = set.join_next().await else { break };
+            match r.map_err(|e| Status::internal(e.to_string()))? {
+                (size, Ok(true)) => {
+                    resp.fetched += 1;
+                    resp.bytes += size;
+                }
+                (_, Ok(false)) => resp.already_present += 1,
+                (_, Err(s)) => {
+                    set.abort_all();
+                    return Err(Status::new(s.code(), format!("from {}: {}", q.source, s.message())));
+                }
+            }
+        }
+        Ok(Response::new(resp))
+    }
+
+    async fn ensure_local(
+        &self,
+        req: Request<nodepb::EnsureLocalRequest>,
+    ) -> Result<Response<nodepb::EnsureLocalResponse>, Status> {
+        if !self.local {
+            return Err(Status::permission_denied("EnsureLocal is served on the node's Unix socket only"));
+        }
+        let q = req.into_inner();
+        let h = hash(&q.hash)?;
+        if let Some(p) = self.store.path_of(&h) {
+            return Ok(Response::new(nodepb::EnsureLocalResponse {
+                path: p.display().to_string(),
+            }));
+        }
+        let sources = self.peers.locate(&h).await?;
+        let mut last = Status::not_found(format!("no live node holds blob {h}"));
+        for (id, addr) in sources {
+            if id == self.id {
+                continue;
+            }
+            let mut peer = match locus_proto::client::connect_node(&addr, None, Duration::from_secs(3)).await {
+                Ok(p) => p,
+                Err(e) => {
+                    last = Status::unavailable(e.to_string());
+                    continue;
+                }
+            };
+            match fetch_from_peer(&self.store, &mut peer, h, q.size, q.chunk_size, false).await {
+                Ok(_) => {
+                    if let Some(p) = self.store.path_of(&h) {
+                        return Ok(Response::new(nodepb::EnsureLocalResponse {
+                            path: p.display().to_string(),
+                        }));
+                    }
+                }
+                Err(s) => {
+                    tracing::warn!(blob = %h, peer = %id, "fetch failed, trying another replica: {}", s.message());
+                    last = s;
+                }
+            }
+        }
+        Err(last)
+    }
+
+    async fn get_node_status(
+        &self,
+        _req: Request<nodepb::GetNodeStatusRequest>,
+    ) -> Result<Response<nodepb::NodeStatus>, Status> {
+        let s = self.store.stats();
+        Ok(Response::new(nodepb::NodeStatus {
+            id: self.id.clone(),
+            capacity_bytes: s.capacity,
+            used_bytes: s.used,
+            pinned_bytes: s.pinned,
+            cached_bytes: s.cached,
+            blobs: s.blobs,
+            quarantined: s.quarantined,
+        }))
+    }
+}

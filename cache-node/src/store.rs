@@ -1,0 +1,898 @@
+//! The blob store: BLAKE3-addressed blobs on one or more local data directories.
+//!
+//! Layout of each data dir (format version 1, in `LOCUS_BLOBSTORE`):
+//! `blobs/<h[0..2]>/<hash>` complete, verified blobs; `tmp/` blobs being written;
+//! `quarantine/<hash>.<ms>` blobs that failed verification. The first data dir also holds
+//! `index/`, a RocksDB map hash → (size, dir, pinned, chunk size, chunk hashes), so a
+//! restart reads the index and lists directory names instead of re-hashing every blob.
+//!
+//! Rules this module never breaks:
+//! - a blob becomes visible (renamed into `blobs/`) only after its bytes hashed to its
+//!   name, and after the file and its directory were fsynced;
+//! - bytes are returned only after the chunk they belong to matched its stored hash; a
+//!   blob that fails is moved to `quarantine/` and forgotten;
+//! - pinned blobs (this node is a replica of a shard needing them) are never evicted;
+//!   space for a write is reserved before the first byte lands, evicting unpinned blobs
+//!   (least recently used first) when needed, else the write is refused.
+
+use std::collections::{HashMap, HashSet};
+use std::fs::{self, File};
+use std::io::{Read, Seek, SeekFrom, Write};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+use locus_proto::BlobHash;
+use prost::Message;
+
+pub const FORMAT_FILE: &str = "LOCUS_BLOBSTORE";
+pub const FORMAT_VERSION: u32 = 1;
+
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    #[error("data dir {path}: {reason}")]
+    DataDir { path: String, reason: String },
+    #[error("blob {0} is not on this node")]
+    NotFound(BlobHash),
+    #[error("blob {hash} failed verification ({what}); it was quarantined")]
+    Corrupt { hash: BlobHash, what: String },
+    #[error("received bytes do not match blob {hash}: {what}")]
+    Mismatch { hash: BlobHash, what: String },
+    #[error("no room for {need} bytes: {why}")]
+    Full { need: u64, why: String },
+    #[error("blob I/O: {0}")]
+    Io(String),
+    #[error("blob index: {0}")]
+    Index(String),
+}
+
+fn io(e: std::io::Error) -> StoreError {
+    StoreError::Io(e.to_string())
+}
+
+#[derive(Debug, Clone)]
+pub struct StoreConfig {
+    pub dirs: Vec<PathBuf>,
+    /// Most bytes of blobs this node keeps.
+    pub capacity: u64,
+    /// Free space each data dir's filesystem must keep.
+    pub reserve: u64,
+}
+
+/// What the index knows about a stored blob.
+#[derive(Clone, PartialEq, prost::Message)]
+struct BlobRecord {
+    #[prost(uint64, tag = "1")]
+    size: u64,
+    #[prost(uint32, tag = "2")]
+    dir: u32,
+    #[prost(bool, tag = "3")]
+    pinned: bool,
+    #[prost(uint32, tag = "4")]
+    chunk_size: u32,
+    /// 32-byte chunk hashes, concatenated.
+    #[prost(bytes = "vec", tag = "5")]
+    chunks: Vec<u8>,
+}
+
+#[derive(Debug, Clone)]
+struct Meta {
+    rec: BlobRecord,
+    last_access: u64,
+}
+
+#[derive(Default)]
+struct State {
+    blobs: HashMap<BlobHash, Meta>,
+    used: u64,
+    pinned: u64,
+    /// Bytes reserved by writes in progress.
+    reserved: u64,
+    quarantined: u64,
+}
+
+/// What a restart found when it compared the index with the directories.
+#[derive(Debug, Default, Clone)]
+pub struct Reconcile {
+    pub indexed: usize,
+    /// In the index, missing on disk: dropped from the index.
+    pub missing: usize,
+    /// On disk, not in the index (a crash between rename and index write): verified and
+    /// adopted, or quarantined.
+    pub adopted: usize,
+    pub quarantined: usize,
+    /// Leftover partial writes removed from tmp/.
+    pub tmp_removed: usize,
+}
+
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Stats {
+    pub capacity: u64,
+    pub used: u64,
+    pub pinned: u64,
+    pub cached: u64,
+    pub blobs: u64,
+    pub quarantined: u64,
+    /// Bytes the node can still accept for pinned blobs.
+    pub placeable: u64,
+}
+
+pub struct BlobStore {
+    cfg: StoreConfig,
+    index: rocksdb::DB,
+    state: Mutex<State>,
+    tick: AtomicU64,
+}
+
+fn hex(h: &BlobHash) -> String {
+    h.to_hex()
+}
+
+fn chunk_hashes(b: &[u8]) -> Vec<BlobHash> {
+    b.chunks(32)
+        .map(|c| BlobHash(c.try_into().expect("index stores whole 32-byte hashes")))
+        .collect()
+}
+
+/// Free bytes on the filesystem holding `p`.
+#[allow(unsafe_code)]
+pub fn fs_free(p: &Path) -> Option<u64> {
+    use std::os::unix::ffi::OsStrExt;
+    let c = std::ffi::CString::new(p.as_os_str().as_bytes()).ok()?;
+    let mut st: libc::statvfs = unsafe {
+        // SAFETY: statvfs is a plain C struct of integers; all-zero is a valid value.
+        std::mem::zeroed()
+    };
+    // SAFETY: `c` is a valid NUL-terminated path and `st` a valid, writable statvfs.
+    let rc = unsafe { libc::statvfs(c.as_ptr(), &mut st) };
+    (rc == 0).then(|| st.f_bavail as u64 * st.f_frsize as u64)
+}
+
+fn fsync_dir(p: &Path) -> Result<(), StoreError> {
+    File::open(p).and_then(|d| d.sync_all()).map_err(io)
+}
+
+fn now_ms() -> u128 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis())
+        .unwrap_or(0)
+}
+
+impl BlobStore {
+    /// Opens (or initialises) the data dirs and reconciles the index with them.
+    pub fn open(cfg: StoreConfig) -> Result<(Arc<Self>, Reconcile), StoreError> {
+        if cfg.dirs.is_empty() {
+            return Err(StoreError::DataDir {
+                path: String::new(),
+                reason: "at least one data dir is needed".into(),
+            });
+        }
+        for d in &cfg.dirs {
+            check_format(d)?;
+            for sub in ["blobs", "tmp", "quarantine"] {
+                fs::create_dir_all(d.join(sub)).map_err(|e| StoreError::DataDir {
+                    path: d.display().to_string(),
+                    reason: e.to_string(),
+                })?;
+            }
+        }
+        let mut opts = rocksdb::Options::default();
+        opts.create_if_missing(true);
+        let index = rocksdb::DB::open(&opts, cfg.dirs[0].join("index"))
+            .map_err(|e| StoreError::Index(e.into_string()))?;
+        let store = Arc::new(BlobStore {
+            cfg,
+            index,
+            state: Mutex::new(State::default()),
+            tick: AtomicU64::new(1),
+        });
+        let report = store.reconcile()?;
+        Ok((store, report))
+    }
+
+    fn state(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub fn blob_path_in(&self, dir: u32, h: &BlobHash) -> PathBuf {
+        let x = hex(h);
+        self.cfg.dirs[dir as usize].join("blobs").join(&x[..2]).join(x)
+    }
+
+    fn reconcile(&self) -> Result<Reconcile, StoreError> {
+        let mut rep = Reconcile::default();
+        let mut st = self.state();
+        for kv in self.index.iterator(rocksdb::IteratorMode::Start) {
+            let (k, v) = kv.map_err(|e| StoreError::Index(e.into_string()))?;
+            let (Ok(h), Ok(rec)) = (<[u8; 32]>::try_from(&k[..]), BlobRecord::decode(&v[..])) else {
+                continue;
+            };
+            let h = BlobHash(h);
+            if rec.dir as usize >= self.cfg.dirs.len() {
+                continue;
+            }
+            st.used += rec.size;
+            if rec.pinned {
+                st.pinned += rec.size;
+            }
+            st.blobs.insert(h, Meta { rec, last_access: 0 });
+        }
+        rep.indexed = st.blobs.len();
+        // Compare with the directories: names only, no hashing of indexed blobs.
+        let mut on_disk: HashSet<BlobHash> = HashSet::new();
+        let mut strays: Vec<(u32, PathBuf)> = Vec::new();
+        for (di, d) in self.cfg.dirs.iter().enumerate() {
+            for sub in fs::read_dir(d.join("blobs")).map_err(io)?.flatten() {
+                for f in fs::read_dir(sub.path()).map_err(io)?.flatten() {
+                    let name = f.file_name();
+                    let Some(h) = name.to_str().and_then(|n| BlobHash::from_hex(n).ok()) else {
+                        continue;
+                    };
+                    match st.blobs.get(&h) {
+                        Some(m) if m.rec.dir as usize == di => {
+                            on_disk.insert(h);
+                        }
+                        _ => strays.push((di as u32, f.path())),
+                    }
+                }
+            }
+            for t in fs::read_dir(d.join("tmp")).map_err(io)?.flatten() {
+                let _ = fs::remove_file(t.path());
+                rep.tmp_removed += 1;
+            }
+            rep.quarantined += fs::read_dir(d.join("quarantine")).map_err(io)?.count();
+        }
+        let missing: Vec<BlobHash> = st.blobs.keys().filter(|h| !on_disk.contains(*h)).copied().collect();
+        for h in &missing {
+            if let Some(m) = st.blobs.remove(h) {
+                st.used -= m.rec.size;
+                if m.rec.pinned {
+                    st.pinned -= m.rec.size;
+                }
+            }
+            let _ = self.index.delete(h.0);
+        }
+        rep.missing = missing.len();
+        st.quarantined = rep.quarantined as u64;
+        drop(st);
+        for (di, p) in strays {
+            // A crash after the rename but before the index write: the file was verified
+            // before the rename, but re-check it since nothing vouches for it now.
+            let name = p.file_name().and_then(|n| n.to_str()).unwrap_or_default().to_string();
+            let h = BlobHash::from_hex(&name).expect("filtered above");
+            match hash_file(&p, locus_proto::DEFAULT_CHUNK_SIZE) {
+                Ok((size, whole, chunks)) if whole == h => {
+                    self.insert(h, size, di, false, locus_proto::DEFAULT_CHUNK_SIZE, &chunks)?;
+                    rep.adopted += 1;
+                }
+                _ => {
+                    self.move_to_quarantine(&p, &h);
+                    rep.quarantined += 1;
+                }
+            }
+        }
+        Ok(rep)
+    }
+
+    fn insert(
+        &self,
+        h: BlobHash,
+        size: u64,
+        dir: u32,
+        pinned: bool,
+        chunk_size: u32,
+        chunks: &[BlobHash],
+    ) -> Result<(), StoreError> {
+        let rec = BlobRecord {
+            size,
+            dir,
+            pinned,
+            chunk_size,
+            chunks: chunks.iter().flat_map(|c| c.0).collect(),
+        };
+        self.index
+            .put(h.0, rec.encode_to_vec())
+            .map_err(|e| StoreError::Index(e.into_string()))?;
+        let mut st = self.state();
+        if let Some(old) = st.blobs.insert(
+            h,
+            Meta {
+                rec,
+                last_access: self.tick.fetch_add(1, Ordering::Relaxed),
+            },
+        ) {
+            st.used -= old.rec.size;
+            if old.rec.pinned {
+                st.pinned -= old.rec.size;
+            }
+        }
+        st.used += size;
+        if pinned {
+            st.pinned += size;
+        }
+        Ok(())
+    }
+
+    pub fn contains(&self, h: &BlobHash) -> bool {
+        self.state().blobs.contains_key(h)
+    }
+
+    /// Path of a present blob (for same-host readers), marking it recently used.
+    pub fn path_of(&self, h: &BlobHash) -> Option<PathBuf> {
+        let mut st = self.state();
+        let m = st.blobs.get_mut(h)?;
+        m.last_access = self.tick.fetch_add(1, Ordering::Relaxed);
+        let dir = m.rec.dir;
+        drop(st);
+        Some(self.blob_path_in(dir, h))
+    }
+
+    pub fn size_of(&self, h: &BlobHash) -> Option<u64> {
+        self.state().blobs.get(h).map(|m| m.rec.size)
+    }
+
+    /// Every stored blob's hash (for scrub and tests).
+    pub fn hashes(&self) -> Vec<BlobHash> {
+        self.state().blobs.keys().copied().collect()
+    }
+
+    pub fn is_pinned(&self, h: &BlobHash) -> bool {
+        self.state().blobs.get(h).is_some_and(|m| m.rec.pinned)
+    }
+
+    pub fn stats(&self) -> Stats {
+        let st = self.state();
+        let disk_free: u64 = self
+            .cfg
+            .dirs
+            .iter()
+            .filter_map(|d| fs_free(d))
+            .map(|f| f.saturating_sub(self.cfg.reserve))
+            .sum();
+        let cached = st.used - st.pinned;
+        let placeable = self
+            .cfg
+            .capacity
+            .saturating_sub(st.pinned + st.reserved)
+            .min(disk_free + cached);
+        Stats {
+            capacity: self.cfg.capacity,
+            used: st.used,
+            pinned: st.pinned,
+            cached,
+            blobs: st.blobs.len() as u64,
+            quarantined: st.quarantined,
+            placeable,
+        }
+    }
+
+    /// Pins or unpins one present blob. Returns false if it is not here.
+    pub fn set_pinned(&self, h: &BlobHash, pinned: bool) -> Result<bool, StoreError> {
+        let mut st = self.state();
+        let Some(m) = st.blobs.get_mut(h) else {
+            return Ok(false);
+        };
+        if m.rec.pinned == pinned {
+            return Ok(true);
+        }
+        m.rec.pinned = pinned;
+        let rec = m.rec.clone();
+        if pinned {
+            st.pinned += rec.size;
+        } else {
+            st.pinned -= rec.size;
+        }
+        drop(st);
+        self.index
+            .put(h.0, rec.encode_to_vec())
+            .map_err(|e| StoreError::Index(e.into_string()))?;
+        Ok(true)
+    }
+
+    /// Makes the pinned set exactly `want` (blobs not here are ignored). Returns how many
+    /// blobs changed.
+    pub fn sync_pins(&self, want: &HashSet<BlobHash>) -> Result<usize, StoreError> {
+        let changes: Vec<(BlobHash, bool)> = {
+            let st = self.state();
+            st.blobs
+                .iter()
+                .filter(|(h, m)| m.rec.pinned != want.contains(*h))
+                .map(|(h, m)| (*h, !m.rec.pinned))
+                .collect()
+        };
+        for (h, p) in &changes {
+            self.set_pinned(h, *p)?;
+        }
+        Ok(changes.len())
+    }
+
+    /// Reserves room for `size` bytes, evicting unpinned blobs if needed. The returned
+    /// guard releases the reservation when dropped.
+    fn reserve(self: &Arc<Self>, size: u64) -> Result<(u32, Reservation), StoreError> {
+        // The data dir with the most free space takes the blob.
+        let (dir, free) = self
+            .cfg
+            .dirs
+            .iter()
+            .enumerate()
+            .map(|(i, d)| (i as u32, fs_free(d).unwrap_or(0).saturating_sub(self.cfg.reserve)))
+            .max_by_key(|(_, f)| *f)
+            .expect("at least one dir");
+        let mut victims = Vec::new();
+        {
+            let mut st = self.state();
+            let over_cap = (st.used + st.reserved + size).saturating_sub(self.cfg.capacity);
+            let over_disk = size.saturating_sub(free);
+            let mut need = over_cap.max(over_disk);
+            if need > 0 {
+                let mut lru: Vec<(u64, BlobHash, u64)> = st
+                    .blobs
+                    .iter()
+                    .filter(|(_, m)| !m.rec.pinned)
+                    .map(|(h, m)| (m.last_access, *h, m.rec.size))
+                    .collect();
+                lru.sort();
+                let evictable: u64 = lru.iter().map(|x| x.2).sum();
+                if evictable < need {
+                    return Err(StoreError::Full {
+                        need: size,
+                        why: format!(
+                            "capacity {} with {} pinned, {} reserved by writes in progress, {} free on disk \
+                             above the reserve",
+                            self.cfg.capacity, st.pinned, st.reserved, free
+                        ),
+                    });
+                }
+                for (_, h, sz) in lru {
+                    if need == 0 {
+                        break;
+                    }
+                    if let Some(m) = st.blobs.remove(&h) {
+                        st.used -= m.rec.size;
+                        victims.push((h, m.rec.dir));
+                    }
+                    need = need.saturating_sub(sz);
+                }
+            }
+            st.reserved += size;
+        }
+        for (h, d) in victims {
+            let _ = fs::remove_file(self.blob_path_in(d, &h));
+            let _ = self.index.delete(h.0);
+            tracing::debug!(blob = %h, "evicted");
+        }
+        Ok((
+            dir,
+            Reservation {
+                store: self.clone(),
+                size,
+            },
+        ))
+    }
+
+    /// Starts writing a blob. `None` when it is already here (it is pinned if asked).
+    pub fn begin_write(
+        self: &Arc<Self>,
+        hash: BlobHash,
+        size: u64,
+        chunk_size: u32,
+        pin: bool,
+    ) -> Result<Option<BlobWriter>, StoreError> {
+        if self.contains(&hash) {
+            if pin {
+                self.set_pinned(&hash, true)?;
+            }
+            return Ok(None);
+        }
+        let chunk_size = if chunk_size == 0 { locus_proto::DEFAULT_CHUNK_SIZE } else { chunk_size };
+        let (dir, reservation) = self.reserve(size)?;
+        let tmp = self.cfg.dirs[dir as usize]
+            .join("tmp")
+            .join(format!("{}.{}", hex(&hash), self.tick.fetch_add(1, Ordering::Relaxed)));
+        let file = File::create(&tmp).map_err(io)?;
+        Ok(Some(BlobWriter {
+            store: self.clone(),
+            hash,
+            size,
+            chunk_size,
+            pin,
+            dir,
+            tmp,
+            file: Some(std::io::BufWriter::with_capacity(1 << 20, file)),
+            whole: blake3::Hasher::new(),
+            chunk: blake3::Hasher::new(),
+            in_chunk: 0,
+            chunks: Vec::new(),
+            written: 0,
+            _reservation: reservation,
+        }))
+    }
+
+    /// Reads `[offset, offset + len)` of a blob, verifying every chunk it touches first.
+    /// A chunk that fails sends the blob to quarantine.
+    pub fn read_range(&self, h: &BlobHash, offset: u64, len: u64) -> Result<Vec<u8>, StoreError> {
+        let (rec, path) = {
+            let mut st = self.state();
+            let m = st.blobs.get_mut(h).ok_or(StoreError::NotFound(*h))?;
+            m.last_access = self.tick.fetch_add(1, Ordering::Relaxed);
+            (m.rec.clone(), self.blob_path_in(m.rec.dir, h))
+        };
+        let end = offset.saturating_add(len).min(rec.size);
+        if offset >= end {
+            return Ok(Vec::new());
+        }
+        let cs = u64::from(rec.chunk_size);
+        let hashes = chunk_hashes(&rec.chunks);
+        let mut f = File::open(&path).map_err(|e| {
+            if e.kind() == std::io::ErrorKind::NotFound {
+                self.forget(h);
+                StoreError::NotFound(*h)
+            } else {
+                io(e)
+            }
+        })?;
+        let mut out = Vec::with_capacity((end - offset) as usize);
+        let mut buf = Vec::new();
+        let first = offset / cs;
+        let last = (end - 1) / cs;
+        for c in first..=last {
+            let start = c * cs;
+            let clen = cs.min(rec.size - start);
+            buf.resize(clen as usize, 0);
+            f.seek(SeekFrom::Start(start)).map_err(io)?;
+            if let Err(e) = f.read_exact(&mut buf) {
+                return Err(self.corrupt(h, &path, format!("chunk {c} unreadable: {e}")));
+            }
+            if hashes.get(c as usize) != Some(&BlobHash::of(&buf)) {
+                return Err(self.corrupt(h, &path, format!("chunk {c} hash mismatch")));
+            }
+            let from = offset.max(start) - start;
+            let to = end.min(start + clen) - start;
+            out.extend_from_slice(&buf[from as usize..to as usize]);
+        }
+        Ok(out)
+    }
+
+    /// Re-hashes a whole blob. Ok(false) (and quarantine) when it no longer matches.
+    pub fn verify(&self, h: &BlobHash) -> Result<bool, StoreError> {
+        let Some(size) = self.size_of(h) else {
+            return Ok(true);
+        };
+        match self.read_range(h, 0, size.max(1)) {
+            Ok(_) => Ok(true),
+            Err(StoreError::Corrupt { .. }) => Ok(false),
+            Err(StoreError::NotFound(_)) => Ok(true),
+            Err(e) => Err(e),
+        }
+    }
+
+    fn corrupt(&self, h: &BlobHash, path: &Path, what: String) -> StoreError {
+        tracing::error!(blob = %h, "{what}; quarantining");
+        self.move_to_quarantine(path, h);
+        self.forget(h);
+        self.state().quarantined += 1;
+        StoreError::Corrupt { hash: *h, what }
+    }
+
+    fn move_to_quarantine(&self, path: &Path, h: &BlobHash) {
+        let dir = path
+            .parent()
+            .and_then(Path::parent)
+            .and_then(Path::parent)
+            .map(|d| d.join("quarantine"))
+            .unwrap_or_else(|| self.cfg.dirs[0].join("quarantine"));
+        let dest = dir.join(format!("{}.{}", hex(h), now_ms()));
+        if fs::rename(path, &dest).is_err() {
+            let _ = fs::remove_file(path);
+        }
+    }
+
+    fn forget(&self, h: &BlobHash) {
+        let mut st = self.state();
+        if let Some(m) = st.blobs.remove(h) {
+            st.used -= m.rec.size;
+            if m.rec.pinned {
+                st.pinned -= m.rec.size;
+            }
+        }
+        drop(st);
+        let _ = self.index.delete(h.0);
+    }
+}
+
+fn check_format(d: &Path) -> Result<(), StoreError> {
+    let err = |reason: String| StoreError::DataDir {
+        path: d.display().to_string(),
+        reason,
+    };
+    fs::create_dir_all(d).map_err(|e| err(e.to_string()))?;
+    let f = d.join(FORMAT_FILE);
+    match fs::read_to_string(&f) {
+        Ok(s) => {
+            let v = s.trim().strip_prefix("locus-blobstore ").and_then(|v| v.parse::<u32>().ok());
+            match v {
+                Some(FORMAT_VERSION) => Ok(()),
+                Some(other) => Err(err(format!(
+                    "blob store format {other}; this build reads format {FORMAT_VERSION}"
+                ))),
+                None => Err(err(format!("{FORMAT_FILE} is not a Locus format marker"))),
+            }
+        }
+        Err(_) => {
+            let empty = fs::read_dir(d).map(|mut r| r.next().is_none()).unwrap_or(false);
+            if !empty {
+                return Err(err(format!(
+                    "not empty and has no {FORMAT_FILE}; refusing to use a directory Locus did not create"
+                )));
+            }
+            let tmp = d.join(format!("{FORMAT_FILE}.tmp"));
+            fs::write(&tmp, format!("locus-blobstore {FORMAT_VERSION}\n"))
+                .and_then(|_| File::open(&tmp)?.sync_all())
+                .and_then(|_| fs::rename(&tmp, &f))
+                .map_err(|e| err(e.to_string()))?;
+            fsync_dir(d)
+        }
+    }
+}
+
+/// Space held for a write in progress.
+struct Reservation {
+    store: Arc<BlobStore>,
+    size: u64,
+}
+
+impl Drop for Reservation {
+    fn drop(&mut self) {
+        let mut st = self.store.state();
+        st.reserved = st.reserved.saturating_sub(self.size);
+    }
+}
+
+/// A blob being written. Nothing is visible until `finish` verified it; dropping an
+/// unfinished writer removes its temporary file and releases its space.
+pub struct BlobWriter {
+    store: Arc<BlobStore>,
+    hash: BlobHash,
+    size: u64,
+    chunk_size: u32,
+    pin: bool,
+    dir: u32,
+    tmp: PathBuf,
+    file: Option<std::io::BufWriter<File>>,
+    whole: blake3::Hasher,
+    chunk: blake3::Hasher,
+    in_chunk: u64,
+    chunks: Vec<BlobHash>,
+    written: u64,
+    _reservation: Reservation,
+}
+
+impl BlobWriter {
+    pub fn write(&mut self, mut data: &[u8]) -> Result<(), StoreError> {
+        if self.written + data.len() as u64 > self.size {
+            return Err(StoreError::Mismatch {
+                hash: self.hash,
+                what: format!("more than the announced {} bytes", self.size),
+            });
+        }
+        self.file.as_mut().expect("open until finish").write_all(data).map_err(io)?;
+        self.whole.update(data);
+        self.written += data.len() as u64;
+        let cs = u64::from(self.chunk_size);
+        while !data.is_empty() {
+            let take = (cs - self.in_chunk).min(data.len() as u64) as usize;
+            self.chunk.update(&data[..take]);
+            self.in_chunk += take as u64;
+            data = &data[take..];
+            if self.in_chunk == cs {
+                self.chunks.push(BlobHash(*self.chunk.finalize().as_bytes()));
+                self.chunk.reset();
+                self.in_chunk = 0;
+            }
+        }
+        Ok(())
+    }
+
+    /// Verifies, syncs and publishes the blob.
+    pub fn finish(mut self) -> Result<(), StoreError> {
+        if self.written != self.size {
+            return Err(StoreError::Mismatch {
+                hash: self.hash,
+                what: format!("{} bytes received, {} announced", self.written, self.size),
+            });
+        }
+        if self.in_chunk > 0 {
+            self.chunks.push(BlobHash(*self.chunk.finalize().as_bytes()));
+        }
+        let got = BlobHash(*self.whole.finalize().as_bytes());
+        if got != self.hash {
+            return Err(StoreError::Mismatch {
+                hash: self.hash,
+                what: format!("the bytes hash to {got}"),
+            });
+        }
+        let file = self
+            .file
+            .take()
+            .expect("open until finish")
+            .into_inner()
+            .map_err(|e| io(e.into_error()))?;
+        file.sync_all().map_err(io)?;
+        drop(file);
+        let dest = self.store.blob_path_in(self.dir, &self.hash);
+        let parent = dest.parent().expect("blob paths have a parent");
+        fs::create_dir_all(parent).map_err(io)?;
+        fs::rename(&self.tmp, &dest).map_err(io)?;
+        fsync_dir(parent)?;
+        self.store
+            .insert(self.hash, self.size, self.dir, self.pin, self.chunk_size, &self.chunks)?;
+        Ok(())
+    }
+}
+
+impl Drop for BlobWriter {
+    fn drop(&mut self) {
+        if self.file.is_some() {
+            let _ = fs::remove_file(&self.tmp);
+        }
+    }
+}
+
+/// Hashes a file: size, whole BLAKE3 and chunk hashes.
+pub fn hash_file(path: &Path, chunk_size: u32) -> std::io::Result<(u64, BlobHash, Vec<BlobHash>)> {
+    let mut f = File::open(path)?;
+    let mut whole = blake3::Hasher::new();
+    let mut chunks = Vec::new();
+    let mut buf = vec![0u8; chunk_size as usize];
+    let mut size = 0u64;
+    loop {
+        let mut filled = 0;
+        while filled < buf.len() {
+            let n = f.read(&mut buf[filled..])?;
+            if n == 0 {
+                break;
+            }
+            filled += n;
+        }
+        if filled == 0 {
+            break;
+        }
+        whole.update(&buf[..filled]);
+        chunks.push(BlobHash::of(&buf[..filled]));
+        size += filled as u64;
+        if filled < buf.len() {
+            break;
+        }
+    }
+    Ok((size, BlobHash(*whole.finalize().as_bytes()), chunks))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn open(dir: &Path, capacity: u64) -> Arc<BlobStore> {
+        BlobStore::open(StoreConfig {
+            dirs: vec![dir.to_path_buf()],
+            capacity,
+            reserve: 0,
+        })
+        .unwrap()
+        .0
+    }
+
+    fn put(s: &Arc<BlobStore>, data: &[u8], pin: bool) -> Result<BlobHash, StoreError> {
+        let h = BlobHash::of(data);
+        if let Some(mut w) = s.begin_write(h, data.len() as u64, 1 << 16, pin)? {
+            for part in data.chunks(10_000) {
+                w.write(part)?;
+            }
+            w.finish()?;
+        }
+        Ok(h)
+    }
+
+    #[test]
+    fn writes_verify_and_read_back() {
+        let d = tempfile::tempdir().unwrap();
+        let s = open(d.path(), 1 << 30);
+        let data: Vec<u8> = (0..200_000u32).map(|i| (i % 251) as u8).collect();
+        let h = put(&s, &data, true).unwrap();
+        assert_eq!(s.read_range(&h, 0, 1 << 30).unwrap(), data);
+        assert_eq!(s.read_range(&h, 65_530, 20).unwrap(), data[65_530..65_550]);
+        assert_eq!(s.read_range(&h, 199_990, 100).unwrap(), data[199_990..]);
+        assert!(s.read_range(&h, 300_000, 1).unwrap().is_empty());
+        let empty = put(&s, b"", false).unwrap();
+        assert!(s.read_range(&empty, 0, 10).unwrap().is_empty());
+        assert!(s.is_pinned(&h));
+        assert_eq!(s.stats().used, 200_000);
+
+        // Wrong bytes never become visible.
+        let fake = BlobHash::of(b"something else");
+        let mut w = s.begin_write(fake, 3, 0, false).unwrap().unwrap();
+        w.write(b"abc").unwrap();
+        assert!(matches!(w.finish(), Err(StoreError::Mismatch { .. })));
+        assert!(!s.contains(&fake));
+        assert_eq!(fs::read_dir(d.path().join("tmp")).unwrap().count(), 0);
+        assert_eq!(s.stats().used, 200_000);
+    }
+
+    #[test]
+    fn corruption_is_quarantined_and_never_served() {
+        let d = tempfile::tempdir().unwrap();
+        let s = open(d.path(), 1 << 30);
+        let data = vec![42u8; 150_000];
+        let h = put(&s, &data, true).unwrap();
+        let p = s.path_of(&h).unwrap();
+        let mut bytes = fs::read(&p).unwrap();
+        bytes[140_000] ^= 1;
+        fs::write(&p, bytes).unwrap();
+        // The first chunk is intact and may be read; the damaged one is not.
+        assert_eq!(s.read_range(&h, 0, 10).unwrap(), vec![42u8; 10]);
+        assert!(matches!(s.read_range(&h, 139_000, 2000), Err(StoreError::Corrupt { .. })));
+        assert!(!s.contains(&h));
+        assert!(!p.exists());
+        assert_eq!(fs::read_dir(d.path().join("quarantine")).unwrap().count(), 1);
+        assert!(matches!(s.read_range(&h, 0, 10), Err(StoreError::NotFound(_))));
+    }
+
+    #[test]
+    fn capacity_evicts_unpinned_and_refuses_beyond_pinned() {
+        let d = tempfile::tempdir().unwrap();
+        let s = open(d.path(), 300_000);
+        let a = put(&s, &vec![1u8; 100_000], true).unwrap();
+        let b = put(&s, &vec![2u8; 100_000], false).unwrap();
+        let c = put(&s, &vec![3u8; 100_000], false).unwrap();
+        let _ = s.read_range(&b, 0, 1).unwrap(); // b is now more recent than c
+        let e = put(&s, &vec![4u8; 100_000], false).unwrap();
+        assert!(s.contains(&a) && s.contains(&b) && s.contains(&e));
+        assert!(!s.contains(&c), "least recently used unpinned blob evicted");
+        s.set_pinned(&b, true).unwrap();
+        s.set_pinned(&e, true).unwrap();
+        let err = put(&s, &vec![5u8; 100_000], false).unwrap_err();
+        assert!(matches!(err, StoreError::Full { .. }), "{err}");
+        assert_eq!(s.stats().used, 300_000);
+        assert_eq!(s.stats().placeable, 0);
+    }
+
+    #[test]
+    fn restart_reconciles_index_and_directory() {
+        let d = tempfile::tempdir().unwrap();
+        let (a, b);
+        {
+            let s = open(d.path(), 1 << 30);
+            a = put(&s, b"first blob", true).unwrap();
+            b = put(&s, b"second blob", false).unwrap();
+            fs::remove_file(s.path_of(&b).unwrap()).unwrap();
+            fs::write(d.path().join("tmp/leftover"), b"partial").unwrap();
+        }
+        // A verified blob that reached the directory but not the index is adopted.
+        let c = BlobHash::of(b"third blob");
+        let x = c.to_hex();
+        fs::create_dir_all(d.path().join("blobs").join(&x[..2])).unwrap();
+        fs::write(d.path().join("blobs").join(&x[..2]).join(&x), b"third blob").unwrap();
+        let (s, rep) = BlobStore::open(StoreConfig {
+            dirs: vec![d.path().to_path_buf()],
+            capacity: 1 << 30,
+            reserve: 0,
+        })
+        .unwrap();
+        assert_eq!((rep.indexed, rep.missing, rep.adopted, rep.tmp_removed), (2, 1, 1, 1));
+        assert!(s.contains(&a) && s.is_pinned(&a));
+        assert!(!s.contains(&b));
+        assert_eq!(s.read_range(&c, 0, 100).unwrap(), b"third blob");
+    }
+
+    #[test]
+    fn refuses_foreign_directories() {
+        let d = tempfile::tempdir().unwrap();
+        fs::write(d.path().join("precious.txt"), b"not ours").unwrap();
+        let r = BlobStore::open(StoreConfig {
+            dirs: vec![d.path().to_path_buf()],
+            capacity: 1,
+            reserve: 0,
+        });
+        assert!(matches!(r, Err(StoreError::DataDir { .. })));
+    }
+}

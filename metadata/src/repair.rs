@@ -1,0 +1,123 @@
+//! The repair loop: keeps every shard at its version's replication factor.
+//!
+//! Every `repair_interval` it asks the catalogue for under-replicated shards (replicas on
+//! down or draining nodes do not count), orders each chosen target node to copy the
+//! shard's blobs from a live replica (the node verifies every byte), and only then records
+//! the new replica — and drops the ones that no longer count — in one catalogue write.
+//! A failed copy changes nothing and is retried on the next round.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use locus_proto::{nodepb, DatasetRef, NodeId, VersionSel};
+use tokio::task::JoinSet;
+
+use crate::catalog::{Catalog, RepairTask};
+use crate::metrics::{Metrics, ReasonLabel};
+
+/// Shards repaired at once.
+const PARALLEL: usize = 4;
+
+pub async fn run(catalog: Arc<Catalog>, metrics: Arc<Metrics>, mut stop: tokio::sync::watch::Receiver<bool>) {
+    let every = catalog.config().repair_interval;
+    let mut reported_lost = 0usize;
+    loop {
+        tokio::select! {
+            _ = tokio::time::sleep(every) => {}
+            _ = stop.wait_for(|s| *s) => return,
+        }
+        let c = catalog.clone();
+        let (tasks, lost) = match tokio::task::spawn_blocking(move || c.repair_plan(64)).await {
+            Ok(Ok(p)) => p,
+            Ok(Err(e)) => {
+                tracing::error!("repair planning failed: {e}");
+                continue;
+            }
+            Err(e) => {
+                tracing::error!("repair planning task failed: {e}");
+                continue;
+            }
+        };
+        metrics.shards_lost.set(lost.len() as i64);
+        if lost.len() != reported_lost {
+            for l in lost.iter().take(10) {
+                tracing::error!("{l}");
+            }
+            reported_lost = lost.len();
+        }
+        let mut set = JoinSet::new();
+        for t in tasks {
+            while set.len() >= PARALLEL {
+                let _ = set.join_next().await;
+            }
+            let c = catalog.clone();
+            let m = metrics.clone();
+            set.spawn(async move {
+                let label = match repair_one(&c, &t).await {
+                    Ok(()) => {
+                        m.repair_bytes.inc_by(t.bytes);
+                        tracing::info!(
+                            dataset = %t.dataset, version = t.version, shard = t.shard,
+                            from = %t.source.0, to = %t.target.0, dropped = ?t.drop,
+                            "shard re-replicated"
+                        );
+                        "ok"
+                    }
+                    Err(e) => {
+                        tracing::warn!(
+                            dataset = %t.dataset, version = t.version, shard = t.shard,
+                            to = %t.target.0, "repair failed, will retry: {e}"
+                        );
+                        "failed"
+                    }
+                };
+                m.repairs.get_or_create(&ReasonLabel { reason: label.into() }).inc();
+            });
+        }
+        while set.join_next().await.is_some() {}
+    }
+}
+
+async fn repair_one(catalog: &Arc<Catalog>, t: &RepairTask) -> Result<(), String> {
+    let r = DatasetRef {
+        name: t.dataset.as_str().try_into().map_err(|e| format!("{e}"))?,
+        version: VersionSel::Number(t.version),
+    };
+    let c = catalog.clone();
+    let r2 = r.clone();
+    let shard = t.shard;
+    let blobs = tokio::task::spawn_blocking(move || c.version_shard_blobs(&r2, shard))
+        .await
+        .map_err(|e| e.to_string())?
+        .map_err(|e| e.to_string())?;
+    let chunk_size = blobs.first().map_or(0, |b| b.2);
+    let mut node = locus_proto::client::connect_node(&t.target.1, None, Duration::from_secs(5))
+        .await
+        .map_err(|e| e.to_string())?;
+    node.fetch_blobs(nodepb::FetchBlobsRequest {
+        source: t.source.1.clone(),
+        blobs: blobs
+            .iter()
+            .map(|(h, size, _)| nodepb::BlobRef {
+                hash: h.0.to_vec(),
+                size: *size,
+            })
+            .collect(),
+        pin: true,
+        chunk_size,
+    })
+    .await
+    .map_err(|s| format!("{}: {}", t.target.0, s.message()))?;
+    let add = vec![NodeId::try_from(t.target.0.as_str()).map_err(|e| e.to_string())?];
+    let remove = t
+        .drop
+        .iter()
+        .map(|n| NodeId::try_from(n.as_str()).map_err(|e| e.to_string()))
+        .collect::<Result<Vec<_>, _>>()?;
+    let c = catalog.clone();
+    tokio::task::spawn_blocking(move || c.update_replicas(&r, shard, &add, &remove))
+        .await
+        .map_err(|e| e.to_string())?
+        .map_err(|e| e.to_string())?;
+    Ok(())
+}

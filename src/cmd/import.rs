@@ -1,0 +1,400 @@
+//! `locus dataset import`: a local directory becomes the next version of a dataset, its
+//! blobs replicated onto cache nodes.
+//!
+//! Order of work, chosen so that nothing half-done is ever visible: hash everything, open
+//! an import session and upload the manifest, ask for a placement (and stop, aborting the
+//! session, if any shard cannot be placed), send each node the blobs its shards need that
+//! it does not already have (nodes verify every byte), then record the replicas and
+//! commit. An interrupted import leaves only an uncommitted session, which the service
+//! discards; rerunning it skips every blob the nodes already hold.
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+use clap::Args;
+use locus_proto::client::NodeClient;
+use locus_proto::{nodepb, pb, BlobHash};
+use tokio::task::JoinSet;
+
+use crate::config::Resolved;
+use crate::output::{self, StatusExt};
+
+#[derive(Args, Debug)]
+pub struct ImportArgs {
+    /// Dataset name; the import becomes its next version.
+    pub name: String,
+    /// A local directory (or file://PATH).
+    pub source: String,
+    /// Replicas of every shard, on distinct hosts.
+    #[arg(long, default_value_t = 2)]
+    pub replicas: u32,
+    /// Target shard size: files are grouped in path order into shards of about this many
+    /// bytes; a larger file is a shard of its own.
+    #[arg(long, default_value = "1GiB", value_name = "SIZE")]
+    pub shard_size: String,
+    /// Chunk size for hashes and partial transfers (power of two, 64KiB..1GiB).
+    #[arg(long, default_value = "4MiB", value_name = "SIZE")]
+    pub chunk_size: String,
+    /// Blob uploads in flight at once.
+    #[arg(long, default_value_t = 8)]
+    pub parallel: usize,
+}
+
+/// Prints progress on a terminal, nothing otherwise.
+struct Progress {
+    label: &'static str,
+    done: Arc<AtomicU64>,
+    total: u64,
+    start: Instant,
+    task: Option<tokio::task::JoinHandle<()>>,
+}
+
+impl Progress {
+    fn new(label: &'static str, total: u64) -> Self {
+        use std::io::IsTerminal;
+        let done = Arc::new(AtomicU64::new(0));
+        let start = Instant::now();
+        let task = std::io::stderr().is_terminal().then(|| {
+            let d = done.clone();
+            tokio::spawn(async move {
+                loop {
+                    tokio::time::sleep(Duration::from_millis(250)).await;
+                    let n = d.load(Ordering::Relaxed);
+                    let rate = n as f64 / start.elapsed().as_secs_f64().max(0.001);
+                    eprint!(
+                        "\r\x1b[K{label} {} / {} ({}/s)",
+                        output::size(n),
+                        output::size(total),
+                        output::size(rate as u64)
+                    );
+                }
+            })
+        });
+        Progress {
+            label,
+            done,
+            total,
+            start,
+            task,
+        }
+    }
+
+    fn finish(mut self) -> Duration {
+        if let Some(t) = self.task.take() {
+            t.abort();
+            eprintln!(
+                "\r\x1b[K{} {} in {:.1}s",
+                self.label,
+                output::size(self.total),
+                self.start.elapsed().as_secs_f64()
+            );
+        }
+        self.start.elapsed()
+    }
+}
+
+pub async fn run(a: ImportArgs, cfg: &Resolved) -> anyhow::Result<()> {
+    let started = Instant::now();
+    let name = locus_proto::DatasetName::try_from(a.name.as_str()).map_err(|e| anyhow::anyhow!("{}", e))?;
+    let source = PathBuf::from(a.source.strip_prefix("file://").unwrap_or(&a.source));
+    if a.source.contains("://") && !a.source.starts_with("file://") {
+        bail!(
+            "{}: importing straight from an object store is not supported by this build yet; \
+             copy the data to a local directory and import that",
+            a.source
+        );
+    }
+    if !source.is_dir() {
+        bail!("{} is not a directory", source.display());
+    }
+    let chunk_size = locus_proto::human::parse_size(&a.chunk_size).map_err(|e| anyhow::anyhow!("--chunk-size: {}", e.reason))?;
+    let chunk_size = u32::try_from(chunk_size).ok().filter(|c| {
+        c.is_power_of_two() && (locus_proto::MIN_CHUNK_SIZE..=locus_proto::MAX_CHUNK_SIZE).contains(c)
+    });
+    let Some(chunk_size) = chunk_size else {
+        bail!("--chunk-size must be a power of two from 64KiB to 1GiB");
+    };
+    let shard_size = locus_proto::human::parse_size(&a.shard_size).map_err(|e| anyhow::anyhow!("--shard-size: {}", e.reason))?;
+    if a.replicas == 0 {
+        bail!("--replicas must be at least 1");
+    }
+    let mut meta = cfg.connect().await?;
+
+    // 1. Hash.
+    let total_guess = dir_bytes(&source);
+    let hashing = Progress::new("hashing", total_guess);
+    let done = hashing.done.clone();
+    let src = source.clone();
+    let threads = std::thread::available_parallelism().map_or(2, |n| n.get());
+    let scanned = tokio::task::spawn_blocking(move || {
+        crate::scan::scan_dir_parallel(&src, chunk_size, shard_size.max(1), threads, &|n| {
+            done.store(n, Ordering::Relaxed)
+        })
+    })
+    .await??;
+    let hash_time = hashing.finish();
+
+    // 2. Session and manifest.
+    let begin = meta
+        .begin_version(pb::BeginVersionRequest {
+            dataset: name.to_string(),
+            chunk_size,
+            origin: "cluster".into(),
+            replication: a.replicas,
+        })
+        .await
+        .or_status()?;
+    let session = begin.session_id;
+    let result = import_into_session(&a, cfg, &mut meta, session, chunk_size, &scanned).await;
+    let (placement, uploaded, skipped, upload_time) = match result {
+        Ok(r) => r,
+        Err(e) => {
+            // Leave nothing behind: the session's manifest is dropped now, not at expiry.
+            let _ = meta.abort_version(pb::AbortVersionRequest { session_id: session }).await;
+            return Err(e);
+        }
+    };
+    let mut shards = scanned.shards.clone();
+    for s in &mut shards {
+        s.replicas = placement.get(&s.id).cloned().unwrap_or_default();
+    }
+    locus_proto::client::put_shards_paged(&mut meta, session, shards)
+        .await
+        .map_err(output::status_error)?;
+    let v = meta
+        .commit_version(pb::CommitVersionRequest { session_id: session })
+        .await
+        .or_status()?
+        .version
+        .context("the service committed without returning the version")?;
+    let secs = started.elapsed().as_secs_f64();
+    let summary = serde_json::json!({
+        "dataset": v.dataset,
+        "version": v.version,
+        "files": v.files,
+        "dirs": v.dirs,
+        "symlinks": v.symlinks,
+        "bytes": v.bytes,
+        "shards": v.shards,
+        "replicas": a.replicas,
+        "distinct_blobs": scanned.blobs.len(),
+        "uploaded_bytes": uploaded,
+        "skipped_bytes": skipped,
+        "hash_seconds": hash_time.as_secs_f64(),
+        "upload_seconds": upload_time.as_secs_f64(),
+        "seconds": secs,
+        "throughput_bytes_per_second": (v.bytes as f64 / secs) as u64,
+    });
+    if cfg.json {
+        return output::json(&summary);
+    }
+    println!(
+        "imported {}@{}: {} files ({}), {} dirs, {} symlinks in {} shard(s) × {} replicas",
+        v.dataset,
+        v.version,
+        v.files,
+        output::size(v.bytes),
+        v.dirs,
+        v.symlinks,
+        v.shards,
+        a.replicas
+    );
+    println!(
+        "sent {} to nodes, skipped {} already there; {:.1}s ({}/s)",
+        output::size(uploaded),
+        output::size(skipped),
+        secs,
+        output::size((v.bytes as f64 / secs.max(0.001)) as u64)
+    );
+    Ok(())
+}
+
+fn dir_bytes(p: &std::path::Path) -> u64 {
+    let mut total = 0;
+    for e in std::fs::read_dir(p).into_iter().flatten().flatten() {
+        if let Ok(m) = std::fs::symlink_metadata(e.path()) {
+            if m.is_dir() {
+                total += dir_bytes(&e.path());
+            } else if m.is_file() {
+                total += m.len();
+            }
+        }
+    }
+    total
+}
+
+type Placement = BTreeMap<u32, Vec<String>>;
+
+/// Uploads the manifest, places shards and sends blobs. Returns the placement and the
+/// bytes sent and skipped.
+async fn import_into_session(
+    a: &ImportArgs,
+    _cfg: &Resolved,
+    meta: &mut locus_proto::client::MetadataClient,
+    session: u64,
+    chunk_size: u32,
+    scanned: &crate::scan::Scanned,
+) -> anyhow::Result<(Placement, u64, u64, Duration)> {
+    locus_proto::client::put_entries_paged(meta, session, scanned.entries.clone())
+        .await
+        .map_err(output::status_error)?;
+    let placed = meta
+        .place_shards(pb::PlaceShardsRequest {
+            shards: scanned
+                .shards
+                .iter()
+                .map(|s| pb::ShardSize { id: s.id, bytes: s.bytes })
+                .collect(),
+            replication: a.replicas,
+        })
+        .await
+        .or_status()?;
+    if !placed.unplaced.is_empty() {
+        let mut msg = format!(
+            "{} of {} shard(s) could not be placed; nothing was committed:",
+            placed.unplaced.len(),
+            scanned.shards.len()
+        );
+        for u in placed.unplaced.iter().take(20) {
+            msg.push_str(&format!("\n  shard {}: {}", u.shard, u.reason));
+        }
+        if placed.unplaced.len() > 20 {
+            msg.push_str(&format!("\n  … and {} more", placed.unplaced.len() - 20));
+        }
+        bail!(msg);
+    }
+    let placement: Placement = placed.placements.into_iter().map(|p| (p.shard, p.nodes)).collect();
+
+    // What each node must hold.
+    let mut per_node: HashMap<String, Vec<BlobHash>> = HashMap::new();
+    for (shard, nodes) in &placement {
+        for n in nodes {
+            let v = per_node.entry(n.clone()).or_default();
+            v.extend(scanned.shard_blobs[*shard as usize].iter().copied());
+        }
+    }
+    let addresses: HashMap<String, String> = meta
+        .list_nodes(pb::ListNodesRequest {})
+        .await
+        .or_status()?
+        .nodes
+        .into_iter()
+        .map(|n| (n.id, n.address))
+        .collect();
+    let mut clients: HashMap<String, NodeClient> = HashMap::new();
+    let mut todo: Vec<(String, BlobHash)> = Vec::new();
+    let mut skipped = 0u64;
+    for (node, mut blobs) in per_node {
+        blobs.sort();
+        blobs.dedup();
+        let addr = addresses.get(&node).with_context(|| format!("node {node} has no address"))?;
+        let mut c = locus_proto::client::connect_node(addr, None, Duration::from_secs(5))
+            .await
+            .with_context(|| format!("node {node}"))?;
+        for batch in blobs.chunks(50_000) {
+            let have = c
+                .have_blobs(nodepb::HaveBlobsRequest {
+                    hashes: batch.iter().map(|h| h.0.to_vec()).collect(),
+                })
+                .await
+                .map_err(|s| anyhow::anyhow!("node {node}: {}", s.message()))?
+                .into_inner()
+                .present;
+            for (h, here) in batch.iter().zip(have) {
+                if here {
+                    skipped += scanned.blobs[h].1;
+                } else {
+                    todo.push((node.clone(), *h));
+                }
+            }
+        }
+        clients.insert(node, c);
+    }
+
+    // Send what is missing, a bounded number of blobs at a time.
+    let total: u64 = todo.iter().map(|(_, h)| scanned.blobs[h].1).sum();
+    let progress = Progress::new("uploading", total);
+    let mut set: JoinSet<anyhow::Result<()>> = JoinSet::new();
+    let mut pending = todo.into_iter();
+    loop {
+        while set.len() < a.parallel.max(1) {
+            let Some((node, h)) = pending.next() else { break };
+            let (path, size) = scanned.blobs[&h].clone();
+            let client = clients[&node].clone();
+            let done = progress.done.clone();
+            set.spawn(async move {
+                send_blob(client, &path, h, size, chunk_size, done)
+                    .await
+                    .with_context(|| format!("sending {} to node {node}", path.display()))
+            });
+        }
+        match set.join_next().await {
+            None => break,
+            Some(r) => {
+                if let Err(e) = r.map_err(anyhow::Error::from).and_then(|x| x) {
+                    set.abort_all();
+                    progress.finish();
+                    return Err(e);
+                }
+            }
+        }
+    }
+    let t = progress.finish();
+    Ok((placement, total, skipped, t))
+}
+
+/// Streams one file to a node as a pinned blob; the node verifies it against `h`.
+async fn send_blob(
+    mut client: NodeClient,
+    path: &std::path::Path,
+    h: BlobHash,
+    size: u64,
+    chunk_size: u32,
+    done: Arc<AtomicU64>,
+) -> anyhow::Result<()> {
+    use nodepb::write_blob_message::Msg;
+    use tokio::io::AsyncReadExt;
+    let (tx, rx) = tokio::sync::mpsc::channel(4);
+    tx.send(nodepb::WriteBlobMessage {
+        msg: Some(Msg::Header(nodepb::WriteBlobHeader {
+            hash: h.0.to_vec(),
+            size,
+            chunk_size,
+            pin: true,
+        })),
+    })
+    .await
+    .ok();
+    let mut file = tokio::fs::File::open(path)
+        .await
+        .with_context(|| format!("cannot open {}", path.display()))?;
+    let reader = tokio::spawn(async move {
+        let mut buf = vec![0u8; 1 << 20];
+        loop {
+            let n = file.read(&mut buf).await?;
+            if n == 0 {
+                return Ok::<_, std::io::Error>(());
+            }
+            done.fetch_add(n as u64, Ordering::Relaxed);
+            let msg = nodepb::WriteBlobMessage {
+                msg: Some(Msg::Data(buf[..n].to_vec())),
+            };
+            if tx.send(msg).await.is_err() {
+                return Ok(()); // the node ended the call early (it had the blob, or failed)
+            }
+        }
+    });
+    let resp = client.write_blob(tokio_stream::wrappers::ReceiverStream::new(rx)).await;
+    reader.await??;
+    match resp {
+        Ok(_) => Ok(()),
+        Err(s) if s.code() == tonic::Code::InvalidArgument => {
+            bail!("{} (did the file change while importing?)", s.message())
+        }
+        Err(s) => bail!("{}", s.message()),
+    }
+}
