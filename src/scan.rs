@@ -3,12 +3,11 @@
 //!
 //! Never follows symlinks (they are recorded as links) and never leaves the root.
 
-use std::io::Read;
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::path::Path;
 
 use anyhow::{bail, Context};
-use locus_proto::manifest::{BlobHash, Entry, EntryKind, RelPath};
+use locus_proto::manifest::{BlobHash, Entry, EntryKind, FileHashes, RelPath};
 use locus_proto::pb;
 
 pub struct Scanned {
@@ -22,35 +21,9 @@ pub struct Scanned {
     pub shard_blobs: Vec<Vec<BlobHash>>,
 }
 
-/// Hashes a file: the BLAKE3 of its content and of each `chunk_size` piece.
-pub fn hash_file(path: &Path, chunk_size: u32) -> anyhow::Result<(u64, BlobHash, Vec<BlobHash>)> {
-    let mut f = std::fs::File::open(path).with_context(|| format!("cannot open {}", path.display()))?;
-    let mut whole = blake3::Hasher::new();
-    let mut chunks = Vec::new();
-    let mut buf = vec![0u8; chunk_size as usize];
-    let mut size = 0u64;
-    loop {
-        let mut filled = 0;
-        while filled < buf.len() {
-            let n = f
-                .read(&mut buf[filled..])
-                .with_context(|| format!("cannot read {}", path.display()))?;
-            if n == 0 {
-                break;
-            }
-            filled += n;
-        }
-        if filled == 0 {
-            break;
-        }
-        whole.update(&buf[..filled]);
-        chunks.push(BlobHash::of(&buf[..filled]));
-        size += filled as u64;
-        if filled < buf.len() {
-            break;
-        }
-    }
-    Ok((size, BlobHash(*whole.finalize().as_bytes()), chunks))
+fn hash_file(path: &Path, chunk_size: u32) -> anyhow::Result<FileHashes> {
+    locus_proto::manifest::hash_file(path, chunk_size)
+        .with_context(|| format!("cannot read {}", path.display()))
 }
 
 /// Scans `root` into a manifest with `chunk_size` chunks and shards of about `shard_size`,
@@ -66,10 +39,12 @@ pub fn scan_dir_parallel(
     let mut found = Vec::new();
     walk(root, "", &mut found)?;
     found.sort_by(|a, b| a.0.cmp(&b.0));
-    let files_idx: Vec<usize> = (0..found.len()).filter(|i| found[*i].1.file_type().is_file()).collect();
+    let files_idx: Vec<usize> = (0..found.len())
+        .filter(|i| found[*i].1.file_type().is_file())
+        .collect();
     let next = AtomicUsize::new(0);
     let done = AtomicU64::new(0);
-    let results: Vec<std::sync::Mutex<Option<(u64, BlobHash, Vec<BlobHash>)>>> =
+    let results: Vec<std::sync::Mutex<Option<FileHashes>>> =
         (0..found.len()).map(|_| std::sync::Mutex::new(None)).collect();
     let first_err: std::sync::Mutex<Option<anyhow::Error>> = std::sync::Mutex::new(None);
     std::thread::scope(|s| {
@@ -132,7 +107,9 @@ pub fn scan_dir_parallel(
                 });
                 shard_blobs.push(Vec::new());
             }
-            if blobs.insert(blob, (full.clone(), size)).is_none() || !shard_blobs.last().expect("pushed").contains(&blob) {
+            if blobs.insert(blob, (full.clone(), size)).is_none()
+                || !shard_blobs.last().expect("pushed").contains(&blob)
+            {
                 shard_blobs.last_mut().expect("pushed").push(blob);
             }
             let s = shards.last_mut().expect("a shard was just ensured");

@@ -242,7 +242,11 @@ async fn bad_input_is_refused_with_a_message_and_changes_nothing() {
 
     // An oversized message (a 40 MiB page) is refused by the server before it is decoded,
     // and the session is untouched.
-    let channel = tonic::transport::Endpoint::from_shared(m.url()).unwrap().connect().await.unwrap();
+    let channel = tonic::transport::Endpoint::from_shared(m.url())
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
     let mut raw = pb::metadata_client::MetadataClient::new(channel).max_encoding_message_size(usize::MAX);
     let mut huge = good[2].clone();
     huge.path = "huge".into();
@@ -256,7 +260,10 @@ async fn bad_input_is_refused_with_a_message_and_changes_nothing() {
         })
         .await
         .unwrap_err();
-    assert!(matches!(e.code(), Code::OutOfRange | Code::ResourceExhausted), "{e:?}");
+    assert!(
+        matches!(e.code(), Code::OutOfRange | Code::ResourceExhausted),
+        "{e:?}"
+    );
 
     // Versions that do not exist.
     for (ds, v) in [("good", 7u64), ("nosuch", 1), ("nosuch", 0)] {
@@ -659,6 +666,7 @@ async fn nodes_go_down_when_silent_and_replicas_move_resident_counters() {
             id: "n1".into(),
             free_bytes: 123,
             used_bytes: 456,
+            ..Default::default()
         })
         .await
         .unwrap();

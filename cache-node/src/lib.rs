@@ -21,7 +21,6 @@ use std::time::Duration;
 
 use locus_proto::client::{ClientOptions, MetadataClient};
 use locus_proto::{nodepb, pb, BlobHash, NodeId};
-use tokio::sync::Notify;
 use tonic::Status;
 
 use crate::service::NodeService;
@@ -117,7 +116,10 @@ fn bind(addr: SocketAddr) -> Result<tokio::net::TcpListener, NodeError> {
 }
 
 /// Runs a cache node until `shutdown` completes.
-pub async fn serve(cfg: NodeConfig, shutdown: impl Future<Output = ()> + Send + 'static) -> Result<(), NodeError> {
+pub async fn serve(
+    cfg: NodeConfig,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<(), NodeError> {
     let (store, rep) = BlobStore::open(cfg.store.clone())?;
     tracing::info!(
         indexed = rep.indexed,
@@ -128,7 +130,10 @@ pub async fn serve(cfg: NodeConfig, shutdown: impl Future<Output = ()> + Send + 
         "blob store opened"
     );
     if rep.missing > 0 {
-        tracing::warn!(missing = rep.missing, "blobs in the index were missing on disk; pin sync will refetch pinned ones");
+        tracing::warn!(
+            missing = rep.missing,
+            "blobs in the index were missing on disk; pin sync will refetch pinned ones"
+        );
     }
     let listener = bind(cfg.listen)?;
     let bound = listener.local_addr().map_err(|e| NodeError::Bind {
@@ -192,9 +197,14 @@ pub async fn serve(cfg: NodeConfig, shutdown: impl Future<Output = ()> + Send + 
     }
     tracing::info!(node = %cfg.id, %bound, %advertise, "cache node listening");
 
-    let resync = Arc::new(Notify::new());
-    let agent = tokio::spawn(agent(cfg.clone(), advertise, store.clone(), peers.clone(), resync.clone(), stop_rx.clone()));
-    let scrubber = tokio::spawn(scrub(store.clone(), cfg.scrub_rate, resync.clone(), stop_rx.clone()));
+    let agent = tokio::spawn(agent(
+        cfg.clone(),
+        advertise,
+        store.clone(),
+        peers.clone(),
+        stop_rx.clone(),
+    ));
+    let scrubber = tokio::spawn(scrub(store.clone(), cfg.scrub_rate, stop_rx.clone()));
 
     let incoming = tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
     let server = tonic::transport::Server::builder()
@@ -248,7 +258,6 @@ async fn agent(
     advertise: String,
     store: Arc<BlobStore>,
     peers: Arc<Peers>,
-    resync: Arc<Notify>,
     mut stop: tokio::sync::watch::Receiver<bool>,
 ) {
     let mut registered = false;
@@ -296,7 +305,7 @@ async fn agent(
         }
         tokio::select! {
             _ = tokio::time::sleep(cfg.heartbeat_interval) => {}
-            _ = resync.notified() => last_sync = tokio::time::Instant::now() - cfg.pin_sync_interval,
+            _ = store.quarantine_events.notified() => last_sync = tokio::time::Instant::now() - cfg.pin_sync_interval,
             _ = stop.wait_for(|s| *s) => return,
         }
     }
@@ -304,7 +313,11 @@ async fn agent(
 
 /// Pins exactly the blobs this node's shards need, and fetches those that are missing
 /// from live peers. Returns (pins changed, blobs fetched).
-async fn sync_pins(cfg: &NodeConfig, store: &Arc<BlobStore>, peers: &Peers) -> Result<(usize, usize), Status> {
+async fn sync_pins(
+    cfg: &NodeConfig,
+    store: &Arc<BlobStore>,
+    peers: &Peers,
+) -> Result<(usize, usize), Status> {
     let mut m = peers.metadata().await?;
     let mut want: HashMap<BlobHash, (u64, u32)> = HashMap::new();
     let mut token = Vec::new();
@@ -342,7 +355,8 @@ async fn sync_pins(cfg: &NodeConfig, store: &Arc<BlobStore>, peers: &Peers) -> R
             if id == cfg.id.as_str() {
                 continue;
             }
-            let Ok(mut peer) = locus_proto::client::connect_node(&addr, None, Duration::from_secs(3)).await else {
+            let Ok(mut peer) = locus_proto::client::connect_node(&addr, None, Duration::from_secs(3)).await
+            else {
                 continue;
             };
             match service::fetch_from_peer(store, &mut peer, h, size, cs, true).await {
@@ -363,7 +377,7 @@ async fn sync_pins(cfg: &NodeConfig, store: &Arc<BlobStore>, peers: &Peers) -> R
 }
 
 /// Re-verifies every stored blob at about `rate` bytes per second, forever.
-async fn scrub(store: Arc<BlobStore>, rate: u64, resync: Arc<Notify>, mut stop: tokio::sync::watch::Receiver<bool>) {
+async fn scrub(store: Arc<BlobStore>, rate: u64, mut stop: tokio::sync::watch::Receiver<bool>) {
     if rate == 0 {
         return;
     }
@@ -382,8 +396,8 @@ async fn scrub(store: Arc<BlobStore>, rate: u64, resync: Arc<Notify>, mut stop: 
             match ok {
                 Ok(Ok(true)) => {}
                 Ok(Ok(false)) => {
-                    tracing::error!(blob = %h, "scrub found a corrupt blob; quarantined, refetching");
-                    resync.notify_one();
+                    // The store has already announced the quarantine; the agent refetches.
+                    tracing::error!(blob = %h, "scrub found a corrupt blob");
                 }
                 Ok(Err(e)) => tracing::warn!(blob = %h, "scrub could not verify: {e}"),
                 Err(e) => tracing::warn!("scrub task failed: {e}"),

@@ -51,7 +51,11 @@ pub fn stream_blob(store: Arc<BlobStore>, h: BlobHash, offset: u64, len: u64) ->
     let (tx, rx) = mpsc::channel::<Result<nodepb::BlobData, Status>>(4);
     tokio::task::spawn_blocking(move || {
         let size = store.size_of(&h).unwrap_or(0);
-        let end = if len == 0 { size } else { offset.saturating_add(len).min(size) };
+        let end = if len == 0 {
+            size
+        } else {
+            offset.saturating_add(len).min(size)
+        };
         let mut pos = offset;
         // Read a few chunks' worth at a time; each read verifies the chunks it touches.
         let step = (STREAM_PIECE as u64) * 4;
@@ -66,7 +70,10 @@ pub fn stream_blob(store: Arc<BlobStore>, h: BlobHash, offset: u64, len: u64) ->
             match store.read_range(&h, pos, n) {
                 Ok(buf) => {
                     for piece in buf.chunks(STREAM_PIECE) {
-                        if tx.blocking_send(Ok(nodepb::BlobData { data: piece.to_vec() })).is_err() {
+                        if tx
+                            .blocking_send(Ok(nodepb::BlobData { data: piece.to_vec() }))
+                            .is_err()
+                        {
                             return; // the reader went away
                         }
                     }
@@ -149,7 +156,12 @@ impl Node for NodeService {
         if !self.store.contains(&h) {
             return Err(to_status(StoreError::NotFound(h)));
         }
-        Ok(Response::new(stream_blob(self.store.clone(), h, q.offset, q.length)))
+        Ok(Response::new(stream_blob(
+            self.store.clone(),
+            h,
+            q.offset,
+            q.length,
+        )))
     }
 
     async fn write_blob(
@@ -187,7 +199,9 @@ impl Node for NodeService {
         let mut failed = None;
         while let Some(msg) = stream.next().await {
             match msg {
-                Ok(nodepb::WriteBlobMessage { msg: Some(Msg::Data(d)) }) => {
+                Ok(nodepb::WriteBlobMessage {
+                    msg: Some(Msg::Data(d)),
+                }) => {
                     if tx.send(d).await.is_err() {
                         break; // the writer failed; its error is reported below
                     }
@@ -261,7 +275,10 @@ impl Node for NodeService {
                 (_, Ok(false)) => resp.already_present += 1,
                 (_, Err(s)) => {
                     set.abort_all();
-                    return Err(Status::new(s.code(), format!("from {}: {}", q.source, s.message())));
+                    return Err(Status::new(
+                        s.code(),
+                        format!("from {}: {}", q.source, s.message()),
+                    ));
                 }
             }
         }
@@ -273,7 +290,9 @@ impl Node for NodeService {
         req: Request<nodepb::EnsureLocalRequest>,
     ) -> Result<Response<nodepb::EnsureLocalResponse>, Status> {
         if !self.local {
-            return Err(Status::permission_denied("EnsureLocal is served on the node's Unix socket only"));
+            return Err(Status::permission_denied(
+                "EnsureLocal is served on the node's Unix socket only",
+            ));
         }
         let q = req.into_inner();
         let h = hash(&q.hash)?;
@@ -288,7 +307,8 @@ impl Node for NodeService {
             if id == self.id {
                 continue;
             }
-            let mut peer = match locus_proto::client::connect_node(&addr, None, Duration::from_secs(3)).await {
+            let mut peer = match locus_proto::client::connect_node(&addr, None, Duration::from_secs(3)).await
+            {
                 Ok(p) => p,
                 Err(e) => {
                     last = Status::unavailable(e.to_string());

@@ -22,6 +22,7 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
+use locus_proto::manifest::hash_file;
 use locus_proto::BlobHash;
 use prost::Message;
 
@@ -122,6 +123,8 @@ pub struct BlobStore {
     index: rocksdb::DB,
     state: Mutex<State>,
     tick: AtomicU64,
+    /// Woken whenever a blob is quarantined, so the owner can refetch it at once.
+    pub quarantine_events: tokio::sync::Notify,
 }
 
 fn hex(h: &BlobHash) -> String {
@@ -186,6 +189,7 @@ impl BlobStore {
             index,
             state: Mutex::new(State::default()),
             tick: AtomicU64::new(1),
+            quarantine_events: tokio::sync::Notify::new(),
         });
         let report = store.reconcile()?;
         Ok((store, report))
@@ -243,7 +247,12 @@ impl BlobStore {
             }
             rep.quarantined += fs::read_dir(d.join("quarantine")).map_err(io)?.count();
         }
-        let missing: Vec<BlobHash> = st.blobs.keys().filter(|h| !on_disk.contains(*h)).copied().collect();
+        let missing: Vec<BlobHash> = st
+            .blobs
+            .keys()
+            .filter(|h| !on_disk.contains(*h))
+            .copied()
+            .collect();
         for h in &missing {
             if let Some(m) = st.blobs.remove(h) {
                 st.used -= m.rec.size;
@@ -259,7 +268,11 @@ impl BlobStore {
         for (di, p) in strays {
             // A crash after the rename but before the index write: the file was verified
             // before the rename, but re-check it since nothing vouches for it now.
-            let name = p.file_name().and_then(|n| n.to_str()).unwrap_or_default().to_string();
+            let name = p
+                .file_name()
+                .and_then(|n| n.to_str())
+                .unwrap_or_default()
+                .to_string();
             let h = BlobHash::from_hex(&name).expect("filtered above");
             match hash_file(&p, locus_proto::DEFAULT_CHUNK_SIZE) {
                 Ok((size, whole, chunks)) if whole == h => {
@@ -485,11 +498,17 @@ impl BlobStore {
             }
             return Ok(None);
         }
-        let chunk_size = if chunk_size == 0 { locus_proto::DEFAULT_CHUNK_SIZE } else { chunk_size };
+        let chunk_size = if chunk_size == 0 {
+            locus_proto::DEFAULT_CHUNK_SIZE
+        } else {
+            chunk_size
+        };
         let (dir, reservation) = self.reserve(size)?;
-        let tmp = self.cfg.dirs[dir as usize]
-            .join("tmp")
-            .join(format!("{}.{}", hex(&hash), self.tick.fetch_add(1, Ordering::Relaxed)));
+        let tmp = self.cfg.dirs[dir as usize].join("tmp").join(format!(
+            "{}.{}",
+            hex(&hash),
+            self.tick.fetch_add(1, Ordering::Relaxed)
+        ));
         let file = File::create(&tmp).map_err(io)?;
         Ok(Some(BlobWriter {
             store: self.clone(),
@@ -572,6 +591,7 @@ impl BlobStore {
         self.move_to_quarantine(path, h);
         self.forget(h);
         self.state().quarantined += 1;
+        self.quarantine_events.notify_one();
         StoreError::Corrupt { hash: *h, what }
     }
 
@@ -610,7 +630,10 @@ fn check_format(d: &Path) -> Result<(), StoreError> {
     let f = d.join(FORMAT_FILE);
     match fs::read_to_string(&f) {
         Ok(s) => {
-            let v = s.trim().strip_prefix("locus-blobstore ").and_then(|v| v.parse::<u32>().ok());
+            let v = s
+                .trim()
+                .strip_prefix("locus-blobstore ")
+                .and_then(|v| v.parse::<u32>().ok());
             match v {
                 Some(FORMAT_VERSION) => Ok(()),
                 Some(other) => Err(err(format!(
@@ -676,7 +699,11 @@ impl BlobWriter {
                 what: format!("more than the announced {} bytes", self.size),
             });
         }
-        self.file.as_mut().expect("open until finish").write_all(data).map_err(io)?;
+        self.file
+            .as_mut()
+            .expect("open until finish")
+            .write_all(data)
+            .map_err(io)?;
         self.whole.update(data);
         self.written += data.len() as u64;
         let cs = u64::from(self.chunk_size);
@@ -725,8 +752,14 @@ impl BlobWriter {
         fs::create_dir_all(parent).map_err(io)?;
         fs::rename(&self.tmp, &dest).map_err(io)?;
         fsync_dir(parent)?;
-        self.store
-            .insert(self.hash, self.size, self.dir, self.pin, self.chunk_size, &self.chunks)?;
+        self.store.insert(
+            self.hash,
+            self.size,
+            self.dir,
+            self.pin,
+            self.chunk_size,
+            &self.chunks,
+        )?;
         Ok(())
     }
 }
@@ -737,35 +770,6 @@ impl Drop for BlobWriter {
             let _ = fs::remove_file(&self.tmp);
         }
     }
-}
-
-/// Hashes a file: size, whole BLAKE3 and chunk hashes.
-pub fn hash_file(path: &Path, chunk_size: u32) -> std::io::Result<(u64, BlobHash, Vec<BlobHash>)> {
-    let mut f = File::open(path)?;
-    let mut whole = blake3::Hasher::new();
-    let mut chunks = Vec::new();
-    let mut buf = vec![0u8; chunk_size as usize];
-    let mut size = 0u64;
-    loop {
-        let mut filled = 0;
-        while filled < buf.len() {
-            let n = f.read(&mut buf[filled..])?;
-            if n == 0 {
-                break;
-            }
-            filled += n;
-        }
-        if filled == 0 {
-            break;
-        }
-        whole.update(&buf[..filled]);
-        chunks.push(BlobHash::of(&buf[..filled]));
-        size += filled as u64;
-        if filled < buf.len() {
-            break;
-        }
-    }
-    Ok((size, BlobHash(*whole.finalize().as_bytes()), chunks))
 }
 
 #[cfg(test)]
@@ -830,7 +834,10 @@ mod tests {
         fs::write(&p, bytes).unwrap();
         // The first chunk is intact and may be read; the damaged one is not.
         assert_eq!(s.read_range(&h, 0, 10).unwrap(), vec![42u8; 10]);
-        assert!(matches!(s.read_range(&h, 139_000, 2000), Err(StoreError::Corrupt { .. })));
+        assert!(matches!(
+            s.read_range(&h, 139_000, 2000),
+            Err(StoreError::Corrupt { .. })
+        ));
         assert!(!s.contains(&h));
         assert!(!p.exists());
         assert_eq!(fs::read_dir(d.path().join("quarantine")).unwrap().count(), 1);
@@ -878,7 +885,10 @@ mod tests {
             reserve: 0,
         })
         .unwrap();
-        assert_eq!((rep.indexed, rep.missing, rep.adopted, rep.tmp_removed), (2, 1, 1, 1));
+        assert_eq!(
+            (rep.indexed, rep.missing, rep.adopted, rep.tmp_removed),
+            (2, 1, 1, 1)
+        );
         assert!(s.contains(&a) && s.is_pinned(&a));
         assert!(!s.contains(&b));
         assert_eq!(s.read_range(&c, 0, 100).unwrap(), b"third blob");

@@ -43,6 +43,9 @@ pub enum CatalogError {
 
 type Result<T, E = CatalogError> = std::result::Result<T, E>;
 
+/// Shards placed (shard, nodes) and shards that could not be (shard, reason).
+pub type PlacementResult = (Vec<(u32, Vec<String>)>, Vec<(u32, String)>);
+
 /// Tunables of the catalogue.
 #[derive(Debug, Clone)]
 pub struct CatalogConfig {
@@ -748,11 +751,18 @@ impl Catalog {
                 .into());
             }
             b.put(Table::Entries, key, entry_record(e).encode_to_vec());
-            if let EntryKind::File { size, blob, shard, .. } = &e.kind {
+            if let EntryKind::File {
+                size, blob, shard, ..
+            } = &e.kind
+            {
                 let mut v = size.to_be_bytes().to_vec();
                 v.extend_from_slice(&rec.chunk_size.to_be_bytes());
                 b.put(Table::ShardBlobs, keys::shard_blob(session, *shard, &blob.0), v);
-                b.put(Table::BlobShards, keys::blob_shard(&blob.0, session, *shard), Vec::new());
+                b.put(
+                    Table::BlobShards,
+                    keys::blob_shard(&blob.0, session, *shard),
+                    Vec::new(),
+                );
             }
         }
         rec.entries += entries.len() as u64;
@@ -1152,24 +1162,25 @@ impl Catalog {
     /// returned with the reason, and debit nothing.
     pub fn place_shards(
         &self,
-        shards: &[(u32, u64)],
+        shards: &[(u32, u64, Vec<String>)],
         replication: u32,
-    ) -> Result<(Vec<(u32, Vec<String>)>, Vec<(u32, String)>)> {
+    ) -> Result<PlacementResult> {
         if replication == 0 || replication > 16 {
             return Err(InvalidInput::new("replication", "must be 1 to 16").into());
         }
         let mut seen = HashSet::new();
-        if let Some((id, _)) = shards.iter().find(|(id, _)| !seen.insert(*id)) {
+        if let Some((id, _, _)) = shards.iter().find(|(id, _, _)| !seen.insert(*id)) {
             return Err(InvalidInput::new("shards", format!("shard {id} is listed twice")).into());
         }
         let mut nodes: Vec<_> = self.candidates()?.into_iter().map(|(c, _)| c).collect();
         let reqs: Vec<_> = shards
             .iter()
-            .map(|(id, bytes)| placement::Request {
+            .map(|(id, bytes, prefer)| placement::Request {
                 shard: *id,
                 bytes: *bytes,
                 replicas: replication as usize,
                 existing: Vec::new(),
+                prefer: prefer.clone(),
             })
             .collect();
         let mut placed = Vec::new();
@@ -1350,9 +1361,10 @@ impl Catalog {
                     continue;
                 }
                 // A draining node that is still up can be the source.
-                let source = counting.first().copied().or_else(|| {
-                    rec.replicas.iter().find_map(|r| serving.get(r.as_str()).copied())
-                });
+                let source = counting
+                    .first()
+                    .copied()
+                    .or_else(|| rec.replicas.iter().find_map(|r| serving.get(r.as_str()).copied()));
                 let Some(source) = source else {
                     lost.push(format!("{name}@{n} shard {shard}: no live replica"));
                     continue;
@@ -1367,6 +1379,7 @@ impl Catalog {
                         .filter_map(|r| serving.get(r.as_str()).copied())
                         .map(cand_of)
                         .collect(),
+                    prefer: Vec::new(),
                 };
                 // existing includes live draining replicas (so they are not chosen again);
                 // ask for one more replica than currently counts.
@@ -1385,7 +1398,11 @@ impl Catalog {
                         bytes: rec.bytes,
                         source: (source.id.clone(), source.address.clone()),
                         target: (target.clone(), serving[target.as_str()].address.clone()),
-                        drop: if counting.len() + 1 >= v.replication as usize { drop } else { Vec::new() },
+                        drop: if counting.len() + 1 >= v.replication as usize {
+                            drop
+                        } else {
+                            Vec::new()
+                        },
                     });
                     if tasks.len() >= limit {
                         return Ok((tasks, lost));

@@ -1,9 +1,10 @@
 //! Replica placement: which nodes hold each shard.
 //!
 //! Rules, in order: a shard's replicas are on distinct hosts (never two on one host);
-//! on distinct racks while racks without one of its replicas remain; never on a node
-//! without room for the shard; among the nodes left, the one with the most free bytes
-//! (so placement is weighted by free capacity and fills nodes evenly). Free bytes are
+//! never on a node without room for the shard; nodes that already hold the shard's bytes
+//! first (a re-import moves nothing); then distinct racks while racks without one of its
+//! replicas remain; among the nodes left, the one with the most free bytes (so placement
+//! is weighted by free capacity and fills nodes evenly). Free bytes are
 //! debited as shards are placed, so one call never overcommits a node. Ties break on a
 //! hash of (shard, node) so equal nodes share the load without randomness.
 //!
@@ -29,6 +30,8 @@ pub struct Request {
     pub bytes: u64,
     pub replicas: usize,
     pub existing: Vec<Candidate>,
+    /// Node ids that already hold the shard's bytes, preferred in this order.
+    pub prefer: Vec<String>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -66,7 +69,21 @@ pub fn place(requests: &[Request], nodes: &mut [Candidate]) -> Vec<(u32, Outcome
                     && !hosts.contains(&n.host)
             };
             let pool: Vec<usize> = (0..nodes.len()).filter(eligible).collect();
-            let new_rack: Vec<usize> = pool.iter().copied().filter(|j| !racks.contains(&nodes[*j].rack)).collect();
+            if let Some(j) = r
+                .prefer
+                .iter()
+                .find_map(|id| pool.iter().copied().find(|j| &nodes[*j].id == id))
+            {
+                hosts.insert(nodes[j].host.clone());
+                racks.insert(nodes[j].rack.clone());
+                chosen.push(j);
+                continue;
+            }
+            let new_rack: Vec<usize> = pool
+                .iter()
+                .copied()
+                .filter(|j| !racks.contains(&nodes[*j].rack))
+                .collect();
             let from = if new_rack.is_empty() { &pool } else { &new_rack };
             let best = from
                 .iter()
@@ -97,7 +114,10 @@ pub fn place(requests: &[Request], nodes: &mut [Candidate]) -> Vec<(u32, Outcome
         for j in &chosen {
             nodes[*j].free -= r.bytes;
         }
-        out.push((r.shard, Outcome::Placed(chosen.iter().map(|j| nodes[*j].id.clone()).collect())));
+        out.push((
+            r.shard,
+            Outcome::Placed(chosen.iter().map(|j| nodes[*j].id.clone()).collect()),
+        ));
     }
     out.sort_by_key(|(s, _)| *s);
     out
@@ -123,7 +143,23 @@ mod tests {
             bytes,
             replicas,
             existing: vec![],
+            prefer: vec![],
         }
+    }
+
+    #[test]
+    fn prefers_nodes_that_hold_the_bytes() {
+        let mut nodes = vec![
+            node("a", "ha", "r1", 100),
+            node("b", "hb", "r2", 90),
+            node("c", "hc", "r3", 10),
+            node("d", "hc", "r3", 50),
+        ];
+        let mut r = req(0, 5, 2);
+        r.prefer = vec!["c".into(), "d".into()];
+        let out = place(&[r], &mut nodes);
+        // c first; d shares c's host, so the second replica comes from the normal rules.
+        assert_eq!(out[0].1, Outcome::Placed(vec!["c".into(), "a".into()]));
     }
 
     #[test]
@@ -148,12 +184,17 @@ mod tests {
 
     #[test]
     fn repair_avoids_existing_hosts() {
-        let mut nodes = vec![node("a", "ha", "r1", 100), node("b", "hb", "r2", 100), node("c", "hc", "r3", 50)];
+        let mut nodes = vec![
+            node("a", "ha", "r1", 100),
+            node("b", "hb", "r2", 100),
+            node("c", "hc", "r3", 50),
+        ];
         let r = Request {
             shard: 1,
             bytes: 10,
             replicas: 2,
             existing: vec![node("b", "hb", "r2", 0)],
+            prefer: vec![],
         };
         let out = place(&[r], &mut nodes);
         assert_eq!(out[0].1, Outcome::Placed(vec!["a".into()]));

@@ -71,7 +71,9 @@ pub async fn run(catalog: Arc<Catalog>, metrics: Arc<Metrics>, mut stop: tokio::
                         "failed"
                     }
                 };
-                m.repairs.get_or_create(&ReasonLabel { reason: label.into() }).inc();
+                m.repairs
+                    .get_or_create(&ReasonLabel { reason: label.into() })
+                    .inc();
             });
         }
         while set.join_next().await.is_some() {}

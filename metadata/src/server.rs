@@ -164,7 +164,11 @@ pub async fn serve(
     );
 
     let reaper = tokio::spawn(reap_sessions(catalog.clone(), metrics.clone(), stop_rx.clone()));
-    let repairer = tokio::spawn(crate::repair::run(catalog.clone(), metrics.clone(), stop_rx.clone()));
+    let repairer = tokio::spawn(crate::repair::run(
+        catalog.clone(),
+        metrics.clone(),
+        stop_rx.clone(),
+    ));
     let http = http_listener.map(|l| {
         let app = http_router(catalog.clone(), metrics.clone());
         let rx = stop_rx.clone();

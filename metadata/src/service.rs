@@ -159,7 +159,10 @@ impl pb::metadata_server::Metadata for MetadataService {
         Ok(Response::new(pb::DrainNodeResponse { shards_remaining }))
     }
 
-    async fn list_node_blobs(&self, req: Request<pb::ListNodeBlobsRequest>) -> Res<pb::ListNodeBlobsResponse> {
+    async fn list_node_blobs(
+        &self,
+        req: Request<pb::ListNodeBlobsRequest>,
+    ) -> Res<pb::ListNodeBlobsResponse> {
         let q = req.into_inner();
         let id = NodeId::try_from(q.node)?;
         let limit = match q.limit {
@@ -181,7 +184,8 @@ impl pb::metadata_server::Metadata for MetadataService {
         if q.shards.len() > 1_000_000 {
             return Err(Status::invalid_argument("shards: at most 1,000,000 per call"));
         }
-        let shards: Vec<(u32, u64)> = q.shards.iter().map(|s| (s.id, s.bytes)).collect();
+        let shards: Vec<(u32, u64, Vec<String>)> =
+            q.shards.into_iter().map(|s| (s.id, s.bytes, s.prefer)).collect();
         let replication = if q.replication == 0 { 1 } else { q.replication };
         let (placed, unplaced) = self
             .run(move |c| c.place_shards(&shards, replication))
@@ -209,7 +213,10 @@ impl pb::metadata_server::Metadata for MetadataService {
             .iter()
             .map(|h| locus_proto::BlobHash::from_slice("hashes", h))
             .collect::<Result<Vec<_>, _>>()?;
-        let found = self.run(move |c| c.locate_blobs(&hashes)).await.map_err(to_status)?;
+        let found = self
+            .run(move |c| c.locate_blobs(&hashes))
+            .await
+            .map_err(to_status)?;
         Ok(Response::new(pb::LocateBlobsResponse {
             blobs: q
                 .hashes

@@ -112,12 +112,19 @@ pub async fn connect(opts: &ClientOptions) -> Result<MetadataClient, ClientError
     )
 }
 
-pub type NodeClient =
-    crate::nodepb::node_client::NodeClient<InterceptedService<Channel, BearerToken>>;
+pub type NodeClient = crate::nodepb::node_client::NodeClient<InterceptedService<Channel, BearerToken>>;
 
 /// Connects to a cache node's API at `host:port`.
-pub async fn connect_node(addr: &str, token: Option<&str>, timeout: Duration) -> Result<NodeClient, ClientError> {
-    let url = if addr.contains("://") { addr.to_string() } else { format!("http://{addr}") };
+pub async fn connect_node(
+    addr: &str,
+    token: Option<&str>,
+    timeout: Duration,
+) -> Result<NodeClient, ClientError> {
+    let url = if addr.contains("://") {
+        addr.to_string()
+    } else {
+        format!("http://{addr}")
+    };
     let token = match token {
         Some(t) => Some(
             format!("Bearer {t}")
@@ -137,9 +144,11 @@ pub async fn connect_node(addr: &str, token: Option<&str>, timeout: Duration) ->
             url,
             reason: error_chain(&e),
         })?;
-    Ok(crate::nodepb::node_client::NodeClient::with_interceptor(channel, BearerToken(token))
-        .max_decoding_message_size(crate::MAX_MESSAGE_BYTES)
-        .max_encoding_message_size(crate::MAX_MESSAGE_BYTES))
+    Ok(
+        crate::nodepb::node_client::NodeClient::with_interceptor(channel, BearerToken(token))
+            .max_decoding_message_size(crate::MAX_MESSAGE_BYTES)
+            .max_encoding_message_size(crate::MAX_MESSAGE_BYTES),
+    )
 }
 
 /// An error and its sources on one line: transport errors hide the useful part

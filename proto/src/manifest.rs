@@ -167,6 +167,39 @@ pub fn chunk_count(size: u64, chunk_size: u32) -> u64 {
     size.div_ceil(u64::from(chunk_size))
 }
 
+/// A file's size, BLAKE3 hash and the hashes of its `chunk_size` chunks.
+pub type FileHashes = (u64, BlobHash, Vec<BlobHash>);
+
+/// Hashes a file in one pass: its size, its BLAKE3 and the BLAKE3 of each chunk.
+pub fn hash_file(path: &std::path::Path, chunk_size: u32) -> std::io::Result<FileHashes> {
+    use std::io::Read;
+    let mut f = std::fs::File::open(path)?;
+    let mut whole = blake3::Hasher::new();
+    let mut chunks = Vec::new();
+    let mut buf = vec![0u8; chunk_size as usize];
+    let mut size = 0u64;
+    loop {
+        let mut filled = 0;
+        while filled < buf.len() {
+            let n = f.read(&mut buf[filled..])?;
+            if n == 0 {
+                break;
+            }
+            filled += n;
+        }
+        if filled == 0 {
+            break;
+        }
+        whole.update(&buf[..filled]);
+        chunks.push(BlobHash::of(&buf[..filled]));
+        size += filled as u64;
+        if filled < buf.len() {
+            break;
+        }
+    }
+    Ok((size, BlobHash(*whole.finalize().as_bytes()), chunks))
+}
+
 impl Entry {
     pub fn size(&self) -> u64 {
         match &self.kind {

@@ -111,14 +111,16 @@ pub async fn run(a: ImportArgs, cfg: &Resolved) -> anyhow::Result<()> {
     if !source.is_dir() {
         bail!("{} is not a directory", source.display());
     }
-    let chunk_size = locus_proto::human::parse_size(&a.chunk_size).map_err(|e| anyhow::anyhow!("--chunk-size: {}", e.reason))?;
+    let chunk_size = locus_proto::human::parse_size(&a.chunk_size)
+        .map_err(|e| anyhow::anyhow!("--chunk-size: {}", e.reason))?;
     let chunk_size = u32::try_from(chunk_size).ok().filter(|c| {
         c.is_power_of_two() && (locus_proto::MIN_CHUNK_SIZE..=locus_proto::MAX_CHUNK_SIZE).contains(c)
     });
     let Some(chunk_size) = chunk_size else {
         bail!("--chunk-size must be a power of two from 64KiB to 1GiB");
     };
-    let shard_size = locus_proto::human::parse_size(&a.shard_size).map_err(|e| anyhow::anyhow!("--shard-size: {}", e.reason))?;
+    let shard_size = locus_proto::human::parse_size(&a.shard_size)
+        .map_err(|e| anyhow::anyhow!("--shard-size: {}", e.reason))?;
     if a.replicas == 0 {
         bail!("--replicas must be at least 1");
     }
@@ -154,7 +156,9 @@ pub async fn run(a: ImportArgs, cfg: &Resolved) -> anyhow::Result<()> {
         Ok(r) => r,
         Err(e) => {
             // Leave nothing behind: the session's manifest is dropped now, not at expiry.
-            let _ = meta.abort_version(pb::AbortVersionRequest { session_id: session }).await;
+            let _ = meta
+                .abort_version(pb::AbortVersionRequest { session_id: session })
+                .await;
             return Err(e);
         }
     };
@@ -242,12 +246,17 @@ async fn import_into_session(
     locus_proto::client::put_entries_paged(meta, session, scanned.entries.clone())
         .await
         .map_err(output::status_error)?;
+    let prefer = holders(meta, scanned).await?;
     let placed = meta
         .place_shards(pb::PlaceShardsRequest {
             shards: scanned
                 .shards
                 .iter()
-                .map(|s| pb::ShardSize { id: s.id, bytes: s.bytes })
+                .map(|s| pb::ShardSize {
+                    id: s.id,
+                    bytes: s.bytes,
+                    prefer: prefer.get(&s.id).cloned().unwrap_or_default(),
+                })
                 .collect(),
             replication: a.replicas,
         })
@@ -267,7 +276,11 @@ async fn import_into_session(
         }
         bail!(msg);
     }
-    let placement: Placement = placed.placements.into_iter().map(|p| (p.shard, p.nodes)).collect();
+    let placement: Placement = placed
+        .placements
+        .into_iter()
+        .map(|p| (p.shard, p.nodes))
+        .collect();
 
     // What each node must hold.
     let mut per_node: HashMap<String, Vec<BlobHash>> = HashMap::new();
@@ -291,7 +304,9 @@ async fn import_into_session(
     for (node, mut blobs) in per_node {
         blobs.sort();
         blobs.dedup();
-        let addr = addresses.get(&node).with_context(|| format!("node {node} has no address"))?;
+        let addr = addresses
+            .get(&node)
+            .with_context(|| format!("node {node} has no address"))?;
         let mut c = locus_proto::client::connect_node(addr, None, Duration::from_secs(5))
             .await
             .with_context(|| format!("node {node}"))?;
@@ -347,6 +362,42 @@ async fn import_into_session(
     Ok((placement, total, skipped, t))
 }
 
+/// For each shard, the nodes that already hold its blobs as replicas, most bytes first,
+/// so placement can choose them and nothing is sent twice.
+async fn holders(
+    meta: &mut locus_proto::client::MetadataClient,
+    scanned: &crate::scan::Scanned,
+) -> anyhow::Result<HashMap<u32, Vec<String>>> {
+    let all: Vec<BlobHash> = scanned.blobs.keys().copied().collect();
+    let mut at: HashMap<BlobHash, Vec<String>> = HashMap::new();
+    for batch in all.chunks(10_000) {
+        let r = meta
+            .locate_blobs(pb::LocateBlobsRequest {
+                hashes: batch.iter().map(|h| h.0.to_vec()).collect(),
+            })
+            .await
+            .or_status()?;
+        for (h, loc) in batch.iter().zip(r.blobs) {
+            if !loc.nodes.is_empty() {
+                at.insert(*h, loc.nodes);
+            }
+        }
+    }
+    let mut out = HashMap::new();
+    for (shard, blobs) in scanned.shard_blobs.iter().enumerate() {
+        let mut bytes: HashMap<&str, u64> = HashMap::new();
+        for h in blobs {
+            for n in at.get(h).into_iter().flatten() {
+                *bytes.entry(n).or_default() += scanned.blobs[h].1.max(1);
+            }
+        }
+        let mut v: Vec<(&str, u64)> = bytes.into_iter().collect();
+        v.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(b.0)));
+        out.insert(shard as u32, v.into_iter().map(|(n, _)| n.to_string()).collect());
+    }
+    Ok(out)
+}
+
 /// Streams one file to a node as a pinned blob; the node verifies it against `h`.
 async fn send_blob(
     mut client: NodeClient,
@@ -388,7 +439,9 @@ async fn send_blob(
             }
         }
     });
-    let resp = client.write_blob(tokio_stream::wrappers::ReceiverStream::new(rx)).await;
+    let resp = client
+        .write_blob(tokio_stream::wrappers::ReceiverStream::new(rx))
+        .await;
     reader.await??;
     match resp {
         Ok(_) => Ok(()),

@@ -124,7 +124,11 @@ async fn serve(a: ServeArgs, cfg: &Resolved) -> anyhow::Result<()> {
                 "30s",
             )?,
             session_timeout: duration("--session-timeout", a.session_timeout.or(f.session_timeout), "1h")?,
-            repair_interval: duration("--repair-interval", a.repair_interval.or(f.repair_interval), "10s")?,
+            repair_interval: duration(
+                "--repair-interval",
+                a.repair_interval.or(f.repair_interval),
+                "10s",
+            )?,
         },
         addr_file: a.addr_file,
         audit_log: a.audit_log.or(f.audit_log),

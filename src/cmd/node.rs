@@ -14,7 +14,7 @@ use crate::output::{self, StatusExt};
 pub enum NodeCmd {
     /// Run a cache node on this host until SIGTERM or SIGINT: registers with the metadata
     /// service, stores verified blobs in the data dirs, serves peers, repairs and scrubs.
-    Serve(ServeArgs),
+    Serve(Box<ServeArgs>),
     /// List registered nodes with state, labels and space.
     List,
     /// Move a node's replicas to other nodes before maintenance (placement then avoids
@@ -32,7 +32,13 @@ pub struct ServeArgs {
     #[arg(long, env = "LOCUS_NODE_ID")]
     pub id: Option<String>,
     /// Data directories, comma-separated (one per NVMe device).
-    #[arg(long, env = "LOCUS_NODE_DATA_DIR", value_name = "DIR[,DIR...]", value_delimiter = ',', required = true)]
+    #[arg(
+        long,
+        env = "LOCUS_NODE_DATA_DIR",
+        value_name = "DIR[,DIR...]",
+        value_delimiter = ',',
+        required = true
+    )]
     pub data_dir: Vec<PathBuf>,
     /// Most bytes of blobs to keep, e.g. 3TiB.
     #[arg(long, env = "LOCUS_NODE_CAPACITY", value_name = "SIZE")]
@@ -44,7 +50,12 @@ pub struct ServeArgs {
     #[arg(long, env = "LOCUS_NODE_LABELS", value_name = "K=V,...", default_value = "")]
     pub labels: String,
     /// Node API listen address.
-    #[arg(long, env = "LOCUS_NODE_LISTEN", value_name = "ADDR", default_value = "127.0.0.1:7500")]
+    #[arg(
+        long,
+        env = "LOCUS_NODE_LISTEN",
+        value_name = "ADDR",
+        default_value = "127.0.0.1:7500"
+    )]
     pub listen: String,
     /// Address peers use to reach this node [default: the listen address].
     #[arg(long, env = "LOCUS_NODE_ADVERTISE", value_name = "HOST:PORT")]
@@ -67,7 +78,7 @@ pub struct ServeArgs {
 
 pub async fn run(cmd: NodeCmd, cfg: &Resolved) -> anyhow::Result<()> {
     match cmd {
-        NodeCmd::Serve(a) => serve(a, cfg).await,
+        NodeCmd::Serve(a) => serve(*a, cfg).await,
         NodeCmd::List => list(cfg).await,
         NodeCmd::Drain { node, undo } => drain(cfg, &node, !undo).await,
     }
@@ -94,7 +105,9 @@ fn duration_arg(what: &str, s: &str) -> anyhow::Result<std::time::Duration> {
 pub fn parse_labels(s: &str) -> anyhow::Result<HashMap<String, String>> {
     let mut out = HashMap::new();
     for kv in s.split(',').map(str::trim).filter(|x| !x.is_empty()) {
-        let (k, v) = kv.split_once('=').with_context(|| format!("label {kv:?} is not KEY=VALUE"))?;
+        let (k, v) = kv
+            .split_once('=')
+            .with_context(|| format!("label {kv:?} is not KEY=VALUE"))?;
         locus_proto::names::check_label(k, v).map_err(|e| anyhow::anyhow!("{}", e.reason))?;
         out.insert(k.to_string(), v.to_string());
     }
@@ -114,7 +127,8 @@ async fn serve(a: ServeArgs, cfg: &Resolved) -> anyhow::Result<()> {
     let mut metadata =
         locus_proto::client::ClientOptions::new(&cfg.metadata_url).with_token(cfg.token.clone());
     if let Some(ca) = &cfg.ca_cert {
-        metadata.ca_cert_pem = Some(std::fs::read(ca).with_context(|| format!("cannot read {}", ca.display()))?);
+        metadata.ca_cert_pem =
+            Some(std::fs::read(ca).with_context(|| format!("cannot read {}", ca.display()))?);
     }
     let config = locus_cache_node::NodeConfig {
         id,
@@ -147,7 +161,9 @@ async fn drain(cfg: &Resolved, node: &str, drain: bool) -> anyhow::Result<()> {
         .await
         .or_status()?;
     if cfg.json {
-        return output::json(&serde_json::json!({"node": node, "draining": drain, "shards_remaining": r.shards_remaining}));
+        return output::json(
+            &serde_json::json!({"node": node, "draining": drain, "shards_remaining": r.shards_remaining}),
+        );
     }
     if drain {
         println!(
@@ -222,8 +238,8 @@ async fn list(cfg: &Resolved) -> anyhow::Result<()> {
         .collect();
     output::table(
         &[
-            "NODE", "STATE", "ADDRESS", "ZONE", "RACK", "HOST", "CAPACITY", "USED", "PINNED", "CACHED", "FREE",
-            "SEEN",
+            "NODE", "STATE", "ADDRESS", "ZONE", "RACK", "HOST", "CAPACITY", "USED", "PINNED", "CACHED",
+            "FREE", "SEEN",
         ],
         &rows,
     );

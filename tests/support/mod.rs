@@ -96,46 +96,6 @@ pub struct MetadataOpts {
     pub extra: Vec<String>,
 }
 
-/// A running (or stopped) `locus metadata serve`.
-pub struct Metadata {
-    pub name: String,
-    pub data_dir: PathBuf,
-    pub log: PathBuf,
-    pub grpc: SocketAddr,
-    pub http: SocketAddr,
-    pub opts: MetadataOpts,
-    pub ca_pem: Option<Vec<u8>>,
-    dir: PathBuf,
-    child: Option<Child>,
-}
-
-impl Drop for Metadata {
-    fn drop(&mut self) {
-        if let Some(mut c) = self.child.take() {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-    }
-}
-
-fn spawn_logged(args: &[OsString], log: &Path) -> Child {
-    let out = std::fs::OpenOptions::new()
-        .create(true)
-        .append(true)
-        .open(log)
-        .expect("open the daemon log");
-    Command::new(LOCUS)
-        .args(args)
-        .env("RUST_LOG", "info")
-        .env_remove("LOCUS_TOKEN")
-        .env_remove("LOCUS_METADATA")
-        .stdin(Stdio::null())
-        .stdout(out.try_clone().expect("clone log handle"))
-        .stderr(out)
-        .spawn()
-        .expect("spawn locus")
-}
-
 #[allow(unsafe_code)]
 fn signal(child: &Child, sig: i32) {
     // SAFETY: kill(2) on a pid we spawned and have not reaped; no memory is involved.
@@ -160,6 +120,154 @@ where
     }
 }
 
+/// A `locus` daemon process: its arguments, log and address file, with fault injection.
+pub struct Daemon {
+    pub name: String,
+    pub log: PathBuf,
+    addr_file: PathBuf,
+    env: Vec<(String, String)>,
+    child: Option<Child>,
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+impl Daemon {
+    fn new(name: &str, log: PathBuf, addr_file: PathBuf, env: Vec<(String, String)>) -> Self {
+        Daemon {
+            name: name.to_string(),
+            log,
+            addr_file,
+            env,
+            child: None,
+        }
+    }
+
+    fn spawn(&mut self, args: &[OsString]) {
+        let _ = std::fs::remove_file(&self.addr_file);
+        let out = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&self.log)
+            .expect("open the daemon log");
+        let mut cmd = Command::new(LOCUS);
+        cmd.args(args)
+            .env("RUST_LOG", "info")
+            .env_remove("LOCUS_TOKEN")
+            .env_remove("LOCUS_METADATA")
+            .env_remove("LOCUS_CONFIG");
+        for (k, v) in &self.env {
+            cmd.env(k, v);
+        }
+        self.child = Some(
+            cmd.stdin(Stdio::null())
+                .stdout(out.try_clone().expect("clone log handle"))
+                .stderr(out)
+                .spawn()
+                .expect("spawn locus"),
+        );
+    }
+
+    /// Waits for the address file's `key=addr` lines.
+    async fn wait_addrs(&mut self) -> Vec<(String, SocketAddr)> {
+        let addr_file = self.addr_file.clone();
+        let log = self.log.clone();
+        let name = self.name.clone();
+        let mut child = self.child.take().expect("spawned");
+        let addrs = wait_until(&format!("{name} to listen"), Duration::from_secs(30), || {
+            let exited = child.try_wait().ok().flatten();
+            let addr_file = addr_file.clone();
+            let log = log.clone();
+            let name = name.clone();
+            async move {
+                if let Some(st) = exited {
+                    panic!(
+                        "{name} exited with {st} before listening:\n{}",
+                        std::fs::read_to_string(&log).unwrap_or_default()
+                    );
+                }
+                let s = std::fs::read_to_string(&addr_file).ok()?;
+                let v: Vec<(String, SocketAddr)> = s
+                    .lines()
+                    .filter_map(|l| l.split_once('='))
+                    .filter_map(|(k, v)| Some((k.to_string(), v.parse().ok()?)))
+                    .collect();
+                (!v.is_empty()).then_some(v)
+            }
+        })
+        .await;
+        self.child = Some(child);
+        addrs
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.as_ref().map_or(0, Child::id)
+    }
+
+    pub fn is_running(&self) -> bool {
+        self.child.is_some()
+    }
+
+    pub fn kill9(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            c.kill().expect("kill -9");
+            c.wait().expect("reap");
+        }
+    }
+
+    pub fn sigstop(&self) {
+        signal(self.child.as_ref().expect("running"), libc::SIGSTOP);
+    }
+
+    pub fn sigcont(&self) {
+        signal(self.child.as_ref().expect("running"), libc::SIGCONT);
+    }
+
+    /// SIGTERM, then waits for the exit status (panics after 30 s). Async so that the
+    /// test's own client connections keep running and can answer the server's GOAWAY.
+    pub async fn terminate(&mut self) -> ExitStatus {
+        let mut c = self.child.take().expect("running");
+        signal(&c, libc::SIGTERM);
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            if let Some(st) = c.try_wait().expect("wait") {
+                return st;
+            }
+            if Instant::now() > deadline {
+                let _ = c.kill();
+                panic!("{} did not stop within 30 s of SIGTERM", self.name);
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+}
+
+fn addr_of(addrs: &[(String, SocketAddr)], key: &str) -> SocketAddr {
+    addrs
+        .iter()
+        .find(|(k, _)| k == key)
+        .map(|(_, a)| *a)
+        .unwrap_or_else(|| panic!("no {key} address reported"))
+}
+
+/// A running (or stopped) `locus metadata serve`.
+pub struct Metadata {
+    pub daemon: Daemon,
+    pub data_dir: PathBuf,
+    pub log: PathBuf,
+    pub grpc: SocketAddr,
+    pub http: SocketAddr,
+    pub opts: MetadataOpts,
+    pub ca_pem: Option<Vec<u8>>,
+    dir: PathBuf,
+}
+
 impl Harness {
     /// Starts a metadata service on free loopback ports and waits until it answers.
     pub async fn start_metadata(&self, name: &str, opts: MetadataOpts) -> Metadata {
@@ -176,19 +284,18 @@ impl Harness {
             }
             std::fs::write(dir.join("tokens.toml"), t).unwrap();
         }
+        let log = self.path(&format!("{name}.log"));
         let mut m = Metadata {
-            name: name.to_string(),
+            daemon: Daemon::new(name, log.clone(), dir.join("addr"), Vec::new()),
             data_dir: dir.join("data"),
-            log: self.path(&format!("{name}.log")),
+            log,
             grpc: "127.0.0.1:0".parse().unwrap(),
             http: "127.0.0.1:0".parse().unwrap(),
             opts,
             ca_pem,
             dir,
-            child: None,
         };
-        m.spawn();
-        m.wait_ready().await;
+        m.start().await;
         m
     }
 }
@@ -225,39 +332,12 @@ impl Metadata {
         a
     }
 
-    fn spawn(&mut self) {
-        let _ = std::fs::remove_file(self.dir.join("addr"));
-        self.child = Some(spawn_logged(&self.args(), &self.log));
-    }
-
-    async fn wait_ready(&mut self) {
-        let addr_file = self.dir.join("addr");
-        let log = self.log.clone();
-        let mut child = self.child.take().expect("spawned");
-        let (grpc, http) = wait_until("the metadata service to listen", Duration::from_secs(30), || {
-            let exited = child.try_wait().ok().flatten();
-            let addr_file = addr_file.clone();
-            let log = log.clone();
-            async move {
-                if let Some(st) = exited {
-                    panic!(
-                        "metadata service exited with {st} before listening:\n{}",
-                        std::fs::read_to_string(&log).unwrap_or_default()
-                    );
-                }
-                let s = std::fs::read_to_string(&addr_file).ok()?;
-                let get = |k: &str| {
-                    s.lines()
-                        .find_map(|l| l.strip_prefix(k))
-                        .and_then(|v| v.parse::<SocketAddr>().ok())
-                };
-                Some((get("grpc=")?, get("http=")?))
-            }
-        })
-        .await;
-        self.child = Some(child);
-        self.grpc = grpc;
-        self.http = http;
+    async fn start(&mut self) {
+        let args = self.args();
+        self.daemon.spawn(&args);
+        let addrs = self.daemon.wait_addrs().await;
+        self.grpc = addr_of(&addrs, "grpc");
+        self.http = addr_of(&addrs, "http");
         let token = self.opts.tokens.first().map(|t| t.secret.clone());
         let opts = self.client_options(token);
         wait_until("the metadata service to answer", Duration::from_secs(30), || {
@@ -284,17 +364,17 @@ impl Metadata {
         o
     }
 
+    pub fn token(&self, role: &str) -> Option<String> {
+        self.opts
+            .tokens
+            .iter()
+            .find(|t| t.role == role)
+            .map(|t| t.secret.clone())
+    }
+
     /// A client with the token of `role` ("admin", "node", "reader"), or none.
     pub async fn client(&self, role: Option<&str>) -> MetadataClient {
-        let token = role.map(|r| {
-            self.opts
-                .tokens
-                .iter()
-                .find(|t| t.role == r)
-                .unwrap_or_else(|| panic!("no {r} token configured"))
-                .secret
-                .clone()
-        });
+        let token = role.map(|r| self.token(r).unwrap_or_else(|| panic!("no {r} token configured")));
         locus_proto::client::connect(&self.client_options(token))
             .await
             .expect("connect to the metadata service")
@@ -307,8 +387,8 @@ impl Metadata {
             .env("LOCUS_METADATA", self.url())
             .env_remove("LOCUS_CONFIG");
         cmd.env("HOME", &self.dir);
-        match self.opts.tokens.iter().find(|t| t.role == "admin") {
-            Some(t) => cmd.env("LOCUS_TOKEN", &t.secret),
+        match self.token("admin") {
+            Some(t) => cmd.env("LOCUS_TOKEN", t),
             None => cmd.env_remove("LOCUS_TOKEN"),
         };
         if self.opts.tls {
@@ -318,47 +398,21 @@ impl Metadata {
     }
 
     pub fn pid(&self) -> u32 {
-        self.child.as_ref().map_or(0, Child::id)
+        self.daemon.pid()
     }
 
     pub fn kill9(&mut self) {
-        if let Some(mut c) = self.child.take() {
-            c.kill().expect("kill -9");
-            c.wait().expect("reap");
-        }
+        self.daemon.kill9();
     }
 
-    pub fn sigstop(&self) {
-        signal(self.child.as_ref().expect("running"), libc::SIGSTOP);
-    }
-
-    pub fn sigcont(&self) {
-        signal(self.child.as_ref().expect("running"), libc::SIGCONT);
-    }
-
-    /// SIGTERM, then waits for the exit status (panics after 30 s). Async so that the
-    /// test's own client connections keep running and can answer the server's GOAWAY.
     pub async fn terminate(&mut self) -> ExitStatus {
-        let mut c = self.child.take().expect("running");
-        signal(&c, libc::SIGTERM);
-        let deadline = Instant::now() + Duration::from_secs(30);
-        loop {
-            if let Some(st) = c.try_wait().expect("wait") {
-                return st;
-            }
-            if Instant::now() > deadline {
-                let _ = c.kill();
-                panic!("metadata service did not stop within 30 s of SIGTERM");
-            }
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+        self.daemon.terminate().await
     }
 
     /// Starts it again on the same data dir and ports.
     pub async fn restart(&mut self) {
-        assert!(self.child.is_none(), "stop it first");
-        self.spawn();
-        self.wait_ready().await;
+        assert!(!self.daemon.is_running(), "stop it first");
+        self.start().await;
     }
 
     pub fn audit_lines(&self) -> Vec<serde_json::Value> {
@@ -367,6 +421,150 @@ impl Metadata {
             .lines()
             .map(|l| serde_json::from_str(l).expect("audit lines are JSON"))
             .collect()
+    }
+}
+
+#[derive(Clone, Debug)]
+pub struct NodeOpts {
+    pub capacity: &'static str,
+    pub zone: &'static str,
+    pub rack: String,
+    pub host: String,
+    pub scrub_rate: &'static str,
+    pub pin_sync: &'static str,
+}
+
+impl NodeOpts {
+    /// A node on its own host and rack.
+    pub fn host(n: usize) -> Self {
+        NodeOpts {
+            capacity: "1GiB",
+            zone: "z1",
+            rack: format!("r{n}"),
+            host: format!("h{n}"),
+            scrub_rate: "0",
+            pin_sync: "1s",
+        }
+    }
+}
+
+/// A running (or stopped) `locus node serve`.
+pub struct Node {
+    pub id: String,
+    pub daemon: Daemon,
+    pub data_dir: PathBuf,
+    pub grpc: SocketAddr,
+    pub socket: PathBuf,
+    pub opts: NodeOpts,
+    metadata_url: String,
+    dir: PathBuf,
+}
+
+impl Harness {
+    /// Starts a cache node registered with `meta` and waits until it is listed as up.
+    pub async fn start_node(&self, id: &str, meta: &Metadata, opts: NodeOpts) -> Node {
+        let dir = self.path(id);
+        std::fs::create_dir_all(&dir).unwrap();
+        let mut env = Vec::new();
+        if let Some(t) = meta.token("node") {
+            env.push(("LOCUS_TOKEN".to_string(), t));
+        }
+        let mut n = Node {
+            id: id.to_string(),
+            daemon: Daemon::new(id, self.path(&format!("{id}.log")), dir.join("addr"), env),
+            data_dir: dir.join("data"),
+            grpc: "127.0.0.1:0".parse().unwrap(),
+            socket: dir.join("node.sock"),
+            opts,
+            metadata_url: meta.url(),
+            dir,
+        };
+        n.start().await;
+        let c = meta.client(meta.opts.tokens.first().map(|t| t.role)).await;
+        wait_until(&format!("node {id} to register"), Duration::from_secs(30), || {
+            let mut c = c.clone();
+            async move {
+                let nodes = c
+                    .list_nodes(pb::ListNodesRequest {})
+                    .await
+                    .ok()?
+                    .into_inner()
+                    .nodes;
+                nodes
+                    .iter()
+                    .any(|n| n.id == id && n.state == pb::NodeState::Up as i32)
+                    .then_some(())
+            }
+        })
+        .await;
+        n
+    }
+}
+
+impl Node {
+    fn args(&self) -> Vec<OsString> {
+        let o = &self.opts;
+        let mut a: Vec<OsString> = vec!["--metadata".into(), self.metadata_url.clone().into()];
+        a.extend(["node", "serve", "--id"].map(OsString::from));
+        a.push(self.id.clone().into());
+        a.push("--data-dir".into());
+        a.push(self.data_dir.clone().into());
+        a.push("--listen".into());
+        a.push(self.grpc.to_string().into());
+        a.push("--local-socket".into());
+        a.push(self.socket.clone().into());
+        a.push("--addr-file".into());
+        a.push(self.dir.join("addr").into());
+        for (k, v) in [
+            ("--capacity", o.capacity.to_string()),
+            ("--reserve", "0".to_string()),
+            (
+                "--labels",
+                format!("zone={},rack={},host={}", o.zone, o.rack, o.host),
+            ),
+            ("--heartbeat-interval", "300ms".to_string()),
+            ("--pin-sync-interval", o.pin_sync.to_string()),
+            ("--scrub-rate", o.scrub_rate.to_string()),
+        ] {
+            a.push(k.into());
+            a.push(v.into());
+        }
+        a
+    }
+
+    async fn start(&mut self) {
+        let args = self.args();
+        self.daemon.spawn(&args);
+        let addrs = self.daemon.wait_addrs().await;
+        self.grpc = addr_of(&addrs, "grpc");
+    }
+
+    /// Starts it again on the same data dir and port.
+    pub async fn restart(&mut self) {
+        assert!(!self.daemon.is_running(), "stop it first");
+        self.start().await;
+    }
+
+    pub async fn client(&self) -> locus_proto::client::NodeClient {
+        locus_proto::client::connect_node(&self.grpc.to_string(), None, Duration::from_secs(5))
+            .await
+            .expect("connect to the node")
+    }
+
+    /// The blobs on disk: hash (from the file name) → path.
+    pub fn blob_files(&self) -> std::collections::BTreeMap<String, PathBuf> {
+        let mut out = std::collections::BTreeMap::new();
+        let blobs = self.data_dir.join("blobs");
+        for sub in std::fs::read_dir(&blobs).into_iter().flatten().flatten() {
+            for f in std::fs::read_dir(sub.path()).into_iter().flatten().flatten() {
+                out.insert(f.file_name().to_string_lossy().into_owned(), f.path());
+            }
+        }
+        out
+    }
+
+    pub fn quarantined(&self) -> usize {
+        std::fs::read_dir(self.data_dir.join("quarantine")).map_or(0, |d| d.count())
     }
 }
 

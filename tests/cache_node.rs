@@ -1,0 +1,480 @@
+//! End-to-end tests of cache nodes: a real metadata service and real `locus node serve`
+//! processes on loopback, data imported with the real `locus dataset import`.
+
+mod support;
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::path::Path;
+use std::time::Duration;
+
+use locus_proto::{nodepb, pb};
+use support::*;
+use tokio_stream::StreamExt;
+
+/// A mixed tree: `files` files from empty to over two 64 KiB chunks, nested directories,
+/// symlinks, empty directories, duplicate contents, unicode and spaces in names.
+fn make_tree(root: &Path, files: usize) {
+    let bytes = |seed: usize, n: usize| -> Vec<u8> {
+        let mut out = vec![0u8; n];
+        blake3::Hasher::new()
+            .update(&seed.to_le_bytes())
+            .finalize_xof()
+            .fill(&mut out);
+        out
+    };
+    for i in 0..files {
+        let dir = match i % 4 {
+            0 => format!("train/class {:02}", i % 13),
+            1 => format!("train/ünï/{:02}/deep", i % 7),
+            2 => "val".to_string(),
+            _ => String::new(),
+        };
+        let d = root.join(&dir);
+        std::fs::create_dir_all(&d).unwrap();
+        let size = match i % 10 {
+            0 => 0,
+            1..=6 => (i * 37) % 4096,
+            7 | 8 => 10_000 + (i * 101) % 50_000,
+            _ => 140_000 + (i * 13) % 60_000,
+        };
+        // Every 50th file repeats an earlier one's content: one blob, many files.
+        let content = if i % 50 == 49 {
+            bytes(i - 20, size)
+        } else {
+            bytes(i, size)
+        };
+        std::fs::write(d.join(format!("file {i:04}.bin")), content).unwrap();
+    }
+    std::fs::create_dir_all(root.join("empty/nested")).unwrap();
+    for i in 0..5 {
+        std::os::unix::fs::symlink(
+            format!("../val/file {:04}.bin", i * 4 + 2),
+            root.join(format!("val-link-{i}")),
+        )
+        .unwrap();
+    }
+    std::os::unix::fs::symlink("/etc/hostname", root.join("absolute-link")).unwrap();
+}
+
+async fn cluster(h: &Harness, nodes: usize, opts: impl Fn(usize) -> NodeOpts) -> (Metadata, Vec<Node>) {
+    let m = h
+        .start_metadata(
+            "meta",
+            MetadataOpts {
+                liveness_timeout: Some("2s"),
+                extra: vec!["--repair-interval".into(), "500ms".into()],
+                ..Default::default()
+            },
+        )
+        .await;
+    let mut ns = Vec::new();
+    for i in 1..=nodes {
+        ns.push(h.start_node(&format!("n{i}"), &m, opts(i)).await);
+    }
+    (m, ns)
+}
+
+fn import(m: &Metadata, name: &str, dir: &Path, extra: &[&str]) -> std::process::Output {
+    let mut args = vec![
+        "dataset",
+        "import",
+        name,
+        dir.to_str().unwrap(),
+        "--chunk-size",
+        "64KiB",
+        "--json",
+    ];
+    args.extend_from_slice(extra);
+    m.cli(&args)
+}
+
+fn rehash_ok(path: &Path, name: &str) -> bool {
+    blake3::hash(&std::fs::read(path).unwrap()).to_hex().as_str() == name
+}
+
+async fn shards(c: &mut locus_proto::client::MetadataClient, ds: &str, v: u64) -> Vec<pb::Shard> {
+    c.list_shards(pb::ListShardsRequest {
+        r#ref: Some(pb::VersionRef {
+            dataset: ds.into(),
+            version: v,
+        }),
+        start: 0,
+        limit: 10_000,
+    })
+    .await
+    .unwrap()
+    .into_inner()
+    .shards
+}
+
+/// shard id → its distinct blob hashes (hex), from the manifest.
+fn blobs_by_shard(entries: &[pb::Entry]) -> BTreeMap<u32, BTreeSet<String>> {
+    let mut out: BTreeMap<u32, BTreeSet<String>> = BTreeMap::new();
+    for e in entries.iter().filter(|e| e.kind == pb::EntryKind::File as i32) {
+        out.entry(e.shard).or_default().insert(
+            blake3::Hash::from_bytes(e.blob.clone().try_into().unwrap())
+                .to_hex()
+                .to_string(),
+        );
+    }
+    out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn import_places_two_replicas_and_nodes_hold_exactly_their_blobs() {
+    let h = Harness::new("import");
+    let (m, nodes) = cluster(&h, 3, NodeOpts::host).await;
+    let src = h.path("src");
+    make_tree(&src, 1_000);
+    let out = import(&m, "mixed", &src, &["--replicas", "2", "--shard-size", "2MiB"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let report: serde_json::Value = serde_json::from_str(&stdout(&out)).unwrap();
+    assert_eq!(report["version"], 1);
+    assert_eq!(report["files"], 1_000);
+    assert_eq!(report["symlinks"], 6);
+    assert!(report["shards"].as_u64().unwrap() >= 5, "{report}");
+
+    let mut c = m.client(None).await;
+    let entries = all_entries(&mut c, "mixed", 1).await;
+    // The manifest matches the source tree.
+    for e in &entries {
+        let p = src.join(&e.path);
+        let meta = std::fs::symlink_metadata(&p).unwrap();
+        match pb::EntryKind::try_from(e.kind).unwrap() {
+            pb::EntryKind::File => {
+                assert_eq!(meta.len(), e.size, "{}", e.path);
+                let want = blake3::hash(&std::fs::read(&p).unwrap());
+                assert_eq!(e.blob, want.as_bytes().to_vec(), "{}", e.path);
+            }
+            pb::EntryKind::Dir => assert!(meta.is_dir()),
+            pb::EntryKind::Symlink => {
+                assert_eq!(
+                    std::fs::read_link(&p).unwrap().to_str().unwrap(),
+                    e.symlink_target
+                )
+            }
+            _ => panic!("unexpected kind"),
+        }
+    }
+    assert!(entries.iter().any(|e| e.path == "empty/nested"));
+
+    let by_shard = blobs_by_shard(&entries);
+    let shards = shards(&mut c, "mixed", 1).await;
+    assert_eq!(shards.len(), by_shard.len());
+    let mut expect: HashMap<String, BTreeSet<String>> = HashMap::new();
+    for s in &shards {
+        assert_eq!(s.replicas.len(), 2, "shard {}", s.id);
+        assert_ne!(s.replicas[0], s.replicas[1]);
+        for r in &s.replicas {
+            expect
+                .entry(r.clone())
+                .or_default()
+                .extend(by_shard[&s.id].iter().cloned());
+        }
+    }
+    for n in &nodes {
+        let on_disk = n.blob_files();
+        let want = expect.remove(&n.id).unwrap_or_default();
+        assert_eq!(
+            on_disk.keys().cloned().collect::<BTreeSet<_>>(),
+            want,
+            "blobs on {}",
+            n.id
+        );
+        for (name, path) in &on_disk {
+            assert!(
+                rehash_ok(path, name),
+                "{} on {} does not hash to its name",
+                name,
+                n.id
+            );
+        }
+    }
+
+    // Importing the same tree again sends nothing: every blob is already placed.
+    let out = import(&m, "mixed", &src, &["--replicas", "2", "--shard-size", "2MiB"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let again: serde_json::Value = serde_json::from_str(&stdout(&out)).unwrap();
+    assert_eq!(again["version"], 2);
+    assert_eq!(again["uploaded_bytes"], 0, "{again}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_node_is_repaired_peer_to_peer_and_counters_follow() {
+    let h = Harness::new("repair");
+    let (m, mut nodes) = cluster(&h, 3, NodeOpts::host).await;
+    let src = h.path("src");
+    make_tree(&src, 300);
+    let out = import(&m, "ds", &src, &["--replicas", "2", "--shard-size", "512KiB"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let mut c = m.client(None).await;
+    let before = shards(&mut c, "ds", 1).await;
+    let victim = before[0].replicas[0].clone();
+    let vi = nodes.iter().position(|n| n.id == victim).unwrap();
+    nodes[vi].daemon.kill9();
+
+    // Every shard gets back to two replicas, none on the dead node.
+    let opts = m.client_options(None);
+    let victim2 = victim.clone();
+    let after = wait_until(
+        "repair to restore two live replicas",
+        Duration::from_secs(60),
+        || {
+            let opts = opts.clone();
+            let victim = victim2.clone();
+            async move {
+                let mut c = locus_proto::client::connect(&opts).await.ok()?;
+                let s = shards(&mut c, "ds", 1).await;
+                s.iter()
+                    .all(|s| s.replicas.len() == 2 && !s.replicas.contains(&victim))
+                    .then_some(s)
+            }
+        },
+    )
+    .await;
+    assert_eq!(after.len(), before.len());
+
+    // Resident counters equal the bytes of the shards each node holds, and those blobs
+    // are on its disk.
+    let entries = all_entries(&mut c, "ds", 1).await;
+    let by_shard = blobs_by_shard(&entries);
+    let v = c
+        .get_version(pb::GetVersionRequest {
+            r#ref: Some(pb::VersionRef {
+                dataset: "ds".into(),
+                version: 1,
+            }),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let resident: HashMap<String, u64> = v.resident.into_iter().map(|r| (r.node, r.bytes)).collect();
+    for n in nodes.iter().filter(|n| n.id != victim) {
+        let held: Vec<&pb::Shard> = after.iter().filter(|s| s.replicas.contains(&n.id)).collect();
+        let bytes: u64 = held.iter().map(|s| s.bytes).sum();
+        assert_eq!(
+            resident.get(&n.id).copied().unwrap_or(0),
+            bytes,
+            "resident bytes of {}",
+            n.id
+        );
+        let disk = n.blob_files();
+        for s in held {
+            for b in &by_shard[&s.id] {
+                assert!(disk.contains_key(b), "{} lacks {b} of shard {}", n.id, s.id);
+                assert!(rehash_ok(&disk[b], b));
+            }
+        }
+    }
+    assert!(!resident.contains_key(&victim), "the dead node no longer counts");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_flipped_byte_is_quarantined_never_served_and_restored() {
+    let h = Harness::new("corrupt");
+    let (m, nodes) = cluster(&h, 2, NodeOpts::host).await;
+    let src = h.path("src");
+    make_tree(&src, 60);
+    let out = import(&m, "ds", &src, &["--replicas", "2"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let n = &nodes[0];
+    // A blob of more than one chunk; damage its last chunk.
+    let (name, path) = n
+        .blob_files()
+        .into_iter()
+        .find(|(_, p)| std::fs::metadata(p).unwrap().len() > 140_000)
+        .expect("a multi-chunk blob");
+    let good = std::fs::read(&path).unwrap();
+    let mut bad = good.clone();
+    let at = bad.len() - 10;
+    bad[at] ^= 0x40;
+    std::fs::write(&path, &bad).unwrap();
+
+    // Reading it never yields the damaged bytes: the stream fails with DATA_LOSS.
+    let mut client = n.client().await;
+    let mut stream = client
+        .read_blob(nodepb::ReadBlobRequest {
+            hash: blake3::Hash::from_hex(&name).unwrap().as_bytes().to_vec(),
+            offset: 0,
+            length: 0,
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let mut got = Vec::new();
+    let mut err = None;
+    while let Some(m) = stream.next().await {
+        match m {
+            Ok(d) => got.extend(d.data),
+            Err(s) => {
+                err = Some(s);
+                break;
+            }
+        }
+    }
+    let err = err.expect("the corrupt blob must not stream to the end");
+    assert_eq!(err.code(), tonic::Code::DataLoss, "{err:?}");
+    assert!(got.len() < good.len());
+    assert_eq!(
+        &got[..],
+        &good[..got.len()],
+        "what was sent before the bad chunk is correct"
+    );
+    assert!(n.quarantined() >= 1);
+
+    // The node refetches it from the other replica.
+    wait_until(
+        "the quarantined blob to be restored",
+        Duration::from_secs(30),
+        || {
+            let path = path.clone();
+            let good = good.clone();
+            async move { (std::fs::read(&path).ok()? == good).then_some(()) }
+        },
+    )
+    .await;
+    // And serves it whole again.
+    let mut stream = client
+        .read_blob(nodepb::ReadBlobRequest {
+            hash: blake3::Hash::from_hex(&name).unwrap().as_bytes().to_vec(),
+            offset: 0,
+            length: 0,
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let mut again = Vec::new();
+    while let Some(m) = stream.next().await {
+        again.extend(m.unwrap().data);
+    }
+    assert_eq!(again, good);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn scrub_finds_corruption_nobody_read() {
+    let h = Harness::new("scrub");
+    let (m, nodes) = cluster(&h, 2, |i| NodeOpts {
+        scrub_rate: "64MiB",
+        ..NodeOpts::host(i)
+    })
+    .await;
+    let src = h.path("src");
+    make_tree(&src, 40);
+    let out = import(&m, "ds", &src, &["--replicas", "2"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let n = &nodes[1];
+    let (_, path) = n
+        .blob_files()
+        .into_iter()
+        .find(|(_, p)| std::fs::metadata(p).unwrap().len() > 1000)
+        .unwrap();
+    let good = std::fs::read(&path).unwrap();
+    let mut bad = good.clone();
+    bad[0] ^= 1;
+    std::fs::write(&path, &bad).unwrap();
+    wait_until(
+        "scrub to quarantine the blob",
+        Duration::from_secs(30),
+        || async { (n.quarantined() >= 1).then_some(()) },
+    )
+    .await;
+    wait_until("the blob to be restored", Duration::from_secs(30), || {
+        let path = path.clone();
+        let good = good.clone();
+        async move { (std::fs::read(&path).ok()? == good).then_some(()) }
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_import_that_does_not_fit_says_which_shards_and_commits_nothing() {
+    let h = Harness::new("full");
+    let (m, nodes) = cluster(&h, 3, |i| NodeOpts {
+        capacity: "1MiB",
+        ..NodeOpts::host(i)
+    })
+    .await;
+    let src = h.path("src");
+    make_tree(&src, 200); // ~5 MiB
+    let out = import(&m, "big", &src, &["--replicas", "2", "--shard-size", "512KiB"]);
+    assert_eq!(out.status.code(), Some(1), "{}", stdout(&out));
+    let err = stderr(&out);
+    assert!(
+        err.contains("could not be placed; nothing was committed"),
+        "{err}"
+    );
+    assert!(err.contains("shard "), "{err}");
+    let list = m.cli(&["dataset", "list", "--json"]);
+    assert_eq!(stdout(&list).trim(), "[]");
+    let info = m
+        .client(None)
+        .await
+        .get_cluster_info(pb::GetClusterInfoRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(info.open_sessions, 0, "the failed import's session was aborted");
+    for n in &nodes {
+        assert!(n.blob_files().is_empty(), "nothing was sent to {}", n.id);
+    }
+    // A node that is full refuses a blob cleanly.
+    let mut c = nodes[0].client().await;
+    let data = vec![7u8; 2 << 20];
+    let hash = blake3::hash(&data);
+    let msgs = vec![
+        nodepb::WriteBlobMessage {
+            msg: Some(nodepb::write_blob_message::Msg::Header(nodepb::WriteBlobHeader {
+                hash: hash.as_bytes().to_vec(),
+                size: data.len() as u64,
+                chunk_size: 0,
+                pin: true,
+            })),
+        },
+        nodepb::WriteBlobMessage {
+            msg: Some(nodepb::write_blob_message::Msg::Data(data)),
+        },
+    ];
+    let e = c.write_blob(tokio_stream::iter(msgs)).await.unwrap_err();
+    assert_eq!(e.code(), tonic::Code::ResourceExhausted, "{e:?}");
+    assert!(nodes[0].blob_files().is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn drain_moves_replicas_off_a_node() {
+    let h = Harness::new("drain");
+    let (m, nodes) = cluster(&h, 3, NodeOpts::host).await;
+    let src = h.path("src");
+    make_tree(&src, 120);
+    let out = import(&m, "ds", &src, &["--replicas", "2", "--shard-size", "256KiB"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let out = m.cli(&["node", "drain", "n1"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let opts = m.client_options(None);
+    wait_until("n1 to hold no replicas", Duration::from_secs(60), || {
+        let opts = opts.clone();
+        async move {
+            let mut c = locus_proto::client::connect(&opts).await.ok()?;
+            let s = shards(&mut c, "ds", 1).await;
+            s.iter()
+                .all(|s| s.replicas.len() == 2 && !s.replicas.iter().any(|r| r == "n1"))
+                .then_some(())
+        }
+    })
+    .await;
+    let list = m.cli(&["node", "list", "--json"]);
+    let j: serde_json::Value = serde_json::from_str(&stdout(&list)).unwrap();
+    let n1 = j.as_array().unwrap().iter().find(|n| n["id"] == "n1").unwrap();
+    assert_eq!(n1["draining"], true);
+    // Its blobs are no longer pinned once it syncs; they stay as evictable cache.
+    wait_until("n1 to unpin", Duration::from_secs(30), || {
+        let m = &m;
+        async move {
+            let list = m.cli(&["node", "list", "--json"]);
+            let j: serde_json::Value = serde_json::from_str(&stdout(&list)).ok()?;
+            let n1 = j.as_array()?.iter().find(|n| n["id"] == "n1")?.clone();
+            (n1["pinned_bytes"] == 0).then_some(())
+        }
+    })
+    .await;
+    drop(nodes);
+}
