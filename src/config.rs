@@ -182,3 +182,17 @@ pub fn init_logging(cfg: &Resolved, daemon: bool) {
         LogFormat::Text => builder.init(),
     }
 }
+
+/// Parses a size flag (`4MiB`, `2TB`), naming the flag in the error.
+pub fn size_arg(what: &str, s: &str) -> anyhow::Result<u64> {
+    locus_proto::human::parse_size(s).map_err(|e| anyhow::anyhow!("{what}: {}", e.reason))
+}
+
+/// Parses a positive duration flag (`30s`, `5m`), naming the flag in the error.
+pub fn duration_arg(what: &str, s: &str) -> anyhow::Result<std::time::Duration> {
+    let d = locus_proto::human::parse_duration(s).map_err(|e| anyhow::anyhow!("{what}: {}", e.reason))?;
+    if d.is_zero() {
+        bail!("{what} must be more than zero");
+    }
+    Ok(d)
+}

@@ -13,8 +13,6 @@ use locus_proto::pb;
 pub struct Scanned {
     pub entries: Vec<pb::Entry>,
     pub shards: Vec<pb::Shard>,
-    pub files: u64,
-    pub bytes: u64,
     /// For each distinct blob, one local file holding it and its size.
     pub blobs: std::collections::HashMap<BlobHash, (std::path::PathBuf, u64)>,
     /// For each shard, its distinct blobs.
@@ -73,7 +71,6 @@ pub fn scan_dir_parallel(
     let mut shards: Vec<pb::Shard> = Vec::new();
     let mut blobs = std::collections::HashMap::new();
     let mut shard_blobs: Vec<Vec<BlobHash>> = Vec::new();
-    let (mut files, mut bytes) = (0u64, 0u64);
     for (i, (rel, meta)) in found.into_iter().enumerate() {
         let path = RelPath::try_from(rel.as_str()).map_err(|e| anyhow::anyhow!("{rel:?}: {}", e.reason))?;
         let full = root.join(&rel);
@@ -115,8 +112,6 @@ pub fn scan_dir_parallel(
             let s = shards.last_mut().expect("a shard was just ensured");
             s.bytes += size;
             s.files += 1;
-            files += 1;
-            bytes += size;
             EntryKind::File {
                 size,
                 blob,
@@ -134,17 +129,9 @@ pub fn scan_dir_parallel(
     Ok(Scanned {
         entries,
         shards,
-        files,
-        bytes,
         blobs,
         shard_blobs,
     })
-}
-
-/// Scans `root` on one thread per core, without progress reports.
-pub fn scan_dir(root: &Path, chunk_size: u32, shard_size: u64) -> anyhow::Result<Scanned> {
-    let threads = std::thread::available_parallelism().map_or(2, |n| n.get());
-    scan_dir_parallel(root, chunk_size, shard_size, threads, &|_| {})
 }
 
 fn walk(root: &Path, rel: &str, out: &mut Vec<(String, std::fs::Metadata)>) -> anyhow::Result<()> {
@@ -198,7 +185,7 @@ mod tests {
         std::fs::write(d.path().join("a/small"), b"hello").unwrap();
         std::fs::write(d.path().join("empty"), b"").unwrap();
         std::os::unix::fs::symlink("a/small", d.path().join("link")).unwrap();
-        let s = scan_dir(d.path(), 1 << 16, 200_000).unwrap();
+        let s = scan_dir_parallel(d.path(), 1 << 16, 200_000, 2, &|_| {}).unwrap();
         let paths: Vec<_> = s.entries.iter().map(|e| e.path.as_str()).collect();
         assert_eq!(paths, vec!["a", "a/b", "a/b/big", "a/small", "empty", "link"]);
         let big = &s.entries[2];
@@ -213,6 +200,10 @@ mod tests {
         // The big file fills shard 0; the small files share shard 1.
         assert_eq!(s.shards.len(), 2);
         assert_eq!((s.shards[0].files, s.shards[1].files), (1, 2));
-        assert_eq!(s.bytes, 300_005);
+        assert_eq!(s.shards.iter().map(|x| x.bytes).sum::<u64>(), 300_005);
+        // Two distinct blobs of content plus the empty one; each shard lists its own.
+        assert_eq!(s.blobs.len(), 3);
+        assert_eq!(s.shard_blobs[0].len(), 1);
+        assert_eq!(s.shard_blobs[1].len(), 2);
     }
 }

@@ -478,3 +478,63 @@ async fn drain_moves_replicas_off_a_node() {
     .await;
     drop(nodes);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_disk_refuses_writes_cleanly_and_keeps_serving() {
+    let h = Harness::new("disk-full");
+    // The node believes it has 1 GiB, but its disk is a 3 MiB tmpfs.
+    let (m, nodes) = cluster(&h, 1, |i| NodeOpts {
+        tmpfs: Some("3m"),
+        ..NodeOpts::host(i)
+    })
+    .await;
+    let n = &nodes[0];
+    let mut c = n.client().await;
+    let write = |data: Vec<u8>| {
+        let hash = blake3::hash(&data);
+        vec![
+            nodepb::WriteBlobMessage {
+                msg: Some(nodepb::write_blob_message::Msg::Header(nodepb::WriteBlobHeader {
+                    hash: hash.as_bytes().to_vec(),
+                    size: data.len() as u64,
+                    chunk_size: 0,
+                    pin: true,
+                })),
+            },
+            nodepb::WriteBlobMessage {
+                msg: Some(nodepb::write_blob_message::Msg::Data(data)),
+            },
+        ]
+    };
+    let small = vec![1u8; 100_000];
+    c.write_blob(tokio_stream::iter(write(small.clone())))
+        .await
+        .unwrap();
+    let e = c
+        .write_blob(tokio_stream::iter(write(vec![2u8; 4 << 20])))
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), tonic::Code::ResourceExhausted, "{e:?}");
+    assert!(e.message().contains("disk"), "{}", e.message());
+    assert_eq!(n.blob_files().len(), 1, "nothing half-written is visible");
+    assert_eq!(std::fs::read_dir(n.data_dir.join("tmp")).unwrap().count(), 0);
+    // The node reports the real room it has, so placement will not over-fill it.
+    let list = m.cli(&["node", "list", "--json"]);
+    let j: serde_json::Value = serde_json::from_str(&stdout(&list)).unwrap();
+    assert!(j[0]["free_bytes"].as_u64().unwrap() < 3 << 20, "{j}");
+    // And it still serves what it has.
+    let mut s = c
+        .read_blob(nodepb::ReadBlobRequest {
+            hash: blake3::hash(&small).as_bytes().to_vec(),
+            offset: 0,
+            length: 0,
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let mut got = Vec::new();
+    while let Some(m) = s.next().await {
+        got.extend(m.unwrap().data);
+    }
+    assert_eq!(got, small);
+}

@@ -220,12 +220,30 @@ fn demo_commits_and_lists_a_sample_dataset() {
         .unwrap();
     assert!(out.status.success(), "{}\n{}", stdout(&out), stderr(&out));
     let text = stdout(&out);
-    assert!(text.contains("committed sample@1: 29 files"), "{text}");
-    assert!(text.contains("images/train/img-023.jpg"), "{text}");
-    assert!(text.contains("latest.bin -> shard-000.bin"), "{text}");
-    assert!(text.contains("metadata service stopped"), "{text}");
-    // The service it started is gone, and its store is on disk.
+    assert!(text.contains("imported sample@1: 29 files"), "{text}");
+    assert!(text.contains("× 2 replicas"), "{text}");
+    assert!(text.contains("images/ünïcødé name.txt"), "{text}");
+    for n in ["node1", "node2", "node3"] {
+        assert!(
+            text.lines().any(|l| l.starts_with(n) && l.contains(" up ")),
+            "{n} up: {text}"
+        );
+    }
+    assert!(text.contains("cluster stopped"), "{text}");
+    // The services it started are gone; the metadata store and the blobs are on disk,
+    // every shard on two nodes: 2 × the sample's distinct blobs.
     assert!(h.path("demo/metadata/db/CURRENT").exists());
+    let blobs: usize = ["node1", "node2", "node3"]
+        .iter()
+        .map(|n| {
+            std::fs::read_dir(h.path(&format!("demo/{n}/blobs")))
+                .unwrap()
+                .flatten()
+                .map(|d| std::fs::read_dir(d.path()).unwrap().count())
+                .sum::<usize>()
+        })
+        .sum();
+    assert_eq!(blobs, 2 * 29, "29 distinct blobs, two replicas each");
 }
 
 #[test]

@@ -100,19 +100,10 @@ impl Peers {
 }
 
 fn bind(addr: SocketAddr) -> Result<tokio::net::TcpListener, NodeError> {
-    let err = |e: std::io::Error| NodeError::Bind {
+    locus_proto::net::bind_tcp(addr).map_err(|e| NodeError::Bind {
         addr: addr.to_string(),
         reason: e.to_string(),
-    };
-    let sock = if addr.is_ipv4() {
-        tokio::net::TcpSocket::new_v4()
-    } else {
-        tokio::net::TcpSocket::new_v6()
-    }
-    .map_err(err)?;
-    sock.set_reuseaddr(true).map_err(err)?;
-    sock.bind(addr).map_err(err)?;
-    sock.listen(1024).map_err(err)
+    })
 }
 
 /// Runs a cache node until `shutdown` completes.

@@ -89,6 +89,37 @@ pub fn stream_blob(store: Arc<BlobStore>, h: BlobHash, offset: u64, len: u64) ->
     Box::pin(tokio_stream::wrappers::ReceiverStream::new(rx))
 }
 
+/// Feeds a blob writer from a channel on a blocking thread: async code sends buffers,
+/// the blocking side writes, hashes and finally verifies and publishes the blob.
+fn spawn_sink(
+    writer: crate::store::BlobWriter,
+) -> (
+    mpsc::Sender<Vec<u8>>,
+    tokio::task::JoinHandle<Result<(), StoreError>>,
+) {
+    let (tx, mut rx) = mpsc::channel::<Vec<u8>>(8);
+    let sink = tokio::task::spawn_blocking(move || {
+        let mut w = writer;
+        while let Some(buf) = rx.blocking_recv() {
+            w.write(&buf)?;
+        }
+        w.finish()
+    });
+    (tx, sink)
+}
+
+/// Waits for a sink; a transport failure seen while feeding it wins over its own result.
+async fn finish_sink(
+    sink: tokio::task::JoinHandle<Result<(), StoreError>>,
+    failed: Option<Status>,
+) -> Result<(), Status> {
+    let done = sink.await.map_err(|e| Status::internal(e.to_string()))?;
+    if let Some(s) = failed {
+        return Err(s);
+    }
+    done.map_err(to_status)
+}
+
 /// Copies one blob from a peer into the local store, verifying it. Returns false if it was
 /// already here.
 pub async fn fetch_from_peer(
@@ -115,14 +146,7 @@ pub async fn fetch_from_peer(
         })
         .await?
         .into_inner();
-    let (tx, mut rx) = mpsc::channel::<Vec<u8>>(8);
-    let sink = tokio::task::spawn_blocking(move || {
-        let mut w = writer;
-        while let Some(buf) = rx.blocking_recv() {
-            w.write(&buf)?;
-        }
-        w.finish()
-    });
+    let (tx, sink) = spawn_sink(writer);
     let mut failed = None;
     while let Some(msg) = stream.next().await {
         match msg {
@@ -138,11 +162,7 @@ pub async fn fetch_from_peer(
         }
     }
     drop(tx);
-    let done = sink.await.map_err(|e| Status::internal(e.to_string()))?;
-    if let Some(s) = failed {
-        return Err(s);
-    }
-    done.map_err(to_status)?;
+    finish_sink(sink, failed).await?;
     Ok(true)
 }
 
@@ -188,14 +208,7 @@ impl Node for NodeService {
         let Some(writer) = writer else {
             return Ok(Response::new(nodepb::WriteBlobResponse { stored: false }));
         };
-        let (tx, mut rx) = mpsc::channel::<Vec<u8>>(8);
-        let sink = tokio::task::spawn_blocking(move || {
-            let mut w = writer;
-            while let Some(buf) = rx.blocking_recv() {
-                w.write(&buf)?;
-            }
-            w.finish()
-        });
+        let (tx, sink) = spawn_sink(writer);
         let mut failed = None;
         while let Some(msg) = stream.next().await {
             match msg {
@@ -217,11 +230,7 @@ impl Node for NodeService {
             }
         }
         drop(tx);
-        let done = sink.await.map_err(|e| Status::internal(e.to_string()))?;
-        if let Some(s) = failed {
-            return Err(s);
-        }
-        done.map_err(to_status)?;
+        finish_sink(sink, failed).await?;
         Ok(Response::new(nodepb::WriteBlobResponse { stored: true }))
     }
 

@@ -48,6 +48,14 @@ pub enum StoreError {
 }
 
 fn io(e: std::io::Error) -> StoreError {
+    if e.kind() == std::io::ErrorKind::StorageFull || e.raw_os_error() == Some(libc::ENOSPC) {
+        // The filesystem filled up under us (another tenant, a wrong reserve): the write
+        // is refused like any other full-node case, and its temporary file removed.
+        return StoreError::Full {
+            need: 0,
+            why: format!("the disk is full: {e}"),
+        };
+    }
     StoreError::Io(e.to_string())
 }
 

@@ -60,20 +60,10 @@ pub enum ServerError {
 }
 
 fn bind(addr: SocketAddr) -> Result<TcpListener, ServerError> {
-    let err = |e: std::io::Error| ServerError::Bind {
+    locus_proto::net::bind_tcp(addr).map_err(|e| ServerError::Bind {
         addr,
         reason: e.to_string(),
-    };
-    let sock = if addr.is_ipv4() {
-        tokio::net::TcpSocket::new_v4()
-    } else {
-        tokio::net::TcpSocket::new_v6()
-    }
-    .map_err(err)?;
-    // A restarted service must get its port back while old connections sit in TIME_WAIT.
-    sock.set_reuseaddr(true).map_err(err)?;
-    sock.bind(addr).map_err(err)?;
-    sock.listen(1024).map_err(err)
+    })
 }
 
 /// Runs the service until `shutdown` completes.

@@ -12,6 +12,7 @@ pub mod client;
 pub mod human;
 pub mod manifest;
 pub mod names;
+pub mod net;
 
 /// Generated protobuf and gRPC code of the metadata service.
 #[allow(clippy::all, missing_docs)]

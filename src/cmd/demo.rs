@@ -1,8 +1,9 @@
 //! `locus demo`: a throwaway local cluster on the embedded defaults (local dirs, a
 //! `file://` origin), driven through the same API and commands as a real one.
 //!
-//! It starts a real `locus metadata serve` process, generates a small sample dataset,
-//! commits it as a version through an import session, and lists it.
+//! It starts a real `locus metadata serve` process and three `locus node serve` processes
+//! (one per simulated rack), generates a small sample dataset, imports it with two
+//! replicas through the same code as `locus dataset import`, and shows the result.
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -54,6 +55,7 @@ fn terminate(child: &Child) {
 
 pub async fn run(a: DemoArgs, cfg: &Resolved) -> anyhow::Result<()> {
     let tmp;
+    let keep = a.dir.is_some();
     let dir = match a.dir {
         Some(d) => {
             std::fs::create_dir_all(&d).with_context(|| format!("cannot create {}", d.display()))?;
@@ -70,107 +72,163 @@ pub async fn run(a: DemoArgs, cfg: &Resolved) -> anyhow::Result<()> {
     }
     println!("==> sample dataset in {}", sample.display());
 
-    let mut daemon = start_metadata(&dir)?;
-    let url = wait_for_addr(&dir.join("metadata.addr"), &mut daemon, &dir.join("metadata.log")).await?;
-    println!(
-        "==> metadata service at {url} (log: {})",
-        dir.join("metadata.log").display()
+    // Daemons are dropped (SIGTERM, then wait) in reverse order: nodes, then metadata.
+    let mut daemons = Vec::new();
+    let metadata_args: Vec<String> = vec![
+        "metadata".into(),
+        "serve".into(),
+        "--listen".into(),
+        "127.0.0.1:0".into(),
+        "--http-listen".into(),
+        "127.0.0.1:0".into(),
+        "--data-dir".into(),
+        dir.join("metadata").display().to_string(),
+    ];
+    let url = format!(
+        "http://{}",
+        start(&dir, "metadata", &metadata_args, &mut daemons).await?
     );
+    println!("==> metadata service at {url}");
+    for i in 1..=3 {
+        let name = format!("node{i}");
+        let args: Vec<String> = vec![
+            "--metadata".into(),
+            url.clone(),
+            "node".into(),
+            "serve".into(),
+            "--id".into(),
+            name.clone(),
+            "--listen".into(),
+            "127.0.0.1:0".into(),
+            "--data-dir".into(),
+            dir.join(&name).display().to_string(),
+            "--capacity".into(),
+            "1GiB".into(),
+            "--reserve".into(),
+            "0".into(),
+            "--labels".into(),
+            format!("zone=demo,rack=rack{i},host=host{i}"),
+            "--heartbeat-interval".into(),
+            "500ms".into(),
+            "--local-socket".into(),
+            dir.join(format!("{name}.sock")).display().to_string(),
+        ];
+        let addr = start(&dir, &name, &args, &mut daemons).await?;
+        println!(
+            "==> cache node {name} at {addr} (rack{i}, data in {})",
+            dir.join(&name).display()
+        );
+    }
     let mut demo_cfg = cfg.clone();
     demo_cfg.metadata_url = url.clone();
     demo_cfg.token = None;
     demo_cfg.ca_cert = None;
-    let mut c = demo_cfg.connect().await?;
+    wait_for_nodes(&demo_cfg, 3).await?;
 
-    let chunk = locus_proto::DEFAULT_CHUNK_SIZE;
-    let root = sample.clone();
-    let scanned = tokio::task::spawn_blocking(move || crate::scan::scan_dir(&root, chunk, 1 << 30)).await??;
     println!(
-        "==> hashed {} files ({}) into {} shard(s)",
-        scanned.files,
-        crate::output::size(scanned.bytes),
-        scanned.shards.len()
+        "\n$ locus dataset import sample {} --replicas 2",
+        sample.display()
     );
-    let begin = c
-        .begin_version(pb::BeginVersionRequest {
-            dataset: "sample".into(),
-            chunk_size: chunk,
-            origin: format!("file://{}", sample.display()),
-            replication: 1,
-        })
-        .await
-        .or_status()?;
-    locus_proto::client::put_entries_paged(&mut c, begin.session_id, scanned.entries)
-        .await
-        .map_err(crate::output::status_error)?;
-    locus_proto::client::put_shards_paged(&mut c, begin.session_id, scanned.shards)
-        .await
-        .map_err(crate::output::status_error)?;
-    let v = c
-        .commit_version(pb::CommitVersionRequest {
-            session_id: begin.session_id,
-        })
-        .await
-        .or_status()?
-        .version
-        .context("the service committed without returning the version")?;
-    println!(
-        "==> committed sample@{}: {} files, {}, {} shard(s)\n",
-        v.version,
-        v.files,
-        crate::output::size(v.bytes),
-        v.shards
-    );
-
-    println!("$ locus dataset list");
-    super::dataset::run(super::dataset::DatasetCmd::List, &demo_cfg).await?;
-    println!("\n$ locus dataset ls sample@{} --recursive", v.version);
-    super::dataset::run(
-        super::dataset::DatasetCmd::Ls {
-            dataset: format!("sample@{}", v.version),
-            directory: String::new(),
-            recursive: true,
+    super::import::run(
+        super::import::ImportArgs {
+            name: "sample".into(),
+            source: sample.display().to_string(),
+            replicas: 2,
+            shard_size: "4MiB".into(),
+            chunk_size: "4MiB".into(),
+            parallel: 8,
         },
         &demo_cfg,
     )
     .await?;
+    println!("\n$ locus dataset list");
+    super::dataset::run(super::dataset::DatasetCmd::List, &demo_cfg).await?;
+    println!("\n$ locus dataset show sample@1");
+    super::dataset::run(
+        super::dataset::DatasetCmd::Show {
+            dataset: "sample@1".into(),
+        },
+        &demo_cfg,
+    )
+    .await?;
+    println!("\n$ locus dataset ls sample@1 images");
+    super::dataset::run(
+        super::dataset::DatasetCmd::Ls {
+            dataset: "sample@1".into(),
+            directory: "images".into(),
+            recursive: false,
+        },
+        &demo_cfg,
+    )
+    .await?;
+    // Heartbeats carry the nodes' new figures within half a second.
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    println!("\n$ locus node list");
+    super::node::run(super::node::NodeCmd::List, &demo_cfg).await?;
     println!("\n$ locus status");
     super::status::run(&demo_cfg).await?;
 
     if a.keep_running {
-        println!("\nThe cluster keeps running; in another shell try:\n  export LOCUS_METADATA={url}\n  locus dataset show sample@latest\nCtrl-C stops it.");
+        println!(
+            "\nThe cluster keeps running; in another shell try:\n  export LOCUS_METADATA={url}\n  \
+             locus node list\n  locus dataset show sample@latest\nCtrl-C stops it."
+        );
         super::shutdown_signal().await;
     }
-    drop(c);
-    drop(daemon);
-    println!("\n==> demo finished; metadata service stopped");
+    drop(daemons);
+    if keep {
+        println!(
+            "\n==> demo finished; cluster stopped; its data and logs are in {}",
+            dir.display()
+        );
+    } else {
+        println!("\n==> demo finished; cluster stopped and its temporary directory removed");
+    }
     Ok(())
 }
 
-fn start_metadata(dir: &Path) -> anyhow::Result<Daemon> {
+/// Starts `locus ARGS --addr-file …` with its log in `dir/NAME.log` and waits until it
+/// reports its address.
+async fn start(dir: &Path, name: &str, args: &[String], daemons: &mut Vec<Daemon>) -> anyhow::Result<String> {
     let exe = std::env::current_exe().context("cannot find the locus executable")?;
-    let log = std::fs::File::create(dir.join("metadata.log"))?;
-    let _ = std::fs::remove_file(dir.join("metadata.addr"));
+    let log_path = dir.join(format!("{name}.log"));
+    let addr_file = dir.join(format!("{name}.addr"));
+    let _ = std::fs::remove_file(&addr_file);
+    let log = std::fs::File::create(&log_path)?;
     let child = Command::new(exe)
-        .args([
-            "metadata",
-            "serve",
-            "--listen",
-            "127.0.0.1:0",
-            "--http-listen",
-            "127.0.0.1:0",
-        ])
-        .arg("--data-dir")
-        .arg(dir.join("metadata"))
+        .args(args)
         .arg("--addr-file")
-        .arg(dir.join("metadata.addr"))
+        .arg(&addr_file)
         .env_remove("LOCUS_METADATA_TOKENS_FILE")
+        .env_remove("LOCUS_TOKEN")
         .stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(log)
         .spawn()
-        .context("cannot start the metadata service")?;
-    Ok(Daemon(child))
+        .with_context(|| format!("cannot start {name}"))?;
+    daemons.push(Daemon(child));
+    let d = daemons.last_mut().expect("just pushed");
+    wait_for_addr(&addr_file, d, &log_path).await
+}
+
+async fn wait_for_nodes(cfg: &Resolved, n: usize) -> anyhow::Result<()> {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let mut c = cfg.connect().await?;
+    loop {
+        let nodes = c.list_nodes(pb::ListNodesRequest {}).await.or_status()?.nodes;
+        if nodes
+            .iter()
+            .filter(|x| x.state == pb::NodeState::Up as i32)
+            .count()
+            >= n
+        {
+            return Ok(());
+        }
+        if Instant::now() > deadline {
+            bail!("the cache nodes did not register within 30 s");
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
 }
 
 async fn wait_for_addr(path: &Path, daemon: &mut Daemon, log: &Path) -> anyhow::Result<String> {
@@ -178,18 +236,15 @@ async fn wait_for_addr(path: &Path, daemon: &mut Daemon, log: &Path) -> anyhow::
     loop {
         if let Ok(s) = std::fs::read_to_string(path) {
             if let Some(a) = s.lines().find_map(|l| l.strip_prefix("grpc=")) {
-                return Ok(format!("http://{a}"));
+                return Ok(a.to_string());
             }
         }
         if let Ok(Some(status)) = daemon.0.try_wait() {
             let text = std::fs::read_to_string(log).unwrap_or_default();
-            bail!("the metadata service exited ({status}) before it was ready:\n{text}");
+            bail!("{} exited ({status}) before it was ready:\n{text}", log.display());
         }
         if Instant::now() > deadline {
-            bail!(
-                "the metadata service did not start within 30 s; see {}",
-                log.display()
-            );
+            bail!("not ready within 30 s; see {}", log.display());
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
     }

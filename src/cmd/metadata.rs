@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use anyhow::{bail, Context};
 use clap::{Args, Subcommand};
 
-use crate::config::Resolved;
+use crate::config::{duration_arg, Resolved};
 
 #[derive(Subcommand, Debug)]
 pub enum MetadataCmd {
@@ -80,13 +80,8 @@ fn addr(what: &str, s: &str) -> anyhow::Result<SocketAddr> {
         .with_context(|| format!("{what} {s:?} is not an address such as 127.0.0.1:7400"))
 }
 
-fn duration(what: &str, s: Option<String>, default: &str) -> anyhow::Result<std::time::Duration> {
-    let s = s.unwrap_or_else(|| default.to_string());
-    let d = locus_proto::human::parse_duration(&s).map_err(|e| anyhow::anyhow!("{what}: {}", e.reason))?;
-    if d.is_zero() {
-        bail!("{what} must be more than zero");
-    }
-    Ok(d)
+fn flag_duration(what: &str, v: Option<String>, default: &str) -> anyhow::Result<std::time::Duration> {
+    duration_arg(what, v.as_deref().unwrap_or(default))
 }
 
 async fn serve(a: ServeArgs, cfg: &Resolved) -> anyhow::Result<()> {
@@ -118,13 +113,17 @@ async fn serve(a: ServeArgs, cfg: &Resolved) -> anyhow::Result<()> {
         tls,
         insecure: a.insecure || f.insecure.unwrap_or(false),
         catalog: locus_metadata::CatalogConfig {
-            liveness_timeout: duration(
+            liveness_timeout: flag_duration(
                 "--liveness-timeout",
                 a.liveness_timeout.or(f.liveness_timeout),
                 "30s",
             )?,
-            session_timeout: duration("--session-timeout", a.session_timeout.or(f.session_timeout), "1h")?,
-            repair_interval: duration(
+            session_timeout: flag_duration(
+                "--session-timeout",
+                a.session_timeout.or(f.session_timeout),
+                "1h",
+            )?,
+            repair_interval: flag_duration(
                 "--repair-interval",
                 a.repair_interval.or(f.repair_interval),
                 "10s",

@@ -3,11 +3,11 @@
 use std::collections::HashMap;
 use std::path::PathBuf;
 
-use anyhow::{bail, Context};
+use anyhow::Context;
 use clap::{Args, Subcommand};
 use locus_proto::pb;
 
-use crate::config::Resolved;
+use crate::config::{duration_arg, size_arg, Resolved};
 use crate::output::{self, StatusExt};
 
 #[derive(Subcommand, Debug)]
@@ -88,18 +88,6 @@ fn hostname() -> String {
     std::fs::read_to_string("/proc/sys/kernel/hostname")
         .map(|s| s.trim().to_ascii_lowercase())
         .unwrap_or_else(|_| "localhost".into())
-}
-
-fn size_arg(what: &str, s: &str) -> anyhow::Result<u64> {
-    locus_proto::human::parse_size(s).map_err(|e| anyhow::anyhow!("{what}: {}", e.reason))
-}
-
-fn duration_arg(what: &str, s: &str) -> anyhow::Result<std::time::Duration> {
-    let d = locus_proto::human::parse_duration(s).map_err(|e| anyhow::anyhow!("{what}: {}", e.reason))?;
-    if d.is_zero() {
-        bail!("{what} must be more than zero");
-    }
-    Ok(d)
 }
 
 pub fn parse_labels(s: &str) -> anyhow::Result<HashMap<String, String>> {

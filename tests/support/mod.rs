@@ -432,6 +432,8 @@ pub struct NodeOpts {
     pub host: String,
     pub scrub_rate: &'static str,
     pub pin_sync: &'static str,
+    /// Put the data dir on a tmpfs of this size (e.g. "2m"), to fill a real disk.
+    pub tmpfs: Option<&'static str>,
 }
 
 impl NodeOpts {
@@ -444,6 +446,16 @@ impl NodeOpts {
             host: format!("h{n}"),
             scrub_rate: "0",
             pin_sync: "1s",
+            tmpfs: None,
+        }
+    }
+}
+
+impl Drop for Node {
+    fn drop(&mut self) {
+        self.daemon.kill9();
+        if self.opts.tmpfs.is_some() {
+            let _ = Command::new("umount").arg("-l").arg(&self.data_dir).status();
         }
     }
 }
@@ -468,6 +480,19 @@ impl Harness {
         let mut env = Vec::new();
         if let Some(t) = meta.token("node") {
             env.push(("LOCUS_TOKEN".to_string(), t));
+        }
+        if let Some(size) = opts.tmpfs {
+            let data = dir.join("data");
+            std::fs::create_dir_all(&data).unwrap();
+            let st = Command::new("mount")
+                .args(["-t", "tmpfs", "-o", &format!("size={size}"), "tmpfs"])
+                .arg(&data)
+                .status()
+                .expect("run mount");
+            assert!(
+                st.success(),
+                "this test needs to mount a tmpfs (root and mount(8)); it cannot run here"
+            );
         }
         let mut n = Node {
             id: id.to_string(),
