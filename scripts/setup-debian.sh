@@ -5,17 +5,22 @@
 #   protobuf-compiler  protoc for the gRPC code generation
 #   fuse3           fusermount3 for the FUSE mount
 #   openssl         test certificates for the TLS tests
+# and, from PyPI, moto's S3 server for the object-store tests.
 set -euo pipefail
 pkgs=(librocksdb-dev libclang-dev clang protobuf-compiler pkg-config fuse3 openssl ca-certificates)
 missing=()
 for p in "${pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
 done
-if [ ${#missing[@]} -eq 0 ]; then
-  exit 0
+if [ ${#missing[@]} -gt 0 ]; then
+  echo "installing: ${missing[*]}"
+  SUDO=""
+  if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"
 fi
-echo "installing: ${missing[*]}"
-SUDO=""
-if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
-$SUDO apt-get update -qq
-DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"
+if ! command -v moto_server >/dev/null 2>&1; then
+  echo "installing: moto[server] (PyPI)"
+  python3 -m pip install --quiet --disable-pip-version-check 'moto[server]'
+  if command -v pyenv >/dev/null 2>&1; then pyenv rehash; fi
+fi

@@ -7,6 +7,7 @@
 mod cmd;
 mod config;
 mod output;
+mod remote;
 mod scan;
 
 use std::path::PathBuf;

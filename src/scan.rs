@@ -1,22 +1,54 @@
-//! Builds a manifest from a local directory: walks it, hashes every file with BLAKE3
-//! (whole blob and fixed-size chunks) and groups files into shards in path order.
+//! Builds a manifest from a source: walks a local directory (or, in `remote`, lists an
+//! object-store prefix), hashes every file with BLAKE3 (whole blob and fixed-size chunks)
+//! and groups files into shards in path order.
 //!
 //! Never follows symlinks (they are recorded as links) and never leaves the root.
 
+use std::collections::{HashMap, HashSet};
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context};
 use locus_proto::manifest::{BlobHash, Entry, EntryKind, FileHashes, RelPath};
 use locus_proto::pb;
 
+/// Where an import reads a blob's bytes from.
+#[derive(Debug, Clone)]
+pub enum BlobSource {
+    Local(PathBuf),
+    Remote(object_store::path::Path),
+}
+
+impl std::fmt::Display for BlobSource {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            BlobSource::Local(p) => write!(f, "{}", p.display()),
+            BlobSource::Remote(p) => write!(f, "{p}"),
+        }
+    }
+}
+
 pub struct Scanned {
     pub entries: Vec<pb::Entry>,
     pub shards: Vec<pb::Shard>,
-    /// For each distinct blob, one local file holding it and its size.
-    pub blobs: std::collections::HashMap<BlobHash, (std::path::PathBuf, u64)>,
+    /// For each distinct blob, one source holding it and its size.
+    pub blobs: HashMap<BlobHash, (BlobSource, u64)>,
     /// For each shard, its distinct blobs.
     pub shard_blobs: Vec<Vec<BlobHash>>,
+}
+
+/// One entry found in a source, before hashing.
+pub struct Found {
+    pub rel: String,
+    pub kind: FoundKind,
+    pub mode: u32,
+    pub mtime_ns: i64,
+}
+
+pub enum FoundKind {
+    Dir,
+    Symlink(String),
+    File(BlobSource),
 }
 
 fn hash_file(path: &Path, chunk_size: u32) -> anyhow::Result<FileHashes> {
@@ -36,9 +68,9 @@ pub fn scan_dir_parallel(
     use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
     let mut found = Vec::new();
     walk(root, "", &mut found)?;
-    found.sort_by(|a, b| a.0.cmp(&b.0));
+    found.sort_by(|a, b| a.rel.cmp(&b.rel));
     let files_idx: Vec<usize> = (0..found.len())
-        .filter(|i| found[*i].1.file_type().is_file())
+        .filter(|i| matches!(found[*i].kind, FoundKind::File(_)))
         .collect();
     let next = AtomicUsize::new(0);
     let done = AtomicU64::new(0);
@@ -50,7 +82,7 @@ pub fn scan_dir_parallel(
             s.spawn(|| loop {
                 let k = next.fetch_add(1, Ordering::Relaxed);
                 let Some(&i) = files_idx.get(k) else { break };
-                match hash_file(&root.join(&found[i].0), chunk_size) {
+                match hash_file(&root.join(&found[i].rel), chunk_size) {
                     Ok(r) => {
                         progress(done.fetch_add(r.0, Ordering::Relaxed) + r.0);
                         *results[i].lock().expect("no panics while held") = Some(r);
@@ -67,63 +99,66 @@ pub fn scan_dir_parallel(
     if let Some(e) = first_err.into_inner().expect("threads joined") {
         return Err(e);
     }
+    let hashes = results
+        .into_iter()
+        .map(|m| m.into_inner().expect("threads joined"))
+        .collect();
+    assemble(found, hashes, shard_size)
+}
+
+/// Turns sorted found entries and their hashes (`Some` for every file) into a manifest
+/// with shards: files in path order fill a shard until the next would overflow it; a
+/// file of at least a shard's size gets a shard of its own.
+pub fn assemble(
+    found: Vec<Found>,
+    hashes: Vec<Option<FileHashes>>,
+    shard_size: u64,
+) -> anyhow::Result<Scanned> {
     let mut entries = Vec::with_capacity(found.len());
     let mut shards: Vec<pb::Shard> = Vec::new();
-    let mut blobs = std::collections::HashMap::new();
+    let mut blobs = HashMap::new();
     let mut shard_blobs: Vec<Vec<BlobHash>> = Vec::new();
-    for (i, (rel, meta)) in found.into_iter().enumerate() {
-        let path = RelPath::try_from(rel.as_str()).map_err(|e| anyhow::anyhow!("{rel:?}: {}", e.reason))?;
-        let full = root.join(&rel);
-        let ft = meta.file_type();
-        let kind = if ft.is_dir() {
-            EntryKind::Dir
-        } else if ft.is_symlink() {
-            let t =
-                std::fs::read_link(&full).with_context(|| format!("cannot read link {}", full.display()))?;
-            let target = t
-                .to_str()
-                .with_context(|| format!("{}: link target is not UTF-8", full.display()))?
-                .to_string();
-            EntryKind::Symlink { target }
-        } else {
-            let (size, blob, chunks) = results[i]
-                .lock()
-                .expect("threads joined")
-                .take()
-                .expect("every file was hashed");
-            // Start a new shard when this file would overflow the current one, and give a
-            // file of at least a shard's size a shard of its own.
-            let start_new = match shards.last() {
-                None => true,
-                Some(s) => s.bytes + size > shard_size && s.files > 0,
-            };
-            if start_new {
-                shards.push(pb::Shard {
-                    id: shards.len() as u32,
-                    ..Default::default()
-                });
-                shard_blobs.push(Vec::new());
-            }
-            if blobs.insert(blob, (full.clone(), size)).is_none()
-                || !shard_blobs.last().expect("pushed").contains(&blob)
-            {
-                shard_blobs.last_mut().expect("pushed").push(blob);
-            }
-            let s = shards.last_mut().expect("a shard was just ensured");
-            s.bytes += size;
-            s.files += 1;
-            EntryKind::File {
-                size,
-                blob,
-                chunks,
-                shard: s.id,
+    let mut in_shard: HashSet<BlobHash> = HashSet::new();
+    for (f, h) in found.into_iter().zip(hashes) {
+        let path =
+            RelPath::try_from(f.rel.as_str()).map_err(|e| anyhow::anyhow!("{:?}: {}", f.rel, e.reason))?;
+        let kind = match f.kind {
+            FoundKind::Dir => EntryKind::Dir,
+            FoundKind::Symlink(target) => EntryKind::Symlink { target },
+            FoundKind::File(source) => {
+                let (size, blob, chunks) = h.with_context(|| format!("{} was not hashed", f.rel))?;
+                let start_new = match shards.last() {
+                    None => true,
+                    Some(s) => s.bytes + size > shard_size && s.files > 0,
+                };
+                if start_new {
+                    shards.push(pb::Shard {
+                        id: shards.len() as u32,
+                        ..Default::default()
+                    });
+                    shard_blobs.push(Vec::new());
+                    in_shard.clear();
+                }
+                blobs.entry(blob).or_insert((source, size));
+                if in_shard.insert(blob) {
+                    shard_blobs.last_mut().expect("pushed").push(blob);
+                }
+                let s = shards.last_mut().expect("a shard was just ensured");
+                s.bytes += size;
+                s.files += 1;
+                EntryKind::File {
+                    size,
+                    blob,
+                    chunks,
+                    shard: s.id,
+                }
             }
         };
         entries.push(pb::Entry::from(Entry {
             path,
             kind,
-            mode: meta.permissions().mode() & 0o7777,
-            mtime_ns: meta.mtime() * 1_000_000_000 + meta.mtime_nsec(),
+            mode: f.mode,
+            mtime_ns: f.mtime_ns,
         }));
     }
     Ok(Scanned {
@@ -134,7 +169,7 @@ pub fn scan_dir_parallel(
     })
 }
 
-fn walk(root: &Path, rel: &str, out: &mut Vec<(String, std::fs::Metadata)>) -> anyhow::Result<()> {
+fn walk(root: &Path, rel: &str, out: &mut Vec<Found>) -> anyhow::Result<()> {
     let dir = if rel.is_empty() {
         root.to_path_buf()
     } else {
@@ -158,16 +193,34 @@ fn walk(root: &Path, rel: &str, out: &mut Vec<(String, std::fs::Metadata)>) -> a
         let meta = std::fs::symlink_metadata(e.path())
             .with_context(|| format!("cannot stat {}", e.path().display()))?;
         let ft = meta.file_type();
-        if ft.is_dir() {
-            out.push((child.clone(), meta));
-            walk(root, &child, out)?;
-        } else if ft.is_file() || ft.is_symlink() {
-            out.push((child, meta));
+        let kind = if ft.is_dir() {
+            FoundKind::Dir
+        } else if ft.is_symlink() {
+            let t = std::fs::read_link(e.path())
+                .with_context(|| format!("cannot read link {}", e.path().display()))?;
+            let target = t
+                .to_str()
+                .with_context(|| format!("{}: link target is not UTF-8", e.path().display()))?
+                .to_string();
+            FoundKind::Symlink(target)
+        } else if ft.is_file() {
+            FoundKind::File(BlobSource::Local(e.path()))
         } else {
             tracing::warn!(
                 "skipping {}: not a file, directory or symlink",
                 e.path().display()
             );
+            continue;
+        };
+        let is_dir = matches!(kind, FoundKind::Dir);
+        out.push(Found {
+            rel: child.clone(),
+            kind,
+            mode: meta.permissions().mode() & 0o7777,
+            mtime_ns: meta.mtime() * 1_000_000_000 + meta.mtime_nsec(),
+        });
+        if is_dir {
+            walk(root, &child, out)?;
         }
     }
     Ok(())

@@ -267,6 +267,21 @@ async fn a_killed_node_is_repaired_peer_to_peer_and_counters_follow() {
         }
     }
     assert!(!resident.contains_key(&victim), "the dead node no longer counts");
+
+    // The node comes back: it re-registers, and its pin sync unpins what it no longer
+    // replicates (the bytes stay as evictable cache).
+    nodes[vi].restart().await;
+    wait_until("the returned node to reconcile", Duration::from_secs(30), || {
+        let m = &m;
+        let victim = victim.clone();
+        async move {
+            let list = m.cli(&["node", "list", "--json"]);
+            let j: serde_json::Value = serde_json::from_str(&stdout(&list)).ok()?;
+            let n = j.as_array()?.iter().find(|n| n["id"] == victim.as_str())?.clone();
+            (n["state"] == "up" && n["pinned_bytes"] == 0 && n["cached_bytes"].as_u64()? > 0).then_some(())
+        }
+    })
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -537,4 +552,156 @@ async fn a_full_disk_refuses_writes_cleanly_and_keeps_serving() {
         got.extend(m.unwrap().data);
     }
     assert_eq!(got, small);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_interrupted_import_leaves_no_version_and_a_rerun_completes_it() {
+    let h = Harness::new("interrupt");
+    let (m, nodes) = cluster(&h, 2, NodeOpts::host).await;
+    let src = h.path("src");
+    make_tree(&src, 1_500);
+    let mut args: Vec<String> = [
+        "dataset",
+        "import",
+        "ds",
+        src.to_str().unwrap(),
+        "--replicas",
+        "2",
+    ]
+    .map(String::from)
+    .to_vec();
+    args.extend(["--chunk-size", "64KiB", "--parallel", "1"].map(String::from));
+    let mut import = std::process::Command::new(LOCUS)
+        .args(&args)
+        .env("LOCUS_METADATA", m.url())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    // Kill it as soon as the first blobs have landed.
+    wait_until("the import to start sending", Duration::from_secs(60), || {
+        let n = nodes[0].blob_files().len() + nodes[1].blob_files().len();
+        async move { (n >= 5).then_some(()) }
+    })
+    .await;
+    import.kill().unwrap();
+    import.wait().unwrap();
+    let list = m.cli(&["dataset", "list", "--json"]);
+    assert_eq!(stdout(&list).trim(), "[]", "no version from the killed import");
+
+    let out = import_cmd(&m, &src);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let j: serde_json::Value = serde_json::from_str(&stdout(&out)).unwrap();
+    assert_eq!(j["version"], 1);
+    assert_eq!(j["files"], 1_500);
+    assert!(
+        j["skipped_bytes"].as_u64().unwrap() > 0,
+        "blobs sent before the kill are not sent again: {j}"
+    );
+    let mut c = m.client(None).await;
+    for s in shards(&mut c, "ds", 1).await {
+        assert_eq!(s.replicas.len(), 2);
+    }
+}
+
+fn import_cmd(m: &Metadata, src: &Path) -> std::process::Output {
+    import(m, "ds", src, &["--replicas", "2"])
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn import_from_a_real_s3_server() {
+    use object_store::ObjectStoreExt;
+    let h = Harness::new("s3-import");
+    let s3 = h.start_s3().await;
+    let bucket = s3.bucket("datasets").await;
+    let src = h.path("src");
+    make_tree(&src, 200);
+    // Upload the regular files under a prefix (object stores have no symlinks or empty
+    // directories).
+    let mut files = Vec::new();
+    let mut stack = vec![src.clone()];
+    while let Some(d) = stack.pop() {
+        for e in std::fs::read_dir(&d).unwrap().flatten() {
+            let ft = std::fs::symlink_metadata(e.path()).unwrap().file_type();
+            if ft.is_dir() {
+                stack.push(e.path());
+            } else if ft.is_file() {
+                let rel = e.path().strip_prefix(&src).unwrap().to_str().unwrap().to_string();
+                let data = std::fs::read(e.path()).unwrap();
+                // Keys as an S3 client writes them (raw UTF-8, not percent-encoded).
+                let key = object_store::path::Path::parse(format!("train/v1/{rel}")).unwrap();
+                bucket.put(&key, data.clone().into()).await.unwrap();
+                files.push((rel, data));
+            }
+        }
+    }
+    let m = h.start_metadata("meta", MetadataOpts::default()).await;
+    let mut nodes = Vec::new();
+    for i in 1..=3 {
+        nodes.push(h.start_node(&format!("n{i}"), &m, NodeOpts::host(i)).await);
+    }
+    let mut cmd = std::process::Command::new(LOCUS);
+    cmd.args([
+        "dataset",
+        "import",
+        "froms3",
+        "s3://datasets/train/v1",
+        "--replicas",
+        "2",
+        "--chunk-size",
+        "64KiB",
+        "--json",
+    ])
+    .env("LOCUS_METADATA", m.url());
+    for (k, v) in s3.env() {
+        cmd.env(k, v);
+    }
+    let out = cmd.output().unwrap();
+    assert!(out.status.success(), "{}", stderr(&out));
+    let j: serde_json::Value = serde_json::from_str(&stdout(&out)).unwrap();
+    assert_eq!(j["files"].as_u64().unwrap() as usize, files.len());
+    assert!(!stderr(&out).contains(S3_SECRET), "credentials are never printed");
+
+    let mut c = m.client(None).await;
+    let entries = all_entries(&mut c, "froms3", 1).await;
+    let by_path: HashMap<&str, &pb::Entry> = entries.iter().map(|e| (e.path.as_str(), e)).collect();
+    for (rel, data) in &files {
+        let e = by_path
+            .get(rel.as_str())
+            .unwrap_or_else(|| panic!("{rel} missing"));
+        assert_eq!(e.size as usize, data.len(), "{rel}");
+        assert_eq!(e.blob, blake3::hash(data).as_bytes().to_vec(), "{rel}");
+        assert_eq!(e.chunks.len(), data.len().div_ceil(65536), "{rel}");
+    }
+    // Every shard on two nodes, and the bytes really there.
+    for s in shards(&mut c, "froms3", 1).await {
+        assert_eq!(s.replicas.len(), 2);
+    }
+    let total: usize = nodes.iter().map(|n| n.blob_files().len()).sum();
+    let distinct: BTreeSet<_> = files
+        .iter()
+        .map(|(_, d)| blake3::hash(d).to_hex().to_string())
+        .collect();
+    assert_eq!(total, 2 * distinct.len());
+
+    // A source that does not answer gives a clear error and leaves nothing behind.
+    drop(s3);
+    let mut cmd = std::process::Command::new(LOCUS);
+    cmd.args(["dataset", "import", "gone", "s3://datasets/train/v1"])
+        .env("LOCUS_METADATA", m.url())
+        .env("AWS_ENDPOINT_URL", "http://127.0.0.1:1")
+        .env("AWS_ALLOW_HTTP", "true")
+        .env("AWS_ACCESS_KEY_ID", S3_KEY)
+        .env("AWS_SECRET_ACCESS_KEY", S3_SECRET)
+        .env("AWS_REGION", "us-east-1");
+    let out = cmd.output().unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    assert!(
+        stderr(&out).contains("listing the source failed"),
+        "{}",
+        stderr(&out)
+    );
+    let list = m.cli(&["dataset", "list", "--json"]);
+    let j: serde_json::Value = serde_json::from_str(&stdout(&list)).unwrap();
+    assert_eq!(j.as_array().unwrap().len(), 1);
 }

@@ -527,11 +527,7 @@ impl BlobStore {
             dir,
             tmp,
             file: Some(std::io::BufWriter::with_capacity(1 << 20, file)),
-            whole: blake3::Hasher::new(),
-            chunk: blake3::Hasher::new(),
-            in_chunk: 0,
-            chunks: Vec::new(),
-            written: 0,
+            hasher: locus_proto::manifest::ChunkHasher::new(chunk_size),
             _reservation: reservation,
         }))
     }
@@ -691,17 +687,13 @@ pub struct BlobWriter {
     dir: u32,
     tmp: PathBuf,
     file: Option<std::io::BufWriter<File>>,
-    whole: blake3::Hasher,
-    chunk: blake3::Hasher,
-    in_chunk: u64,
-    chunks: Vec<BlobHash>,
-    written: u64,
+    hasher: locus_proto::manifest::ChunkHasher,
     _reservation: Reservation,
 }
 
 impl BlobWriter {
-    pub fn write(&mut self, mut data: &[u8]) -> Result<(), StoreError> {
-        if self.written + data.len() as u64 > self.size {
+    pub fn write(&mut self, data: &[u8]) -> Result<(), StoreError> {
+        if self.hasher.size() + data.len() as u64 > self.size {
             return Err(StoreError::Mismatch {
                 hash: self.hash,
                 what: format!("more than the announced {} bytes", self.size),
@@ -712,35 +704,19 @@ impl BlobWriter {
             .expect("open until finish")
             .write_all(data)
             .map_err(io)?;
-        self.whole.update(data);
-        self.written += data.len() as u64;
-        let cs = u64::from(self.chunk_size);
-        while !data.is_empty() {
-            let take = (cs - self.in_chunk).min(data.len() as u64) as usize;
-            self.chunk.update(&data[..take]);
-            self.in_chunk += take as u64;
-            data = &data[take..];
-            if self.in_chunk == cs {
-                self.chunks.push(BlobHash(*self.chunk.finalize().as_bytes()));
-                self.chunk.reset();
-                self.in_chunk = 0;
-            }
-        }
+        self.hasher.update(data);
         Ok(())
     }
 
     /// Verifies, syncs and publishes the blob.
     pub fn finish(mut self) -> Result<(), StoreError> {
-        if self.written != self.size {
+        if self.hasher.size() != self.size {
             return Err(StoreError::Mismatch {
                 hash: self.hash,
-                what: format!("{} bytes received, {} announced", self.written, self.size),
+                what: format!("{} bytes received, {} announced", self.hasher.size(), self.size),
             });
         }
-        if self.in_chunk > 0 {
-            self.chunks.push(BlobHash(*self.chunk.finalize().as_bytes()));
-        }
-        let got = BlobHash(*self.whole.finalize().as_bytes());
+        let (_, got, chunks) = self.hasher.clone().finish();
         if got != self.hash {
             return Err(StoreError::Mismatch {
                 hash: self.hash,
@@ -760,14 +736,8 @@ impl BlobWriter {
         fs::create_dir_all(parent).map_err(io)?;
         fs::rename(&self.tmp, &dest).map_err(io)?;
         fsync_dir(parent)?;
-        self.store.insert(
-            self.hash,
-            self.size,
-            self.dir,
-            self.pin,
-            self.chunk_size,
-            &self.chunks,
-        )?;
+        self.store
+            .insert(self.hash, self.size, self.dir, self.pin, self.chunk_size, &chunks)?;
         Ok(())
     }
 }

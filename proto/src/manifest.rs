@@ -170,34 +170,75 @@ pub fn chunk_count(size: u64, chunk_size: u32) -> u64 {
 /// A file's size, BLAKE3 hash and the hashes of its `chunk_size` chunks.
 pub type FileHashes = (u64, BlobHash, Vec<BlobHash>);
 
+/// Hashes a byte stream fed in pieces of any size: the whole-blob BLAKE3 and the BLAKE3
+/// of each `chunk_size` chunk.
+#[derive(Debug, Clone)]
+pub struct ChunkHasher {
+    chunk_size: u64,
+    whole: blake3::Hasher,
+    chunk: blake3::Hasher,
+    in_chunk: u64,
+    chunks: Vec<BlobHash>,
+    size: u64,
+}
+
+impl ChunkHasher {
+    pub fn new(chunk_size: u32) -> Self {
+        ChunkHasher {
+            chunk_size: u64::from(chunk_size.max(1)),
+            whole: blake3::Hasher::new(),
+            chunk: blake3::Hasher::new(),
+            in_chunk: 0,
+            chunks: Vec::new(),
+            size: 0,
+        }
+    }
+
+    pub fn update(&mut self, mut data: &[u8]) {
+        self.whole.update(data);
+        self.size += data.len() as u64;
+        while !data.is_empty() {
+            let take = (self.chunk_size - self.in_chunk).min(data.len() as u64) as usize;
+            self.chunk.update(&data[..take]);
+            self.in_chunk += take as u64;
+            data = &data[take..];
+            if self.in_chunk == self.chunk_size {
+                self.chunks.push(BlobHash(*self.chunk.finalize().as_bytes()));
+                self.chunk.reset();
+                self.in_chunk = 0;
+            }
+        }
+    }
+
+    pub fn size(&self) -> u64 {
+        self.size
+    }
+
+    pub fn finish(mut self) -> FileHashes {
+        if self.in_chunk > 0 {
+            self.chunks.push(BlobHash(*self.chunk.finalize().as_bytes()));
+        }
+        (
+            self.size,
+            BlobHash(*self.whole.finalize().as_bytes()),
+            self.chunks,
+        )
+    }
+}
+
 /// Hashes a file in one pass: its size, its BLAKE3 and the BLAKE3 of each chunk.
 pub fn hash_file(path: &std::path::Path, chunk_size: u32) -> std::io::Result<FileHashes> {
     use std::io::Read;
     let mut f = std::fs::File::open(path)?;
-    let mut whole = blake3::Hasher::new();
-    let mut chunks = Vec::new();
-    let mut buf = vec![0u8; chunk_size as usize];
-    let mut size = 0u64;
+    let mut h = ChunkHasher::new(chunk_size);
+    let mut buf = vec![0u8; (chunk_size as usize).clamp(1 << 16, 8 << 20)];
     loop {
-        let mut filled = 0;
-        while filled < buf.len() {
-            let n = f.read(&mut buf[filled..])?;
-            if n == 0 {
-                break;
-            }
-            filled += n;
+        let n = f.read(&mut buf)?;
+        if n == 0 {
+            return Ok(h.finish());
         }
-        if filled == 0 {
-            break;
-        }
-        whole.update(&buf[..filled]);
-        chunks.push(BlobHash::of(&buf[..filled]));
-        size += filled as u64;
-        if filled < buf.len() {
-            break;
-        }
+        h.update(&buf[..n]);
     }
-    Ok((size, BlobHash(*whole.finalize().as_bytes()), chunks))
 }
 
 impl Entry {
@@ -381,6 +422,25 @@ mod tests {
         };
         let e = Entry::try_from(link.clone()).unwrap();
         assert_eq!(pb::Entry::from(e), link);
+    }
+
+    #[test]
+    fn chunk_hasher_matches_one_shot_hashes() {
+        let data: Vec<u8> = (0..300_001u32).map(|i| (i % 253) as u8).collect();
+        let mut h = ChunkHasher::new(65536);
+        for piece in data.chunks(7777) {
+            h.update(piece);
+        }
+        let (size, whole, chunks) = h.finish();
+        assert_eq!(size, 300_001);
+        assert_eq!(whole, BlobHash::of(&data));
+        let want: Vec<BlobHash> = data.chunks(65536).map(BlobHash::of).collect();
+        assert_eq!(chunks, want);
+        assert_eq!(
+            ChunkHasher::new(65536).finish().2.len(),
+            0,
+            "an empty blob has no chunks"
+        );
     }
 
     #[test]

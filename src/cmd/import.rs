@@ -22,12 +22,15 @@ use tokio::task::JoinSet;
 
 use crate::config::Resolved;
 use crate::output::{self, StatusExt};
+use crate::scan::BlobSource;
 
 #[derive(Args, Debug)]
 pub struct ImportArgs {
     /// Dataset name; the import becomes its next version.
     pub name: String,
-    /// A local directory (or file://PATH).
+    /// A local directory, file://PATH, or s3://BUCKET/PREFIX (credentials and endpoint
+    /// from the AWS_* environment: AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_REGION,
+    /// AWS_ENDPOINT_URL, AWS_ALLOW_HTTP).
     pub source: String,
     /// Replicas of every shard, on distinct hosts.
     #[arg(long, default_value_t = 2)]
@@ -100,15 +103,13 @@ impl Progress {
 pub async fn run(a: ImportArgs, cfg: &Resolved) -> anyhow::Result<()> {
     let started = Instant::now();
     let name = locus_proto::DatasetName::try_from(a.name.as_str()).map_err(|e| anyhow::anyhow!("{}", e))?;
+    let remote = if a.source.contains("://") && !a.source.starts_with("file://") {
+        Some(crate::remote::open(&a.source)?)
+    } else {
+        None
+    };
     let source = PathBuf::from(a.source.strip_prefix("file://").unwrap_or(&a.source));
-    if a.source.contains("://") && !a.source.starts_with("file://") {
-        bail!(
-            "{}: importing straight from an object store is not supported by this build yet; \
-             copy the data to a local directory and import that",
-            a.source
-        );
-    }
-    if !source.is_dir() {
+    if remote.is_none() && !source.is_dir() {
         bail!("{} is not a directory", source.display());
     }
     let chunk_size = locus_proto::human::parse_size(&a.chunk_size)
@@ -127,18 +128,24 @@ pub async fn run(a: ImportArgs, cfg: &Resolved) -> anyhow::Result<()> {
     let mut meta = cfg.connect().await?;
 
     // 1. Hash.
-    let total_guess = dir_bytes(&source);
+    let total_guess = if remote.is_some() { 0 } else { dir_bytes(&source) };
     let hashing = Progress::new("hashing", total_guess);
     let done = hashing.done.clone();
-    let src = source.clone();
-    let threads = std::thread::available_parallelism().map_or(2, |n| n.get());
-    let scanned = tokio::task::spawn_blocking(move || {
-        crate::scan::scan_dir_parallel(&src, chunk_size, shard_size.max(1), threads, &|n| {
-            done.store(n, Ordering::Relaxed)
-        })
-    })
-    .await??;
+    let scanned = match &remote {
+        Some(r) => crate::remote::scan(r, chunk_size, shard_size.max(1), a.parallel, done).await?,
+        None => {
+            let src = source.clone();
+            let threads = std::thread::available_parallelism().map_or(2, |n| n.get());
+            tokio::task::spawn_blocking(move || {
+                crate::scan::scan_dir_parallel(&src, chunk_size, shard_size.max(1), threads, &|n| {
+                    done.store(n, Ordering::Relaxed)
+                })
+            })
+            .await??
+        }
+    };
     let hash_time = hashing.finish();
+    let store = remote.as_ref().map(|r| r.store.clone());
 
     // 2. Session and manifest.
     let begin = meta
@@ -151,7 +158,7 @@ pub async fn run(a: ImportArgs, cfg: &Resolved) -> anyhow::Result<()> {
         .await
         .or_status()?;
     let session = begin.session_id;
-    let result = import_into_session(&a, cfg, &mut meta, session, chunk_size, &scanned).await;
+    let result = import_into_session(&a, store, &mut meta, session, chunk_size, &scanned).await;
     let (placement, uploaded, skipped, upload_time) = match result {
         Ok(r) => r,
         Err(e) => {
@@ -237,7 +244,7 @@ type Placement = BTreeMap<u32, Vec<String>>;
 /// bytes sent and skipped.
 async fn import_into_session(
     a: &ImportArgs,
-    _cfg: &Resolved,
+    remote: Option<Arc<dyn object_store::ObjectStore>>,
     meta: &mut locus_proto::client::MetadataClient,
     session: u64,
     chunk_size: u32,
@@ -338,13 +345,14 @@ async fn import_into_session(
     loop {
         while set.len() < a.parallel.max(1) {
             let Some((node, h)) = pending.next() else { break };
-            let (path, size) = scanned.blobs[&h].clone();
+            let (source, size) = scanned.blobs[&h].clone();
             let client = clients[&node].clone();
             let done = progress.done.clone();
+            let remote = remote.clone();
             set.spawn(async move {
-                send_blob(client, &path, h, size, chunk_size, done)
+                send_blob(client, remote, &source, h, size, chunk_size, done)
                     .await
-                    .with_context(|| format!("sending {} to node {node}", path.display()))
+                    .with_context(|| format!("sending {source} to node {node}"))
             });
         }
         match set.join_next().await {
@@ -398,15 +406,17 @@ async fn holders(
     Ok(out)
 }
 
-/// Streams one file to a node as a pinned blob; the node verifies it against `h`.
+/// Streams one file or object to a node as a pinned blob; the node verifies it against `h`.
 async fn send_blob(
     mut client: NodeClient,
-    path: &std::path::Path,
+    remote: Option<Arc<dyn object_store::ObjectStore>>,
+    source: &BlobSource,
     h: BlobHash,
     size: u64,
     chunk_size: u32,
     done: Arc<AtomicU64>,
 ) -> anyhow::Result<()> {
+    use futures_util::StreamExt;
     use nodepb::write_blob_message::Msg;
     use tokio::io::AsyncReadExt;
     let (tx, rx) = tokio::sync::mpsc::channel(4);
@@ -420,25 +430,44 @@ async fn send_blob(
     })
     .await
     .ok();
-    let mut file = tokio::fs::File::open(path)
-        .await
-        .with_context(|| format!("cannot open {}", path.display()))?;
-    let reader = tokio::spawn(async move {
-        let mut buf = vec![0u8; 1 << 20];
-        loop {
-            let n = file.read(&mut buf).await?;
-            if n == 0 {
-                return Ok::<_, std::io::Error>(());
-            }
-            done.fetch_add(n as u64, Ordering::Relaxed);
-            let msg = nodepb::WriteBlobMessage {
-                msg: Some(Msg::Data(buf[..n].to_vec())),
-            };
-            if tx.send(msg).await.is_err() {
-                return Ok(()); // the node ended the call early (it had the blob, or failed)
-            }
+    let data = |b: Vec<u8>| nodepb::WriteBlobMessage {
+        msg: Some(Msg::Data(b)),
+    };
+    // The reader ends early without error when the node ends the call (it had the blob,
+    // or failed; the call's own result says which).
+    let reader: tokio::task::JoinHandle<anyhow::Result<()>> = match source {
+        BlobSource::Local(path) => {
+            let mut file = tokio::fs::File::open(path)
+                .await
+                .with_context(|| format!("cannot open {}", path.display()))?;
+            tokio::spawn(async move {
+                let mut buf = vec![0u8; 1 << 20];
+                loop {
+                    let n = file.read(&mut buf).await?;
+                    if n == 0 || tx.send(data(buf[..n].to_vec())).await.is_err() {
+                        return Ok(());
+                    }
+                    done.fetch_add(n as u64, Ordering::Relaxed);
+                }
+            })
         }
-    });
+        BlobSource::Remote(path) => {
+            let store = remote.context("an object-store blob without its store")?;
+            let path = path.clone();
+            tokio::spawn(async move {
+                let mut s = std::pin::pin!(crate::remote::open_object(&store, &path).await?);
+                while let Some(piece) = s.next().await {
+                    let piece = piece.with_context(|| format!("reading {path} failed"))?;
+                    let n = piece.len() as u64;
+                    if tx.send(data(piece.to_vec())).await.is_err() {
+                        break;
+                    }
+                    done.fetch_add(n, Ordering::Relaxed);
+                }
+                Ok(())
+            })
+        }
+    };
     let resp = client
         .write_blob(tokio_stream::wrappers::ReceiverStream::new(rx))
         .await;
@@ -446,7 +475,7 @@ async fn send_blob(
     match resp {
         Ok(_) => Ok(()),
         Err(s) if s.code() == tonic::Code::InvalidArgument => {
-            bail!("{} (did the file change while importing?)", s.message())
+            bail!("{} (did the source change while importing?)", s.message())
         }
         Err(s) => bail!("{}", s.message()),
     }

@@ -778,3 +778,98 @@ pub fn stdout(o: &Output) -> String {
 pub fn stderr(o: &Output) -> String {
     String::from_utf8_lossy(&o.stderr).into_owned()
 }
+
+// ---------------------------------------------------------------------------------------
+// An S3-compatible server (moto's server mode, from PyPI) for object-store tests.
+
+pub const S3_KEY: &str = "locus-test-key";
+pub const S3_SECRET: &str = "locus-test-secret";
+
+pub struct S3Server {
+    pub endpoint: String,
+    daemon: Child,
+}
+
+impl Drop for S3Server {
+    fn drop(&mut self) {
+        let _ = self.daemon.kill();
+        let _ = self.daemon.wait();
+    }
+}
+
+impl S3Server {
+    /// The AWS_* variables a `locus` process needs to reach this server.
+    pub fn env(&self) -> Vec<(&'static str, String)> {
+        vec![
+            ("AWS_ENDPOINT_URL", self.endpoint.clone()),
+            ("AWS_ALLOW_HTTP", "true".into()),
+            ("AWS_ACCESS_KEY_ID", S3_KEY.into()),
+            ("AWS_SECRET_ACCESS_KEY", S3_SECRET.into()),
+            ("AWS_REGION", "us-east-1".into()),
+        ]
+    }
+
+    /// An object_store client for `bucket`, creating the bucket.
+    pub async fn bucket(&self, bucket: &str) -> std::sync::Arc<dyn object_store::ObjectStore> {
+        // moto creates buckets on a plain PUT of the bucket path.
+        let addr = self.endpoint.trim_start_matches("http://").to_string();
+        let mut s = tokio::net::TcpStream::connect(&addr)
+            .await
+            .expect("connect to S3 server");
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        s.write_all(
+            format!(
+                "PUT /{bucket} HTTP/1.1\r\nHost: {addr}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+            )
+            .as_bytes(),
+        )
+        .await
+        .unwrap();
+        let mut resp = String::new();
+        s.read_to_string(&mut resp).await.unwrap();
+        assert!(resp.starts_with("HTTP/1.1 200"), "create bucket: {resp}");
+        let store = object_store::aws::AmazonS3Builder::new()
+            .with_endpoint(&self.endpoint)
+            .with_allow_http(true)
+            .with_access_key_id(S3_KEY)
+            .with_secret_access_key(S3_SECRET)
+            .with_region("us-east-1")
+            .with_bucket_name(bucket)
+            .build()
+            .unwrap();
+        std::sync::Arc::new(store)
+    }
+}
+
+impl Harness {
+    /// Starts moto's S3 server on a free loopback port (installed by scripts/setup-debian.sh;
+    /// a test that needs it fails loudly when it is missing).
+    pub async fn start_s3(&self) -> S3Server {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let log = std::fs::File::create(self.path("s3.log")).unwrap();
+        let daemon = Command::new("moto_server")
+            .args(["-H", "127.0.0.1", "-p", &port.to_string()])
+            .stdout(log.try_clone().unwrap())
+            .stderr(log)
+            .spawn()
+            .expect("moto_server is needed for object-store tests: pip install 'moto[server]'");
+        let endpoint = format!("http://127.0.0.1:{port}");
+        let server = S3Server { endpoint, daemon };
+        wait_until(
+            "the S3 server to answer",
+            Duration::from_secs(30),
+            || async move {
+                tokio::net::TcpStream::connect(("127.0.0.1", port))
+                    .await
+                    .ok()
+                    .map(|_| ())
+            },
+        )
+        .await;
+        server
+    }
+}
