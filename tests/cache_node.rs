@@ -363,6 +363,14 @@ async fn a_flipped_byte_is_quarantined_never_served_and_restored() {
         again.extend(m.unwrap().data);
     }
     assert_eq!(again, good);
+
+    // The node counted it.
+    let body = http_get(n.http, "/metrics").await;
+    assert!(body.contains("locus_node_corrupt_total 1"), "{body}");
+    assert!(
+        body.contains("locus_node_blobs_written_total{kind=\"peer\"} 1"),
+        "{body}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

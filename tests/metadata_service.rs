@@ -702,18 +702,3 @@ async fn nodes_go_down_when_silent_and_replicas_move_resident_counters() {
         .unwrap_err();
     assert_eq!(e.code(), Code::NotFound);
 }
-
-/// A minimal HTTP/1.1 GET, enough for /metrics and /healthz.
-async fn http_get(addr: std::net::SocketAddr, path: &str) -> String {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
-    s.write_all(format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").as_bytes())
-        .await
-        .unwrap();
-    let mut buf = String::new();
-    s.read_to_string(&mut buf).await.unwrap();
-    assert!(buf.starts_with("HTTP/1.1 200"), "{buf}");
-    buf.split_once("\r\n\r\n")
-        .map(|(_, b)| b.to_string())
-        .unwrap_or_default()
-}

@@ -9,6 +9,7 @@
 //!
 //! It depends only on `locus-proto` and never reaches into another Locus crate.
 
+pub mod metrics;
 pub mod service;
 pub mod store;
 
@@ -31,6 +32,8 @@ pub struct NodeConfig {
     pub id: NodeId,
     pub metadata: ClientOptions,
     pub listen: SocketAddr,
+    /// Metrics and health over HTTP; None disables.
+    pub http_listen: Option<SocketAddr>,
     /// Address peers and the metadata service use to reach this node; default: the bound
     /// address (which must then not be a wildcard).
     pub advertise: Option<String>,
@@ -141,12 +144,19 @@ pub async fn serve(
         None => bound.to_string(),
     };
     let peers = Arc::new(Peers::new(cfg.metadata.clone()));
+    let metrics = Arc::new(metrics::Metrics::default());
     let svc = NodeService {
         store: store.clone(),
         peers: peers.clone(),
         id: cfg.id.to_string(),
         local: false,
+        metrics: metrics.clone(),
     };
+    let http_listener = match cfg.http_listen {
+        Some(a) => Some(bind(a)?),
+        None => None,
+    };
+    let http_addr = http_listener.as_ref().and_then(|l| l.local_addr().ok());
 
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     tokio::spawn(async move {
@@ -180,9 +190,40 @@ pub async fn serve(
             }
         }));
     }
+    if let Some(l) = http_listener {
+        let st = store.clone();
+        let m = metrics.clone();
+        let app = axum::Router::new()
+            .route("/healthz", axum::routing::get(|| async { "ok\n" }))
+            .route(
+                "/metrics",
+                axum::routing::get(move || {
+                    let body = m.encode(&st.stats());
+                    async move {
+                        (
+                            [(
+                                http::header::CONTENT_TYPE,
+                                "application/openmetrics-text; version=1.0.0; charset=utf-8",
+                            )],
+                            body,
+                        )
+                    }
+                }),
+            );
+        let rx = stop_rx.clone();
+        tokio::spawn(async move {
+            if let Err(e) = axum::serve(l, app).with_graceful_shutdown(stopped(rx)).await {
+                tracing::error!("HTTP server failed: {e}");
+            }
+        });
+    }
     if let Some(path) = &cfg.addr_file {
         let tmp = path.with_extension("tmp");
-        std::fs::write(&tmp, format!("grpc={bound}\n"))
+        let mut text = format!("grpc={bound}\n");
+        if let Some(h) = http_addr {
+            text.push_str(&format!("http={h}\n"));
+        }
+        std::fs::write(&tmp, text)
             .and_then(|_| std::fs::rename(&tmp, path))
             .map_err(|e| NodeError::Config(format!("cannot write {}: {e}", path.display())))?;
     }
@@ -193,6 +234,7 @@ pub async fn serve(
         advertise,
         store.clone(),
         peers.clone(),
+        metrics.clone(),
         stop_rx.clone(),
     ));
     let scrubber = tokio::spawn(scrub(store.clone(), cfg.scrub_rate, stop_rx.clone()));
@@ -249,6 +291,7 @@ async fn agent(
     advertise: String,
     store: Arc<BlobStore>,
     peers: Arc<Peers>,
+    metrics: Arc<metrics::Metrics>,
     mut stop: tokio::sync::watch::Receiver<bool>,
 ) {
     let mut registered = false;
@@ -285,7 +328,7 @@ async fn agent(
             }
         }
         if registered && last_sync.elapsed() >= cfg.pin_sync_interval {
-            match sync_pins(&cfg, &store, &peers).await {
+            match sync_pins(&cfg, &store, &peers, &metrics).await {
                 Ok((changed, fetched)) if changed + fetched > 0 => {
                     tracing::info!(changed, fetched, "pins synced with the metadata service")
                 }
@@ -296,7 +339,10 @@ async fn agent(
         }
         tokio::select! {
             _ = tokio::time::sleep(cfg.heartbeat_interval) => {}
-            _ = store.quarantine_events.notified() => last_sync = tokio::time::Instant::now() - cfg.pin_sync_interval,
+            _ = store.quarantine_events.notified() => {
+                metrics.corrupt.inc();
+                last_sync = tokio::time::Instant::now() - cfg.pin_sync_interval;
+            }
             _ = stop.wait_for(|s| *s) => return,
         }
     }
@@ -308,6 +354,7 @@ async fn sync_pins(
     cfg: &NodeConfig,
     store: &Arc<BlobStore>,
     peers: &Peers,
+    metrics: &metrics::Metrics,
 ) -> Result<(usize, usize), Status> {
     let mut m = peers.metadata().await?;
     let mut want: HashMap<BlobHash, (u64, u32)> = HashMap::new();
@@ -354,6 +401,7 @@ async fn sync_pins(
                 Ok(_) => {
                     fetched += 1;
                     done = true;
+                    metrics.wrote("peer", size);
                     tracing::info!(blob = %h, from = %id, "restored a missing pinned blob");
                     break;
                 }

@@ -38,6 +38,7 @@ pub struct NodeService {
     pub id: String,
     /// True for the instance serving the Unix socket.
     pub local: bool,
+    pub metrics: Arc<crate::metrics::Metrics>,
 }
 
 fn hash(b: &[u8]) -> Result<BlobHash, Status> {
@@ -176,6 +177,13 @@ impl Node for NodeService {
         if !self.store.contains(&h) {
             return Err(to_status(StoreError::NotFound(h)));
         }
+        let size = self.store.size_of(&h).unwrap_or(0);
+        let end = if q.length == 0 {
+            size
+        } else {
+            q.offset.saturating_add(q.length).min(size)
+        };
+        self.metrics.read_bytes.inc_by(end.saturating_sub(q.offset));
         Ok(Response::new(stream_blob(
             self.store.clone(),
             h,
@@ -199,12 +207,16 @@ impl Node for NodeService {
         };
         let h = hash(&header.hash)?;
         let st = self.store.clone();
+        let size = header.size;
         let writer = tokio::task::spawn_blocking(move || {
             st.begin_write(h, header.size, header.chunk_size, header.pin)
         })
         .await
         .map_err(|e| Status::internal(e.to_string()))?
-        .map_err(to_status)?;
+        .map_err(|e| {
+            self.metrics.refused("full");
+            to_status(e)
+        })?;
         let Some(writer) = writer else {
             return Ok(Response::new(nodepb::WriteBlobResponse { stored: false }));
         };
@@ -230,7 +242,12 @@ impl Node for NodeService {
             }
         }
         drop(tx);
-        finish_sink(sink, failed).await?;
+        finish_sink(sink, failed).await.inspect_err(|s| {
+            if s.code() == tonic::Code::InvalidArgument {
+                self.metrics.refused("mismatch");
+            }
+        })?;
+        self.metrics.wrote("client", size);
         Ok(Response::new(nodepb::WriteBlobResponse { stored: true }))
     }
 
@@ -280,6 +297,7 @@ impl Node for NodeService {
                 (size, Ok(true)) => {
                     resp.fetched += 1;
                     resp.bytes += size;
+                    self.metrics.wrote("peer", size);
                 }
                 (_, Ok(false)) => resp.already_present += 1,
                 (_, Err(s)) => {

@@ -100,6 +100,8 @@ pub async fn run(a: DemoArgs, cfg: &Resolved) -> anyhow::Result<()> {
             name.clone(),
             "--listen".into(),
             "127.0.0.1:0".into(),
+            "--http-listen".into(),
+            "127.0.0.1:0".into(),
             "--data-dir".into(),
             dir.join(&name).display().to_string(),
             "--capacity".into(),

@@ -57,6 +57,14 @@ pub struct ServeArgs {
         default_value = "127.0.0.1:7500"
     )]
     pub listen: String,
+    /// HTTP address for /metrics and /healthz; "off" disables.
+    #[arg(
+        long,
+        env = "LOCUS_NODE_HTTP_LISTEN",
+        value_name = "ADDR",
+        default_value = "127.0.0.1:7501"
+    )]
+    pub http_listen: String,
     /// Address peers use to reach this node [default: the listen address].
     #[arg(long, env = "LOCUS_NODE_ADVERTISE", value_name = "HOST:PORT")]
     pub advertise: Option<String>,
@@ -118,10 +126,18 @@ async fn serve(a: ServeArgs, cfg: &Resolved) -> anyhow::Result<()> {
         metadata.ca_cert_pem =
             Some(std::fs::read(ca).with_context(|| format!("cannot read {}", ca.display()))?);
     }
+    let http_listen = match a.http_listen.as_str() {
+        "off" => None,
+        s => Some(
+            s.parse()
+                .with_context(|| format!("--http-listen {s:?} is not an address such as 127.0.0.1:7501"))?,
+        ),
+    };
     let config = locus_cache_node::NodeConfig {
         id,
         metadata,
         listen,
+        http_listen,
         advertise: a.advertise,
         local_socket: a.local_socket.map(crate::absolute),
         store: locus_cache_node::store::StoreConfig {

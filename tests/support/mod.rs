@@ -466,6 +466,7 @@ pub struct Node {
     pub daemon: Daemon,
     pub data_dir: PathBuf,
     pub grpc: SocketAddr,
+    pub http: SocketAddr,
     pub socket: PathBuf,
     pub opts: NodeOpts,
     metadata_url: String,
@@ -499,6 +500,7 @@ impl Harness {
             daemon: Daemon::new(id, self.path(&format!("{id}.log")), dir.join("addr"), env),
             data_dir: dir.join("data"),
             grpc: "127.0.0.1:0".parse().unwrap(),
+            http: "127.0.0.1:0".parse().unwrap(),
             socket: dir.join("node.sock"),
             opts,
             metadata_url: meta.url(),
@@ -538,6 +540,8 @@ impl Node {
         a.push(self.grpc.to_string().into());
         a.push("--local-socket".into());
         a.push(self.socket.clone().into());
+        a.push("--http-listen".into());
+        a.push(self.http.to_string().into());
         a.push("--addr-file".into());
         a.push(self.dir.join("addr").into());
         for (k, v) in [
@@ -562,6 +566,7 @@ impl Node {
         self.daemon.spawn(&args);
         let addrs = self.daemon.wait_addrs().await;
         self.grpc = addr_of(&addrs, "grpc");
+        self.http = addr_of(&addrs, "http");
     }
 
     /// Starts it again on the same data dir and port.
@@ -872,4 +877,19 @@ impl Harness {
         .await;
         server
     }
+}
+
+/// A minimal HTTP/1.1 GET, enough for /metrics and /healthz; panics unless 200.
+pub async fn http_get(addr: SocketAddr, path: &str) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+    s.write_all(format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").as_bytes())
+        .await
+        .unwrap();
+    let mut buf = String::new();
+    s.read_to_string(&mut buf).await.unwrap();
+    assert!(buf.starts_with("HTTP/1.1 200"), "{buf}");
+    buf.split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_string())
+        .unwrap_or_default()
 }

@@ -1,0 +1,99 @@
+//! The cache node's metrics catalogue, served at `/metrics` in Prometheus text.
+//!
+//! | name | type | unit | meaning |
+//! |---|---|---|---|
+//! | locus_node_read_bytes_total | counter | bytes | blob bytes served (ReadBlob) |
+//! | locus_node_written_bytes_total | counter | bytes | blob bytes stored, verified (WriteBlob, fetches) |
+//! | locus_node_blobs_written_total | counter | blobs | blobs stored by how they came (client, peer) |
+//! | locus_node_write_refusals_total | counter | calls | writes refused by reason (full, mismatch) |
+//! | locus_node_corrupt_total | counter | blobs | blobs that failed verification and were quarantined |
+//! | locus_node_capacity_bytes | gauge | bytes | configured capacity |
+//! | locus_node_used_bytes | gauge | bytes | bytes of stored blobs |
+//! | locus_node_pinned_bytes | gauge | bytes | bytes of blobs this node replicates (never evicted) |
+//! | locus_node_blobs | gauge | blobs | stored blobs |
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::registry::Registry;
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct KindLabel {
+    pub kind: String,
+}
+
+pub struct Metrics {
+    registry: Registry,
+    pub read_bytes: Counter,
+    pub written_bytes: Counter,
+    pub blobs_written: Family<KindLabel, Counter>,
+    pub write_refusals: Family<KindLabel, Counter>,
+    pub corrupt: Counter,
+    pub capacity: Gauge,
+    pub used: Gauge,
+    pub pinned: Gauge,
+    pub blobs: Gauge,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        let mut r = Registry::with_prefix("locus_node");
+        let m = Metrics {
+            registry: Registry::default(),
+            read_bytes: Counter::default(),
+            written_bytes: Counter::default(),
+            blobs_written: Family::default(),
+            write_refusals: Family::default(),
+            corrupt: Counter::default(),
+            capacity: Gauge::default(),
+            used: Gauge::default(),
+            pinned: Gauge::default(),
+            blobs: Gauge::default(),
+        };
+        r.register("read_bytes", "Blob bytes served", m.read_bytes.clone());
+        r.register(
+            "written_bytes",
+            "Blob bytes stored, verified",
+            m.written_bytes.clone(),
+        );
+        r.register("blobs_written", "Blobs stored by origin", m.blobs_written.clone());
+        r.register(
+            "write_refusals",
+            "Writes refused by reason",
+            m.write_refusals.clone(),
+        );
+        r.register("corrupt", "Blobs that failed verification", m.corrupt.clone());
+        r.register("capacity_bytes", "Configured capacity", m.capacity.clone());
+        r.register("used_bytes", "Bytes of stored blobs", m.used.clone());
+        r.register("pinned_bytes", "Bytes of replicated blobs", m.pinned.clone());
+        r.register("blobs", "Stored blobs", m.blobs.clone());
+        Metrics { registry: r, ..m }
+    }
+}
+
+impl Metrics {
+    pub fn wrote(&self, kind: &str, bytes: u64) {
+        self.written_bytes.inc_by(bytes);
+        self.blobs_written
+            .get_or_create(&KindLabel { kind: kind.into() })
+            .inc();
+    }
+
+    pub fn refused(&self, kind: &str) {
+        self.write_refusals
+            .get_or_create(&KindLabel { kind: kind.into() })
+            .inc();
+    }
+
+    pub fn encode(&self, s: &crate::store::Stats) -> String {
+        self.capacity.set(s.capacity as i64);
+        self.used.set(s.used as i64);
+        self.pinned.set(s.pinned as i64);
+        self.blobs.set(s.blobs as i64);
+        let mut out = String::new();
+        prometheus_client::encoding::text::encode(&mut out, &self.registry)
+            .expect("writing to a String cannot fail");
+        out
+    }
+}
