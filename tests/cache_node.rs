@@ -442,22 +442,10 @@ async fn an_import_that_does_not_fit_says_which_shards_and_commits_nothing() {
     }
     // A node that is full refuses a blob cleanly.
     let mut c = nodes[0].client().await;
-    let data = vec![7u8; 2 << 20];
-    let hash = blake3::hash(&data);
-    let msgs = vec![
-        nodepb::WriteBlobMessage {
-            msg: Some(nodepb::write_blob_message::Msg::Header(nodepb::WriteBlobHeader {
-                hash: hash.as_bytes().to_vec(),
-                size: data.len() as u64,
-                chunk_size: 0,
-                pin: true,
-            })),
-        },
-        nodepb::WriteBlobMessage {
-            msg: Some(nodepb::write_blob_message::Msg::Data(data)),
-        },
-    ];
-    let e = c.write_blob(tokio_stream::iter(msgs)).await.unwrap_err();
+    let e = c
+        .write_blob(tokio_stream::iter(write_msgs(vec![7u8; 2 << 20])))
+        .await
+        .unwrap_err();
     assert_eq!(e.code(), tonic::Code::ResourceExhausted, "{e:?}");
     assert!(nodes[0].blob_files().is_empty());
 }
@@ -513,28 +501,12 @@ async fn a_full_disk_refuses_writes_cleanly_and_keeps_serving() {
     .await;
     let n = &nodes[0];
     let mut c = n.client().await;
-    let write = |data: Vec<u8>| {
-        let hash = blake3::hash(&data);
-        vec![
-            nodepb::WriteBlobMessage {
-                msg: Some(nodepb::write_blob_message::Msg::Header(nodepb::WriteBlobHeader {
-                    hash: hash.as_bytes().to_vec(),
-                    size: data.len() as u64,
-                    chunk_size: 0,
-                    pin: true,
-                })),
-            },
-            nodepb::WriteBlobMessage {
-                msg: Some(nodepb::write_blob_message::Msg::Data(data)),
-            },
-        ]
-    };
     let small = vec![1u8; 100_000];
-    c.write_blob(tokio_stream::iter(write(small.clone())))
+    c.write_blob(tokio_stream::iter(write_msgs(small.clone())))
         .await
         .unwrap();
     let e = c
-        .write_blob(tokio_stream::iter(write(vec![2u8; 4 << 20])))
+        .write_blob(tokio_stream::iter(write_msgs(vec![2u8; 4 << 20])))
         .await
         .unwrap_err();
     assert_eq!(e.code(), tonic::Code::ResourceExhausted, "{e:?}");
@@ -712,4 +684,114 @@ async fn import_from_a_real_s3_server() {
     let list = m.cli(&["dataset", "list", "--json"]);
     let j: serde_json::Value = serde_json::from_str(&stdout(&list)).unwrap();
     assert_eq!(j.as_array().unwrap().len(), 1);
+}
+
+fn write_msgs(data: Vec<u8>) -> Vec<nodepb::WriteBlobMessage> {
+    let hash = blake3::hash(&data);
+    vec![
+        nodepb::WriteBlobMessage {
+            msg: Some(nodepb::write_blob_message::Msg::Header(nodepb::WriteBlobHeader {
+                hash: hash.as_bytes().to_vec(),
+                size: data.len() as u64,
+                chunk_size: 0,
+                pin: true,
+            })),
+        },
+        nodepb::WriteBlobMessage {
+            msg: Some(nodepb::write_blob_message::Msg::Data(data)),
+        },
+    ]
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_tokens_nodes_check_callers_and_repair_still_works() {
+    let h = Harness::new("node-auth");
+    let m = h
+        .start_metadata(
+            "meta",
+            MetadataOpts {
+                tokens: tokens(),
+                liveness_timeout: Some("2s"),
+                extra: vec!["--repair-interval".into(), "500ms".into()],
+                ..Default::default()
+            },
+        )
+        .await;
+    let mut nodes = Vec::new();
+    for i in 1..=3 {
+        nodes.push(h.start_node(&format!("n{i}"), &m, NodeOpts::host(i)).await);
+    }
+    let src = h.path("src");
+    make_tree(&src, 100);
+    let out = import(&m, "ds", &src, &["--replicas", "2", "--shard-size", "256KiB"]);
+    assert!(
+        out.status.success(),
+        "import with the admin token: {}",
+        stderr(&out)
+    );
+
+    // Readers may read from nodes but not write; no token gets nothing.
+    let reader = m.token("reader").unwrap();
+    let mut as_reader = nodes[0].client_with(Some(&reader)).await;
+    let e = as_reader
+        .write_blob(tokio_stream::iter(write_msgs(vec![1u8; 1000])))
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), tonic::Code::PermissionDenied, "{e:?}");
+    assert!(as_reader
+        .get_node_status(nodepb::GetNodeStatusRequest {})
+        .await
+        .is_ok());
+    let mut anonymous = nodes[0].client().await;
+    let e = anonymous
+        .have_blobs(nodepb::HaveBlobsRequest { hashes: vec![] })
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), tonic::Code::Unauthenticated);
+
+    // Repair between nodes that check tokens: the metadata service and the nodes present
+    // theirs.
+    let mut c = m.client(Some("admin")).await;
+    let victim = shards(&mut c, "ds", 1).await[0].replicas[0].clone();
+    let vi = nodes.iter().position(|n| n.id == victim).unwrap();
+    nodes[vi].daemon.kill9();
+    let opts = m.client_options(m.token("admin"));
+    wait_until("repair with tokens", Duration::from_secs(60), || {
+        let opts = opts.clone();
+        let victim = victim.clone();
+        async move {
+            let mut c = locus_proto::client::connect(&opts).await.ok()?;
+            let s = shards(&mut c, "ds", 1).await;
+            s.iter()
+                .all(|s| s.replicas.len() == 2 && !s.replicas.contains(&victim))
+                .then_some(())
+        }
+    })
+    .await;
+}
+
+#[test]
+fn a_node_without_tokens_refuses_to_listen_beyond_loopback() {
+    let h = Harness::new("node-insecure");
+    let out = std::process::Command::new(LOCUS)
+        .args([
+            "node",
+            "serve",
+            "--listen",
+            "0.0.0.0:0",
+            "--capacity",
+            "1GiB",
+            "--data-dir",
+        ])
+        .arg(h.path("data"))
+        .env_remove("LOCUS_NODE_TOKENS_FILE")
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let err = stderr(&out);
+    assert!(
+        err.contains("refusing to serve") && err.contains("--tokens-file"),
+        "{err}"
+    );
+    assert!(!h.path("data/blobs").exists(), "nothing was created");
 }

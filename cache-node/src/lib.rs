@@ -45,6 +45,32 @@ pub struct NodeConfig {
     /// Scrub rate in bytes per second; 0 disables scrubbing.
     pub scrub_rate: u64,
     pub addr_file: Option<PathBuf>,
+    /// Tokens callers of the TCP API must present (the cluster's token file). Without
+    /// them the node only listens on loopback unless `insecure`.
+    pub tokens: Option<Arc<locus_proto::auth::TokenSet>>,
+    pub insecure: bool,
+}
+
+/// Who may call what on the node's TCP API. The Unix socket is for same-host clients and
+/// is protected by its file permissions instead.
+pub fn required_access(method: &str) -> Option<locus_proto::auth::Access> {
+    use locus_proto::auth::Access;
+    Some(match method {
+        "ReadBlob" | "HaveBlobs" | "GetNodeStatus" | "EnsureLocal" => Access::Read,
+        "WriteBlob" | "FetchBlobs" => Access::NodeOrAdmin,
+        _ => return None,
+    })
+}
+
+struct NodePolicy;
+
+impl locus_proto::auth::Policy for NodePolicy {
+    fn prefix(&self) -> &'static str {
+        "/locus.node.v1.Node/"
+    }
+    fn access(&self, method: &str) -> Option<locus_proto::auth::Access> {
+        required_access(method)
+    }
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -55,6 +81,11 @@ pub enum NodeError {
     Bind { addr: String, reason: String },
     #[error("{0}")]
     Config(String),
+    #[error(
+        "refusing to serve {0} without tokens: anyone who can reach it could fill this node. \
+         Give --tokens-file, listen on a loopback address, or pass --insecure"
+    )]
+    InsecureBind(SocketAddr),
     #[error("node API server failed: {0}")]
     Serve(String),
 }
@@ -114,6 +145,9 @@ pub async fn serve(
     cfg: NodeConfig,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), NodeError> {
+    if cfg.tokens.is_none() && !cfg.listen.ip().is_loopback() && !cfg.insecure {
+        return Err(NodeError::InsecureBind(cfg.listen));
+    }
     let (store, rep) = BlobStore::open(cfg.store.clone())?;
     tracing::info!(
         indexed = rep.indexed,
@@ -148,6 +182,7 @@ pub async fn serve(
     let svc = NodeService {
         store: store.clone(),
         peers: peers.clone(),
+        token: cfg.metadata.token.clone(),
         id: cfg.id.to_string(),
         local: false,
         metrics: metrics.clone(),
@@ -241,6 +276,10 @@ pub async fn serve(
 
     let incoming = tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
     let server = tonic::transport::Server::builder()
+        .layer(locus_proto::auth::AuthLayer::new(
+            cfg.tokens.clone(),
+            Arc::new(NodePolicy),
+        ))
         .add_service(node_server(svc))
         .serve_with_incoming_shutdown(incoming, stopped(stop_rx.clone()));
     let mut rx = stop_rx.clone();
@@ -393,7 +432,12 @@ async fn sync_pins(
             if id == cfg.id.as_str() {
                 continue;
             }
-            let Ok(mut peer) = locus_proto::client::connect_node(&addr, None, Duration::from_secs(3)).await
+            let Ok(mut peer) = locus_proto::client::connect_node(
+                &addr,
+                cfg.metadata.token.as_deref(),
+                Duration::from_secs(3),
+            )
+            .await
             else {
                 continue;
             };

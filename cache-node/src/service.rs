@@ -38,6 +38,8 @@ pub struct NodeService {
     pub id: String,
     /// True for the instance serving the Unix socket.
     pub local: bool,
+    /// The token this node presents to its peers.
+    pub token: Option<String>,
     pub metrics: Arc<crate::metrics::Metrics>,
 }
 
@@ -277,9 +279,10 @@ impl Node for NodeService {
             .iter()
             .map(|b| hash(&b.hash).map(|h| (h, b.size)))
             .collect::<Result<Vec<_>, _>>()?;
-        let peer = locus_proto::client::connect_node(&q.source, None, Duration::from_secs(5))
-            .await
-            .map_err(|e| Status::unavailable(e.to_string()))?;
+        let peer =
+            locus_proto::client::connect_node(&q.source, self.token.as_deref(), Duration::from_secs(5))
+                .await
+                .map_err(|e| Status::unavailable(e.to_string()))?;
         let mut resp = nodepb::FetchBlobsResponse::default();
         // A few transfers at once keep the link busy without unbounded memory.
         let mut set = tokio::task::JoinSet::new();
@@ -334,14 +337,16 @@ impl Node for NodeService {
             if id == self.id {
                 continue;
             }
-            let mut peer = match locus_proto::client::connect_node(&addr, None, Duration::from_secs(3)).await
-            {
-                Ok(p) => p,
-                Err(e) => {
-                    last = Status::unavailable(e.to_string());
-                    continue;
-                }
-            };
+            let mut peer =
+                match locus_proto::client::connect_node(&addr, self.token.as_deref(), Duration::from_secs(3))
+                    .await
+                {
+                    Ok(p) => p,
+                    Err(e) => {
+                        last = Status::unavailable(e.to_string());
+                        continue;
+                    }
+                };
             match fetch_from_peer(&self.store, &mut peer, h, q.size, q.chunk_size, false).await {
                 Ok(_) => {
                     if let Some(p) = self.store.path_of(&h) {

@@ -1,75 +1,16 @@
-//! Who may call what: bearer tokens with roles, checked on every gRPC call before any
-//! handler runs.
+//! Who may call what on the metadata service: the policy table the shared auth layer
+//! (`locus_proto::auth`) enforces on every call, and the metrics it reports to.
 //!
-//! The method table below is the whole policy; a method missing from it is refused, so a
-//! call added to the proto without a policy line can never be reached unchecked. Tokens
-//! are compared as BLAKE3 digests with a constant-time equality, and every configured
-//! token is compared on every call, so timing reveals neither a token nor its length.
+//! A method missing from the table is refused.
 
-use std::path::Path;
 use std::sync::Arc;
-use std::task::{Context, Poll};
-use std::time::Instant;
+use std::time::Duration;
 
-use serde::Deserialize;
-use tonic::body::Body;
-use tonic::Status;
+pub use locus_proto::auth::{allows, Access, AuthLayer, Principal, Role, TokenFileError, TokenSet};
 
 use crate::metrics::Metrics;
 
-/// What a token lets its holder do.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, serde::Serialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Role {
-    /// Import, delete, backup; and everything a reader may do.
-    Admin,
-    /// Register, heartbeat, report inventory and replicas; and everything a reader may do.
-    Node,
-    /// Mount, locality, listings.
-    Reader,
-}
-
-impl Role {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Role::Admin => "admin",
-            Role::Node => "node",
-            Role::Reader => "reader",
-        }
-    }
-}
-
-/// The caller of a request, put into the request's extensions by the auth layer.
-#[derive(Debug, Clone)]
-pub struct Principal {
-    /// The token's name; "anonymous" when the service runs without tokens.
-    pub name: String,
-    /// None when the service runs without tokens (every call is allowed).
-    pub role: Option<Role>,
-}
-
-impl Principal {
-    pub fn anonymous() -> Self {
-        Principal {
-            name: "anonymous".into(),
-            role: None,
-        }
-    }
-
-    pub fn role_name(&self) -> &'static str {
-        self.role.map_or("anonymous", Role::as_str)
-    }
-}
-
-/// The access a method needs.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Access {
-    Any,
-    Read,
-    Node,
-    Admin,
-    NodeOrAdmin,
-}
+const SERVICE_PREFIX: &str = "/locus.metadata.v1.Metadata/";
 
 /// The policy: every method of the Metadata service and the access it needs.
 pub fn required_access(method: &str) -> Option<Access> {
@@ -85,261 +26,33 @@ pub fn required_access(method: &str) -> Option<Access> {
     })
 }
 
-pub fn allows(role: Role, access: Access) -> bool {
-    match access {
-        Access::Any | Access::Read => true,
-        Access::Node => role == Role::Node,
-        Access::Admin => role == Role::Admin,
-        Access::NodeOrAdmin => matches!(role, Role::Node | Role::Admin),
+/// The metadata service's policy, reporting to its metrics.
+pub struct MetadataPolicy(pub Arc<Metrics>);
+
+impl locus_proto::auth::Policy for MetadataPolicy {
+    fn prefix(&self) -> &'static str {
+        SERVICE_PREFIX
+    }
+    fn access(&self, method: &str) -> Option<Access> {
+        required_access(method)
+    }
+    fn refused(&self, reason: &str) {
+        self.0.auth_failure(reason);
+    }
+    fn done(&self, method: &str, code: tonic::Code, took: Duration) {
+        self.0.rpc_done(method, code, took);
     }
 }
 
-const SERVICE_PREFIX: &str = "/locus.metadata.v1.Metadata/";
-
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct TokenFile {
-    #[serde(default)]
-    token: Vec<TokenSpec>,
-}
-
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct TokenSpec {
-    name: String,
-    role: Role,
-    /// The secret itself.
-    token: Option<String>,
-    /// Or its BLAKE3 digest in hex, so the file need not hold the secret.
-    blake3: Option<String>,
-}
-
-#[derive(Debug, thiserror::Error)]
-pub enum TokenFileError {
-    #[error("cannot read token file {path}: {reason}")]
-    Read { path: String, reason: String },
-    #[error("token file {path}: {reason}")]
-    Invalid { path: String, reason: String },
-}
-
-/// The configured tokens.
-#[derive(Clone)]
-pub struct TokenSet {
-    tokens: Vec<(blake3::Hash, String, Role)>,
-}
-
-impl std::fmt::Debug for TokenSet {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        // Never print digests: they are as good as the tokens to an offline guesser.
-        f.debug_struct("TokenSet")
-            .field("count", &self.tokens.len())
-            .finish()
-    }
-}
-
-impl TokenSet {
-    /// Reads a TOML file of `[[token]]` tables with `name`, `role` and `token` or `blake3`.
-    pub fn load(path: &Path) -> Result<Self, TokenFileError> {
-        let p = path.display().to_string();
-        let text = std::fs::read_to_string(path).map_err(|e| TokenFileError::Read {
-            path: p.clone(),
-            reason: e.to_string(),
-        })?;
-        let invalid = |reason: String| TokenFileError::Invalid {
-            path: p.clone(),
-            reason,
-        };
-        let file: TokenFile = toml::from_str(&text).map_err(|e| invalid(e.message().to_string()))?;
-        if file.token.is_empty() {
-            return Err(invalid(
-                "defines no [[token]]; a service with a token file needs at least one".into(),
-            ));
-        }
-        let mut tokens = Vec::new();
-        for t in file.token {
-            let hash = match (&t.token, &t.blake3) {
-                (Some(secret), None) => {
-                    if secret.len() < 16 {
-                        return Err(invalid(format!(
-                            "token {:?} is shorter than 16 characters",
-                            t.name
-                        )));
-                    }
-                    blake3::hash(secret.as_bytes())
-                }
-                (None, Some(hex)) => blake3::Hash::from_hex(hex)
-                    .map_err(|_| invalid(format!("token {:?}: blake3 is not 64 hex digits", t.name)))?,
-                _ => {
-                    return Err(invalid(format!(
-                        "token {:?} needs exactly one of `token` or `blake3`",
-                        t.name
-                    )))
-                }
-            };
-            if tokens.iter().any(|(h, _, _)| *h == hash) {
-                return Err(invalid(format!("token {:?} repeats another token", t.name)));
-            }
-            tokens.push((hash, t.name, t.role));
-        }
-        Ok(TokenSet { tokens })
-    }
-
-    pub fn from_pairs(pairs: impl IntoIterator<Item = (String, String, Role)>) -> Self {
-        TokenSet {
-            tokens: pairs
-                .into_iter()
-                .map(|(name, secret, role)| (blake3::hash(secret.as_bytes()), name, role))
-                .collect(),
-        }
-    }
-
-    /// Finds the token's holder. Compares against every token, in constant time each.
-    pub fn authenticate(&self, secret: &[u8]) -> Option<Principal> {
-        let given = blake3::hash(secret);
-        let mut found = None;
-        for (hash, name, role) in &self.tokens {
-            // blake3::Hash's equality is constant-time.
-            if *hash == given {
-                found = Some(Principal {
-                    name: name.clone(),
-                    role: Some(*role),
-                });
-            }
-        }
-        found
-    }
-}
-
-/// Decides a request: the principal to run it as, or the status to refuse it with.
-pub fn check(
-    tokens: Option<&TokenSet>,
-    path: &str,
-    authorization: Option<&[u8]>,
-) -> Result<Principal, (Status, &'static str)> {
-    let method = path.strip_prefix(SERVICE_PREFIX);
-    let access = method.and_then(required_access);
-    let Some(tokens) = tokens else {
-        return Ok(Principal::anonymous());
-    };
-    let Some(access) = access else {
-        return Err((
-            Status::permission_denied(format!("{path} is not a call this service allows")),
-            "unknown_method",
-        ));
-    };
-    let secret = match authorization.and_then(|h| h.strip_prefix(b"Bearer ")) {
-        Some(s) => s,
-        None => {
-            return Err((
-                Status::unauthenticated(
-                    "this service requires a token: send `authorization: Bearer TOKEN` \
-                     (locus --token or LOCUS_TOKEN)",
-                ),
-                "missing_token",
-            ))
-        }
-    };
-    let Some(p) = tokens.authenticate(secret) else {
-        return Err((Status::unauthenticated("the token is not valid"), "bad_token"));
-    };
-    let role = p.role.expect("configured tokens always have a role");
-    if !allows(role, access) {
-        return Err((
-            Status::permission_denied(format!(
-                "{} (role {}) may not call {}",
-                p.name,
-                role.as_str(),
-                method.unwrap_or(path)
-            )),
-            "denied",
-        ));
-    }
-    Ok(p)
-}
-
-/// Tower layer that authenticates and authorises every gRPC call, and records the
-/// per-method request metrics (it sees every call and its outcome code).
-#[derive(Clone)]
-pub struct AuthLayer {
-    tokens: Option<Arc<TokenSet>>,
-    metrics: Arc<Metrics>,
-}
-
-impl AuthLayer {
-    pub fn new(tokens: Option<Arc<TokenSet>>, metrics: Arc<Metrics>) -> Self {
-        Self { tokens, metrics }
-    }
-}
-
-impl<S> tower::Layer<S> for AuthLayer {
-    type Service = AuthService<S>;
-    fn layer(&self, inner: S) -> Self::Service {
-        AuthService {
-            inner,
-            tokens: self.tokens.clone(),
-            metrics: self.metrics.clone(),
-        }
-    }
-}
-
-#[derive(Clone)]
-pub struct AuthService<S> {
-    inner: S,
-    tokens: Option<Arc<TokenSet>>,
-    metrics: Arc<Metrics>,
-}
-
-type BoxFuture<T> = std::pin::Pin<Box<dyn std::future::Future<Output = T> + Send>>;
-
-impl<S> tower::Service<http::Request<Body>> for AuthService<S>
-where
-    S: tower::Service<http::Request<Body>, Response = http::Response<Body>> + Clone + Send + 'static,
-    S::Future: Send,
-{
-    type Response = http::Response<Body>;
-    type Error = S::Error;
-    type Future = BoxFuture<Result<Self::Response, Self::Error>>;
-
-    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
-        self.inner.poll_ready(cx)
-    }
-
-    fn call(&mut self, mut req: http::Request<Body>) -> Self::Future {
-        let start = Instant::now();
-        let path = req.uri().path().to_string();
-        let method = path.rsplit('/').next().unwrap_or_default().to_string();
-        let metrics = self.metrics.clone();
-        let auth = req.headers().get("authorization").map(|v| v.as_bytes().to_vec());
-        match check(self.tokens.as_deref(), &path, auth.as_deref()) {
-            Err((status, reason)) => {
-                tracing::warn!(%path, reason, "refused call: {}", status.message());
-                metrics.auth_failure(reason);
-                metrics.rpc_done(&method, status.code(), start.elapsed());
-                Box::pin(async move { Ok(status.into_http()) })
-            }
-            Ok(principal) => {
-                req.extensions_mut().insert(principal);
-                // The service that was polled ready is the one that must be called.
-                let clone = self.inner.clone();
-                let mut inner = std::mem::replace(&mut self.inner, clone);
-                Box::pin(async move {
-                    let resp = inner.call(req).await?;
-                    let code = resp
-                        .headers()
-                        .get("grpc-status")
-                        .map(|v| tonic::Code::from_bytes(v.as_bytes()))
-                        .unwrap_or(tonic::Code::Ok);
-                    metrics.rpc_done(&method, code, start.elapsed());
-                    Ok(resp)
-                })
-            }
-        }
-    }
+/// The auth layer for the metadata service.
+pub fn layer(tokens: Option<Arc<TokenSet>>, metrics: Arc<Metrics>) -> AuthLayer {
+    AuthLayer::new(tokens, Arc::new(MetadataPolicy(metrics)))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use locus_proto::auth::check;
 
     fn set() -> TokenSet {
         TokenSet::from_pairs([
@@ -353,7 +66,8 @@ mod tests {
         let auth = token.map(|t| format!("Bearer {t}"));
         check(
             Some(&set()),
-            &format!("{SERVICE_PREFIX}{method}"),
+            method,
+            required_access(method),
             auth.as_deref().map(str::as_bytes),
         )
         .map_err(|(s, _)| s.code())
@@ -397,43 +111,5 @@ mod tests {
             call("NoSuchCall", admin).unwrap_err(),
             tonic::Code::PermissionDenied
         );
-    }
-
-    #[test]
-    fn no_tokens_means_anonymous() {
-        let p = check(None, "/locus.metadata.v1.Metadata/CommitVersion", None).unwrap();
-        assert_eq!(p.role_name(), "anonymous");
-    }
-
-    #[test]
-    fn token_file() {
-        let dir = tempfile::tempdir().unwrap();
-        let p = dir.path().join("tokens.toml");
-        let digest = blake3::hash(b"reader-secret-0123456789").to_hex().to_string();
-        std::fs::write(
-            &p,
-            format!(
-                "[[token]]\nname = \"ops\"\nrole = \"admin\"\ntoken = \"admin-secret-0123456789\"\n\
-                 [[token]]\nname = \"job\"\nrole = \"reader\"\nblake3 = \"{digest}\"\n"
-            ),
-        )
-        .unwrap();
-        let set = TokenSet::load(&p).unwrap();
-        assert_eq!(set.authenticate(b"reader-secret-0123456789").unwrap().name, "job");
-        assert!(set.authenticate(b"reader-secret-012345678").is_none());
-        std::fs::write(
-            &p,
-            "[[token]]\nname = \"x\"\nrole = \"root\"\ntoken = \"0123456789abcdef\"\n",
-        )
-        .unwrap();
-        assert!(TokenSet::load(&p).is_err());
-        std::fs::write(
-            &p,
-            "[[token]]\nname = \"x\"\nrole = \"admin\"\ntoken = \"short\"\n",
-        )
-        .unwrap();
-        assert!(TokenSet::load(&p).is_err());
-        std::fs::write(&p, "").unwrap();
-        assert!(TokenSet::load(&p).is_err());
     }
 }

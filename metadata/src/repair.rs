@@ -18,7 +18,12 @@ use crate::metrics::{Metrics, ReasonLabel};
 /// Shards repaired at once.
 const PARALLEL: usize = 4;
 
-pub async fn run(catalog: Arc<Catalog>, metrics: Arc<Metrics>, mut stop: tokio::sync::watch::Receiver<bool>) {
+pub async fn run(
+    catalog: Arc<Catalog>,
+    metrics: Arc<Metrics>,
+    node_token: Option<String>,
+    mut stop: tokio::sync::watch::Receiver<bool>,
+) {
     let every = catalog.config().repair_interval;
     let mut reported_lost = 0usize;
     loop {
@@ -52,8 +57,9 @@ pub async fn run(catalog: Arc<Catalog>, metrics: Arc<Metrics>, mut stop: tokio::
             }
             let c = catalog.clone();
             let m = metrics.clone();
+            let token = node_token.clone();
             set.spawn(async move {
-                let label = match repair_one(&c, &t).await {
+                let label = match repair_one(&c, &t, token.as_deref()).await {
                     Ok(()) => {
                         m.repair_bytes.inc_by(t.bytes);
                         tracing::info!(
@@ -80,7 +86,7 @@ pub async fn run(catalog: Arc<Catalog>, metrics: Arc<Metrics>, mut stop: tokio::
     }
 }
 
-async fn repair_one(catalog: &Arc<Catalog>, t: &RepairTask) -> Result<(), String> {
+async fn repair_one(catalog: &Arc<Catalog>, t: &RepairTask, token: Option<&str>) -> Result<(), String> {
     let r = DatasetRef {
         name: t.dataset.as_str().try_into().map_err(|e| format!("{e}"))?,
         version: VersionSel::Number(t.version),
@@ -93,7 +99,7 @@ async fn repair_one(catalog: &Arc<Catalog>, t: &RepairTask) -> Result<(), String
         .map_err(|e| e.to_string())?
         .map_err(|e| e.to_string())?;
     let chunk_size = blobs.first().map_or(0, |b| b.2);
-    let mut node = locus_proto::client::connect_node(&t.target.1, None, Duration::from_secs(5))
+    let mut node = locus_proto::client::connect_node(&t.target.1, token, Duration::from_secs(5))
         .await
         .map_err(|e| e.to_string())?;
     node.fetch_blobs(nodepb::FetchBlobsRequest {

@@ -12,7 +12,7 @@ use std::time::Duration;
 use tokio::net::TcpListener;
 
 use crate::audit::AuditLog;
-use crate::auth::{AuthLayer, TokenSet};
+use crate::auth::TokenSet;
 use crate::catalog::{Catalog, CatalogConfig};
 use crate::metrics::{Metrics, StateLabel};
 use crate::service::MetadataService;
@@ -36,6 +36,8 @@ pub struct ServerConfig {
     pub addr_file: Option<PathBuf>,
     /// Default: DATA_DIR/audit.log.
     pub audit_log: Option<PathBuf>,
+    /// Token (role node or admin) the repair loop presents to cache nodes.
+    pub node_token: Option<String>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -157,6 +159,7 @@ pub async fn serve(
     let repairer = tokio::spawn(crate::repair::run(
         catalog.clone(),
         metrics.clone(),
+        config.node_token.clone(),
         stop_rx.clone(),
     ));
     let http = http_listener.map(|l| {
@@ -171,7 +174,7 @@ pub async fn serve(
 
     let incoming = tonic::transport::server::TcpIncoming::from(grpc_listener).with_nodelay(Some(true));
     let grpc = server
-        .layer(AuthLayer::new(tokens, metrics))
+        .layer(crate::auth::layer(tokens, metrics))
         .add_service(svc)
         .serve_with_incoming_shutdown(incoming, stopped(stop_rx.clone()));
     // Once shutdown is asked for, in-flight calls get a bounded time to finish.

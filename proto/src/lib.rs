@@ -8,6 +8,7 @@
 //!
 //! This crate must never depend on another Locus crate.
 
+pub mod auth;
 pub mod client;
 pub mod human;
 pub mod manifest;

@@ -158,7 +158,7 @@ pub async fn run(a: ImportArgs, cfg: &Resolved) -> anyhow::Result<()> {
         .await
         .or_status()?;
     let session = begin.session_id;
-    let result = import_into_session(&a, store, &mut meta, session, chunk_size, &scanned).await;
+    let result = import_into_session(&a, cfg, store, &mut meta, session, chunk_size, &scanned).await;
     let (placement, uploaded, skipped, upload_time) = match result {
         Ok(r) => r,
         Err(e) => {
@@ -244,6 +244,7 @@ type Placement = BTreeMap<u32, Vec<String>>;
 /// bytes sent and skipped.
 async fn import_into_session(
     a: &ImportArgs,
+    cfg: &Resolved,
     remote: Option<Arc<dyn object_store::ObjectStore>>,
     meta: &mut locus_proto::client::MetadataClient,
     session: u64,
@@ -314,7 +315,7 @@ async fn import_into_session(
         let addr = addresses
             .get(&node)
             .with_context(|| format!("node {node} has no address"))?;
-        let mut c = locus_proto::client::connect_node(addr, None, Duration::from_secs(5))
+        let mut c = locus_proto::client::connect_node(addr, cfg.token.as_deref(), Duration::from_secs(5))
             .await
             .with_context(|| format!("node {node}"))?;
         for batch in blobs.chunks(50_000) {

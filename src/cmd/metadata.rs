@@ -60,6 +60,15 @@ pub struct ServeArgs {
     /// How often under-replicated shards are looked for and repaired [default: 10s].
     #[arg(long, env = "LOCUS_REPAIR_INTERVAL", value_name = "DURATION")]
     pub repair_interval: Option<String>,
+    /// Token (role node or admin) the repair loop presents to cache nodes that check
+    /// tokens. Prefer the environment variable.
+    #[arg(
+        long,
+        env = "LOCUS_METADATA_NODE_TOKEN",
+        hide_env_values = true,
+        value_name = "TOKEN"
+    )]
+    pub node_token: Option<String>,
     /// Audit log file [default: DATA_DIR/audit.log].
     #[arg(long, env = "LOCUS_METADATA_AUDIT_LOG", value_name = "FILE")]
     pub audit_log: Option<PathBuf>,
@@ -131,6 +140,7 @@ async fn serve(a: ServeArgs, cfg: &Resolved) -> anyhow::Result<()> {
         },
         addr_file: a.addr_file,
         audit_log: a.audit_log.or(f.audit_log),
+        node_token: a.node_token,
     };
     locus_metadata::serve(config, super::shutdown_signal()).await?;
     Ok(())

@@ -79,6 +79,13 @@ pub struct ServeArgs {
     /// Background re-verification rate per second (0 disables).
     #[arg(long, value_name = "SIZE", default_value = "64MiB")]
     pub scrub_rate: String,
+    /// Token file (the cluster's, same format as the metadata service's): callers of this
+    /// node's API must present one of its tokens. The node presents LOCUS_TOKEN to peers.
+    #[arg(long, env = "LOCUS_NODE_TOKENS_FILE", value_name = "FILE")]
+    pub tokens_file: Option<PathBuf>,
+    /// Serve without tokens on a non-loopback address.
+    #[arg(long)]
+    pub insecure: bool,
     /// Write the bound address (grpc=…) here once listening.
     #[arg(long, value_name = "FILE")]
     pub addr_file: Option<PathBuf>,
@@ -150,6 +157,11 @@ async fn serve(a: ServeArgs, cfg: &Resolved) -> anyhow::Result<()> {
         pin_sync_interval: duration_arg("--pin-sync-interval", &a.pin_sync_interval)?,
         scrub_rate: size_arg("--scrub-rate", &a.scrub_rate)?,
         addr_file: a.addr_file,
+        tokens: match &a.tokens_file {
+            Some(p) => Some(std::sync::Arc::new(locus_proto::auth::TokenSet::load(p)?)),
+            None => None,
+        },
+        insecure: a.insecure,
     };
     locus_cache_node::serve(config, super::shutdown_signal()).await?;
     Ok(())

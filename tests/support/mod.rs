@@ -285,8 +285,15 @@ impl Harness {
             std::fs::write(dir.join("tokens.toml"), t).unwrap();
         }
         let log = self.path(&format!("{name}.log"));
+        // With tokens, the repair loop presents the node token to cache nodes.
+        let env = opts
+            .tokens
+            .iter()
+            .find(|t| t.role == "node")
+            .map(|t| vec![("LOCUS_METADATA_NODE_TOKEN".to_string(), t.secret.clone())])
+            .unwrap_or_default();
         let mut m = Metadata {
-            daemon: Daemon::new(name, log.clone(), dir.join("addr"), Vec::new()),
+            daemon: Daemon::new(name, log.clone(), dir.join("addr"), env),
             data_dir: dir.join("data"),
             log,
             grpc: "127.0.0.1:0".parse().unwrap(),
@@ -471,6 +478,7 @@ pub struct Node {
     pub opts: NodeOpts,
     metadata_url: String,
     dir: PathBuf,
+    tokens_file: Option<PathBuf>,
 }
 
 impl Harness {
@@ -495,7 +503,9 @@ impl Harness {
                 "this test needs to mount a tmpfs (root and mount(8)); it cannot run here"
             );
         }
+        let tokens_file = (!meta.opts.tokens.is_empty()).then(|| meta.dir.join("tokens.toml"));
         let mut n = Node {
+            tokens_file,
             id: id.to_string(),
             daemon: Daemon::new(id, self.path(&format!("{id}.log")), dir.join("addr"), env),
             data_dir: dir.join("data"),
@@ -542,6 +552,10 @@ impl Node {
         a.push(self.socket.clone().into());
         a.push("--http-listen".into());
         a.push(self.http.to_string().into());
+        if let Some(t) = &self.tokens_file {
+            a.push("--tokens-file".into());
+            a.push(t.clone().into());
+        }
         a.push("--addr-file".into());
         a.push(self.dir.join("addr").into());
         for (k, v) in [
@@ -576,7 +590,11 @@ impl Node {
     }
 
     pub async fn client(&self) -> locus_proto::client::NodeClient {
-        locus_proto::client::connect_node(&self.grpc.to_string(), None, Duration::from_secs(5))
+        self.client_with(None).await
+    }
+
+    pub async fn client_with(&self, token: Option<&str>) -> locus_proto::client::NodeClient {
+        locus_proto::client::connect_node(&self.grpc.to_string(), token, Duration::from_secs(5))
             .await
             .expect("connect to the node")
     }
