@@ -8,6 +8,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     for p in &protos {
         println!("cargo:rerun-if-changed={p}");
     }
-    tonic_prost_build::configure().compile_protos(&protos, &["proto"])?;
+    // Blob payloads as `bytes::Bytes`: a node slices one read buffer into messages and
+    // hands received pieces to its writer without copying them.
+    tonic_prost_build::configure()
+        .bytes(".locus.node.v1.BlobData.data")
+        .bytes(".locus.node.v1.WriteBlobMessage.data")
+        .compile_protos(&protos, &["proto"])?;
     Ok(())
 }

@@ -698,7 +698,7 @@ fn write_msgs(data: Vec<u8>) -> Vec<nodepb::WriteBlobMessage> {
             })),
         },
         nodepb::WriteBlobMessage {
-            msg: Some(nodepb::write_blob_message::Msg::Data(data)),
+            msg: Some(nodepb::write_blob_message::Msg::Data(data.into())),
         },
     ]
 }

@@ -217,6 +217,8 @@ pub async fn serve(
         uds = Some(tokio::spawn(async move {
             let incoming = tokio_stream::wrappers::UnixListenerStream::new(l);
             if let Err(e) = tonic::transport::Server::builder()
+                .initial_stream_window_size(locus_proto::client::BLOB_STREAM_WINDOW)
+                .initial_connection_window_size(locus_proto::client::BLOB_CONNECTION_WINDOW)
                 .add_service(node_server(local))
                 .serve_with_incoming_shutdown(incoming, stopped(rx))
                 .await
@@ -276,6 +278,8 @@ pub async fn serve(
 
     let incoming = tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
     let server = tonic::transport::Server::builder()
+        .initial_stream_window_size(locus_proto::client::BLOB_STREAM_WINDOW)
+        .initial_connection_window_size(locus_proto::client::BLOB_CONNECTION_WINDOW)
         .layer(locus_proto::auth::AuthLayer::new(
             cfg.tokens.clone(),
             Arc::new(NodePolicy),

@@ -16,7 +16,7 @@ use crate::store::{BlobStore, StoreError};
 use crate::Peers;
 
 /// Bytes per streamed message.
-pub const STREAM_PIECE: usize = 1 << 20;
+pub const STREAM_PIECE: usize = 2 << 20;
 
 pub fn to_status(e: StoreError) -> Status {
     match e {
@@ -72,13 +72,20 @@ pub fn stream_blob(store: Arc<BlobStore>, h: BlobHash, offset: u64, len: u64) ->
             let n = step.min(end - pos);
             match store.read_range(&h, pos, n) {
                 Ok(buf) => {
-                    for piece in buf.chunks(STREAM_PIECE) {
+                    // One verified buffer, sliced into messages without copying.
+                    let buf = bytes::Bytes::from(buf);
+                    let mut at = 0;
+                    while at < buf.len() {
+                        let to = (at + STREAM_PIECE).min(buf.len());
                         if tx
-                            .blocking_send(Ok(nodepb::BlobData { data: piece.to_vec() }))
+                            .blocking_send(Ok(nodepb::BlobData {
+                                data: buf.slice(at..to),
+                            }))
                             .is_err()
                         {
                             return; // the reader went away
                         }
+                        at = to;
                     }
                     pos += n;
                 }
@@ -97,10 +104,10 @@ pub fn stream_blob(store: Arc<BlobStore>, h: BlobHash, offset: u64, len: u64) ->
 fn spawn_sink(
     writer: crate::store::BlobWriter,
 ) -> (
-    mpsc::Sender<Vec<u8>>,
+    mpsc::Sender<bytes::Bytes>,
     tokio::task::JoinHandle<Result<(), StoreError>>,
 ) {
-    let (tx, mut rx) = mpsc::channel::<Vec<u8>>(8);
+    let (tx, mut rx) = mpsc::channel::<bytes::Bytes>(8);
     let sink = tokio::task::spawn_blocking(move || {
         let mut w = writer;
         while let Some(buf) = rx.blocking_recv() {

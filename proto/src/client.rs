@@ -112,6 +112,12 @@ pub async fn connect(opts: &ClientOptions) -> Result<MetadataClient, ClientError
     )
 }
 
+/// HTTP/2 flow-control windows for blob streams. The defaults (64 KiB) stall a stream
+/// every few messages waiting for window updates; a blob stream wants several MiB in
+/// flight. Both ends of node connections use these.
+pub const BLOB_STREAM_WINDOW: u32 = 16 << 20;
+pub const BLOB_CONNECTION_WINDOW: u32 = 64 << 20;
+
 pub type NodeClient = crate::nodepb::node_client::NodeClient<InterceptedService<Channel, BearerToken>>;
 
 /// Connects to a cache node's API at `host:port`.
@@ -137,7 +143,8 @@ pub async fn connect_node(
         .map_err(|_| ClientError::BadUrl(addr.to_string()))?
         .connect_timeout(timeout)
         .tcp_nodelay(true)
-        .http2_adaptive_window(true)
+        .initial_stream_window_size(BLOB_STREAM_WINDOW)
+        .initial_connection_window_size(BLOB_CONNECTION_WINDOW)
         .connect()
         .await
         .map_err(|e| ClientError::Connect {

@@ -431,7 +431,7 @@ async fn send_blob(
     })
     .await
     .ok();
-    let data = |b: Vec<u8>| nodepb::WriteBlobMessage {
+    let data = |b: bytes::Bytes| nodepb::WriteBlobMessage {
         msg: Some(Msg::Data(b)),
     };
     // The reader ends early without error when the node ends the call (it had the blob,
@@ -442,10 +442,11 @@ async fn send_blob(
                 .await
                 .with_context(|| format!("cannot open {}", path.display()))?;
             tokio::spawn(async move {
-                let mut buf = vec![0u8; 1 << 20];
                 loop {
-                    let n = file.read(&mut buf).await?;
-                    if n == 0 || tx.send(data(buf[..n].to_vec())).await.is_err() {
+                    // A fresh buffer per message, frozen and handed over without a copy.
+                    let mut buf = bytes::BytesMut::with_capacity(2 << 20);
+                    let n = file.read_buf(&mut buf).await?;
+                    if n == 0 || tx.send(data(buf.freeze())).await.is_err() {
                         return Ok(());
                     }
                     done.fetch_add(n as u64, Ordering::Relaxed);
@@ -460,7 +461,7 @@ async fn send_blob(
                 while let Some(piece) = s.next().await {
                     let piece = piece.with_context(|| format!("reading {path} failed"))?;
                     let n = piece.len() as u64;
-                    if tx.send(data(piece.to_vec())).await.is_err() {
+                    if tx.send(data(piece)).await.is_err() {
                         break;
                     }
                     done.fetch_add(n, Ordering::Relaxed);
