@@ -174,8 +174,11 @@ pub fn init_logging(cfg: &Resolved, daemon: bool) {
     let default = if daemon { "info" } else { "warn" };
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default));
+    // Colour only for a person at a terminal; log files and journald get plain text.
+    use std::io::IsTerminal;
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
+        .with_ansi(std::io::stderr().is_terminal())
         .with_writer(std::io::stderr);
     match cfg.log_format {
         LogFormat::Json => builder.json().init(),

@@ -702,3 +702,32 @@ async fn nodes_go_down_when_silent_and_replicas_move_resident_counters() {
         .unwrap_err();
     assert_eq!(e.code(), Code::NotFound);
 }
+
+#[tokio::test]
+async fn daemon_logs_are_plain_text_or_json_lines() {
+    let h = Harness::new("logs");
+    let m = h.start_metadata("plain", MetadataOpts::default()).await;
+    let j = h
+        .start_metadata(
+            "json",
+            MetadataOpts {
+                extra: vec!["--log-format".into(), "json".into()],
+                ..Default::default()
+            },
+        )
+        .await;
+    let plain = std::fs::read_to_string(&m.log).unwrap();
+    assert!(plain.contains("metadata service listening"), "{plain}");
+    assert!(
+        !plain.contains('\u{1b}'),
+        "no terminal colours in a log file: {plain:?}"
+    );
+    let json = std::fs::read_to_string(&j.log).unwrap();
+    let lines: Vec<serde_json::Value> = json
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("not JSON ({e}): {l}")))
+        .collect();
+    assert!(lines
+        .iter()
+        .any(|l| l["fields"]["message"] == "metadata service listening"));
+}
