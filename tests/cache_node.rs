@@ -349,20 +349,8 @@ async fn a_flipped_byte_is_quarantined_never_served_and_restored() {
     )
     .await;
     // And serves it whole again.
-    let mut stream = client
-        .read_blob(nodepb::ReadBlobRequest {
-            hash: blake3::Hash::from_hex(&name).unwrap().as_bytes().to_vec(),
-            offset: 0,
-            length: 0,
-        })
-        .await
-        .unwrap()
-        .into_inner();
-    let mut again = Vec::new();
-    while let Some(m) = stream.next().await {
-        again.extend(m.unwrap().data);
-    }
-    assert_eq!(again, good);
+    let again = read_all(&mut client, blake3::Hash::from_hex(&name).unwrap().as_bytes()).await;
+    assert_eq!(again.unwrap(), good);
 
     // The node counted it.
     let body = http_get(n.http, "/metrics").await;
@@ -518,20 +506,8 @@ async fn a_full_disk_refuses_writes_cleanly_and_keeps_serving() {
     let j: serde_json::Value = serde_json::from_str(&stdout(&list)).unwrap();
     assert!(j[0]["free_bytes"].as_u64().unwrap() < 3 << 20, "{j}");
     // And it still serves what it has.
-    let mut s = c
-        .read_blob(nodepb::ReadBlobRequest {
-            hash: blake3::hash(&small).as_bytes().to_vec(),
-            offset: 0,
-            length: 0,
-        })
-        .await
-        .unwrap()
-        .into_inner();
-    let mut got = Vec::new();
-    while let Some(m) = s.next().await {
-        got.extend(m.unwrap().data);
-    }
-    assert_eq!(got, small);
+    let got = read_all(&mut c, blake3::hash(&small).as_bytes()).await;
+    assert_eq!(got.unwrap(), small);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -794,4 +770,21 @@ fn a_node_without_tokens_refuses_to_listen_beyond_loopback() {
         "{err}"
     );
     assert!(!h.path("data/blobs").exists(), "nothing was created");
+}
+
+/// Reads a whole blob from a node.
+async fn read_all(c: &mut locus_proto::client::NodeClient, hash: &[u8]) -> Result<Vec<u8>, tonic::Status> {
+    let mut s = c
+        .read_blob(nodepb::ReadBlobRequest {
+            hash: hash.to_vec(),
+            offset: 0,
+            length: 0,
+        })
+        .await?
+        .into_inner();
+    let mut out = Vec::new();
+    while let Some(m) = s.next().await {
+        out.extend(m?.data);
+    }
+    Ok(out)
 }

@@ -286,14 +286,9 @@ pub async fn serve(
         ))
         .add_service(node_server(svc))
         .serve_with_incoming_shutdown(incoming, stopped(stop_rx.clone()));
-    let mut rx = stop_rx.clone();
-    let deadline = async move {
-        let _ = rx.wait_for(|s| *s).await;
-        tokio::time::sleep(Duration::from_secs(10)).await;
-    };
-    tokio::select! {
-        r = server => r.map_err(|e| NodeError::Serve(locus_proto::client::error_chain(&e)))?,
-        _ = deadline => tracing::warn!("transfers still running after 10 s; stopping anyway"),
+    match locus_proto::net::serve_with_grace(server, stop_rx.clone(), Duration::from_secs(10)).await {
+        Some(r) => r.map_err(|e| NodeError::Serve(locus_proto::client::error_chain(&e)))?,
+        None => tracing::warn!("transfers still running after 10 s; stopping anyway"),
     }
     agent.abort();
     scrubber.abort();

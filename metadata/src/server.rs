@@ -178,14 +178,9 @@ pub async fn serve(
         .add_service(svc)
         .serve_with_incoming_shutdown(incoming, stopped(stop_rx.clone()));
     // Once shutdown is asked for, in-flight calls get a bounded time to finish.
-    let mut rx = stop_rx.clone();
-    let drain_deadline = async move {
-        let _ = rx.wait_for(|s| *s).await;
-        tokio::time::sleep(Duration::from_secs(10)).await;
-    };
-    tokio::select! {
-        r = grpc => r.map_err(|e| ServerError::Serve(locus_proto::client::error_chain(&e)))?,
-        _ = drain_deadline => tracing::warn!("calls still running after 10 s; stopping anyway"),
+    match locus_proto::net::serve_with_grace(grpc, stop_rx.clone(), Duration::from_secs(10)).await {
+        Some(r) => r.map_err(|e| ServerError::Serve(locus_proto::client::error_chain(&e)))?,
+        None => tracing::warn!("calls still running after 10 s; stopping anyway"),
     }
     reaper.abort();
     repairer.abort();

@@ -14,3 +14,21 @@ pub fn bind_tcp(addr: SocketAddr) -> std::io::Result<tokio::net::TcpListener> {
     sock.bind(addr)?;
     sock.listen(1024)
 }
+
+/// Runs a server future to completion, but gives up `grace` after `stop` turns true: a
+/// clean shutdown lets in-flight calls finish, a stuck client cannot hold the process.
+/// Returns None when the grace period ran out.
+pub async fn serve_with_grace<T>(
+    serve: impl std::future::Future<Output = T>,
+    mut stop: tokio::sync::watch::Receiver<bool>,
+    grace: std::time::Duration,
+) -> Option<T> {
+    let deadline = async move {
+        let _ = stop.wait_for(|s| *s).await;
+        tokio::time::sleep(grace).await;
+    };
+    tokio::select! {
+        r = serve => Some(r),
+        _ = deadline => None,
+    }
+}
