@@ -352,7 +352,19 @@ async fn a_flipped_byte_is_quarantined_never_served_and_restored() {
     let again = read_all(&mut client, blake3::Hash::from_hex(&name).unwrap().as_bytes()).await;
     assert_eq!(again.unwrap(), good);
 
-    // The node counted it.
+    // The metadata service heard about it with the next heartbeat.
+    wait_until("the quarantine to be reported", Duration::from_secs(10), || {
+        let m = &m;
+        let id = n.id.clone();
+        async move {
+            let list = m.cli(&["node", "list", "--json"]);
+            let j: serde_json::Value = serde_json::from_str(&stdout(&list)).ok()?;
+            let q = j.as_array()?.iter().find(|x| x["id"] == id.as_str())?["quarantined"].as_u64()?;
+            (q == 1).then_some(())
+        }
+    })
+    .await;
+    // And the node counted it.
     let body = http_get(n.http, "/metrics").await;
     assert!(body.contains("locus_node_corrupt_total 1"), "{body}");
     assert!(
@@ -774,11 +786,81 @@ fn a_node_without_tokens_refuses_to_listen_beyond_loopback() {
 
 /// Reads a whole blob from a node.
 async fn read_all(c: &mut locus_proto::client::NodeClient, hash: &[u8]) -> Result<Vec<u8>, tonic::Status> {
+    read_range(c, hash, 0, 0).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_blob_can_arrive_chunk_by_chunk_and_serves_only_what_is_there() {
+    let h = Harness::new("partial");
+    let (_m, nodes) = cluster(&h, 2, NodeOpts::host).await;
+    let data: Vec<u8> = (0..(9u32 << 20) + 12345).map(|i| (i % 251) as u8).collect();
+    let hash = blake3::hash(&data);
+    let cs = 4u64 << 20;
+    let chunk_hashes: Vec<Vec<u8>> = data
+        .chunks(cs as usize)
+        .map(|c| blake3::hash(c).as_bytes().to_vec())
+        .collect();
+    let mut n1 = nodes[0].client().await;
+    n1.write_blob(tokio_stream::iter(write_msgs(data.clone())))
+        .await
+        .unwrap();
+
+    let mut n2 = nodes[1].client().await;
+    let req = |chunks: Vec<u32>| nodepb::FetchChunksRequest {
+        source: nodes[0].grpc.to_string(),
+        hash: hash.as_bytes().to_vec(),
+        size: data.len() as u64,
+        chunk_size: cs as u32,
+        chunk_hashes: chunk_hashes.clone(),
+        chunks,
+        pin: false,
+    };
+    let r = n2.fetch_chunks(req(vec![1])).await.unwrap().into_inner();
+    assert_eq!((r.fetched, r.complete, r.missing.clone()), (1, false, vec![0, 2]));
+    // Only the present chunk's range is served; the blob is not "here" for HaveBlobs.
+    let mid = read_range(&mut n2, hash.as_bytes(), cs + 100, 1000)
+        .await
+        .unwrap();
+    assert_eq!(mid, data[(cs + 100) as usize..(cs + 1100) as usize]);
+    let e = read_range(&mut n2, hash.as_bytes(), 0, 10).await.unwrap_err();
+    assert_eq!(e.code(), tonic::Code::FailedPrecondition, "{e:?}");
+    let have = n2
+        .have_blobs(nodepb::HaveBlobsRequest {
+            hashes: vec![hash.as_bytes().to_vec()],
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .present;
+    assert_eq!(have, vec![false]);
+    assert!(nodes[1].blob_files().is_empty());
+
+    // A chunk list that does not match the blob is refused.
+    let mut bad = req(vec![]);
+    bad.chunk_hashes.pop();
+    bad.hash = blake3::hash(b"another blob").as_bytes().to_vec();
+    let e = n2.fetch_chunks(bad).await.unwrap_err();
+    assert_eq!(e.code(), tonic::Code::InvalidArgument, "{e:?}");
+
+    // The rest completes it: whole, verified, visible.
+    let r = n2.fetch_chunks(req(vec![])).await.unwrap().into_inner();
+    assert_eq!((r.fetched, r.complete), (2, true));
+    assert_eq!(read_all(&mut n2, hash.as_bytes()).await.unwrap(), data);
+    let files = nodes[1].blob_files();
+    assert!(rehash_ok(&files[&hash.to_hex().to_string()], &hash.to_hex()));
+}
+
+async fn read_range(
+    c: &mut locus_proto::client::NodeClient,
+    hash: &[u8],
+    offset: u64,
+    length: u64,
+) -> Result<Vec<u8>, tonic::Status> {
     let mut s = c
         .read_blob(nodepb::ReadBlobRequest {
             hash: hash.to_vec(),
-            offset: 0,
-            length: 0,
+            offset,
+            length,
         })
         .await?
         .into_inner();

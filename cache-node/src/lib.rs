@@ -57,7 +57,7 @@ pub fn required_access(method: &str) -> Option<locus_proto::auth::Access> {
     use locus_proto::auth::Access;
     Some(match method {
         "ReadBlob" | "HaveBlobs" | "GetNodeStatus" | "EnsureLocal" => Access::Read,
-        "WriteBlob" | "FetchBlobs" => Access::NodeOrAdmin,
+        "WriteBlob" | "FetchBlobs" | "FetchChunks" => Access::NodeOrAdmin,
         _ => return None,
     })
 }
@@ -356,6 +356,7 @@ async fn agent(
                         pinned_bytes: s.pinned,
                         cached_bytes: s.cached,
                         blobs: s.blobs,
+                        quarantined: s.quarantined,
                     })
                     .await
             };

@@ -80,6 +80,13 @@ impl Metrics {
             .inc();
     }
 
+    /// A blob assembled chunk by chunk became complete (its bytes were counted as they came).
+    pub fn completed(&self, kind: &str) {
+        self.blobs_written
+            .get_or_create(&KindLabel { kind: kind.into() })
+            .inc();
+    }
+
     pub fn refused(&self, kind: &str) {
         self.write_refusals
             .get_or_create(&KindLabel { kind: kind.into() })

@@ -21,6 +21,7 @@ pub const STREAM_PIECE: usize = 2 << 20;
 pub fn to_status(e: StoreError) -> Status {
     match e {
         StoreError::NotFound(_) => Status::not_found(e.to_string()),
+        StoreError::NotPresent { .. } => Status::failed_precondition(e.to_string()),
         StoreError::Corrupt { .. } => Status::data_loss(e.to_string()),
         StoreError::Mismatch { .. } => Status::invalid_argument(e.to_string()),
         StoreError::Full { .. } => Status::resource_exhausted(e.to_string()),
@@ -63,7 +64,7 @@ pub fn stream_blob(store: Arc<BlobStore>, h: BlobHash, offset: u64, len: u64) ->
         // Read a few chunks' worth at a time; each read verifies the chunks it touches.
         let step = (STREAM_PIECE as u64) * 4;
         if pos >= end {
-            if !store.contains(&h) {
+            if store.size_of(&h).is_none() {
                 let _ = tx.blocking_send(Err(to_status(StoreError::NotFound(h))));
             }
             return;
@@ -183,8 +184,27 @@ impl Node for NodeService {
     async fn read_blob(&self, req: Request<nodepb::ReadBlobRequest>) -> Result<Response<BlobStream>, Status> {
         let q = req.into_inner();
         let h = hash(&q.hash)?;
-        if !self.store.contains(&h) {
+        let Some(size) = self.store.size_of(&h) else {
             return Err(to_status(StoreError::NotFound(h)));
+        };
+        if let Some(missing) = self.store.missing_chunks(&h) {
+            // A partly present blob serves only ranges whose chunks are all here.
+            let cs = self.store.chunk_size_of(&h).unwrap_or(1);
+            let end = if q.length == 0 {
+                size
+            } else {
+                q.offset.saturating_add(q.length).min(size)
+            };
+            let gaps: Vec<u64> = missing
+                .into_iter()
+                .filter(|c| c * cs < end && (c + 1) * cs > q.offset)
+                .collect();
+            if !gaps.is_empty() {
+                return Err(to_status(StoreError::NotPresent {
+                    hash: h,
+                    missing: gaps,
+                }));
+            }
         }
         let size = self.store.size_of(&h).unwrap_or(0);
         let end = if q.length == 0 {
@@ -320,6 +340,84 @@ impl Node for NodeService {
             }
         }
         Ok(Response::new(resp))
+    }
+
+    async fn fetch_chunks(
+        &self,
+        req: Request<nodepb::FetchChunksRequest>,
+    ) -> Result<Response<nodepb::FetchChunksResponse>, Status> {
+        let q = req.into_inner();
+        let h = hash(&q.hash)?;
+        let chunks = q
+            .chunk_hashes
+            .iter()
+            .enumerate()
+            .map(|(i, c)| BlobHash::from_slice(&format!("chunk_hashes[{i}]"), c))
+            .collect::<Result<Vec<_>, _>>()?;
+        let st = self.store.clone();
+        let (size, cs, pin) = (q.size, q.chunk_size, q.pin);
+        tokio::task::spawn_blocking(move || st.begin_partial(h, size, cs, &chunks, pin))
+            .await
+            .map_err(|e| Status::internal(e.to_string()))?
+            .map_err(to_status)?;
+        let Some(missing) = self.store.missing_chunks(&h) else {
+            return Ok(Response::new(nodepb::FetchChunksResponse {
+                fetched: 0,
+                complete: true,
+                missing: vec![],
+            }));
+        };
+        let want: Vec<u64> = if q.chunks.is_empty() {
+            missing
+        } else {
+            q.chunks
+                .iter()
+                .map(|c| u64::from(*c))
+                .filter(|c| missing.contains(c))
+                .collect()
+        };
+        let cs = self.store.chunk_size_of(&h).unwrap_or(1);
+        let mut peer =
+            locus_proto::client::connect_node(&q.source, self.token.as_deref(), Duration::from_secs(5))
+                .await
+                .map_err(|e| Status::unavailable(e.to_string()))?;
+        let mut fetched = 0;
+        for c in want {
+            let mut s = peer
+                .read_blob(nodepb::ReadBlobRequest {
+                    hash: h.0.to_vec(),
+                    offset: c * cs,
+                    length: cs,
+                })
+                .await
+                .map_err(|s| Status::new(s.code(), format!("from {}: {}", q.source, s.message())))?
+                .into_inner();
+            let mut buf = Vec::with_capacity(cs as usize);
+            while let Some(m) = s.next().await {
+                buf.extend_from_slice(&m?.data);
+            }
+            let st = self.store.clone();
+            let len = buf.len() as u64;
+            tokio::task::spawn_blocking(move || st.write_chunk(&h, c, &buf))
+                .await
+                .map_err(|e| Status::internal(e.to_string()))?
+                .map_err(to_status)?;
+            fetched += 1;
+            self.metrics.written_bytes.inc_by(len);
+        }
+        let missing = self.store.missing_chunks(&h);
+        if missing.is_none() {
+            self.metrics.completed("peer");
+        }
+        Ok(Response::new(nodepb::FetchChunksResponse {
+            fetched,
+            complete: missing.is_none(),
+            missing: missing
+                .unwrap_or_default()
+                .into_iter()
+                .map(|c| c as u32)
+                .collect(),
+        }))
     }
 
     async fn ensure_local(

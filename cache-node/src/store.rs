@@ -39,6 +39,8 @@ pub enum StoreError {
     Corrupt { hash: BlobHash, what: String },
     #[error("received bytes do not match blob {hash}: {what}")]
     Mismatch { hash: BlobHash, what: String },
+    #[error("blob {hash} is only partly here; chunks {missing:?} of the range are missing")]
+    NotPresent { hash: BlobHash, missing: Vec<u64> },
     #[error("no room for {need} bytes: {why}")]
     Full { need: u64, why: String },
     #[error("blob I/O: {0}")]
@@ -82,6 +84,30 @@ struct BlobRecord {
     /// 32-byte chunk hashes, concatenated.
     #[prost(bytes = "vec", tag = "5")]
     chunks: Vec<u8>,
+    /// Only some chunks are here: the blob lives in `partial/<hash>`, a sparse file.
+    #[prost(bool, tag = "6")]
+    partial: bool,
+    /// For a partial blob, bit i set = chunk i is on disk, verified and synced.
+    #[prost(bytes = "vec", tag = "7")]
+    present: Vec<u8>,
+}
+
+impl BlobRecord {
+    fn chunk_count(&self) -> u64 {
+        (self.chunks.len() / 32) as u64
+    }
+
+    fn has_chunk(&self, i: u64) -> bool {
+        !self.partial
+            || self
+                .present
+                .get((i / 8) as usize)
+                .is_some_and(|b| b & (1 << (i % 8)) != 0)
+    }
+
+    fn missing(&self) -> Vec<u64> {
+        (0..self.chunk_count()).filter(|i| !self.has_chunk(*i)).collect()
+    }
 }
 
 #[derive(Debug, Clone)]
@@ -93,6 +119,8 @@ struct Meta {
 #[derive(Default)]
 struct State {
     blobs: HashMap<BlobHash, Meta>,
+    /// Blobs with only some chunks present (not visible to HaveBlobs or pin sync).
+    partials: HashMap<BlobHash, Meta>,
     used: u64,
     pinned: u64,
     /// Bytes reserved by writes in progress.
@@ -181,7 +209,7 @@ impl BlobStore {
         }
         for d in &cfg.dirs {
             check_format(d)?;
-            for sub in ["blobs", "tmp", "quarantine"] {
+            for sub in ["blobs", "tmp", "quarantine", "partial"] {
                 fs::create_dir_all(d.join(sub)).map_err(|e| StoreError::DataDir {
                     path: d.display().to_string(),
                     reason: e.to_string(),
@@ -212,6 +240,10 @@ impl BlobStore {
         self.cfg.dirs[dir as usize].join("blobs").join(&x[..2]).join(x)
     }
 
+    fn partial_path_in(&self, dir: u32, h: &BlobHash) -> PathBuf {
+        self.cfg.dirs[dir as usize].join("partial").join(hex(h))
+    }
+
     fn reconcile(&self) -> Result<Reconcile, StoreError> {
         let mut rep = Reconcile::default();
         let mut st = self.state();
@@ -222,6 +254,18 @@ impl BlobStore {
             };
             let h = BlobHash(h);
             if rec.dir as usize >= self.cfg.dirs.len() {
+                continue;
+            }
+            if rec.partial {
+                if self.partial_path_in(rec.dir, &h).exists() {
+                    st.used += rec.size;
+                    if rec.pinned {
+                        st.pinned += rec.size;
+                    }
+                    st.partials.insert(h, Meta { rec, last_access: 0 });
+                } else {
+                    let _ = self.index.delete(h.0);
+                }
                 continue;
             }
             st.used += rec.size;
@@ -247,6 +291,18 @@ impl BlobStore {
                         }
                         _ => strays.push((di as u32, f.path())),
                     }
+                }
+            }
+            // Partial files the index does not know (a crash before the index write).
+            for f in fs::read_dir(d.join("partial")).map_err(io)?.flatten() {
+                let known = f
+                    .file_name()
+                    .to_str()
+                    .and_then(|n| BlobHash::from_hex(n).ok())
+                    .is_some_and(|h| st.partials.contains_key(&h));
+                if !known {
+                    let _ = fs::remove_file(f.path());
+                    rep.tmp_removed += 1;
                 }
             }
             for t in fs::read_dir(d.join("tmp")).map_err(io)?.flatten() {
@@ -311,6 +367,8 @@ impl BlobStore {
             pinned,
             chunk_size,
             chunks: chunks.iter().flat_map(|c| c.0).collect(),
+            partial: false,
+            present: Vec::new(),
         };
         self.index
             .put(h.0, rec.encode_to_vec())
@@ -349,8 +407,164 @@ impl BlobStore {
         Some(self.blob_path_in(dir, h))
     }
 
+    /// Size of a blob that is here, completely or partly.
     pub fn size_of(&self, h: &BlobHash) -> Option<u64> {
-        self.state().blobs.get(h).map(|m| m.rec.size)
+        let st = self.state();
+        st.blobs.get(h).or_else(|| st.partials.get(h)).map(|m| m.rec.size)
+    }
+
+    pub fn chunk_size_of(&self, h: &BlobHash) -> Option<u64> {
+        let st = self.state();
+        st.blobs
+            .get(h)
+            .or_else(|| st.partials.get(h))
+            .map(|m| u64::from(m.rec.chunk_size))
+    }
+
+    /// Chunks of a partly present blob that are still missing; None if the blob is not
+    /// partly here (it is complete, or absent).
+    pub fn missing_chunks(&self, h: &BlobHash) -> Option<Vec<u64>> {
+        self.state().partials.get(h).map(|m| m.rec.missing())
+    }
+
+    /// Starts a blob that will arrive chunk by chunk (a reader wants a range before the
+    /// whole blob, or a transfer resumes). Its space is held from now on. Nothing to do
+    /// when it is already complete or started.
+    pub fn begin_partial(
+        self: &Arc<Self>,
+        hash: BlobHash,
+        size: u64,
+        chunk_size: u32,
+        chunks: &[BlobHash],
+        pin: bool,
+    ) -> Result<(), StoreError> {
+        if self.contains(&hash) || self.state().partials.contains_key(&hash) {
+            return Ok(());
+        }
+        let chunk_size = if chunk_size == 0 {
+            locus_proto::DEFAULT_CHUNK_SIZE
+        } else {
+            chunk_size
+        };
+        let want = locus_proto::manifest::chunk_count(size, chunk_size);
+        if chunks.len() as u64 != want {
+            return Err(StoreError::Mismatch {
+                hash,
+                what: format!(
+                    "{} chunk hashes for a blob of {size} bytes ({want} chunks)",
+                    chunks.len()
+                ),
+            });
+        }
+        let (dir, reservation) = self.reserve(size)?;
+        let path = self.partial_path_in(dir, &hash);
+        let f = File::create(&path).map_err(io)?;
+        f.set_len(size).map_err(io)?;
+        f.sync_all().map_err(io)?;
+        fsync_dir(path.parent().expect("partial paths have a parent"))?;
+        let rec = BlobRecord {
+            size,
+            dir,
+            pinned: pin,
+            chunk_size,
+            chunks: chunks.iter().flat_map(|c| c.0).collect(),
+            partial: true,
+            present: vec![0u8; want.div_ceil(8) as usize],
+        };
+        self.index
+            .put(hash.0, rec.encode_to_vec())
+            .map_err(|e| StoreError::Index(e.into_string()))?;
+        let mut st = self.state();
+        // The reservation becomes permanent use.
+        st.used += size;
+        if pin {
+            st.pinned += size;
+        }
+        st.partials.insert(
+            hash,
+            Meta {
+                rec,
+                last_access: self.tick.fetch_add(1, Ordering::Relaxed),
+            },
+        );
+        drop(st);
+        drop(reservation);
+        Ok(())
+    }
+
+    /// Stores chunk `i` of a partly present blob after checking it against its hash. The
+    /// bit is set only once the bytes are synced. When the last chunk arrives the whole
+    /// blob is re-hashed and moved into `blobs/`. Returns true when the blob is complete.
+    pub fn write_chunk(&self, h: &BlobHash, i: u64, data: &[u8]) -> Result<bool, StoreError> {
+        use std::os::unix::fs::FileExt;
+        let rec = match self.state().partials.get(h) {
+            Some(m) => m.rec.clone(),
+            None if self.contains(h) => return Ok(true),
+            None => return Err(StoreError::NotFound(*h)),
+        };
+        let cs = u64::from(rec.chunk_size);
+        if i >= rec.chunk_count() {
+            return Err(StoreError::Mismatch {
+                hash: *h,
+                what: format!("chunk {i} of a blob with {} chunks", rec.chunk_count()),
+            });
+        }
+        let expect_len = cs.min(rec.size - i * cs);
+        let want = chunk_hashes(&rec.chunks)[i as usize];
+        if data.len() as u64 != expect_len || BlobHash::of(data) != want {
+            return Err(StoreError::Mismatch {
+                hash: *h,
+                what: format!("chunk {i} does not match its hash"),
+            });
+        }
+        if rec.has_chunk(i) {
+            return Ok(false);
+        }
+        let path = self.partial_path_in(rec.dir, h);
+        let f = std::fs::OpenOptions::new().write(true).open(&path).map_err(io)?;
+        f.write_all_at(data, i * cs).map_err(io)?;
+        f.sync_data().map_err(io)?;
+        let mut st = self.state();
+        let Some(m) = st.partials.get_mut(h) else {
+            return Err(StoreError::NotFound(*h));
+        };
+        m.rec.present[(i / 8) as usize] |= 1 << (i % 8);
+        let rec = m.rec.clone();
+        drop(st);
+        self.index
+            .put(h.0, rec.encode_to_vec())
+            .map_err(|e| StoreError::Index(e.into_string()))?;
+        if !rec.missing().is_empty() {
+            return Ok(false);
+        }
+        // Complete: the whole-blob hash is the final word before it becomes visible.
+        let (_, whole, _) = hash_file(&path, rec.chunk_size).map_err(io)?;
+        if whole != *h {
+            self.move_to_quarantine(&path, h);
+            self.forget(h);
+            return Err(StoreError::Corrupt {
+                hash: *h,
+                what: "all chunks matched but the whole blob does not".into(),
+            });
+        }
+        let dest = self.blob_path_in(rec.dir, h);
+        let parent = dest.parent().expect("blob paths have a parent");
+        fs::create_dir_all(parent).map_err(io)?;
+        fs::rename(&path, &dest).map_err(io)?;
+        fsync_dir(parent)?;
+        let done = BlobRecord {
+            partial: false,
+            present: Vec::new(),
+            ..rec
+        };
+        self.index
+            .put(h.0, done.encode_to_vec())
+            .map_err(|e| StoreError::Index(e.into_string()))?;
+        let mut st = self.state();
+        if let Some(m) = st.partials.remove(h) {
+            st.blobs.insert(h.to_owned(), Meta { rec: done, ..m });
+        }
+        Ok(true)
     }
 
     /// Every stored blob's hash (for scrub and tests).
@@ -447,9 +661,11 @@ impl BlobStore {
             let over_disk = size.saturating_sub(free);
             let mut need = over_cap.max(over_disk);
             if need > 0 {
+                // Unpinned blobs, complete or partly fetched, least recently used first.
                 let mut lru: Vec<(u64, BlobHash, u64)> = st
                     .blobs
                     .iter()
+                    .chain(st.partials.iter())
                     .filter(|(_, m)| !m.rec.pinned)
                     .map(|(h, m)| (m.last_access, *h, m.rec.size))
                     .collect();
@@ -471,17 +687,26 @@ impl BlobStore {
                     }
                     if let Some(m) = st.blobs.remove(&h) {
                         st.used -= m.rec.size;
-                        victims.push((h, m.rec.dir));
+                        victims.push(self.blob_path_in(m.rec.dir, &h));
+                    } else if let Some(m) = st.partials.remove(&h) {
+                        st.used -= m.rec.size;
+                        victims.push(self.partial_path_in(m.rec.dir, &h));
                     }
                     need = need.saturating_sub(sz);
                 }
             }
             st.reserved += size;
         }
-        for (h, d) in victims {
-            let _ = fs::remove_file(self.blob_path_in(d, &h));
-            let _ = self.index.delete(h.0);
-            tracing::debug!(blob = %h, "evicted");
+        for path in victims {
+            let _ = fs::remove_file(&path);
+            if let Some(h) = path
+                .file_name()
+                .and_then(|n| n.to_str())
+                .and_then(|n| BlobHash::from_hex(n).ok())
+            {
+                let _ = self.index.delete(h.0);
+                tracing::debug!(blob = %h, "evicted");
+            }
         }
         Ok((
             dir,
@@ -537,15 +762,29 @@ impl BlobStore {
     pub fn read_range(&self, h: &BlobHash, offset: u64, len: u64) -> Result<Vec<u8>, StoreError> {
         let (rec, path) = {
             let mut st = self.state();
-            let m = st.blobs.get_mut(h).ok_or(StoreError::NotFound(*h))?;
-            m.last_access = self.tick.fetch_add(1, Ordering::Relaxed);
-            (m.rec.clone(), self.blob_path_in(m.rec.dir, h))
+            let tick = self.tick.fetch_add(1, Ordering::Relaxed);
+            if let Some(m) = st.blobs.get_mut(h) {
+                m.last_access = tick;
+                (m.rec.clone(), self.blob_path_in(m.rec.dir, h))
+            } else {
+                let m = st.partials.get_mut(h).ok_or(StoreError::NotFound(*h))?;
+                m.last_access = tick;
+                (m.rec.clone(), self.partial_path_in(m.rec.dir, h))
+            }
         };
         let end = offset.saturating_add(len).min(rec.size);
         if offset >= end {
             return Ok(Vec::new());
         }
         let cs = u64::from(rec.chunk_size);
+        if rec.partial {
+            let missing: Vec<u64> = (offset / cs..=(end - 1) / cs)
+                .filter(|c| !rec.has_chunk(*c))
+                .collect();
+            if !missing.is_empty() {
+                return Err(StoreError::NotPresent { hash: *h, missing });
+            }
+        }
         let hashes = chunk_hashes(&rec.chunks);
         let mut f = File::open(&path).map_err(|e| {
             if e.kind() == std::io::ErrorKind::NotFound {
@@ -600,12 +839,14 @@ impl BlobStore {
     }
 
     fn move_to_quarantine(&self, path: &Path, h: &BlobHash) {
-        let dir = path
-            .parent()
-            .and_then(Path::parent)
-            .and_then(Path::parent)
-            .map(|d| d.join("quarantine"))
-            .unwrap_or_else(|| self.cfg.dirs[0].join("quarantine"));
+        // The data dir the file lives in keeps it, so the rename never crosses devices.
+        let dir = self
+            .cfg
+            .dirs
+            .iter()
+            .find(|d| path.starts_with(d))
+            .unwrap_or(&self.cfg.dirs[0])
+            .join("quarantine");
         let dest = dir.join(format!("{}.{}", hex(h), now_ms()));
         if fs::rename(path, &dest).is_err() {
             let _ = fs::remove_file(path);
@@ -614,7 +855,7 @@ impl BlobStore {
 
     fn forget(&self, h: &BlobHash) {
         let mut st = self.state();
-        if let Some(m) = st.blobs.remove(h) {
+        if let Some(m) = st.blobs.remove(h).or_else(|| st.partials.remove(h)) {
             st.used -= m.rec.size;
             if m.rec.pinned {
                 st.pinned -= m.rec.size;
@@ -870,6 +1111,65 @@ mod tests {
         assert!(s.contains(&a) && s.is_pinned(&a));
         assert!(!s.contains(&b));
         assert_eq!(s.read_range(&c, 0, 100).unwrap(), b"third blob");
+    }
+
+    #[test]
+    fn partial_blobs_fill_chunk_by_chunk_and_survive_restarts() {
+        let d = tempfile::tempdir().unwrap();
+        let data: Vec<u8> = (0..200_000u32).map(|i| (i % 241) as u8).collect();
+        let h = BlobHash::of(&data);
+        let cs = 1u64 << 16;
+        let chunks: Vec<BlobHash> = data.chunks(cs as usize).map(BlobHash::of).collect();
+        let piece = |i: u64| &data[(i * cs) as usize..((i + 1) * cs).min(200_000) as usize];
+        {
+            let s = open(d.path(), 1 << 30);
+            s.begin_partial(h, 200_000, 1 << 16, &chunks, true).unwrap();
+            assert!(!s.contains(&h), "a partial blob is not a blob yet");
+            assert_eq!(s.missing_chunks(&h).unwrap(), vec![0, 1, 2, 3]);
+            assert!(!s.write_chunk(&h, 2, piece(2)).unwrap());
+            // A wrong chunk is refused and changes nothing.
+            assert!(matches!(
+                s.write_chunk(&h, 1, piece(2)),
+                Err(StoreError::Mismatch { .. })
+            ));
+            assert_eq!(
+                s.read_range(&h, 2 * cs + 5, 10).unwrap(),
+                data[(2 * cs + 5) as usize..(2 * cs + 15) as usize]
+            );
+            match s.read_range(&h, cs, 2 * cs) {
+                Err(StoreError::NotPresent { missing, .. }) => assert_eq!(missing, vec![1]),
+                other => panic!("{other:?}"),
+            }
+            assert_eq!(s.stats().used, 200_000, "its space is held");
+        }
+        // After a restart the chunks already written are still known.
+        let s = open(d.path(), 1 << 30);
+        assert_eq!(s.missing_chunks(&h).unwrap(), vec![0, 1, 3]);
+        assert!(!s.write_chunk(&h, 0, piece(0)).unwrap());
+        assert!(!s.write_chunk(&h, 3, piece(3)).unwrap());
+        assert!(
+            s.write_chunk(&h, 1, piece(1)).unwrap(),
+            "the last chunk completes it"
+        );
+        assert!(s.contains(&h) && s.is_pinned(&h));
+        assert_eq!(s.missing_chunks(&h), None);
+        assert_eq!(s.read_range(&h, 0, 1 << 30).unwrap(), data);
+        assert_eq!(fs::read_dir(d.path().join("partial")).unwrap().count(), 0);
+        assert_eq!(s.stats().used, 200_000);
+    }
+
+    #[test]
+    fn unpinned_partial_blobs_are_evictable() {
+        let d = tempfile::tempdir().unwrap();
+        let s = open(d.path(), 300_000);
+        let data = vec![9u8; 200_000];
+        let chunks: Vec<BlobHash> = data.chunks(1 << 16).map(BlobHash::of).collect();
+        let h = BlobHash::of(&data);
+        s.begin_partial(h, 200_000, 1 << 16, &chunks, false).unwrap();
+        let other = put(&s, &vec![3u8; 200_000], true).unwrap();
+        assert!(s.contains(&other));
+        assert_eq!(s.missing_chunks(&h), None, "the abandoned partial blob made room");
+        assert_eq!(fs::read_dir(d.path().join("partial")).unwrap().count(), 0);
     }
 
     #[test]

@@ -77,6 +77,7 @@ struct Live {
     pinned: u64,
     cached: u64,
     blobs: u64,
+    quarantined: u64,
 }
 
 /// What a node reports with each heartbeat.
@@ -87,6 +88,7 @@ pub struct NodeStats {
     pub pinned: u64,
     pub cached: u64,
     pub blobs: u64,
+    pub quarantined: u64,
 }
 
 /// One shard to re-replicate: copy it from `source` to `target`, then drop `drop`.
@@ -333,6 +335,7 @@ impl Catalog {
                 pinned: st.pinned,
                 cached: st.cached,
                 blobs: st.blobs,
+                quarantined: st.quarantined,
             },
         );
         Ok(())
@@ -415,6 +418,7 @@ impl Catalog {
                     cached_bytes: l.cached,
                     blobs: l.blobs,
                     draining: rec.draining,
+                    quarantined: l.quarantined,
                 }
             })
             .collect())

@@ -135,6 +135,7 @@ impl pb::metadata_server::Metadata for MetadataService {
             pinned: r.pinned_bytes,
             cached: r.cached_bytes,
             blobs: r.blobs,
+            quarantined: r.quarantined,
         };
         self.run(move |c| c.heartbeat(&id, st)).await.map_err(to_status)?;
         Ok(Response::new(pb::HeartbeatResponse {}))

@@ -220,6 +220,7 @@ pub fn node_json(n: &pb::Node) -> serde_json::Value {
         "pinned_bytes": n.pinned_bytes,
         "cached_bytes": n.cached_bytes,
         "blobs": n.blobs,
+        "quarantined": n.quarantined,
         "last_seen_ms_ago": n.last_seen_ms_ago,
         "registered_at": output::time(n.registered_at_ms),
     })

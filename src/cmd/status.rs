@@ -70,6 +70,10 @@ pub async fn run(cfg: &Resolved) -> anyhow::Result<()> {
         versions,
         output::size(bytes)
     );
+    let quarantined: u64 = nodes.iter().map(|n| n.quarantined).sum();
+    if quarantined > 0 {
+        println!("integrity  {quarantined} blob(s) failed verification and were quarantined (see `locus node list --json`)");
+    }
     if info.open_sessions > 0 {
         println!("imports    {} in progress", info.open_sessions);
     }
