@@ -870,3 +870,66 @@ async fn read_range(
     }
     Ok(out)
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hung_peer_fails_transfers_quickly_and_repair_goes_around_it() {
+    let h = Harness::new("hung");
+    let (m, nodes) = cluster(&h, 3, NodeOpts::host).await;
+    let src = h.path("src");
+    make_tree(&src, 80);
+    let out = import(&m, "ds", &src, &["--replicas", "2", "--shard-size", "256KiB"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let mut c = m.client(None).await;
+    let shards0 = shards(&mut c, "ds", 1).await;
+    let stopped = shards0[0].replicas[0].clone();
+    let si = nodes.iter().position(|n| n.id == stopped).unwrap();
+    let other = nodes
+        .iter()
+        .position(|n| !shards0[0].replicas.contains(&n.id))
+        .unwrap();
+    let entries = all_entries(&mut c, "ds", 1).await;
+    let blobs: Vec<nodepb::BlobRef> = entries
+        .iter()
+        .filter(|e| e.kind == pb::EntryKind::File as i32 && e.shard == shards0[0].id)
+        .map(|e| nodepb::BlobRef {
+            hash: e.blob.clone(),
+            size: e.size,
+        })
+        .collect();
+
+    // The source hangs (SIGSTOP: its socket accepts, nothing answers).
+    nodes[si].daemon.sigstop();
+    let mut target = nodes[other].client().await;
+    let started = std::time::Instant::now();
+    let e = target
+        .fetch_blobs(nodepb::FetchBlobsRequest {
+            source: nodes[si].grpc.to_string(),
+            blobs,
+            pin: false,
+            chunk_size: 65536,
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), tonic::Code::Unavailable, "{e:?}");
+    assert!(
+        started.elapsed() < Duration::from_secs(20),
+        "gave up after {:?}",
+        started.elapsed()
+    );
+
+    // The stopped node falls silent, is declared down, and repair copies from the others.
+    let opts = m.client_options(None);
+    wait_until("repair around the hung node", Duration::from_secs(60), || {
+        let opts = opts.clone();
+        let stopped = stopped.clone();
+        async move {
+            let mut c = locus_proto::client::connect(&opts).await.ok()?;
+            let s = shards(&mut c, "ds", 1).await;
+            s.iter()
+                .all(|s| s.replicas.len() == 2 && !s.replicas.contains(&stopped))
+                .then_some(())
+        }
+    })
+    .await;
+    nodes[si].daemon.sigcont();
+}

@@ -49,6 +49,8 @@ pub struct NodeConfig {
     /// them the node only listens on loopback unless `insecure`.
     pub tokens: Option<Arc<locus_proto::auth::TokenSet>>,
     pub insecure: bool,
+    /// How long a peer may stay silent during a transfer before it is given up on.
+    pub peer_idle: Duration,
 }
 
 /// Who may call what on the node's TCP API. The Unix socket is for same-host clients and
@@ -183,6 +185,7 @@ pub async fn serve(
         store: store.clone(),
         peers: peers.clone(),
         token: cfg.metadata.token.clone(),
+        peer_idle: cfg.peer_idle,
         id: cfg.id.to_string(),
         local: false,
         metrics: metrics.clone(),
@@ -441,7 +444,7 @@ async fn sync_pins(
             else {
                 continue;
             };
-            match service::fetch_from_peer(store, &mut peer, h, size, cs, true).await {
+            match service::fetch_from_peer(store, &mut peer, h, size, cs, true, cfg.peer_idle).await {
                 Ok(_) => {
                     fetched += 1;
                     done = true;

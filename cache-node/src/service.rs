@@ -41,6 +41,8 @@ pub struct NodeService {
     pub local: bool,
     /// The token this node presents to its peers.
     pub token: Option<String>,
+    /// How long a peer may stay silent during a transfer before it is given up on.
+    pub peer_idle: Duration,
     pub metrics: Arc<crate::metrics::Metrics>,
 }
 
@@ -133,6 +135,35 @@ async fn finish_sink(
 
 /// Copies one blob from a peer into the local store, verifying it. Returns false if it was
 /// already here.
+/// Waits for a peer's next message, but not longer than `idle`: a peer that hangs (stopped,
+/// wedged disk, network partition without resets) must fail the transfer, not stall it.
+pub async fn next_within<T>(stream: &mut tonic::Streaming<T>, idle: Duration) -> Result<Option<T>, Status> {
+    match tokio::time::timeout(idle, stream.next()).await {
+        Ok(Some(Ok(m))) => Ok(Some(m)),
+        Ok(Some(Err(s))) => Err(s),
+        Ok(None) => Ok(None),
+        Err(_) => Err(Status::unavailable(format!(
+            "the peer sent nothing for {}s",
+            idle.as_secs_f64()
+        ))),
+    }
+}
+
+/// Opens a ReadBlob stream, giving up after `idle` without an answer.
+pub async fn open_read(
+    peer: &mut locus_proto::client::NodeClient,
+    req: nodepb::ReadBlobRequest,
+    idle: Duration,
+) -> Result<tonic::Streaming<nodepb::BlobData>, Status> {
+    match tokio::time::timeout(idle, peer.read_blob(req)).await {
+        Ok(r) => Ok(r?.into_inner()),
+        Err(_) => Err(Status::unavailable(format!(
+            "the peer did not answer for {}s",
+            idle.as_secs_f64()
+        ))),
+    }
+}
+
 pub async fn fetch_from_peer(
     store: &Arc<BlobStore>,
     peer: &mut locus_proto::client::NodeClient,
@@ -140,6 +171,7 @@ pub async fn fetch_from_peer(
     size: u64,
     chunk_size: u32,
     pin: bool,
+    idle: Duration,
 ) -> Result<bool, Status> {
     let st = store.clone();
     let writer = tokio::task::spawn_blocking(move || st.begin_write(h, size, chunk_size, pin))
@@ -149,23 +181,26 @@ pub async fn fetch_from_peer(
     let Some(writer) = writer else {
         return Ok(false);
     };
-    let mut stream = peer
-        .read_blob(nodepb::ReadBlobRequest {
+    let mut stream = open_read(
+        peer,
+        nodepb::ReadBlobRequest {
             hash: h.0.to_vec(),
             offset: 0,
             length: 0,
-        })
-        .await?
-        .into_inner();
+        },
+        idle,
+    )
+    .await?;
     let (tx, sink) = spawn_sink(writer);
     let mut failed = None;
-    while let Some(msg) = stream.next().await {
-        match msg {
-            Ok(d) => {
+    loop {
+        match next_within(&mut stream, idle).await {
+            Ok(Some(d)) => {
                 if tx.send(d.data).await.is_err() {
                     break;
                 }
             }
+            Ok(None) => break,
             Err(s) => {
                 failed = Some(s);
                 break;
@@ -319,8 +354,13 @@ impl Node for NodeService {
                 let Some((h, size)) = iter.next() else { break };
                 let store = self.store.clone();
                 let mut p = peer.clone();
-                let (cs, pin) = (q.chunk_size, q.pin);
-                set.spawn(async move { (size, fetch_from_peer(&store, &mut p, h, size, cs, pin).await) });
+                let (cs, pin, idle) = (q.chunk_size, q.pin, self.peer_idle);
+                set.spawn(async move {
+                    (
+                        size,
+                        fetch_from_peer(&store, &mut p, h, size, cs, pin, idle).await,
+                    )
+                });
             }
             let Some(r) = set.join_next().await else { break };
             match r.map_err(|e| Status::internal(e.to_string()))? {
@@ -383,18 +423,16 @@ impl Node for NodeService {
                 .map_err(|e| Status::unavailable(e.to_string()))?;
         let mut fetched = 0;
         for c in want {
-            let mut s = peer
-                .read_blob(nodepb::ReadBlobRequest {
-                    hash: h.0.to_vec(),
-                    offset: c * cs,
-                    length: cs,
-                })
-                .await
-                .map_err(|s| Status::new(s.code(), format!("from {}: {}", q.source, s.message())))?
-                .into_inner();
+            let from = |s: Status| Status::new(s.code(), format!("from {}: {}", q.source, s.message()));
+            let req = nodepb::ReadBlobRequest {
+                hash: h.0.to_vec(),
+                offset: c * cs,
+                length: cs,
+            };
+            let mut s = open_read(&mut peer, req, self.peer_idle).await.map_err(from)?;
             let mut buf = Vec::with_capacity(cs as usize);
-            while let Some(m) = s.next().await {
-                buf.extend_from_slice(&m?.data);
+            while let Some(m) = next_within(&mut s, self.peer_idle).await.map_err(from)? {
+                buf.extend_from_slice(&m.data);
             }
             let st = self.store.clone();
             let len = buf.len() as u64;
@@ -452,7 +490,17 @@ impl Node for NodeService {
                         continue;
                     }
                 };
-            match fetch_from_peer(&self.store, &mut peer, h, q.size, q.chunk_size, false).await {
+            match fetch_from_peer(
+                &self.store,
+                &mut peer,
+                h,
+                q.size,
+                q.chunk_size,
+                false,
+                self.peer_idle,
+            )
+            .await
+            {
                 Ok(_) => {
                     if let Some(p) = self.store.path_of(&h) {
                         return Ok(Response::new(nodepb::EnsureLocalResponse {

@@ -102,7 +102,11 @@ async fn repair_one(catalog: &Arc<Catalog>, t: &RepairTask, token: Option<&str>)
     let mut node = locus_proto::client::connect_node(&t.target.1, token, Duration::from_secs(5))
         .await
         .map_err(|e| e.to_string())?;
-    node.fetch_blobs(nodepb::FetchBlobsRequest {
+    // A copy gets a minute plus time for its bytes at a slow 20 MB/s; a target or source
+    // that hangs must not hold a repair slot forever.
+    let bytes: u64 = blobs.iter().map(|b| b.1).sum();
+    let limit = Duration::from_secs(60) + Duration::from_secs_f64(bytes as f64 / 20e6);
+    let call = node.fetch_blobs(nodepb::FetchBlobsRequest {
         source: t.source.1.clone(),
         blobs: blobs
             .iter()
@@ -113,9 +117,11 @@ async fn repair_one(catalog: &Arc<Catalog>, t: &RepairTask, token: Option<&str>)
             .collect(),
         pin: true,
         chunk_size,
-    })
-    .await
-    .map_err(|s| format!("{}: {}", t.target.0, s.message()))?;
+    });
+    tokio::time::timeout(limit, call)
+        .await
+        .map_err(|_| format!("{}: no answer within {}s", t.target.0, limit.as_secs()))?
+        .map_err(|s| format!("{}: {}", t.target.0, s.message()))?;
     let add = vec![NodeId::try_from(t.target.0.as_str()).map_err(|e| e.to_string())?];
     let remove = t
         .drop

@@ -76,6 +76,10 @@ pub struct ServeArgs {
     /// How often to re-read which blobs this node must hold.
     #[arg(long, value_name = "DURATION", default_value = "30s")]
     pub pin_sync_interval: String,
+    /// A peer silent this long during a transfer is given up on (the copy is retried
+    /// from another replica).
+    #[arg(long, value_name = "DURATION", default_value = "30s")]
+    pub peer_timeout: String,
     /// Background re-verification rate per second (0 disables).
     #[arg(long, value_name = "SIZE", default_value = "64MiB")]
     pub scrub_rate: String,
@@ -162,6 +166,7 @@ async fn serve(a: ServeArgs, cfg: &Resolved) -> anyhow::Result<()> {
             None => None,
         },
         insecure: a.insecure,
+        peer_idle: duration_arg("--peer-timeout", &a.peer_timeout)?,
     };
     locus_cache_node::serve(config, super::shutdown_signal()).await?;
     Ok(())

@@ -568,6 +568,7 @@ impl Node {
             ("--heartbeat-interval", "300ms".to_string()),
             ("--pin-sync-interval", o.pin_sync.to_string()),
             ("--scrub-rate", o.scrub_rate.to_string()),
+            ("--peer-timeout", "2s".to_string()),
         ] {
             a.push(k.into());
             a.push(v.into());
