@@ -933,3 +933,56 @@ async fn a_hung_peer_fails_transfers_quickly_and_repair_goes_around_it() {
     .await;
     nodes[si].daemon.sigcont();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_same_host_client_gets_a_verified_local_path_over_the_unix_socket() {
+    let h = Harness::new("ensure-local");
+    let (_m, nodes) = cluster(&h, 2, NodeOpts::host).await;
+    // A blob n1 replicates (so the metadata service can locate it) and n2 lacks.
+    let src = h.path("src");
+    make_tree(&src, 30);
+    let out = import(&_m, "ds", &src, &["--replicas", "1"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let (holder, other) = if nodes[0].blob_files().is_empty() {
+        (1, 0)
+    } else {
+        (0, 1)
+    };
+    let (name, path) = nodes[holder]
+        .blob_files()
+        .into_iter()
+        .find(|(_, p)| std::fs::metadata(p).unwrap().len() > 1000)
+        .unwrap();
+    let data = std::fs::read(&path).unwrap();
+    let chunk_size = 64 * 1024;
+    let req = nodepb::EnsureLocalRequest {
+        hash: blake3::Hash::from_hex(&name).unwrap().as_bytes().to_vec(),
+        size: data.len() as u64,
+        chunk_size,
+    };
+
+    // Over TCP the call is refused: only same-host clients may ask for paths.
+    let e = nodes[other]
+        .client()
+        .await
+        .ensure_local(req.clone())
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), tonic::Code::PermissionDenied);
+
+    let mut local = locus_proto::client::connect_local_node(&nodes[other].socket)
+        .await
+        .unwrap();
+    let got = local.ensure_local(req.clone()).await.unwrap().into_inner().path;
+    assert!(got.starts_with(nodes[other].data_dir.to_str().unwrap()), "{got}");
+    assert_eq!(
+        std::fs::read(&got).unwrap(),
+        data,
+        "fetched from the peer, verified, local"
+    );
+    // A blob nobody has is a clear NOT_FOUND, never an empty file.
+    let mut missing = req;
+    missing.hash = blake3::hash(b"nobody has this").as_bytes().to_vec();
+    let e = local.ensure_local(missing).await.unwrap_err();
+    assert_eq!(e.code(), tonic::Code::NotFound, "{e:?}");
+}

@@ -441,11 +441,7 @@ impl BlobStore {
         if self.contains(&hash) || self.state().partials.contains_key(&hash) {
             return Ok(());
         }
-        let chunk_size = if chunk_size == 0 {
-            locus_proto::DEFAULT_CHUNK_SIZE
-        } else {
-            chunk_size
-        };
+        let chunk_size = checked_chunk_size(hash, chunk_size)?;
         let want = locus_proto::manifest::chunk_count(size, chunk_size);
         if chunks.len() as u64 != want {
             return Err(StoreError::Mismatch {
@@ -731,11 +727,7 @@ impl BlobStore {
             }
             return Ok(None);
         }
-        let chunk_size = if chunk_size == 0 {
-            locus_proto::DEFAULT_CHUNK_SIZE
-        } else {
-            chunk_size
-        };
+        let chunk_size = checked_chunk_size(hash, chunk_size)?;
         let (dir, reservation) = self.reserve(size)?;
         let tmp = self.cfg.dirs[dir as usize].join("tmp").join(format!(
             "{}.{}",
@@ -864,6 +856,24 @@ impl BlobStore {
         drop(st);
         let _ = self.index.delete(h.0);
     }
+}
+
+/// The chunk size a blob is kept at: 0 means the default; anything else must be a power
+/// of two in the range versions allow. A tiny chunk size would make the index hold a hash
+/// per few bytes, so it is refused rather than trusted.
+fn checked_chunk_size(hash: BlobHash, chunk_size: u32) -> Result<u32, StoreError> {
+    if chunk_size == 0 {
+        return Ok(locus_proto::DEFAULT_CHUNK_SIZE);
+    }
+    if !chunk_size.is_power_of_two()
+        || !(locus_proto::MIN_CHUNK_SIZE..=locus_proto::MAX_CHUNK_SIZE).contains(&chunk_size)
+    {
+        return Err(StoreError::Mismatch {
+            hash,
+            what: format!("chunk size {chunk_size} is not a power of two from 64 KiB to 1 GiB"),
+        });
+    }
+    Ok(chunk_size)
 }
 
 fn check_format(d: &Path) -> Result<(), StoreError> {
@@ -1030,6 +1040,12 @@ mod tests {
         assert!(s.read_range(&empty, 0, 10).unwrap().is_empty());
         assert!(s.is_pinned(&h));
         assert_eq!(s.stats().used, 200_000);
+
+        // A chunk size that would blow up the index is refused.
+        assert!(matches!(
+            s.begin_write(BlobHash::of(b"x"), 1, 1, false),
+            Err(StoreError::Mismatch { .. })
+        ));
 
         // Wrong bytes never become visible.
         let fake = BlobHash::of(b"something else");

@@ -51,7 +51,6 @@ pub struct ImportArgs {
 struct Progress {
     label: &'static str,
     done: Arc<AtomicU64>,
-    total: u64,
     start: Instant,
     task: Option<tokio::task::JoinHandle<()>>,
 }
@@ -68,10 +67,15 @@ impl Progress {
                     tokio::time::sleep(Duration::from_millis(250)).await;
                     let n = d.load(Ordering::Relaxed);
                     let rate = n as f64 / start.elapsed().as_secs_f64().max(0.001);
+                    // An object-store source's total is not known before it is listed.
+                    let of = if total == 0 {
+                        String::new()
+                    } else {
+                        format!(" / {}", output::size(total))
+                    };
                     eprint!(
-                        "\r\x1b[K{label} {} / {} ({}/s)",
+                        "\r\x1b[K{label} {}{of} ({}/s)",
                         output::size(n),
-                        output::size(total),
                         output::size(rate as u64)
                     );
                 }
@@ -80,7 +84,6 @@ impl Progress {
         Progress {
             label,
             done,
-            total,
             start,
             task,
         }
@@ -92,7 +95,7 @@ impl Progress {
             eprintln!(
                 "\r\x1b[K{} {} in {:.1}s",
                 self.label,
-                output::size(self.total),
+                output::size(self.done.load(Ordering::Relaxed)),
                 self.start.elapsed().as_secs_f64()
             );
         }
