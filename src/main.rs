@@ -38,6 +38,10 @@ enum Command {
     /// List, inspect and delete datasets and their versions.
     #[command(subcommand)]
     Dataset(cmd::dataset::DatasetCmd),
+    /// Mount a dataset version as a read-only file tree (returns once it is readable).
+    Mount(Box<cmd::mount::MountArgs>),
+    /// Unmount a Locus mount.
+    Umount(cmd::mount::UmountArgs),
     /// One-screen summary of the cluster: service, nodes, capacity, datasets.
     Status,
     /// Start a throwaway local cluster, commit a sample dataset through the real API and
@@ -54,10 +58,11 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    let is_daemon = matches!(
-        cli.command,
-        Command::Metadata(cmd::metadata::MetadataCmd::Serve(_))
-    );
+    let is_daemon = match &cli.command {
+        Command::Metadata(cmd::metadata::MetadataCmd::Serve(_)) => true,
+        Command::Mount(m) => m.foreground || m.notify_ready,
+        _ => false,
+    };
     config::init_logging(&cfg, is_daemon);
 
     let rt = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
@@ -72,6 +77,8 @@ fn main() -> ExitCode {
             Command::Metadata(c) => cmd::metadata::run(c, &cfg).await,
             Command::Node(c) => cmd::node::run(c, &cfg).await,
             Command::Dataset(c) => cmd::dataset::run(c, &cfg).await,
+            Command::Mount(a) => cmd::mount::run(*a, &cfg).await,
+            Command::Umount(a) => cmd::mount::umount(a).await,
             Command::Status => cmd::status::run(&cfg).await,
             Command::Demo(a) => cmd::demo::run(a, &cfg).await,
         }

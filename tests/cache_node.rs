@@ -11,83 +11,6 @@ use locus_proto::{nodepb, pb};
 use support::*;
 use tokio_stream::StreamExt;
 
-/// A mixed tree: `files` files from empty to over two 64 KiB chunks, nested directories,
-/// symlinks, empty directories, duplicate contents, unicode and spaces in names.
-fn make_tree(root: &Path, files: usize) {
-    let bytes = |seed: usize, n: usize| -> Vec<u8> {
-        let mut out = vec![0u8; n];
-        blake3::Hasher::new()
-            .update(&seed.to_le_bytes())
-            .finalize_xof()
-            .fill(&mut out);
-        out
-    };
-    for i in 0..files {
-        let dir = match i % 4 {
-            0 => format!("train/class {:02}", i % 13),
-            1 => format!("train/ünï/{:02}/deep", i % 7),
-            2 => "val".to_string(),
-            _ => String::new(),
-        };
-        let d = root.join(&dir);
-        std::fs::create_dir_all(&d).unwrap();
-        let size = match i % 10 {
-            0 => 0,
-            1..=6 => (i * 37) % 4096,
-            7 | 8 => 10_000 + (i * 101) % 50_000,
-            _ => 140_000 + (i * 13) % 60_000,
-        };
-        // Every 50th file repeats an earlier one's content: one blob, many files.
-        let content = if i % 50 == 49 {
-            bytes(i - 20, size)
-        } else {
-            bytes(i, size)
-        };
-        std::fs::write(d.join(format!("file {i:04}.bin")), content).unwrap();
-    }
-    std::fs::create_dir_all(root.join("empty/nested")).unwrap();
-    for i in 0..5 {
-        std::os::unix::fs::symlink(
-            format!("../val/file {:04}.bin", i * 4 + 2),
-            root.join(format!("val-link-{i}")),
-        )
-        .unwrap();
-    }
-    std::os::unix::fs::symlink("/etc/hostname", root.join("absolute-link")).unwrap();
-}
-
-async fn cluster(h: &Harness, nodes: usize, opts: impl Fn(usize) -> NodeOpts) -> (Metadata, Vec<Node>) {
-    let m = h
-        .start_metadata(
-            "meta",
-            MetadataOpts {
-                liveness_timeout: Some("2s"),
-                extra: vec!["--repair-interval".into(), "500ms".into()],
-                ..Default::default()
-            },
-        )
-        .await;
-    let mut ns = Vec::new();
-    for i in 1..=nodes {
-        ns.push(h.start_node(&format!("n{i}"), &m, opts(i)).await);
-    }
-    (m, ns)
-}
-
-fn import(m: &Metadata, name: &str, dir: &Path, extra: &[&str]) -> std::process::Output {
-    let mut args = vec![
-        "dataset",
-        "import",
-        name,
-        dir.to_str().unwrap(),
-        "--chunk-size",
-        "64KiB",
-        "--json",
-    ];
-    args.extend_from_slice(extra);
-    m.cli(&args)
-}
-
 fn rehash_ok(path: &Path, name: &str) -> bool {
     blake3::hash(&std::fs::read(path).unwrap()).to_hex().as_str() == name
 }
@@ -970,9 +893,7 @@ async fn a_same_host_client_gets_a_verified_local_path_over_the_unix_socket() {
         .unwrap_err();
     assert_eq!(e.code(), tonic::Code::PermissionDenied);
 
-    let mut local = locus_proto::client::connect_local_node(&nodes[other].socket)
-        .await
-        .unwrap();
+    let mut local = locus_proto::client::connect_local_node(&nodes[other].socket);
     let got = local.ensure_local(req.clone()).await.unwrap().into_inner().path;
     assert!(got.starts_with(nodes[other].data_dir.to_str().unwrap()), "{got}");
     assert_eq!(

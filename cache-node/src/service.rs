@@ -46,6 +46,23 @@ pub struct NodeService {
     pub metrics: Arc<crate::metrics::Metrics>,
 }
 
+impl NodeService {
+    /// `BlobStore::verified_path` off the async threads: it may hash a whole blob.
+    async fn verified_path(&self, h: BlobHash) -> Result<Option<std::path::PathBuf>, Status> {
+        let store = self.store.clone();
+        let metrics = self.metrics.clone();
+        let before = store.stats().quarantined;
+        let r = tokio::task::spawn_blocking(move || store.verified_path(&h))
+            .await
+            .map_err(|e| Status::internal(format!("verification task failed: {e}")))?
+            .map_err(to_status);
+        if self.store.stats().quarantined > before {
+            metrics.corrupt.inc();
+        }
+        r
+    }
+}
+
 fn hash(b: &[u8]) -> Result<BlobHash, Status> {
     Ok(BlobHash::from_slice("hash", b)?)
 }
@@ -469,7 +486,7 @@ impl Node for NodeService {
         }
         let q = req.into_inner();
         let h = hash(&q.hash)?;
-        if let Some(p) = self.store.path_of(&h) {
+        if let Some(p) = self.verified_path(h).await? {
             return Ok(Response::new(nodepb::EnsureLocalResponse {
                 path: p.display().to_string(),
             }));
@@ -502,7 +519,7 @@ impl Node for NodeService {
             .await
             {
                 Ok(_) => {
-                    if let Some(p) = self.store.path_of(&h) {
+                    if let Some(p) = self.verified_path(h).await? {
                         return Ok(Response::new(nodepb::EnsureLocalResponse {
                             path: p.display().to_string(),
                         }));

@@ -126,6 +126,29 @@ struct State {
     /// Bytes reserved by writes in progress.
     reserved: u64,
     quarantined: u64,
+    /// When each blob's file was last hashed whole and found intact, as the file's
+    /// (inode, ctime) at that moment. Any write to the file changes its ctime, so a
+    /// matching stamp means nothing has touched the bytes since (bit rot is the scrub's).
+    verified: HashMap<BlobHash, FileStamp>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct FileStamp {
+    ino: u64,
+    ctime_s: i64,
+    ctime_ns: i64,
+    size: u64,
+}
+
+fn stamp(p: &Path) -> std::io::Result<FileStamp> {
+    use std::os::unix::fs::MetadataExt;
+    let m = fs::metadata(p)?;
+    Ok(FileStamp {
+        ino: m.ino(),
+        ctime_s: m.ctime(),
+        ctime_ns: m.ctime_nsec(),
+        size: m.len(),
+    })
 }
 
 /// What a restart found when it compared the index with the directories.
@@ -808,17 +831,52 @@ impl BlobStore {
         Ok(out)
     }
 
-    /// Re-hashes a whole blob. Ok(false) (and quarantine) when it no longer matches.
+    /// Re-hashes a whole blob, a chunk at a time. Ok(false) (and quarantine) when it no
+    /// longer matches.
     pub fn verify(&self, h: &BlobHash) -> Result<bool, StoreError> {
-        let Some(size) = self.size_of(h) else {
+        let (Some(size), Some(cs)) = (self.size_of(h), self.chunk_size_of(h)) else {
             return Ok(true);
         };
-        match self.read_range(h, 0, size.max(1)) {
-            Ok(_) => Ok(true),
-            Err(StoreError::Corrupt { .. }) => Ok(false),
-            Err(StoreError::NotFound(_)) => Ok(true),
-            Err(e) => Err(e),
+        let mut off = 0;
+        while off < size.max(1) {
+            match self.read_range(h, off, cs) {
+                Ok(_) => {}
+                Err(StoreError::Corrupt { .. }) => return Ok(false),
+                Err(StoreError::NotFound(_)) => return Ok(true),
+                Err(e) => return Err(e),
+            }
+            off += cs;
         }
+        Ok(true)
+    }
+
+    /// The path of a complete local blob whose file is known to hold the right bytes,
+    /// for clients that read the file directly (the mount hands it to the kernel, which
+    /// then reads it without us). The first request after any change to the file hashes
+    /// it whole; later ones only compare the file's stamp. None when the blob is absent
+    /// or failed the check (it is then quarantined and must be fetched again).
+    pub fn verified_path(&self, h: &BlobHash) -> Result<Option<PathBuf>, StoreError> {
+        let Some(path) = self.path_of(h) else {
+            return Ok(None);
+        };
+        let before = match stamp(&path) {
+            Ok(s) => s,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                self.forget(h);
+                return Ok(None);
+            }
+            Err(e) => return Err(io(e)),
+        };
+        if self.state().verified.get(h) == Some(&before) {
+            return Ok(Some(path));
+        }
+        if !self.verify(h)? {
+            return Ok(None);
+        }
+        // The stamp from before hashing: a write during the hash changes the ctime, so
+        // the next request hashes again.
+        self.state().verified.insert(*h, before);
+        Ok(Some(path))
     }
 
     fn corrupt(&self, h: &BlobHash, path: &Path, what: String) -> StoreError {
@@ -847,6 +905,7 @@ impl BlobStore {
 
     fn forget(&self, h: &BlobHash) {
         let mut st = self.state();
+        st.verified.remove(h);
         if let Some(m) = st.blobs.remove(h).or_else(|| st.partials.remove(h)) {
             st.used -= m.rec.size;
             if m.rec.pinned {

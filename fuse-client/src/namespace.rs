@@ -41,6 +41,8 @@ struct Inode {
     count: u32,
     /// Files: index into `blobs`.
     blob: u32,
+    /// Files: the shard whose replicas hold the blob.
+    shard: u32,
 }
 
 /// What getattr needs.
@@ -71,6 +73,7 @@ pub struct Namespace {
     blobs: Vec<BlobHash>,
     chunks: Vec<BlobHash>,
     chunk_size: u32,
+    total_bytes: u64,
 }
 
 impl Namespace {
@@ -87,6 +90,7 @@ impl Namespace {
             blobs: Vec::new(),
             chunks: Vec::new(),
             chunk_size,
+            total_bytes: 0,
         };
         // Index 0 is unused so inode numbers equal indexes; 1 is the root.
         let dir = |parent: u32| Inode {
@@ -100,6 +104,7 @@ impl Namespace {
             first: 0,
             count: 0,
             blob: 0,
+            shard: 0,
         };
         ns.inodes.push(dir(0));
         ns.inodes.push(dir(ROOT as u32));
@@ -132,14 +137,20 @@ impl Namespace {
                 first: 0,
                 count: 0,
                 blob: 0,
+                shard: 0,
             };
             ns.names.push_str(name);
             match &e.kind {
                 EntryKind::Dir => {}
                 EntryKind::File {
-                    size, blob, chunks, ..
+                    size,
+                    blob,
+                    chunks,
+                    shard,
                 } => {
                     node.kind = Kind::File;
+                    node.shard = *shard;
+                    ns.total_bytes += *size;
                     node.size = *size;
                     node.blob = ns.blobs.len() as u32;
                     ns.blobs.push(*blob);
@@ -190,6 +201,11 @@ impl Namespace {
 
     pub fn is_empty(&self) -> bool {
         self.len() == 1
+    }
+
+    /// Bytes of all files.
+    pub fn total_bytes(&self) -> u64 {
+        self.total_bytes
     }
 
     pub fn chunk_size(&self) -> u32 {
@@ -262,6 +278,26 @@ impl Namespace {
                 &self.chunks[n.first as usize..(n.first + n.count) as usize],
             )
         })
+    }
+
+    /// The shard a file belongs to.
+    pub fn shard(&self, ino: u64) -> Option<u32> {
+        let n = self.get(ino)?;
+        (n.kind == Kind::File).then_some(n.shard)
+    }
+
+    /// The entry's path from the version's root (`a/b/c`), rebuilt from parent links:
+    /// only the rare origin fallback needs it, so it is not stored.
+    pub fn path(&self, ino: u64) -> Option<String> {
+        self.get(ino)?;
+        let mut parts = Vec::new();
+        let mut cur = ino as u32;
+        while u64::from(cur) != ROOT {
+            parts.push(self.name_of(cur));
+            cur = self.inodes[cur as usize].parent;
+        }
+        parts.reverse();
+        Some(parts.join("/"))
     }
 
     /// Approximate heap bytes held, for the mount's memory budget.

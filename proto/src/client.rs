@@ -158,34 +158,27 @@ pub async fn connect_node(
     )
 }
 
-/// Connects to a cache node's Unix socket (same-host clients: the mount). The socket's
-/// file permissions are its access control; no token is sent.
-pub async fn connect_local_node(path: &std::path::Path) -> Result<NodeClient, ClientError> {
+/// A client of a cache node's Unix socket (same-host clients: the mount). The socket's
+/// file permissions are its access control; no token is sent. The connection is made on
+/// first use and remade after the node restarts, so a client outlives its node.
+pub fn connect_local_node(path: &std::path::Path) -> NodeClient {
     let path = path.to_path_buf();
-    let shown = path.display().to_string();
     // The URI is required by the API but unused: every connection goes to the socket.
     let channel = Endpoint::from_static("http://localhost")
         .connect_timeout(Duration::from_secs(5))
         .initial_stream_window_size(BLOB_STREAM_WINDOW)
         .initial_connection_window_size(BLOB_CONNECTION_WINDOW)
-        .connect_with_connector(tower::service_fn(move |_: tonic::transport::Uri| {
+        .connect_with_connector_lazy(tower::service_fn(move |_: tonic::transport::Uri| {
             let path = path.clone();
             async move {
                 Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(
                     tokio::net::UnixStream::connect(path).await?,
                 ))
             }
-        }))
-        .await
-        .map_err(|e| ClientError::Connect {
-            url: shown,
-            reason: error_chain(&e),
-        })?;
-    Ok(
-        crate::nodepb::node_client::NodeClient::with_interceptor(channel, BearerToken(None))
-            .max_decoding_message_size(crate::MAX_MESSAGE_BYTES)
-            .max_encoding_message_size(crate::MAX_MESSAGE_BYTES),
-    )
+        }));
+    crate::nodepb::node_client::NodeClient::with_interceptor(channel, BearerToken(None))
+        .max_decoding_message_size(crate::MAX_MESSAGE_BYTES)
+        .max_encoding_message_size(crate::MAX_MESSAGE_BYTES)
 }
 
 /// An error and its sources on one line: transport errors hide the useful part

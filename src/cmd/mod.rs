@@ -4,6 +4,7 @@ pub mod dataset;
 pub mod demo;
 pub mod import;
 pub mod metadata;
+pub mod mount;
 pub mod node;
 pub mod status;
 

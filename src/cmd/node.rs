@@ -103,7 +103,7 @@ pub async fn run(cmd: NodeCmd, cfg: &Resolved) -> anyhow::Result<()> {
     }
 }
 
-fn hostname() -> String {
+pub fn hostname() -> String {
     std::fs::read_to_string("/proc/sys/kernel/hostname")
         .map(|s| s.trim().to_ascii_lowercase())
         .unwrap_or_else(|_| "localhost".into())

@@ -25,6 +25,7 @@ pub async fn run(cfg: &Resolved) -> anyhow::Result<()> {
     let free: u64 = up.iter().map(|n| n.free_bytes).sum();
     let versions: u64 = datasets.iter().map(|d| d.version_count).sum();
     let bytes: u64 = datasets.iter().map(|d| d.bytes).sum();
+    let mounts = crate::cmd::mount::statuses();
     if cfg.json {
         return output::json(&serde_json::json!({
             "metadata": {
@@ -39,6 +40,7 @@ pub async fn run(cfg: &Resolved) -> anyhow::Result<()> {
             "nodes": {"total": nodes.len(), "up": up.len(), "down": nodes.len() - up.len(),
                       "capacity_bytes": capacity, "free_bytes": free},
             "datasets": {"count": datasets.len(), "versions": versions, "bytes": bytes},
+            "mounts": mounts,
         }));
     }
     println!(
@@ -76,6 +78,25 @@ pub async fn run(cfg: &Resolved) -> anyhow::Result<()> {
     }
     if info.open_sessions > 0 {
         println!("imports    {} in progress", info.open_sessions);
+    }
+    for m in &mounts {
+        let t = &m.totals;
+        println!(
+            "mount      {}@{} at {} (pid {}): {} opens ({} passthrough, {} local, {} remote); \
+             read {} local, {} remote, {} from memory; {} read errors",
+            m.dataset,
+            m.version,
+            m.mountpoint.display(),
+            m.pid,
+            t.opens_passthrough + t.opens_local + t.opens_remote,
+            t.opens_passthrough,
+            t.opens_local,
+            t.opens_remote,
+            output::size(t.bytes_local),
+            output::size(t.bytes_remote),
+            output::size(t.bytes_cache),
+            t.read_errors
+        );
     }
     Ok(())
 }

@@ -912,3 +912,246 @@ pub async fn http_get(addr: SocketAddr, path: &str) -> String {
         .map(|(_, b)| b.to_string())
         .unwrap_or_default()
 }
+
+// ---------------------------------------------------------------------------------------
+// Datasets on disk
+
+/// A mixed tree: `files` files from empty to over two 64 KiB chunks, nested directories,
+/// symlinks, empty directories, duplicate contents, unicode and spaces in names.
+pub fn make_tree(root: &Path, files: usize) {
+    let bytes = |seed: usize, n: usize| -> Vec<u8> {
+        let mut out = vec![0u8; n];
+        blake3::Hasher::new()
+            .update(&seed.to_le_bytes())
+            .finalize_xof()
+            .fill(&mut out);
+        out
+    };
+    for i in 0..files {
+        let dir = match i % 4 {
+            0 => format!("train/class {:02}", i % 13),
+            1 => format!("train/ünï/{:02}/deep", i % 7),
+            2 => "val".to_string(),
+            _ => String::new(),
+        };
+        let d = root.join(&dir);
+        std::fs::create_dir_all(&d).unwrap();
+        let size = match i % 10 {
+            0 => 0,
+            1..=6 => (i * 37) % 4096,
+            7 | 8 => 10_000 + (i * 101) % 50_000,
+            _ => 140_000 + (i * 13) % 60_000,
+        };
+        // Every 50th file repeats an earlier one's content: one blob, many files.
+        let content = if i % 50 == 49 {
+            bytes(i - 20, size)
+        } else {
+            bytes(i, size)
+        };
+        std::fs::write(d.join(format!("file {i:04}.bin")), content).unwrap();
+    }
+    std::fs::create_dir_all(root.join("empty/nested")).unwrap();
+    for i in 0..5 {
+        std::os::unix::fs::symlink(
+            format!("../val/file {:04}.bin", i * 4 + 2),
+            root.join(format!("val-link-{i}")),
+        )
+        .unwrap();
+    }
+    std::os::unix::fs::symlink("/etc/hostname", root.join("absolute-link")).unwrap();
+}
+
+/// `locus dataset import NAME DIR` with 64 KiB chunks and JSON output.
+pub fn import(m: &Metadata, name: &str, dir: &Path, extra: &[&str]) -> std::process::Output {
+    let mut args = vec![
+        "dataset",
+        "import",
+        name,
+        dir.to_str().unwrap(),
+        "--chunk-size",
+        "64KiB",
+        "--json",
+    ];
+    args.extend_from_slice(extra);
+    m.cli(&args)
+}
+
+/// A metadata service (2 s liveness, fast repair) and `nodes` cache nodes n1, n2, ….
+pub async fn cluster(h: &Harness, nodes: usize, opts: impl Fn(usize) -> NodeOpts) -> (Metadata, Vec<Node>) {
+    let m = h
+        .start_metadata(
+            "meta",
+            MetadataOpts {
+                liveness_timeout: Some("2s"),
+                extra: vec!["--repair-interval".into(), "500ms".into()],
+                ..Default::default()
+            },
+        )
+        .await;
+    let mut ns = Vec::new();
+    for i in 1..=nodes {
+        ns.push(h.start_node(&format!("n{i}"), &m, opts(i)).await);
+    }
+    (m, ns)
+}
+
+// ---------------------------------------------------------------------------------------
+// Mounts
+
+/// A `locus mount` started through the real CLI (daemonizing, as an operator runs it).
+/// Dropping it unmounts (lazily, so a hung mount cannot hang the test) and kills the
+/// mount process.
+pub struct Mount {
+    pub path: PathBuf,
+    pub runtime_dir: PathBuf,
+    pub log: PathBuf,
+}
+
+impl Metadata {
+    /// `locus mount TARGET <run dir>/NAME [--node-socket SOCK] EXTRA…`; panics unless it
+    /// reports ready.
+    pub fn mount(&self, name: &str, target: &str, node: Option<&Node>, extra: &[&str]) -> Mount {
+        let o = self.try_mount(name, target, node, extra);
+        assert!(o.1.status.success(), "mount failed: {}", stderr(&o.1));
+        o.0
+    }
+
+    /// Like `mount`, returning the CLI's output whatever it was.
+    pub fn try_mount(
+        &self,
+        name: &str,
+        target: &str,
+        node: Option<&Node>,
+        extra: &[&str],
+    ) -> (Mount, Output) {
+        let path = self.dir.parent().unwrap().join(name);
+        std::fs::create_dir_all(&path).unwrap();
+        let runtime_dir = self.dir.parent().unwrap().join("runtime");
+        let log = self.dir.parent().unwrap().join(format!("{name}.log"));
+        let mut args = vec![
+            "mount",
+            target,
+            path.to_str().unwrap(),
+            "--log-file",
+            log.to_str().unwrap(),
+        ];
+        if let Some(n) = node {
+            args.push("--node-socket");
+            args.push(n.socket.to_str().unwrap());
+        }
+        args.extend_from_slice(extra);
+        let mut cmd = Command::new(LOCUS);
+        cmd.args(&args)
+            .env("LOCUS_METADATA", self.url())
+            .env("LOCUS_RUNTIME_DIR", &runtime_dir)
+            .env("RUST_LOG", "info")
+            .env_remove("LOCUS_CONFIG");
+        match self.token("reader").or_else(|| self.token("admin")) {
+            Some(t) => cmd.env("LOCUS_TOKEN", t),
+            None => cmd.env_remove("LOCUS_TOKEN"),
+        };
+        let out = cmd.output().expect("run locus mount");
+        (
+            Mount {
+                path,
+                runtime_dir,
+                log,
+            },
+            out,
+        )
+    }
+}
+
+impl Mount {
+    /// The mount's status file (what `locus status` shows).
+    pub fn status(&self) -> serde_json::Value {
+        let name = self
+            .path
+            .display()
+            .to_string()
+            .trim_matches('/')
+            .chars()
+            .map(|c| {
+                if c.is_ascii_alphanumeric() || c == '-' || c == '.' {
+                    c
+                } else {
+                    '_'
+                }
+            })
+            .collect::<String>();
+        let p = self.runtime_dir.join("mounts").join(format!("{name}.json"));
+        serde_json::from_slice(&std::fs::read(&p).unwrap_or_else(|e| panic!("{}: {e}", p.display()))).unwrap()
+    }
+
+    /// Waits (the status file is rewritten every two seconds) until `ok` holds for the
+    /// mount's status, and returns it.
+    pub async fn status_when(
+        &self,
+        what: &str,
+        ok: impl Fn(&serde_json::Value) -> bool,
+    ) -> serde_json::Value {
+        wait_until(what, Duration::from_secs(10), || {
+            let s = self.status();
+            let good = ok(&s);
+            async move { good.then_some(s) }
+        })
+        .await
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.status()["pid"].as_u64().unwrap() as u32
+    }
+
+    pub fn umount(&self) -> Output {
+        Command::new(LOCUS)
+            .args(["umount", self.path.to_str().unwrap()])
+            .env("LOCUS_RUNTIME_DIR", &self.runtime_dir)
+            .output()
+            .expect("run locus umount")
+    }
+
+    pub fn is_mounted(&self) -> bool {
+        let want = self.path.display().to_string();
+        std::fs::read_to_string("/proc/self/mountinfo")
+            .unwrap_or_default()
+            .lines()
+            .any(|l| l.split(' ').nth(4) == Some(want.as_str()))
+    }
+}
+
+impl Drop for Mount {
+    fn drop(&mut self) {
+        if !self.is_mounted() {
+            return;
+        }
+        let pid = std::fs::read_dir(self.runtime_dir.join("mounts"))
+            .ok()
+            .and_then(|_| std::panic::catch_unwind(|| self.pid()).ok());
+        let _ = Command::new("fusermount3")
+            .args(["-u", "-z"])
+            .arg(&self.path)
+            .status();
+        if let Some(pid) = pid {
+            let _ = Command::new("kill").args(["-9", &pid.to_string()]).status();
+        }
+        if std::thread::panicking() {
+            eprintln!(
+                "--- mount log {} ---\n{}",
+                self.log.display(),
+                std::fs::read_to_string(&self.log).unwrap_or_default()
+            );
+        }
+    }
+}
+
+/// Drops a file's pages from the page cache, so the next read asks the filesystem again.
+#[allow(unsafe_code)]
+pub fn drop_page_cache(path: &Path) {
+    use std::os::fd::AsRawFd;
+    if let Ok(f) = std::fs::File::open(path) {
+        // SAFETY: a valid open descriptor; posix_fadvise only advises the kernel.
+        unsafe {
+            libc::posix_fadvise(f.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED);
+        }
+    }
+}

@@ -1,0 +1,594 @@
+//! The FUSE filesystem: kernel requests answered from the immutable namespace and the
+//! read path.
+//!
+//! Metadata operations never leave this process: the namespace was loaded at mount and
+//! cannot change, so entries and attributes are given to the kernel with long timeouts
+//! and file pages are kept cached across opens.
+//!
+//! Opening a file picks how its bytes will be read, best first:
+//! 1. **passthrough**: the local cache node makes the blob present and verified and
+//!    returns its path; the file is registered with the kernel as the backing file, and
+//!    reads never reach this process;
+//! 2. **local**: the same file read here with pread (kernel without passthrough, or not
+//!    allowed to register backing files);
+//! 3. **remote**: no local node, or it failed: verified chunks from remote replicas
+//!    (`reader`), with read-ahead for sequential readers.
+//!
+//! The fuser session calls these methods from several threads; they block on the async
+//! runtime for network work, which is why the session runs many threads.
+
+use std::collections::HashMap;
+use std::ffi::OsStr;
+use std::fs::File;
+use std::os::unix::fs::FileExt;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime};
+
+use fuser::{
+    BackingId, Errno, FileAttr, FileHandle, FileType, Filesystem, FopenFlags, Generation, INodeNo, InitFlags,
+    KernelConfig, LockOwner, OpenAccMode, OpenFlags, ReplyAttr, ReplyData, ReplyDirectory,
+    ReplyDirectoryPlus, ReplyEmpty, ReplyEntry, ReplyOpen, ReplyStatfs, Request,
+};
+use locus_proto::client::NodeClient;
+use locus_proto::{nodepb, BlobHash};
+
+use crate::metrics::Metrics;
+use crate::namespace::{Attr, Kind, Namespace};
+use crate::reader::{ChunkRef, Remote};
+
+/// Nothing in a mounted version ever changes, so the kernel may keep what it learns.
+const TTL: Duration = Duration::from_secs(24 * 3600);
+
+/// How a file was opened.
+enum Handle {
+    /// The kernel reads the backing file; `file` stays open so the backing id does.
+    Passthrough { ino: u64, _file: File },
+    /// pread of the node's verified local file.
+    Local { file: File },
+    /// Chunks from remote replicas.
+    Remote { ino: u64, ra: Mutex<ReadAhead> },
+}
+
+/// Sequential-read detection for one open file.
+#[derive(Debug, Default)]
+struct ReadAhead {
+    next: u64,
+    window: usize,
+}
+
+pub struct Settings {
+    /// Ask the kernel for passthrough (it may still refuse).
+    pub passthrough: bool,
+    /// Most chunks fetched ahead of a sequential reader.
+    pub readahead_chunks: usize,
+    /// How long open may wait for the local node to make a blob present.
+    pub open_timeout: Duration,
+    /// Generation number for every inode (the version number: inode numbers are stable
+    /// within a version only).
+    pub generation: u64,
+}
+
+pub struct LocusFs {
+    ns: Arc<Namespace>,
+    rt: tokio::runtime::Handle,
+    local: Option<NodeClient>,
+    remote: Arc<Remote>,
+    metrics: Arc<Metrics>,
+    settings: Settings,
+    uid: u32,
+    gid: u32,
+    /// Whether backing files are being handed to the kernel (set at init, cleared if
+    /// the kernel refuses one).
+    passthrough: Arc<AtomicBool>,
+    next_fh: AtomicU64,
+    handles: Mutex<HashMap<u64, Arc<Handle>>>,
+    /// The kernel wants one backing file per inode while any handle of it is open.
+    backing: Mutex<HashMap<u64, (Arc<BackingId>, usize)>>,
+}
+
+impl LocusFs {
+    pub fn new(
+        ns: Arc<Namespace>,
+        rt: tokio::runtime::Handle,
+        local: Option<NodeClient>,
+        remote: Arc<Remote>,
+        metrics: Arc<Metrics>,
+        settings: Settings,
+    ) -> Self {
+        // Files belong to whoever mounted them; /proc/self is owned by our own ids.
+        let (uid, gid) = std::fs::metadata("/proc/self")
+            .map(|m| {
+                use std::os::unix::fs::MetadataExt;
+                (m.uid(), m.gid())
+            })
+            .unwrap_or((0, 0));
+        LocusFs {
+            ns,
+            rt,
+            local,
+            remote,
+            metrics,
+            settings,
+            uid,
+            gid,
+            passthrough: Arc::new(AtomicBool::new(false)),
+            next_fh: AtomicU64::new(1),
+            handles: Mutex::new(HashMap::new()),
+            backing: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// Whether passthrough is in use; readable after the filesystem moved into its
+    /// session (the kernel's answer comes at init).
+    pub fn passthrough_state(&self) -> Arc<AtomicBool> {
+        self.passthrough.clone()
+    }
+
+    fn file_attr(&self, a: &Attr) -> FileAttr {
+        let t = if a.mtime_ns >= 0 {
+            SystemTime::UNIX_EPOCH + Duration::from_nanos(a.mtime_ns as u64)
+        } else {
+            SystemTime::UNIX_EPOCH - Duration::from_nanos(a.mtime_ns.unsigned_abs())
+        };
+        FileAttr {
+            ino: INodeNo(a.ino),
+            size: a.size,
+            blocks: a.size.div_ceil(512),
+            atime: t,
+            mtime: t,
+            ctime: t,
+            crtime: t,
+            kind: file_type(a.kind),
+            perm: a.mode,
+            nlink: a.nlink,
+            uid: self.uid,
+            gid: self.gid,
+            rdev: 0,
+            blksize: 1 << 20,
+            flags: 0,
+        }
+    }
+
+    fn add_handle(&self, h: Handle) -> FileHandle {
+        let fh = self.next_fh.fetch_add(1, Ordering::Relaxed);
+        self.handles.lock().unwrap().insert(fh, Arc::new(h));
+        FileHandle(fh)
+    }
+
+    /// Asks the local node for a verified local copy of the blob.
+    fn ensure_local(&self, node: &NodeClient, blob: BlobHash, size: u64) -> Result<PathBuf, String> {
+        let mut node = node.clone();
+        let req = nodepb::EnsureLocalRequest {
+            hash: blob.0.to_vec(),
+            size,
+            chunk_size: self.ns.chunk_size(),
+        };
+        let limit = self.settings.open_timeout;
+        self.rt.block_on(async move {
+            match tokio::time::timeout(limit, node.ensure_local(req)).await {
+                Ok(Ok(r)) => Ok(PathBuf::from(r.into_inner().path)),
+                Ok(Err(s)) => Err(format!("{:?}: {}", s.code(), s.message())),
+                Err(_) => Err(format!("no answer within {limit:?}")),
+            }
+        })
+    }
+
+    /// Opens through the local node. Gives the reply back when the caller must use the
+    /// remote path instead (no local node, or it cannot provide the blob).
+    fn open_local(&self, ino: u64, blob: BlobHash, size: u64, reply: ReplyOpen) -> Option<ReplyOpen> {
+        let Some(node) = self.local.as_ref() else {
+            return Some(reply);
+        };
+        let path = match self.ensure_local(node, blob, size) {
+            Ok(p) => p,
+            Err(e) => {
+                tracing::warn!(ino, blob = %blob, "the local node cannot provide the blob, reading from replicas: {e}");
+                return Some(reply);
+            }
+        };
+        let file = match File::open(&path) {
+            Ok(f) => f,
+            Err(e) => {
+                tracing::warn!(path = %path.display(), "cannot open the node's blob file, reading from replicas: {e}");
+                return Some(reply);
+            }
+        };
+        if self.passthrough.load(Ordering::Relaxed) {
+            let mut backing = self.backing.lock().unwrap();
+            let id = match backing.get_mut(&ino) {
+                Some((id, n)) => {
+                    *n += 1;
+                    Some(id.clone())
+                }
+                None => match reply.open_backing(&file) {
+                    Ok(id) => {
+                        let id = Arc::new(id);
+                        backing.insert(ino, (id.clone(), 1));
+                        Some(id)
+                    }
+                    Err(e) => {
+                        // Typically EPERM: registering backing files needs CAP_SYS_ADMIN.
+                        tracing::warn!("the kernel refused a backing file ({e}); reading local files with pread from now on");
+                        self.passthrough.store(false, Ordering::Relaxed);
+                        None
+                    }
+                },
+            };
+            if let Some(id) = id {
+                drop(backing);
+                let fh = self.add_handle(Handle::Passthrough { ino, _file: file });
+                self.metrics.opened("passthrough");
+                // The kernel refuses passthrough opens with any flag outside its small
+                // allowed set (KEEP_CACHE included): the backing file's own page cache
+                // is what gets used.
+                reply.opened_passthrough(fh, FopenFlags::empty(), &id);
+                return None;
+            }
+        }
+        let fh = self.add_handle(Handle::Local { file });
+        self.metrics.opened("local");
+        reply.opened(fh, FopenFlags::FOPEN_KEEP_CACHE);
+        None
+    }
+
+    fn chunk_ref(&self, ino: u64, index: u64) -> Option<ChunkRef> {
+        let a = self.ns.attr(ino)?;
+        let (blob, chunks) = self.ns.blob(ino)?;
+        let cs = u64::from(self.ns.chunk_size());
+        let offset = index * cs;
+        if offset >= a.size {
+            return None;
+        }
+        Some(ChunkRef {
+            blob,
+            shard: self.ns.shard(ino)?,
+            index: index as u32,
+            offset,
+            len: cs.min(a.size - offset),
+            hash: *chunks.get(index as usize)?,
+        })
+    }
+
+    fn read_remote(&self, ino: u64, ra: &Mutex<ReadAhead>, offset: u64, size: u32) -> Result<Vec<u8>, Errno> {
+        let a = self.ns.attr(ino).ok_or(Errno::ENOENT)?;
+        let end = offset.saturating_add(u64::from(size)).min(a.size);
+        if offset >= end {
+            return Ok(Vec::new());
+        }
+        let cs = u64::from(self.ns.chunk_size());
+        let (first, last) = (offset / cs, (end - 1) / cs);
+        let window = {
+            let mut st = ra.lock().unwrap();
+            st.window = if offset == st.next && offset > 0 {
+                (st.window * 2).clamp(1, self.settings.readahead_chunks)
+            } else {
+                0
+            };
+            st.next = end;
+            st.window
+        };
+        let wanted: Vec<ChunkRef> = (first..=last).filter_map(|i| self.chunk_ref(ino, i)).collect();
+        let ahead: Vec<ChunkRef> = (last + 1..=last + window as u64)
+            .filter_map(|i| self.chunk_ref(ino, i))
+            .collect();
+        let remote = self.remote.clone();
+        let parts = self.rt.block_on(async move {
+            remote.prefetch(ahead);
+            let tasks: Vec<_> = wanted
+                .into_iter()
+                .map(|c| {
+                    let r = remote.clone();
+                    tokio::spawn(async move { (c, r.chunk(c).await) })
+                })
+                .collect();
+            let mut parts = Vec::with_capacity(tasks.len());
+            for t in tasks {
+                parts.push(t.await);
+            }
+            parts
+        });
+        let mut out = Vec::with_capacity((end - offset) as usize);
+        for p in parts {
+            let (c, data) = p.map_err(|_| Errno::EIO)?;
+            let data = data.map_err(|e| {
+                tracing::error!(ino, "read failed: {e}");
+                Errno::EIO
+            })?;
+            let from = offset.max(c.offset) - c.offset;
+            let to = end.min(c.offset + c.len) - c.offset;
+            out.extend_from_slice(&data[from as usize..to as usize]);
+        }
+        Ok(out)
+    }
+}
+
+fn file_type(k: Kind) -> FileType {
+    match k {
+        Kind::File => FileType::RegularFile,
+        Kind::Dir => FileType::Directory,
+        Kind::Symlink => FileType::Symlink,
+    }
+}
+
+fn pread(file: &File, offset: u64, size: u32) -> std::io::Result<Vec<u8>> {
+    let mut buf = vec![0u8; size as usize];
+    let mut got = 0;
+    while got < buf.len() {
+        match file.read_at(&mut buf[got..], offset + got as u64) {
+            Ok(0) => break,
+            Ok(n) => got += n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            Err(e) => return Err(e),
+        }
+    }
+    buf.truncate(got);
+    Ok(buf)
+}
+
+impl Filesystem for LocusFs {
+    fn init(&mut self, _req: &Request, config: &mut KernelConfig) -> std::io::Result<()> {
+        // Capabilities are wishes: what this kernel lacks is simply not used.
+        let _ = config.add_capabilities(InitFlags::FUSE_CACHE_SYMLINKS);
+        let _ = config.add_capabilities(InitFlags::FUSE_PARALLEL_DIROPS);
+        let _ = config.add_capabilities(InitFlags::FUSE_DO_READDIRPLUS | InitFlags::FUSE_READDIRPLUS_AUTO);
+        let _ = config
+            .set_max_readahead(u32::MAX)
+            .or_else(|max| config.set_max_readahead(max));
+        let _ = config.set_max_background(64);
+        if self.settings.passthrough {
+            match config.add_capabilities(InitFlags::FUSE_PASSTHROUGH) {
+                Ok(()) => {
+                    // Backing files may live on a stacked filesystem (overlayfs) themselves.
+                    let _ = config.set_max_stack_depth(2);
+                    self.passthrough.store(true, Ordering::Relaxed);
+                }
+                Err(_) => {
+                    tracing::info!("this kernel has no FUSE passthrough; local files are read with pread")
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn lookup(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEntry) {
+        let found = name
+            .to_str()
+            .and_then(|n| self.ns.lookup(parent.0, n))
+            .and_then(|ino| self.ns.attr(ino));
+        match found {
+            Some(a) => reply.entry(&TTL, &self.file_attr(&a), Generation(self.settings.generation)),
+            None => reply.error(Errno::ENOENT),
+        }
+    }
+
+    fn getattr(&self, _req: &Request, ino: INodeNo, _fh: Option<FileHandle>, reply: ReplyAttr) {
+        match self.ns.attr(ino.0) {
+            Some(a) => reply.attr(&TTL, &self.file_attr(&a)),
+            None => reply.error(Errno::ENOENT),
+        }
+    }
+
+    fn readlink(&self, _req: &Request, ino: INodeNo, reply: ReplyData) {
+        match self.ns.readlink(ino.0) {
+            Some(t) => reply.data(t.as_bytes()),
+            None => reply.error(Errno::EINVAL),
+        }
+    }
+
+    fn open(&self, _req: &Request, ino: INodeNo, flags: OpenFlags, reply: ReplyOpen) {
+        let ino = ino.0;
+        if flags.acc_mode() != OpenAccMode::O_RDONLY {
+            return reply.error(Errno::EROFS);
+        }
+        let Some(a) = self.ns.attr(ino) else {
+            return reply.error(Errno::ENOENT);
+        };
+        if a.kind != Kind::File {
+            return reply.error(Errno::EISDIR);
+        }
+        let Some((blob, _)) = self.ns.blob(ino) else {
+            return reply.error(Errno::EIO);
+        };
+        let reply = if a.size > 0 {
+            match self.open_local(ino, blob, a.size, reply) {
+                None => return,
+                Some(r) => r,
+            }
+        } else {
+            reply
+        };
+        // Remote: start on the first chunk now; the reader almost always wants it.
+        if let Some(c) = self.chunk_ref(ino, 0) {
+            let remote = self.remote.clone();
+            let _guard = self.rt.enter();
+            remote.prefetch(vec![c]);
+        }
+        let fh = self.add_handle(Handle::Remote {
+            ino,
+            ra: Mutex::new(ReadAhead::default()),
+        });
+        self.metrics.opened(if a.size == 0 { "empty" } else { "remote" });
+        reply.opened(fh, FopenFlags::FOPEN_KEEP_CACHE);
+    }
+
+    fn read(
+        &self,
+        _req: &Request,
+        _ino: INodeNo,
+        fh: FileHandle,
+        offset: u64,
+        size: u32,
+        _flags: OpenFlags,
+        _lock_owner: Option<LockOwner>,
+        reply: ReplyData,
+    ) {
+        let started = Instant::now();
+        let Some(h) = self.handles.lock().unwrap().get(&fh.0).cloned() else {
+            return reply.error(Errno::EBADF);
+        };
+        let (how, r) = match &*h {
+            Handle::Passthrough { _file: file, .. } | Handle::Local { file } => (
+                "local",
+                pread(file, offset, size).map_err(|e| {
+                    tracing::error!("reading the node's local file failed: {e}");
+                    Errno::EIO
+                }),
+            ),
+            Handle::Remote { ino, ra } => ("remote", self.read_remote(*ino, ra, offset, size)),
+        };
+        match r {
+            Ok(data) => {
+                self.metrics.read(how, data.len(), started.elapsed());
+                reply.data(&data)
+            }
+            Err(e) => {
+                self.metrics.read_error();
+                reply.error(e)
+            }
+        }
+    }
+
+    fn flush(
+        &self,
+        _req: &Request,
+        _ino: INodeNo,
+        _fh: FileHandle,
+        _lock_owner: LockOwner,
+        reply: ReplyEmpty,
+    ) {
+        // Nothing is ever written, so there is nothing to flush.
+        reply.ok();
+    }
+
+    fn release(
+        &self,
+        _req: &Request,
+        _ino: INodeNo,
+        fh: FileHandle,
+        _flags: OpenFlags,
+        _lock_owner: Option<LockOwner>,
+        _flush: bool,
+        reply: ReplyEmpty,
+    ) {
+        let h = self.handles.lock().unwrap().remove(&fh.0);
+        if let Some(h) = h {
+            if let Handle::Passthrough { ino, .. } = &*h {
+                let mut backing = self.backing.lock().unwrap();
+                if let Some((_, n)) = backing.get_mut(ino) {
+                    *n -= 1;
+                    if *n == 0 {
+                        backing.remove(ino);
+                    }
+                }
+            }
+        }
+        reply.ok();
+    }
+
+    fn opendir(&self, _req: &Request, ino: INodeNo, _flags: OpenFlags, reply: ReplyOpen) {
+        match self.ns.attr(ino.0) {
+            Some(a) if a.kind == Kind::Dir => reply.opened(
+                FileHandle(0),
+                FopenFlags::FOPEN_CACHE_DIR | FopenFlags::FOPEN_KEEP_CACHE,
+            ),
+            Some(_) => reply.error(Errno::ENOTDIR),
+            None => reply.error(Errno::ENOENT),
+        }
+    }
+
+    fn readdir(&self, _req: &Request, ino: INodeNo, _fh: FileHandle, offset: u64, mut reply: ReplyDirectory) {
+        let ino = ino.0;
+        let Some(parent) = self.ns.parent(ino) else {
+            return reply.error(Errno::ENOENT);
+        };
+        // Positions: 0 ".", 1 "..", 2.. the children; an entry's offset is the next position.
+        let mut pos = offset as usize;
+        if pos == 0 {
+            if reply.add(INodeNo(ino), 1, FileType::Directory, ".") {
+                return reply.ok();
+            }
+            pos = 1;
+        }
+        if pos == 1 {
+            let up = if parent == 0 { ino } else { parent };
+            if reply.add(INodeNo(up), 2, FileType::Directory, "..") {
+                return reply.ok();
+            }
+            pos = 2;
+        }
+        let Some(children) = self.ns.readdir(ino, pos - 2) else {
+            return reply.error(Errno::ENOTDIR);
+        };
+        for (i, (child, name, kind)) in children.enumerate() {
+            if reply.add(INodeNo(child), (pos + i + 1) as u64, file_type(kind), name) {
+                break;
+            }
+        }
+        reply.ok();
+    }
+
+    fn readdirplus(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        _fh: FileHandle,
+        offset: u64,
+        mut reply: ReplyDirectoryPlus,
+    ) {
+        let ino = ino.0;
+        let gen = Generation(self.settings.generation);
+        let (Some(parent), Some(me)) = (self.ns.parent(ino), self.ns.attr(ino)) else {
+            return reply.error(Errno::ENOENT);
+        };
+        let mut pos = offset as usize;
+        if pos == 0 {
+            if reply.add(INodeNo(ino), 1, ".", &TTL, &self.file_attr(&me), gen) {
+                return reply.ok();
+            }
+            pos = 1;
+        }
+        if pos == 1 {
+            let up = if parent == 0 { ino } else { parent };
+            let Some(ua) = self.ns.attr(up) else {
+                return reply.error(Errno::EIO);
+            };
+            if reply.add(INodeNo(up), 2, "..", &TTL, &self.file_attr(&ua), gen) {
+                return reply.ok();
+            }
+            pos = 2;
+        }
+        let Some(children) = self.ns.readdir(ino, pos - 2) else {
+            return reply.error(Errno::ENOTDIR);
+        };
+        for (i, (child, name, _)) in children.enumerate() {
+            let Some(a) = self.ns.attr(child) else { continue };
+            if reply.add(
+                INodeNo(child),
+                (pos + i + 1) as u64,
+                name,
+                &TTL,
+                &self.file_attr(&a),
+                gen,
+            ) {
+                break;
+            }
+        }
+        reply.ok();
+    }
+
+    fn statfs(&self, _req: &Request, _ino: INodeNo, reply: ReplyStatfs) {
+        let bytes = self.ns.total_bytes();
+        reply.statfs(
+            bytes.div_ceil(4096),
+            0,
+            0,
+            self.ns.len() as u64,
+            0,
+            4096,
+            255,
+            4096,
+        );
+    }
+}

@@ -1,0 +1,187 @@
+//! The mount's metrics, served in Prometheus text when `--metrics-addr` is given and
+//! summarised in the mount's status file for `locus status`.
+//!
+//! | name | type | unit | meaning |
+//! |---|---|---|---|
+//! | locus_mount_opens_total | counter | opens | file opens by how they are served (passthrough, local, remote, empty) |
+//! | locus_mount_reads_total | counter | calls | read calls that reached the mount (passthrough reads never do) |
+//! | locus_mount_read_bytes_total | counter | bytes | bytes by source: local (pread of the node's file), remote (fetched from replicas), cache (chunks served again from memory) |
+//! | locus_mount_read_errors_total | counter | calls | reads answered with EIO |
+//! | locus_mount_source_failures_total | counter | attempts | remote reads that failed and moved on to another replica |
+//! | locus_mount_corrupt_chunks_total | counter | chunks | chunks whose bytes did not match their hash (never returned) |
+//! | locus_mount_read_seconds | histogram | seconds | latency of read calls served by the mount |
+//! | locus_mount_fetch_seconds | histogram | seconds | latency of remote chunk fetches |
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
+use prometheus_client::registry::Registry;
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct How {
+    pub how: &'static str,
+}
+
+pub struct Metrics {
+    registry: Registry,
+    opens: Family<How, Counter>,
+    reads: Counter,
+    read_bytes: Family<How, Counter>,
+    read_errors: Counter,
+    source_failures: Counter,
+    corrupt: Counter,
+    read_seconds: Histogram,
+    fetch_seconds: Histogram,
+    // Plain totals for the status file (prometheus-client cannot be read back cheaply).
+    totals: [AtomicU64; 9],
+}
+
+/// Indexes into `totals`.
+const OPEN_PASSTHROUGH: usize = 0;
+const OPEN_LOCAL: usize = 1;
+const OPEN_REMOTE: usize = 2;
+const BYTES_LOCAL: usize = 3;
+const BYTES_REMOTE: usize = 4;
+const BYTES_CACHE: usize = 5;
+const ERRORS: usize = 6;
+const READS: usize = 7;
+const FAILOVERS: usize = 8;
+
+impl Default for Metrics {
+    fn default() -> Self {
+        let mut r = Registry::with_prefix("locus_mount");
+        let m = Metrics {
+            registry: Registry::default(),
+            opens: Family::default(),
+            reads: Counter::default(),
+            read_bytes: Family::default(),
+            read_errors: Counter::default(),
+            source_failures: Counter::default(),
+            corrupt: Counter::default(),
+            // 10 µs .. ~5 s
+            read_seconds: Histogram::new(exponential_buckets(1e-5, 3.0, 12)),
+            fetch_seconds: Histogram::new(exponential_buckets(1e-4, 3.0, 11)),
+            totals: Default::default(),
+        };
+        r.register("opens", "File opens by how they are served", m.opens.clone());
+        r.register("reads", "Read calls served by the mount", m.reads.clone());
+        r.register("read_bytes", "Bytes returned by source", m.read_bytes.clone());
+        r.register("read_errors", "Reads answered with EIO", m.read_errors.clone());
+        r.register(
+            "source_failures",
+            "Remote reads that failed over to another replica",
+            m.source_failures.clone(),
+        );
+        r.register(
+            "corrupt_chunks",
+            "Chunks that did not match their hash",
+            m.corrupt.clone(),
+        );
+        r.register("read_seconds", "Latency of read calls", m.read_seconds.clone());
+        r.register(
+            "fetch_seconds",
+            "Latency of remote chunk fetches",
+            m.fetch_seconds.clone(),
+        );
+        Metrics { registry: r, ..m }
+    }
+}
+
+/// Totals for `locus status`.
+#[derive(Debug, Clone, Default, serde::Serialize, serde::Deserialize)]
+pub struct Totals {
+    pub opens_passthrough: u64,
+    pub opens_local: u64,
+    pub opens_remote: u64,
+    pub bytes_local: u64,
+    pub bytes_remote: u64,
+    pub bytes_cache: u64,
+    pub read_errors: u64,
+    pub reads: u64,
+    /// Remote reads that failed and were retried on another replica.
+    pub failovers: u64,
+}
+
+impl Metrics {
+    fn add(&self, i: usize, n: u64) {
+        self.totals[i].fetch_add(n, Ordering::Relaxed);
+    }
+
+    pub fn opened(&self, how: &'static str) {
+        self.opens.get_or_create(&How { how }).inc();
+        let i = match how {
+            "passthrough" => OPEN_PASSTHROUGH,
+            "local" => OPEN_LOCAL,
+            "remote" => OPEN_REMOTE,
+            // Empty files: nothing to read from anywhere.
+            _ => return,
+        };
+        self.add(i, 1);
+    }
+
+    pub fn read(&self, how: &'static str, bytes: usize, took: Duration) {
+        self.reads.inc();
+        self.add(READS, 1);
+        self.read_seconds.observe(took.as_secs_f64());
+        // Remote bytes are counted per chunk as they arrive or hit the cache.
+        if how == "local" {
+            self.read_bytes.get_or_create(&How { how }).inc_by(bytes as u64);
+            self.add(BYTES_LOCAL, bytes as u64);
+        }
+    }
+
+    pub fn read_error(&self) {
+        self.read_errors.inc();
+        self.add(ERRORS, 1);
+    }
+
+    pub fn remote_read(&self, bytes: usize, took: Duration) {
+        self.fetch_seconds.observe(took.as_secs_f64());
+        self.read_bytes
+            .get_or_create(&How { how: "remote" })
+            .inc_by(bytes as u64);
+        self.add(BYTES_REMOTE, bytes as u64);
+    }
+
+    pub fn cache_hit(&self, bytes: usize) {
+        self.read_bytes
+            .get_or_create(&How { how: "cache" })
+            .inc_by(bytes as u64);
+        self.add(BYTES_CACHE, bytes as u64);
+    }
+
+    pub fn source_failure(&self) {
+        self.source_failures.inc();
+        self.add(FAILOVERS, 1);
+    }
+
+    pub fn corrupt(&self) {
+        self.corrupt.inc();
+    }
+
+    pub fn totals(&self) -> Totals {
+        let t = |i: usize| self.totals[i].load(Ordering::Relaxed);
+        Totals {
+            opens_passthrough: t(OPEN_PASSTHROUGH),
+            opens_local: t(OPEN_LOCAL),
+            opens_remote: t(OPEN_REMOTE),
+            bytes_local: t(BYTES_LOCAL),
+            bytes_remote: t(BYTES_REMOTE),
+            bytes_cache: t(BYTES_CACHE),
+            read_errors: t(ERRORS),
+            reads: t(READS),
+            failovers: t(FAILOVERS),
+        }
+    }
+
+    pub fn encode(&self) -> String {
+        let mut out = String::new();
+        prometheus_client::encoding::text::encode(&mut out, &self.registry)
+            .expect("writing to a String cannot fail");
+        out
+    }
+}

@@ -1,0 +1,399 @@
+//! Where a mounted file's bytes come from when the kernel cannot read a local file
+//! directly: remote replicas, chunk by chunk, each chunk checked against its hash from
+//! the manifest before anyone sees it.
+//!
+//! Sources are tried cheapest first (same host, rack, zone, then anywhere), spreading
+//! equal-cost replicas across blobs so parallel readers do not all hit one node. A node
+//! that fails is skipped for a while and the next replica is tried; when every known
+//! replica has failed, the metadata service is asked where the blob lives now (repair
+//! may have moved it). Nothing but verified bytes ever leaves this module: a chunk no
+//! source can serve is an error, which the mount turns into EIO.
+//!
+//! Verified chunks stay in a bounded in-memory cache; concurrent readers of one chunk
+//! share a single fetch. Sequential readers get read-ahead: the next chunks are fetched
+//! in the background, in parallel, while the current one is consumed.
+
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::{Duration, Instant};
+
+use bytes::{Bytes, BytesMut};
+use locus_proto::client::{connect_node, MetadataClient, NodeClient};
+use locus_proto::{nodepb, pb, BlobHash};
+use tokio::sync::OnceCell;
+
+use crate::metrics::Metrics;
+
+/// How long a node that failed a read is passed over.
+const BAD_NODE_PAUSE: Duration = Duration::from_secs(10);
+
+/// This host's place in the cluster, for pricing replicas.
+#[derive(Debug, Clone, Default)]
+pub struct Place {
+    pub host: String,
+    pub rack: Option<String>,
+    pub zone: Option<String>,
+}
+
+impl Place {
+    /// 0 same host, 1 same rack, 2 same zone, 3 elsewhere.
+    fn cost(&self, labels: &HashMap<String, String>) -> u8 {
+        let same = |k: &str, mine: Option<&String>| mine.is_some() && labels.get(k) == mine;
+        if labels.get("host") == Some(&self.host) {
+            0
+        } else if same("rack", self.rack.as_ref()) {
+            1
+        } else if same("zone", self.zone.as_ref()) {
+            2
+        } else {
+            3
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+struct NodeInfo {
+    addr: String,
+    cost: u8,
+}
+
+/// Shard replica sets and node addresses of the mounted version.
+#[derive(Debug, Default)]
+pub struct Topology {
+    shards: HashMap<u32, Vec<String>>,
+    nodes: HashMap<String, NodeInfo>,
+}
+
+impl Topology {
+    /// Reads the version's shards and the cluster's nodes.
+    pub async fn load(
+        client: &mut MetadataClient,
+        r: &pb::VersionRef,
+        place: &Place,
+    ) -> Result<Self, tonic::Status> {
+        let mut t = Topology::default();
+        let mut start = 0;
+        loop {
+            let resp = client
+                .list_shards(pb::ListShardsRequest {
+                    r#ref: Some(r.clone()),
+                    start,
+                    limit: 10_000,
+                })
+                .await?
+                .into_inner();
+            for s in &resp.shards {
+                t.shards.insert(s.id, s.replicas.clone());
+                start = start.max(s.id + 1);
+            }
+            if !resp.more || resp.shards.is_empty() {
+                break;
+            }
+        }
+        for n in client
+            .list_nodes(pb::ListNodesRequest {})
+            .await?
+            .into_inner()
+            .nodes
+        {
+            t.nodes.insert(
+                n.id.clone(),
+                NodeInfo {
+                    addr: n.address.clone(),
+                    cost: place.cost(&n.labels),
+                },
+            );
+        }
+        Ok(t)
+    }
+
+    fn candidates(&self, shard: u32) -> Vec<(String, NodeInfo)> {
+        self.shards
+            .get(&shard)
+            .into_iter()
+            .flatten()
+            .filter_map(|id| self.nodes.get(id).map(|n| (id.clone(), n.clone())))
+            .collect()
+    }
+}
+
+/// What identifies one chunk of one file.
+#[derive(Debug, Clone, Copy)]
+pub struct ChunkRef {
+    pub blob: BlobHash,
+    pub shard: u32,
+    pub index: u32,
+    pub offset: u64,
+    pub len: u64,
+    pub hash: BlobHash,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ReadError {
+    #[error("chunk {index} of blob {blob}: no source could serve it ({last})")]
+    Unavailable {
+        blob: BlobHash,
+        index: u32,
+        last: String,
+    },
+}
+
+type Key = (BlobHash, u32);
+
+/// Verified chunks, bounded by bytes, evicted oldest first (mounts mostly stream).
+struct ChunkCache {
+    budget: usize,
+    inner: Mutex<CacheInner>,
+}
+
+#[derive(Default)]
+struct CacheInner {
+    cells: HashMap<Key, Arc<OnceCell<Bytes>>>,
+    order: VecDeque<Key>,
+    bytes: usize,
+}
+
+impl ChunkCache {
+    fn cell(&self, k: Key) -> Arc<OnceCell<Bytes>> {
+        self.inner.lock().unwrap().cells.entry(k).or_default().clone()
+    }
+
+    fn filled(&self, k: Key, len: usize) {
+        let mut c = self.inner.lock().unwrap();
+        c.order.push_back(k);
+        c.bytes += len;
+        while c.bytes > self.budget {
+            let Some(old) = c.order.pop_front() else { break };
+            if let Some(cell) = c.cells.remove(&old) {
+                c.bytes -= cell.get().map_or(0, |b| b.len());
+            }
+        }
+    }
+
+    /// Drops a cell whose fetch failed, so the next reader tries afresh.
+    fn failed(&self, k: Key) {
+        let mut c = self.inner.lock().unwrap();
+        if c.cells.get(&k).is_some_and(|cell| !cell.initialized()) {
+            c.cells.remove(&k);
+        }
+    }
+}
+
+pub struct Remote {
+    metadata: MetadataClient,
+    version: pb::VersionRef,
+    token: Option<String>,
+    place: Place,
+    topology: RwLock<Topology>,
+    clients: tokio::sync::Mutex<HashMap<String, NodeClient>>,
+    bad: Mutex<HashMap<String, Instant>>,
+    cache: ChunkCache,
+    metrics: Arc<Metrics>,
+    /// A source silent for this long during a chunk is given up on.
+    pub timeout: Duration,
+}
+
+impl Remote {
+    pub fn new(
+        metadata: MetadataClient,
+        version: pb::VersionRef,
+        token: Option<String>,
+        place: Place,
+        topology: Topology,
+        cache_bytes: usize,
+        metrics: Arc<Metrics>,
+    ) -> Self {
+        Remote {
+            metadata,
+            version,
+            token,
+            place,
+            topology: RwLock::new(topology),
+            clients: Default::default(),
+            bad: Default::default(),
+            cache: ChunkCache {
+                budget: cache_bytes,
+                inner: Default::default(),
+            },
+            metrics,
+            timeout: Duration::from_secs(10),
+        }
+    }
+
+    /// Re-reads shard replica sets and nodes (after repair, nodes joining).
+    pub async fn refresh(&self) -> Result<(), tonic::Status> {
+        let mut c = self.metadata.clone();
+        let t = Topology::load(&mut c, &self.version, &self.place).await?;
+        *self.topology.write().unwrap() = t;
+        Ok(())
+    }
+
+    /// A verified chunk, from the cache or the cheapest source that serves it.
+    pub async fn chunk(self: &Arc<Self>, c: ChunkRef) -> Result<Bytes, ReadError> {
+        let key = (c.blob, c.index);
+        let cell = self.cache.cell(key);
+        if let Some(b) = cell.get() {
+            self.metrics.cache_hit(b.len());
+            return Ok(b.clone());
+        }
+        let mut fetched = false;
+        let r = cell
+            .get_or_try_init(|| async {
+                fetched = true;
+                self.fetch(c).await
+            })
+            .await
+            .cloned();
+        match &r {
+            Ok(b) if fetched => self.cache.filled(key, b.len()),
+            Ok(b) => self.metrics.cache_hit(b.len()),
+            Err(_) => self.cache.failed(key),
+        }
+        r
+    }
+
+    /// Starts fetching chunks in the background (read-ahead); errors are left for the
+    /// reader that actually needs the chunk.
+    pub fn prefetch(self: &Arc<Self>, chunks: Vec<ChunkRef>) {
+        for c in chunks {
+            let me = self.clone();
+            tokio::spawn(async move {
+                let _ = me.chunk(c).await;
+            });
+        }
+    }
+
+    fn ordered(&self, shard: u32, blob: &BlobHash) -> Vec<(String, NodeInfo)> {
+        let mut cands = self.topology.read().unwrap().candidates(shard);
+        let now = Instant::now();
+        let bad = self.bad.lock().unwrap();
+        // Equal-cost replicas take turns by blob, so readers spread over them.
+        let spread = u64::from_le_bytes(blob.0[..8].try_into().unwrap());
+        let n = cands.len().max(1) as u64;
+        let mut keyed: Vec<_> = cands
+            .drain(..)
+            .enumerate()
+            .map(|(i, (id, info))| {
+                let penalised = bad.get(&id).is_some_and(|until| *until > now);
+                let turn = (i as u64 + spread) % n;
+                ((penalised, info.cost, turn), id, info)
+            })
+            .collect();
+        keyed.sort_by_key(|k| k.0);
+        keyed.into_iter().map(|(_, id, info)| (id, info)).collect()
+    }
+
+    async fn fetch(&self, c: ChunkRef) -> Result<Bytes, ReadError> {
+        let started = Instant::now();
+        let mut tried = HashSet::new();
+        let mut last = String::from("no replica is known");
+        for round in 0..2 {
+            let cands = if round == 0 {
+                self.ordered(c.shard, &c.blob)
+            } else {
+                // Every replica we knew of failed: ask where the blob is now.
+                match self.locate(&c.blob).await {
+                    Ok(v) => v,
+                    Err(e) => {
+                        last = format!("locating the blob failed: {}", e.message());
+                        break;
+                    }
+                }
+            };
+            for (id, info) in cands {
+                if !tried.insert(id.clone()) {
+                    continue;
+                }
+                match self.read_from(&info.addr, c).await {
+                    Ok(b) => {
+                        self.metrics.remote_read(b.len(), started.elapsed());
+                        return Ok(b);
+                    }
+                    Err(e) => {
+                        tracing::warn!(node = %id, blob = %c.blob, chunk = c.index, "read failed, trying another replica: {e}");
+                        self.metrics.source_failure();
+                        self.bad
+                            .lock()
+                            .unwrap()
+                            .insert(id.clone(), Instant::now() + BAD_NODE_PAUSE);
+                        self.clients.lock().await.remove(&info.addr);
+                        last = format!("{id}: {e}");
+                    }
+                }
+            }
+        }
+        Err(ReadError::Unavailable {
+            blob: c.blob,
+            index: c.index,
+            last,
+        })
+    }
+
+    async fn locate(&self, blob: &BlobHash) -> Result<Vec<(String, NodeInfo)>, tonic::Status> {
+        let mut m = self.metadata.clone();
+        let r = m
+            .locate_blobs(pb::LocateBlobsRequest {
+                hashes: vec![blob.0.to_vec()],
+            })
+            .await?
+            .into_inner();
+        let topo = self.topology.read().unwrap();
+        Ok(r.blobs
+            .into_iter()
+            .flat_map(|b| b.nodes.into_iter().zip(b.addresses))
+            .map(|(id, addr)| {
+                let cost = topo.nodes.get(&id).map_or(3, |n| n.cost);
+                (id, NodeInfo { addr, cost })
+            })
+            .collect())
+    }
+
+    async fn client(&self, addr: &str) -> Result<NodeClient, String> {
+        if let Some(c) = self.clients.lock().await.get(addr) {
+            return Ok(c.clone());
+        }
+        let c = connect_node(addr, self.token.as_deref(), Duration::from_secs(3))
+            .await
+            .map_err(|e| e.to_string())?;
+        self.clients.lock().await.insert(addr.to_string(), c.clone());
+        Ok(c)
+    }
+
+    /// One chunk from one node, verified.
+    async fn read_from(&self, addr: &str, c: ChunkRef) -> Result<Bytes, String> {
+        let mut client = self.client(addr).await?;
+        let idle = self.timeout;
+        let mut stream = tokio::time::timeout(
+            idle,
+            client.read_blob(nodepb::ReadBlobRequest {
+                hash: c.blob.0.to_vec(),
+                offset: c.offset,
+                length: c.len,
+            }),
+        )
+        .await
+        .map_err(|_| format!("no answer within {idle:?}"))?
+        .map_err(|s| format!("{:?}: {}", s.code(), s.message()))?
+        .into_inner();
+        let mut buf = BytesMut::with_capacity(c.len as usize);
+        loop {
+            let msg = tokio::time::timeout(idle, stream.message())
+                .await
+                .map_err(|_| format!("stalled for {idle:?}"))?
+                .map_err(|s| format!("{:?}: {}", s.code(), s.message()))?;
+            let Some(m) = msg else { break };
+            if buf.len() + m.data.len() > c.len as usize {
+                return Err("sent more bytes than asked for".into());
+            }
+            buf.extend_from_slice(&m.data);
+        }
+        if buf.len() as u64 != c.len {
+            return Err(format!("sent {} of {} bytes", buf.len(), c.len));
+        }
+        if BlobHash::of(&buf) != c.hash {
+            self.metrics.corrupt();
+            return Err("bytes do not match the chunk's hash".into());
+        }
+        Ok(buf.freeze())
+    }
+}

@@ -1,0 +1,467 @@
+//! `locus mount` and `locus umount`: a dataset version as a read-only file tree.
+//!
+//! Without `--foreground`, `locus mount` starts itself again in the foreground as a
+//! detached child and waits until that child reports the mount ready (or fails), so the
+//! command returns only once the tree can be read, and its exit status says whether it
+//! can. The child logs to a file next to its status file.
+//!
+//! The status file (`<runtime dir>/mounts/<name>.json`, rewritten every two seconds)
+//! carries the mount's totals for `locus status`; the runtime dir is `$LOCUS_RUNTIME_DIR`,
+//! else `/tmp/locus-<uid>`.
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+use clap::Args;
+use locus_fuse::{Place, Remote, Settings};
+
+use crate::config::{size_arg, Resolved};
+use crate::output;
+
+#[derive(Args, Debug)]
+pub struct MountArgs {
+    /// DATASET or DATASET@VERSION (latest when no version is given).
+    pub target: String,
+    /// An existing, empty directory to mount on.
+    pub mountpoint: PathBuf,
+    /// The local cache node's Unix socket. With it, files are made present on this
+    /// host's NVMe and read at local-disk speed (FUSE passthrough); without it, or when
+    /// the node fails, bytes come from remote replicas.
+    #[arg(long, env = "LOCUS_NODE_SOCKET", value_name = "PATH")]
+    pub node_socket: Option<PathBuf>,
+    /// Stay in the foreground (for systemd, containers and debugging).
+    #[arg(long)]
+    pub foreground: bool,
+    /// Let other users read the mount (needs user_allow_other in /etc/fuse.conf unless
+    /// run as root).
+    #[arg(long)]
+    pub allow_other: bool,
+    /// Never hand local files to the kernel; read them with pread instead.
+    #[arg(long)]
+    pub no_passthrough: bool,
+    /// Threads serving kernel requests.
+    #[arg(long, value_name = "N", default_value_t = 16)]
+    pub threads: usize,
+    /// Memory for verified chunks read from remote replicas.
+    #[arg(long, value_name = "SIZE", default_value = "1GiB")]
+    pub cache_size: String,
+    /// How far ahead of a sequential reader to fetch from remote replicas.
+    #[arg(long, value_name = "SIZE", default_value = "64MiB")]
+    pub readahead: String,
+    /// This host's topology labels, used to read from the cheapest replica
+    /// (host defaults to the host name).
+    #[arg(long, env = "LOCUS_MOUNT_LABELS", value_name = "K=V,...", default_value = "")]
+    pub labels: String,
+    /// Serve Prometheus metrics at http://ADDR/metrics.
+    #[arg(long, value_name = "ADDR")]
+    pub metrics_listen: Option<String>,
+    /// Where the background mount logs [default: next to its status file].
+    #[arg(long, value_name = "PATH")]
+    pub log_file: Option<PathBuf>,
+    /// Internal: print one line on stdout when ready (used by the non-foreground parent).
+    #[arg(long, hide = true)]
+    pub notify_ready: bool,
+}
+
+#[derive(Args, Debug)]
+pub struct UmountArgs {
+    /// Where a Locus version is mounted.
+    pub mountpoint: PathBuf,
+}
+
+/// What `locus status` shows of a mount.
+#[derive(Debug, serde::Serialize, serde::Deserialize)]
+pub struct MountStatus {
+    pub mountpoint: PathBuf,
+    pub dataset: String,
+    pub version: u64,
+    pub pid: u32,
+    pub files: u64,
+    pub bytes: u64,
+    pub passthrough: bool,
+    pub local_node: bool,
+    pub started_unix_ms: u64,
+    pub totals: locus_fuse::metrics::Totals,
+}
+
+pub fn runtime_dir() -> PathBuf {
+    if let Some(d) = std::env::var_os("LOCUS_RUNTIME_DIR") {
+        return PathBuf::from(d);
+    }
+    use std::os::unix::fs::MetadataExt;
+    let uid = std::fs::metadata("/proc/self").map(|m| m.uid()).unwrap_or(0);
+    std::env::temp_dir().join(format!("locus-{uid}"))
+}
+
+fn state_name(mountpoint: &Path) -> String {
+    let s = mountpoint.display().to_string();
+    let clean: String = s
+        .trim_matches('/')
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || c == '-' || c == '.' {
+                c
+            } else {
+                '_'
+            }
+        })
+        .collect();
+    if clean.is_empty() {
+        "root".into()
+    } else {
+        clean
+    }
+}
+
+fn status_path(mountpoint: &Path) -> PathBuf {
+    runtime_dir()
+        .join("mounts")
+        .join(format!("{}.json", state_name(mountpoint)))
+}
+
+/// Statuses of this host's live Locus mounts.
+pub fn statuses() -> Vec<MountStatus> {
+    locus_fuse::mounts()
+        .into_iter()
+        .filter_map(|m| {
+            let s = std::fs::read(status_path(&m)).ok()?;
+            serde_json::from_slice(&s).ok()
+        })
+        .collect()
+}
+
+pub fn parse_target(t: &str) -> anyhow::Result<(String, u64)> {
+    let (name, version) = match t.split_once('@') {
+        Some((n, v)) => (
+            n,
+            v.parse::<u64>()
+                .ok()
+                .filter(|v| *v > 0)
+                .with_context(|| format!("{t:?}: the version after @ must be a number from 1"))?,
+        ),
+        None => (t, 0),
+    };
+    locus_proto::DatasetName::try_from(name).map_err(|e| anyhow::anyhow!("{t:?}: {}", e.reason))?;
+    Ok((name.to_string(), version))
+}
+
+/// Refuses what would fail later with a worse message.
+fn check_mountpoint(p: &Path) -> anyhow::Result<()> {
+    let md = std::fs::metadata(p).map_err(|e| match e.kind() {
+        std::io::ErrorKind::NotFound => anyhow::anyhow!("mountpoint {} does not exist", p.display()),
+        std::io::ErrorKind::NotConnected => anyhow::anyhow!(
+            "{} is a dead mount (its process is gone); run `locus umount {}` first",
+            p.display(),
+            p.display()
+        ),
+        _ => anyhow::anyhow!("mountpoint {}: {e}", p.display()),
+    })?;
+    if !md.is_dir() {
+        bail!("mountpoint {} is not a directory", p.display());
+    }
+    if is_mounted(p) {
+        bail!(
+            "{} is busy: something is already mounted there (`locus umount {}` if it is ours)",
+            p.display(),
+            p.display()
+        );
+    }
+    if !Path::new("/dev/fuse").exists() {
+        bail!("FUSE is not available: /dev/fuse is missing (load the fuse module, or in a container pass --device /dev/fuse)");
+    }
+    Ok(())
+}
+
+fn is_mounted(p: &Path) -> bool {
+    let Ok(info) = std::fs::read_to_string("/proc/self/mountinfo") else {
+        return false;
+    };
+    let want = p.display().to_string();
+    info.lines().any(|l| l.split(' ').nth(4) == Some(want.as_str()))
+}
+
+pub async fn run(a: MountArgs, cfg: &Resolved) -> anyhow::Result<()> {
+    let mountpoint = crate::absolute(a.mountpoint.clone());
+    parse_target(&a.target)?;
+    check_mountpoint(&mountpoint)?;
+    if a.foreground || a.notify_ready {
+        serve(a, mountpoint, cfg).await
+    } else {
+        spawn_background(&a, &mountpoint)
+    }
+}
+
+/// Runs the mount in a detached child and waits for its first word.
+fn spawn_background(a: &MountArgs, mountpoint: &Path) -> anyhow::Result<()> {
+    let log = match &a.log_file {
+        Some(p) => crate::absolute(p.clone()),
+        None => status_path(mountpoint).with_extension("log"),
+    };
+    if let Some(d) = log.parent() {
+        std::fs::create_dir_all(d).with_context(|| format!("cannot create {}", d.display()))?;
+    }
+    let log_file = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(&log)
+        .with_context(|| format!("cannot open log file {}", log.display()))?;
+    let start_len = log_file.metadata().map(|m| m.len()).unwrap_or(0);
+    let exe = std::env::current_exe().context("cannot find the locus executable")?;
+    let mut args: Vec<std::ffi::OsString> = std::env::args_os().skip(1).collect();
+    args.push("--notify-ready".into());
+    use std::os::unix::process::CommandExt;
+    let mut child = Command::new(exe)
+        .args(args)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(log_file)
+        // Its own process group: the terminal's Ctrl-C is not for it.
+        .process_group(0)
+        .spawn()
+        .context("cannot start the mount process")?;
+    let out = child.stdout.take().expect("stdout is piped");
+    let mut line = String::new();
+    let _ = BufReader::new(out).read_line(&mut line);
+    if let Some(msg) = line.strip_prefix("ready ") {
+        print!("{msg}");
+        println!("  log: {}", log.display());
+        return Ok(());
+    }
+    let status = child.wait().context("waiting for the mount process")?;
+    let logged = std::fs::read(&log).unwrap_or_default();
+    let tail = String::from_utf8_lossy(&logged[(start_len as usize).min(logged.len())..]).into_owned();
+    let reason = tail
+        .lines()
+        .rev()
+        .find_map(|l| l.strip_prefix("error: "))
+        .map(str::to_string)
+        .unwrap_or_else(|| format!("the mount process exited ({status}); see {}", log.display()));
+    bail!("{reason}")
+}
+
+async fn serve(a: MountArgs, mountpoint: PathBuf, cfg: &Resolved) -> anyhow::Result<()> {
+    let (dataset, version) = parse_target(&a.target)?;
+    let cache_bytes = size_arg("--cache-size", &a.cache_size)? as usize;
+    let readahead = size_arg("--readahead", &a.readahead)?;
+    let mut labels = crate::cmd::node::parse_labels(&a.labels)?;
+    let place = Place {
+        host: labels.remove("host").unwrap_or_else(crate::cmd::node::hostname),
+        rack: labels.remove("rack"),
+        zone: labels.remove("zone"),
+    };
+    let mut client = cfg.connect().await?;
+    let loaded = locus_fuse::load(&mut client, &dataset, version, &place)
+        .await
+        .map_err(|e| anyhow::anyhow!("cannot load {}: {e}", a.target))?;
+    let v = loaded.version.clone();
+    let ns = Arc::new(loaded.namespace);
+    tracing::info!(
+        dataset = %dataset,
+        version = v.version,
+        entries = ns.len(),
+        "manifest loaded in {:.2}s ({} in memory)",
+        loaded.took.as_secs_f64(),
+        output::size(ns.heap_bytes() as u64)
+    );
+    let metrics = Arc::new(locus_fuse::metrics::Metrics::default());
+    let remote = Arc::new(Remote::new(
+        client.clone(),
+        locus_proto::pb::VersionRef {
+            dataset: dataset.clone(),
+            version: v.version,
+        },
+        cfg.token.clone(),
+        place,
+        loaded.topology,
+        cache_bytes,
+        metrics.clone(),
+    ));
+    let local = a
+        .node_socket
+        .as_ref()
+        .map(|p| locus_proto::client::connect_local_node(&crate::absolute(p.clone())));
+    let readahead_chunks = (readahead / u64::from(v.chunk_size.max(1))).max(1) as usize;
+    let fs = locus_fuse::LocusFs::new(
+        ns.clone(),
+        tokio::runtime::Handle::current(),
+        local,
+        remote.clone(),
+        metrics.clone(),
+        Settings {
+            passthrough: !a.no_passthrough,
+            readahead_chunks,
+            open_timeout: Duration::from_secs(600),
+            generation: v.version,
+        },
+    );
+    let passthrough = fs.passthrough_state();
+    let source = format!("{}{dataset}@{}", locus_fuse::SOURCE_PREFIX, v.version);
+    let config = locus_fuse::session_config(&source, a.allow_other, a.threads);
+    let mp = mountpoint.clone();
+    let session =
+        tokio::task::spawn_blocking(move || fuser::Session::new(fs, &mp, &config).and_then(|s| s.spawn()))
+            .await?
+            .map_err(|e| mount_error(&mountpoint, e))?;
+
+    if let Some(addr) = &a.metrics_listen {
+        serve_metrics(addr, metrics.clone()).await?;
+    }
+    let started_unix_ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64);
+    let write_status = {
+        let metrics = metrics.clone();
+        let passthrough = passthrough.clone();
+        let status = MountStatus {
+            mountpoint: mountpoint.clone(),
+            dataset: dataset.clone(),
+            version: v.version,
+            pid: std::process::id(),
+            files: v.files,
+            bytes: v.bytes,
+            passthrough: false,
+            local_node: a.node_socket.is_some(),
+            started_unix_ms,
+            totals: Default::default(),
+        };
+        let path = status_path(&mountpoint);
+        move || {
+            let s = MountStatus {
+                passthrough: passthrough.load(Ordering::Relaxed),
+                totals: metrics.totals(),
+                mountpoint: status.mountpoint.clone(),
+                dataset: status.dataset.clone(),
+                ..status
+            };
+            if let Some(d) = path.parent() {
+                let _ = std::fs::create_dir_all(d);
+            }
+            let tmp = path.with_extension("json.tmp");
+            if std::fs::write(&tmp, serde_json::to_vec(&s).unwrap_or_default()).is_ok() {
+                let _ = std::fs::rename(&tmp, &path);
+            }
+        }
+    };
+    write_status();
+
+    let msg = format!(
+        "mounted {dataset}@{} at {} ({} files, {}; loaded in {:.2}s; {})\n",
+        v.version,
+        mountpoint.display(),
+        v.files,
+        output::size(v.bytes),
+        loaded.took.as_secs_f64(),
+        match (a.node_socket.is_some(), passthrough.load(Ordering::Relaxed)) {
+            (true, true) => "local node, passthrough",
+            (true, false) => "local node, pread",
+            (false, _) => "remote replicas",
+        }
+    );
+    if a.notify_ready {
+        print!("ready {msg}");
+        use std::io::Write;
+        let _ = std::io::stdout().flush();
+    } else {
+        eprint!("{msg}");
+    }
+
+    let mut tick = tokio::time::interval(Duration::from_secs(2));
+    let mut last_refresh = Instant::now();
+    let shutdown = super::shutdown_signal();
+    tokio::pin!(shutdown);
+    loop {
+        tokio::select! {
+            _ = &mut shutdown => {
+                tracing::info!("unmounting {}", mountpoint.display());
+                let r = tokio::task::spawn_blocking(move || session.umount_and_join()).await?;
+                if let Err(e) = r {
+                    tracing::warn!("unmount: {e}");
+                }
+                break;
+            }
+            _ = tick.tick() => {
+                if session.guard.is_finished() {
+                    tracing::info!("{} was unmounted", mountpoint.display());
+                    let _ = tokio::task::spawn_blocking(move || session.join()).await;
+                    break;
+                }
+                write_status();
+                // Replica sets change with repair; a background refresh keeps the
+                // cheapest-first order right without touching the read path.
+                if last_refresh.elapsed() > Duration::from_secs(30) {
+                    last_refresh = Instant::now();
+                    if let Err(e) = remote.refresh().await {
+                        tracing::warn!("cannot refresh replica locations: {}", e.message());
+                    }
+                }
+            }
+        }
+    }
+    let _ = std::fs::remove_file(status_path(&mountpoint));
+    Ok(())
+}
+
+fn mount_error(mountpoint: &Path, e: std::io::Error) -> anyhow::Error {
+    let hint = match e.raw_os_error() {
+        Some(libc::EPERM) | Some(libc::EACCES) => {
+            " (not allowed: check /dev/fuse permissions, fusermount3, and user_allow_other for --allow-other)"
+        }
+        Some(libc::ENOENT) => " (is fusermount3 installed? Debian: apt-get install fuse3)",
+        Some(libc::EBUSY) => " (something is already mounted there)",
+        _ => "",
+    };
+    anyhow::anyhow!("cannot mount on {}: {e}{hint}", mountpoint.display())
+}
+
+async fn serve_metrics(addr: &str, metrics: Arc<locus_fuse::metrics::Metrics>) -> anyhow::Result<()> {
+    let listener = tokio::net::TcpListener::bind(addr)
+        .await
+        .with_context(|| format!("--metrics-listen {addr}"))?;
+    let app = axum::Router::new().route(
+        "/metrics",
+        axum::routing::get(move || {
+            let m = metrics.clone();
+            async move { m.encode() }
+        }),
+    );
+    tokio::spawn(async move {
+        let _ = axum::serve(listener, app).await;
+    });
+    Ok(())
+}
+
+pub async fn umount(a: UmountArgs) -> anyhow::Result<()> {
+    let mp = crate::absolute(a.mountpoint);
+    if !locus_fuse::is_locus_mount(&mp) {
+        bail!("{} is not a Locus mount", mp.display());
+    }
+    // fusermount3 works for the user who mounted; plain umount for root.
+    let out = Command::new("fusermount3").arg("-u").arg(&mp).output();
+    let ok = matches!(&out, Ok(o) if o.status.success());
+    if !ok {
+        let o2 = Command::new("umount").arg(&mp).output();
+        if !matches!(&o2, Ok(o) if o.status.success()) {
+            let why = out
+                .ok()
+                .map(|o| String::from_utf8_lossy(&o.stderr).trim().to_string())
+                .unwrap_or_default();
+            bail!(
+                "cannot unmount {}: {why} (is a process still using it? `fuser -vm {}` shows which)",
+                mp.display(),
+                mp.display()
+            );
+        }
+    }
+    // The mount process notices and exits; wait briefly so a script can rmdir next.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while status_path(&mp).exists() && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    println!("unmounted {}", mp.display());
+    Ok(())
+}

@@ -1,0 +1,364 @@
+//! End-to-end tests of `locus mount`: real FUSE mounts of versions imported into a real
+//! cluster (metadata service and cache nodes as processes on loopback), read through the
+//! kernel with ordinary file calls.
+
+mod support;
+
+use std::collections::BTreeMap;
+use std::os::unix::fs::{MetadataExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use support::*;
+
+/// What a tree looks like through `stat`, `readlink`, `readdir` and `read`: path →
+/// (kind, size, permission bits, mtime in ns, link target or content hash).
+fn describe(root: &Path) -> BTreeMap<String, (char, u64, u32, i128, String)> {
+    walk(root, true)
+}
+
+/// `describe` without reading files (the hash is left empty).
+fn walk(root: &Path, content: bool) -> BTreeMap<String, (char, u64, u32, i128, String)> {
+    let mut out = BTreeMap::new();
+    let mut stack = vec![PathBuf::new()];
+    while let Some(rel) = stack.pop() {
+        let mut names: Vec<_> = std::fs::read_dir(root.join(&rel))
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
+        names.sort();
+        for name in names {
+            let r = rel.join(&name);
+            let p = root.join(&r);
+            let m = std::fs::symlink_metadata(&p).unwrap();
+            let mtime = i128::from(m.mtime()) * 1_000_000_000 + i128::from(m.mtime_nsec());
+            let perm = m.permissions().mode() & 0o7777;
+            let key = r.to_string_lossy().into_owned();
+            if m.file_type().is_symlink() {
+                let t = std::fs::read_link(&p).unwrap().to_string_lossy().into_owned();
+                out.insert(key, ('l', m.len(), perm, mtime, t));
+            } else if m.is_dir() {
+                out.insert(key, ('d', 0, perm, mtime, String::new()));
+                stack.push(r);
+            } else {
+                let h = if content {
+                    blake3::hash(&std::fs::read(&p).unwrap()).to_hex().to_string()
+                } else {
+                    String::new()
+                };
+                out.insert(key, ('f', m.len(), perm, mtime, h));
+            }
+        }
+    }
+    out
+}
+
+fn assert_same_tree(src: &Path, mounted: &Path) {
+    let want = describe(src);
+    let got = describe(mounted);
+    assert_eq!(want.len(), got.len(), "number of entries");
+    for (path, w) in &want {
+        let g = got
+            .get(path)
+            .unwrap_or_else(|| panic!("{path} is missing from the mount"));
+        assert_eq!(w, g, "{path}");
+    }
+}
+
+fn files_of(root: &Path) -> Vec<(PathBuf, String)> {
+    describe(root)
+        .into_iter()
+        .filter(|(_, v)| v.0 == 'f')
+        .map(|(k, v)| (PathBuf::from(k), v.4))
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_file_reads_back_identical_with_and_without_a_local_node() {
+    let h = Harness::new("mount-identical");
+    let (m, nodes) = cluster(&h, 3, NodeOpts::host).await;
+    let src = h.path("src");
+    make_tree(&src, 600);
+    let out = import(&m, "mixed", &src, &["--replicas", "2", "--shard-size", "2MiB"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+
+    let local = m.mount("local", "mixed@1", Some(&nodes[0]), &[]);
+    let remote = m.mount("remote", "mixed", None, &[]);
+    assert_same_tree(&src, &local.path);
+    assert_same_tree(&src, &remote.path);
+
+    let ls = local
+        .status_when("the local mount to hand files to the kernel", |s| {
+            s["totals"]["opens_passthrough"].as_u64() > Some(500)
+        })
+        .await;
+    assert_eq!(ls["totals"]["read_errors"], 0, "{ls}");
+    assert_eq!(ls["totals"]["opens_remote"], 0, "{ls}");
+    let rs = remote
+        .status_when("the remote mount to count its reads", |s| {
+            s["totals"]["opens_remote"].as_u64() > Some(500)
+        })
+        .await;
+    assert!(rs["totals"]["bytes_remote"].as_u64().unwrap() > 0, "{rs}");
+    assert_eq!(rs["totals"]["read_errors"], 0, "{rs}");
+    // The local node now holds every blob the mount opened, verified.
+    assert!(nodes[0].blob_files().len() > 100);
+
+    // `locus status` shows both mounts.
+    let mut cmd = std::process::Command::new(LOCUS);
+    let st = cmd
+        .arg("status")
+        .env("LOCUS_METADATA", m.url())
+        .env("LOCUS_RUNTIME_DIR", &local.runtime_dir)
+        .output()
+        .unwrap();
+    let text = stdout(&st);
+    assert!(
+        text.contains(&format!("mixed@1 at {}", local.path.display())),
+        "{text}"
+    );
+    assert!(text.contains(&format!("at {}", remote.path.display())), "{text}");
+
+    // Read-only: every kind of change is refused with EROFS and leaves the tree alone.
+    let some_file = local.path.join("val/file 0002.bin");
+    let erofs = |r: std::io::Result<()>| {
+        let e = r.expect_err("a change to a read-only mount");
+        assert_eq!(e.raw_os_error(), Some(libc::EROFS), "{e}");
+    };
+    erofs(std::fs::write(local.path.join("new"), b"x"));
+    erofs(
+        std::fs::OpenOptions::new()
+            .append(true)
+            .open(&some_file)
+            .map(drop),
+    );
+    erofs(std::fs::remove_file(&some_file));
+    erofs(std::fs::rename(&some_file, local.path.join("val/moved")));
+    erofs(std::fs::create_dir(local.path.join("newdir")));
+    erofs(std::os::unix::fs::symlink("x", local.path.join("newlink")));
+    assert_same_tree(&src, &local.path);
+
+    // `locus umount` unmounts and the mount process exits.
+    let pid = remote.pid();
+    let u = remote.umount();
+    assert!(u.status.success(), "{}", stderr(&u));
+    assert!(!remote.is_mounted());
+    wait_until("the mount process to exit", Duration::from_secs(10), || async {
+        (!Path::new(&format!("/proc/{pid}")).exists()).then_some(())
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_directory_of_100k_entries_lists_correctly() {
+    let h = Harness::new("mount-bigdir");
+    let m = h.start_metadata("meta", MetadataOpts::default()).await;
+    let mut c = m.client(None).await;
+    let (entries, shards) = synthetic_manifest("big", 100_000, 100_000, 100_000, 1 << 20);
+    let want: Vec<String> = entries
+        .iter()
+        .filter(|e| e.path.starts_with("top/d00000/"))
+        .map(|e| e.path.rsplit('/').next().unwrap().to_string())
+        .collect();
+    commit(&mut c, "big", 1 << 20, entries, shards).await.unwrap();
+    let mnt = m.mount("big", "big@1", None, &[]);
+    let dir = mnt.path.join("top/d00000");
+    let mut got: Vec<String> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect();
+    got.sort();
+    let mut want = want;
+    want.sort();
+    assert_eq!(got.len(), 100_000);
+    assert_eq!(got, want);
+    // Attributes of entries far apart in the listing.
+    for name in [&want[0], &want[50_000], &want[99_999]] {
+        let md = std::fs::metadata(dir.join(name)).unwrap();
+        assert!(md.is_file());
+        assert_eq!(md.permissions().mode() & 0o7777, 0o644);
+    }
+    assert_eq!(
+        std::fs::metadata(dir.join("no-such-file")).unwrap_err().kind(),
+        std::io::ErrorKind::NotFound
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn readers_see_no_error_when_the_node_serving_them_is_killed() {
+    let h = Harness::new("mount-kill");
+    let (m, mut nodes) = cluster(&h, 3, NodeOpts::host).await;
+    let src = h.path("src");
+    make_tree(&src, 300);
+    let out = import(&m, "mixed", &src, &["--replicas", "2", "--shard-size", "1MiB"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    // One mount reads through n1 as its local node, the other from replicas (n1 among them).
+    let local = m.mount("local", "mixed@1", Some(&nodes[0]), &["--no-passthrough"]);
+    // A small chunk cache, so passes after the kill really go to the nodes again.
+    let remote = m.mount("remote", "mixed@1", None, &["--cache-size", "256KiB"]);
+    let files = Arc::new(files_of(&src));
+
+    let stop = Arc::new(AtomicBool::new(false));
+    let reads = Arc::new(AtomicU64::new(0));
+    let mut readers = Vec::new();
+    for r in 0..8 {
+        let root = if r % 2 == 0 {
+            local.path.clone()
+        } else {
+            remote.path.clone()
+        };
+        let (files, stop, reads) = (files.clone(), stop.clone(), reads.clone());
+        readers.push(std::thread::spawn(move || -> Result<(), String> {
+            let mut i = r * 37;
+            while !stop.load(Ordering::Relaxed) {
+                let (rel, want) = &files[i % files.len()];
+                let p = root.join(rel);
+                // Forget cached pages so every pass really reads through the mount.
+                drop_page_cache(&p);
+                let data = std::fs::read(&p).map_err(|e| format!("{}: {e}", p.display()))?;
+                if blake3::hash(&data).to_hex().as_str() != want {
+                    return Err(format!("{}: wrong bytes", p.display()));
+                }
+                reads.fetch_add(1, Ordering::Relaxed);
+                i += 1;
+            }
+            Ok(())
+        }));
+    }
+    wait_until("readers to get going", Duration::from_secs(30), || async {
+        (reads.load(Ordering::Relaxed) > 200).then_some(())
+    })
+    .await;
+    nodes[0].daemon.kill9();
+    let at_kill = reads.load(Ordering::Relaxed);
+    // Keep reading well past the kill: each reader goes over many files not yet opened.
+    wait_until(
+        "readers to continue after the kill",
+        Duration::from_secs(60),
+        || async { (reads.load(Ordering::Relaxed) > at_kill + 1_200).then_some(()) },
+    )
+    .await;
+    stop.store(true, Ordering::Relaxed);
+    for r in readers {
+        r.join().unwrap().unwrap();
+    }
+    let ls = local
+        .status_when("the local mount to fall back to replicas", |s| {
+            s["totals"]["opens_remote"].as_u64() > Some(0)
+        })
+        .await;
+    assert_eq!(ls["totals"]["read_errors"], 0, "{ls}");
+    let rs = remote
+        .status_when("the remote mount to have failed over", |s| {
+            s["totals"]["failovers"].as_u64() > Some(0)
+        })
+        .await;
+    assert_eq!(rs["totals"]["read_errors"], 0, "{rs}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_corrupted_blob_is_never_returned() {
+    let h = Harness::new("mount-corrupt");
+    let (m, nodes) = cluster(&h, 2, NodeOpts::host).await;
+    let src = h.path("src");
+    make_tree(&src, 40);
+    let out = import(&m, "mixed", &src, &["--replicas", "2"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let files = files_of(&src);
+    // Every blob is on both nodes. Corrupt two files' blobs on n1, in place.
+    let big: Vec<_> = files
+        .iter()
+        .filter(|(p, _)| std::fs::metadata(src.join(p)).unwrap().len() > 100_000)
+        .take(2)
+        .collect();
+    assert_eq!(big.len(), 2);
+    let on_n1 = nodes[0].blob_files();
+    for (rel, _) in &big {
+        let hash = blake3::hash(&std::fs::read(src.join(rel)).unwrap())
+            .to_hex()
+            .to_string();
+        let blob = &on_n1[&hash];
+        let mut bytes = std::fs::read(blob).unwrap();
+        bytes[70_000] ^= 0xff;
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(blob)
+            .and_then(|mut f| std::io::Write::write_all(&mut f, &bytes))
+            .unwrap();
+    }
+    // Through n1 as local node: the node re-verifies the changed file, quarantines it and
+    // fetches a good copy from n2.
+    let local = m.mount("local", "mixed@1", Some(&nodes[0]), &[]);
+    let (rel, want) = big[0];
+    let got = std::fs::read(local.path.join(rel)).unwrap();
+    assert_eq!(blake3::hash(&got).to_hex().as_str(), want);
+    assert_eq!(nodes[0].quarantined(), 1);
+    // From replicas: n1's copy of the second blob fails the check, n2 serves it.
+    let remote = m.mount("remote", "mixed@1", None, &[]);
+    let (rel, want) = big[1];
+    for _ in 0..3 {
+        let got = std::fs::read(remote.path.join(rel)).unwrap();
+        assert_eq!(blake3::hash(&got).to_hex().as_str(), want);
+        drop_page_cache(&remote.path.join(rel));
+    }
+    assert_same_tree(&src, &remote.path);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_read_no_source_can_serve_fails_with_eio_and_bad_mounts_are_refused() {
+    let h = Harness::new("mount-errors");
+    let (m, mut nodes) = cluster(&h, 1, NodeOpts::host).await;
+    let src = h.path("src");
+    make_tree(&src, 30);
+    let out = import(&m, "mixed", &src, &["--replicas", "1"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+
+    // Refusals, each a clear message and a non-zero exit.
+    let (_, o) = m.try_mount("nope", "no-such-dataset", None, &[]);
+    assert!(!o.status.success());
+    assert!(stderr(&o).contains("no-such-dataset"), "{}", stderr(&o));
+    let (_, o) = m.try_mount("nope2", "mixed@7", None, &[]);
+    assert!(!o.status.success());
+    assert!(
+        stderr(&o).contains("mixed@7") || stderr(&o).contains("version 7"),
+        "{}",
+        stderr(&o)
+    );
+    let o = m.cli(&["mount", "mixed", h.path("missing-dir").to_str().unwrap()]);
+    assert!(!o.status.success());
+    assert!(stderr(&o).contains("does not exist"), "{}", stderr(&o));
+    let o = m.cli(&["mount", "../etc", h.path("x").to_str().unwrap()]);
+    assert!(!o.status.success());
+
+    let mnt = m.mount("mnt", "mixed", None, &[]);
+    let o = m.cli(&["mount", "mixed", mnt.path.to_str().unwrap()]);
+    assert!(!o.status.success());
+    assert!(stderr(&o).contains("busy"), "{}", stderr(&o));
+    let o = m.cli(&["umount", h.path("src").to_str().unwrap()]);
+    assert!(!o.status.success());
+    assert!(stderr(&o).contains("not a Locus mount"), "{}", stderr(&o));
+
+    // The only replica dies: reads fail with EIO, never zeros or short data.
+    let files = files_of(&src);
+    let (rel, want) = files
+        .iter()
+        .find(|(p, _)| std::fs::metadata(src.join(p)).unwrap().len() > 0)
+        .unwrap();
+    let got = std::fs::read(mnt.path.join(rel)).unwrap();
+    assert_eq!(blake3::hash(&got).to_hex().as_str(), want);
+    nodes[0].daemon.kill9();
+    let (other, _) = files
+        .iter()
+        .find(|(p, _)| p != rel && std::fs::metadata(src.join(p)).unwrap().len() > 0)
+        .unwrap();
+    let e = std::fs::read(mnt.path.join(other)).unwrap_err();
+    assert_eq!(e.raw_os_error(), Some(libc::EIO), "{e}");
+    // Metadata still answers: the namespace is in memory.
+    assert_eq!(walk(&mnt.path, false), walk(&src, false));
+    mnt.status_when("the failed read to be counted", |s| {
+        s["totals"]["read_errors"].as_u64() > Some(0)
+    })
+    .await;
+}
