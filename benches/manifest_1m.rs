@@ -1,6 +1,6 @@
 //! Whole-system benchmark of the metadata service with a 1,000,000-entry manifest:
-//! upload (paged), commit, full listing in pages, one directory listing, RocksDB size and
-//! the service's peak memory. Runs the release `locus` binary as a real process.
+//! upload (paged), commit, full listing in pages, one directory listing, RocksDB size,
+//! the service's peak memory, and mounting the version (time until ready, mount RSS). Runs the release `locus` binary as a real process.
 //!
 //!     cargo bench --bench manifest_1m            # 1,000,000 files
 //!     LOCUS_SCALE_FILES=200000 cargo bench --bench manifest_1m
@@ -134,6 +134,18 @@ async fn main() {
     let db = dir_bytes(&m.data_dir.join("db"));
     let rss = peak_rss_mib(m_pid(&m));
 
+    // The mount: `locus mount` returns once the tree is readable (manifest loaded, inode
+    // table built, kernel handshake done).
+    let t = Instant::now();
+    let mnt = m.mount("mnt", &format!("big@{}", v.version), None, &[]);
+    let mount_ready = t.elapsed();
+    let t = Instant::now();
+    let listed = std::fs::read_dir(mnt.path.join("top/d00500")).unwrap().count();
+    let first_ls = t.elapsed();
+    assert_eq!(listed, 1000);
+    let mount_rss = peak_rss_mib(mnt.pid());
+    drop(mnt);
+
     println!();
     println!(
         "manifest_1m: {files} files + {} dirs = {total} entries, {chunk_hashes} chunk hashes",
@@ -177,6 +189,16 @@ async fn main() {
         db as f64 / total as f64
     );
     println!("| metadata service peak RSS | {rss:.0} MiB | |");
+    println!(
+        "| `locus mount` until ready (load + inode table + mount) | {:.2} s | {} |",
+        mount_ready.as_secs_f64(),
+        rate(mount_ready)
+    );
+    println!(
+        "| first `ls` of a 1,000-entry directory through the mount | {:.2} ms | |",
+        first_ls.as_secs_f64() * 1000.0
+    );
+    println!("| mount process peak RSS | {mount_rss:.0} MiB | |");
 }
 
 fn m_pid(m: &Metadata) -> u32 {

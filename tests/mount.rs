@@ -195,7 +195,12 @@ async fn readers_see_no_error_when_the_node_serving_them_is_killed() {
     let out = import(&m, "mixed", &src, &["--replicas", "2", "--shard-size", "1MiB"]);
     assert!(out.status.success(), "{}", stderr(&out));
     // One mount reads through n1 as its local node, the other from replicas (n1 among them).
-    let local = m.mount("local", "mixed@1", Some(&nodes[0]), &["--no-passthrough"]);
+    let local = m.mount(
+        "local",
+        "mixed@1",
+        Some(&nodes[0]),
+        &["--no-passthrough", "--reopen-cache", "0s"],
+    );
     // A small chunk cache, so passes after the kill really go to the nodes again.
     let remote = m.mount("remote", "mixed@1", None, &["--cache-size", "256KiB"]);
     let files = Arc::new(files_of(&src));

@@ -44,9 +44,9 @@ const TTL: Duration = Duration::from_secs(24 * 3600);
 /// How a file was opened.
 enum Handle {
     /// The kernel reads the backing file; `file` stays open so the backing id does.
-    Passthrough { ino: u64, _file: File },
+    Passthrough { ino: u64, _file: Arc<File> },
     /// pread of the node's verified local file.
-    Local { file: File },
+    Local { file: Arc<File> },
     /// Chunks from remote replicas.
     Remote { ino: u64, ra: Mutex<ReadAhead> },
 }
@@ -54,7 +54,8 @@ enum Handle {
 /// Sequential-read detection for one open file.
 #[derive(Debug, Default)]
 struct ReadAhead {
-    next: u64,
+    /// The furthest chunk read so far.
+    next_chunk: u64,
     window: usize,
 }
 
@@ -65,6 +66,9 @@ pub struct Settings {
     pub readahead_chunks: usize,
     /// How long open may wait for the local node to make a blob present.
     pub open_timeout: Duration,
+    /// How long a local file the node verified may be reopened without asking it again
+    /// (zero: ask on every open).
+    pub reopen_ttl: Duration,
     /// Generation number for every inode (the version number: inode numbers are stable
     /// within a version only).
     pub generation: u64,
@@ -86,7 +90,13 @@ pub struct LocusFs {
     handles: Mutex<HashMap<u64, Arc<Handle>>>,
     /// The kernel wants one backing file per inode while any handle of it is open.
     backing: Mutex<HashMap<u64, (Arc<BackingId>, usize)>>,
+    /// Local files the node verified recently, by inode: reopening one within
+    /// `Settings::reopen_ttl` skips the round trip to the node (what makes re-reading many small
+    /// files fast). An open file keeps its bytes even if the node drops the blob.
+    recent: Mutex<HashMap<u64, (Arc<File>, Instant)>>,
 }
+
+const RECENT_MAX: usize = 65_536;
 
 impl LocusFs {
     pub fn new(
@@ -117,6 +127,7 @@ impl LocusFs {
             next_fh: AtomicU64::new(1),
             handles: Mutex::new(HashMap::new()),
             backing: Mutex::new(HashMap::new()),
+            recent: Mutex::new(HashMap::new()),
         }
     }
 
@@ -181,18 +192,42 @@ impl LocusFs {
         let Some(node) = self.local.as_ref() else {
             return Some(reply);
         };
-        let path = match self.ensure_local(node, blob, size) {
-            Ok(p) => p,
-            Err(e) => {
-                tracing::warn!(ino, blob = %blob, "the local node cannot provide the blob, reading from replicas: {e}");
-                return Some(reply);
-            }
+        let known = {
+            let recent = self.recent.lock().unwrap();
+            recent
+                .get(&ino)
+                .filter(|(_, at)| at.elapsed() < self.settings.reopen_ttl)
+                .map(|(f, _)| f.clone())
         };
-        let file = match File::open(&path) {
-            Ok(f) => f,
-            Err(e) => {
-                tracing::warn!(path = %path.display(), "cannot open the node's blob file, reading from replicas: {e}");
-                return Some(reply);
+        let file = match known {
+            Some(f) => f,
+            None => {
+                let path = match self.ensure_local(node, blob, size) {
+                    Ok(p) => p,
+                    Err(e) => {
+                        tracing::warn!(ino, blob = %blob, "the local node cannot provide the blob, reading from replicas: {e}");
+                        return Some(reply);
+                    }
+                };
+                let file = match File::open(&path) {
+                    Ok(f) => Arc::new(f),
+                    Err(e) => {
+                        tracing::warn!(path = %path.display(), "cannot open the node's blob file, reading from replicas: {e}");
+                        return Some(reply);
+                    }
+                };
+                let ttl = self.settings.reopen_ttl;
+                let mut recent = self.recent.lock().unwrap();
+                if recent.len() >= RECENT_MAX {
+                    recent.retain(|_, (_, at)| at.elapsed() < ttl);
+                    if recent.len() >= RECENT_MAX {
+                        recent.clear();
+                    }
+                }
+                if !ttl.is_zero() {
+                    recent.insert(ino, (file.clone(), Instant::now()));
+                }
+                file
             }
         };
         if self.passthrough.load(Ordering::Relaxed) {
@@ -202,7 +237,7 @@ impl LocusFs {
                     *n += 1;
                     Some(id.clone())
                 }
-                None => match reply.open_backing(&file) {
+                None => match reply.open_backing(&*file) {
                     Ok(id) => {
                         let id = Arc::new(id);
                         backing.insert(ino, (id.clone(), 1));
@@ -260,13 +295,16 @@ impl LocusFs {
         let cs = u64::from(self.ns.chunk_size());
         let (first, last) = (offset / cs, (end - 1) / cs);
         let window = {
+            // Sequential means moving forward through the chunks: the kernel's own
+            // read-ahead sends several reads at once, slightly out of order.
             let mut st = ra.lock().unwrap();
-            st.window = if offset == st.next && offset > 0 {
+            let forward = first >= st.next_chunk && first <= st.next_chunk + 1 && (first > 0 || offset > 0);
+            st.window = if forward {
                 (st.window * 2).clamp(1, self.settings.readahead_chunks)
             } else {
                 0
             };
-            st.next = end;
+            st.next_chunk = st.next_chunk.max(last);
             st.window
         };
         let wanted: Vec<ChunkRef> = (first..=last).filter_map(|i| self.chunk_ref(ino, i)).collect();

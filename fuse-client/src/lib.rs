@@ -76,7 +76,8 @@ pub async fn load(
         .into_inner();
     r.version = v.version;
     let total = v.files + v.dirs + v.symlinks;
-    let mut entries: Vec<Entry> = Vec::with_capacity(total as usize);
+    let mut builder = namespace::Builder::new(v.chunk_size, total as usize);
+    let bad = |e: String| LoadError::Invalid(e);
     let mut token = Vec::new();
     loop {
         let resp = client
@@ -90,14 +91,15 @@ pub async fn load(
             .await?
             .into_inner();
         for e in resp.entries {
-            entries.push(Entry::try_from(e).map_err(|e| LoadError::Invalid(e.to_string()))?);
+            let e = Entry::try_from(e).map_err(|e| bad(e.to_string()))?;
+            builder.add(e).map_err(|e| bad(e.to_string()))?;
         }
         if resp.next_page_token.is_empty() {
             break;
         }
         token = resp.next_page_token;
     }
-    let namespace = Namespace::build(entries, v.chunk_size).map_err(|e| LoadError::Invalid(e.to_string()))?;
+    let namespace = builder.finish().map_err(|e| bad(e.to_string()))?;
     let topology = Topology::load(client, &r, place).await?;
     Ok(Loaded {
         version: v,

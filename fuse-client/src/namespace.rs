@@ -10,8 +10,6 @@
 //!
 //! It must never change after it is built: the version it describes is immutable.
 
-use std::collections::HashMap;
-
 use locus_proto::manifest::{BlobHash, Entry, EntryKind};
 
 /// The root directory's inode number (FUSE's convention).
@@ -76,25 +74,118 @@ pub struct Namespace {
     total_bytes: u64,
 }
 
-impl Namespace {
-    /// Builds the table from a version's entries (any order; the root is implicit).
-    pub fn build(mut entries: Vec<Entry>, chunk_size: u32) -> Result<Self, NamespaceError> {
-        if entries.len() >= u32::MAX as usize - 1 {
-            return Err(NamespaceError::TooLarge(entries.len()));
-        }
-        entries.sort_by(|a, b| a.path.cmp(&b.path));
-        let mut ns = Namespace {
-            inodes: Vec::with_capacity(entries.len() + 2),
-            names: String::new(),
-            children: Vec::with_capacity(entries.len()),
+/// One entry as it arrives, before the tree is known: the same fixed-size record as an
+/// inode, with its whole path in the arena.
+#[derive(Debug, Clone, Copy)]
+struct Raw {
+    path_off: u32,
+    path_len: u16,
+    node: Inode,
+}
+
+/// Collects a version's entries one at a time (in any order) into flat arenas, so a
+/// million-entry manifest never exists as a million separate allocations; `finish`
+/// turns them into the inode table.
+pub struct Builder {
+    /// Full paths and symlink targets; becomes the namespace's name arena (each name is
+    /// the tail of its path).
+    arena: String,
+    raw: Vec<Raw>,
+    blobs: Vec<BlobHash>,
+    chunks: Vec<BlobHash>,
+    chunk_size: u32,
+    total_bytes: u64,
+}
+
+impl Builder {
+    pub fn new(chunk_size: u32, expected_entries: usize) -> Self {
+        Builder {
+            arena: String::with_capacity(expected_entries * 24),
+            raw: Vec::with_capacity(expected_entries),
             blobs: Vec::new(),
             chunks: Vec::new(),
             chunk_size,
             total_bytes: 0,
+        }
+    }
+
+    pub fn add(&mut self, e: Entry) -> Result<(), NamespaceError> {
+        if self.raw.len() >= u32::MAX as usize - 2 || self.arena.len() > u32::MAX as usize - 2 * 4096 {
+            return Err(NamespaceError::TooLarge(self.raw.len()));
+        }
+        let path = e.path.as_str();
+        let path_off = self.arena.len() as u32;
+        self.arena.push_str(path);
+        let name_len = e.path.file_name().len();
+        let mut node = Inode {
+            parent: 0,
+            kind: Kind::Dir,
+            mode: (e.mode & 0o7777) as u16,
+            name_off: path_off + (path.len() - name_len) as u32,
+            name_len: name_len as u16,
+            size: 0,
+            mtime_ns: e.mtime_ns,
+            first: 0,
+            count: 0,
+            blob: 0,
+            shard: 0,
         };
-        // Index 0 is unused so inode numbers equal indexes; 1 is the root.
-        let dir = |parent: u32| Inode {
-            parent,
+        match e.kind {
+            EntryKind::Dir => {}
+            EntryKind::File {
+                size,
+                blob,
+                chunks,
+                shard,
+            } => {
+                node.kind = Kind::File;
+                node.shard = shard;
+                node.size = size;
+                self.total_bytes += size;
+                node.blob = self.blobs.len() as u32;
+                self.blobs.push(blob);
+                node.first = self.chunks.len() as u32;
+                node.count = chunks.len() as u32;
+                self.chunks.extend_from_slice(&chunks);
+            }
+            EntryKind::Symlink { target } => {
+                node.kind = Kind::Symlink;
+                node.size = target.len() as u64;
+                node.first = self.arena.len() as u32;
+                node.count = target.len() as u32;
+                self.arena.push_str(&target);
+            }
+        }
+        self.raw.push(Raw {
+            path_off,
+            path_len: path.len() as u16,
+            node,
+        });
+        Ok(())
+    }
+
+    pub fn finish(self) -> Result<Namespace, NamespaceError> {
+        let Builder {
+            arena,
+            mut raw,
+            blobs,
+            chunks,
+            chunk_size,
+            total_bytes,
+        } = self;
+        let path = |r: &Raw| &arena[r.path_off as usize..r.path_off as usize + r.path_len as usize];
+        // Path order: a directory comes before everything under it, and siblings come in
+        // name order (they share the prefix), which is what lookup's binary search needs.
+        raw.sort_unstable_by(|a, b| path(a).cmp(path(b)));
+        for w in raw.windows(2) {
+            if path(&w[0]) == path(&w[1]) {
+                return Err(NamespaceError::Duplicate(path(&w[0]).to_string()));
+            }
+        }
+        // Index 0 is unused so inode numbers equal indexes; 1 is the root; entry i of
+        // the sorted list is inode i + 2.
+        let root = Inode {
+            parent: ROOT as u32,
             kind: Kind::Dir,
             mode: 0o755,
             name_off: 0,
@@ -106,80 +197,83 @@ impl Namespace {
             blob: 0,
             shard: 0,
         };
-        ns.inodes.push(dir(0));
-        ns.inodes.push(dir(ROOT as u32));
-        let mut by_path: HashMap<&str, u32> = HashMap::with_capacity(entries.len());
-        let mut kids: Vec<Vec<u32>> = vec![Vec::new(), Vec::new()];
-        for e in &entries {
-            let path = e.path.as_str();
-            let parent = match e.path.parent() {
-                "" => ROOT as u32,
-                p => *by_path
-                    .get(p)
-                    .ok_or_else(|| NamespaceError::Orphan(path.to_string()))?,
-            };
-            if ns.inodes[parent as usize].kind != Kind::Dir {
-                return Err(NamespaceError::Orphan(path.to_string()));
-            }
-            let ino = ns.inodes.len() as u32;
-            if by_path.insert(path, ino).is_some() {
-                return Err(NamespaceError::Duplicate(path.to_string()));
-            }
-            let name = e.path.file_name();
-            let mut node = Inode {
-                parent,
-                kind: Kind::Dir,
-                mode: (e.mode & 0o7777) as u16,
-                name_off: ns.names.len() as u32,
-                name_len: name.len() as u16,
-                size: 0,
-                mtime_ns: e.mtime_ns,
-                first: 0,
-                count: 0,
-                blob: 0,
-                shard: 0,
-            };
-            ns.names.push_str(name);
-            match &e.kind {
-                EntryKind::Dir => {}
-                EntryKind::File {
-                    size,
-                    blob,
-                    chunks,
-                    shard,
-                } => {
-                    node.kind = Kind::File;
-                    node.shard = *shard;
-                    ns.total_bytes += *size;
-                    node.size = *size;
-                    node.blob = ns.blobs.len() as u32;
-                    ns.blobs.push(*blob);
-                    node.first = ns.chunks.len() as u32;
-                    node.count = chunks.len() as u32;
-                    ns.chunks.extend_from_slice(chunks);
+        let mut inodes = Vec::with_capacity(raw.len() + 2);
+        inodes.push(Inode { parent: 0, ..root });
+        inodes.push(root);
+        for r in &raw {
+            let p = path(r);
+            let parent = match p.rfind('/') {
+                None => ROOT as u32,
+                Some(cut) => {
+                    let want = &p[..cut];
+                    // The parent sorts before its children: search the sorted paths.
+                    let i = raw
+                        .binary_search_by(|x| path(x).cmp(want))
+                        .map_err(|_| NamespaceError::Orphan(p.to_string()))?;
+                    (i + 2) as u32
                 }
-                EntryKind::Symlink { target } => {
-                    node.kind = Kind::Symlink;
-                    node.size = target.len() as u64;
-                    node.first = ns.names.len() as u32;
-                    node.count = target.len() as u32;
-                    ns.names.push_str(target);
-                }
-            }
-            ns.inodes.push(node);
-            kids.push(Vec::new());
-            kids[parent as usize].push(ino);
+            };
+            let mut node = r.node;
+            node.parent = parent;
+            inodes.push(node);
         }
-        for (ino, mut list) in kids.into_iter().enumerate().skip(1) {
-            if ns.inodes[ino].kind != Kind::Dir {
-                continue;
-            }
-            list.sort_by(|a, b| ns.name_of(*a).cmp(ns.name_of(*b)));
-            ns.inodes[ino].first = ns.children.len() as u32;
-            ns.inodes[ino].count = list.len() as u32;
-            ns.children.extend(list);
+        // Children runs by counting: a parent's children are already in name order.
+        let mut counts = vec![0u32; inodes.len()];
+        for n in &inodes[2..] {
+            counts[n.parent as usize] += 1;
         }
-        Ok(ns)
+        let mut next = 0u32;
+        for (ino, n) in inodes.iter_mut().enumerate() {
+            if n.kind == Kind::Dir && ino > 0 {
+                n.first = next;
+                n.count = counts[ino];
+                next += counts[ino];
+            } else if counts[ino] > 0 {
+                // Something claims a file or a symlink as its directory.
+                let child = inodes_child_path(&raw, ino, &arena);
+                return Err(NamespaceError::Orphan(child));
+            }
+        }
+        drop(counts);
+        let mut children = vec![0u32; next as usize];
+        let mut fill: Vec<u32> = inodes.iter().map(|n| n.first).collect();
+        for ino in 2..inodes.len() {
+            let p = inodes[ino].parent as usize;
+            children[fill[p] as usize] = ino as u32;
+            fill[p] += 1;
+        }
+        drop(raw);
+        Ok(Namespace {
+            inodes,
+            names: arena,
+            children,
+            blobs,
+            chunks,
+            chunk_size,
+            total_bytes,
+        })
+    }
+}
+
+/// For the error message: the path of some entry whose parent is inode `parent`.
+fn inodes_child_path(raw: &[Raw], parent: usize, arena: &str) -> String {
+    let prefix = &raw[parent - 2];
+    let p = &arena[prefix.path_off as usize..prefix.path_off as usize + prefix.path_len as usize];
+    raw.iter()
+        .map(|r| &arena[r.path_off as usize..r.path_off as usize + r.path_len as usize])
+        .find(|c| c.len() > p.len() && c.starts_with(p) && c.as_bytes()[p.len()] == b'/')
+        .unwrap_or(p)
+        .to_string()
+}
+
+impl Namespace {
+    /// Builds the table from a version's entries (any order; the root is implicit).
+    pub fn build(entries: Vec<Entry>, chunk_size: u32) -> Result<Self, NamespaceError> {
+        let mut b = Builder::new(chunk_size, entries.len());
+        for e in entries {
+            b.add(e)?;
+        }
+        b.finish()
     }
 
     fn name_of(&self, ino: u32) -> &str {

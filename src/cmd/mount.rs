@@ -57,6 +57,10 @@ pub struct MountArgs {
     /// (host defaults to the host name).
     #[arg(long, env = "LOCUS_MOUNT_LABELS", value_name = "K=V,...", default_value = "")]
     pub labels: String,
+    /// Reopening a file within this long reuses the local file the node verified last
+    /// time instead of asking the node again ("0s": ask on every open).
+    #[arg(long, value_name = "DURATION", default_value = "30s")]
+    pub reopen_cache: String,
     /// Serve Prometheus metrics at http://ADDR/metrics.
     #[arg(long, value_name = "ADDR")]
     pub metrics_listen: Option<String>,
@@ -296,6 +300,8 @@ async fn serve(a: MountArgs, mountpoint: PathBuf, cfg: &Resolved) -> anyhow::Res
             passthrough: !a.no_passthrough,
             readahead_chunks,
             open_timeout: Duration::from_secs(600),
+            reopen_ttl: locus_proto::human::parse_duration(&a.reopen_cache)
+                .map_err(|e| anyhow::anyhow!("--reopen-cache: {}", e.reason))?,
             generation: v.version,
         },
     );

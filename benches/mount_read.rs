@@ -1,0 +1,313 @@
+//! Read throughput through `locus mount` against the same files read from a local
+//! directory, and against rclone and s3fs mounting an S3-compatible server that holds
+//! the same files — all measured in one run, one table.
+//!
+//!     cargo bench --bench mount_read
+//!     LOCUS_BENCH_LARGE_MIB=256 LOCUS_BENCH_SMALL_FILES=2000 cargo bench --bench mount_read
+//!
+//! Workloads: large files read sequentially one after another (1 MiB reads), and
+//! 128 KiB files read whole by 8 threads. "cold" drops the kernel page cache (root
+//! only) and remounts (so rclone's VFS cache and Locus's remote chunk cache start
+//! empty); "warm" repeats the read at once. The Locus cluster is one metadata service
+//! and one cache node on this host; the local mount uses the node's Unix socket
+//! (passthrough), the remote mount reads from the node over TCP. The S3 server is the
+//! harness's (moto); rclone (`--vfs-cache-mode full --read-only`) and s3fs come from
+//! Debian and are skipped with a note when absent.
+
+#[path = "../tests/support/mod.rs"]
+mod support;
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use support::*;
+
+fn env_usize(k: &str, d: usize) -> usize {
+    std::env::var(k).ok().and_then(|v| v.parse().ok()).unwrap_or(d)
+}
+
+fn fill(seed: u64, n: usize) -> Vec<u8> {
+    let mut out = vec![0u8; n];
+    blake3::Hasher::new()
+        .update(&seed.to_le_bytes())
+        .finalize_xof()
+        .fill(&mut out);
+    out
+}
+
+fn drop_caches() -> bool {
+    let _ = Command::new("sync").status();
+    std::fs::write("/proc/sys/vm/drop_caches", "3").is_ok()
+}
+
+/// Reads every file in `files` under `root`: `threads` readers taking files in turn.
+/// Returns (bytes, seconds).
+fn read_all(root: &Path, files: &[PathBuf], threads: usize) -> (u64, f64) {
+    let next = Arc::new(AtomicUsize::new(0));
+    let files = Arc::new(files.to_vec());
+    let t = Instant::now();
+    let handles: Vec<_> = (0..threads)
+        .map(|_| {
+            let (next, files, root) = (next.clone(), files.clone(), root.to_path_buf());
+            std::thread::spawn(move || {
+                use std::io::Read;
+                let mut buf = vec![0u8; 1 << 20];
+                let mut total = 0u64;
+                loop {
+                    let i = next.fetch_add(1, Ordering::Relaxed);
+                    let Some(f) = files.get(i) else { break };
+                    let p = root.join(f);
+                    let mut file = std::fs::File::open(&p).unwrap_or_else(|e| panic!("{}: {e}", p.display()));
+                    loop {
+                        let n = file
+                            .read(&mut buf)
+                            .unwrap_or_else(|e| panic!("{}: {e}", p.display()));
+                        if n == 0 {
+                            break;
+                        }
+                        total += n as u64;
+                    }
+                }
+                total
+            })
+        })
+        .collect();
+    let bytes = handles.into_iter().map(|h| h.join().unwrap()).sum();
+    (bytes, t.elapsed().as_secs_f64())
+}
+
+/// A peer's FUSE mount of the bucket; unmounted on drop.
+struct PeerMount {
+    path: PathBuf,
+    child: Option<std::process::Child>,
+}
+
+impl Drop for PeerMount {
+    fn drop(&mut self) {
+        let _ = Command::new("fusermount3")
+            .args(["-u", "-z"])
+            .arg(&self.path)
+            .status();
+        if let Some(c) = &mut self.child {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+fn have(tool: &str) -> bool {
+    Command::new("sh")
+        .args(["-c", &format!("command -v {tool}")])
+        .output()
+        .is_ok_and(|o| o.status.success())
+}
+
+fn wait_mounted(p: &Path) -> bool {
+    let want = p.display().to_string();
+    let t = Instant::now();
+    while t.elapsed() < Duration::from_secs(30) {
+        let info = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
+        if info.lines().any(|l| l.split(' ').nth(4) == Some(want.as_str())) {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    false
+}
+
+fn rclone_mount(h: &Harness, s3: &S3Server, n: usize) -> Option<PeerMount> {
+    let path = h.path(&format!("rclone{n}"));
+    std::fs::create_dir_all(&path).unwrap();
+    let cache = h.path(&format!("rclone-cache{n}"));
+    let child = Command::new("rclone")
+        .args(["mount", "s3:bench", path.to_str().unwrap()])
+        .args([
+            "--vfs-cache-mode",
+            "full",
+            "--read-only",
+            "--cache-dir",
+            cache.to_str().unwrap(),
+        ])
+        .env_remove("AWS_CA_BUNDLE")
+        .env("RCLONE_CONFIG_S3_TYPE", "s3")
+        .env("RCLONE_CONFIG_S3_PROVIDER", "Other")
+        .env("RCLONE_CONFIG_S3_ENDPOINT", &s3.endpoint)
+        .env("RCLONE_CONFIG_S3_ACCESS_KEY_ID", S3_KEY)
+        .env("RCLONE_CONFIG_S3_SECRET_ACCESS_KEY", S3_SECRET)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::fs::File::create(h.path(&format!("rclone{n}.log"))).unwrap())
+        .spawn()
+        .ok()?;
+    let m = PeerMount {
+        path: path.clone(),
+        child: Some(child),
+    };
+    wait_mounted(&path).then_some(m)
+}
+
+fn s3fs_mount(h: &Harness, s3: &S3Server, n: usize) -> Option<PeerMount> {
+    let path = h.path(&format!("s3fs{n}"));
+    std::fs::create_dir_all(&path).unwrap();
+    let pw = h.path("s3fs.passwd");
+    std::fs::write(&pw, format!("{S3_KEY}:{S3_SECRET}\n")).unwrap();
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(&pw, std::fs::Permissions::from_mode(0o600)).unwrap();
+    let st = Command::new("s3fs")
+        .args(["bench", path.to_str().unwrap()])
+        .args(["-o", &format!("url={}", s3.endpoint)])
+        .args(["-o", "use_path_request_style", "-o", "ro", "-o", "kernel_cache"])
+        .args(["-o", &format!("passwd_file={}", pw.display())])
+        .env_remove("AWS_CA_BUNDLE")
+        .status()
+        .ok()?;
+    if !st.success() {
+        return None;
+    }
+    wait_mounted(&path).then_some(PeerMount { path, child: None })
+}
+
+#[tokio::main(flavor = "multi_thread", worker_threads = 2)]
+async fn main() {
+    if std::env::args().any(|a| a == "--list") {
+        println!("mount_read: bench");
+        return;
+    }
+    let large_mib = env_usize("LOCUS_BENCH_LARGE_MIB", 256);
+    let large_n = env_usize("LOCUS_BENCH_LARGE_FILES", 4);
+    let small_n = env_usize("LOCUS_BENCH_SMALL_FILES", 2000);
+    let h = Harness::new("bench-mount");
+    let src = h.path("src");
+    let mut large = Vec::new();
+    let mut small = Vec::new();
+    std::fs::create_dir_all(src.join("large")).unwrap();
+    for i in 0..large_n {
+        let rel = PathBuf::from(format!("large/l{i}.bin"));
+        std::fs::write(src.join(&rel), fill(i as u64, large_mib << 20)).unwrap();
+        large.push(rel);
+    }
+    for i in 0..small_n {
+        let rel = PathBuf::from(format!("small/d{:02}/s{i:05}.bin", i % 50));
+        std::fs::create_dir_all(src.join(rel.parent().unwrap())).unwrap();
+        std::fs::write(src.join(&rel), fill(1_000_000 + i as u64, 128 << 10)).unwrap();
+        small.push(rel);
+    }
+
+    // Locus: one metadata service and one node on this host.
+    let (m, nodes) = cluster(&h, 1, |i| NodeOpts {
+        capacity: "16GiB",
+        ..NodeOpts::host(i)
+    })
+    .await;
+    let out = import(&m, "bench", &src, &["--replicas", "1"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    // The same files in S3 for the peers.
+    let s3 = h.start_s3().await;
+    let bucket = s3.bucket("bench").await;
+    for rel in large.iter().chain(&small) {
+        let data = std::fs::read(src.join(rel)).unwrap();
+        let key = object_store::path::Path::from(rel.to_str().unwrap());
+        object_store::ObjectStoreExt::put(&bucket, &key, data.into())
+            .await
+            .unwrap();
+    }
+
+    let can_drop = drop_caches();
+    let workloads: [(&str, &[PathBuf], usize); 2] = [("large", &large, 1), ("small", &small, 8)];
+    type Mounter<'a> = Box<dyn Fn(usize) -> Option<(PathBuf, Box<dyn std::any::Any>)> + 'a>;
+    let mut counter = 0usize;
+    let mut systems: Vec<(&str, Mounter)> = vec![(
+        "local directory",
+        Box::new(|_| Some((src.clone(), Box::new(()) as Box<dyn std::any::Any>))),
+    )];
+    systems.push((
+        "locus (local node, passthrough)",
+        Box::new(|n| {
+            let mnt = m.mount(&format!("locus-local{n}"), "bench", Some(&nodes[0]), &[]);
+            Some((mnt.path.clone(), Box::new(mnt) as Box<dyn std::any::Any>))
+        }),
+    ));
+    systems.push((
+        "locus (remote reads)",
+        Box::new(|n| {
+            let mnt = m.mount(&format!("locus-remote{n}"), "bench", None, &[]);
+            Some((mnt.path.clone(), Box::new(mnt) as Box<dyn std::any::Any>))
+        }),
+    ));
+    let mut notes = Vec::new();
+    if have("rclone") {
+        systems.push((
+            "rclone mount (vfs-cache full)",
+            Box::new(|n| {
+                rclone_mount(&h, &s3, n).map(|p| (p.path.clone(), Box::new(p) as Box<dyn std::any::Any>))
+            }),
+        ));
+    } else {
+        notes.push("rclone is not installed (apt-get install rclone): its rows are missing");
+    }
+    if have("s3fs") {
+        systems.push((
+            "s3fs",
+            Box::new(|n| {
+                s3fs_mount(&h, &s3, n).map(|p| (p.path.clone(), Box::new(p) as Box<dyn std::any::Any>))
+            }),
+        ));
+    } else {
+        notes.push("s3fs is not installed (apt-get install s3fs): its rows are missing");
+    }
+
+    let mut rows: Vec<(String, [String; 4])> = Vec::new();
+    let mut raw: [f64; 4] = [0.0; 4];
+    for (si, (name, mount)) in systems.iter().enumerate() {
+        let mut cells: [String; 4] = Default::default();
+        for (wi, (_, files, threads)) in workloads.iter().enumerate() {
+            counter += 1;
+            if can_drop {
+                drop_caches();
+            }
+            let Some((root, guard)) = mount(counter) else {
+                cells[wi * 2] = "mount failed".into();
+                continue;
+            };
+            let cold = read_all(&root, files, *threads);
+            let warm = read_all(&root, files, *threads);
+            drop(guard);
+            for (k, (bytes, secs)) in [cold, warm].into_iter().enumerate() {
+                let value = if wi == 0 {
+                    bytes as f64 / secs / 1e9
+                } else {
+                    files.len() as f64 / secs
+                };
+                if si == 0 {
+                    raw[wi * 2 + k] = value;
+                }
+                let unit = if wi == 0 { "GB/s" } else { "files/s" };
+                let shown = if wi == 0 {
+                    format!("{value:.2}")
+                } else {
+                    format!("{value:.0}")
+                };
+                cells[wi * 2 + k] = format!("{shown} {unit} ({:.2}× raw)", value / raw[wi * 2 + k]);
+            }
+        }
+        rows.push((name.to_string(), cells));
+    }
+    if !can_drop {
+        notes.push("not root: page caches could not be dropped, so \"cold\" is not cold");
+    }
+
+    println!();
+    println!(
+        "mount_read: {large_n} × {large_mib} MiB files read sequentially (1 thread); {small_n} × 128 KiB files, 8 readers"
+    );
+    println!("| system | large cold | large warm | 128 KiB cold | 128 KiB warm |");
+    println!("|---|---|---|---|---|");
+    for (name, c) in &rows {
+        println!("| {name} | {} | {} | {} | {} |", c[0], c[1], c[2], c[3]);
+    }
+    for n in notes {
+        println!("note: {n}");
+    }
+}
