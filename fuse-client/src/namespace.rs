@@ -237,8 +237,8 @@ impl Builder {
         drop(counts);
         let mut children = vec![0u32; next as usize];
         let mut fill: Vec<u32> = inodes.iter().map(|n| n.first).collect();
-        for ino in 2..inodes.len() {
-            let p = inodes[ino].parent as usize;
+        for (ino, n) in inodes.iter().enumerate().skip(2) {
+            let p = n.parent as usize;
             children[fill[p] as usize] = ino as u32;
             fill[p] += 1;
         }
