@@ -29,15 +29,6 @@ fn env_usize(k: &str, d: usize) -> usize {
     std::env::var(k).ok().and_then(|v| v.parse().ok()).unwrap_or(d)
 }
 
-fn fill(seed: u64, n: usize) -> Vec<u8> {
-    let mut out = vec![0u8; n];
-    blake3::Hasher::new()
-        .update(&seed.to_le_bytes())
-        .finalize_xof()
-        .fill(&mut out);
-    out
-}
-
 fn drop_caches() -> bool {
     let _ = Command::new("sync").status();
     std::fs::write("/proc/sys/vm/drop_caches", "3").is_ok()
@@ -185,13 +176,13 @@ async fn main() {
     std::fs::create_dir_all(src.join("large")).unwrap();
     for i in 0..large_n {
         let rel = PathBuf::from(format!("large/l{i}.bin"));
-        std::fs::write(src.join(&rel), fill(i as u64, large_mib << 20)).unwrap();
+        std::fs::write(src.join(&rel), pseudo_random(i as u64, large_mib << 20)).unwrap();
         large.push(rel);
     }
     for i in 0..small_n {
         let rel = PathBuf::from(format!("small/d{:02}/s{i:05}.bin", i % 50));
         std::fs::create_dir_all(src.join(rel.parent().unwrap())).unwrap();
-        std::fs::write(src.join(&rel), fill(1_000_000 + i as u64, 128 << 10)).unwrap();
+        std::fs::write(src.join(&rel), pseudo_random(1_000_000 + i as u64, 128 << 10)).unwrap();
         small.push(rel);
     }
 

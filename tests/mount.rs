@@ -149,6 +149,18 @@ async fn every_file_reads_back_identical_with_and_without_a_local_node() {
         (!Path::new(&format!("/proc/{pid}")).exists()).then_some(())
     })
     .await;
+
+    // SIGTERM to the mount process unmounts cleanly.
+    let pid = local.pid();
+    let st = std::process::Command::new("kill")
+        .args(["-TERM", &pid.to_string()])
+        .status()
+        .unwrap();
+    assert!(st.success());
+    wait_until("SIGTERM to unmount", Duration::from_secs(10), || async {
+        (!local.is_mounted() && !Path::new(&format!("/proc/{pid}")).exists()).then_some(())
+    })
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -916,17 +916,20 @@ pub async fn http_get(addr: SocketAddr, path: &str) -> String {
 // ---------------------------------------------------------------------------------------
 // Datasets on disk
 
+/// `n` deterministic pseudo-random bytes (BLAKE3's output stream for `seed`).
+pub fn pseudo_random(seed: u64, n: usize) -> Vec<u8> {
+    let mut out = vec![0u8; n];
+    blake3::Hasher::new()
+        .update(&seed.to_le_bytes())
+        .finalize_xof()
+        .fill(&mut out);
+    out
+}
+
 /// A mixed tree: `files` files from empty to over two 64 KiB chunks, nested directories,
 /// symlinks, empty directories, duplicate contents, unicode and spaces in names.
 pub fn make_tree(root: &Path, files: usize) {
-    let bytes = |seed: usize, n: usize| -> Vec<u8> {
-        let mut out = vec![0u8; n];
-        blake3::Hasher::new()
-            .update(&seed.to_le_bytes())
-            .finalize_xof()
-            .fill(&mut out);
-        out
-    };
+    let bytes = |seed: usize, n: usize| pseudo_random(seed as u64, n);
     for i in 0..files {
         let dir = match i % 4 {
             0 => format!("train/class {:02}", i % 13),
@@ -1063,24 +1066,23 @@ impl Metadata {
 }
 
 impl Mount {
-    /// The mount's status file (what `locus status` shows).
+    /// The mount's status file (what `locus status` shows): the one in the runtime dir
+    /// that names this mountpoint.
     pub fn status(&self) -> serde_json::Value {
-        let name = self
-            .path
-            .display()
-            .to_string()
-            .trim_matches('/')
-            .chars()
-            .map(|c| {
-                if c.is_ascii_alphanumeric() || c == '-' || c == '.' {
-                    c
-                } else {
-                    '_'
+        let dir = self.runtime_dir.join("mounts");
+        for e in std::fs::read_dir(&dir).into_iter().flatten().flatten() {
+            if e.path().extension().is_some_and(|x| x == "json") {
+                let Ok(v) =
+                    serde_json::from_slice::<serde_json::Value>(&std::fs::read(e.path()).unwrap_or_default())
+                else {
+                    continue;
+                };
+                if v["mountpoint"].as_str() == Some(self.path.to_str().unwrap()) {
+                    return v;
                 }
-            })
-            .collect::<String>();
-        let p = self.runtime_dir.join("mounts").join(format!("{name}.json"));
-        serde_json::from_slice(&std::fs::read(&p).unwrap_or_else(|e| panic!("{}: {e}", p.display()))).unwrap()
+            }
+        }
+        panic!("no status file for {} in {}", self.path.display(), dir.display())
     }
 
     /// Waits (the status file is rewritten every two seconds) until `ok` holds for the
