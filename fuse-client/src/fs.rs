@@ -57,6 +57,8 @@ struct ReadAhead {
     /// The furthest chunk read so far.
     next_chunk: u64,
     window: usize,
+    /// Chunks before this one have already been asked for in the background.
+    ahead_to: u64,
 }
 
 pub struct Settings {
@@ -97,6 +99,10 @@ pub struct LocusFs {
 }
 
 const RECENT_MAX: usize = 65_536;
+
+/// Pages stay cached across opens (nothing changes), and close does not send a flush
+/// (nothing is ever written), saving a round trip per file.
+const OPEN_FLAGS: FopenFlags = FopenFlags::FOPEN_KEEP_CACHE.union(FopenFlags::FOPEN_NOFLUSH);
 
 impl LocusFs {
     pub fn new(
@@ -240,6 +246,9 @@ impl LocusFs {
                 None => match reply.open_backing(&*file) {
                     Ok(id) => {
                         let id = Arc::new(id);
+                        if backing.len() >= 2 * RECENT_MAX {
+                            backing.retain(|_, (_, n)| *n > 0);
+                        }
                         backing.insert(ino, (id.clone(), 1));
                         Some(id)
                     }
@@ -256,15 +265,15 @@ impl LocusFs {
                 let fh = self.add_handle(Handle::Passthrough { ino, _file: file });
                 self.metrics.opened("passthrough");
                 // The kernel refuses passthrough opens with any flag outside its small
-                // allowed set (KEEP_CACHE included): the backing file's own page cache
-                // is what gets used.
-                reply.opened_passthrough(fh, FopenFlags::empty(), &id);
+                // allowed set (KEEP_CACHE included: the backing file's own page cache
+                // is what gets used); NOFLUSH is allowed.
+                reply.opened_passthrough(fh, FopenFlags::FOPEN_NOFLUSH, &id);
                 return None;
             }
         }
         let fh = self.add_handle(Handle::Local { file });
         self.metrics.opened("local");
-        reply.opened(fh, FopenFlags::FOPEN_KEEP_CACHE);
+        reply.opened(fh, OPEN_FLAGS);
         None
     }
 
@@ -294,7 +303,7 @@ impl LocusFs {
         }
         let cs = u64::from(self.ns.chunk_size());
         let (first, last) = (offset / cs, (end - 1) / cs);
-        let window = {
+        let (ahead_from, ahead_to) = {
             // Sequential means moving forward through the chunks: the kernel's own
             // read-ahead sends several reads at once, slightly out of order.
             let mut st = ra.lock().unwrap();
@@ -305,10 +314,16 @@ impl LocusFs {
                 0
             };
             st.next_chunk = st.next_chunk.max(last);
-            st.window
+            // Only chunks not already asked for: a read-ahead task per chunk, not per read.
+            let from = (last + 1).max(st.ahead_to);
+            let to = last + 1 + st.window as u64;
+            if to > st.ahead_to {
+                st.ahead_to = to;
+            }
+            (from, to)
         };
         let wanted: Vec<ChunkRef> = (first..=last).filter_map(|i| self.chunk_ref(ino, i)).collect();
-        let ahead: Vec<ChunkRef> = (last + 1..=last + window as u64)
+        let ahead: Vec<ChunkRef> = (ahead_from..ahead_to)
             .filter_map(|i| self.chunk_ref(ino, i))
             .collect();
         let remote = self.remote.clone();
@@ -330,12 +345,15 @@ impl LocusFs {
         let mut out = Vec::with_capacity((end - offset) as usize);
         for p in parts {
             let (c, data) = p.map_err(|_| Errno::EIO)?;
-            let data = data.map_err(|e| {
+            let (data, cached) = data.map_err(|e| {
                 tracing::error!(ino, "read failed: {e}");
                 Errno::EIO
             })?;
             let from = offset.max(c.offset) - c.offset;
             let to = end.min(c.offset + c.len) - c.offset;
+            if cached {
+                self.metrics.cache_hit((to - from) as usize);
+            }
             out.extend_from_slice(&data[from as usize..to as usize]);
         }
         Ok(out)
@@ -448,7 +466,7 @@ impl Filesystem for LocusFs {
             ra: Mutex::new(ReadAhead::default()),
         });
         self.metrics.opened(if a.size == 0 { "empty" } else { "remote" });
-        reply.opened(fh, FopenFlags::FOPEN_KEEP_CACHE);
+        reply.opened(fh, OPEN_FLAGS);
     }
 
     fn read(
@@ -516,7 +534,17 @@ impl Filesystem for LocusFs {
                 let mut backing = self.backing.lock().unwrap();
                 if let Some((_, n)) = backing.get_mut(ino) {
                     *n -= 1;
-                    if *n == 0 {
+                    // A file likely to be reopened soon keeps its backing id: registering
+                    // and closing one costs two more system calls per open.
+                    let ttl = self.settings.reopen_ttl;
+                    let fresh = || {
+                        self.recent
+                            .lock()
+                            .unwrap()
+                            .get(ino)
+                            .is_some_and(|(_, at)| at.elapsed() < ttl)
+                    };
+                    if *n == 0 && !fresh() {
                         backing.remove(ino);
                     }
                 }

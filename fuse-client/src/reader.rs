@@ -228,13 +228,13 @@ impl Remote {
         Ok(())
     }
 
-    /// A verified chunk, from the cache or the cheapest source that serves it.
-    pub async fn chunk(self: &Arc<Self>, c: ChunkRef) -> Result<Bytes, ReadError> {
+    /// A verified chunk, from the cache or the cheapest source that serves it, and
+    /// whether it was already in memory when asked for.
+    pub async fn chunk(self: &Arc<Self>, c: ChunkRef) -> Result<(Bytes, bool), ReadError> {
         let key = (c.blob, c.index);
         let cell = self.cache.cell(key);
         if let Some(b) = cell.get() {
-            self.metrics.cache_hit(b.len());
-            return Ok(b.clone());
+            return Ok((b.clone(), true));
         }
         let mut fetched = false;
         let r = cell
@@ -246,10 +246,10 @@ impl Remote {
             .cloned();
         match &r {
             Ok(b) if fetched => self.cache.filled(key, b.len()),
-            Ok(b) => self.metrics.cache_hit(b.len()),
+            Ok(_) => {}
             Err(_) => self.cache.failed(key),
         }
-        r
+        r.map(|b| (b, !fetched))
     }
 
     /// Starts fetching chunks in the background (read-ahead); errors are left for the

@@ -314,6 +314,7 @@ async fn serve(a: MountArgs, mountpoint: PathBuf, cfg: &Resolved) -> anyhow::Res
             .await?
             .map_err(|e| mount_error(&mountpoint, e))?;
 
+    raise_readahead(&mountpoint, readahead);
     if let Some(addr) = &a.metrics_listen {
         serve_metrics(addr, metrics.clone()).await?;
     }
@@ -410,6 +411,26 @@ async fn serve(a: MountArgs, mountpoint: PathBuf, cfg: &Resolved) -> anyhow::Res
     }
     let _ = std::fs::remove_file(status_path(&mountpoint));
     Ok(())
+}
+
+/// The kernel caps a FUSE mount's read-ahead at 128 KiB whatever the filesystem asks for
+/// at init, so sequential reads that reach us (remote and pread modes) arrive in 128 KiB
+/// requests. Root may raise it through the mount's backing device in sysfs; others keep
+/// the default (passthrough reads use the backing file's own read-ahead either way).
+fn raise_readahead(mountpoint: &Path, bytes: u64) {
+    use std::os::unix::fs::MetadataExt;
+    let Ok(md) = std::fs::metadata(mountpoint) else {
+        return;
+    };
+    let dev = md.dev();
+    let major = ((dev >> 8) & 0xfff) | ((dev >> 32) & !0xfff);
+    let minor = (dev & 0xff) | ((dev >> 12) & !0xff);
+    let knob = format!("/sys/class/bdi/{major}:{minor}/read_ahead_kb");
+    let kb = (bytes / 1024).max(128);
+    match std::fs::write(&knob, kb.to_string()) {
+        Ok(()) => tracing::debug!("read-ahead set to {kb} KiB ({knob})"),
+        Err(e) => tracing::debug!("cannot raise read-ahead ({knob}): {e}"),
+    }
 }
 
 fn mount_error(mountpoint: &Path, e: std::io::Error) -> anyhow::Error {
