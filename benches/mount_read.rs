@@ -4,15 +4,17 @@
 //!
 //!     cargo bench --bench mount_read
 //!     LOCUS_BENCH_LARGE_MIB=256 LOCUS_BENCH_SMALL_FILES=2000 cargo bench --bench mount_read
+//!     LOCUS_BENCH_MOUNT_ARGS="--threads 8" cargo bench --bench mount_read
 //!
 //! Workloads: large files read sequentially one after another (1 MiB reads), and
 //! 128 KiB files read whole by 8 threads. "cold" drops the kernel page cache (root
 //! only) and remounts (so rclone's VFS cache and Locus's remote chunk cache start
-//! empty); "warm" repeats the read at once. The Locus cluster is one metadata service
+//! empty); "warm" repeats the read at once, three times, and reports the median. The Locus cluster is one metadata service
 //! and one cache node on this host; the local mount uses the node's Unix socket
-//! (passthrough), the remote mount reads from the node over TCP. The S3 server is the
-//! harness's (moto); rclone (`--vfs-cache-mode full --read-only`) and s3fs come from
-//! Debian and are skipped with a note when absent.
+//! (passthrough), the remote mount reads from the node over TCP. The peers read from
+//! SeaweedFS when `weed` is installed (bench/setup-peers.sh), else from the harness's
+//! moto; rclone (`--vfs-cache-mode full --read-only`) and s3fs come from Debian and are
+//! skipped with a note when absent.
 
 #[path = "../tests/support/mod.rs"]
 mod support;
@@ -109,7 +111,7 @@ fn wait_mounted(p: &Path) -> bool {
     false
 }
 
-fn rclone_mount(h: &Harness, s3: &S3Server, n: usize) -> Option<PeerMount> {
+fn rclone_mount(h: &Harness, s3: &Peers, n: usize) -> Option<PeerMount> {
     let path = h.path(&format!("rclone{n}"));
     std::fs::create_dir_all(&path).unwrap();
     let cache = h.path(&format!("rclone-cache{n}"));
@@ -123,11 +125,7 @@ fn rclone_mount(h: &Harness, s3: &S3Server, n: usize) -> Option<PeerMount> {
             cache.to_str().unwrap(),
         ])
         .env_remove("AWS_CA_BUNDLE")
-        .env("RCLONE_CONFIG_S3_TYPE", "s3")
-        .env("RCLONE_CONFIG_S3_PROVIDER", "Other")
-        .env("RCLONE_CONFIG_S3_ENDPOINT", &s3.endpoint)
-        .env("RCLONE_CONFIG_S3_ACCESS_KEY_ID", S3_KEY)
-        .env("RCLONE_CONFIG_S3_SECRET_ACCESS_KEY", S3_SECRET)
+        .envs(s3.rclone_env())
         .stdout(std::process::Stdio::null())
         .stderr(std::fs::File::create(h.path(&format!("rclone{n}.log"))).unwrap())
         .spawn()
@@ -139,7 +137,7 @@ fn rclone_mount(h: &Harness, s3: &S3Server, n: usize) -> Option<PeerMount> {
     wait_mounted(&path).then_some(m)
 }
 
-fn s3fs_mount(h: &Harness, s3: &S3Server, n: usize) -> Option<PeerMount> {
+fn s3fs_mount(h: &Harness, s3: &Peers, n: usize) -> Option<PeerMount> {
     let path = h.path(&format!("s3fs{n}"));
     std::fs::create_dir_all(&path).unwrap();
     let pw = h.path("s3fs.passwd");
@@ -158,6 +156,127 @@ fn s3fs_mount(h: &Harness, s3: &S3Server, n: usize) -> Option<PeerMount> {
         return None;
     }
     wait_mounted(&path).then_some(PeerMount { path, child: None })
+}
+
+/// The S3 server the peers read from: SeaweedFS (a real, persistent server that checks
+/// SigV4 credentials) when `weed` is installed, else the test harness's moto.
+struct Peers {
+    endpoint: String,
+    server: &'static str,
+    weed: Option<std::process::Child>,
+    _moto: Option<S3Server>,
+}
+
+impl Drop for Peers {
+    fn drop(&mut self) {
+        if let Some(w) = &mut self.weed {
+            let _ = w.kill();
+            let _ = w.wait();
+        }
+    }
+}
+
+/// A free port whose +10000 neighbour (SeaweedFS's gRPC port) is free too.
+fn free_port_pair() -> u16 {
+    loop {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let p = l.local_addr().unwrap().port();
+        if p < 55_000 && std::net::TcpListener::bind(("127.0.0.1", p + 10_000)).is_ok() {
+            return p;
+        }
+    }
+}
+
+impl Peers {
+    async fn start(h: &Harness) -> Peers {
+        if !have("weed") {
+            let moto = h.start_s3().await;
+            return Peers {
+                endpoint: moto.endpoint.clone(),
+                server: "moto (in-memory; SeaweedFS not installed)",
+                weed: None,
+                _moto: Some(moto),
+            };
+        }
+        let dir = h.path("weed");
+        std::fs::create_dir_all(&dir).unwrap();
+        let cfg = dir.join("s3.json");
+        std::fs::write(
+            &cfg,
+            format!(
+                r#"{{"identities":[{{"name":"bench","credentials":[{{"accessKey":"{S3_KEY}","secretKey":"{S3_SECRET}"}}],"actions":["Admin","Read","List","Tagging","Write"]}}]}}"#
+            ),
+        )
+        .unwrap();
+        let ports: Vec<u16> = (0..4).map(|_| free_port_pair()).collect();
+        let child = Command::new("weed")
+            .arg("server")
+            .args(["-ip=127.0.0.1", "-ip.bind=127.0.0.1", "-master.telemetry=false"])
+            .arg(format!("-dir={}", dir.display()))
+            .arg(format!("-master.port={}", ports[0]))
+            .args(["-master.volumeSizeLimitMB=1024", "-volume.max=0"])
+            .arg(format!("-volume.port={}", ports[1]))
+            .arg("-filer")
+            .arg(format!("-filer.port={}", ports[2]))
+            .arg("-s3")
+            .arg(format!("-s3.port={}", ports[3]))
+            .arg(format!("-s3.config={}", cfg.display()))
+            .args(["-s3.port.iceberg=0", "-s3.port.lance=0"])
+            .stdout(std::process::Stdio::null())
+            .stderr(std::fs::File::create(h.path("weed.log")).unwrap())
+            .spawn()
+            .expect("start weed");
+        let endpoint = format!("http://127.0.0.1:{}", ports[3]);
+        let peers = Peers {
+            endpoint,
+            server: "SeaweedFS 4.48 (weed server, one process, data on this disk)",
+            weed: Some(child),
+            _moto: None,
+        };
+        // It answers S3 a few seconds after start; creating the bucket proves it.
+        let t = Instant::now();
+        loop {
+            let ok = Command::new("rclone")
+                .args(["mkdir", "s3:bench"])
+                .envs(peers.rclone_env())
+                .env_remove("AWS_CA_BUNDLE")
+                .output()
+                .is_ok_and(|o| o.status.success());
+            if ok {
+                break;
+            }
+            assert!(t.elapsed() < Duration::from_secs(60), "SeaweedFS did not come up");
+            std::thread::sleep(Duration::from_millis(500));
+        }
+        peers
+    }
+
+    fn rclone_env(&self) -> Vec<(&'static str, String)> {
+        vec![
+            ("RCLONE_CONFIG_S3_TYPE", "s3".into()),
+            ("RCLONE_CONFIG_S3_PROVIDER", "Other".into()),
+            ("RCLONE_CONFIG_S3_ENDPOINT", self.endpoint.clone()),
+            ("RCLONE_CONFIG_S3_ACCESS_KEY_ID", S3_KEY.into()),
+            ("RCLONE_CONFIG_S3_SECRET_ACCESS_KEY", S3_SECRET.into()),
+        ]
+    }
+
+    async fn bucket(&self, bucket: &str) -> Arc<dyn object_store::ObjectStore> {
+        if let Some(m) = &self._moto {
+            return m.bucket(bucket).await;
+        }
+        Arc::new(
+            object_store::aws::AmazonS3Builder::new()
+                .with_endpoint(&self.endpoint)
+                .with_allow_http(true)
+                .with_access_key_id(S3_KEY)
+                .with_secret_access_key(S3_SECRET)
+                .with_region("us-east-1")
+                .with_bucket_name(bucket)
+                .build()
+                .unwrap(),
+        )
+    }
 }
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
@@ -195,7 +314,7 @@ async fn main() {
     let out = import(&m, "bench", &src, &["--replicas", "1"]);
     assert!(out.status.success(), "{}", stderr(&out));
     // The same files in S3 for the peers.
-    let s3 = h.start_s3().await;
+    let s3 = Peers::start(&h).await;
     let bucket = s3.bucket("bench").await;
     for rel in large.iter().chain(&small) {
         let data = std::fs::read(src.join(rel)).unwrap();
@@ -205,6 +324,9 @@ async fn main() {
             .unwrap();
     }
 
+    // Extra `locus mount` flags, e.g. LOCUS_BENCH_MOUNT_ARGS="--threads 8".
+    let mount_args_s = std::env::var("LOCUS_BENCH_MOUNT_ARGS").unwrap_or_default();
+    let mount_args: Vec<&str> = mount_args_s.split_whitespace().collect();
     let can_drop = drop_caches();
     let workloads: [(&str, &[PathBuf], usize); 2] = [("large", &large, 1), ("small", &small, 8)];
     type Mounter<'a> = Box<dyn Fn(usize) -> Option<(PathBuf, Box<dyn std::any::Any>)> + 'a>;
@@ -216,14 +338,14 @@ async fn main() {
     systems.push((
         "locus (local node, passthrough)",
         Box::new(|n| {
-            let mnt = m.mount(&format!("locus-local{n}"), "bench", Some(&nodes[0]), &[]);
+            let mnt = m.mount(&format!("locus-local{n}"), "bench", Some(&nodes[0]), &mount_args);
             Some((mnt.path.clone(), Box::new(mnt) as Box<dyn std::any::Any>))
         }),
     ));
     systems.push((
         "locus (remote reads)",
         Box::new(|n| {
-            let mnt = m.mount(&format!("locus-remote{n}"), "bench", None, &[]);
+            let mnt = m.mount(&format!("locus-remote{n}"), "bench", None, &mount_args);
             Some((mnt.path.clone(), Box::new(mnt) as Box<dyn std::any::Any>))
         }),
     ));
@@ -263,7 +385,10 @@ async fn main() {
                 continue;
             };
             let cold = read_all(&root, files, *threads);
-            let warm = read_all(&root, files, *threads);
+            // Warm: the median of three passes (page-cache state makes single passes noisy).
+            let mut passes: Vec<(u64, f64)> = (0..3).map(|_| read_all(&root, files, *threads)).collect();
+            passes.sort_by(|a, b| a.1.total_cmp(&b.1));
+            let warm = passes[1];
             drop(guard);
             for (k, (bytes, secs)) in [cold, warm].into_iter().enumerate() {
                 let value = if wi == 0 {
@@ -298,6 +423,7 @@ async fn main() {
     for (name, c) in &rows {
         println!("| {name} | {} | {} | {} | {} |", c[0], c[1], c[2], c[3]);
     }
+    println!("peers read from: {}", s3.server);
     for n in notes {
         println!("note: {n}");
     }
