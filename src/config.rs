@@ -81,6 +81,10 @@ pub struct MetadataServerFile {
     pub session_timeout: Option<String>,
     pub repair_interval: Option<String>,
     pub audit_log: Option<PathBuf>,
+    /// Locality's price per GiB by source (see locus_metadata::locality for defaults):
+    /// `[metadata_server.cost]` with same_host, same_rack, same_zone, other_zone,
+    /// object_store.
+    pub cost: Option<locus_metadata::locality::CostWeights>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -38,6 +38,9 @@ enum Command {
     /// List, inspect and delete datasets and their versions.
     #[command(subcommand)]
     Dataset(cmd::dataset::DatasetCmd),
+    /// Rank nodes by how much of a dataset version they hold and what the rest would cost
+    /// to bring there (where a job should run).
+    Locality(cmd::locality::LocalityArgs),
     /// Mount a dataset version as a read-only file tree (returns once it is readable).
     Mount(Box<cmd::mount::MountArgs>),
     /// Unmount a Locus mount.
@@ -77,6 +80,7 @@ fn main() -> ExitCode {
             Command::Metadata(c) => cmd::metadata::run(c, &cfg).await,
             Command::Node(c) => cmd::node::run(c, &cfg).await,
             Command::Dataset(c) => cmd::dataset::run(c, &cfg).await,
+            Command::Locality(a) => cmd::locality::run(a, &cfg).await,
             Command::Mount(a) => cmd::mount::run(*a, &cfg).await,
             Command::Umount(a) => cmd::mount::umount(a).await,
             Command::Status => cmd::status::run(&cfg).await,

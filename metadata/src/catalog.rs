@@ -43,6 +43,9 @@ pub enum CatalogError {
 
 type Result<T, E = CatalogError> = std::result::Result<T, E>;
 
+/// The versions a locality question resolved to (name, number) and the shards it weighs.
+pub type LocalityShards = (Vec<(String, u64)>, Vec<crate::locality::ShardBytes>);
+
 /// Shards placed (shard, nodes) and shards that could not be (shard, reason).
 pub type PlacementResult = (Vec<(u32, Vec<String>)>, Vec<(u32, String)>);
 
@@ -55,6 +58,8 @@ pub struct CatalogConfig {
     pub session_timeout: Duration,
     /// How often under-replicated shards are looked for and repaired.
     pub repair_interval: Duration,
+    /// Locality's price of a byte by where it would come from.
+    pub cost: crate::locality::CostWeights,
 }
 
 impl Default for CatalogConfig {
@@ -63,6 +68,7 @@ impl Default for CatalogConfig {
             liveness_timeout: Duration::from_secs(30),
             session_timeout: Duration::from_secs(3600),
             repair_interval: Duration::from_secs(10),
+            cost: Default::default(),
         }
     }
 }
@@ -646,6 +652,156 @@ impl Catalog {
             });
         }
         Ok((n, out, more))
+    }
+
+    /// What locality weighs: each asked-about shard's bytes and replicas, for one or more
+    /// versions. `shards` keeps only those shard ids (one version only); `prefixes` keeps
+    /// only files under those paths, counting each shard by the bytes of its matching
+    /// files (this reads the version's entries; whole-version questions read only shard
+    /// records). Returns the resolved versions and the shards.
+    pub fn locality_shards(
+        &self,
+        refs: &[DatasetRef],
+        shards: Option<&HashSet<u32>>,
+        prefixes: &[String],
+    ) -> Result<LocalityShards> {
+        if shards.is_some() && refs.len() != 1 {
+            return Err(InvalidInput::new("shards", "a shard list needs exactly one dataset version").into());
+        }
+        let mut resolved = Vec::new();
+        let mut out = Vec::new();
+        for r in refs {
+            let (n, v) = self.resolve(r)?;
+            let mut pinned = r.clone();
+            pinned.version = VersionSel::Number(n);
+            resolved.push((r.name.as_str().to_string(), n));
+            let mut recs: BTreeMap<u32, ShardRecord> = BTreeMap::new();
+            let (_, end) = keys::uid_range(v.uid);
+            for kv in self.store.scan(Table::Shards, &keys::shard(v.uid, 0), Some(&end)) {
+                let (k, val) = kv?;
+                let id = keys::shard_id(&k).unwrap_or(0);
+                if shards.is_some_and(|s| !s.contains(&id)) {
+                    continue;
+                }
+                recs.insert(id, decode(Table::Shards, &val)?);
+            }
+            if let Some(want) = shards {
+                if let Some(missing) = want.iter().find(|id| !recs.contains_key(id)) {
+                    return Err(CatalogError::NotFound(format!(
+                        "{}@{n} has no shard {missing}",
+                        r.name.as_str()
+                    )));
+                }
+            }
+            if prefixes.is_empty() {
+                out.extend(recs.into_values().map(|rec| crate::locality::ShardBytes {
+                    bytes: rec.bytes,
+                    replicas: rec.replicas,
+                }));
+                continue;
+            }
+            let mut bytes: BTreeMap<u32, u64> = BTreeMap::new();
+            let mut token = Vec::new();
+            loop {
+                let (_, page, next) = self.list_entries(&pinned, None, &token, 10_000, false)?;
+                for e in page {
+                    let under = prefixes.iter().any(|p| {
+                        let p = p.trim_end_matches('/');
+                        e.path == p
+                            || (e.path.starts_with(p) && e.path.as_bytes().get(p.len()) == Some(&b'/'))
+                    });
+                    if under && e.kind == pb::EntryKind::File as i32 && recs.contains_key(&e.shard) {
+                        *bytes.entry(e.shard).or_default() += e.size;
+                    }
+                }
+                if next.is_empty() {
+                    break;
+                }
+                token = next;
+            }
+            out.extend(bytes.into_iter().map(|(id, b)| crate::locality::ShardBytes {
+                bytes: b,
+                replicas: recs[&id].replicas.clone(),
+            }));
+        }
+        Ok((resolved, out))
+    }
+
+    /// The Locality call: candidates ranked by the cost of the data they lack.
+    pub fn locality(
+        &self,
+        refs: &[DatasetRef],
+        shards: Option<&HashSet<u32>>,
+        prefixes: &[String],
+        candidates: &[String],
+        selector: &HashMap<String, String>,
+    ) -> Result<pb::LocalityResponse> {
+        if refs.is_empty() {
+            return Err(InvalidInput::new("refs", "name at least one dataset version").into());
+        }
+        let (resolved, shard_bytes) = self.locality_shards(refs, shards, prefixes)?;
+        let nodes = self.list_nodes()?;
+        let topo: Vec<crate::locality::NodeTopo> = nodes
+            .iter()
+            .map(|n| crate::locality::NodeTopo {
+                id: n.id.clone(),
+                host: n.labels.get("host").cloned().unwrap_or_else(|| n.id.clone()),
+                rack: n.labels.get("rack").cloned().unwrap_or_default(),
+                zone: n.labels.get("zone").cloned().unwrap_or_default(),
+                live: n.state == pb::NodeState::Up as i32,
+            })
+            .collect();
+        let picked: Vec<usize> = if candidates.is_empty() {
+            (0..nodes.len())
+                .filter(|&i| topo[i].live && !nodes[i].draining)
+                .filter(|&i| crate::locality::matches(&nodes[i].labels, selector))
+                .collect()
+        } else {
+            let mut v = Vec::new();
+            for c in candidates {
+                let i = nodes
+                    .iter()
+                    .position(|n| &n.id == c)
+                    .ok_or_else(|| CatalogError::NotFound(format!("no node named {c}")))?;
+                if crate::locality::matches(&nodes[i].labels, selector) && !v.contains(&i) {
+                    v.push(i);
+                }
+            }
+            v
+        };
+        let ranked = crate::locality::compute(&shard_bytes, &topo, &picked, &self.config.cost);
+        let index: HashMap<&str, usize> = nodes
+            .iter()
+            .enumerate()
+            .map(|(i, n)| (n.id.as_str(), i))
+            .collect();
+        Ok(pb::LocalityResponse {
+            refs: resolved
+                .into_iter()
+                .map(|(dataset, version)| pb::VersionRef { dataset, version })
+                .collect(),
+            total_bytes: shard_bytes.iter().map(|s| s.bytes).sum(),
+            nodes: ranked
+                .into_iter()
+                .map(|l| {
+                    let i = index[l.node.as_str()];
+                    pb::NodeLocality {
+                        labels: nodes[i].labels.clone(),
+                        live: topo[i].live,
+                        node: l.node,
+                        resident_bytes: l.resident_bytes,
+                        resident_fraction: l.resident_fraction,
+                        transfer_cost: l.transfer_cost,
+                        rank: l.rank,
+                        same_host_bytes: l.same_host_bytes,
+                        same_rack_bytes: l.same_rack_bytes,
+                        same_zone_bytes: l.same_zone_bytes,
+                        other_zone_bytes: l.other_zone_bytes,
+                        origin_bytes: l.origin_bytes,
+                    }
+                })
+                .collect(),
+        })
     }
 
     // ---------------------------------------------------------------------------------

@@ -11,7 +11,9 @@
 pub mod audit;
 pub mod auth;
 pub mod catalog;
+pub mod http_api;
 pub mod keys;
+pub mod locality;
 pub mod metrics;
 pub mod placement;
 pub mod records;

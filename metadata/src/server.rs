@@ -163,7 +163,7 @@ pub async fn serve(
         stop_rx.clone(),
     ));
     let http = http_listener.map(|l| {
-        let app = http_router(catalog.clone(), metrics.clone());
+        let app = http_router(catalog.clone(), metrics.clone(), tokens.clone());
         let rx = stop_rx.clone();
         tokio::spawn(async move {
             if let Err(e) = axum::serve(l, app).with_graceful_shutdown(stopped(rx)).await {
@@ -225,10 +225,17 @@ async fn reap_sessions(
     }
 }
 
-fn http_router(catalog: Arc<Catalog>, metrics: Arc<Metrics>) -> axum::Router {
-    use axum::routing::get;
+fn http_router(catalog: Arc<Catalog>, metrics: Arc<Metrics>, tokens: Option<Arc<TokenSet>>) -> axum::Router {
+    use axum::routing::{get, post};
+    let api_catalog = catalog.clone();
     axum::Router::new()
         .route("/healthz", get(|| async { "ok\n" }))
+        .route(
+            "/v1/locality",
+            post(move |headers: axum::http::HeaderMap, body: axum::body::Bytes| {
+                crate::http_api::locality(api_catalog.clone(), tokens.clone(), headers, body)
+            }),
+        )
         .route(
             "/metrics",
             get(move || {

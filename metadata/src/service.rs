@@ -2,6 +2,7 @@
 //! blocking thread, and map its errors to `Status` — the one place this service's errors
 //! meet the outside world. Admin actions are written to the audit log here.
 
+use std::collections::HashSet;
 use std::sync::Arc;
 
 use locus_proto::{pb, DatasetName, DatasetRef, Entry, NodeId, VersionSel};
@@ -230,6 +231,34 @@ impl pb::metadata_server::Metadata for MetadataService {
                 })
                 .collect(),
         }))
+    }
+
+    async fn locality(&self, req: Request<pb::LocalityRequest>) -> Res<pb::LocalityResponse> {
+        let q = req.into_inner();
+        if q.refs.len() > 64
+            || q.path_prefixes.len() > 1_000
+            || q.shards.len() > 100_000
+            || q.nodes.len() > 100_000
+        {
+            return Err(Status::invalid_argument(
+                "at most 64 versions, 1,000 path prefixes, 100,000 shards and 100,000 nodes per call",
+            ));
+        }
+        let refs = q
+            .refs
+            .into_iter()
+            .map(|r| version_ref(Some(r)))
+            .collect::<Result<Vec<_>, _>>()?;
+        for p in &q.path_prefixes {
+            locus_proto::RelPath::check_dir(p.trim_end_matches('/'))
+                .map_err(|e| e.within("path_prefixes"))?;
+        }
+        let shards: Option<HashSet<u32>> = (!q.shards.is_empty()).then(|| q.shards.into_iter().collect());
+        let out = self
+            .run(move |c| c.locality(&refs, shards.as_ref(), &q.path_prefixes, &q.nodes, &q.selector))
+            .await
+            .map_err(to_status)?;
+        Ok(Response::new(out))
     }
 
     async fn list_datasets(&self, _req: Request<pb::ListDatasetsRequest>) -> Res<pb::ListDatasetsResponse> {

@@ -137,6 +137,12 @@ async fn serve(a: ServeArgs, cfg: &Resolved) -> anyhow::Result<()> {
                 a.repair_interval.or(f.repair_interval),
                 "10s",
             )?,
+            cost: {
+                let c = f.cost.unwrap_or_default();
+                c.check()
+                    .map_err(|e| anyhow::anyhow!("[metadata_server.cost]: {e}"))?;
+                c
+            },
         },
         addr_file: a.addr_file,
         audit_log: a.audit_log.or(f.audit_log),

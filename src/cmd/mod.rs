@@ -3,6 +3,7 @@
 pub mod dataset;
 pub mod demo;
 pub mod import;
+pub mod locality;
 pub mod metadata;
 pub mod mount;
 pub mod node;

@@ -900,17 +900,39 @@ impl Harness {
 
 /// A minimal HTTP/1.1 GET, enough for /metrics and /healthz; panics unless 200.
 pub async fn http_get(addr: SocketAddr, path: &str) -> String {
+    let (code, body) = http_request(addr, "GET", path, &[], "").await;
+    assert_eq!(code, 200, "{body}");
+    body
+}
+
+/// A minimal HTTP/1.1 request: (status code, body).
+pub async fn http_request(
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: &str,
+) -> (u16, String) {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
-    s.write_all(format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").as_bytes())
-        .await
-        .unwrap();
+    let mut req = format!(
+        "{method} {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Length: {}\r\n",
+        body.len()
+    );
+    for (k, v) in headers {
+        req.push_str(&format!("{k}: {v}\r\n"));
+    }
+    req.push_str("\r\n");
+    req.push_str(body);
+    s.write_all(req.as_bytes()).await.unwrap();
     let mut buf = String::new();
     s.read_to_string(&mut buf).await.unwrap();
-    assert!(buf.starts_with("HTTP/1.1 200"), "{buf}");
-    buf.split_once("\r\n\r\n")
+    let code = buf.get(9..12).and_then(|c| c.parse().ok()).unwrap_or(0);
+    let body = buf
+        .split_once("\r\n\r\n")
         .map(|(_, b)| b.to_string())
-        .unwrap_or_default()
+        .unwrap_or_default();
+    (code, body)
 }
 
 // ---------------------------------------------------------------------------------------

@@ -21,6 +21,7 @@ fn fixture() -> Fixture {
             liveness_timeout: Duration::from_secs(10),
             session_timeout: Duration::from_secs(60),
             repair_interval: Duration::from_secs(1),
+            cost: Default::default(),
         },
     )
     .unwrap();

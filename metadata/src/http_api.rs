@@ -1,0 +1,152 @@
+//! HTTP/JSON on the metadata service's HTTP port, for schedulers that do not speak gRPC.
+//!
+//! `POST /v1/locality` takes
+//!
+//! ```json
+//! {"datasets": ["imagenet@3"], "paths": ["train"], "shards": [0, 1],
+//!  "nodes": ["gpu17"], "where": "gpu=h100,zone=z1"}
+//! ```
+//!
+//! (only `datasets` is required) and answers with the same figures as the gRPC
+//! `Locality` call. With tokens configured it needs `Authorization: Bearer TOKEN` of a
+//! role that may read. Bad input is a 400 with a one-line `error`, never a panic.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
+
+use axum::body::Bytes;
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use locus_proto::auth::{Access, TokenSet};
+use locus_proto::DatasetRef;
+use serde::Deserialize;
+
+use crate::catalog::{Catalog, CatalogError};
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct LocalityBody {
+    datasets: Vec<String>,
+    #[serde(default)]
+    paths: Vec<String>,
+    #[serde(default)]
+    shards: Vec<u32>,
+    #[serde(default)]
+    nodes: Vec<String>,
+    #[serde(default, rename = "where")]
+    selector: Option<String>,
+}
+
+fn error(code: StatusCode, msg: impl Into<String>) -> Response {
+    (code, axum::Json(serde_json::json!({ "error": msg.into() }))).into_response()
+}
+
+/// `k=v,k=v` into a map.
+pub fn parse_selector(s: &str) -> Result<HashMap<String, String>, String> {
+    let mut out = HashMap::new();
+    for kv in s.split(',').map(str::trim).filter(|x| !x.is_empty()) {
+        let (k, v) = kv
+            .split_once('=')
+            .ok_or_else(|| format!("selector term {kv:?} is not KEY=VALUE"))?;
+        out.insert(k.trim().to_string(), v.trim().to_string());
+    }
+    Ok(out)
+}
+
+pub async fn locality(
+    catalog: Arc<Catalog>,
+    tokens: Option<Arc<TokenSet>>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    let auth = headers.get("authorization").map(|v| v.as_bytes());
+    if let Err((status, _)) =
+        locus_proto::auth::check(tokens.as_deref(), "Locality", Some(Access::Read), auth)
+    {
+        let code = match status.code() {
+            tonic::Code::Unauthenticated => StatusCode::UNAUTHORIZED,
+            _ => StatusCode::FORBIDDEN,
+        };
+        return error(code, status.message());
+    }
+    let q: LocalityBody = match serde_json::from_slice(&body) {
+        Ok(q) => q,
+        Err(e) => return error(StatusCode::BAD_REQUEST, format!("malformed request: {e}")),
+    };
+    if q.datasets.is_empty() || q.datasets.len() > 64 {
+        return error(StatusCode::BAD_REQUEST, "datasets: name 1 to 64 dataset versions");
+    }
+    let refs = match q
+        .datasets
+        .iter()
+        .map(|d| d.parse::<DatasetRef>())
+        .collect::<Result<Vec<_>, _>>()
+    {
+        Ok(r) => r,
+        Err(e) => return error(StatusCode::BAD_REQUEST, format!("datasets: {e}")),
+    };
+    for p in &q.paths {
+        if let Err(e) = locus_proto::RelPath::check_dir(p.trim_end_matches('/')) {
+            return error(StatusCode::BAD_REQUEST, format!("paths: {e}"));
+        }
+    }
+    let selector = match q.selector.as_deref().map(parse_selector).transpose() {
+        Ok(s) => s.unwrap_or_default(),
+        Err(e) => return error(StatusCode::BAD_REQUEST, format!("where: {e}")),
+    };
+    let shards: Option<HashSet<u32>> = (!q.shards.is_empty()).then(|| q.shards.iter().copied().collect());
+    let r = tokio::task::spawn_blocking(move || {
+        catalog.locality(&refs, shards.as_ref(), &q.paths, &q.nodes, &selector)
+    })
+    .await;
+    let out = match r {
+        Ok(Ok(out)) => out,
+        Ok(Err(CatalogError::NotFound(m))) => return error(StatusCode::NOT_FOUND, m),
+        Ok(Err(CatalogError::Invalid(e))) => return error(StatusCode::BAD_REQUEST, e.to_string()),
+        Ok(Err(e)) => return error(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
+        Err(e) => return error(StatusCode::INTERNAL_SERVER_ERROR, format!("task failed: {e}")),
+    };
+    let nodes: Vec<serde_json::Value> = out
+        .nodes
+        .iter()
+        .map(|n| {
+            serde_json::json!({
+                "node": n.node,
+                "rank": n.rank,
+                "live": n.live,
+                "resident_bytes": n.resident_bytes,
+                "resident_fraction": n.resident_fraction,
+                "transfer_cost": n.transfer_cost,
+                "same_host_bytes": n.same_host_bytes,
+                "same_rack_bytes": n.same_rack_bytes,
+                "same_zone_bytes": n.same_zone_bytes,
+                "other_zone_bytes": n.other_zone_bytes,
+                "origin_bytes": n.origin_bytes,
+                "labels": n.labels,
+            })
+        })
+        .collect();
+    let refs: Vec<String> = out
+        .refs
+        .iter()
+        .map(|r| format!("{}@{}", r.dataset, r.version))
+        .collect();
+    axum::Json(serde_json::json!({
+        "datasets": refs,
+        "total_bytes": out.total_bytes,
+        "nodes": nodes,
+    }))
+    .into_response()
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn selectors() {
+        let s = super::parse_selector("gpu=h100, zone=z1").unwrap();
+        assert_eq!(s["gpu"], "h100");
+        assert_eq!(s["zone"], "z1");
+        assert!(super::parse_selector("gpu").is_err());
+        assert!(super::parse_selector("").unwrap().is_empty());
+    }
+}

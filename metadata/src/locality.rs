@@ -1,0 +1,339 @@
+//! Graded locality: for each candidate node, how much of a dataset version is already on
+//! it and what the rest would cost to bring there from the cheapest sources.
+//!
+//! Pure functions over shard replica sets and node topology (labels `host`, `rack`,
+//! `zone`), so they are tested without a cluster and answer in O(shards × replicas +
+//! nodes): bytes are first summed per host, rack and zone that holds a live replica, and
+//! each node then reads its figures off those sums — no per-(node, shard) loop.
+//!
+//! The cost model prices one GiB by where it would come from. Defaults (configurable in
+//! the metadata service's config, `[metadata_server.cost]`):
+//!
+//! | source | default per GiB | why |
+//! |---|---|---|
+//! | this node | 0 | already there |
+//! | another node on the same host | 0.1 | a local copy between disks |
+//! | same rack | 1 | one top-of-rack switch |
+//! | same zone | 2 | crosses the spine |
+//! | another zone | 8 | cross-zone links are scarce and often billed |
+//! | object store (no live replica) | 20 | egress and the slowest source |
+
+use std::collections::{HashMap, HashSet};
+
+/// Price per GiB by source. See the module table for the defaults.
+#[derive(Debug, Clone, Copy, PartialEq, serde::Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct CostWeights {
+    pub same_host: f64,
+    pub same_rack: f64,
+    pub same_zone: f64,
+    pub other_zone: f64,
+    pub object_store: f64,
+}
+
+impl Default for CostWeights {
+    fn default() -> Self {
+        CostWeights {
+            same_host: 0.1,
+            same_rack: 1.0,
+            same_zone: 2.0,
+            other_zone: 8.0,
+            object_store: 20.0,
+        }
+    }
+}
+
+impl CostWeights {
+    pub fn check(&self) -> Result<(), String> {
+        let all = [
+            self.same_host,
+            self.same_rack,
+            self.same_zone,
+            self.other_zone,
+            self.object_store,
+        ];
+        if all.iter().any(|w| !w.is_finite() || *w < 0.0) {
+            return Err("cost weights must be finite and not negative".into());
+        }
+        Ok(())
+    }
+}
+
+/// A node as locality sees it.
+#[derive(Debug, Clone)]
+pub struct NodeTopo {
+    pub id: String,
+    pub host: String,
+    pub rack: String,
+    pub zone: String,
+    /// Only live nodes serve as sources.
+    pub live: bool,
+}
+
+/// A shard's bytes (of the part of the version asked about) and its replicas.
+#[derive(Debug, Clone)]
+pub struct ShardBytes {
+    pub bytes: u64,
+    pub replicas: Vec<String>,
+}
+
+/// One node's answer.
+#[derive(Debug, Clone, PartialEq)]
+pub struct NodeLocality {
+    pub node: String,
+    pub resident_bytes: u64,
+    pub resident_fraction: f64,
+    /// Of the bytes not on the node, how many the cheapest source has on the same host,
+    /// rack, zone, another zone, or only the object store.
+    pub same_host_bytes: u64,
+    pub same_rack_bytes: u64,
+    pub same_zone_bytes: u64,
+    pub other_zone_bytes: u64,
+    pub origin_bytes: u64,
+    /// Σ bytes / GiB × weight of their cheapest source.
+    pub transfer_cost: f64,
+    /// 1 = best.
+    pub rank: u32,
+}
+
+const GIB: f64 = (1u64 << 30) as f64;
+
+/// Locality of `candidates` (indexes into `nodes`) for `shards`, ranked: cheapest rest
+/// first, then most resident bytes, then node id.
+pub fn compute(
+    shards: &[ShardBytes],
+    nodes: &[NodeTopo],
+    candidates: &[usize],
+    w: &CostWeights,
+) -> Vec<NodeLocality> {
+    let by_id: HashMap<&str, &NodeTopo> = nodes.iter().map(|n| (n.id.as_str(), n)).collect();
+    let mut total = 0u64;
+    let mut live_any = 0u64;
+    // Bytes of shards with a live replica on each node / host / rack / zone; a shard counts
+    // once per place however many of its replicas are there.
+    let mut on_node: HashMap<&str, u64> = HashMap::new();
+    let mut on_host: HashMap<&str, u64> = HashMap::new();
+    let mut on_rack: HashMap<(&str, &str), u64> = HashMap::new();
+    let mut on_zone: HashMap<&str, u64> = HashMap::new();
+    let mut seen_node = HashSet::new();
+    let mut seen_host = HashSet::new();
+    let mut seen_rack = HashSet::new();
+    let mut seen_zone = HashSet::new();
+    for s in shards {
+        total += s.bytes;
+        seen_node.clear();
+        seen_host.clear();
+        seen_rack.clear();
+        seen_zone.clear();
+        let mut any = false;
+        for r in &s.replicas {
+            let Some(n) = by_id.get(r.as_str()) else { continue };
+            if !n.live || !seen_node.insert(n.id.as_str()) {
+                continue;
+            }
+            any = true;
+            *on_node.entry(n.id.as_str()).or_default() += s.bytes;
+            if seen_host.insert(n.host.as_str()) {
+                *on_host.entry(n.host.as_str()).or_default() += s.bytes;
+            }
+            if seen_rack.insert((n.zone.as_str(), n.rack.as_str())) {
+                *on_rack.entry((n.zone.as_str(), n.rack.as_str())).or_default() += s.bytes;
+            }
+            if seen_zone.insert(n.zone.as_str()) {
+                *on_zone.entry(n.zone.as_str()).or_default() += s.bytes;
+            }
+        }
+        if any {
+            live_any += s.bytes;
+        }
+    }
+    let mut out: Vec<NodeLocality> = candidates
+        .iter()
+        .map(|&i| {
+            let n = &nodes[i];
+            let get = |m: &HashMap<&str, u64>, k: &str| m.get(k).copied().unwrap_or(0);
+            // A node's own replicas count only while it is live; a down node holds
+            // nothing anyone can use.
+            let resident = if n.live { get(&on_node, &n.id) } else { 0 };
+            let host = get(&on_host, &n.host).max(resident);
+            let rack = on_rack
+                .get(&(n.zone.as_str(), n.rack.as_str()))
+                .copied()
+                .unwrap_or(0)
+                .max(host);
+            let zone = get(&on_zone, &n.zone).max(rack);
+            let live = live_any.max(zone);
+            let l = NodeLocality {
+                node: n.id.clone(),
+                resident_bytes: resident,
+                resident_fraction: if total == 0 {
+                    1.0
+                } else {
+                    resident as f64 / total as f64
+                },
+                same_host_bytes: host - resident,
+                same_rack_bytes: rack - host,
+                same_zone_bytes: zone - rack,
+                other_zone_bytes: live - zone,
+                origin_bytes: total - live,
+                transfer_cost: 0.0,
+                rank: 0,
+            };
+            let cost = (l.same_host_bytes as f64 * w.same_host
+                + l.same_rack_bytes as f64 * w.same_rack
+                + l.same_zone_bytes as f64 * w.same_zone
+                + l.other_zone_bytes as f64 * w.other_zone
+                + l.origin_bytes as f64 * w.object_store)
+                / GIB;
+            NodeLocality {
+                transfer_cost: cost,
+                ..l
+            }
+        })
+        .collect();
+    out.sort_by(|a, b| {
+        a.transfer_cost
+            .total_cmp(&b.transfer_cost)
+            .then(b.resident_bytes.cmp(&a.resident_bytes))
+            .then(a.node.cmp(&b.node))
+    });
+    for (i, l) in out.iter_mut().enumerate() {
+        l.rank = i as u32 + 1;
+    }
+    out
+}
+
+/// Whether a node's labels satisfy a selector (`k=v` pairs, all must match).
+pub fn matches(labels: &HashMap<String, String>, selector: &HashMap<String, String>) -> bool {
+    selector.iter().all(|(k, v)| labels.get(k) == Some(v))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn node(id: &str, host: &str, rack: &str, zone: &str) -> NodeTopo {
+        NodeTopo {
+            id: id.into(),
+            host: host.into(),
+            rack: rack.into(),
+            zone: zone.into(),
+            live: true,
+        }
+    }
+
+    fn shard(bytes: u64, replicas: &[&str]) -> ShardBytes {
+        ShardBytes {
+            bytes,
+            replicas: replicas.iter().map(|s| s.to_string()).collect(),
+        }
+    }
+
+    #[test]
+    fn grades_by_distance_and_ranks_cheapest_first() {
+        let nodes = vec![
+            node("a", "ha", "r1", "z1"),
+            node("b", "hb", "r1", "z1"),
+            node("c", "hc", "r2", "z1"),
+            node("d", "hd", "r3", "z2"),
+        ];
+        let g = 1u64 << 30;
+        let shards = vec![shard(g, &["a"]), shard(2 * g, &["a", "c"]), shard(g, &[])];
+        let out = compute(&shards, &nodes, &[0, 1, 2, 3], &CostWeights::default());
+        let by: HashMap<_, _> = out.iter().map(|l| (l.node.as_str(), l)).collect();
+        assert_eq!(by["a"].resident_bytes, 3 * g);
+        assert_eq!(by["a"].origin_bytes, g);
+        assert_eq!(by["b"].resident_bytes, 0);
+        assert_eq!(by["b"].same_rack_bytes, 3 * g, "a is in b's rack");
+        assert_eq!(by["c"].resident_bytes, 2 * g);
+        assert_eq!(by["c"].same_zone_bytes, g);
+        assert_eq!(by["d"].other_zone_bytes, 3 * g);
+        assert_eq!(out[0].node, "a");
+        assert_eq!(out.last().unwrap().node, "d");
+        assert!((by["a"].resident_fraction - 0.75).abs() < 1e-9);
+        assert!((by["b"].transfer_cost - (3.0 * 1.0 + 20.0)).abs() < 1e-9);
+    }
+
+    #[test]
+    fn a_down_node_is_neither_source_nor_resident() {
+        let mut nodes = vec![node("a", "ha", "r1", "z1"), node("b", "hb", "r1", "z1")];
+        nodes[0].live = false;
+        let out = compute(&[shard(100, &["a"])], &nodes, &[0, 1], &CostWeights::default());
+        for l in out {
+            assert_eq!(l.resident_bytes, 0);
+            assert_eq!(l.origin_bytes, 100);
+        }
+    }
+
+    /// The cheapest source of each shard for each node, the slow way.
+    fn brute(shards: &[ShardBytes], nodes: &[NodeTopo], i: usize) -> [u64; 6] {
+        let me = &nodes[i];
+        let mut out = [0u64; 6];
+        for s in shards {
+            let best = s
+                .replicas
+                .iter()
+                .filter_map(|r| nodes.iter().find(|n| &n.id == r && n.live))
+                .map(|n| {
+                    if me.live && n.id == me.id {
+                        0
+                    } else if n.host == me.host {
+                        1
+                    } else if n.rack == me.rack && n.zone == me.zone {
+                        2
+                    } else if n.zone == me.zone {
+                        3
+                    } else {
+                        4
+                    }
+                })
+                .min()
+                .unwrap_or(5);
+            out[best] += s.bytes;
+        }
+        out
+    }
+
+    proptest! {
+        #[test]
+        fn aggregated_sums_equal_the_per_shard_answer(
+            topo in prop::collection::vec((0u8..6, any::<bool>()), 1..12),
+            shards in prop::collection::vec((1u64..1_000_000, prop::collection::vec(0usize..12, 0..4)), 0..40),
+        ) {
+            let nodes: Vec<NodeTopo> = topo
+                .iter()
+                .enumerate()
+                .map(|(i, (h, live))| NodeTopo {
+                    id: format!("n{i}"),
+                    host: format!("h{h}"),
+                    // A host sits in one rack, a rack in one zone, as in a real cluster.
+                    rack: format!("r{}", h % 3),
+                    zone: format!("z{}", (h % 3) % 2),
+                    live: *live,
+                })
+                .collect();
+            let shards: Vec<ShardBytes> = shards
+                .into_iter()
+                .map(|(b, reps)| {
+                    let r = reps.into_iter().filter(|i| *i < nodes.len()).map(|i| format!("n{i}")).collect();
+                    ShardBytes { bytes: b, replicas: r }
+                })
+                .collect();
+            let all: Vec<usize> = (0..nodes.len()).collect();
+            let out = compute(&shards, &nodes, &all, &CostWeights::default());
+            for l in &out {
+                let i = nodes.iter().position(|n| n.id == l.node).unwrap();
+                let want = brute(&shards, &nodes, i);
+                prop_assert_eq!(
+                    [l.resident_bytes, l.same_host_bytes, l.same_rack_bytes, l.same_zone_bytes, l.other_zone_bytes, l.origin_bytes],
+                    want,
+                    "node {}", l.node
+                );
+            }
+            for w in out.windows(2) {
+                prop_assert!(w[0].transfer_cost <= w[1].transfer_cost);
+            }
+        }
+    }
+}

@@ -1,0 +1,133 @@
+//! `locus locality`: where a job that reads a dataset should run — every candidate node
+//! ranked by what it already holds and what the rest would cost to bring there.
+
+use clap::Args;
+use locus_proto::pb;
+
+use crate::config::Resolved;
+use crate::output::{self, StatusExt};
+
+#[derive(Args, Debug)]
+pub struct LocalityArgs {
+    /// DATASET[@VERSION] (latest when no version is given); several add up.
+    #[arg(required = true)]
+    pub targets: Vec<String>,
+    /// Only these candidate nodes (comma-separated) [default: every live node].
+    #[arg(long, value_delimiter = ',', value_name = "NODE,...")]
+    pub nodes: Vec<String>,
+    /// Only nodes with all these labels, e.g. gpu=h100,zone=z1.
+    #[arg(long = "where", value_name = "K=V,...")]
+    pub selector: Option<String>,
+    /// Only these shards (one dataset version).
+    #[arg(long, value_delimiter = ',', value_name = "ID,...")]
+    pub shards: Vec<u32>,
+    /// Only files under this path (repeatable).
+    #[arg(long = "path", value_name = "PATH")]
+    pub paths: Vec<String>,
+}
+
+pub async fn run(a: LocalityArgs, cfg: &Resolved) -> anyhow::Result<()> {
+    let refs = a
+        .targets
+        .iter()
+        .map(|t| {
+            let r: locus_proto::DatasetRef = t.parse().map_err(|e| anyhow::anyhow!("{t:?}: {e}"))?;
+            Ok(pb::VersionRef::from(&r))
+        })
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    let selector = match &a.selector {
+        Some(s) => {
+            locus_metadata::http_api::parse_selector(s).map_err(|e| anyhow::anyhow!("--where: {e}"))?
+        }
+        None => Default::default(),
+    };
+    let mut c = cfg.connect().await?;
+    let out = c
+        .locality(pb::LocalityRequest {
+            refs,
+            path_prefixes: a.paths,
+            shards: a.shards,
+            nodes: a.nodes,
+            selector,
+        })
+        .await
+        .or_status()?;
+    if cfg.json {
+        let nodes: Vec<_> = out
+            .nodes
+            .iter()
+            .map(|n| {
+                serde_json::json!({
+                    "node": n.node, "rank": n.rank, "live": n.live,
+                    "resident_bytes": n.resident_bytes, "resident_fraction": n.resident_fraction,
+                    "transfer_cost": n.transfer_cost,
+                    "same_host_bytes": n.same_host_bytes, "same_rack_bytes": n.same_rack_bytes,
+                    "same_zone_bytes": n.same_zone_bytes, "other_zone_bytes": n.other_zone_bytes,
+                    "origin_bytes": n.origin_bytes, "labels": n.labels,
+                })
+            })
+            .collect();
+        return output::json(&serde_json::json!({
+            "datasets": out.refs.iter().map(|r| format!("{}@{}", r.dataset, r.version)).collect::<Vec<_>>(),
+            "total_bytes": out.total_bytes,
+            "nodes": nodes,
+        }));
+    }
+    let what: Vec<String> = out
+        .refs
+        .iter()
+        .map(|r| format!("{}@{}", r.dataset, r.version))
+        .collect();
+    println!(
+        "{} ({}), best node first:",
+        what.join(" + "),
+        output::size(out.total_bytes)
+    );
+    let label = |n: &pb::NodeLocality, k: &str| n.labels.get(k).cloned().unwrap_or_else(|| "-".into());
+    let rows: Vec<Vec<String>> = out
+        .nodes
+        .iter()
+        .map(|n| {
+            let mut rest = Vec::new();
+            for (b, what) in [
+                (n.same_host_bytes, "host"),
+                (n.same_rack_bytes, "rack"),
+                (n.same_zone_bytes, "zone"),
+                (n.other_zone_bytes, "other zone"),
+                (n.origin_bytes, "object store"),
+            ] {
+                if b > 0 {
+                    rest.push(format!("{} {what}", output::size(b)));
+                }
+            }
+            vec![
+                n.rank.to_string(),
+                n.node.clone(),
+                label(n, "zone"),
+                label(n, "rack"),
+                output::size(n.resident_bytes),
+                format!("{:.1}%", n.resident_fraction * 100.0),
+                format!("{:.2}", n.transfer_cost),
+                if rest.is_empty() {
+                    "-".into()
+                } else {
+                    rest.join(", ")
+                },
+            ]
+        })
+        .collect();
+    output::table(
+        &[
+            "RANK",
+            "NODE",
+            "ZONE",
+            "RACK",
+            "RESIDENT",
+            "FRACTION",
+            "COST",
+            "REST FROM",
+        ],
+        &rows,
+    );
+    Ok(())
+}

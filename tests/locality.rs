@@ -1,0 +1,191 @@
+//! End-to-end tests of locality: a real cluster after a real import, the answers checked
+//! against the blobs actually on each node's disk, over gRPC (CLI) and HTTP/JSON.
+
+mod support;
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::Path;
+use std::time::Duration;
+
+use support::*;
+
+/// Files with distinct contents (so each file is its own blob) in a few directories.
+fn unique_tree(root: &Path, files: usize) {
+    for i in 0..files {
+        let d = root.join(format!("part{}", i % 4));
+        std::fs::create_dir_all(&d).unwrap();
+        std::fs::write(
+            d.join(format!("f{i:04}.bin")),
+            pseudo_random(i as u64 + 7, 20_000 + i * 97),
+        )
+        .unwrap();
+    }
+}
+
+/// Per node: the bytes of the source files whose blob is on that node's disk.
+fn bytes_on_disk(src: &Path, nodes: &[&Node]) -> HashMap<String, u64> {
+    let mut by_hash: BTreeMap<String, u64> = BTreeMap::new();
+    for d in std::fs::read_dir(src).unwrap() {
+        for f in std::fs::read_dir(d.unwrap().path()).unwrap() {
+            let data = std::fs::read(f.unwrap().path()).unwrap();
+            by_hash.insert(blake3::hash(&data).to_hex().to_string(), data.len() as u64);
+        }
+    }
+    nodes
+        .iter()
+        .map(|n| {
+            let on = n.blob_files();
+            let b = by_hash
+                .iter()
+                .filter(|(h, _)| on.contains_key(*h))
+                .map(|(_, b)| *b)
+                .sum();
+            (n.id.clone(), b)
+        })
+        .collect()
+}
+
+fn locality_json(m: &Metadata, args: &[&str]) -> serde_json::Value {
+    let mut a = vec!["locality"];
+    a.extend_from_slice(args);
+    a.push("--json");
+    let out = m.cli(&a);
+    assert!(out.status.success(), "{}", stderr(&out));
+    serde_json::from_str(&stdout(&out)).unwrap()
+}
+
+fn resident(j: &serde_json::Value) -> HashMap<String, u64> {
+    j["nodes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|n| {
+            (
+                n["node"].as_str().unwrap().to_string(),
+                n["resident_bytes"].as_u64().unwrap(),
+            )
+        })
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn locality_matches_the_disks_and_follows_repair() {
+    let h = Harness::new("locality");
+    let (m, mut nodes) = cluster(&h, 3, NodeOpts::host).await;
+    let src = h.path("src");
+    unique_tree(&src, 120);
+    let out = import(&m, "ds", &src, &["--replicas", "2", "--shard-size", "256KiB"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let total: u64 = (0..120u64).map(|i| 20_000 + i * 97).sum();
+
+    let j = locality_json(&m, &["ds@1"]);
+    assert_eq!(j["total_bytes"], total);
+    let disk = bytes_on_disk(&src, &nodes.iter().collect::<Vec<_>>());
+    assert_eq!(resident(&j), disk, "locality = bytes on each node's disk");
+    assert_eq!(
+        disk.values().sum::<u64>(),
+        2 * total,
+        "two replicas of everything"
+    );
+    // Ranked: most resident first (all nodes are in one zone, distinct racks).
+    let ranks: Vec<u64> = j["nodes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|n| n["resident_bytes"].as_u64().unwrap())
+        .collect();
+    assert!(ranks.windows(2).all(|w| w[0] >= w[1]), "{ranks:?}");
+    for n in j["nodes"].as_array().unwrap() {
+        let rest = total - n["resident_bytes"].as_u64().unwrap();
+        assert_eq!(n["same_zone_bytes"].as_u64().unwrap(), rest, "{n}");
+        assert_eq!(n["origin_bytes"], 0);
+        let f = n["resident_fraction"].as_f64().unwrap();
+        assert!((f - n["resident_bytes"].as_u64().unwrap() as f64 / total as f64).abs() < 1e-9);
+    }
+
+    // Subsets: one shard, a path prefix, a label selector, named candidates.
+    let one = locality_json(&m, &["ds@1", "--shards", "0"]);
+    let shard0 = one["total_bytes"].as_u64().unwrap();
+    assert!(shard0 > 0 && shard0 < total);
+    assert_eq!(
+        one["nodes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|n| n["resident_fraction"] == 1.0)
+            .count(),
+        2
+    );
+    let part0: u64 = (0..120u64).filter(|i| i % 4 == 0).map(|i| 20_000 + i * 97).sum();
+    assert_eq!(
+        locality_json(&m, &["ds", "--path", "part0"])["total_bytes"],
+        part0
+    );
+    let sel = locality_json(&m, &["ds@1", "--where", "rack=r2"]);
+    assert_eq!(sel["nodes"].as_array().unwrap().len(), 1);
+    assert_eq!(sel["nodes"][0]["node"], "n2");
+    let named = locality_json(&m, &["ds@1", "--nodes", "n3,n1"]);
+    assert_eq!(named["nodes"].as_array().unwrap().len(), 2);
+
+    // The same over HTTP/JSON, and bad requests get a 400 or 404 with a message.
+    let (code, body) = http_request(m.http, "POST", "/v1/locality", &[], r#"{"datasets":["ds@1"]}"#).await;
+    assert_eq!(code, 200, "{body}");
+    let hj: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(resident(&hj), disk);
+    for (body, want) in [
+        ("{not json", 400),
+        (r#"{"datasets":[]}"#, 400),
+        (r#"{"datasets":["../x"]}"#, 400),
+        (r#"{"datasets":["ds@1"],"paths":["../etc"]}"#, 400),
+        (r#"{"datasets":["ds@1"],"where":"gpu"}"#, 400),
+        (r#"{"datasets":["ds@1"],"bogus":1}"#, 400),
+        (r#"{"datasets":["nope@1"]}"#, 404),
+        (r#"{"datasets":["ds@1"],"nodes":["nope"]}"#, 404),
+        (r#"{"datasets":["ds@1"],"shards":[99999]}"#, 404),
+    ] {
+        let (code, text) = http_request(m.http, "POST", "/v1/locality", &[], body).await;
+        assert_eq!(code, want, "{body} → {text}");
+        assert!(text.contains("\"error\""), "{text}");
+    }
+
+    // kill -9 n1: once repair has restored two live replicas, locality moves with it.
+    nodes[0].daemon.kill9();
+    let opts = m.client_options(None);
+    wait_until(
+        "repair to restore two live replicas",
+        Duration::from_secs(90),
+        || {
+            let opts = opts.clone();
+            async move {
+                let mut c = locus_proto::client::connect(&opts).await.ok()?;
+                let s = c
+                    .list_shards(locus_proto::pb::ListShardsRequest {
+                        r#ref: Some(locus_proto::pb::VersionRef {
+                            dataset: "ds".into(),
+                            version: 1,
+                        }),
+                        start: 0,
+                        limit: 10_000,
+                    })
+                    .await
+                    .ok()?
+                    .into_inner()
+                    .shards;
+                s.iter()
+                    .all(|s| s.replicas.len() == 2 && !s.replicas.iter().any(|r| r == "n1"))
+                    .then_some(())
+            }
+        },
+    )
+    .await;
+    let j = locality_json(&m, &["ds@1"]);
+    let after = resident(&j);
+    assert!(!after.contains_key("n1"), "a down node is not a candidate: {j}");
+    let disk = bytes_on_disk(&src, &[&nodes[1], &nodes[2]]);
+    assert_eq!(after, disk);
+    assert_eq!(after.values().sum::<u64>(), 2 * total);
+    assert_eq!(after["n2"], total, "two live nodes hold everything");
+    let dead = locality_json(&m, &["ds@1", "--nodes", "n1"]);
+    assert_eq!(dead["nodes"][0]["resident_bytes"], 0);
+    assert_eq!(dead["nodes"][0]["live"], false);
+}
