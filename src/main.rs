@@ -41,6 +41,9 @@ enum Command {
     /// Rank nodes by how much of a dataset version they hold and what the rest would cost
     /// to bring there (where a job should run).
     Locality(cmd::locality::LocalityArgs),
+    /// Split a dataset version's shards among a job's ranks: each shard once, balanced,
+    /// read locally where possible (JSON for data-loader samplers).
+    Assign(cmd::locality::AssignArgs),
     /// Mount a dataset version as a read-only file tree (returns once it is readable).
     Mount(Box<cmd::mount::MountArgs>),
     /// Unmount a Locus mount.
@@ -81,6 +84,7 @@ fn main() -> ExitCode {
             Command::Node(c) => cmd::node::run(c, &cfg).await,
             Command::Dataset(c) => cmd::dataset::run(c, &cfg).await,
             Command::Locality(a) => cmd::locality::run(a, &cfg).await,
+            Command::Assign(a) => cmd::locality::assign(a, &cfg).await,
             Command::Mount(a) => cmd::mount::run(*a, &cfg).await,
             Command::Umount(a) => cmd::mount::umount(a).await,
             Command::Status => cmd::status::run(&cfg).await,

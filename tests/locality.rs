@@ -148,6 +148,76 @@ async fn locality_matches_the_disks_and_follows_repair() {
         assert!(text.contains("\"error\""), "{text}");
     }
 
+    // Assign: 6 ranks on the three nodes (plus one on a host without data).
+    let out = m.cli(&[
+        "assign",
+        "ds@1",
+        "--rank-nodes",
+        "n1,n1,n2,n2,n3,n3,gpu99",
+        "--with-files",
+        "--json",
+    ]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let a: serde_json::Value = serde_json::from_str(&stdout(&out)).unwrap();
+    let ranks = a["ranks"].as_array().unwrap();
+    assert_eq!(ranks.len(), 7);
+    let mut got: Vec<u64> = ranks
+        .iter()
+        .flat_map(|r| {
+            r["shards"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|s| s.as_u64().unwrap())
+        })
+        .collect();
+    got.sort_unstable();
+    let mut c = m.client(None).await;
+    let want: Vec<u64> = c
+        .list_shards(locus_proto::pb::ListShardsRequest {
+            r#ref: Some(locus_proto::pb::VersionRef {
+                dataset: "ds".into(),
+                version: 1,
+            }),
+            start: 0,
+            limit: 10_000,
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .shards
+        .iter()
+        .map(|s| u64::from(s.id))
+        .collect();
+    assert_eq!(got, want, "every shard exactly once");
+    let mut files: Vec<String> = ranks
+        .iter()
+        .flat_map(|r| {
+            r["files"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|f| f.as_str().unwrap().to_string())
+        })
+        .collect();
+    files.sort();
+    assert_eq!(files.len(), 120);
+    files.dedup();
+    assert_eq!(files.len(), 120, "every file exactly once");
+    for r in ranks {
+        if r["node"] == "gpu99" {
+            assert_eq!(r["local_bytes"], 0, "{r}");
+        } else {
+            assert_eq!(
+                r["local_bytes"], r["bytes"],
+                "ranks on data nodes read locally: {a}"
+            );
+        }
+    }
+    let c2 = m.cli(&["assign", "ds@1"]);
+    assert!(!c2.status.success());
+    assert!(stderr(&c2).contains("--nodes"), "{}", stderr(&c2));
+
     // kill -9 n1: once repair has restored two live replicas, locality moves with it.
     nodes[0].daemon.kill9();
     let opts = m.client_options(None);

@@ -18,7 +18,7 @@ pub fn required_access(method: &str) -> Option<Access> {
         "GetClusterInfo" => Access::Any,
         "RegisterNode" | "Heartbeat" => Access::Node,
         "ListNodes" | "ListDatasets" | "GetDataset" | "GetVersion" | "ListEntries" | "ListShards"
-        | "LocateBlobs" | "Locality" => Access::Read,
+        | "LocateBlobs" | "Locality" | "Assign" => Access::Read,
         "DeleteVersion" | "DeleteDataset" | "BeginVersion" | "PutEntries" | "PutShards" | "CommitVersion"
         | "AbortVersion" | "PlaceShards" | "DrainNode" => Access::Admin,
         "UpdateReplicas" | "ListNodeBlobs" => Access::NodeOrAdmin,

@@ -43,6 +43,9 @@ pub enum CatalogError {
 
 type Result<T, E = CatalogError> = std::result::Result<T, E>;
 
+/// Most files an Assign answer lists (its message must stay under the size limit).
+pub const MAX_ASSIGN_FILES: u64 = 200_000;
+
 /// The versions a locality question resolved to (name, number) and the shards it weighs.
 pub type LocalityShards = (Vec<(String, u64)>, Vec<crate::locality::ShardBytes>);
 
@@ -799,6 +802,97 @@ impl Catalog {
                         other_zone_bytes: l.other_zone_bytes,
                         origin_bytes: l.origin_bytes,
                     }
+                })
+                .collect(),
+        })
+    }
+
+    /// The Assign call. Replicas on nodes that are down do not count as local.
+    pub fn assign(
+        &self,
+        r: &DatasetRef,
+        rank_nodes: &[String],
+        with_files: bool,
+    ) -> Result<pb::AssignResponse> {
+        if rank_nodes.is_empty() || rank_nodes.len() > 100_000 {
+            return Err(
+                InvalidInput::new("rank_nodes", "name the node of each rank (1 to 100,000 ranks)").into(),
+            );
+        }
+        if let Some(bad) = rank_nodes.iter().find(|n| NodeId::try_from(n.as_str()).is_err()) {
+            return Err(InvalidInput::new("rank_nodes", format!("{bad:?} is not a node id")).into());
+        }
+        let (n, v) = self.resolve(r)?;
+        if with_files && v.files > MAX_ASSIGN_FILES {
+            return Err(InvalidInput::new(
+                "with_files",
+                format!(
+                    "{}@{n} has {} files, more than one answer lists ({MAX_ASSIGN_FILES}); ask for shards and list their files separately",
+                    r.name.as_str(),
+                    v.files
+                ),
+            )
+            .into());
+        }
+        let live: HashSet<String> = self
+            .list_nodes()?
+            .into_iter()
+            .filter(|n| n.state == pb::NodeState::Up as i32)
+            .map(|n| n.id)
+            .collect();
+        let (_, shards, _) = self.list_shards(r, 0, usize::MAX)?;
+        let input: Vec<crate::assign::ShardIn> = shards
+            .iter()
+            .map(|s| crate::assign::ShardIn {
+                id: s.id,
+                bytes: s.bytes,
+                replicas: s.replicas.iter().filter(|x| live.contains(*x)).cloned().collect(),
+            })
+            .collect();
+        let plans = crate::assign::assign(&input, rank_nodes);
+        let mut files: HashMap<u32, Vec<String>> = HashMap::new();
+        if with_files {
+            let mut pinned = r.clone();
+            pinned.version = VersionSel::Number(n);
+            let mut token = Vec::new();
+            loop {
+                let (_, page, next) = self.list_entries(&pinned, None, &token, 10_000, false)?;
+                for e in page.into_iter().filter(|e| e.kind == pb::EntryKind::File as i32) {
+                    files.entry(e.shard).or_default().push(e.path);
+                }
+                if next.is_empty() {
+                    break;
+                }
+                token = next;
+            }
+        }
+        let total: u64 = input.iter().map(|s| s.bytes).sum();
+        let local: u64 = plans.iter().map(|p| p.local_bytes).sum();
+        Ok(pb::AssignResponse {
+            r#ref: Some(pb::VersionRef {
+                dataset: r.name.as_str().to_string(),
+                version: n,
+            }),
+            total_bytes: total,
+            local_fraction: if total == 0 {
+                1.0
+            } else {
+                local as f64 / total as f64
+            },
+            ranks: plans
+                .into_iter()
+                .map(|p| pb::RankAssignment {
+                    local_fraction: p.local_fraction(),
+                    files: p
+                        .shards
+                        .iter()
+                        .flat_map(|s| files.get(s).into_iter().flatten().cloned())
+                        .collect(),
+                    rank: p.rank,
+                    node: p.node,
+                    shards: p.shards,
+                    bytes: p.bytes,
+                    local_bytes: p.local_bytes,
                 })
                 .collect(),
         })

@@ -8,6 +8,7 @@
 //! call what) → `service` (gRPC handlers: wire ↔ domain, errors → `Status`) → `catalog`
 //! (the rules) → `store` (ordered key-value tables). Only `store` knows about RocksDB.
 
+pub mod assign;
 pub mod audit;
 pub mod auth;
 pub mod catalog;

@@ -261,6 +261,16 @@ impl pb::metadata_server::Metadata for MetadataService {
         Ok(Response::new(out))
     }
 
+    async fn assign(&self, req: Request<pb::AssignRequest>) -> Res<pb::AssignResponse> {
+        let q = req.into_inner();
+        let r = version_ref(q.r#ref)?;
+        let out = self
+            .run(move |c| c.assign(&r, &q.rank_nodes, q.with_files))
+            .await
+            .map_err(to_status)?;
+        Ok(Response::new(out))
+    }
+
     async fn list_datasets(&self, _req: Request<pb::ListDatasetsRequest>) -> Res<pb::ListDatasetsResponse> {
         let datasets = self.run(|c| c.list_datasets()).await.map_err(to_status)?;
         Ok(Response::new(pb::ListDatasetsResponse { datasets }))

@@ -131,3 +131,100 @@ pub async fn run(a: LocalityArgs, cfg: &Resolved) -> anyhow::Result<()> {
     );
     Ok(())
 }
+
+#[derive(Args, Debug)]
+pub struct AssignArgs {
+    /// DATASET[@VERSION] (latest when no version is given).
+    pub target: String,
+    /// The job's nodes, comma-separated; with --ranks-per-node, ranks are numbered node
+    /// by node (0..k on the first node, and so on).
+    #[arg(
+        long,
+        value_delimiter = ',',
+        value_name = "NODE,...",
+        conflicts_with = "rank_nodes"
+    )]
+    pub nodes: Vec<String>,
+    /// Ranks on each node given with --nodes.
+    #[arg(long, value_name = "N", default_value_t = 1)]
+    pub ranks_per_node: usize,
+    /// The node of every rank, in rank order (rank i runs on the i-th), e.g. a,a,b,b.
+    #[arg(long, value_delimiter = ',', value_name = "NODE,...")]
+    pub rank_nodes: Vec<String>,
+    /// Also list each rank's files.
+    #[arg(long)]
+    pub with_files: bool,
+}
+
+pub async fn assign(a: AssignArgs, cfg: &Resolved) -> anyhow::Result<()> {
+    let r: locus_proto::DatasetRef = a
+        .target
+        .parse()
+        .map_err(|e| anyhow::anyhow!("{:?}: {e}", a.target))?;
+    let rank_nodes: Vec<String> = if !a.rank_nodes.is_empty() {
+        a.rank_nodes
+    } else if !a.nodes.is_empty() {
+        if a.ranks_per_node == 0 {
+            anyhow::bail!("--ranks-per-node must be at least 1");
+        }
+        a.nodes
+            .iter()
+            .flat_map(|n| std::iter::repeat_n(n.clone(), a.ranks_per_node))
+            .collect()
+    } else {
+        anyhow::bail!("say where the ranks run: --nodes a,b --ranks-per-node 4, or --rank-nodes a,a,b,b");
+    };
+    let mut c = cfg.connect().await?;
+    let out = c
+        .assign(pb::AssignRequest {
+            r#ref: Some(pb::VersionRef::from(&r)),
+            rank_nodes,
+            with_files: a.with_files,
+        })
+        .await
+        .or_status()?;
+    let v = out.r#ref.clone().unwrap_or_default();
+    if cfg.json {
+        let ranks: Vec<_> = out
+            .ranks
+            .iter()
+            .map(|r| {
+                let mut j = serde_json::json!({
+                    "rank": r.rank, "node": r.node, "shards": r.shards, "bytes": r.bytes,
+                    "local_bytes": r.local_bytes, "local_fraction": r.local_fraction,
+                });
+                if a.with_files {
+                    j["files"] = serde_json::json!(r.files);
+                }
+                j
+            })
+            .collect();
+        return output::json(&serde_json::json!({
+            "dataset": v.dataset, "version": v.version, "total_bytes": out.total_bytes,
+            "local_fraction": out.local_fraction, "ranks": ranks,
+        }));
+    }
+    println!(
+        "{}@{}: {} over {} ranks, {:.1}% read locally",
+        v.dataset,
+        v.version,
+        output::size(out.total_bytes),
+        out.ranks.len(),
+        out.local_fraction * 100.0
+    );
+    let rows: Vec<Vec<String>> = out
+        .ranks
+        .iter()
+        .map(|r| {
+            vec![
+                r.rank.to_string(),
+                r.node.clone(),
+                r.shards.len().to_string(),
+                output::size(r.bytes),
+                format!("{:.1}%", r.local_fraction * 100.0),
+            ]
+        })
+        .collect();
+    output::table(&["RANK", "NODE", "SHARDS", "BYTES", "LOCAL"], &rows);
+    Ok(())
+}
