@@ -43,11 +43,32 @@ pub enum CatalogError {
 
 type Result<T, E = CatalogError> = std::result::Result<T, E>;
 
+/// A version's shards as (id, bytes and replicas), shared by the cache and its readers.
+type VersionShards = Arc<Vec<(u32, crate::locality::ShardBytes)>>;
+/// Every node record by id.
+type NodeRecords = Arc<Vec<(String, NodeRecord)>>;
+
 /// Most files an Assign answer lists (its message must stay under the size limit).
 pub const MAX_ASSIGN_FILES: u64 = 200_000;
 
 /// The versions a locality question resolved to (name, number) and the shards it weighs.
-pub type LocalityShards = (Vec<(String, u64)>, Vec<crate::locality::ShardBytes>);
+pub type LocalityShards = (Vec<(String, u64)>, Vec<ShardSet>);
+
+/// Shards a locality question weighs: a whole version straight from the cache, or a
+/// filtered selection.
+pub enum ShardSet {
+    All(VersionShards),
+    Some(Vec<crate::locality::ShardBytes>),
+}
+
+impl ShardSet {
+    pub fn iter(&self) -> Box<dyn Iterator<Item = &crate::locality::ShardBytes> + '_> {
+        match self {
+            ShardSet::All(v) => Box::new(v.iter().map(|(_, s)| s)),
+            ShardSet::Some(v) => Box::new(v.iter()),
+        }
+    }
+}
 
 /// Shards placed (shard, nodes) and shards that could not be (shard, reason).
 pub type PlacementResult = (Vec<(u32, Vec<String>)>, Vec<(u32, String)>);
@@ -198,6 +219,14 @@ pub struct Catalog {
     versions_lock: Mutex<()>,
     sessions_lock: Mutex<()>,
     live: Mutex<HashMap<String, Live>>,
+    /// Shard sizes and replica sets per version uid, for locality questions (asked far
+    /// more often than replicas change). An entry is valid only while `replica_gen` still
+    /// has the value it was loaded under; every replica change bumps it.
+    shard_cache: Mutex<HashMap<u64, (u64, VersionShards)>>,
+    replica_gen: std::sync::atomic::AtomicU64,
+    /// Node records (they change only at registration and drain), same scheme.
+    node_cache: Mutex<Option<(u64, NodeRecords)>>,
+    node_gen: std::sync::atomic::AtomicU64,
 }
 
 fn decode<M: Message + Default>(table: Table, bytes: &[u8]) -> Result<M> {
@@ -261,13 +290,17 @@ impl Catalog {
             versions_lock: Mutex::new(()),
             sessions_lock: Mutex::new(()),
             live: Mutex::new(HashMap::new()),
+            shard_cache: Mutex::new(HashMap::new()),
+            replica_gen: std::sync::atomic::AtomicU64::new(0),
+            node_cache: Mutex::new(None),
+            node_gen: std::sync::atomic::AtomicU64::new(0),
         };
         // Grace period: every known node counts as seen at startup.
         let nodes = cat.node_records()?;
         let mut live = lock(&cat.live);
-        for (id, rec) in nodes {
+        for (id, rec) in nodes.iter() {
             live.insert(
-                id,
+                id.clone(),
                 Live {
                     last_seen_ms: started_ms,
                     free: rec.free_bytes,
@@ -321,6 +354,8 @@ impl Catalog {
         let mut b = Batch::default();
         b.put(Table::Nodes, key, rec.encode_to_vec());
         self.store.write(b, true)?;
+        // After the write: a reader that loaded before it holds the old generation.
+        self.node_gen.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
         let mut live = lock(&self.live);
         let l = live.entry(reg.id.to_string()).or_default();
         l.last_seen_ms = now;
@@ -361,6 +396,8 @@ impl Catalog {
         let mut b = Batch::default();
         b.put(Table::Nodes, key, rec.encode_to_vec());
         self.store.write(b, true)?;
+        // After the write: a reader that loaded before it holds the old generation.
+        self.node_gen.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
         self.node_shard_count(id.as_str())
     }
 
@@ -376,7 +413,13 @@ impl Catalog {
         Ok(n)
     }
 
-    fn node_records(&self) -> Result<Vec<(String, NodeRecord)>> {
+    fn node_records(&self) -> Result<NodeRecords> {
+        let gen = self.node_gen.load(std::sync::atomic::Ordering::SeqCst);
+        if let Some((g, v)) = lock(&self.node_cache).as_ref() {
+            if *g == gen {
+                return Ok(v.clone());
+            }
+        }
         let mut out = Vec::new();
         for kv in self.store.scan(Table::Nodes, b"", None) {
             let (k, v) = kv?;
@@ -386,6 +429,8 @@ impl Catalog {
             })?;
             out.push((id, decode(Table::Nodes, &v)?));
         }
+        let out = Arc::new(out);
+        *lock(&self.node_cache) = Some((gen, out.clone()));
         Ok(out)
     }
 
@@ -399,9 +444,9 @@ impl Catalog {
         let live = lock(&self.live).clone();
         Ok(self
             .node_records()?
-            .into_iter()
+            .iter()
             .map(|(id, rec)| {
-                let l = live.get(&id).copied().unwrap_or(Live {
+                let l = live.get(id).copied().unwrap_or(Live {
                     last_seen_ms: self.started_ms,
                     free: rec.free_bytes,
                     used: rec.used_bytes,
@@ -414,9 +459,9 @@ impl Catalog {
                     pb::NodeState::Down
                 };
                 pb::Node {
-                    id,
-                    address: rec.address,
-                    labels: rec.labels,
+                    id: id.clone(),
+                    address: rec.address.clone(),
+                    labels: rec.labels.clone(),
                     capacity_bytes: rec.capacity_bytes,
                     free_bytes: l.free,
                     used_bytes: l.used,
@@ -678,16 +723,16 @@ impl Catalog {
             let mut pinned = r.clone();
             pinned.version = VersionSel::Number(n);
             resolved.push((r.name.as_str().to_string(), n));
-            let mut recs: BTreeMap<u32, ShardRecord> = BTreeMap::new();
-            let (_, end) = keys::uid_range(v.uid);
-            for kv in self.store.scan(Table::Shards, &keys::shard(v.uid, 0), Some(&end)) {
-                let (k, val) = kv?;
-                let id = keys::shard_id(&k).unwrap_or(0);
-                if shards.is_some_and(|s| !s.contains(&id)) {
-                    continue;
-                }
-                recs.insert(id, decode(Table::Shards, &val)?);
+            let all = self.cached_shards(v.uid)?;
+            if shards.is_none() && prefixes.is_empty() {
+                out.push(ShardSet::All(all));
+                continue;
             }
+            let recs: BTreeMap<u32, &crate::locality::ShardBytes> = all
+                .iter()
+                .filter(|(id, _)| shards.is_none_or(|s| s.contains(id)))
+                .map(|(id, s)| (*id, s))
+                .collect();
             if let Some(want) = shards {
                 if let Some(missing) = want.iter().find(|id| !recs.contains_key(id)) {
                     return Err(CatalogError::NotFound(format!(
@@ -697,10 +742,7 @@ impl Catalog {
                 }
             }
             if prefixes.is_empty() {
-                out.extend(recs.into_values().map(|rec| crate::locality::ShardBytes {
-                    bytes: rec.bytes,
-                    replicas: rec.replicas,
-                }));
+                out.push(ShardSet::Some(recs.into_values().cloned().collect()));
                 continue;
             }
             let mut bytes: BTreeMap<u32, u64> = BTreeMap::new();
@@ -722,12 +764,52 @@ impl Catalog {
                 }
                 token = next;
             }
-            out.extend(bytes.into_iter().map(|(id, b)| crate::locality::ShardBytes {
-                bytes: b,
-                replicas: recs[&id].replicas.clone(),
-            }));
+            out.push(ShardSet::Some(
+                bytes
+                    .into_iter()
+                    .map(|(id, b)| crate::locality::ShardBytes {
+                        bytes: b,
+                        replicas: recs[&id].replicas.clone(),
+                    })
+                    .collect(),
+            ));
         }
         Ok((resolved, out))
+    }
+
+    fn replicas_changed(&self) {
+        self.replica_gen.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    /// A version's shards (id, bytes, replicas), from the cache when still valid.
+    fn cached_shards(&self, uid: u64) -> Result<VersionShards> {
+        let gen = self.replica_gen.load(std::sync::atomic::Ordering::SeqCst);
+        if let Some((g, v)) = lock(&self.shard_cache).get(&uid) {
+            if *g == gen {
+                return Ok(v.clone());
+            }
+        }
+        let (_, end) = keys::uid_range(uid);
+        let mut rows = Vec::new();
+        for kv in self.store.scan(Table::Shards, &keys::shard(uid, 0), Some(&end)) {
+            let (k, val) = kv?;
+            let rec: ShardRecord = decode(Table::Shards, &val)?;
+            rows.push((
+                keys::shard_id(&k).unwrap_or(0),
+                crate::locality::ShardBytes {
+                    bytes: rec.bytes,
+                    replicas: rec.replicas,
+                },
+            ));
+        }
+        let rows = Arc::new(rows);
+        let mut cache = lock(&self.shard_cache);
+        // Versions come and go; keep the cache to the versions asked about lately.
+        if cache.len() >= 256 {
+            cache.clear();
+        }
+        cache.insert(uid, (gen, rows.clone()));
+        Ok(rows)
     }
 
     /// The Locality call: candidates ranked by the cost of the data they lack.
@@ -772,22 +854,22 @@ impl Catalog {
             }
             v
         };
-        let ranked = crate::locality::compute(&shard_bytes, &topo, &picked, &self.config.cost);
-        let index: HashMap<&str, usize> = nodes
-            .iter()
-            .enumerate()
-            .map(|(i, n)| (n.id.as_str(), i))
-            .collect();
+        let ranked = crate::locality::compute(
+            shard_bytes.iter().flat_map(|s| s.iter()),
+            &topo,
+            &picked,
+            &self.config.cost,
+        );
         Ok(pb::LocalityResponse {
             refs: resolved
                 .into_iter()
                 .map(|(dataset, version)| pb::VersionRef { dataset, version })
                 .collect(),
-            total_bytes: shard_bytes.iter().map(|s| s.bytes).sum(),
+            total_bytes: shard_bytes.iter().flat_map(|s| s.iter()).map(|s| s.bytes).sum(),
             nodes: ranked
                 .into_iter()
                 .map(|l| {
-                    let i = index[l.node.as_str()];
+                    let i = l.index;
                     pb::NodeLocality {
                         labels: nodes[i].labels.clone(),
                         live: topo[i].live,
@@ -1388,6 +1470,7 @@ impl Catalog {
         }
         b.put(Table::Shards, key, s.encode_to_vec());
         self.store.write(b, true)?;
+        self.replicas_changed();
         Ok(s.replicas)
     }
 

@@ -18,7 +18,34 @@
 //! | another zone | 8 | cross-zone links are scarce and often billed |
 //! | object store (no live replica) | 20 | egress and the slowest source |
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
+use std::hash::{BuildHasherDefault, Hasher};
+
+/// FNV-1a: node ids are short strings looked up once per replica per call, where
+/// SipHash's start-up cost dominates; nothing here is keyed by untrusted input that
+/// could be chosen to collide (ids come from registered nodes).
+#[derive(Default)]
+struct Fnv(u64);
+
+impl Hasher for Fnv {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        let mut h = if self.0 == 0 {
+            0xcbf2_9ce4_8422_2325
+        } else {
+            self.0
+        };
+        for b in bytes {
+            h ^= u64::from(*b);
+            h = h.wrapping_mul(0x0100_0000_01b3);
+        }
+        self.0 = h;
+    }
+}
+
+type FastMap<K, V> = HashMap<K, V, BuildHasherDefault<Fnv>>;
 
 /// Price per GiB by source. See the module table for the defaults.
 #[derive(Debug, Clone, Copy, PartialEq, serde::Deserialize)]
@@ -80,6 +107,8 @@ pub struct ShardBytes {
 /// One node's answer.
 #[derive(Debug, Clone, PartialEq)]
 pub struct NodeLocality {
+    /// Index of the node in the `nodes` given to `compute`.
+    pub index: usize,
     pub node: String,
     pub resident_bytes: u64,
     pub resident_fraction: f64,
@@ -100,70 +129,84 @@ const GIB: f64 = (1u64 << 30) as f64;
 
 /// Locality of `candidates` (indexes into `nodes`) for `shards`, ranked: cheapest rest
 /// first, then most resident bytes, then node id.
-pub fn compute(
-    shards: &[ShardBytes],
+pub fn compute<'a>(
+    shards: impl IntoIterator<Item = &'a ShardBytes>,
     nodes: &[NodeTopo],
     candidates: &[usize],
     w: &CostWeights,
 ) -> Vec<NodeLocality> {
-    let by_id: HashMap<&str, &NodeTopo> = nodes.iter().map(|n| (n.id.as_str(), n)).collect();
+    // Integer ids for nodes, hosts, racks (within their zone) and zones, so the per-shard
+    // loop below only indexes vectors.
+    let by_id: FastMap<&str, usize> = nodes
+        .iter()
+        .enumerate()
+        .map(|(i, n)| (n.id.as_str(), i))
+        .collect();
+    let mut hosts: FastMap<&str, u32> = FastMap::default();
+    let mut racks: FastMap<(&str, &str), u32> = FastMap::default();
+    let mut zones: FastMap<&str, u32> = FastMap::default();
+    let mut place = Vec::with_capacity(nodes.len());
+    for n in nodes {
+        let h = hosts.len() as u32;
+        let h = *hosts.entry(n.host.as_str()).or_insert(h);
+        let r = racks.len() as u32;
+        let r = *racks.entry((n.zone.as_str(), n.rack.as_str())).or_insert(r);
+        let z = zones.len() as u32;
+        let z = *zones.entry(n.zone.as_str()).or_insert(z);
+        place.push((h as usize, r as usize, z as usize));
+    }
     let mut total = 0u64;
     let mut live_any = 0u64;
-    // Bytes of shards with a live replica on each node / host / rack / zone; a shard counts
-    // once per place however many of its replicas are there.
-    let mut on_node: HashMap<&str, u64> = HashMap::new();
-    let mut on_host: HashMap<&str, u64> = HashMap::new();
-    let mut on_rack: HashMap<(&str, &str), u64> = HashMap::new();
-    let mut on_zone: HashMap<&str, u64> = HashMap::new();
-    let mut seen_node = HashSet::new();
-    let mut seen_host = HashSet::new();
-    let mut seen_rack = HashSet::new();
-    let mut seen_zone = HashSet::new();
+    // Bytes of shards with a live replica on each node / host / rack / zone; a shard
+    // counts once per place however many of its replicas are there.
+    let mut on_node = vec![0u64; nodes.len()];
+    let mut on_host = vec![0u64; hosts.len()];
+    let mut on_rack = vec![0u64; racks.len()];
+    let mut on_zone = vec![0u64; zones.len()];
+    let mut here: Vec<usize> = Vec::with_capacity(8);
     for s in shards {
         total += s.bytes;
-        seen_node.clear();
-        seen_host.clear();
-        seen_rack.clear();
-        seen_zone.clear();
-        let mut any = false;
+        here.clear();
         for r in &s.replicas {
-            let Some(n) = by_id.get(r.as_str()) else { continue };
-            if !n.live || !seen_node.insert(n.id.as_str()) {
-                continue;
-            }
-            any = true;
-            *on_node.entry(n.id.as_str()).or_default() += s.bytes;
-            if seen_host.insert(n.host.as_str()) {
-                *on_host.entry(n.host.as_str()).or_default() += s.bytes;
-            }
-            if seen_rack.insert((n.zone.as_str(), n.rack.as_str())) {
-                *on_rack.entry((n.zone.as_str(), n.rack.as_str())).or_default() += s.bytes;
-            }
-            if seen_zone.insert(n.zone.as_str()) {
-                *on_zone.entry(n.zone.as_str()).or_default() += s.bytes;
+            if let Some(&i) = by_id.get(r.as_str()) {
+                if nodes[i].live && !here.contains(&i) {
+                    here.push(i);
+                }
             }
         }
-        if any {
-            live_any += s.bytes;
+        if here.is_empty() {
+            continue;
+        }
+        live_any += s.bytes;
+        for (k, &i) in here.iter().enumerate() {
+            on_node[i] += s.bytes;
+            let (h, r, z) = place[i];
+            let earlier = &here[..k];
+            if !earlier.iter().any(|&j| place[j].0 == h) {
+                on_host[h] += s.bytes;
+            }
+            if !earlier.iter().any(|&j| place[j].1 == r) {
+                on_rack[r] += s.bytes;
+            }
+            if !earlier.iter().any(|&j| place[j].2 == z) {
+                on_zone[z] += s.bytes;
+            }
         }
     }
     let mut out: Vec<NodeLocality> = candidates
         .iter()
         .map(|&i| {
             let n = &nodes[i];
-            let get = |m: &HashMap<&str, u64>, k: &str| m.get(k).copied().unwrap_or(0);
+            let (h, r, z) = place[i];
             // A node's own replicas count only while it is live; a down node holds
             // nothing anyone can use.
-            let resident = if n.live { get(&on_node, &n.id) } else { 0 };
-            let host = get(&on_host, &n.host).max(resident);
-            let rack = on_rack
-                .get(&(n.zone.as_str(), n.rack.as_str()))
-                .copied()
-                .unwrap_or(0)
-                .max(host);
-            let zone = get(&on_zone, &n.zone).max(rack);
+            let resident = if n.live { on_node[i] } else { 0 };
+            let host = on_host[h].max(resident);
+            let rack = on_rack[r].max(host);
+            let zone = on_zone[z].max(rack);
             let live = live_any.max(zone);
             let l = NodeLocality {
+                index: i,
                 node: n.id.clone(),
                 resident_bytes: resident,
                 resident_fraction: if total == 0 {
