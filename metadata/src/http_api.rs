@@ -4,7 +4,7 @@
 //!
 //! ```json
 //! {"datasets": ["imagenet@3"], "paths": ["train"], "shards": [0, 1],
-//!  "nodes": ["gpu17"], "where": "gpu=h100,zone=z1"}
+//!  "nodes": ["gpu17"], "where": "gpu=h100,zone=z1", "limit": 8, "labels": true}
 //! ```
 //!
 //! (only `datasets` is required) and answers with the same figures as the gRPC
@@ -35,6 +35,36 @@ struct LocalityBody {
     nodes: Vec<String>,
     #[serde(default, rename = "where")]
     selector: Option<String>,
+    /// Include each node's labels in the answer.
+    #[serde(default)]
+    labels: bool,
+    /// Only the best this many nodes.
+    #[serde(default)]
+    limit: Option<usize>,
+}
+
+#[derive(serde::Serialize)]
+struct NodeOut<'a> {
+    node: &'a str,
+    rank: u32,
+    live: bool,
+    resident_bytes: u64,
+    resident_fraction: f64,
+    transfer_cost: f64,
+    same_host_bytes: u64,
+    same_rack_bytes: u64,
+    same_zone_bytes: u64,
+    other_zone_bytes: u64,
+    origin_bytes: u64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    labels: Option<&'a HashMap<String, String>>,
+}
+
+#[derive(serde::Serialize)]
+struct LocalityOut<'a> {
+    datasets: Vec<String>,
+    total_bytes: u64,
+    nodes: Vec<NodeOut<'a>>,
 }
 
 fn error(code: StatusCode, msg: impl Into<String>) -> Response {
@@ -95,6 +125,7 @@ pub async fn locality(
         Err(e) => return error(StatusCode::BAD_REQUEST, format!("where: {e}")),
     };
     let shards: Option<HashSet<u32>> = (!q.shards.is_empty()).then(|| q.shards.iter().copied().collect());
+    let (with_labels, limit) = (q.labels, q.limit.unwrap_or(usize::MAX));
     let r = tokio::task::spawn_blocking(move || {
         catalog.locality(&refs, shards.as_ref(), &q.paths, &q.nodes, &selector)
     })
@@ -106,37 +137,40 @@ pub async fn locality(
         Ok(Err(e)) => return error(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
         Err(e) => return error(StatusCode::INTERNAL_SERVER_ERROR, format!("task failed: {e}")),
     };
-    let nodes: Vec<serde_json::Value> = out
-        .nodes
-        .iter()
-        .map(|n| {
-            serde_json::json!({
-                "node": n.node,
-                "rank": n.rank,
-                "live": n.live,
-                "resident_bytes": n.resident_bytes,
-                "resident_fraction": n.resident_fraction,
-                "transfer_cost": n.transfer_cost,
-                "same_host_bytes": n.same_host_bytes,
-                "same_rack_bytes": n.same_rack_bytes,
-                "same_zone_bytes": n.same_zone_bytes,
-                "other_zone_bytes": n.other_zone_bytes,
-                "origin_bytes": n.origin_bytes,
-                "labels": n.labels,
+    let answer = LocalityOut {
+        datasets: out
+            .refs
+            .iter()
+            .map(|r| format!("{}@{}", r.dataset, r.version))
+            .collect(),
+        total_bytes: out.total_bytes,
+        nodes: out
+            .nodes
+            .iter()
+            .take(limit)
+            .map(|n| NodeOut {
+                node: &n.node,
+                rank: n.rank,
+                live: n.live,
+                resident_bytes: n.resident_bytes,
+                resident_fraction: n.resident_fraction,
+                transfer_cost: n.transfer_cost,
+                same_host_bytes: n.same_host_bytes,
+                same_rack_bytes: n.same_rack_bytes,
+                same_zone_bytes: n.same_zone_bytes,
+                other_zone_bytes: n.other_zone_bytes,
+                origin_bytes: n.origin_bytes,
+                labels: with_labels.then_some(&n.labels),
             })
-        })
-        .collect();
-    let refs: Vec<String> = out
-        .refs
-        .iter()
-        .map(|r| format!("{}@{}", r.dataset, r.version))
-        .collect();
-    axum::Json(serde_json::json!({
-        "datasets": refs,
-        "total_bytes": out.total_bytes,
-        "nodes": nodes,
-    }))
-    .into_response()
+            .collect(),
+    };
+    match serde_json::to_vec(&answer) {
+        Ok(b) => ([(axum::http::header::CONTENT_TYPE, "application/json")], b).into_response(),
+        Err(e) => error(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            format!("encoding the answer: {e}"),
+        ),
+    }
 }
 
 #[cfg(test)]
