@@ -259,3 +259,160 @@ async fn locality_matches_the_disks_and_follows_repair() {
     assert_eq!(dead["nodes"][0]["resident_bytes"], 0);
     assert_eq!(dead["nodes"][0]["live"], false);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kubernetes_extender_scores_and_filters_in_kube_schedulers_shapes() {
+    let h = Harness::new("k8s-extender");
+    let (m, _nodes) = cluster(&h, 3, NodeOpts::host).await;
+    let src = h.path("src");
+    unique_tree(&src, 60);
+    let out = import(&m, "ds", &src, &["--replicas", "2", "--shard-size", "256KiB"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let loc = locality_json(&m, &["ds@1"]);
+    let best = loc["nodes"][0]["node"].as_str().unwrap().to_string();
+    let post = |path: &'static str, body: String| {
+        let addr = m.http;
+        async move {
+            let (code, text) =
+                http_request(addr, "POST", path, &[("Content-Type", "application/json")], &body).await;
+            let v: serde_json::Value =
+                serde_json::from_str(&text).unwrap_or_else(|e| panic!("{path}: {e}: {text}"));
+            (code, v)
+        }
+    };
+    let pod = |ann: &str| {
+        format!(
+            r#"{{"metadata":{{"name":"trainer-0","namespace":"ml","annotations":{{{ann}}}}},"spec":{{}}}}"#
+        )
+    };
+    let wants = r#""locus.io/dataset":"ds@1""#;
+
+    // nodeCacheCapable: true, Go's PascalCase with nulls for unset pointers.
+    let (code, v) = post(
+        "/k8s/prioritize",
+        format!(
+            r#"{{"Pod":{},"Nodes":null,"NodeNames":["n1","n2","n3","gpu99"]}}"#,
+            pod(wants)
+        ),
+    )
+    .await;
+    assert_eq!(code, 200, "{v}");
+    let scores: HashMap<String, i64> = v
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| {
+            (
+                e["Host"].as_str().unwrap().to_string(),
+                e["Score"].as_i64().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(scores.len(), 4);
+    assert!(scores.values().all(|s| (0..=10).contains(s)), "{v}");
+    assert_eq!(scores["gpu99"], 0, "a node Locus does not know holds nothing");
+    assert_eq!(scores[&best], 10, "the best-ranked node gets the top score: {v}");
+
+    // nodeCacheCapable: false, lowercase names, whole Node objects.
+    let node = |n: &str| {
+        format!(
+            r#"{{"metadata":{{"name":"{n}","labels":{{"kubernetes.io/hostname":"{n}"}}}},"status":{{"capacity":{{"cpu":"8"}}}}}}"#
+        )
+    };
+    let list = format!(
+        r#"{{"kind":"NodeList","items":[{},{},{}]}}"#,
+        node("n1"),
+        node("n2"),
+        node("gpu99")
+    );
+    let (code, v) = post(
+        "/k8s/prioritize",
+        format!(r#"{{"pod":{},"nodes":{list}}}"#, pod(wants)),
+    )
+    .await;
+    assert_eq!(code, 200, "{v}");
+    assert_eq!(v.as_array().unwrap().len(), 3);
+
+    // No annotation: equal scores, never an error.
+    let (code, v) = post(
+        "/k8s/prioritize",
+        format!(r#"{{"Pod":{},"NodeNames":["n1","n2"]}}"#, pod("")),
+    )
+    .await;
+    assert_eq!(code, 200, "{v}");
+    assert!(
+        v.as_array().unwrap().iter().all(|e| e["Score"] == v[0]["Score"]),
+        "{v}"
+    );
+
+    // Filter: only with locality required, and only below the minimum fraction.
+    let (code, v) = post(
+        "/k8s/filter",
+        format!(r#"{{"Pod":{},"NodeNames":["n1","gpu99"]}}"#, pod(wants)),
+    )
+    .await;
+    assert_eq!(code, 200, "{v}");
+    assert_eq!(
+        v["NodeNames"],
+        serde_json::json!(["n1", "gpu99"]),
+        "a preference filters nothing"
+    );
+    assert_eq!(v["FailedNodes"], serde_json::json!({}));
+    let required =
+        r#""locus.io/dataset":"ds@1","locus.io/locality":"required","locus.io/min-fraction":"0.1""#;
+    let (code, v) = post(
+        "/k8s/filter",
+        format!(
+            r#"{{"Pod":{},"Nodes":null,"NodeNames":["n1","n2","n3","gpu99"]}}"#,
+            pod(required)
+        ),
+    )
+    .await;
+    assert_eq!(code, 200, "{v}");
+    assert_eq!(v["NodeNames"], serde_json::json!(["n1", "n2", "n3"]), "{v}");
+    assert!(
+        v["FailedNodes"]["gpu99"].as_str().unwrap().contains("ds@1"),
+        "{v}"
+    );
+    assert_eq!(v["Error"], "");
+    assert!(v["FailedAndUnresolvableNodes"].is_object());
+    let (code, v) = post(
+        "/k8s/filter",
+        format!(r#"{{"pod":{},"nodes":{list}}}"#, pod(required)),
+    )
+    .await;
+    assert_eq!(code, 200, "{v}");
+    let kept = v["Nodes"]["items"].as_array().unwrap();
+    assert_eq!(kept.len(), 2, "{v}");
+    assert_eq!(
+        kept[0]["status"]["capacity"]["cpu"], "8",
+        "node objects come back whole"
+    );
+    assert!(v["NodeNames"].is_null());
+
+    // Bad input: 400 with a message, and the service keeps answering.
+    for body in [
+        "{not json".to_string(),
+        "[1,2]".to_string(),
+        r#"{"NodeNames":"n1"}"#.to_string(),
+        format!(
+            r#"{{"Pod":{},"NodeNames":["n1"]}}"#,
+            pod(r#""locus.io/dataset":"../../etc""#)
+        ),
+    ] {
+        let (code, v) = post("/k8s/prioritize", body.clone()).await;
+        assert_eq!(code, 400, "{body} → {v}");
+        assert!(!v["Error"].as_str().unwrap().is_empty());
+    }
+    // An unknown dataset: no preference (equal scores) rather than a failed cycle.
+    let (code, v) = post(
+        "/k8s/prioritize",
+        format!(
+            r#"{{"Pod":{},"NodeNames":["n1","n2"]}}"#,
+            pod(r#""locus.io/dataset":"nope@1""#)
+        ),
+    )
+    .await;
+    assert_eq!(code, 200, "{v}");
+    assert!(v.as_array().unwrap().iter().all(|e| e["Score"] == 0));
+}

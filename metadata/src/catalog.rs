@@ -842,13 +842,18 @@ impl Catalog {
                 .filter(|&i| crate::locality::matches(&nodes[i].labels, selector))
                 .collect()
         } else {
+            let index: HashMap<&str, usize> = nodes
+                .iter()
+                .enumerate()
+                .map(|(i, n)| (n.id.as_str(), i))
+                .collect();
+            let mut seen = HashSet::new();
             let mut v = Vec::new();
             for c in candidates {
-                let i = nodes
-                    .iter()
-                    .position(|n| &n.id == c)
+                let i = *index
+                    .get(c.as_str())
                     .ok_or_else(|| CatalogError::NotFound(format!("no node named {c}")))?;
-                if crate::locality::matches(&nodes[i].labels, selector) && !v.contains(&i) {
+                if crate::locality::matches(&nodes[i].labels, selector) && seen.insert(i) {
                     v.push(i);
                 }
             }

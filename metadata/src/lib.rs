@@ -13,6 +13,7 @@ pub mod audit;
 pub mod auth;
 pub mod catalog;
 pub mod http_api;
+pub mod k8s;
 pub mod keys;
 pub mod locality;
 pub mod metrics;

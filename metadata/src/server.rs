@@ -228,8 +228,17 @@ async fn reap_sessions(
 fn http_router(catalog: Arc<Catalog>, metrics: Arc<Metrics>, tokens: Option<Arc<TokenSet>>) -> axum::Router {
     use axum::routing::{get, post};
     let api_catalog = catalog.clone();
+    let (k8s_p, k8s_f) = (catalog.clone(), catalog.clone());
     axum::Router::new()
         .route("/healthz", get(|| async { "ok\n" }))
+        .route(
+            "/k8s/prioritize",
+            post(move |body: axum::body::Bytes| crate::k8s::prioritize(k8s_p.clone(), body)),
+        )
+        .route(
+            "/k8s/filter",
+            post(move |body: axum::body::Bytes| crate::k8s::filter(k8s_f.clone(), body)),
+        )
         .route(
             "/v1/locality",
             post(move |headers: axum::http::HeaderMap, body: axum::body::Bytes| {
