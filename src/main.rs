@@ -44,6 +44,9 @@ enum Command {
     /// Split a dataset version's shards among a job's ranks: each shard once, balanced,
     /// read locally where possible (JSON for data-loader samplers).
     Assign(cmd::locality::AssignArgs),
+    /// Copy a dataset version onto chosen nodes before a job starts (peer to peer,
+    /// idempotent: a rerun resumes).
+    Warm(cmd::locality::WarmArgs),
     /// Mount a dataset version as a read-only file tree (returns once it is readable).
     Mount(Box<cmd::mount::MountArgs>),
     /// Unmount a Locus mount.
@@ -85,6 +88,7 @@ fn main() -> ExitCode {
             Command::Dataset(c) => cmd::dataset::run(c, &cfg).await,
             Command::Locality(a) => cmd::locality::run(a, &cfg).await,
             Command::Assign(a) => cmd::locality::assign(a, &cfg).await,
+            Command::Warm(a) => cmd::locality::warm(a, &cfg).await,
             Command::Mount(a) => cmd::mount::run(*a, &cfg).await,
             Command::Umount(a) => cmd::mount::umount(a).await,
             Command::Status => cmd::status::run(&cfg).await,

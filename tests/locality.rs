@@ -416,3 +416,65 @@ async fn kubernetes_extender_scores_and_filters_in_kube_schedulers_shapes() {
     assert_eq!(code, 200, "{v}");
     assert!(v.as_array().unwrap().iter().all(|e| e["Score"] == 0));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn warm_copies_a_version_onto_chosen_nodes_and_resumes() {
+    let h = Harness::new("warm");
+    let (m, mut nodes) = cluster(&h, 3, NodeOpts::host).await;
+    let src = h.path("src");
+    unique_tree(&src, 80);
+    let out = import(&m, "ds", &src, &["--replicas", "1", "--shard-size", "256KiB"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let total: u64 = (0..80u64).map(|i| 20_000 + i * 97).sum();
+
+    let out = m.cli(&["warm", "ds@1", "--nodes", "n1,n2", "--json"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let w: serde_json::Value = serde_json::from_str(&stdout(&out)).unwrap();
+    assert_eq!(w["failed"], 0, "{w}");
+    assert!(w["copied"].as_u64().unwrap() > 0, "{w}");
+    assert_eq!(
+        w["bytes_copied"].as_u64().unwrap() + w["bytes_already_present"].as_u64().unwrap(),
+        2 * total,
+        "{w}"
+    );
+    let j = locality_json(&m, &["ds@1", "--nodes", "n1,n2"]);
+    for n in j["nodes"].as_array().unwrap() {
+        assert_eq!(n["resident_fraction"], 1.0, "{n}");
+    }
+    let disk = bytes_on_disk(&src, &[&nodes[0], &nodes[1]]);
+    assert_eq!(disk["n1"], total, "the warmed node holds every byte on its disk");
+    assert_eq!(disk["n2"], total);
+
+    // Idempotent: a second run copies nothing.
+    let out = m.cli(&["warm", "ds@1", "--nodes", "n1,n2", "--json"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let w: serde_json::Value = serde_json::from_str(&stdout(&out)).unwrap();
+    assert_eq!(w["copied"], 0, "{w}");
+    assert_eq!(w["bytes_already_present"], 2 * total);
+
+    // Refusals: unknown and down nodes, and shards no live node holds.
+    let out = m.cli(&["warm", "ds@1", "--nodes", "nope"]);
+    assert!(!out.status.success());
+    assert!(stderr(&out).contains("no node named nope"), "{}", stderr(&out));
+    nodes[2].daemon.kill9();
+    let opts = m.client_options(None);
+    wait_until("n3 to be down", Duration::from_secs(30), || {
+        let opts = opts.clone();
+        async move {
+            let mut c = locus_proto::client::connect(&opts).await.ok()?;
+            let n = c
+                .list_nodes(locus_proto::pb::ListNodesRequest {})
+                .await
+                .ok()?
+                .into_inner()
+                .nodes;
+            n.iter()
+                .any(|n| n.id == "n3" && n.state == locus_proto::pb::NodeState::Down as i32)
+                .then_some(())
+        }
+    })
+    .await;
+    let out = m.cli(&["warm", "ds@1", "--nodes", "n3"]);
+    assert!(!out.status.success());
+    assert!(stderr(&out).contains("n3 is down"), "{}", stderr(&out));
+}

@@ -133,6 +133,16 @@ pub struct RepairTask {
     pub drop: Vec<String>,
 }
 
+/// What warming takes; see `Catalog::warm_plan`.
+#[derive(Debug, Default)]
+pub struct WarmPlan {
+    pub version: u64,
+    pub tasks: Vec<RepairTask>,
+    pub bytes_already: u64,
+    /// (shard, bytes) with no live replica to copy from.
+    pub origin: Vec<(u32, u64)>,
+}
+
 /// A shard as an import session reports it.
 #[derive(Debug, Clone)]
 pub struct ShardSpec {
@@ -983,6 +993,70 @@ impl Catalog {
                 })
                 .collect(),
         })
+    }
+
+    /// What warming `nodes` with a version takes: a copy task per (shard, node) the node
+    /// does not hold yet, each from the cheapest live replica (same rack, then zone, then
+    /// any); the bytes already there; and the shards no live node holds (bytes, ids).
+    pub fn warm_plan(&self, r: &DatasetRef, targets: &[String]) -> Result<WarmPlan> {
+        if targets.is_empty() || targets.len() > 10_000 {
+            return Err(InvalidInput::new("nodes", "name 1 to 10,000 nodes to warm").into());
+        }
+        let (n, v) = self.resolve(r)?;
+        let nodes = self.list_nodes()?;
+        let by_id: HashMap<&str, &pb::Node> = nodes.iter().map(|x| (x.id.as_str(), x)).collect();
+        let up = |id: &str| by_id.get(id).is_some_and(|x| x.state == pb::NodeState::Up as i32);
+        for t in targets {
+            match by_id.get(t.as_str()) {
+                None => return Err(CatalogError::NotFound(format!("no node named {t}"))),
+                Some(_) if !up(t) => return Err(CatalogError::Precondition(format!("node {t} is down"))),
+                Some(x) if x.draining => {
+                    return Err(CatalogError::Precondition(format!("node {t} is draining")))
+                }
+                _ => {}
+            }
+        }
+        let label = |id: &str, k: &str| {
+            by_id
+                .get(id)
+                .and_then(|x| x.labels.get(k))
+                .cloned()
+                .unwrap_or_default()
+        };
+        let mut plan = WarmPlan {
+            version: n,
+            ..Default::default()
+        };
+        for (id, s) in self.cached_shards(v.uid)?.iter() {
+            let live: Vec<&String> = s.replicas.iter().filter(|x| up(x)).collect();
+            for t in targets {
+                if s.replicas.contains(t) {
+                    plan.bytes_already += s.bytes;
+                    continue;
+                }
+                let Some(source) = live.iter().min_by_key(|src| {
+                    let same = |k: &str| label(src, k) == label(t, k) && !label(t, k).is_empty();
+                    (
+                        !(same("rack") && same("zone")),
+                        !same("zone"),
+                        src.as_str().to_string(),
+                    )
+                }) else {
+                    plan.origin.push((*id, s.bytes));
+                    continue;
+                };
+                plan.tasks.push(RepairTask {
+                    dataset: r.name.as_str().to_string(),
+                    version: n,
+                    shard: *id,
+                    bytes: s.bytes,
+                    source: ((*source).clone(), by_id[source.as_str()].address.clone()),
+                    target: (t.clone(), by_id[t.as_str()].address.clone()),
+                    drop: Vec::new(),
+                });
+            }
+        }
+        Ok(plan)
     }
 
     // ---------------------------------------------------------------------------------

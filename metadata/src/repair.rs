@@ -86,7 +86,9 @@ pub async fn run(
     }
 }
 
-async fn repair_one(catalog: &Arc<Catalog>, t: &RepairTask, token: Option<&str>) -> Result<(), String> {
+/// Copies one shard to its target peer to peer (verified, pinned) and records the new
+/// replica; also what `Warm` runs for each of its copies.
+pub async fn repair_one(catalog: &Arc<Catalog>, t: &RepairTask, token: Option<&str>) -> Result<(), String> {
     let r = DatasetRef {
         name: t.dataset.as_str().try_into().map_err(|e| format!("{e}"))?,
         version: VersionSel::Number(t.version),

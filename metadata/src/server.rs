@@ -124,7 +124,10 @@ pub async fn serve(
             .tls_config(tonic::transport::ServerTlsConfig::new().identity(identity))
             .map_err(|e| ServerError::Tls(locus_proto::client::error_chain(&e)))?;
     }
-    let svc = pb_server(MetadataService::new(catalog.clone(), audit, metrics.clone()));
+    let svc = pb_server(
+        MetadataService::new(catalog.clone(), audit, metrics.clone())
+            .with_node_token(config.node_token.clone()),
+    );
 
     // One shutdown signal fanned out to every task.
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);

@@ -17,14 +17,23 @@ pub struct MetadataService {
     catalog: Arc<Catalog>,
     audit: Arc<AuditLog>,
     metrics: Arc<Metrics>,
+    /// What the service presents to cache nodes when it orders copies (warm-up).
+    node_token: Option<String>,
 }
 
 impl MetadataService {
+    /// The token presented to cache nodes when the service orders copies.
+    pub fn with_node_token(mut self, token: Option<String>) -> Self {
+        self.node_token = token;
+        self
+    }
+
     pub fn new(catalog: Arc<Catalog>, audit: Arc<AuditLog>, metrics: Arc<Metrics>) -> Self {
         Self {
             catalog,
             audit,
             metrics,
+            node_token: None,
         }
     }
 
@@ -269,6 +278,86 @@ impl pb::metadata_server::Metadata for MetadataService {
             .await
             .map_err(to_status)?;
         Ok(Response::new(out))
+    }
+
+    type WarmStream =
+        std::pin::Pin<Box<dyn tokio_stream::Stream<Item = Result<pb::WarmProgress, Status>> + Send>>;
+
+    async fn warm(&self, req: Request<pb::WarmRequest>) -> Res<Self::WarmStream> {
+        let who = principal(&req);
+        let q = req.into_inner();
+        let r = version_ref(q.r#ref)?;
+        for n in &q.nodes {
+            NodeId::try_from(n.as_str()).map_err(|e| e.within("nodes"))?;
+        }
+        let target = format!("{r} on {}", q.nodes.join(","));
+        let nodes = q.nodes.clone();
+        let planned = self.run(move |c| c.warm_plan(&r, &nodes)).await;
+        self.audit(&who, "warm", &target, &planned, |p| {
+            format!("{} copies planned", p.tasks.len())
+        });
+        let plan = planned.map_err(to_status)?;
+        let origin: u64 = plan.origin.iter().map(|o| o.1).sum();
+        if origin > 0 {
+            // Versions record their origin as the cluster itself: there is no object store
+            // to read shards from that no live node holds.
+            return Err(Status::failed_precondition(format!(
+                "{} shard(s), {} bytes, have no live replica to copy from, and this version has no \
+                 object-store origin to read them from (budget --max-origin-bytes {}); \
+                 bring a node holding them back or restore from a backup first",
+                plan.origin.len(),
+                origin,
+                q.max_origin_bytes
+            )));
+        }
+        let (tx, rx) = tokio::sync::mpsc::channel(64);
+        let catalog = self.catalog.clone();
+        let token = self.node_token.clone();
+        tokio::spawn(async move {
+            let mut p = pb::WarmProgress {
+                version: plan.version,
+                copies_total: plan.tasks.len() as u32,
+                bytes_total: plan.tasks.iter().map(|t| t.bytes).sum(),
+                bytes_already: plan.bytes_already,
+                ..Default::default()
+            };
+            let _ = tx.send(Ok(p.clone())).await;
+            let mut set = tokio::task::JoinSet::new();
+            let mut tasks = plan.tasks.into_iter();
+            loop {
+                while set.len() < 4 {
+                    let Some(t) = tasks.next() else { break };
+                    let (c, token) = (catalog.clone(), token.clone());
+                    set.spawn(async move {
+                        let r = crate::repair::repair_one(&c, &t, token.as_deref()).await;
+                        (t, r)
+                    });
+                }
+                let Some(done) = set.join_next().await else { break };
+                let Ok((t, r)) = done else { continue };
+                p.message.clear();
+                match r {
+                    Ok(()) => {
+                        p.copies_done += 1;
+                        p.bytes_done += t.bytes;
+                    }
+                    Err(e) => {
+                        p.copies_failed += 1;
+                        p.message = format!("shard {} to {}: {e}", t.shard, t.target.0);
+                    }
+                }
+                if tx.send(Ok(p.clone())).await.is_err() {
+                    // The caller went away; copies in flight finish, nothing new starts.
+                    return;
+                }
+            }
+            p.message.clear();
+            p.finished = true;
+            let _ = tx.send(Ok(p)).await;
+        });
+        Ok(Response::new(Box::pin(
+            tokio_stream::wrappers::ReceiverStream::new(rx),
+        )))
     }
 
     async fn list_datasets(&self, _req: Request<pb::ListDatasetsRequest>) -> Res<pb::ListDatasetsResponse> {

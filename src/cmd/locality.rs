@@ -228,3 +228,90 @@ pub async fn assign(a: AssignArgs, cfg: &Resolved) -> anyhow::Result<()> {
     output::table(&["RANK", "NODE", "SHARDS", "BYTES", "LOCAL"], &rows);
     Ok(())
 }
+
+#[derive(Args, Debug)]
+pub struct WarmArgs {
+    /// DATASET[@VERSION] (latest when no version is given).
+    pub target: String,
+    /// Nodes that should hold every shard before the job starts (comma-separated).
+    #[arg(long, value_delimiter = ',', value_name = "NODE,...", required = true)]
+    pub nodes: Vec<String>,
+    /// Most bytes that may come from the object store (for shards no live node holds).
+    #[arg(long, value_name = "SIZE", default_value = "0")]
+    pub max_origin_bytes: String,
+}
+
+pub async fn warm(a: WarmArgs, cfg: &Resolved) -> anyhow::Result<()> {
+    use std::io::{IsTerminal, Write};
+    let r: locus_proto::DatasetRef = a
+        .target
+        .parse()
+        .map_err(|e| anyhow::anyhow!("{:?}: {e}", a.target))?;
+    let budget = crate::config::size_arg("--max-origin-bytes", &a.max_origin_bytes)?;
+    let mut c = cfg.connect().await?;
+    let started = std::time::Instant::now();
+    let mut stream = c
+        .warm(pb::WarmRequest {
+            r#ref: Some(pb::VersionRef::from(&r)),
+            nodes: a.nodes.clone(),
+            max_origin_bytes: budget,
+        })
+        .await
+        .or_status()?;
+    let tty = std::io::stderr().is_terminal() && !cfg.json;
+    let mut last = pb::WarmProgress::default();
+    let mut failures = Vec::new();
+    while let Some(p) = stream.message().await.map_err(output::status_error)? {
+        if !p.message.is_empty() {
+            failures.push(p.message.clone());
+            if !cfg.json {
+                eprintln!("{}warning: {}", if tty { "\r\x1b[K" } else { "" }, p.message);
+            }
+        }
+        if tty {
+            eprint!(
+                "\r\x1b[Kwarming: {}/{} copies, {} of {}",
+                p.copies_done + p.copies_failed,
+                p.copies_total,
+                output::size(p.bytes_done),
+                output::size(p.bytes_total)
+            );
+            let _ = std::io::stderr().flush();
+        }
+        last = p;
+    }
+    if tty {
+        eprintln!();
+    }
+    if !last.finished {
+        anyhow::bail!("the metadata service stopped answering before warm-up finished; rerun to resume");
+    }
+    let secs = started.elapsed().as_secs_f64();
+    if cfg.json {
+        output::json(&serde_json::json!({
+            "dataset": r.name.as_str(), "version": last.version, "nodes": a.nodes,
+            "copies": last.copies_total, "copied": last.copies_done, "failed": last.copies_failed,
+            "bytes_copied": last.bytes_done, "bytes_already_present": last.bytes_already,
+            "seconds": secs, "errors": failures,
+        }))?;
+    } else {
+        println!(
+            "warmed {}@{} on {}: copied {} ({} shard copies) peer to peer, {} already there; {:.1}s",
+            r.name.as_str(),
+            last.version,
+            a.nodes.join(","),
+            output::size(last.bytes_done),
+            last.copies_done,
+            output::size(last.bytes_already),
+            secs
+        );
+    }
+    if last.copies_failed > 0 {
+        anyhow::bail!(
+            "{} of {} copies failed (rerun to retry only those)",
+            last.copies_failed,
+            last.copies_total
+        );
+    }
+    Ok(())
+}
