@@ -47,6 +47,9 @@ enum Command {
     /// Copy a dataset version onto chosen nodes before a job starts (peer to peer,
     /// idempotent: a rerun resumes).
     Warm(cmd::locality::WarmArgs),
+    /// Slurm helpers: node features from locality, best-node hostlists.
+    #[command(subcommand)]
+    Slurm(cmd::slurm::SlurmCmd),
     /// Mount a dataset version as a read-only file tree (returns once it is readable).
     Mount(Box<cmd::mount::MountArgs>),
     /// Unmount a Locus mount.
@@ -89,6 +92,7 @@ fn main() -> ExitCode {
             Command::Locality(a) => cmd::locality::run(a, &cfg).await,
             Command::Assign(a) => cmd::locality::assign(a, &cfg).await,
             Command::Warm(a) => cmd::locality::warm(a, &cfg).await,
+            Command::Slurm(c) => cmd::slurm::run(c, &cfg).await,
             Command::Mount(a) => cmd::mount::run(*a, &cfg).await,
             Command::Umount(a) => cmd::mount::umount(a).await,
             Command::Status => cmd::status::run(&cfg).await,

@@ -478,3 +478,70 @@ async fn warm_copies_a_version_onto_chosen_nodes_and_resumes() {
     assert!(!out.status.success());
     assert!(stderr(&out).contains("n3 is down"), "{}", stderr(&out));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slurm_features_touch_only_locus_features_and_nodelist_names_the_best_nodes() {
+    let h = Harness::new("slurm");
+    let (m, _nodes) = cluster(&h, 3, NodeOpts::host).await;
+    let src = h.path("src");
+    unique_tree(&src, 40);
+    let out = import(&m, "ds", &src, &["--replicas", "1", "--shard-size", "256KiB"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let out = m.cli(&["warm", "ds@1", "--nodes", "n2"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+
+    // No Slurm on this machine: a stand-in scontrol that reports features a site already
+    // uses (and a stale Locus one) and records every update it is asked for.
+    let bin = h.path("bin");
+    std::fs::create_dir_all(&bin).unwrap();
+    let log = h.path("scontrol.log");
+    let script = format!(
+        "#!/bin/sh\nif [ \"$1\" = show ]; then\n  echo \"NodeName=$3 Arch=x86_64 AvailableFeatures=h100,ib,locus_stale_1 ActiveFeatures=h100,locus_stale_1 Gres=gpu:8\"\nelse\n  echo \"$@\" >> {}\nfi\n",
+        log.display()
+    );
+    std::fs::write(bin.join("scontrol"), script).unwrap();
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(bin.join("scontrol"), std::fs::Permissions::from_mode(0o755)).unwrap();
+    let path = format!("{}:{}", bin.display(), std::env::var("PATH").unwrap_or_default());
+
+    let dry = m.cli_env(&["slurm", "features", "--dry-run"], &[("PATH", path.clone())]);
+    assert!(dry.status.success(), "{}", stderr(&dry));
+    let text = stdout(&dry);
+    assert!(
+        text.contains(
+            "scontrol update NodeName=n2 AvailableFeatures=h100,ib,locus_ds_1 ActiveFeatures=h100,locus_ds_1"
+        ),
+        "{text}"
+    );
+    assert!(!std::fs::exists(&log).unwrap(), "a dry run changes nothing");
+
+    let run = m.cli_env(&["slurm", "features"], &[("PATH", path)]);
+    assert!(run.status.success(), "{}", stderr(&run));
+    let calls = std::fs::read_to_string(&log).unwrap();
+    let lines: Vec<&str> = calls.lines().collect();
+    assert_eq!(lines.len(), 3, "{calls}");
+    assert!(
+        lines.contains(
+            &"update NodeName=n2 AvailableFeatures=h100,ib,locus_ds_1 ActiveFeatures=h100,locus_ds_1"
+        ),
+        "{calls}"
+    );
+    // Nodes below the threshold lose only the stale Locus feature.
+    assert!(
+        lines.contains(&"update NodeName=n1 AvailableFeatures=h100,ib ActiveFeatures=h100"),
+        "{calls}"
+    );
+
+    let nl = m.cli(&["slurm", "nodelist", "ds@1", "-N", "1"]);
+    assert!(nl.status.success(), "{}", stderr(&nl));
+    assert_eq!(
+        stdout(&nl).trim(),
+        "n2",
+        "the node holding everything comes first"
+    );
+    let nl = m.cli(&["slurm", "nodelist", "ds@1", "-N", "3"]);
+    assert_eq!(stdout(&nl).trim(), "n[1-3]");
+    let nl = m.cli(&["slurm", "nodelist", "ds@1", "-N", "9"]);
+    assert!(!nl.status.success());
+    assert!(stderr(&nl).contains("only 3"), "{}", stderr(&nl));
+}

@@ -7,6 +7,7 @@ pub mod locality;
 pub mod metadata;
 pub mod mount;
 pub mod node;
+pub mod slurm;
 pub mod status;
 
 /// Resolves when the process is asked to stop (SIGTERM or SIGINT).

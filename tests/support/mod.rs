@@ -389,7 +389,13 @@ impl Metadata {
 
     /// Runs the `locus` CLI against this service, with the admin token if any.
     pub fn cli(&self, args: &[&str]) -> Output {
+        self.cli_env(args, &[])
+    }
+
+    /// `cli` with extra environment variables (PATH for stand-in tools, say).
+    pub fn cli_env(&self, args: &[&str], env: &[(&str, String)]) -> Output {
         let mut cmd = Command::new(LOCUS);
+        cmd.envs(env.iter().map(|(k, v)| (*k, v.as_str())));
         cmd.args(args)
             .env("LOCUS_METADATA", self.url())
             .env_remove("LOCUS_CONFIG");
