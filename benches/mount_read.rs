@@ -265,17 +265,7 @@ impl Peers {
         if let Some(m) = &self._moto {
             return m.bucket(bucket).await;
         }
-        Arc::new(
-            object_store::aws::AmazonS3Builder::new()
-                .with_endpoint(&self.endpoint)
-                .with_allow_http(true)
-                .with_access_key_id(S3_KEY)
-                .with_secret_access_key(S3_SECRET)
-                .with_region("us-east-1")
-                .with_bucket_name(bucket)
-                .build()
-                .unwrap(),
-        )
+        s3_store(&self.endpoint, bucket)
     }
 }
 

@@ -22,6 +22,27 @@ fn unique_tree(root: &Path, files: usize) {
     }
 }
 
+/// A cluster of three nodes (one zone, racks r1..r3) with `files` distinct files imported
+/// as `ds` at `replicas` replicas: the service, the nodes, the source dir and its bytes.
+async fn imported(
+    h: &Harness,
+    files: usize,
+    replicas: &str,
+) -> (Metadata, Vec<Node>, std::path::PathBuf, u64) {
+    let (m, nodes) = cluster(h, 3, NodeOpts::host).await;
+    let src = h.path("src");
+    unique_tree(&src, files);
+    let out = import(
+        &m,
+        "ds",
+        &src,
+        &["--replicas", replicas, "--shard-size", "256KiB"],
+    );
+    assert!(out.status.success(), "{}", stderr(&out));
+    let total = (0..files as u64).map(|i| 20_000 + i * 97).sum();
+    (m, nodes, src, total)
+}
+
 /// Per node: the bytes of the source files whose blob is on that node's disk.
 fn bytes_on_disk(src: &Path, nodes: &[&Node]) -> HashMap<String, u64> {
     let mut by_hash: BTreeMap<String, u64> = BTreeMap::new();
@@ -71,12 +92,7 @@ fn resident(j: &serde_json::Value) -> HashMap<String, u64> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn locality_matches_the_disks_and_follows_repair() {
     let h = Harness::new("locality");
-    let (m, mut nodes) = cluster(&h, 3, NodeOpts::host).await;
-    let src = h.path("src");
-    unique_tree(&src, 120);
-    let out = import(&m, "ds", &src, &["--replicas", "2", "--shard-size", "256KiB"]);
-    assert!(out.status.success(), "{}", stderr(&out));
-    let total: u64 = (0..120u64).map(|i| 20_000 + i * 97).sum();
+    let (m, mut nodes, src, total) = imported(&h, 120, "2").await;
 
     let j = locality_json(&m, &["ds@1"]);
     assert_eq!(j["total_bytes"], total);
@@ -263,11 +279,7 @@ async fn locality_matches_the_disks_and_follows_repair() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kubernetes_extender_scores_and_filters_in_kube_schedulers_shapes() {
     let h = Harness::new("k8s-extender");
-    let (m, _nodes) = cluster(&h, 3, NodeOpts::host).await;
-    let src = h.path("src");
-    unique_tree(&src, 60);
-    let out = import(&m, "ds", &src, &["--replicas", "2", "--shard-size", "256KiB"]);
-    assert!(out.status.success(), "{}", stderr(&out));
+    let (m, _nodes, _src, _total) = imported(&h, 60, "2").await;
     let loc = locality_json(&m, &["ds@1"]);
     let best = loc["nodes"][0]["node"].as_str().unwrap().to_string();
     let post = |path: &'static str, body: String| {
@@ -420,12 +432,7 @@ async fn kubernetes_extender_scores_and_filters_in_kube_schedulers_shapes() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn warm_copies_a_version_onto_chosen_nodes_and_resumes() {
     let h = Harness::new("warm");
-    let (m, mut nodes) = cluster(&h, 3, NodeOpts::host).await;
-    let src = h.path("src");
-    unique_tree(&src, 80);
-    let out = import(&m, "ds", &src, &["--replicas", "1", "--shard-size", "256KiB"]);
-    assert!(out.status.success(), "{}", stderr(&out));
-    let total: u64 = (0..80u64).map(|i| 20_000 + i * 97).sum();
+    let (m, mut nodes, src, total) = imported(&h, 80, "1").await;
 
     let out = m.cli(&["warm", "ds@1", "--nodes", "n1,n2", "--json"]);
     assert!(out.status.success(), "{}", stderr(&out));
@@ -482,11 +489,7 @@ async fn warm_copies_a_version_onto_chosen_nodes_and_resumes() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn slurm_features_touch_only_locus_features_and_nodelist_names_the_best_nodes() {
     let h = Harness::new("slurm");
-    let (m, _nodes) = cluster(&h, 3, NodeOpts::host).await;
-    let src = h.path("src");
-    unique_tree(&src, 40);
-    let out = import(&m, "ds", &src, &["--replicas", "1", "--shard-size", "256KiB"]);
-    assert!(out.status.success(), "{}", stderr(&out));
+    let (m, _nodes, _src, _total) = imported(&h, 40, "1").await;
     let out = m.cli(&["warm", "ds@1", "--nodes", "n2"]);
     assert!(out.status.success(), "{}", stderr(&out));
 

@@ -858,16 +858,7 @@ impl S3Server {
         let mut resp = String::new();
         s.read_to_string(&mut resp).await.unwrap();
         assert!(resp.starts_with("HTTP/1.1 200"), "create bucket: {resp}");
-        let store = object_store::aws::AmazonS3Builder::new()
-            .with_endpoint(&self.endpoint)
-            .with_allow_http(true)
-            .with_access_key_id(S3_KEY)
-            .with_secret_access_key(S3_SECRET)
-            .with_region("us-east-1")
-            .with_bucket_name(bucket)
-            .build()
-            .unwrap();
-        std::sync::Arc::new(store)
+        s3_store(&self.endpoint, bucket)
     }
 }
 
@@ -902,6 +893,21 @@ impl Harness {
         .await;
         server
     }
+}
+
+/// An object_store client for `bucket` on the S3-compatible server at `endpoint`, with
+/// the test credentials.
+pub fn s3_store(endpoint: &str, bucket: &str) -> std::sync::Arc<dyn object_store::ObjectStore> {
+    let store = object_store::aws::AmazonS3Builder::new()
+        .with_endpoint(endpoint)
+        .with_allow_http(true)
+        .with_access_key_id(S3_KEY)
+        .with_secret_access_key(S3_SECRET)
+        .with_region("us-east-1")
+        .with_bucket_name(bucket)
+        .build()
+        .unwrap();
+    std::sync::Arc::new(store)
 }
 
 /// A minimal HTTP/1.1 GET, enough for /metrics and /healthz; panics unless 200.
