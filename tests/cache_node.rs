@@ -15,21 +15,6 @@ fn rehash_ok(path: &Path, name: &str) -> bool {
     blake3::hash(&std::fs::read(path).unwrap()).to_hex().as_str() == name
 }
 
-async fn shards(c: &mut locus_proto::client::MetadataClient, ds: &str, v: u64) -> Vec<pb::Shard> {
-    c.list_shards(pb::ListShardsRequest {
-        r#ref: Some(pb::VersionRef {
-            dataset: ds.into(),
-            version: v,
-        }),
-        start: 0,
-        limit: 10_000,
-    })
-    .await
-    .unwrap()
-    .into_inner()
-    .shards
-}
-
 /// shard id → its distinct blob hashes (hex), from the manifest.
 fn blobs_by_shard(entries: &[pb::Entry]) -> BTreeMap<u32, BTreeSet<String>> {
     let mut out: BTreeMap<u32, BTreeSet<String>> = BTreeMap::new();

@@ -189,19 +189,8 @@ async fn locality_matches_the_disks_and_follows_repair() {
         .collect();
     got.sort_unstable();
     let mut c = m.client(None).await;
-    let want: Vec<u64> = c
-        .list_shards(locus_proto::pb::ListShardsRequest {
-            r#ref: Some(locus_proto::pb::VersionRef {
-                dataset: "ds".into(),
-                version: 1,
-            }),
-            start: 0,
-            limit: 10_000,
-        })
+    let want: Vec<u64> = shards(&mut c, "ds", 1)
         .await
-        .unwrap()
-        .into_inner()
-        .shards
         .iter()
         .map(|s| u64::from(s.id))
         .collect();
@@ -244,19 +233,7 @@ async fn locality_matches_the_disks_and_follows_repair() {
             let opts = opts.clone();
             async move {
                 let mut c = locus_proto::client::connect(&opts).await.ok()?;
-                let s = c
-                    .list_shards(locus_proto::pb::ListShardsRequest {
-                        r#ref: Some(locus_proto::pb::VersionRef {
-                            dataset: "ds".into(),
-                            version: 1,
-                        }),
-                        start: 0,
-                        limit: 10_000,
-                    })
-                    .await
-                    .ok()?
-                    .into_inner()
-                    .shards;
+                let s = shards(&mut c, "ds", 1).await;
                 s.iter()
                     .all(|s| s.replicas.len() == 2 && !s.replicas.iter().any(|r| r == "n1"))
                     .then_some(())

@@ -779,6 +779,22 @@ pub async fn commit(
     Ok(v.version.expect("commit returns the version"))
 }
 
+/// A version's shards (first page of 10,000).
+pub async fn shards(c: &mut locus_proto::client::MetadataClient, ds: &str, v: u64) -> Vec<pb::Shard> {
+    c.list_shards(pb::ListShardsRequest {
+        r#ref: Some(pb::VersionRef {
+            dataset: ds.into(),
+            version: v,
+        }),
+        start: 0,
+        limit: 10_000,
+    })
+    .await
+    .unwrap()
+    .into_inner()
+    .shards
+}
+
 /// Every entry of a version, sorted by path.
 pub async fn all_entries(c: &mut MetadataClient, dataset: &str, version: u64) -> Vec<pb::Entry> {
     let (_, mut e) = locus_proto::client::list_all_entries(
