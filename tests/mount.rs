@@ -357,23 +357,38 @@ async fn a_read_no_source_can_serve_fails_with_eio_and_bad_mounts_are_refused() 
     assert!(!o.status.success());
     assert!(stderr(&o).contains("not a Locus mount"), "{}", stderr(&o));
 
-    // The only replica dies: reads fail with EIO, never zeros or short data.
-    let files = files_of(&src);
-    let (rel, want) = files
-        .iter()
-        .find(|(p, _)| std::fs::metadata(src.join(p)).unwrap().len() > 0)
-        .unwrap();
-    let got = std::fs::read(mnt.path.join(rel)).unwrap();
-    assert_eq!(blake3::hash(&got).to_hex().as_str(), want);
+    // The only replica dies: the version's origin (the import source) serves, verified.
+    let files: Vec<(PathBuf, String)> = files_of(&src)
+        .into_iter()
+        .filter(|(p, _)| std::fs::metadata(src.join(p)).unwrap().len() > 0)
+        .collect();
+    let got = std::fs::read(mnt.path.join(&files[0].0)).unwrap();
+    assert_eq!(blake3::hash(&got).to_hex().as_str(), files[0].1);
     nodes[0].daemon.kill9();
-    let (other, _) = files
-        .iter()
-        .find(|(p, _)| p != rel && std::fs::metadata(src.join(p)).unwrap().len() > 0)
-        .unwrap();
-    let e = std::fs::read(mnt.path.join(other)).unwrap_err();
+    let got = std::fs::read(mnt.path.join(&files[1].0)).unwrap();
+    assert_eq!(
+        blake3::hash(&got).to_hex().as_str(),
+        files[1].1,
+        "read from the origin"
+    );
+    mnt.status_when("origin bytes to be counted", |s| {
+        s["totals"]["bytes_origin"].as_u64() > Some(0)
+    })
+    .await;
+    let listing = walk(&src, false);
+    // A source file changed since the import: EIO, never the new bytes.
+    let changed = src.join(&files[2].0);
+    let mut bytes = std::fs::read(&changed).unwrap();
+    bytes[0] ^= 0xff;
+    std::fs::write(&changed, &bytes).unwrap();
+    let e = std::fs::read(mnt.path.join(&files[2].0)).unwrap_err();
+    assert_eq!(e.raw_os_error(), Some(libc::EIO), "{e}");
+    // No node and no origin: EIO, never zeros or short data.
+    std::fs::rename(&src, h.path("src-gone")).unwrap();
+    let e = std::fs::read(mnt.path.join(&files[3].0)).unwrap_err();
     assert_eq!(e.raw_os_error(), Some(libc::EIO), "{e}");
     // Metadata still answers: the namespace is in memory.
-    assert_eq!(walk(&mnt.path, false), walk(&src, false));
+    assert_eq!(walk(&mnt.path, false), listing);
     mnt.status_when("the failed read to be counted", |s| {
         s["totals"]["read_errors"].as_u64() > Some(0)
     })

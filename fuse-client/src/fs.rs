@@ -286,6 +286,7 @@ impl LocusFs {
             return None;
         }
         Some(ChunkRef {
+            ino,
             blob,
             shard: self.ns.shard(ino)?,
             index: index as u32,

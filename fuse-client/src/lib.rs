@@ -14,6 +14,7 @@
 pub mod fs;
 pub mod metrics;
 pub mod namespace;
+pub mod origin;
 pub mod reader;
 
 use std::path::Path;

@@ -5,7 +5,7 @@
 //! |---|---|---|---|
 //! | locus_mount_opens_total | counter | opens | file opens by how they are served (passthrough, local, remote, empty) |
 //! | locus_mount_reads_total | counter | calls | read calls that reached the mount (passthrough reads never do) |
-//! | locus_mount_read_bytes_total | counter | bytes | bytes by source: local (pread of the node's file), remote (fetched from replicas), cache (bytes returned from chunks already in memory or already on their way) |
+//! | locus_mount_read_bytes_total | counter | bytes | bytes by source: local (pread of the node's file), remote (fetched from replicas), origin (from the version's import source, verified), cache (bytes returned from chunks already in memory or already on their way) |
 //! | locus_mount_read_errors_total | counter | calls | reads answered with EIO |
 //! | locus_mount_source_failures_total | counter | attempts | remote reads that failed and moved on to another replica |
 //! | locus_mount_corrupt_chunks_total | counter | chunks | chunks whose bytes did not match their hash (never returned) |
@@ -37,7 +37,7 @@ pub struct Metrics {
     read_seconds: Histogram,
     fetch_seconds: Histogram,
     // Plain totals for the status file (prometheus-client cannot be read back cheaply).
-    totals: [AtomicU64; 9],
+    totals: [AtomicU64; 10],
 }
 
 /// Indexes into `totals`.
@@ -50,6 +50,7 @@ const BYTES_CACHE: usize = 5;
 const ERRORS: usize = 6;
 const READS: usize = 7;
 const FAILOVERS: usize = 8;
+const BYTES_ORIGIN: usize = 9;
 
 impl Default for Metrics {
     fn default() -> Self {
@@ -104,6 +105,8 @@ pub struct Totals {
     pub reads: u64,
     /// Remote reads that failed and were retried on another replica.
     pub failovers: u64,
+    /// Verified bytes read from the version's origin because no node could serve them.
+    pub bytes_origin: u64,
 }
 
 impl Metrics {
@@ -147,6 +150,14 @@ impl Metrics {
         self.add(BYTES_REMOTE, bytes as u64);
     }
 
+    pub fn origin_read(&self, bytes: usize, took: Duration) {
+        self.fetch_seconds.observe(took.as_secs_f64());
+        self.read_bytes
+            .get_or_create(&How { how: "origin" })
+            .inc_by(bytes as u64);
+        self.add(BYTES_ORIGIN, bytes as u64);
+    }
+
     pub fn cache_hit(&self, bytes: usize) {
         self.read_bytes
             .get_or_create(&How { how: "cache" })
@@ -175,6 +186,7 @@ impl Metrics {
             read_errors: t(ERRORS),
             reads: t(READS),
             failovers: t(FAILOVERS),
+            bytes_origin: t(BYTES_ORIGIN),
         }
     }
 

@@ -9,6 +9,9 @@
 //! may have moved it). Nothing but verified bytes ever leaves this module: a chunk no
 //! source can serve is an error, which the mount turns into EIO.
 //!
+//! When no live node serves a chunk, the version's origin (`origin`) is the last source,
+//! under the same rule: its bytes are used only if they hash right.
+//!
 //! Verified chunks stay in a bounded in-memory cache; concurrent readers of one chunk
 //! share a single fetch. Sequential readers get read-ahead: the next chunks are fetched
 //! in the background, in parallel, while the current one is consumed.
@@ -120,6 +123,8 @@ impl Topology {
 /// What identifies one chunk of one file.
 #[derive(Debug, Clone, Copy)]
 pub struct ChunkRef {
+    /// The file's inode (its path, for the origin, is looked up only when needed).
+    pub ino: u64,
     pub blob: BlobHash,
     pub shard: u32,
     pub index: u32,
@@ -189,6 +194,7 @@ pub struct Remote {
     bad: Mutex<HashMap<String, Instant>>,
     cache: ChunkCache,
     metrics: Arc<Metrics>,
+    origin: Option<(crate::origin::Origin, Arc<crate::namespace::Namespace>)>,
     /// A source silent for this long during a chunk is given up on.
     pub timeout: Duration,
 }
@@ -216,8 +222,19 @@ impl Remote {
                 inner: Default::default(),
             },
             metrics,
+            origin: None,
             timeout: Duration::from_secs(10),
         }
+    }
+
+    /// Makes the version's origin the last source; `ns` gives files' paths.
+    pub fn with_origin(
+        mut self,
+        origin: crate::origin::Origin,
+        ns: Arc<crate::namespace::Namespace>,
+    ) -> Self {
+        self.origin = Some((origin, ns));
+        self
     }
 
     /// Re-reads shard replica sets and nodes (after repair, nodes joining).
@@ -322,11 +339,46 @@ impl Remote {
                 }
             }
         }
+        if let Some((origin, ns)) = &self.origin {
+            match self.read_origin(origin, ns, c).await {
+                Ok(b) => {
+                    self.metrics.origin_read(b.len(), started.elapsed());
+                    return Ok(b);
+                }
+                Err(e) => {
+                    tracing::warn!(blob = %c.blob, chunk = c.index, "the origin cannot serve it either: {e}");
+                    last = format!("{last}; origin: {e}");
+                }
+            }
+        }
         Err(ReadError::Unavailable {
             blob: c.blob,
             index: c.index,
             last,
         })
+    }
+
+    async fn read_origin(
+        &self,
+        origin: &crate::origin::Origin,
+        ns: &crate::namespace::Namespace,
+        c: ChunkRef,
+    ) -> Result<Bytes, String> {
+        let rel = ns.path(c.ino).ok_or("the file is not in the namespace")?;
+        let b = tokio::time::timeout(self.timeout * 3, origin.read(&rel, c.offset, c.len))
+            .await
+            .map_err(|_| format!("no answer within {:?}", self.timeout * 3))??;
+        if b.len() as u64 != c.len {
+            return Err(format!("{rel}: got {} of {} bytes", b.len(), c.len));
+        }
+        if BlobHash::of(&b) != c.hash {
+            self.metrics.corrupt();
+            return Err(format!(
+                "{rel}: bytes at {} no longer match the version (changed since the import?)",
+                c.offset
+            ));
+        }
+        Ok(b)
     }
 
     async fn locate(&self, blob: &BlobHash) -> Result<Vec<(String, NodeInfo)>, tonic::Status> {

@@ -155,7 +155,19 @@ pub async fn run(a: ImportArgs, cfg: &Resolved) -> anyhow::Result<()> {
         .begin_version(pb::BeginVersionRequest {
             dataset: name.to_string(),
             chunk_size,
-            origin: "cluster".into(),
+            // Where the bytes came from: the mount's last source when no node has them.
+            origin: match &remote {
+                Some(_) => a.source.clone(),
+                None => format!(
+                    "file://{}",
+                    locus_fuse::origin::encode_path(
+                        &std::fs::canonicalize(&source)
+                            .unwrap_or_else(|_| crate::absolute(source.clone()))
+                            .display()
+                            .to_string()
+                    )
+                ),
+            },
             replication: a.replicas,
         })
         .await

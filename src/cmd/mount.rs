@@ -273,7 +273,7 @@ async fn serve(a: MountArgs, mountpoint: PathBuf, cfg: &Resolved) -> anyhow::Res
         output::size(ns.heap_bytes() as u64)
     );
     let metrics = Arc::new(locus_fuse::metrics::Metrics::default());
-    let remote = Arc::new(Remote::new(
+    let mut remote = Remote::new(
         client.clone(),
         locus_proto::pb::VersionRef {
             dataset: dataset.clone(),
@@ -284,7 +284,19 @@ async fn serve(a: MountArgs, mountpoint: PathBuf, cfg: &Resolved) -> anyhow::Res
         loaded.topology,
         cache_bytes,
         metrics.clone(),
-    ));
+    );
+    match locus_fuse::origin::Origin::parse(&v.origin) {
+        Ok(Some(o)) => {
+            tracing::info!(
+                "origin {} is the last source for chunks no node serves",
+                o.describe()
+            );
+            remote = remote.with_origin(o, ns.clone());
+        }
+        Ok(None) => {}
+        Err(e) => tracing::warn!("the version's origin cannot be used: {e}"),
+    }
+    let remote = Arc::new(remote);
     let local = a
         .node_socket
         .as_ref()

@@ -83,7 +83,7 @@ pub async fn run(cfg: &Resolved) -> anyhow::Result<()> {
         let t = &m.totals;
         println!(
             "mount      {}@{} at {} (pid {}): {} opens ({} passthrough, {} local, {} remote); \
-             read {} local, {} remote, {} from memory; {} read errors",
+             read {} local, {} remote, {} from origin, {} from memory; {} read errors",
             m.dataset,
             m.version,
             m.mountpoint.display(),
@@ -94,6 +94,7 @@ pub async fn run(cfg: &Resolved) -> anyhow::Result<()> {
             t.opens_remote,
             output::size(t.bytes_local),
             output::size(t.bytes_remote),
+            output::size(t.bytes_origin),
             output::size(t.bytes_cache),
             t.read_errors
         );

@@ -1,0 +1,148 @@
+//! A version's origin — where its bytes were imported from — as the mount's last source:
+//! when no live node can serve a chunk, the same range is read from the origin and used
+//! only if it hashes to the manifest's chunk hash (the source may have changed since the
+//! import; then the read fails rather than return other bytes).
+//!
+//! Origins are `file:///abs/dir` (percent-encoded where the path has `%` or whitespace)
+//! and `s3://bucket/prefix` (credentials and endpoint from the usual AWS environment).
+//! Versions whose origin is `cluster` have none.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use bytes::Bytes;
+use object_store::path::Path as ObjPath;
+use object_store::{ObjectStore, ObjectStoreExt};
+
+pub enum Origin {
+    Dir(PathBuf),
+    Store {
+        url: String,
+        store: Arc<dyn ObjectStore>,
+        prefix: String,
+    },
+}
+
+/// `%`, space, tab, CR and LF as %XX, so any local path fits an origin URL.
+pub fn encode_path(p: &str) -> String {
+    let mut out = String::with_capacity(p.len());
+    for c in p.chars() {
+        match c {
+            '%' | ' ' | '\t' | '\r' | '\n' => out.push_str(&format!("%{:02X}", c as u32)),
+            c => out.push(c),
+        }
+    }
+    out
+}
+
+fn decode_path(s: &str) -> Option<String> {
+    let b = s.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        if b[i] == b'%' {
+            let hex = std::str::from_utf8(b.get(i + 1..i + 3)?).ok()?;
+            out.push(u8::from_str_radix(hex, 16).ok()?);
+            i += 3;
+        } else {
+            out.push(b[i]);
+            i += 1;
+        }
+    }
+    String::from_utf8(out).ok()
+}
+
+impl Origin {
+    /// None for versions without an origin ("cluster").
+    pub fn parse(url: &str) -> Result<Option<Origin>, String> {
+        if url.is_empty() || url == "cluster" {
+            return Ok(None);
+        }
+        if let Some(p) = url.strip_prefix("file://") {
+            let p = decode_path(p).ok_or_else(|| format!("{url}: bad percent-encoding"))?;
+            return Ok(Some(Origin::Dir(PathBuf::from(p))));
+        }
+        if let Some(rest) = url.strip_prefix("s3://") {
+            let (bucket, prefix) = rest.split_once('/').unwrap_or((rest, ""));
+            let store = object_store::aws::AmazonS3Builder::from_env()
+                .with_bucket_name(bucket)
+                .build()
+                .map_err(|e| format!("{url}: {e}"))?;
+            return Ok(Some(Origin::Store {
+                url: url.to_string(),
+                store: Arc::new(store),
+                prefix: prefix.trim_matches('/').to_string(),
+            }));
+        }
+        Err(format!(
+            "{url}: this build reads origins from file:// and s3:// only"
+        ))
+    }
+
+    pub fn describe(&self) -> String {
+        match self {
+            Origin::Dir(p) => format!("file://{}", p.display()),
+            Origin::Store { url, .. } => url.clone(),
+        }
+    }
+
+    /// `[offset, offset + len)` of the entry at `rel` (a validated relative path).
+    pub async fn read(&self, rel: &str, offset: u64, len: u64) -> Result<Bytes, String> {
+        match self {
+            Origin::Dir(root) => {
+                let path = root.join(rel);
+                tokio::task::spawn_blocking(move || {
+                    use std::os::unix::fs::FileExt;
+                    let f = std::fs::File::open(&path).map_err(|e| format!("{}: {e}", path.display()))?;
+                    let mut buf = vec![0u8; len as usize];
+                    let mut got = 0;
+                    while got < buf.len() {
+                        match f.read_at(&mut buf[got..], offset + got as u64) {
+                            Ok(0) => {
+                                return Err(format!("{}: shorter than the manifest says", path.display()))
+                            }
+                            Ok(n) => got += n,
+                            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                            Err(e) => return Err(format!("{}: {e}", path.display())),
+                        }
+                    }
+                    Ok(Bytes::from(buf))
+                })
+                .await
+                .map_err(|e| e.to_string())?
+            }
+            Origin::Store {
+                store, prefix, url, ..
+            } => {
+                let key = if prefix.is_empty() {
+                    rel.to_string()
+                } else {
+                    format!("{prefix}/{rel}")
+                };
+                store
+                    .get_range(&ObjPath::from(key.as_str()), offset..offset + len)
+                    .await
+                    .map_err(|e| format!("{url}/{rel}: {e}"))
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn paths_round_trip_through_the_url() {
+        for p in ["/data/imagenet", "/a b/c%d\te"] {
+            let url = format!("file://{}", encode_path(p));
+            assert!(!url.contains(' '));
+            match Origin::parse(&url).unwrap().unwrap() {
+                Origin::Dir(d) => assert_eq!(d, PathBuf::from(p)),
+                _ => panic!("not a dir"),
+            }
+        }
+        assert!(Origin::parse("cluster").unwrap().is_none());
+        assert!(Origin::parse("gs://x/y").is_err());
+    }
+}
