@@ -299,12 +299,11 @@ impl pb::metadata_server::Metadata for MetadataService {
         let plan = planned.map_err(to_status)?;
         let origin: u64 = plan.origin.iter().map(|o| o.1).sum();
         if origin > 0 {
-            // Versions record their origin as the cluster itself: there is no object store
-            // to read shards from that no live node holds.
+            // Only the mount reads origins so far; nodes need a live peer.
             return Err(Status::failed_precondition(format!(
-                "{} shard(s), {} bytes, have no live replica to copy from, and this version has no \
-                 object-store origin to read them from (budget --max-origin-bytes {}); \
-                 bring a node holding them back or restore from a backup first",
+                "{} shard(s), {} bytes, have no live replica to copy from, and cache nodes cannot \
+                 read a version's origin yet (budget --max-origin-bytes {}); bring a node holding \
+                 them back or re-import first",
                 plan.origin.len(),
                 origin,
                 q.max_origin_bytes
