@@ -368,18 +368,7 @@ async fn drain_moves_replicas_off_a_node() {
     assert!(out.status.success(), "{}", stderr(&out));
     let out = m.cli(&["node", "drain", "n1"]);
     assert!(out.status.success(), "{}", stderr(&out));
-    let opts = m.client_options(None);
-    wait_until("n1 to hold no replicas", Duration::from_secs(60), || {
-        let opts = opts.clone();
-        async move {
-            let mut c = locus_proto::client::connect(&opts).await.ok()?;
-            let s = shards(&mut c, "ds", 1).await;
-            s.iter()
-                .all(|s| s.replicas.len() == 2 && !s.replicas.iter().any(|r| r == "n1"))
-                .then_some(())
-        }
-    })
-    .await;
+    wait_moved_off(&m, "ds", "n1").await;
     let list = m.cli(&["node", "list", "--json"]);
     let j: serde_json::Value = serde_json::from_str(&stdout(&list)).unwrap();
     let n1 = j.as_array().unwrap().iter().find(|n| n["id"] == "n1").unwrap();

@@ -225,22 +225,7 @@ async fn locality_matches_the_disks_and_follows_repair() {
 
     // kill -9 n1: once repair has restored two live replicas, locality moves with it.
     nodes[0].daemon.kill9();
-    let opts = m.client_options(None);
-    wait_until(
-        "repair to restore two live replicas",
-        Duration::from_secs(90),
-        || {
-            let opts = opts.clone();
-            async move {
-                let mut c = locus_proto::client::connect(&opts).await.ok()?;
-                let s = shards(&mut c, "ds", 1).await;
-                s.iter()
-                    .all(|s| s.replicas.len() == 2 && !s.replicas.iter().any(|r| r == "n1"))
-                    .then_some(())
-            }
-        },
-    )
-    .await;
+    wait_moved_off(&m, "ds", "n1").await;
     let j = locality_json(&m, &["ds@1"]);
     let after = resident(&j);
     assert!(!after.contains_key("n1"), "a down node is not a candidate: {j}");

@@ -312,14 +312,25 @@ async fn a_corrupted_blob_is_never_returned() {
     let got = std::fs::read(local.path.join(rel)).unwrap();
     assert_eq!(blake3::hash(&got).to_hex().as_str(), want);
     assert_eq!(nodes[0].quarantined(), 1);
-    // From replicas: n1's copy of the second blob fails the check, n2 serves it.
-    let remote = m.mount("remote", "mixed@1", None, &[]);
+    // From replicas, n1 first (the mount says it runs on n1's host): n1's copy of the
+    // second blob fails the check, n1 quarantines it, and n2 serves the chunk.
+    let remote = m.mount("remote", "mixed@1", None, &["--labels", "host=h1"]);
     let (rel, want) = big[1];
     for _ in 0..3 {
         let got = std::fs::read(remote.path.join(rel)).unwrap();
         assert_eq!(blake3::hash(&got).to_hex().as_str(), want);
         drop_page_cache(&remote.path.join(rel));
     }
+    assert_eq!(
+        nodes[0].quarantined(),
+        2,
+        "n1 was asked first and caught its bad copy"
+    );
+    remote
+        .status_when("the failover to be counted", |s| {
+            s["totals"]["failovers"].as_u64() > Some(0)
+        })
+        .await;
     assert_same_tree(&src, &remote.path);
 }
 

@@ -96,9 +96,25 @@ pub struct LocusFs {
     /// `Settings::reopen_ttl` skips the round trip to the node (what makes re-reading many small
     /// files fast). An open file keeps its bytes even if the node drops the blob.
     recent: Mutex<HashMap<u64, (Arc<File>, Instant)>>,
+    recent_max: usize,
 }
 
+/// Most recently verified local files kept open. Each holds a file descriptor, so the
+/// real bound is a quarter of the process's open-file limit (often only 1,024).
 const RECENT_MAX: usize = 65_536;
+
+fn recent_capacity() -> usize {
+    let soft = std::fs::read_to_string("/proc/self/limits")
+        .ok()
+        .and_then(|l| {
+            l.lines()
+                .find(|x| x.starts_with("Max open files"))
+                .and_then(|x| x.split_whitespace().nth(3))
+                .and_then(|v| v.parse::<usize>().ok())
+        })
+        .unwrap_or(1024);
+    (soft / 4).clamp(16, RECENT_MAX)
+}
 
 /// Pages stay cached across opens (nothing changes), and close does not send a flush
 /// (nothing is ever written), saving a round trip per file.
@@ -134,6 +150,7 @@ impl LocusFs {
             handles: Mutex::new(HashMap::new()),
             backing: Mutex::new(HashMap::new()),
             recent: Mutex::new(HashMap::new()),
+            recent_max: recent_capacity(),
         }
     }
 
@@ -224,9 +241,9 @@ impl LocusFs {
                 };
                 let ttl = self.settings.reopen_ttl;
                 let mut recent = self.recent.lock().unwrap();
-                if recent.len() >= RECENT_MAX {
+                if recent.len() >= self.recent_max {
                     recent.retain(|_, (_, at)| at.elapsed() < ttl);
-                    if recent.len() >= RECENT_MAX {
+                    if recent.len() >= self.recent_max {
                         recent.clear();
                     }
                 }
@@ -246,8 +263,10 @@ impl LocusFs {
                 None => match reply.open_backing(&*file) {
                     Ok(id) => {
                         let id = Arc::new(id);
-                        if backing.len() >= 2 * RECENT_MAX {
-                            backing.retain(|_, (_, n)| *n > 0);
+                        if backing.len() >= 2 * self.recent_max {
+                            // Closed files keep their backing id only while recent.
+                            let recent = self.recent.lock().unwrap();
+                            backing.retain(|ino, (_, n)| *n > 0 || recent.contains_key(ino));
                         }
                         backing.insert(ino, (id.clone(), 1));
                         Some(id)

@@ -137,27 +137,41 @@ pub fn is_locus_mount(path: &Path) -> bool {
     mounts().iter().any(|m| m.as_path() == path)
 }
 
-/// Mount points of every Locus mount on this host.
-pub fn mounts() -> Vec<std::path::PathBuf> {
+/// Every mount on this host as (mount point, fs type, source), from
+/// /proc/self/mountinfo ("... mount_point options ... - fstype source super_options").
+fn mount_table() -> Vec<(std::path::PathBuf, String, String)> {
     let Ok(info) = std::fs::read_to_string("/proc/self/mountinfo") else {
         return Vec::new();
     };
     info.lines()
         .filter_map(|l| {
-            // "... mount_point options ... - fstype source super_options". Mounted by
-            // root the type is plain "fuse" (the subtype only shows through
-            // fusermount), so the source name is what marks ours.
             let (left, right) = l.split_once(" - ")?;
             let mut r = right.split(' ');
             let (fstype, source) = (r.next()?, r.next()?);
-            if !(fstype == "fuse" || fstype == format!("fuse.{SUBTYPE}"))
-                || !source.starts_with(SOURCE_PREFIX)
-            {
-                return None;
-            }
             let mp = left.split(' ').nth(4)?;
-            Some(std::path::PathBuf::from(unescape_mountinfo(mp)))
+            Some((
+                std::path::PathBuf::from(unescape_mountinfo(mp)),
+                fstype.to_string(),
+                unescape_mountinfo(source),
+            ))
         })
+        .collect()
+}
+
+/// Whether anything at all is mounted at `path`.
+pub fn is_mount_point(path: &Path) -> bool {
+    mount_table().iter().any(|(mp, _, _)| mp.as_path() == path)
+}
+
+/// Mount points of every Locus mount on this host. Mounted by root the type is plain
+/// "fuse" (the subtype only shows through fusermount), so the source name marks ours.
+pub fn mounts() -> Vec<std::path::PathBuf> {
+    mount_table()
+        .into_iter()
+        .filter(|(_, fstype, source)| {
+            (fstype == "fuse" || *fstype == format!("fuse.{SUBTYPE}")) && source.starts_with(SOURCE_PREFIX)
+        })
+        .map(|(mp, _, _)| mp)
         .collect()
 }
 

@@ -168,7 +168,7 @@ fn check_mountpoint(p: &Path) -> anyhow::Result<()> {
     if !md.is_dir() {
         bail!("mountpoint {} is not a directory", p.display());
     }
-    if is_mounted(p) {
+    if locus_fuse::is_mount_point(p) {
         bail!(
             "{} is busy: something is already mounted there (`locus umount {}` if it is ours)",
             p.display(),
@@ -179,14 +179,6 @@ fn check_mountpoint(p: &Path) -> anyhow::Result<()> {
         bail!("FUSE is not available: /dev/fuse is missing (load the fuse module, or in a container pass --device /dev/fuse)");
     }
     Ok(())
-}
-
-fn is_mounted(p: &Path) -> bool {
-    let Ok(info) = std::fs::read_to_string("/proc/self/mountinfo") else {
-        return false;
-    };
-    let want = p.display().to_string();
-    info.lines().any(|l| l.split(' ').nth(4) == Some(want.as_str()))
 }
 
 pub async fn run(a: MountArgs, cfg: &Resolved) -> anyhow::Result<()> {

@@ -795,6 +795,27 @@ pub async fn shards(c: &mut locus_proto::client::MetadataClient, ds: &str, v: u6
     .shards
 }
 
+/// Waits until every shard of `ds@1` has two replicas, none on `node` (after a drain or
+/// a kill and repair).
+pub async fn wait_moved_off(m: &Metadata, ds: &str, node: &str) {
+    let opts = m.client_options(None);
+    wait_until(
+        &format!("{node} to hold no replicas of {ds}"),
+        Duration::from_secs(90),
+        || {
+            let opts = opts.clone();
+            async move {
+                let mut c = locus_proto::client::connect(&opts).await.ok()?;
+                let s = shards(&mut c, ds, 1).await;
+                s.iter()
+                    .all(|s| s.replicas.len() == 2 && !s.replicas.iter().any(|r| r == node))
+                    .then_some(())
+            }
+        },
+    )
+    .await;
+}
+
 /// Every entry of a version, sorted by path.
 pub async fn all_entries(c: &mut MetadataClient, dataset: &str, version: u64) -> Vec<pb::Entry> {
     let (_, mut e) = locus_proto::client::list_all_entries(
