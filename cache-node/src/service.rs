@@ -150,6 +150,80 @@ async fn finish_sink(
     done.map_err(to_status)
 }
 
+/// Uploads one local blob to a backup target: Ok(false) when the target already had it.
+/// The bytes come from the store's verified read (a corrupt local copy fails with
+/// DATA_LOSS before anything is sent) and are hashed again on the way out.
+async fn upload_one(
+    store: &Arc<BlobStore>,
+    target: &locus_backup::Target,
+    h: BlobHash,
+    size: u64,
+    skip_existing: bool,
+) -> Result<bool, Status> {
+    let unavailable = |e: locus_backup::BackupError| match e {
+        locus_backup::BackupError::Corrupt(m) => Status::data_loss(m),
+        e => Status::unavailable(e.to_string()),
+    };
+    if skip_existing
+        && locus_backup::blob::exists(target, &h, size)
+            .await
+            .map_err(unavailable)?
+    {
+        return Ok(false);
+    }
+    let data =
+        stream_blob(store.clone(), h, 0, 0).map(|r| r.map(|d| d.data).map_err(|s| s.message().to_string()));
+    locus_backup::blob::upload(target, &h, size, data)
+        .await
+        .map_err(unavailable)?;
+    Ok(true)
+}
+
+/// Copies one blob from a backup target into the local store; the store's writer checks
+/// every chunk and the whole blob against its name before it becomes visible.
+pub async fn fetch_from_backup(
+    store: &Arc<BlobStore>,
+    target: &locus_backup::Target,
+    h: BlobHash,
+    size: u64,
+    chunk_size: u32,
+    pin: bool,
+) -> Result<bool, Status> {
+    let st = store.clone();
+    let writer = tokio::task::spawn_blocking(move || st.begin_write(h, size, chunk_size, pin))
+        .await
+        .map_err(|e| Status::internal(e.to_string()))?
+        .map_err(to_status)?;
+    let Some(writer) = writer else {
+        return Ok(false);
+    };
+    let data = locus_backup::blob::read(target, &h)
+        .await
+        .map_err(|e| Status::unavailable(e.to_string()))?;
+    let mut data = std::pin::pin!(data);
+    let (tx, sink) = spawn_sink(writer);
+    let mut failed = None;
+    while let Some(piece) = data.next().await {
+        match piece {
+            Ok(b) => {
+                if tx.send(b).await.is_err() {
+                    break;
+                }
+            }
+            Err(e) => {
+                failed = Some(Status::unavailable(format!(
+                    "reading blob {h} from {}: {e}",
+                    target.url
+                )));
+                break;
+            }
+        }
+    }
+    drop(tx);
+    finish_sink(sink, failed).await?;
+    Ok(true)
+}
+
 /// Copies one blob from a peer into the local store, verifying it. Returns false if it was
 /// already here.
 /// Waits for a peer's next message, but not longer than `idle`: a peer that hangs (stopped,
@@ -493,7 +567,7 @@ impl Node for NodeService {
         }
         let sources = self.peers.locate(&h).await?;
         let mut last = Status::not_found(format!("no live node holds blob {h}"));
-        for (id, addr) in sources {
+        for (id, addr) in sources.nodes {
             if id == self.id {
                 continue;
             }
@@ -531,7 +605,107 @@ impl Node for NodeService {
                 }
             }
         }
+        // No live replica could serve: a backup is the source of last resort (after a
+        // restore, every blob comes back this way).
+        if !sources.backups.is_empty() {
+            match self
+                .peers
+                .fetch_from_backups(&self.store, &sources.backups, h, q.size, q.chunk_size, false)
+                .await
+            {
+                Ok(true) => {
+                    self.metrics.wrote("backup", q.size);
+                    if let Some(p) = self.verified_path(h).await? {
+                        return Ok(Response::new(nodepb::EnsureLocalResponse {
+                            path: p.display().to_string(),
+                        }));
+                    }
+                }
+                Ok(false) => {}
+                Err(s) => last = s,
+            }
+        }
         Err(last)
+    }
+
+    type UploadBlobsStream = Pin<Box<dyn Stream<Item = Result<nodepb::UploadProgress, Status>> + Send>>;
+
+    async fn upload_blobs(
+        &self,
+        req: Request<nodepb::UploadBlobsRequest>,
+    ) -> Result<Response<Self::UploadBlobsStream>, Status> {
+        let q = req.into_inner();
+        let blobs = q
+            .blobs
+            .iter()
+            .map(|b| hash(&b.hash).map(|h| (h, b.size)))
+            .collect::<Result<Vec<_>, _>>()?;
+        // Refuse up front what this node cannot send, rather than fail half-way.
+        for (h, _) in &blobs {
+            if !self.store.contains(h) {
+                return Err(Status::not_found(format!("this node does not hold blob {h}")));
+            }
+        }
+        let target = self.peers.target(&q.target)?;
+        let parallel = if q.parallel == 0 { 4 } else { q.parallel.min(64) } as usize;
+        let (tx, rx) = mpsc::channel(16);
+        let store = self.store.clone();
+        let metrics = self.metrics.clone();
+        tokio::spawn(async move {
+            let mut p = nodepb::UploadProgress::default();
+            let mut set = tokio::task::JoinSet::new();
+            let mut todo = blobs.into_iter();
+            let mut last_sent = std::time::Instant::now();
+            loop {
+                while set.len() < parallel {
+                    let Some((h, size)) = todo.next() else { break };
+                    let (store, target, skip) = (store.clone(), target.clone(), q.skip_existing);
+                    set.spawn(async move { (h, size, upload_one(&store, &target, h, size, skip).await) });
+                }
+                let Some(r) = set.join_next().await else { break };
+                let (h, size, r) = match r {
+                    Ok(x) => x,
+                    Err(e) => {
+                        let _ = tx
+                            .send(Err(Status::internal(format!("upload task failed: {e}"))))
+                            .await;
+                        return;
+                    }
+                };
+                p.blobs_done += 1;
+                match r {
+                    Ok(true) => {
+                        p.blobs_uploaded += 1;
+                        p.bytes_uploaded += size;
+                        metrics.backup_bytes.inc_by(size);
+                    }
+                    Ok(false) => {
+                        p.blobs_skipped += 1;
+                        p.bytes_skipped += size;
+                    }
+                    Err(s) => {
+                        // Let the uploads in flight finish (they are complete objects or
+                        // nothing), then report the failure.
+                        while set.join_next().await.is_some() {}
+                        let _ = tx
+                            .send(Err(Status::new(s.code(), format!("blob {h}: {}", s.message()))))
+                            .await;
+                        return;
+                    }
+                }
+                if last_sent.elapsed() >= Duration::from_millis(200) {
+                    last_sent = std::time::Instant::now();
+                    if tx.send(Ok(p)).await.is_err() {
+                        return; // the caller went away; nothing new starts
+                    }
+                }
+            }
+            p.finished = true;
+            let _ = tx.send(Ok(p)).await;
+        });
+        Ok(Response::new(Box::pin(
+            tokio_stream::wrappers::ReceiverStream::new(rx),
+        )))
     }
 
     async fn get_node_status(

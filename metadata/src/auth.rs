@@ -20,7 +20,9 @@ pub fn required_access(method: &str) -> Option<Access> {
         "ListNodes" | "ListDatasets" | "GetDataset" | "GetVersion" | "ListEntries" | "ListShards"
         | "LocateBlobs" | "Locality" | "Assign" => Access::Read,
         "DeleteVersion" | "DeleteDataset" | "BeginVersion" | "PutEntries" | "PutShards" | "CommitVersion"
-        | "AbortVersion" | "PlaceShards" | "DrainNode" | "Warm" => Access::Admin,
+        | "AbortVersion" | "PlaceShards" | "DrainNode" | "Warm" | "ExportCatalog" | "RecordBackup" => {
+            Access::Admin
+        }
         "UpdateReplicas" | "ListNodeBlobs" => Access::NodeOrAdmin,
         _ => return None,
     })

@@ -1648,6 +1648,36 @@ impl Catalog {
         Ok(out)
     }
 
+    /// Writes the catalogue as of one instant in the backup catalog format.
+    pub fn export(&self, out: &mut dyn std::io::Write) -> Result<crate::snapshot::ExportStats> {
+        crate::snapshot::export(self.store.as_ref(), out).map_err(|e| match e {
+            crate::snapshot::SnapshotError::Store(s) => CatalogError::Store(s),
+            e => CatalogError::Precondition(e.to_string()),
+        })
+    }
+
+    /// Remembers a committed backup (URL → snapshot id) as a source of last resort.
+    pub fn record_backup(&self, url: &str, snapshot: &str) -> Result<()> {
+        let mut b = Batch::default();
+        b.put(
+            Table::Backups,
+            url.as_bytes().to_vec(),
+            snapshot.as_bytes().to_vec(),
+        );
+        self.store.write(b, true)?;
+        Ok(())
+    }
+
+    /// Backup targets that blobs can be read back from, in URL order.
+    pub fn backup_sources(&self) -> Result<Vec<String>> {
+        let mut out = Vec::new();
+        for kv in self.store.scan(Table::Backups, b"", None) {
+            let (k, _) = kv?;
+            out.push(String::from_utf8_lossy(&k).into_owned());
+        }
+        Ok(out)
+    }
+
     /// The blobs `node` must hold, a page at a time (whole shards per page). The token is
     /// the last `node_shards` key covered.
     pub fn list_node_blobs(

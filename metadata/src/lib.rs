@@ -22,6 +22,7 @@ pub mod records;
 pub mod repair;
 pub mod server;
 pub mod service;
+pub mod snapshot;
 pub mod store;
 
 pub use catalog::{Catalog, CatalogConfig, CatalogError, NodeStats, RepairTask};

@@ -13,6 +13,39 @@ use crate::auth::Principal;
 use crate::catalog::{Catalog, CatalogError, NodeRegistration, ShardSpec};
 use crate::metrics::Metrics;
 
+const CHUNK: usize = 1 << 20;
+
+/// A `Write` that sends what it is given down a gRPC stream in `CHUNK`-sized pieces.
+struct ChunkSender {
+    tx: tokio::sync::mpsc::Sender<Result<pb::CatalogChunk, Status>>,
+    buf: Vec<u8>,
+}
+
+impl ChunkSender {
+    fn flush_now(&mut self) -> std::io::Result<()> {
+        if self.buf.is_empty() {
+            return Ok(());
+        }
+        let data = std::mem::replace(&mut self.buf, Vec::with_capacity(CHUNK));
+        self.tx
+            .blocking_send(Ok(pb::CatalogChunk { data }))
+            .map_err(|_| std::io::Error::new(std::io::ErrorKind::BrokenPipe, "the caller went away"))
+    }
+}
+
+impl std::io::Write for ChunkSender {
+    fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+        self.buf.extend_from_slice(b);
+        if self.buf.len() >= CHUNK {
+            self.flush_now()?;
+        }
+        Ok(b.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
 pub struct MetadataService {
     catalog: Arc<Catalog>,
     audit: Arc<AuditLog>,
@@ -228,7 +261,9 @@ impl pb::metadata_server::Metadata for MetadataService {
             .run(move |c| c.locate_blobs(&hashes))
             .await
             .map_err(to_status)?;
+        let backups = self.run(|c| c.backup_sources()).await.map_err(to_status)?;
         Ok(Response::new(pb::LocateBlobsResponse {
+            backups,
             blobs: q
                 .hashes
                 .into_iter()
@@ -357,6 +392,61 @@ impl pb::metadata_server::Metadata for MetadataService {
         Ok(Response::new(Box::pin(
             tokio_stream::wrappers::ReceiverStream::new(rx),
         )))
+    }
+
+    type ExportCatalogStream =
+        std::pin::Pin<Box<dyn tokio_stream::Stream<Item = Result<pb::CatalogChunk, Status>> + Send>>;
+
+    async fn export_catalog(&self, req: Request<pb::ExportCatalogRequest>) -> Res<Self::ExportCatalogStream> {
+        let who = principal(&req);
+        let (tx, rx) = tokio::sync::mpsc::channel::<Result<pb::CatalogChunk, Status>>(4);
+        let catalog = self.catalog.clone();
+        let audit = self.audit.clone();
+        // The export reads one store snapshot on a blocking thread and hands 1 MiB pieces
+        // to the stream; a slow reader holds it back (bounded channel), never buffers it all.
+        tokio::task::spawn_blocking(move || {
+            let mut w = ChunkSender {
+                tx: tx.clone(),
+                buf: Vec::with_capacity(CHUNK),
+            };
+            let r = catalog.export(&mut w).and_then(|st| {
+                w.flush_now()
+                    .map_err(|e| CatalogError::Precondition(e.to_string()))
+                    .map(|_| st)
+            });
+            audit.record(
+                &who,
+                "export-catalog",
+                "",
+                match &r {
+                    Ok(st) => Ok(format!("{} rows, {} bytes", st.rows, st.bytes)),
+                    Err(e) => Err(e.to_string()),
+                },
+            );
+            if let Err(e) = r {
+                let _ = tx.blocking_send(Err(to_status(e)));
+            }
+        });
+        Ok(Response::new(Box::pin(
+            tokio_stream::wrappers::ReceiverStream::new(rx),
+        )))
+    }
+
+    async fn record_backup(&self, req: Request<pb::RecordBackupRequest>) -> Res<pb::RecordBackupResponse> {
+        let who = principal(&req);
+        let q = req.into_inner();
+        if q.url.is_empty() || q.url.len() > 1024 || q.url.contains('@') || q.url.contains('\0') {
+            return Err(Status::invalid_argument(
+                "url: an object-store URL of at most 1 KiB, without credentials",
+            ));
+        }
+        let (url, snap) = (q.url.clone(), q.snapshot.clone());
+        let r = self.run(move |c| c.record_backup(&url, &snap)).await;
+        self.audit(&who, "record-backup", &q.url, &r, |_| {
+            format!("snapshot {}", q.snapshot)
+        });
+        r.map_err(to_status)?;
+        Ok(Response::new(pb::RecordBackupResponse {}))
     }
 
     async fn list_datasets(&self, _req: Request<pb::ListDatasetsRequest>) -> Res<pb::ListDatasetsResponse> {

@@ -21,7 +21,7 @@ use locus_proto::{nodepb, pb, BlobHash};
 use tokio::task::JoinSet;
 
 use crate::config::Resolved;
-use crate::output::{self, StatusExt};
+use crate::output::{self, Progress, StatusExt};
 use crate::scan::BlobSource;
 
 #[derive(Args, Debug)]
@@ -45,62 +45,6 @@ pub struct ImportArgs {
     /// Blob uploads in flight at once.
     #[arg(long, default_value_t = 8)]
     pub parallel: usize,
-}
-
-/// Prints progress on a terminal, nothing otherwise.
-struct Progress {
-    label: &'static str,
-    done: Arc<AtomicU64>,
-    start: Instant,
-    task: Option<tokio::task::JoinHandle<()>>,
-}
-
-impl Progress {
-    fn new(label: &'static str, total: u64) -> Self {
-        use std::io::IsTerminal;
-        let done = Arc::new(AtomicU64::new(0));
-        let start = Instant::now();
-        let task = std::io::stderr().is_terminal().then(|| {
-            let d = done.clone();
-            tokio::spawn(async move {
-                loop {
-                    tokio::time::sleep(Duration::from_millis(250)).await;
-                    let n = d.load(Ordering::Relaxed);
-                    let rate = n as f64 / start.elapsed().as_secs_f64().max(0.001);
-                    // An object-store source's total is not known before it is listed.
-                    let of = if total == 0 {
-                        String::new()
-                    } else {
-                        format!(" / {}", output::size(total))
-                    };
-                    eprint!(
-                        "\r\x1b[K{label} {}{of} ({}/s)",
-                        output::size(n),
-                        output::size(rate as u64)
-                    );
-                }
-            })
-        });
-        Progress {
-            label,
-            done,
-            start,
-            task,
-        }
-    }
-
-    fn finish(mut self) -> Duration {
-        if let Some(t) = self.task.take() {
-            t.abort();
-            eprintln!(
-                "\r\x1b[K{} {} in {:.1}s",
-                self.label,
-                output::size(self.done.load(Ordering::Relaxed)),
-                self.start.elapsed().as_secs_f64()
-            );
-        }
-        self.start.elapsed()
-    }
 }
 
 pub async fn run(a: ImportArgs, cfg: &Resolved) -> anyhow::Result<()> {

@@ -1,5 +1,6 @@
 //! One module per subcommand family.
 
+pub mod backup;
 pub mod dataset;
 pub mod demo;
 pub mod import;

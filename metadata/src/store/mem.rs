@@ -56,6 +56,17 @@ impl KvStore for MemStore {
         Ok(())
     }
 
+    fn export(&self, tables: &[Table], visit: &mut super::ExportVisitor<'_>) -> Result<(), StoreError> {
+        // Holding the lock for the whole visit makes it one instant.
+        let m = self.tables.lock().expect("mem store lock poisoned");
+        for t in tables {
+            for ((_, k), v) in m.range((*t, Vec::new())..).take_while(|((x, _), _)| x == t) {
+                visit(*t, k, v)?;
+            }
+        }
+        Ok(())
+    }
+
     fn size_on_disk(&self) -> u64 {
         0
     }

@@ -1,0 +1,467 @@
+//! The catalogue export a backup stores (`snapshots/<id>/catalog`), how it is read back
+//! into an empty store on restore, and the blob plan a backup run derives from it.
+//!
+//! Format version 1 (documented in docs/architecture.md "Backups"):
+//!
+//! ```text
+//! "LOCUS-CATALOG\n" | format u32 BE (1) | schema version u32 BE
+//! records:  0x01 | name len u8 | table name          -- rows that follow belong here
+//!           0x02 | key len u32 BE | key | value len u32 BE | value
+//! trailer:  0xFF | rows u64 BE | BLAKE3 of every byte before these 32
+//! ```
+//!
+//! Rows are the store's own keys and values (protobuf records, `records.rs`), so a
+//! restore is a byte-for-byte copy. The `sessions` table and every row of an open import
+//! session are left out: a snapshot holds committed versions only.
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::io::{Read, Write};
+
+use locus_proto::manifest::BlobHash;
+use prost::Message;
+
+use crate::keys;
+use crate::records::{ShardRecord, VersionRecord, SCHEMA_VERSION};
+use crate::store::{Batch, KvStore, StoreError, Table};
+
+pub const MAGIC: &[u8; 14] = b"LOCUS-CATALOG\n";
+pub const FORMAT_VERSION: u32 = 1;
+const TAG_TABLE: u8 = 1;
+const TAG_ROW: u8 = 2;
+const TAG_END: u8 = 0xFF;
+/// Larger keys or values than this are damage, not data.
+const MAX_FIELD: usize = 64 << 20;
+
+#[derive(Debug, thiserror::Error)]
+pub enum SnapshotError {
+    #[error("catalog export: {0}")]
+    Io(#[from] std::io::Error),
+    #[error("catalog export is damaged: {0}")]
+    Corrupt(String),
+    #[error("{0}")]
+    Incompatible(String),
+    #[error(transparent)]
+    Store(#[from] StoreError),
+}
+
+pub type Result<T, E = SnapshotError> = std::result::Result<T, E>;
+
+/// One exported row: (table, key, value).
+pub type Row = (Table, Vec<u8>, Vec<u8>);
+
+/// The tables a snapshot carries, in export order.
+pub const EXPORTED: [Table; 11] = [
+    Table::Meta,
+    Table::Nodes,
+    Table::Datasets,
+    Table::Versions,
+    Table::Entries,
+    Table::Shards,
+    Table::NodeShards,
+    Table::Resident,
+    Table::Backups,
+    Table::ShardBlobs,
+    Table::BlobShards,
+];
+
+fn table_named(name: &str) -> Option<Table> {
+    Table::ALL.iter().copied().find(|t| t.name() == name)
+}
+
+/// Counts and hashes everything written through it.
+struct Hashing<W> {
+    inner: W,
+    hasher: blake3::Hasher,
+    bytes: u64,
+}
+
+impl<W: Write> Write for Hashing<W> {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        let n = self.inner.write(buf)?;
+        self.hasher.update(&buf[..n]);
+        self.bytes += n as u64;
+        Ok(n)
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.inner.flush()
+    }
+}
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ExportStats {
+    pub rows: u64,
+    pub bytes: u64,
+}
+
+/// Writes the store as of one instant to `out`, without open sessions' rows.
+pub fn export(store: &dyn KvStore, out: &mut dyn Write) -> Result<ExportStats> {
+    let mut open: HashSet<[u8; 8]> = HashSet::new();
+    for kv in store.scan(Table::Sessions, b"", None) {
+        let (k, _) = kv?;
+        if let Ok(uid) = <[u8; 8]>::try_from(&k[..]) {
+            open.insert(uid);
+        }
+    }
+    let mut w = Hashing {
+        inner: std::io::BufWriter::with_capacity(1 << 20, out),
+        hasher: blake3::Hasher::new(),
+        bytes: 0,
+    };
+    w.write_all(MAGIC)?;
+    w.write_all(&FORMAT_VERSION.to_be_bytes())?;
+    w.write_all(&SCHEMA_VERSION.to_be_bytes())?;
+    let mut rows = 0u64;
+    let mut current: Option<Table> = None;
+    let io = |e: std::io::Error| StoreError::Io(format!("writing the export: {e}"));
+    store.export(&EXPORTED, &mut |t, k, v| {
+        // An open session's uid leads its rows, except in blob_shards (after the hash).
+        let uid = match t {
+            Table::Entries | Table::Shards | Table::ShardBlobs => k.get(..8),
+            Table::BlobShards => k.get(32..40),
+            _ => None,
+        };
+        if let Some(uid) = uid {
+            if open.contains(<&[u8; 8]>::try_from(uid).expect("8 bytes")) {
+                return Ok(());
+            }
+        }
+        if current != Some(t) {
+            current = Some(t);
+            let name = t.name().as_bytes();
+            w.write_all(&[TAG_TABLE, name.len() as u8]).map_err(io)?;
+            w.write_all(name).map_err(io)?;
+        }
+        w.write_all(&[TAG_ROW]).map_err(io)?;
+        w.write_all(&(k.len() as u32).to_be_bytes()).map_err(io)?;
+        w.write_all(k).map_err(io)?;
+        w.write_all(&(v.len() as u32).to_be_bytes()).map_err(io)?;
+        w.write_all(v).map_err(io)?;
+        rows += 1;
+        Ok(())
+    })?;
+    w.write_all(&[TAG_END])?;
+    w.write_all(&rows.to_be_bytes())?;
+    let sum = w.hasher.finalize();
+    w.inner.write_all(sum.as_bytes())?;
+    w.inner.flush()?;
+    Ok(ExportStats {
+        rows,
+        bytes: w.bytes + 32,
+    })
+}
+
+/// Reads an export row by row, checking the header, every length, and the trailer's
+/// row count and checksum: `next_row` returns None only after a valid trailer.
+pub struct Reader<R> {
+    inner: R,
+    hasher: blake3::Hasher,
+    table: Option<Table>,
+    rows: u64,
+    done: bool,
+}
+
+impl<R: Read> Reader<R> {
+    pub fn new(mut inner: R) -> Result<Self> {
+        let mut head = [0u8; 22];
+        inner
+            .read_exact(&mut head)
+            .map_err(|_| SnapshotError::Corrupt("too short for a header".into()))?;
+        if &head[..14] != MAGIC {
+            return Err(SnapshotError::Corrupt("not a Locus catalog export".into()));
+        }
+        let format = u32::from_be_bytes(head[14..18].try_into().expect("4 bytes"));
+        let schema = u32::from_be_bytes(head[18..22].try_into().expect("4 bytes"));
+        if format != FORMAT_VERSION {
+            return Err(SnapshotError::Incompatible(format!(
+                "the catalog export has format {format}; this build reads format {FORMAT_VERSION}"
+            )));
+        }
+        if schema != SCHEMA_VERSION {
+            return Err(SnapshotError::Incompatible(format!(
+                "the snapshot's metadata schema is {schema}; this build has schema {SCHEMA_VERSION} \
+                 and no migration from it"
+            )));
+        }
+        let mut hasher = blake3::Hasher::new();
+        hasher.update(&head);
+        Ok(Reader {
+            inner,
+            hasher,
+            table: None,
+            rows: 0,
+            done: false,
+        })
+    }
+
+    fn read(&mut self, buf: &mut [u8]) -> Result<()> {
+        self.inner
+            .read_exact(buf)
+            .map_err(|_| SnapshotError::Corrupt("truncated".into()))?;
+        self.hasher.update(buf);
+        Ok(())
+    }
+
+    fn read_field(&mut self) -> Result<Vec<u8>> {
+        let mut len = [0u8; 4];
+        self.read(&mut len)?;
+        let len = u32::from_be_bytes(len) as usize;
+        if len > MAX_FIELD {
+            return Err(SnapshotError::Corrupt(format!("a {len}-byte field")));
+        }
+        let mut v = vec![0u8; len];
+        self.read(&mut v)?;
+        Ok(v)
+    }
+
+    /// The next row, or None after a valid trailer.
+    pub fn next_row(&mut self) -> Result<Option<Row>> {
+        if self.done {
+            return Ok(None);
+        }
+        loop {
+            let mut tag = [0u8; 1];
+            self.read(&mut tag)?;
+            match tag[0] {
+                TAG_TABLE => {
+                    let mut n = [0u8; 1];
+                    self.read(&mut n)?;
+                    let mut name = vec![0u8; n[0] as usize];
+                    self.read(&mut name)?;
+                    let name = String::from_utf8_lossy(&name).into_owned();
+                    let t = table_named(&name)
+                        .filter(|t| EXPORTED.contains(t))
+                        .ok_or_else(|| SnapshotError::Corrupt(format!("unknown table {name:?}")))?;
+                    self.table = Some(t);
+                }
+                TAG_ROW => {
+                    let t = self
+                        .table
+                        .ok_or_else(|| SnapshotError::Corrupt("a row before any table".into()))?;
+                    let k = self.read_field()?;
+                    let v = self.read_field()?;
+                    self.rows += 1;
+                    return Ok(Some((t, k, v)));
+                }
+                TAG_END => {
+                    let mut rows = [0u8; 8];
+                    self.read(&mut rows)?;
+                    let expect = self.hasher.finalize();
+                    let mut sum = [0u8; 32];
+                    self.inner
+                        .read_exact(&mut sum)
+                        .map_err(|_| SnapshotError::Corrupt("truncated checksum".into()))?;
+                    if &sum != expect.as_bytes() {
+                        return Err(SnapshotError::Corrupt("checksum mismatch".into()));
+                    }
+                    if u64::from_be_bytes(rows) != self.rows {
+                        return Err(SnapshotError::Corrupt("row count mismatch".into()));
+                    }
+                    let mut extra = [0u8; 1];
+                    if self.inner.read(&mut extra)? != 0 {
+                        return Err(SnapshotError::Corrupt("bytes after the trailer".into()));
+                    }
+                    self.done = true;
+                    return Ok(None);
+                }
+                t => return Err(SnapshotError::Corrupt(format!("unknown record tag {t:#x}"))),
+            }
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct RestoreStats {
+    pub rows: u64,
+}
+
+/// Writes an export into `store` (which should be empty), in batches; the last batch is
+/// synced. On error the store holds a partial copy and must be thrown away; callers
+/// restore into a fresh directory and remove it on failure.
+pub fn restore(
+    input: impl Read,
+    store: &dyn KvStore,
+    backup_url: &str,
+    snapshot: &str,
+) -> Result<RestoreStats> {
+    let mut r = Reader::new(std::io::BufReader::with_capacity(1 << 20, input))?;
+    let mut batch = Batch::default();
+    let mut size = 0usize;
+    let mut rows = 0u64;
+    while let Some((t, k, v)) = r.next_row()? {
+        size += k.len() + v.len();
+        batch.put(t, k, v);
+        rows += 1;
+        if batch.len() >= 20_000 || size >= 16 << 20 {
+            store.write(std::mem::take(&mut batch), false)?;
+            size = 0;
+        }
+    }
+    // Blobs no node holds any more are read back from this backup.
+    batch.put(
+        Table::Backups,
+        backup_url.as_bytes().to_vec(),
+        snapshot.as_bytes().to_vec(),
+    );
+    store.write(batch, true)?;
+    Ok(RestoreStats { rows })
+}
+
+/// One blob a backup must hold and the nodes holding it (the replicas of the first shard
+/// that needs it, in placement order: the first is the first replica).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PlannedBlob {
+    pub hash: BlobHash,
+    pub size: u64,
+    pub chunk_size: u32,
+    pub replicas: Vec<String>,
+}
+
+#[derive(Debug, Clone, Default)]
+pub struct Plan {
+    pub cluster_id: String,
+    /// dataset → (version numbers, bytes of those versions).
+    pub datasets: BTreeMap<String, (Vec<u64>, u64)>,
+    pub blobs: Vec<PlannedBlob>,
+}
+
+/// Reads an export and lists what a backup of it needs: every blob of every committed
+/// version, with where to read it.
+pub fn plan(input: impl Read) -> Result<Plan> {
+    let mut r = Reader::new(std::io::BufReader::with_capacity(1 << 20, input))?;
+    let mut plan = Plan::default();
+    let mut shards: HashMap<(u64, u32), Vec<String>> = HashMap::new();
+    let mut seen: HashMap<BlobHash, usize> = HashMap::new();
+    let corrupt = |t: Table, e: String| SnapshotError::Corrupt(format!("{}: {e}", t.name()));
+    while let Some((t, k, v)) = r.next_row()? {
+        match t {
+            Table::Meta if k == keys::META_CLUSTER_ID => {
+                plan.cluster_id = String::from_utf8_lossy(&v).into_owned();
+            }
+            Table::Versions => {
+                let rec = VersionRecord::decode(&v[..]).map_err(|e| corrupt(t, e.to_string()))?;
+                let nul = k
+                    .iter()
+                    .position(|b| *b == 0)
+                    .ok_or_else(|| corrupt(t, "bad key".into()))?;
+                let name = String::from_utf8_lossy(&k[..nul]).into_owned();
+                let number = keys::version_number(&k).unwrap_or(0);
+                let d = plan.datasets.entry(name).or_default();
+                d.0.push(number);
+                d.1 += rec.bytes;
+            }
+            Table::Shards => {
+                let rec = ShardRecord::decode(&v[..]).map_err(|e| corrupt(t, e.to_string()))?;
+                let uid = keys::u64_value(&k[..8.min(k.len())]).unwrap_or(0);
+                let shard = keys::shard_id(&k).ok_or_else(|| corrupt(t, "bad key".into()))?;
+                shards.insert((uid, shard), rec.replicas);
+            }
+            Table::ShardBlobs => {
+                if k.len() != 44 || v.len() < 12 {
+                    return Err(corrupt(t, "bad row".into()));
+                }
+                let uid = keys::u64_value(&k[..8]).unwrap_or(0);
+                let shard = u32::from_be_bytes(k[8..12].try_into().expect("4 bytes"));
+                let hash = BlobHash::from_slice("blob", &k[12..44]).map_err(|e| corrupt(t, e.to_string()))?;
+                if seen.contains_key(&hash) {
+                    continue;
+                }
+                let size = u64::from_be_bytes(v[..8].try_into().expect("8 bytes"));
+                let chunk_size = u32::from_be_bytes(v[8..12].try_into().expect("4 bytes"));
+                seen.insert(hash, plan.blobs.len());
+                plan.blobs.push(PlannedBlob {
+                    hash,
+                    size,
+                    chunk_size,
+                    replicas: shards.get(&(uid, shard)).cloned().unwrap_or_default(),
+                });
+            }
+            _ => {}
+        }
+    }
+    Ok(plan)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::MemStore;
+
+    fn sample() -> MemStore {
+        let s = MemStore::default();
+        let mut b = Batch::default();
+        b.put(Table::Meta, keys::META_CLUSTER_ID.to_vec(), b"c1".to_vec());
+        let rec = VersionRecord {
+            uid: 7,
+            bytes: 300,
+            ..Default::default()
+        };
+        b.put(Table::Versions, keys::version("ds", 1), rec.encode_to_vec());
+        let shard = ShardRecord {
+            bytes: 300,
+            files: 2,
+            replicas: vec!["n2".into(), "n1".into()],
+        };
+        b.put(Table::Shards, keys::shard(7, 0), shard.encode_to_vec());
+        for (h, size) in [(BlobHash::of(b"a"), 100u64), (BlobHash::of(b"b"), 200)] {
+            let mut k = keys::shard(7, 0);
+            k.extend_from_slice(&h.0);
+            let mut v = size.to_be_bytes().to_vec();
+            v.extend_from_slice(&(4u32 << 20).to_be_bytes());
+            b.put(Table::ShardBlobs, k, v);
+        }
+        // An open session (uid 9) and its rows stay out of the export.
+        b.put(Table::Sessions, keys::uid(9).to_vec(), b"s".to_vec());
+        b.put(Table::Entries, keys::entry(9, "x"), b"e".to_vec());
+        b.put(Table::Entries, keys::entry(7, "a"), b"e".to_vec());
+        s.write(b, true).unwrap();
+        s
+    }
+
+    #[test]
+    fn export_restore_and_plan() {
+        let s = sample();
+        let mut out = Vec::new();
+        let st = export(&s, &mut out).unwrap();
+        assert_eq!(st.bytes, out.len() as u64);
+        assert_eq!(st.rows, 6);
+
+        let p = plan(&out[..]).unwrap();
+        assert_eq!(p.cluster_id, "c1");
+        assert_eq!(p.datasets["ds"], (vec![1], 300));
+        assert_eq!(p.blobs.len(), 2);
+        assert!(p.blobs.iter().all(|b| b.replicas == ["n2", "n1"]));
+
+        let fresh = MemStore::default();
+        let r = restore(&out[..], &fresh, "file:///b", "snap1").unwrap();
+        assert_eq!(r.rows, 6);
+        assert_eq!(
+            fresh.get(Table::Entries, &keys::entry(7, "a")).unwrap().unwrap(),
+            b"e"
+        );
+        assert!(fresh.get(Table::Entries, &keys::entry(9, "x")).unwrap().is_none());
+        assert!(fresh.get(Table::Sessions, &keys::uid(9)).unwrap().is_none());
+        assert_eq!(
+            fresh.get(Table::Backups, b"file:///b").unwrap().unwrap(),
+            b"snap1"
+        );
+    }
+
+    #[test]
+    fn damage_is_detected() {
+        let mut out = Vec::new();
+        export(&sample(), &mut out).unwrap();
+        for cut in [0, 10, 30, out.len() - 1] {
+            assert!(plan(&out[..cut]).is_err(), "cut at {cut}");
+        }
+        let mut flipped = out.clone();
+        flipped[40] ^= 0x20;
+        assert!(plan(&flipped[..]).is_err());
+        let mut longer = out.clone();
+        longer.push(0);
+        assert!(plan(&longer[..]).is_err());
+        let mut other_schema = out.clone();
+        other_schema[21] = 99;
+        let e = plan(&other_schema[..]).unwrap_err();
+        assert!(e.to_string().contains("schema"), "{e}");
+    }
+}

@@ -1,0 +1,462 @@
+//! Backups end to end: a real cluster (metadata service and three cache nodes) backed up
+//! through the real CLI to a `file://` target and to SeaweedFS (a real, persistent
+//! S3-compatible server), incremental runs, an S3 server killed mid-backup, verification,
+//! retention with garbage collection, and the restore drill: everything wiped, restored,
+//! mounted and compared byte for byte with the original files.
+
+mod support;
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::Path;
+use std::time::Duration;
+
+use support::*;
+
+fn json(o: &std::process::Output) -> serde_json::Value {
+    assert!(o.status.success(), "command failed: {}{}", stdout(o), stderr(o));
+    serde_json::from_slice(&o.stdout).unwrap_or_else(|e| panic!("{e}: {}", stdout(o)))
+}
+
+fn u(v: &serde_json::Value, k: &str) -> u64 {
+    v[k].as_u64().unwrap_or_else(|| panic!("no {k} in {v}"))
+}
+
+/// Every blob object under a `file://` target: hash (file name) → size.
+fn stored_blobs(target: &Path) -> BTreeMap<String, u64> {
+    let mut out = BTreeMap::new();
+    let Ok(dirs) = std::fs::read_dir(target.join("blobs")) else {
+        return out;
+    };
+    for d in dirs {
+        for f in std::fs::read_dir(d.unwrap().path()).unwrap() {
+            let f = f.unwrap();
+            out.insert(
+                f.file_name().to_string_lossy().into_owned(),
+                f.metadata().unwrap().len(),
+            );
+        }
+    }
+    out
+}
+
+/// The hashes a snapshot's blob list names (format: "LOCUSBL1", 40-byte records, checksum).
+fn listed_blobs(target: &Path, snapshot: &str) -> BTreeSet<String> {
+    let b = std::fs::read(target.join("snapshots").join(snapshot).join("blobs")).unwrap();
+    b[8..b.len() - 32]
+        .chunks_exact(40)
+        .map(|c| {
+            blake3::Hash::from_bytes(c[..32].try_into().unwrap())
+                .to_hex()
+                .to_string()
+        })
+        .collect()
+}
+
+/// path → what it is: file content hash, symlink target, or "dir".
+fn tree(root: &Path) -> BTreeMap<String, String> {
+    fn walk(root: &Path, dir: &Path, out: &mut BTreeMap<String, String>) {
+        for e in std::fs::read_dir(dir).unwrap() {
+            let e = e.unwrap();
+            let p = e.path();
+            let rel = p.strip_prefix(root).unwrap().to_string_lossy().into_owned();
+            let m = std::fs::symlink_metadata(&p).unwrap();
+            if m.file_type().is_symlink() {
+                out.insert(rel, format!("-> {}", std::fs::read_link(&p).unwrap().display()));
+            } else if m.is_dir() {
+                out.insert(rel, "dir".into());
+                walk(root, &p, out);
+            } else {
+                let data = std::fs::read(&p).unwrap_or_else(|e| panic!("read {}: {e}", p.display()));
+                out.insert(rel, blake3::hash(&data).to_hex().to_string());
+            }
+        }
+    }
+    let mut out = BTreeMap::new();
+    walk(root, root, &mut out);
+    out
+}
+
+fn backup(m: &Metadata, url: &str, extra: &[&str]) -> serde_json::Value {
+    let mut args = vec!["backup", "run", "--to", url, "--json"];
+    args.extend_from_slice(extra);
+    json(&m.cli(&args))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn backups_to_a_directory_are_incremental_verified_and_collected() {
+    let h = Harness::new("backup-file");
+    let (m, _nodes) = cluster(&h, 3, NodeOpts::host).await;
+    let (a, b) = (h.path("src-a"), h.path("src-b"));
+    make_tree(&a, 60);
+    std::fs::create_dir_all(&b).unwrap();
+    for i in 0..10 {
+        std::fs::write(
+            b.join(format!("part-{i}")),
+            pseudo_random(1000 + i, 50_000 + i as usize),
+        )
+        .unwrap();
+    }
+    for (name, dir) in [("alpha", &a), ("beta", &b)] {
+        let o = import(&m, name, dir, &["--replicas", "2", "--shard-size", "256KiB"]);
+        assert!(o.status.success(), "{}", stderr(&o));
+    }
+    let target = h.path("backup");
+    let url = format!("file://{}", target.display());
+
+    // Full backup: every blob once, each object named by its content's hash.
+    let r1 = backup(&m, &url, &[]);
+    assert_eq!(r1["committed"], true);
+    assert_eq!(u(&r1, "datasets"), 2);
+    assert!(u(&r1, "blobs") > 50);
+    assert_eq!(u(&r1, "blobs_uploaded"), u(&r1, "blobs"));
+    assert_eq!(u(&r1, "bytes_uploaded"), u(&r1, "bytes_scanned"));
+    let stored = stored_blobs(&target);
+    assert_eq!(stored.len() as u64, u(&r1, "blobs"));
+    for hash in stored.keys() {
+        let p = target.join("blobs").join(&hash[..2]).join(hash);
+        assert_eq!(
+            &blake3::hash(&std::fs::read(p).unwrap()).to_hex().to_string(),
+            hash
+        );
+    }
+    assert_eq!(stored.values().sum::<u64>(), u(&r1, "bytes_scanned"));
+
+    // Nothing changed: nothing is sent.
+    let r2 = backup(&m, &url, &[]);
+    assert_eq!(u(&r2, "bytes_uploaded"), 0, "{r2}");
+    assert_eq!(u(&r2, "blobs_skipped"), u(&r2, "blobs"));
+
+    // A new version sharing most files: only its new blobs go up.
+    let a2 = h.path("src-a2");
+    assert!(std::process::Command::new("cp")
+        .arg("-a")
+        .arg(&a)
+        .arg(&a2)
+        .status()
+        .unwrap()
+        .success());
+    std::fs::write(a2.join("val/file 0002.bin"), b"changed content").unwrap();
+    std::fs::write(a2.join("brand-new.bin"), pseudo_random(77, 123_456)).unwrap();
+    let o = import(&m, "alpha", &a2, &["--replicas", "2", "--shard-size", "256KiB"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let r3 = backup(&m, &url, &[]);
+    assert_eq!(u(&r3, "blobs_uploaded"), 2, "{r3}");
+    assert_eq!(u(&r3, "bytes_uploaded"), 15 + 123_456);
+    assert_eq!(u(&r3, "versions"), 3);
+
+    // list: three committed snapshots with their figures.
+    let list = json(&m.cli(&["backup", "list", "--to", &url, "--json"]));
+    let snaps = list.as_array().unwrap();
+    assert_eq!(snaps.len(), 3);
+    assert!(snaps.iter().all(|s| s["state"] == "committed"));
+    assert_eq!(snaps[2]["id"], r3["snapshot"]);
+    assert_eq!(snaps[2]["committed"]["bytes_uploaded"], r3["bytes_uploaded"]);
+    let table = m.cli(&["backup", "list", "--to", &url]);
+    assert!(stdout(&table).contains("alpha(2)"), "{}", stdout(&table));
+
+    // verify: clean, then a damaged and a missing blob are both named.
+    let v = json(&m.cli(&["backup", "verify", "--to", &url, "--json"]));
+    assert_eq!(u(&v, "blobs_checked"), u(&r3, "blobs"));
+    assert_eq!(v["catalog_ok"], true);
+    let (victim, gone) = {
+        let mut big = stored.iter().filter(|(_, s)| **s > 1000);
+        (big.next().unwrap().0.clone(), big.next().unwrap().0.clone())
+    };
+    let vp = target.join("blobs").join(&victim[..2]).join(&victim);
+    let gp = target.join("blobs").join(&gone[..2]).join(&gone);
+    let (orig_v, orig_g) = (std::fs::read(&vp).unwrap(), std::fs::read(&gp).unwrap());
+    let mut bad = orig_v.clone();
+    bad[500] ^= 1;
+    std::fs::write(&vp, bad).unwrap();
+    std::fs::remove_file(&gp).unwrap();
+    let o = m.cli(&["backup", "verify", "--to", &url]);
+    assert!(!o.status.success());
+    assert!(
+        stdout(&o).contains(&format!("corrupt  {victim}")),
+        "{}",
+        stdout(&o)
+    );
+    assert!(stdout(&o).contains(&format!("missing  {gone}")), "{}", stdout(&o));
+    // A sample reads fewer blobs.
+    let o = m.cli(&["backup", "verify", "--to", &url, "--sample", "0.25", "--json"]);
+    let sampled: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert!(u(&sampled, "blobs_checked") < u(&r3, "blobs"), "{sampled}");
+    std::fs::write(&vp, orig_v).unwrap();
+    std::fs::write(&gp, orig_g).unwrap();
+
+    // Retention: drop beta, back up, keep only the newest snapshot. What remains is
+    // exactly what that snapshot lists, plus what an in-progress backup has announced.
+    let o = m.cli(&["dataset", "rm", "beta", "--all-versions"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let r4 = backup(&m, &url, &[]);
+    let newest = r4["snapshot"].as_str().unwrap().to_string();
+    let running = "29991231T000000Z-running";
+    let running_dir = target.join("snapshots").join(running);
+    std::fs::create_dir_all(&running_dir).unwrap();
+    // A run that has announced its blob list (one blob only beta had) but not finished.
+    let beta_only: String = listed_blobs(&target, r1["snapshot"].as_str().unwrap())
+        .difference(&listed_blobs(&target, &newest))
+        .next()
+        .unwrap()
+        .clone();
+    let mut list = b"LOCUSBL1".to_vec();
+    list.extend_from_slice(blake3::Hash::from_hex(&beta_only).unwrap().as_bytes());
+    list.extend_from_slice(&stored[&beta_only].to_be_bytes());
+    let sum = blake3::hash(&list);
+    list.extend_from_slice(sum.as_bytes());
+    std::fs::write(running_dir.join("blobs"), list).unwrap();
+    let now_ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis();
+    std::fs::write(
+        running_dir.join("manifest.json"),
+        format!(
+            r#"{{"format":1,"id":"{running}","cluster_id":"c","created_ms":{now_ms},"datasets":[],
+               "blobs":1,"blob_bytes":0,"catalog_bytes":0,"catalog_blake3":""}}"#
+        ),
+    )
+    .unwrap();
+    let dry = json(&m.cli(&[
+        "backup",
+        "gc",
+        "--to",
+        &url,
+        "--keep-last",
+        "1",
+        "--dry-run",
+        "--json",
+    ]));
+    assert_eq!(dry["snapshots_deleted"].as_array().unwrap().len(), 3);
+    assert_eq!(
+        stored_blobs(&target).len(),
+        stored.len() + 2,
+        "a dry run deletes nothing"
+    );
+    let g = json(&m.cli(&["backup", "gc", "--to", &url, "--keep-last", "1", "--json"]));
+    assert_eq!(g["snapshots_kept"], serde_json::json!([newest.clone()]));
+    assert_eq!(g["snapshots_in_progress"], serde_json::json!([running]));
+    let mut expect = listed_blobs(&target, &newest);
+    expect.insert(beta_only.clone());
+    let left: BTreeSet<String> = stored_blobs(&target).into_keys().collect();
+    assert_eq!(left, expect);
+    assert!(u(&g, "blobs_deleted") > 5);
+    let list = json(&m.cli(&["backup", "list", "--to", &url, "--json"]));
+    let ids: Vec<&str> = list
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| s["id"].as_str().unwrap())
+        .collect();
+    assert_eq!(ids, vec![newest.as_str(), running]);
+    // The kept snapshot is still whole.
+    std::fs::remove_dir_all(&running_dir).unwrap();
+    let v = json(&m.cli(&["backup", "verify", "--to", &url, "--json"]));
+    assert_eq!(v["snapshot"], newest.as_str());
+    assert!(v["missing"].as_array().unwrap().is_empty());
+
+    // Bad input: a target that is not a URL, an unknown snapshot.
+    let o = m.cli(&["backup", "run", "--to", "/not/a/url"]);
+    assert!(!o.status.success());
+    assert!(stderr(&o).contains("not an object-store URL"), "{}", stderr(&o));
+    let o = m.cli(&["backup", "verify", "--to", &url, "--snapshot", "../etc"]);
+    assert!(!o.status.success());
+    assert!(stderr(&o).contains("not a snapshot id"), "{}", stderr(&o));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn restore_drill_brings_every_byte_back_from_the_backup() {
+    let h = Harness::new("backup-drill");
+    let (mut m, mut nodes) = cluster(&h, 3, NodeOpts::host).await;
+    let (a, b) = (h.path("src-a"), h.path("src-b"));
+    make_tree(&a, 40);
+    std::fs::create_dir_all(b.join("shards")).unwrap();
+    for i in 0..6 {
+        std::fs::write(
+            b.join(format!("shards/{i:03}.tar")),
+            pseudo_random(500 + i, 300_000),
+        )
+        .unwrap();
+    }
+    for (name, dir) in [("images", &a), ("text", &b)] {
+        let o = import(&m, name, dir, &["--replicas", "2", "--shard-size", "256KiB"]);
+        assert!(o.status.success(), "{}", stderr(&o));
+    }
+    let expect = [("images", tree(&a)), ("text", tree(&b))];
+    let target = h.path("backup");
+    let url = format!("file://{}", target.display());
+    let r = backup(&m, &url, &[]);
+    assert_eq!(r["committed"], true);
+
+    // Disaster: the metadata service, every node's disk and the import sources are gone.
+    m.kill9();
+    for n in &mut nodes {
+        n.daemon.kill9();
+        std::fs::remove_dir_all(&n.data_dir).unwrap();
+        std::fs::create_dir_all(&n.data_dir).unwrap();
+    }
+    std::fs::remove_dir_all(&a).unwrap();
+    std::fs::remove_dir_all(&b).unwrap();
+
+    // restore refuses a data dir that is in use, and changes nothing there.
+    let o = m.cli(&[
+        "restore",
+        "--from",
+        &url,
+        "--data-dir",
+        m.data_dir.to_str().unwrap(),
+    ]);
+    assert!(!o.status.success());
+    assert!(stderr(&o).contains("not empty"), "{}", stderr(&o));
+    std::fs::remove_dir_all(&m.data_dir).unwrap();
+    let o = m.cli(&[
+        "restore",
+        "--from",
+        &url,
+        "--data-dir",
+        m.data_dir.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(
+        stdout(&o).contains(r["snapshot"].as_str().unwrap()),
+        "{}",
+        stdout(&o)
+    );
+
+    m.restart().await;
+    for n in &mut nodes {
+        n.restart().await;
+    }
+    // Mount every dataset through node n1 (which now holds nothing): every file must come
+    // back byte-identical, through the node, from the backup.
+    for (name, want) in &expect {
+        let mnt = m.mount(&format!("mnt-{name}"), name, Some(&nodes[0]), &[]);
+        let got = tree(&mnt.path);
+        assert_eq!(got.len(), want.len(), "{name}: entries");
+        for (path, hash) in want {
+            assert_eq!(got.get(path), Some(hash), "{name}/{path}");
+        }
+        drop(mnt);
+    }
+    let log = std::fs::read_to_string(h.path("n1.log")).unwrap();
+    assert!(log.contains("copied a blob back from a backup"), "{log}");
+    // The nodes refill their replicas from the backup on their own (pin sync).
+    let mut c = m.client(None).await;
+    for n in &nodes {
+        let want: usize = {
+            let r = c
+                .list_node_blobs(locus_proto::pb::ListNodeBlobsRequest {
+                    node: n.id.clone(),
+                    page_token: vec![],
+                    limit: 0,
+                })
+                .await
+                .unwrap()
+                .into_inner();
+            r.blobs.iter().filter(|b| b.size > 0).count()
+        };
+        assert!(want > 0);
+        wait_until(&format!("{} to refill", n.id), Duration::from_secs(60), || {
+            let have = n.blob_files().len();
+            async move { (have >= want).then_some(()) }
+        })
+        .await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn backup_to_s3_survives_the_server_dying_and_resumes() {
+    let h = Harness::new("backup-s3");
+    let mut weed = h.start_weed().await;
+    // The nodes (which upload) and the CLI inherit the S3 settings.
+    for (k, v) in weed.env() {
+        std::env::set_var(k, v);
+    }
+    let (m, _nodes) = cluster(&h, 3, NodeOpts::host).await;
+    let small = h.path("src-small");
+    make_tree(&small, 20);
+    let o = import(&m, "small", &small, &["--replicas", "2"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let url = "s3://locus/nightly";
+    let r1 = backup(&m, url, &[]);
+    assert_eq!(r1["committed"], true);
+    let first = r1["snapshot"].as_str().unwrap().to_string();
+
+    // A bigger dataset, and the server killed while its blobs go up.
+    let big = h.path("src-big");
+    std::fs::create_dir_all(&big).unwrap();
+    let files = 400;
+    for i in 0..files {
+        std::fs::write(big.join(format!("f{i:04}")), pseudo_random(9000 + i, 200_000)).unwrap();
+    }
+    let o = import(&m, "big", &big, &["--replicas", "2"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let bucket = weed.bucket();
+    let count = |bucket: std::sync::Arc<dyn object_store::ObjectStore>| async move {
+        use futures_util::StreamExt;
+        let p = object_store::path::Path::from("nightly/blobs");
+        bucket
+            .list(Some(&p))
+            .filter(|r| std::future::ready(r.is_ok()))
+            .count()
+            .await
+    };
+    let before = count(bucket.clone()).await;
+    let mut run = std::process::Command::new(env!("CARGO_BIN_EXE_locus"));
+    run.args(["backup", "run", "--to", url])
+        .env("LOCUS_METADATA", m.url())
+        .env_remove("LOCUS_TOKEN")
+        .env_remove("LOCUS_CONFIG")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped());
+    let child = run.spawn().unwrap();
+    wait_until(
+        "some blobs of the big dataset to arrive",
+        Duration::from_secs(60),
+        || {
+            let b = bucket.clone();
+            async move { (count(b).await >= before + 40).then_some(()) }
+        },
+    )
+    .await;
+    weed.kill9();
+    let out = child.wait_with_output().unwrap();
+    assert!(!out.status.success(), "the run must fail: {}", stdout(&out));
+    let err = stderr(&out);
+    assert!(err.contains("was not committed"), "{err}");
+    assert!(err.contains("rerun to resume"), "{err}");
+
+    weed.restart().await;
+    let stored = count(weed.bucket()).await;
+    assert!(
+        stored > before && stored < before + files as usize,
+        "{before} {stored}"
+    );
+    // The earlier snapshot is untouched and still verifies; the interrupted one is listed
+    // as incomplete and cannot be used.
+    let v = json(&m.cli(&["backup", "verify", "--to", url, "--json"]));
+    assert_eq!(v["snapshot"], first.as_str());
+    assert!(v["missing"].as_array().unwrap().is_empty() && v["corrupt"].as_array().unwrap().is_empty());
+    let list = json(&m.cli(&["backup", "list", "--to", url, "--json"]));
+    let states: Vec<&str> = list
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| s["state"].as_str().unwrap())
+        .collect();
+    assert_eq!(states, vec!["committed", "incomplete"]);
+
+    // The rerun sends only what had not arrived.
+    let r2 = backup(&m, url, &[]);
+    assert_eq!(r2["committed"], true);
+    assert_eq!(
+        u(&r2, "blobs_uploaded") as usize,
+        u(&r2, "blobs") as usize - stored,
+        "{r2}"
+    );
+    assert_eq!(count(weed.bucket()).await as u64, u(&r2, "blobs"));
+    let v = json(&m.cli(&["backup", "verify", "--to", url, "--json"]));
+    assert_eq!(v["snapshot"], r2["snapshot"]);
+    assert_eq!(u(&v, "blobs_checked"), u(&r2, "blobs"));
+    assert!(v["missing"].as_array().unwrap().is_empty() && v["corrupt"].as_array().unwrap().is_empty());
+}
