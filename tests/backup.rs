@@ -255,13 +255,43 @@ async fn backups_to_a_directory_are_incremental_verified_and_collected() {
     assert_eq!(v["snapshot"], newest.as_str());
     assert!(v["missing"].as_array().unwrap().is_empty());
 
-    // Bad input: a target that is not a URL, an unknown snapshot.
+    // The target and retention from the config file's [backup] section (a nightly timer
+    // runs `locus backup run` with no flags): a committed run, then retention.
+    let cfg = h.path("locus.toml");
+    std::fs::write(&cfg, format!("[backup]\nto = \"{url}\"\nkeep_last = 1\n")).unwrap();
+    let r5 = json(&m.cli(&["--config", cfg.to_str().unwrap(), "backup", "run", "--json"]));
+    assert_eq!(r5["committed"], true);
+    assert_eq!(r5["target"], url.as_str());
+    assert_eq!(u(&r5, "bytes_uploaded"), 0);
+    assert_eq!(
+        r5["gc"]["snapshots_kept"],
+        serde_json::json!([r5["snapshot"].clone()])
+    );
+    assert_eq!(r5["gc"]["snapshots_deleted"], serde_json::json!([newest.clone()]));
+
+    // Bad input: a target that is not a URL, an unknown snapshot, no target at all.
     let o = m.cli(&["backup", "run", "--to", "/not/a/url"]);
     assert!(!o.status.success());
     assert!(stderr(&o).contains("not an object-store URL"), "{}", stderr(&o));
     let o = m.cli(&["backup", "verify", "--to", &url, "--snapshot", "../etc"]);
     assert!(!o.status.success());
     assert!(stderr(&o).contains("not a snapshot id"), "{}", stderr(&o));
+    let o = m.cli(&[
+        "backup",
+        "verify",
+        "--to",
+        &url,
+        "--snapshot",
+        "20200101T000000Z-000-abcdef",
+    ]);
+    assert!(!o.status.success());
+    assert!(stderr(&o).contains("no snapshot"), "{}", stderr(&o));
+    let o = m.cli(&["backup", "list"]);
+    assert!(!o.status.success());
+    assert!(stderr(&o).contains("no backup target"), "{}", stderr(&o));
+    let o = m.cli(&["backup", "run", "--to", "gs://bucket/x"]);
+    assert!(!o.status.success());
+    assert!(stderr(&o).contains("not built in"), "{}", stderr(&o));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -324,6 +354,18 @@ async fn restore_drill_brings_every_byte_back_from_the_backup() {
     );
 
     m.restart().await;
+    // With every node still down, a mount on a host without a node reads verified
+    // ranges straight from the backup.
+    {
+        let (name, want) = &expect[1];
+        let mnt = m.mount("mnt-remote", name, None, &[]);
+        assert_eq!(&tree(&mnt.path), want);
+        let total = 6 * 300_000u64; // the "text" dataset's bytes
+        mnt.status_when("every byte to come from the backup", |s| {
+            s["totals"]["bytes_origin"].as_u64() >= Some(total)
+        })
+        .await;
+    }
     for n in &mut nodes {
         n.restart().await;
     }

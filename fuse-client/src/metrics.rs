@@ -5,7 +5,7 @@
 //! |---|---|---|---|
 //! | locus_mount_opens_total | counter | opens | file opens by how they are served (passthrough, local, remote, empty) |
 //! | locus_mount_reads_total | counter | calls | read calls that reached the mount (passthrough reads never do) |
-//! | locus_mount_read_bytes_total | counter | bytes | bytes by source: local (pread of the node's file), remote (fetched from replicas), origin (from the version's import source, verified), cache (bytes returned from chunks already in memory or already on their way) |
+//! | locus_mount_read_bytes_total | counter | bytes | bytes by source: local (pread of the node's file), remote (fetched from replicas), origin (from a backup or the version's import source, verified), cache (bytes returned from chunks already in memory or already on their way) |
 //! | locus_mount_read_errors_total | counter | calls | reads answered with EIO |
 //! | locus_mount_source_failures_total | counter | attempts | remote reads that failed and moved on to another replica |
 //! | locus_mount_corrupt_chunks_total | counter | chunks | chunks whose bytes did not match their hash (never returned) |
@@ -105,7 +105,8 @@ pub struct Totals {
     pub reads: u64,
     /// Remote reads that failed and were retried on another replica.
     pub failovers: u64,
-    /// Verified bytes read from the version's origin because no node could serve them.
+    /// Verified bytes read from a backup or the version's origin because no node could
+    /// serve them.
     pub bytes_origin: u64,
 }
 

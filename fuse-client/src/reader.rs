@@ -9,7 +9,8 @@
 //! may have moved it). Nothing but verified bytes ever leaves this module: a chunk no
 //! source can serve is an error, which the mount turns into EIO.
 //!
-//! When no live node serves a chunk, the version's origin (`origin`) is the last source,
+//! When no live node serves a chunk, a backup the metadata service names (by blob hash),
+//! then the version's origin (`origin`) are the last sources,
 //! under the same rule: its bytes are used only if they hash right.
 //!
 //! Verified chunks stay in a bounded in-memory cache; concurrent readers of one chunk
@@ -195,6 +196,8 @@ pub struct Remote {
     cache: ChunkCache,
     metrics: Arc<Metrics>,
     origin: Option<(crate::origin::Origin, Arc<crate::namespace::Namespace>)>,
+    /// Backups the metadata service named in its last `LocateBlobs` answer, opened.
+    backups: Mutex<Vec<locus_backup::Target>>,
     /// A source silent for this long during a chunk is given up on.
     pub timeout: Duration,
 }
@@ -223,6 +226,7 @@ impl Remote {
             },
             metrics,
             origin: None,
+            backups: Mutex::new(Vec::new()),
             timeout: Duration::from_secs(10),
         }
     }
@@ -339,6 +343,20 @@ impl Remote {
                 }
             }
         }
+        // Backups hold blobs by hash and never change: before the origin, which may have.
+        let backups = self.backups.lock().unwrap().clone();
+        for t in backups {
+            match self.read_backup(&t, c).await {
+                Ok(b) => {
+                    self.metrics.origin_read(b.len(), started.elapsed());
+                    return Ok(b);
+                }
+                Err(e) => {
+                    tracing::warn!(blob = %c.blob, chunk = c.index, backup = %t.url, "the backup cannot serve it: {e}");
+                    last = format!("{last}; backup {}: {e}", t.url);
+                }
+            }
+        }
         if let Some((origin, ns)) = &self.origin {
             match self.read_origin(origin, ns, c).await {
                 Ok(b) => {
@@ -381,6 +399,24 @@ impl Remote {
         Ok(b)
     }
 
+    async fn read_backup(&self, t: &locus_backup::Target, c: ChunkRef) -> Result<Bytes, String> {
+        let b = tokio::time::timeout(
+            self.timeout * 3,
+            locus_backup::blob::read_range(t, &c.blob, c.offset, c.len),
+        )
+        .await
+        .map_err(|_| format!("no answer within {:?}", self.timeout * 3))?
+        .map_err(|e| e.to_string())?;
+        if b.len() as u64 != c.len || BlobHash::of(&b) != c.hash {
+            self.metrics.corrupt();
+            return Err(format!(
+                "blob {} at {}: stored bytes do not match",
+                c.blob, c.offset
+            ));
+        }
+        Ok(b)
+    }
+
     async fn locate(&self, blob: &BlobHash) -> Result<Vec<(String, NodeInfo)>, tonic::Status> {
         let mut m = self.metadata.clone();
         let r = m
@@ -389,6 +425,22 @@ impl Remote {
             })
             .await?
             .into_inner();
+        {
+            let mut known = self.backups.lock().unwrap();
+            if known.iter().map(|t| &t.url).ne(r.backups.iter()) {
+                *known = r
+                    .backups
+                    .iter()
+                    .filter_map(|u| match locus_backup::Target::open(u) {
+                        Ok(t) => Some(t),
+                        Err(e) => {
+                            tracing::warn!("backup {u} cannot be read from here: {e}");
+                            None
+                        }
+                    })
+                    .collect();
+            }
+        }
         let topo = self.topology.read().unwrap();
         Ok(r.blobs
             .into_iter()
