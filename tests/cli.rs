@@ -230,6 +230,10 @@ fn demo_commits_and_lists_a_sample_dataset() {
         );
     }
     assert!(text.contains("cluster stopped"), "{text}");
+    assert!(
+        text.contains("29 blobs (10.2 MiB); uploaded 29 blobs") && text.contains("0 missing, 0 corrupt"),
+        "backup: {text}"
+    );
     // The services it started are gone; the metadata store and the blobs are on disk,
     // every shard on two nodes: 2 × the sample's distinct blobs.
     assert!(h.path("demo/metadata/db/CURRENT").exists());

@@ -188,6 +188,33 @@ pub async fn run(a: DemoArgs, cfg: &Resolved) -> anyhow::Result<()> {
     )
     .await?;
     demo_mount(&dir, &url, &sample)?;
+    let backup_url = format!("file://{}", dir.join("backup").display());
+    println!("\n$ locus backup run --to {backup_url}");
+    let to = || super::backup::TargetArg {
+        to: Some(backup_url.clone()),
+    };
+    super::backup::run(
+        super::backup::BackupCmd::Run(super::backup::RunArgs {
+            target: to(),
+            retention: Default::default(),
+            parallel: 4,
+        }),
+        &demo_cfg,
+    )
+    .await?;
+    println!("\n$ locus backup verify --to {backup_url}");
+    super::backup::run(
+        super::backup::BackupCmd::Verify(super::backup::VerifyArgs {
+            target: to(),
+            snapshot: None,
+            sample: 1.0,
+            parallel: 8,
+        }),
+        &demo_cfg,
+    )
+    .await?;
+    println!("\n$ locus backup list --to {backup_url}");
+    super::backup::run(super::backup::BackupCmd::List(to()), &demo_cfg).await?;
     // Heartbeats carry the nodes' new figures within half a second.
     tokio::time::sleep(Duration::from_millis(700)).await;
     println!("\n$ locus node list");
@@ -198,7 +225,8 @@ pub async fn run(a: DemoArgs, cfg: &Resolved) -> anyhow::Result<()> {
     if a.keep_running {
         println!(
             "\nThe cluster keeps running; in another shell try:\n  export LOCUS_METADATA={url}\n  \
-             locus node list\n  locus dataset show sample@latest\nCtrl-C stops it."
+             locus node list\n  locus dataset show sample@latest\n  \
+             locus backup list --to {backup_url}\nCtrl-C stops it."
         );
         super::shutdown_signal().await;
     }
