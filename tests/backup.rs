@@ -502,3 +502,40 @@ async fn backup_to_s3_survives_the_server_dying_and_resumes() {
     assert_eq!(u(&v, "blobs_checked"), u(&r2, "blobs"));
     assert!(v["missing"].as_array().unwrap().is_empty() && v["corrupt"].as_array().unwrap().is_empty());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_corrupt_copy_on_a_node_is_sent_from_another_replica() {
+    let h = Harness::new("backup-corrupt");
+    let (m, nodes) = cluster(&h, 3, NodeOpts::host).await;
+    let src = h.path("src");
+    std::fs::create_dir_all(&src).unwrap();
+    let mut want = BTreeMap::new();
+    for i in 0..30u64 {
+        let data = pseudo_random(300 + i, 70_000);
+        want.insert(blake3::hash(&data).to_hex().to_string(), data.len() as u64);
+        std::fs::write(src.join(format!("f{i:02}")), data).unwrap();
+    }
+    // Small shards: every node is first replica of some of them.
+    let o = import(&m, "ds", &src, &["--replicas", "2", "--shard-size", "64KiB"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    // Every blob on n1 rots in place (same size, one flipped byte).
+    let files = nodes[0].blob_files();
+    assert!(files.len() >= 5, "n1 holds {} blobs", files.len());
+    for p in files.values() {
+        let mut b = std::fs::read(p).unwrap();
+        b[1000] ^= 0xff;
+        std::fs::write(p, b).unwrap();
+    }
+    let target = h.path("backup");
+    let url = format!("file://{}", target.display());
+    let o = m.cli(&["backup", "run", "--to", &url, "--json"]);
+    let r = json(&o);
+    assert_eq!(r["committed"], true);
+    assert_eq!(u(&r, "blobs_uploaded"), want.len() as u64);
+    assert!(stderr(&o).contains("asking another replica"), "{}", stderr(&o));
+    // What was stored is the original content, and n1 quarantined the bad copies it read.
+    assert_eq!(stored_blobs(&target), want);
+    let v = json(&m.cli(&["backup", "verify", "--to", &url, "--json"]));
+    assert!(v["corrupt"].as_array().unwrap().is_empty() && v["missing"].as_array().unwrap().is_empty());
+    assert!(nodes[0].quarantined() > 0);
+}

@@ -160,8 +160,11 @@ async fn upload_one(
     size: u64,
     skip_existing: bool,
 ) -> Result<bool, Status> {
+    // The data stream fails only on this node's copy (corrupt, gone), and a hash mismatch
+    // of what was sent is this copy's fault too: DATA_LOSS, and another replica is asked.
+    // Anything else is the target's.
     let unavailable = |e: locus_backup::BackupError| match e {
-        locus_backup::BackupError::Corrupt(m) => Status::data_loss(m),
+        locus_backup::BackupError::Corrupt(m) | locus_backup::BackupError::Invalid(m) => Status::data_loss(m),
         e => Status::unavailable(e.to_string()),
     };
     if skip_existing
@@ -640,12 +643,6 @@ impl Node for NodeService {
             .iter()
             .map(|b| hash(&b.hash).map(|h| (h, b.size)))
             .collect::<Result<Vec<_>, _>>()?;
-        // Refuse up front what this node cannot send, rather than fail half-way.
-        for (h, _) in &blobs {
-            if !self.store.contains(h) {
-                return Err(Status::not_found(format!("this node does not hold blob {h}")));
-            }
-        }
         let target = self.peers.target(&q.target)?;
         let parallel = if q.parallel == 0 { 4 } else { q.parallel.min(64) } as usize;
         let (tx, rx) = mpsc::channel(16);
@@ -683,9 +680,18 @@ impl Node for NodeService {
                         p.blobs_skipped += 1;
                         p.bytes_skipped += size;
                     }
+                    // This copy is bad or gone (a corrupt one is quarantined by the read):
+                    // another replica can send it; carry on with the rest.
+                    Err(s) if matches!(s.code(), tonic::Code::DataLoss | tonic::Code::NotFound) => {
+                        tracing::warn!(blob = %h, "cannot upload this node's copy: {}", s.message());
+                        p.failed.push(nodepb::FailedBlob {
+                            hash: h.0.to_vec(),
+                            reason: s.message().to_string(),
+                        });
+                    }
                     Err(s) => {
-                        // Let the uploads in flight finish (they are complete objects or
-                        // nothing), then report the failure.
+                        // The target failed: let the uploads in flight finish (complete
+                        // objects or nothing), then report it.
                         while set.join_next().await.is_some() {}
                         let _ = tx
                             .send(Err(Status::new(s.code(), format!("blob {h}: {}", s.message()))))
@@ -695,7 +701,7 @@ impl Node for NodeService {
                 }
                 if last_sent.elapsed() >= Duration::from_millis(200) {
                     last_sent = std::time::Instant::now();
-                    if tx.send(Ok(p)).await.is_err() {
+                    if tx.send(Ok(p.clone())).await.is_err() {
                         return; // the caller went away; nothing new starts
                     }
                 }

@@ -277,28 +277,25 @@ async fn backup_inner(
         Some(p) => t.blob_list(&p.id).await?,
         None => BlobList::default(),
     };
-    let mut per_node: BTreeMap<String, Vec<nodepb::BlobRef>> = BTreeMap::new();
-    let mut unreadable = Vec::new();
+    let mut todo = Vec::new();
     for b in &plan.blobs {
         if known.contains(&b.hash) {
             report.blobs_skipped += 1;
             report.bytes_skipped += b.size;
-            continue;
-        }
-        match b.replicas.iter().find(|r| up.contains_key(*r)) {
-            Some(n) => per_node.entry(n.clone()).or_default().push(nodepb::BlobRef {
-                hash: b.hash.0.to_vec(),
-                size: b.size,
-            }),
-            None => unreadable.push(b.hash),
+        } else {
+            todo.push(b);
         }
     }
-    if !unreadable.is_empty() {
+    if let Some(b) = plan
+        .blobs
+        .iter()
+        .find(|b| !b.replicas.iter().any(|r| up.contains_key(r)))
+    {
         bail!(
-            "{} blob(s) have no live replica to read from (first: {}); bring their nodes back or \
-             let repair finish, then rerun",
-            unreadable.len(),
-            unreadable[0]
+            "blob {} has no live replica to read from (replicas: {}); bring its nodes back or let \
+             repair finish, then rerun",
+            b.hash,
+            b.replicas.join(", ")
         );
     }
 
@@ -344,12 +341,7 @@ async fn backup_inner(
     .await?;
 
     // 5. The nodes upload what is new, all at once.
-    let (up_blobs, up_bytes, skipped_blobs, skipped_bytes) =
-        upload_from_nodes(cfg, &up, &per_node, t, a.parallel).await?;
-    report.blobs_uploaded += up_blobs;
-    report.bytes_uploaded += up_bytes;
-    report.blobs_skipped += skipped_blobs;
-    report.bytes_skipped += skipped_bytes;
+    send_blobs(cfg, &up, todo, t, a.parallel, report).await?;
 
     // 6. A collection that overlapped this run may have deleted a blob it skipped as
     //    present: check every blob of the snapshot and send what is missing.
@@ -357,18 +349,10 @@ async fn backup_inner(
     let overlapped = gc_at_start.as_ref().is_some_and(|g| g.running) || gc_now != gc_at_start;
     if overlapped {
         tracing::info!("a garbage collection ran during this backup; re-checking every blob");
-        let mut all: BTreeMap<String, Vec<nodepb::BlobRef>> = BTreeMap::new();
-        for b in &plan.blobs {
-            if let Some(n) = b.replicas.iter().find(|r| up.contains_key(*r)) {
-                all.entry(n.clone()).or_default().push(nodepb::BlobRef {
-                    hash: b.hash.0.to_vec(),
-                    size: b.size,
-                });
-            }
-        }
-        let (n, bytes, _, _) = upload_from_nodes(cfg, &up, &all, t, a.parallel).await?;
-        report.blobs_uploaded += n;
-        report.bytes_uploaded += bytes;
+        let mut again = RunReport::default();
+        send_blobs(cfg, &up, plan.blobs.iter().collect(), t, a.parallel, &mut again).await?;
+        report.blobs_uploaded += again.blobs_uploaded;
+        report.bytes_uploaded += again.bytes_uploaded;
     }
 
     // 7. Valid from here on.
@@ -425,18 +409,71 @@ fn tokio_util_stream(
     })
 }
 
+/// Has the nodes upload `blobs` (those the target may lack), each from the first live
+/// replica not yet tried: a node whose copy turns out bad (it quarantines it) or gone
+/// reports the blob, and the next replica sends it in another round. Counts go into
+/// `report`.
+async fn send_blobs(
+    cfg: &Resolved,
+    up: &HashMap<String, String>,
+    blobs: Vec<&locus_metadata::snapshot::PlannedBlob>,
+    t: &Target,
+    parallel: u32,
+    report: &mut RunReport,
+) -> anyhow::Result<()> {
+    let by_hash: HashMap<BlobHash, &locus_metadata::snapshot::PlannedBlob> =
+        blobs.iter().map(|b| (b.hash, *b)).collect();
+    let mut tried: HashMap<BlobHash, Vec<String>> = HashMap::new();
+    let mut pending: Vec<(BlobHash, String)> = blobs.iter().map(|b| (b.hash, String::new())).collect();
+    while !pending.is_empty() {
+        let mut per_node: BTreeMap<String, Vec<nodepb::BlobRef>> = BTreeMap::new();
+        for (h, why) in &pending {
+            let b = by_hash[h];
+            let tried = tried.entry(*h).or_default();
+            let Some(n) = b
+                .replicas
+                .iter()
+                .find(|r| up.contains_key(*r) && !tried.contains(r))
+            else {
+                bail!(
+                    "no live replica could send blob {h} (tried {}): {why}",
+                    tried.join(", ")
+                );
+            };
+            tried.push(n.clone());
+            per_node.entry(n.clone()).or_default().push(nodepb::BlobRef {
+                hash: h.0.to_vec(),
+                size: b.size,
+            });
+        }
+        let (sums, failed) = upload_from_nodes(cfg, up, &per_node, t, parallel).await?;
+        report.blobs_uploaded += sums.0;
+        report.bytes_uploaded += sums.1;
+        report.blobs_skipped += sums.2;
+        report.bytes_skipped += sums.3;
+        for (h, node, why) in &failed {
+            eprintln!("warning: node {node} could not send blob {h} ({why}); asking another replica");
+        }
+        pending = failed.into_iter().map(|(h, _, why)| (h, why)).collect();
+    }
+    Ok(())
+}
+
+type Sums = (u64, u64, u64, u64);
+
 /// Every node uploads its share at once; returns (blobs uploaded, bytes uploaded, blobs
-/// found already stored, their bytes). Fails if any node fails, naming each.
+/// found already stored, their bytes) and the blobs a node could not read (hash, node,
+/// why). Fails if any node or the target fails, naming each.
 async fn upload_from_nodes(
     cfg: &Resolved,
     up: &HashMap<String, String>,
     per_node: &BTreeMap<String, Vec<nodepb::BlobRef>>,
     t: &Target,
     parallel: u32,
-) -> anyhow::Result<(u64, u64, u64, u64)> {
+) -> anyhow::Result<(Sums, Vec<(BlobHash, String, String)>)> {
     let total: u64 = per_node.values().flatten().map(|b| b.size).sum();
     if total == 0 && per_node.values().all(Vec::is_empty) {
-        return Ok((0, 0, 0, 0));
+        return Ok(((0, 0, 0, 0), Vec::new()));
     }
     let progress = Progress::new("uploading", total);
     let mut set = tokio::task::JoinSet::new();
@@ -479,6 +516,7 @@ async fn upload_from_nodes(
         });
     }
     let mut sums = (0, 0, 0, 0);
+    let mut failed = Vec::new();
     let mut errors = Vec::new();
     while let Some(r) = set.join_next().await {
         let (node, r) = r?;
@@ -488,6 +526,11 @@ async fn upload_from_nodes(
                 sums.1 += p.bytes_uploaded;
                 sums.2 += p.blobs_skipped;
                 sums.3 += p.bytes_skipped;
+                for f in p.failed {
+                    let h = BlobHash::from_slice("hash", &f.hash)
+                        .map_err(|e| anyhow::anyhow!("node {node}: {e}"))?;
+                    failed.push((h, node.clone(), f.reason));
+                }
             }
             Err(e) => errors.push(format!("node {node}: {e:#}")),
         }
@@ -496,7 +539,7 @@ async fn upload_from_nodes(
     if !errors.is_empty() {
         bail!("{}", errors.join("; "));
     }
-    Ok(sums)
+    Ok((sums, failed))
 }
 
 async fn list(t: &Target, cfg: &Resolved) -> anyhow::Result<()> {
