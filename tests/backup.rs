@@ -318,103 +318,27 @@ async fn restore_drill_brings_every_byte_back_from_the_backup() {
     let r = backup(&m, &url, &[]);
     assert_eq!(r["committed"], true);
 
-    // Disaster: the metadata service, every node's disk and the import sources are gone.
-    m.kill9();
-    for n in &mut nodes {
-        n.daemon.kill9();
-        std::fs::remove_dir_all(&n.data_dir).unwrap();
-        std::fs::create_dir_all(&n.data_dir).unwrap();
-    }
-    std::fs::remove_dir_all(&a).unwrap();
-    std::fs::remove_dir_all(&b).unwrap();
-
-    // restore refuses a data dir that is in use, and changes nothing there.
-    let o = m.cli(&[
-        "restore",
-        "--from",
+    drill(
+        &mut m,
+        &mut nodes,
         &url,
-        "--data-dir",
-        m.data_dir.to_str().unwrap(),
-    ]);
-    assert!(!o.status.success());
-    assert!(stderr(&o).contains("not empty"), "{}", stderr(&o));
-    std::fs::remove_dir_all(&m.data_dir).unwrap();
-    let o = m.cli(&[
-        "restore",
-        "--from",
-        &url,
-        "--data-dir",
-        m.data_dir.to_str().unwrap(),
-    ]);
-    assert!(o.status.success(), "{}", stderr(&o));
-    assert!(
-        stdout(&o).contains(r["snapshot"].as_str().unwrap()),
-        "{}",
-        stdout(&o)
-    );
-
-    m.restart().await;
-    // With every node still down, a mount on a host without a node reads verified
-    // ranges straight from the backup.
-    {
-        let (name, want) = &expect[1];
-        let mnt = m.mount("mnt-remote", name, None, &[]);
-        assert_eq!(&tree(&mnt.path), want);
-        let total = 6 * 300_000u64; // the "text" dataset's bytes
-        mnt.status_when("every byte to come from the backup", |s| {
-            s["totals"]["bytes_origin"].as_u64() >= Some(total)
-        })
-        .await;
-    }
-    for n in &mut nodes {
-        n.restart().await;
-    }
-    // Mount every dataset through node n1 (which now holds nothing): every file must come
-    // back byte-identical, through the node, from the backup.
-    for (name, want) in &expect {
-        let mnt = m.mount(&format!("mnt-{name}"), name, Some(&nodes[0]), &[]);
-        let got = tree(&mnt.path);
-        assert_eq!(got.len(), want.len(), "{name}: entries");
-        for (path, hash) in want {
-            assert_eq!(got.get(path), Some(hash), "{name}/{path}");
-        }
-        drop(mnt);
-    }
-    let log = std::fs::read_to_string(h.path("n1.log")).unwrap();
-    assert!(log.contains("copied a blob back from a backup"), "{log}");
-    // The nodes refill their replicas from the backup on their own (pin sync).
-    let mut c = m.client(None).await;
-    for n in &nodes {
-        let want: usize = {
-            let r = c
-                .list_node_blobs(locus_proto::pb::ListNodeBlobsRequest {
-                    node: n.id.clone(),
-                    page_token: vec![],
-                    limit: 0,
-                })
-                .await
-                .unwrap()
-                .into_inner();
-            r.blobs.iter().filter(|b| b.size > 0).count()
-        };
-        assert!(want > 0);
-        wait_until(&format!("{} to refill", n.id), Duration::from_secs(60), || {
-            let have = n.blob_files().len();
-            async move { (have >= want).then_some(()) }
-        })
-        .await;
-    }
+        r["snapshot"].as_str().unwrap(),
+        &expect,
+        &[&a, &b],
+        ("text", 6 * 300_000),
+    )
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn backup_to_s3_survives_the_server_dying_and_resumes() {
+async fn backup_to_s3_survives_the_server_dying_resumes_and_restores() {
     let h = Harness::new("backup-s3");
     let mut weed = h.start_weed().await;
     // The nodes (which upload) and the CLI inherit the S3 settings.
     for (k, v) in weed.env() {
         std::env::set_var(k, v);
     }
-    let (m, _nodes) = cluster(&h, 3, NodeOpts::host).await;
+    let (mut m, mut nodes) = cluster(&h, 3, NodeOpts::host).await;
     let small = h.path("src-small");
     make_tree(&small, 20);
     let o = import(&m, "small", &small, &["--replicas", "2"]);
@@ -501,6 +425,19 @@ async fn backup_to_s3_survives_the_server_dying_and_resumes() {
     assert_eq!(v["snapshot"], r2["snapshot"]);
     assert_eq!(u(&v, "blobs_checked"), u(&r2, "blobs"));
     assert!(v["missing"].as_array().unwrap().is_empty() && v["corrupt"].as_array().unwrap().is_empty());
+
+    // And the drill, from S3.
+    let expect = [("small", tree(&small)), ("big", tree(&big))];
+    drill(
+        &mut m,
+        &mut nodes,
+        url,
+        r2["snapshot"].as_str().unwrap(),
+        &expect,
+        &[&small, &big],
+        ("big", files * 200_000),
+    )
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -538,4 +475,103 @@ async fn a_corrupt_copy_on_a_node_is_sent_from_another_replica() {
     let v = json(&m.cli(&["backup", "verify", "--to", &url, "--json"]));
     assert!(v["corrupt"].as_array().unwrap().is_empty() && v["missing"].as_array().unwrap().is_empty());
     assert!(nodes[0].quarantined() > 0);
+}
+
+/// The restore drill: the metadata service, every node's disk and the import sources are
+/// lost; the newest snapshot at `url` is restored, a client without a node mounts
+/// `remote` (dataset, bytes) and reads it all from the backup, then the nodes come back
+/// empty, every dataset is mounted through n1 and compared file by file with `expect`,
+/// and every node refills its replicas.
+async fn drill(
+    m: &mut Metadata,
+    nodes: &mut [Node],
+    url: &str,
+    snapshot: &str,
+    expect: &[(&str, BTreeMap<String, String>)],
+    sources: &[&Path],
+    remote: (&str, u64),
+) {
+    // Disaster: the metadata service, every node's disk and the import sources are gone.
+    m.kill9();
+    for n in nodes.iter_mut() {
+        n.daemon.kill9();
+        std::fs::remove_dir_all(&n.data_dir).unwrap();
+        std::fs::create_dir_all(&n.data_dir).unwrap();
+    }
+    for s in sources {
+        std::fs::remove_dir_all(s).unwrap();
+    }
+
+    // restore refuses a data dir that is in use, and changes nothing there.
+    let o = m.cli(&[
+        "restore",
+        "--from",
+        url,
+        "--data-dir",
+        m.data_dir.to_str().unwrap(),
+    ]);
+    assert!(!o.status.success());
+    assert!(stderr(&o).contains("not empty"), "{}", stderr(&o));
+    std::fs::remove_dir_all(&m.data_dir).unwrap();
+    let o = m.cli(&[
+        "restore",
+        "--from",
+        url,
+        "--data-dir",
+        m.data_dir.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stdout(&o).contains(snapshot), "{}", stdout(&o));
+
+    m.restart().await;
+    // With every node still down, a mount on a host without a node reads verified
+    // ranges straight from the backup.
+    {
+        let (name, total) = remote;
+        let want = &expect.iter().find(|e| e.0 == name).unwrap().1;
+        let mnt = m.mount("mnt-remote", name, None, &[]);
+        assert_eq!(&tree(&mnt.path), want);
+        mnt.status_when("every byte to come from the backup", |s| {
+            s["totals"]["bytes_origin"].as_u64() >= Some(total)
+        })
+        .await;
+    }
+    for n in nodes.iter_mut() {
+        n.restart().await;
+    }
+    // Mount every dataset through node n1 (which now holds nothing): every file must come
+    // back byte-identical, through the node, from the backup.
+    for (name, want) in expect {
+        let mnt = m.mount(&format!("mnt-{name}"), name, Some(&nodes[0]), &[]);
+        let got = tree(&mnt.path);
+        assert_eq!(got.len(), want.len(), "{name}: entries");
+        for (path, hash) in want {
+            assert_eq!(got.get(path), Some(hash), "{name}/{path}");
+        }
+        drop(mnt);
+    }
+    let log = std::fs::read_to_string(&nodes[0].daemon.log).unwrap();
+    assert!(log.contains("copied a blob back from a backup"), "{log}");
+    // The nodes refill their replicas from the backup on their own (pin sync).
+    let mut c = m.client(None).await;
+    for n in nodes.iter() {
+        let want: usize = {
+            let r = c
+                .list_node_blobs(locus_proto::pb::ListNodeBlobsRequest {
+                    node: n.id.clone(),
+                    page_token: vec![],
+                    limit: 0,
+                })
+                .await
+                .unwrap()
+                .into_inner();
+            r.blobs.iter().filter(|b| b.size > 0).count()
+        };
+        assert!(want > 0);
+        wait_until(&format!("{} to refill", n.id), Duration::from_secs(60), || {
+            let have = n.blob_files().len();
+            async move { (have >= want).then_some(()) }
+        })
+        .await;
+    }
 }
