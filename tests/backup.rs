@@ -441,9 +441,9 @@ async fn backup_to_s3_survives_the_server_dying_resumes_and_restores() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_corrupt_copy_on_a_node_is_sent_from_another_replica() {
+async fn bad_copies_and_dead_nodes_do_not_stop_a_backup() {
     let h = Harness::new("backup-corrupt");
-    let (m, nodes) = cluster(&h, 3, NodeOpts::host).await;
+    let (m, mut nodes) = cluster(&h, 3, NodeOpts::host).await;
     let src = h.path("src");
     std::fs::create_dir_all(&src).unwrap();
     let mut want = BTreeMap::new();
@@ -475,6 +475,36 @@ async fn a_corrupt_copy_on_a_node_is_sent_from_another_replica() {
     let v = json(&m.cli(&["backup", "verify", "--to", &url, "--json"]));
     assert!(v["corrupt"].as_array().unwrap().is_empty() && v["missing"].as_array().unwrap().is_empty());
     assert!(nodes[0].quarantined() > 0);
+
+    // A node dies: new blobs it was first replica for are sent by the other replica.
+    for i in 30..50u64 {
+        let data = pseudo_random(300 + i, 70_000);
+        want.insert(blake3::hash(&data).to_hex().to_string(), data.len() as u64);
+        std::fs::write(src.join(format!("f{i:02}")), data).unwrap();
+    }
+    let o = import(&m, "ds", &src, &["--replicas", "2", "--shard-size", "64KiB"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    nodes[2].daemon.kill9();
+    let c = m.client(None).await;
+    wait_until("n3 to be down", Duration::from_secs(30), || {
+        let mut c = c.clone();
+        async move {
+            let n = c
+                .list_nodes(locus_proto::pb::ListNodesRequest {})
+                .await
+                .ok()?
+                .into_inner()
+                .nodes;
+            n.iter()
+                .any(|n| n.id == "n3" && n.state == locus_proto::pb::NodeState::Down as i32)
+                .then_some(())
+        }
+    })
+    .await;
+    let r = json(&m.cli(&["backup", "run", "--to", &url, "--json"]));
+    assert_eq!(r["committed"], true);
+    assert_eq!(u(&r, "blobs_uploaded"), 20);
+    assert_eq!(stored_blobs(&target), want);
 }
 
 /// The restore drill: the metadata service, every node's disk and the import sources are
