@@ -181,8 +181,19 @@ async fn backups_to_a_directory_are_incremental_verified_and_collected() {
     let o = m.cli(&["backup", "verify", "--to", &url, "--sample", "0.25", "--json"]);
     let sampled: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
     assert!(u(&sampled, "blobs_checked") < u(&r3, "blobs"), "{sampled}");
-    std::fs::write(&vp, orig_v).unwrap();
-    std::fs::write(&gp, orig_g).unwrap();
+    // --repair has the nodes send both again; then everything verifies.
+    let o = m.cli(&["backup", "verify", "--to", &url, "--repair"]);
+    assert!(o.status.success(), "{}{}", stdout(&o), stderr(&o));
+    assert!(
+        stdout(&o).contains(&format!("repaired {victim}")),
+        "{}",
+        stdout(&o)
+    );
+    assert!(stdout(&o).contains(&format!("repaired {gone}")), "{}", stdout(&o));
+    assert_eq!(std::fs::read(&vp).unwrap(), orig_v);
+    assert_eq!(std::fs::read(&gp).unwrap(), orig_g);
+    let v = json(&m.cli(&["backup", "verify", "--to", &url, "--json"]));
+    assert!(v["corrupt"].as_array().unwrap().is_empty() && v["missing"].as_array().unwrap().is_empty());
 
     // Retention: drop beta, back up, keep only the newest snapshot. What remains is
     // exactly what that snapshot lists, plus what an in-progress backup has announced.

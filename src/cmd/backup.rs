@@ -93,6 +93,10 @@ pub struct VerifyArgs {
     /// Blobs read at once.
     #[arg(long, default_value_t = 8)]
     pub parallel: usize,
+    /// Mend what is found: nodes holding a missing or corrupt blob upload it again
+    /// (needs the metadata service and an admin token). Exit status 0 if all were mended.
+    #[arg(long)]
+    pub repair: bool,
 }
 
 #[derive(Args, Debug)]
@@ -341,7 +345,11 @@ async fn backup_inner(
     .await?;
 
     // 5. The nodes upload what is new, all at once.
-    send_blobs(cfg, &up, todo, t, a.parallel, report).await?;
+    let send = SendMode {
+        parallel: a.parallel,
+        overwrite: false,
+    };
+    send_blobs(cfg, &up, todo, t, send, report).await?;
 
     // 6. A collection that overlapped this run may have deleted a blob it skipped as
     //    present: check every blob of the snapshot and send what is missing.
@@ -350,7 +358,7 @@ async fn backup_inner(
     if overlapped {
         tracing::info!("a garbage collection ran during this backup; re-checking every blob");
         let mut again = RunReport::default();
-        send_blobs(cfg, &up, plan.blobs.iter().collect(), t, a.parallel, &mut again).await?;
+        send_blobs(cfg, &up, plan.blobs.iter().collect(), t, send, &mut again).await?;
         report.blobs_uploaded += again.blobs_uploaded;
         report.bytes_uploaded += again.bytes_uploaded;
     }
@@ -418,7 +426,7 @@ async fn send_blobs(
     up: &HashMap<String, String>,
     blobs: Vec<&locus_metadata::snapshot::PlannedBlob>,
     t: &Target,
-    parallel: u32,
+    send: SendMode,
     report: &mut RunReport,
 ) -> anyhow::Result<()> {
     let by_hash: HashMap<BlobHash, &locus_metadata::snapshot::PlannedBlob> =
@@ -446,7 +454,7 @@ async fn send_blobs(
                 size: b.size,
             });
         }
-        let (sums, failed) = upload_from_nodes(cfg, up, &per_node, t, parallel).await?;
+        let (sums, failed) = upload_from_nodes(cfg, up, &per_node, t, send).await?;
         report.blobs_uploaded += sums.0;
         report.bytes_uploaded += sums.1;
         report.blobs_skipped += sums.2;
@@ -461,6 +469,14 @@ async fn send_blobs(
 
 type Sums = (u64, u64, u64, u64);
 
+/// How nodes upload: uploads in flight per node, and whether to replace objects already
+/// in the target (to mend corrupt ones) instead of skipping them.
+#[derive(Debug, Clone, Copy)]
+struct SendMode {
+    parallel: u32,
+    overwrite: bool,
+}
+
 /// Every node uploads its share at once; returns (blobs uploaded, bytes uploaded, blobs
 /// found already stored, their bytes) and the blobs a node could not read (hash, node,
 /// why). Fails if any node or the target fails, naming each.
@@ -469,7 +485,7 @@ async fn upload_from_nodes(
     up: &HashMap<String, String>,
     per_node: &BTreeMap<String, Vec<nodepb::BlobRef>>,
     t: &Target,
-    parallel: u32,
+    send: SendMode,
 ) -> anyhow::Result<(Sums, Vec<(BlobHash, String, String)>)> {
     let total: u64 = per_node.values().flatten().map(|b| b.size).sum();
     if total == 0 && per_node.values().all(Vec::is_empty) {
@@ -491,8 +507,8 @@ async fn upload_from_nodes(
                     .upload_blobs(nodepb::UploadBlobsRequest {
                         target: url,
                         blobs,
-                        skip_existing: true,
-                        parallel,
+                        skip_existing: !send.overwrite,
+                        parallel: send.parallel,
                     })
                     .await
                     .map_err(|s| anyhow::anyhow!("{}", s.message()))?
@@ -600,6 +616,8 @@ struct VerifyReport {
     bytes_checked: u64,
     missing: Vec<String>,
     corrupt: Vec<String>,
+    /// Blobs uploaded again from the cluster (--repair).
+    repaired: Vec<String>,
     duration_s: f64,
 }
 
@@ -668,8 +686,24 @@ async fn verify(a: VerifyArgs, cfg: &Resolved) -> anyhow::Result<()> {
         }
     }
     progress.finish();
+    let mut repair_error = None;
+    if a.repair && (!report.missing.is_empty() || !report.corrupt.is_empty()) {
+        let bad: Vec<BlobHash> = report
+            .missing
+            .iter()
+            .chain(&report.corrupt)
+            .filter_map(|s| BlobHash::from_hex(&s[..64.min(s.len())]).ok())
+            .collect();
+        match repair(cfg, &t, &list, &bad).await {
+            Ok(()) => report.repaired = bad.iter().map(BlobHash::to_hex).collect(),
+            Err(e) => repair_error = Some(e),
+        }
+    }
     report.duration_s = start.elapsed().as_secs_f64();
-    let bad = !report.catalog_ok || !report.missing.is_empty() || !report.corrupt.is_empty();
+    let mended = |h: &String| report.repaired.iter().any(|r| h.starts_with(r.as_str()));
+    let bad = !report.catalog_ok
+        || report.missing.iter().any(|h| !mended(h))
+        || report.corrupt.iter().any(|h| !mended(h));
     if cfg.json {
         output::json(&report)?;
     } else {
@@ -694,11 +728,60 @@ async fn verify(a: VerifyArgs, cfg: &Resolved) -> anyhow::Result<()> {
         for h in &report.corrupt {
             println!("corrupt  {h}");
         }
+        for h in &report.repaired {
+            println!("repaired {h}");
+        }
+    }
+    if let Some(e) = repair_error {
+        return Err(e.context(format!(
+            "snapshot {} failed verification and repair",
+            report.snapshot
+        )));
     }
     if bad {
         bail!("snapshot {} failed verification", report.snapshot);
     }
     Ok(())
+}
+
+/// Has the nodes holding `bad` upload them again, replacing what the target holds.
+async fn repair(cfg: &Resolved, t: &Target, list: &BlobList, bad: &[BlobHash]) -> anyhow::Result<()> {
+    let mut m = cfg.connect().await?;
+    let nodes = m.list_nodes(pb::ListNodesRequest {}).await.or_status()?.nodes;
+    let up: HashMap<String, String> = nodes
+        .into_iter()
+        .filter(|n| n.state == pb::NodeState::Up as i32)
+        .map(|n| (n.id, n.address))
+        .collect();
+    let mut planned = Vec::new();
+    for chunk in bad.chunks(1000) {
+        let found = m
+            .locate_blobs(pb::LocateBlobsRequest {
+                hashes: chunk.iter().map(|h| h.0.to_vec()).collect(),
+            })
+            .await
+            .or_status()?
+            .blobs;
+        for (h, loc) in chunk.iter().zip(found) {
+            let size = list
+                .0
+                .binary_search_by(|(x, _)| x.0.cmp(&h.0))
+                .map(|i| list.0[i].1)
+                .unwrap_or(0);
+            planned.push(locus_metadata::snapshot::PlannedBlob {
+                hash: *h,
+                size,
+                chunk_size: 0,
+                replicas: loc.nodes,
+            });
+        }
+    }
+    let send = SendMode {
+        parallel: 4,
+        overwrite: true,
+    };
+    let mut report = RunReport::default();
+    send_blobs(cfg, &up, planned.iter().collect(), t, send, &mut report).await
 }
 
 async fn gc(a: GcArgs, cfg: &Resolved) -> anyhow::Result<()> {

@@ -209,6 +209,7 @@ pub async fn run(a: DemoArgs, cfg: &Resolved) -> anyhow::Result<()> {
             snapshot: None,
             sample: 1.0,
             parallel: 8,
+            repair: false,
         }),
         &demo_cfg,
     )
