@@ -17,6 +17,15 @@ fn json(o: &std::process::Output) -> serde_json::Value {
     serde_json::from_slice(&o.stdout).unwrap_or_else(|e| panic!("{e}: {}", stdout(o)))
 }
 
+/// Field `k` of every element of a JSON array of objects.
+fn column<'a>(v: &'a serde_json::Value, k: &str) -> Vec<&'a str> {
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|s| s[k].as_str().unwrap())
+        .collect()
+}
+
 fn u(v: &serde_json::Value, k: &str) -> u64 {
     v[k].as_u64().unwrap_or_else(|| panic!("no {k} in {v}"))
 }
@@ -253,12 +262,7 @@ async fn backups_to_a_directory_are_incremental_verified_and_collected() {
     assert_eq!(left, expect);
     assert!(u(&g, "blobs_deleted") > 5);
     let list = json(&m.cli(&["backup", "list", "--to", &url, "--json"]));
-    let ids: Vec<&str> = list
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|s| s["id"].as_str().unwrap())
-        .collect();
+    let ids = column(&list, "id");
     assert_eq!(ids, vec![newest.as_str(), running]);
     // The kept snapshot is still whole.
     std::fs::remove_dir_all(&running_dir).unwrap();
@@ -415,12 +419,7 @@ async fn backup_to_s3_survives_the_server_dying_resumes_and_restores() {
     assert_eq!(v["snapshot"], first.as_str());
     assert!(v["missing"].as_array().unwrap().is_empty() && v["corrupt"].as_array().unwrap().is_empty());
     let list = json(&m.cli(&["backup", "list", "--to", url, "--json"]));
-    let states: Vec<&str> = list
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|s| s["state"].as_str().unwrap())
-        .collect();
+    let states = column(&list, "state");
     assert_eq!(states, vec!["committed", "incomplete"]);
 
     // The rerun sends only what had not arrived.
@@ -458,11 +457,15 @@ async fn bad_copies_and_dead_nodes_do_not_stop_a_backup() {
     let src = h.path("src");
     std::fs::create_dir_all(&src).unwrap();
     let mut want = BTreeMap::new();
-    for i in 0..30u64 {
-        let data = pseudo_random(300 + i, 70_000);
-        want.insert(blake3::hash(&data).to_hex().to_string(), data.len() as u64);
-        std::fs::write(src.join(format!("f{i:02}")), data).unwrap();
-    }
+    // Files f{i} of 70,000 distinct bytes; `want` collects their hashes and sizes.
+    let write = |want: &mut BTreeMap<String, u64>, range: std::ops::Range<u64>| {
+        for i in range {
+            let data = pseudo_random(300 + i, 70_000);
+            want.insert(blake3::hash(&data).to_hex().to_string(), data.len() as u64);
+            std::fs::write(src.join(format!("f{i:02}")), data).unwrap();
+        }
+    };
+    write(&mut want, 0..30);
     // Small shards: every node is first replica of some of them.
     let o = import(&m, "ds", &src, &["--replicas", "2", "--shard-size", "64KiB"]);
     assert!(o.status.success(), "{}", stderr(&o));
@@ -488,30 +491,11 @@ async fn bad_copies_and_dead_nodes_do_not_stop_a_backup() {
     assert!(nodes[0].quarantined() > 0);
 
     // A node dies: new blobs it was first replica for are sent by the other replica.
-    for i in 30..50u64 {
-        let data = pseudo_random(300 + i, 70_000);
-        want.insert(blake3::hash(&data).to_hex().to_string(), data.len() as u64);
-        std::fs::write(src.join(format!("f{i:02}")), data).unwrap();
-    }
+    write(&mut want, 30..50);
     let o = import(&m, "ds", &src, &["--replicas", "2", "--shard-size", "64KiB"]);
     assert!(o.status.success(), "{}", stderr(&o));
     nodes[2].daemon.kill9();
-    let c = m.client(None).await;
-    wait_until("n3 to be down", Duration::from_secs(30), || {
-        let mut c = c.clone();
-        async move {
-            let n = c
-                .list_nodes(locus_proto::pb::ListNodesRequest {})
-                .await
-                .ok()?
-                .into_inner()
-                .nodes;
-            n.iter()
-                .any(|n| n.id == "n3" && n.state == locus_proto::pb::NodeState::Down as i32)
-                .then_some(())
-        }
-    })
-    .await;
+    wait_node_down(&m, "n3").await;
     let r = json(&m.cli(&["backup", "run", "--to", &url, "--json"]));
     assert_eq!(r["committed"], true);
     assert_eq!(u(&r, "blobs_uploaded"), 20);

@@ -5,7 +5,6 @@ mod support;
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
-use std::time::Duration;
 
 use support::*;
 
@@ -426,23 +425,7 @@ async fn warm_copies_a_version_onto_chosen_nodes_and_resumes() {
     assert!(!out.status.success());
     assert!(stderr(&out).contains("no node named nope"), "{}", stderr(&out));
     nodes[2].daemon.kill9();
-    let opts = m.client_options(None);
-    wait_until("n3 to be down", Duration::from_secs(30), || {
-        let opts = opts.clone();
-        async move {
-            let mut c = locus_proto::client::connect(&opts).await.ok()?;
-            let n = c
-                .list_nodes(locus_proto::pb::ListNodesRequest {})
-                .await
-                .ok()?
-                .into_inner()
-                .nodes;
-            n.iter()
-                .any(|n| n.id == "n3" && n.state == locus_proto::pb::NodeState::Down as i32)
-                .then_some(())
-        }
-    })
-    .await;
+    wait_node_down(&m, "n3").await;
     let out = m.cli(&["warm", "ds@1", "--nodes", "n3"]);
     assert!(!out.status.success());
     assert!(stderr(&out).contains("n3 is down"), "{}", stderr(&out));

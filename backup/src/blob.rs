@@ -142,6 +142,36 @@ pub async fn read_range(t: &Target, h: &BlobHash, offset: u64, len: u64) -> Resu
         .map_err(|e| BackupError::store(format!("cannot read {}", t.describe(&key)), e))
 }
 
+/// Streams any object into `out` (if given) while hashing it: (bytes, BLAKE3). Large
+/// objects (a snapshot's catalogue) are never held in memory.
+pub async fn download(
+    t: &Target,
+    key: &object_store::path::Path,
+    mut out: Option<&mut std::fs::File>,
+) -> Result<(u64, BlobHash)> {
+    use std::io::Write;
+    let what = || format!("cannot read {}", t.describe(key));
+    let r = t
+        .store
+        .get(key)
+        .await
+        .map_err(|e| BackupError::store(what(), e))?;
+    let mut s = std::pin::pin!(r.into_stream());
+    let mut hasher = blake3::Hasher::new();
+    let mut n = 0u64;
+    while let Some(piece) = s.next().await {
+        let piece = piece.map_err(|e| BackupError::store(what(), e))?;
+        hasher.update(&piece);
+        n += piece.len() as u64;
+        if let Some(f) = out.as_deref_mut() {
+            f.write_all(&piece).map_err(|e| {
+                BackupError::Invalid(format!("writing a local copy of {}: {e}", t.describe(key)))
+            })?;
+        }
+    }
+    Ok((n, BlobHash(*hasher.finalize().as_bytes())))
+}
+
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Check {
     Ok,

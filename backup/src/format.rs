@@ -26,7 +26,7 @@ pub fn now_ms() -> i64 {
 pub fn new_snapshot_id(ms: i64) -> String {
     let secs = ms.div_euclid(1000);
     let (days, rem) = (secs.div_euclid(86_400), secs.rem_euclid(86_400));
-    let (y, m, d) = civil_from_days(days);
+    let (y, m, d) = locus_proto::human::civil_from_days(days);
     let nonce =
         blake3::hash(format!("{ms}.{}.{:?}", std::process::id(), std::thread::current().id()).as_bytes());
     format!(
@@ -37,20 +37,6 @@ pub fn new_snapshot_id(ms: i64) -> String {
         ms.rem_euclid(1000),
         &nonce.to_hex()[..6]
     )
-}
-
-/// Days since 1970-01-01 → (year, month, day), proleptic Gregorian (H. Hinnant's algorithm).
-pub fn civil_from_days(z: i64) -> (i64, u32, u32) {
-    let z = z + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z.rem_euclid(146_097);
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let d = (doy - (153 * mp + 2) / 5 + 1) as u32;
-    let m = if mp < 10 { mp + 3 } else { mp - 9 } as u32;
-    let y = yoe + era * 400 + i64::from(m <= 2);
-    (y, m, d)
 }
 
 /// Snapshot ids are made by `new_snapshot_id`; anything else is refused before it can
@@ -353,7 +339,6 @@ mod tests {
         check_snapshot_id(&a).unwrap();
         assert!(check_snapshot_id("../x").is_err());
         assert!(check_snapshot_id("").is_err());
-        assert_eq!(civil_from_days(0), (1970, 1, 1));
-        assert_eq!(civil_from_days(20_786), (2026, 11, 29));
+        assert_eq!(locus_proto::human::civil_from_days(20_786), (2026, 11, 29));
     }
 }

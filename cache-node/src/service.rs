@@ -67,6 +67,11 @@ fn hash(b: &[u8]) -> Result<BlobHash, Status> {
     Ok(BlobHash::from_slice("hash", b)?)
 }
 
+/// (hash, size) of each requested blob; a malformed hash refuses the whole request.
+fn blob_refs(refs: &[nodepb::BlobRef]) -> Result<Vec<(BlobHash, u64)>, Status> {
+    refs.iter().map(|b| hash(&b.hash).map(|h| (h, b.size))).collect()
+}
+
 type BlobStream = Pin<Box<dyn Stream<Item = Result<nodepb::BlobData, Status>> + Send>>;
 
 /// Streams `[offset, offset+len)` of a local blob into a channel, verified chunk by chunk.
@@ -182,6 +187,21 @@ async fn upload_one(
     Ok(true)
 }
 
+/// Starts storing blob `h` (None if it is here already), off the async threads.
+async fn begin_write(
+    store: &Arc<BlobStore>,
+    h: BlobHash,
+    size: u64,
+    chunk_size: u32,
+    pin: bool,
+) -> Result<Option<crate::store::BlobWriter>, Status> {
+    let st = store.clone();
+    tokio::task::spawn_blocking(move || st.begin_write(h, size, chunk_size, pin))
+        .await
+        .map_err(|e| Status::internal(e.to_string()))?
+        .map_err(to_status)
+}
+
 /// Copies one blob from a backup target into the local store; the store's writer checks
 /// every chunk and the whole blob against its name before it becomes visible.
 pub async fn fetch_from_backup(
@@ -192,12 +212,7 @@ pub async fn fetch_from_backup(
     chunk_size: u32,
     pin: bool,
 ) -> Result<bool, Status> {
-    let st = store.clone();
-    let writer = tokio::task::spawn_blocking(move || st.begin_write(h, size, chunk_size, pin))
-        .await
-        .map_err(|e| Status::internal(e.to_string()))?
-        .map_err(to_status)?;
-    let Some(writer) = writer else {
+    let Some(writer) = begin_write(store, h, size, chunk_size, pin).await? else {
         return Ok(false);
     };
     let data = locus_backup::blob::read(target, &h)
@@ -267,12 +282,7 @@ pub async fn fetch_from_peer(
     pin: bool,
     idle: Duration,
 ) -> Result<bool, Status> {
-    let st = store.clone();
-    let writer = tokio::task::spawn_blocking(move || st.begin_write(h, size, chunk_size, pin))
-        .await
-        .map_err(|e| Status::internal(e.to_string()))?
-        .map_err(to_status)?;
-    let Some(writer) = writer else {
+    let Some(writer) = begin_write(store, h, size, chunk_size, pin).await? else {
         return Ok(false);
     };
     let mut stream = open_read(
@@ -430,11 +440,7 @@ impl Node for NodeService {
         req: Request<nodepb::FetchBlobsRequest>,
     ) -> Result<Response<nodepb::FetchBlobsResponse>, Status> {
         let q = req.into_inner();
-        let blobs = q
-            .blobs
-            .iter()
-            .map(|b| hash(&b.hash).map(|h| (h, b.size)))
-            .collect::<Result<Vec<_>, _>>()?;
+        let blobs = blob_refs(&q.blobs)?;
         let peer =
             locus_proto::client::connect_node(&q.source, self.token.as_deref(), Duration::from_secs(5))
                 .await
@@ -638,11 +644,7 @@ impl Node for NodeService {
         req: Request<nodepb::UploadBlobsRequest>,
     ) -> Result<Response<Self::UploadBlobsStream>, Status> {
         let q = req.into_inner();
-        let blobs = q
-            .blobs
-            .iter()
-            .map(|b| hash(&b.hash).map(|h| (h, b.size)))
-            .collect::<Result<Vec<_>, _>>()?;
+        let blobs = blob_refs(&q.blobs)?;
         let target = self.peers.target(&q.target)?;
         let parallel = if q.parallel == 0 { 4 } else { q.parallel.min(64) } as usize;
         let (tx, rx) = mpsc::channel(16);

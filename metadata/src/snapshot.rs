@@ -49,20 +49,10 @@ pub type Result<T, E = SnapshotError> = std::result::Result<T, E>;
 /// One exported row: (table, key, value).
 pub type Row = (Table, Vec<u8>, Vec<u8>);
 
-/// The tables a snapshot carries, in export order.
-pub const EXPORTED: [Table; 11] = [
-    Table::Meta,
-    Table::Nodes,
-    Table::Datasets,
-    Table::Versions,
-    Table::Entries,
-    Table::Shards,
-    Table::NodeShards,
-    Table::Resident,
-    Table::Backups,
-    Table::ShardBlobs,
-    Table::BlobShards,
-];
+/// The tables a snapshot carries, in export order: all but `sessions`.
+pub fn exported() -> Vec<Table> {
+    Table::ALL.into_iter().filter(|t| *t != Table::Sessions).collect()
+}
 
 fn table_named(name: &str) -> Option<Table> {
     Table::ALL.iter().copied().find(|t| t.name() == name)
@@ -113,7 +103,7 @@ pub fn export(store: &dyn KvStore, out: &mut dyn Write) -> Result<ExportStats> {
     let mut rows = 0u64;
     let mut current: Option<Table> = None;
     let io = |e: std::io::Error| StoreError::Io(format!("writing the export: {e}"));
-    store.export(&EXPORTED, &mut |t, k, v| {
+    store.export(&exported(), &mut |t, k, v| {
         // An open session's uid leads its rows, except in blob_shards (after the hash).
         let uid = match t {
             Table::Entries | Table::Shards | Table::ShardBlobs => k.get(..8),
@@ -229,7 +219,7 @@ impl<R: Read> Reader<R> {
                     self.read(&mut name)?;
                     let name = String::from_utf8_lossy(&name).into_owned();
                     let t = table_named(&name)
-                        .filter(|t| EXPORTED.contains(t))
+                        .filter(|t| *t != Table::Sessions)
                         .ok_or_else(|| SnapshotError::Corrupt(format!("unknown table {name:?}")))?;
                     self.table = Some(t);
                 }

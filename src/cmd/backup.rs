@@ -240,13 +240,16 @@ async fn backup_inner(
     let mut stream = m.export_catalog(pb::ExportCatalogRequest {}).await.or_status()?;
     let mut hasher = blake3::Hasher::new();
     let mut catalog_bytes = 0u64;
+    let exporting = Progress::new("exporting the catalogue", 0);
     while let Some(c) = stream.next().await {
         let c = c.map_err(output::status_error).context("catalogue export")?;
         hasher.update(&c.data);
         catalog_bytes += c.data.len() as u64;
+        exporting.done.fetch_add(c.data.len() as u64, Ordering::Relaxed);
         file.write_all(&c.data)
             .context("writing the catalogue to a temp file")?;
     }
+    exporting.finish();
     let catalog_hash = BlobHash(*hasher.finalize().as_bytes());
     report.catalog_bytes = catalog_bytes;
 
@@ -258,12 +261,7 @@ async fn backup_inner(
         Ok::<_, anyhow::Error>(locus_metadata::snapshot::plan(reader)?)
     })
     .await??;
-    let nodes = m.list_nodes(pb::ListNodesRequest {}).await.or_status()?.nodes;
-    let up: HashMap<String, String> = nodes
-        .into_iter()
-        .filter(|n| n.state == pb::NodeState::Up as i32)
-        .map(|n| (n.id, n.address))
-        .collect();
+    let up = live_nodes(&mut m).await?;
     let list = BlobList::from_unsorted(plan.blobs.iter().map(|b| (b.hash, b.size)).collect());
     report.datasets = plan.datasets.len();
     report.versions = plan.datasets.values().map(|d| d.0.len()).sum();
@@ -397,6 +395,16 @@ async fn backup_inner(
         report.gc = Some(locus_backup::gc::collect(t, p, Duration::from_secs(86_400), false).await?);
     }
     Ok(())
+}
+
+/// Live nodes: id → address.
+async fn live_nodes(m: &mut locus_proto::client::MetadataClient) -> anyhow::Result<HashMap<String, String>> {
+    let nodes = m.list_nodes(pb::ListNodesRequest {}).await.or_status()?.nodes;
+    Ok(nodes
+        .into_iter()
+        .filter(|n| n.state == pb::NodeState::Up as i32)
+        .map(|n| (n.id, n.address))
+        .collect())
 }
 
 /// A tokio file as a stream of 1 MiB pieces.
@@ -637,14 +645,10 @@ async fn verify(a: VerifyArgs, cfg: &Resolved) -> anyhow::Result<()> {
         ..Default::default()
     };
     let cat = BlobHash::from_hex(&manifest.catalog_blake3).map_err(|e| anyhow::anyhow!("{e}"))?;
-    report.catalog_ok = {
-        let key = t.snapshot_key(&snap.id, "catalog");
-        let data = t.get_bytes(&key).await;
-        match data {
-            Ok(d) => d.len() as u64 == manifest.catalog_bytes && blake3::hash(&d).as_bytes() == &cat.0,
-            Err(e) if e.is_not_found() => false,
-            Err(e) => return Err(e.into()),
-        }
+    report.catalog_ok = match blob::download(&t, &t.snapshot_key(&snap.id, "catalog"), None).await {
+        Ok((n, h)) => n == manifest.catalog_bytes && h == cat,
+        Err(e) if e.is_not_found() => false,
+        Err(e) => return Err(e.into()),
     };
     let list = t.blob_list(&snap.id).await?;
     report.blobs_total = list.0.len() as u64;
@@ -747,12 +751,7 @@ async fn verify(a: VerifyArgs, cfg: &Resolved) -> anyhow::Result<()> {
 /// Has the nodes holding `bad` upload them again, replacing what the target holds.
 async fn repair(cfg: &Resolved, t: &Target, list: &BlobList, bad: &[BlobHash]) -> anyhow::Result<()> {
     let mut m = cfg.connect().await?;
-    let nodes = m.list_nodes(pb::ListNodesRequest {}).await.or_status()?.nodes;
-    let up: HashMap<String, String> = nodes
-        .into_iter()
-        .filter(|n| n.state == pb::NodeState::Up as i32)
-        .map(|n| (n.id, n.address))
-        .collect();
+    let up = live_nodes(&mut m).await?;
     let mut planned = Vec::new();
     for chunk in bad.chunks(1000) {
         let found = m
@@ -821,10 +820,10 @@ pub async fn restore(a: RestoreArgs, cfg: &Resolved) -> anyhow::Result<()> {
         .manifest
         .clone()
         .with_context(|| format!("snapshot {} has no manifest.json", snap.id))?;
-    let data = t.get_bytes(&t.snapshot_key(&snap.id, "catalog")).await?;
-    if data.len() as u64 != manifest.catalog_bytes
-        || blake3::hash(&data).to_hex().as_str() != manifest.catalog_blake3
-    {
+    // Downloaded to a temp file and checked whole before anything is written.
+    let mut file = tempfile::tempfile().context("cannot create a temp file for the catalogue")?;
+    let (n, h) = blob::download(&t, &t.snapshot_key(&snap.id, "catalog"), Some(&mut file)).await?;
+    if n != manifest.catalog_bytes || h.to_hex() != manifest.catalog_blake3 {
         bail!(
             "the catalogue of snapshot {} does not match its manifest (damaged); try an older \
              snapshot with --snapshot",
@@ -837,7 +836,9 @@ pub async fn restore(a: RestoreArgs, cfg: &Resolved) -> anyhow::Result<()> {
     let db2 = db.clone();
     let r = tokio::task::spawn_blocking(move || {
         let store = locus_metadata::store::RocksStore::open(&db2)?;
-        let st = locus_metadata::snapshot::restore(&data[..], &store, &url, &id)?;
+        use std::io::Seek;
+        file.rewind()?;
+        let st = locus_metadata::snapshot::restore(file, &store, &url, &id)?;
         Ok::<_, anyhow::Error>(st)
     })
     .await?;

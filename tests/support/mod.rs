@@ -816,6 +816,27 @@ pub async fn wait_moved_off(m: &Metadata, ds: &str, node: &str) {
     .await;
 }
 
+/// Waits until the metadata service reports `node` down.
+pub async fn wait_node_down(m: &Metadata, node: &str) {
+    let opts = m.client_options(m.token("admin"));
+    wait_until(&format!("{node} to be down"), Duration::from_secs(30), || {
+        let opts = opts.clone();
+        async move {
+            let mut c = locus_proto::client::connect(&opts).await.ok()?;
+            let n = c
+                .list_nodes(pb::ListNodesRequest {})
+                .await
+                .ok()?
+                .into_inner()
+                .nodes;
+            n.iter()
+                .any(|n| n.id == node && n.state == pb::NodeState::Down as i32)
+                .then_some(())
+        }
+    })
+    .await;
+}
+
 /// Every entry of a version, sorted by path.
 pub async fn all_entries(c: &mut MetadataClient, dataset: &str, version: u64) -> Vec<pb::Entry> {
     let (_, mut e) = locus_proto::client::list_all_entries(
@@ -867,13 +888,7 @@ impl Drop for S3Server {
 impl S3Server {
     /// The AWS_* variables a `locus` process needs to reach this server.
     pub fn env(&self) -> Vec<(&'static str, String)> {
-        vec![
-            ("AWS_ENDPOINT_URL", self.endpoint.clone()),
-            ("AWS_ALLOW_HTTP", "true".into()),
-            ("AWS_ACCESS_KEY_ID", S3_KEY.into()),
-            ("AWS_SECRET_ACCESS_KEY", S3_SECRET.into()),
-            ("AWS_REGION", "us-east-1".into()),
-        ]
+        s3_env(&self.endpoint)
     }
 
     /// An object_store client for `bucket`, creating the bucket.
@@ -1043,13 +1058,7 @@ impl Weed {
 
     /// The AWS_* variables a `locus` process needs to reach this server.
     pub fn env(&self) -> Vec<(&'static str, String)> {
-        vec![
-            ("AWS_ENDPOINT_URL", self.endpoint.clone()),
-            ("AWS_ALLOW_HTTP", "true".into()),
-            ("AWS_ACCESS_KEY_ID", S3_KEY.into()),
-            ("AWS_SECRET_ACCESS_KEY", S3_SECRET.into()),
-            ("AWS_REGION", "us-east-1".into()),
-        ]
+        s3_env(&self.endpoint)
     }
 
     /// The bucket every test uses (created at start).
@@ -1069,6 +1078,18 @@ impl Weed {
         assert!(self.child.is_none(), "kill it first");
         self.start().await;
     }
+}
+
+/// The AWS_* variables that point a `locus` process at the S3-compatible server at
+/// `endpoint` with the test credentials.
+pub fn s3_env(endpoint: &str) -> Vec<(&'static str, String)> {
+    vec![
+        ("AWS_ENDPOINT_URL", endpoint.to_string()),
+        ("AWS_ALLOW_HTTP", "true".into()),
+        ("AWS_ACCESS_KEY_ID", S3_KEY.into()),
+        ("AWS_SECRET_ACCESS_KEY", S3_SECRET.into()),
+        ("AWS_REGION", "us-east-1".into()),
+    ]
 }
 
 /// An object_store client for `bucket` on the S3-compatible server at `endpoint`, with
