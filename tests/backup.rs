@@ -406,6 +406,12 @@ async fn backup_to_s3_survives_the_server_dying_resumes_and_restores() {
     let err = stderr(&out);
     assert!(err.contains("was not committed"), "{err}");
     assert!(err.contains("rerun to resume"), "{err}");
+    // Credentials come from the environment and are never echoed, even in errors.
+    assert!(!err.contains(S3_SECRET) && !stdout(&out).contains(S3_SECRET));
+    for n in &nodes {
+        let log = std::fs::read_to_string(&n.daemon.log).unwrap();
+        assert!(!log.contains(S3_SECRET), "{} logged the secret", n.id);
+    }
 
     weed.restart().await;
     let stored = count(weed.bucket()).await;

@@ -189,6 +189,39 @@ mod tests {
     }
 
     #[test]
+    fn rocks_export_is_one_instant() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = RocksStore::open(dir.path()).unwrap();
+        let mut b = Batch::default();
+        b.put(Table::Entries, b"e1", b"old");
+        b.put(Table::Shards, b"s1", b"old");
+        s.write(b, true).unwrap();
+        let mut rows = Vec::new();
+        let mut wrote = false;
+        s.export(&[Table::Entries, Table::Shards], &mut |t, k, v| {
+            if !wrote {
+                // Writes landing while the export runs belong to the next one.
+                let mut b = Batch::default();
+                b.put(Table::Shards, b"s2", b"new");
+                b.put(Table::Shards, b"s1", b"changed");
+                s.write(b, true).unwrap();
+                wrote = true;
+            }
+            rows.push((t, k.to_vec(), v.to_vec()));
+            Ok(())
+        })
+        .unwrap();
+        assert_eq!(
+            rows,
+            vec![
+                (Table::Entries, b"e1".to_vec(), b"old".to_vec()),
+                (Table::Shards, b"s1".to_vec(), b"old".to_vec()),
+            ]
+        );
+        assert_eq!(s.get(Table::Shards, b"s1").unwrap().unwrap(), b"changed");
+    }
+
+    #[test]
     fn prefix_ends() {
         assert_eq!(prefix_end(b"ab"), Some(b"ac".to_vec()));
         assert_eq!(prefix_end(&[1, 0xff]), Some(vec![2]));
