@@ -353,6 +353,8 @@ async fn backup_to_s3_survives_the_server_dying_resumes_and_restores() {
     for (k, v) in weed.env() {
         std::env::set_var(k, v);
     }
+    // A server that stops answering should fail a run in seconds here, not minutes.
+    std::env::set_var("LOCUS_OBJECT_STORE_TIMEOUT", "2s");
     let (mut m, mut nodes) = cluster(&h, 3, NodeOpts::host).await;
     let small = h.path("src-small");
     make_tree(&small, 20);
@@ -440,6 +442,42 @@ async fn backup_to_s3_survives_the_server_dying_resumes_and_restores() {
     let v = json(&m.cli(&["backup", "verify", "--to", url, "--json"]));
     assert_eq!(v["snapshot"], r2["snapshot"]);
     assert_eq!(u(&v, "blobs_checked"), u(&r2, "blobs"));
+    assert!(v["missing"].as_array().unwrap().is_empty() && v["corrupt"].as_array().unwrap().is_empty());
+
+    // A server that stops answering (frozen, connections open) fails the run too, with
+    // nothing committed; once it answers again the last snapshot still verifies.
+    let more = h.path("src-more");
+    std::fs::create_dir_all(&more).unwrap();
+    for i in 0..400 {
+        std::fs::write(more.join(format!("m{i:03}")), pseudo_random(20_000 + i, 200_000)).unwrap();
+    }
+    let o = import(&m, "more", &more, &["--replicas", "2"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let before = count(weed.bucket()).await;
+    let child = run.spawn().unwrap();
+    wait_until(
+        "some blobs of the third dataset to arrive",
+        Duration::from_secs(60),
+        || {
+            let b = weed.bucket();
+            async move { (count(b).await >= before + 10).then_some(()) }
+        },
+    )
+    .await;
+    weed.sigstop();
+    let started = std::time::Instant::now();
+    let out = child.wait_with_output().unwrap();
+    let took = started.elapsed();
+    eprintln!("a frozen S3 server failed the run after {took:?}");
+    weed.sigcont();
+    assert!(!out.status.success(), "the run must fail: {}", stdout(&out));
+    assert!(stderr(&out).contains("was not committed"), "{}", stderr(&out));
+    assert!(
+        took < Duration::from_secs(60),
+        "a frozen server took {took:?} to fail the run"
+    );
+    let v = json(&m.cli(&["backup", "verify", "--to", url, "--json"]));
+    assert_eq!(v["snapshot"], r2["snapshot"]);
     assert!(v["missing"].as_array().unwrap().is_empty() && v["corrupt"].as_array().unwrap().is_empty());
 
     // And the drill, from S3.

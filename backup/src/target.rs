@@ -42,6 +42,18 @@ fn retry() -> object_store::RetryConfig {
     }
 }
 
+/// `LOCUS_OBJECT_STORE_TIMEOUT` (e.g. `10s`): how long one request may take before it
+/// is given up and retried (object_store's default is 30 s). A server that stops
+/// answering fails a backup after about five of these.
+fn request_timeout() -> Result<Option<String>> {
+    let Ok(v) = std::env::var("LOCUS_OBJECT_STORE_TIMEOUT") else {
+        return Ok(None);
+    };
+    let d = locus_proto::human::parse_duration(&v)
+        .map_err(|e| BackupError::Target(format!("LOCUS_OBJECT_STORE_TIMEOUT: {e}")))?;
+    Ok(Some(format!("{}ms", d.as_millis().max(1))))
+}
+
 impl Target {
     /// Opens `url`. A `file://` target directory is created when missing.
     pub fn open(url: &str) -> Result<Target> {
@@ -69,9 +81,15 @@ impl Target {
             if bucket.is_empty() {
                 return Err(BackupError::Target(format!("{url}: no bucket name")));
             }
-            let store = object_store::aws::AmazonS3Builder::from_env()
+            let mut b = object_store::aws::AmazonS3Builder::from_env()
                 .with_bucket_name(bucket)
-                .with_retry(retry())
+                .with_retry(retry());
+            if let Some(t) = request_timeout()? {
+                use object_store::aws::AmazonS3ConfigKey;
+                use object_store::ClientConfigKey;
+                b = b.with_config(AmazonS3ConfigKey::Client(ClientConfigKey::Timeout), t);
+            }
+            let store = b
                 .build()
                 .map_err(|e| BackupError::Target(format!("cannot set up access to {url}: {e}")))?;
             return Ok(Target {

@@ -1073,6 +1073,15 @@ impl Weed {
         }
     }
 
+    /// Freezes it: connections stay open, nothing answers.
+    pub fn sigstop(&self) {
+        signal(self.child.as_ref().expect("running"), libc::SIGSTOP);
+    }
+
+    pub fn sigcont(&self) {
+        signal(self.child.as_ref().expect("running"), libc::SIGCONT);
+    }
+
     /// Starts it again on the same data and ports.
     pub async fn restart(&mut self) {
         assert!(self.child.is_none(), "kill it first");
