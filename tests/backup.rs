@@ -284,6 +284,26 @@ async fn backups_to_a_directory_are_incremental_verified_and_collected() {
     );
     assert_eq!(r5["gc"]["snapshots_deleted"], serde_json::json!([newest.clone()]));
 
+    // A garbage collection that overlaps a run may delete a blob the run skipped as already
+    // stored (its previous snapshot listed it). Here: a collection is "running" when the
+    // run starts and has deleted one such blob. The run re-checks every blob before it
+    // commits and sends the missing one again.
+    let latest = r5["snapshot"].as_str().unwrap();
+    let victim = listed_blobs(&target, latest).into_iter().next().unwrap();
+    let vp = target.join("blobs").join(&victim[..2]).join(&victim);
+    std::fs::remove_file(&vp).unwrap();
+    std::fs::write(
+        target.join("gc/STATE"),
+        r#"{"id":"other","running":true,"started_ms":0}"#,
+    )
+    .unwrap();
+    let r6 = backup(&m, &url, &[]);
+    assert_eq!(r6["committed"], true);
+    assert_eq!(u(&r6, "blobs_uploaded"), 1, "{r6}");
+    assert!(vp.exists());
+    let v = json(&m.cli(&["backup", "verify", "--to", &url, "--json"]));
+    assert!(v["missing"].as_array().unwrap().is_empty());
+
     // Bad input: a target that is not a URL, an unknown snapshot, no target at all.
     let o = m.cli(&["backup", "run", "--to", "/not/a/url"]);
     assert!(!o.status.success());
