@@ -53,7 +53,8 @@ enum Command {
     /// Back the cluster up to object storage; list, verify and prune backups.
     #[command(subcommand)]
     Backup(cmd::backup::BackupCmd),
-    /// Rebuild a metadata service's data dir from a backup snapshot (into an empty dir).
+    /// Bring a cluster back from a backup snapshot: the whole metadata service (into an
+    /// empty data dir), or one dataset version into the running cluster.
     Restore(cmd::backup::RestoreArgs),
     /// Mount a dataset version as a read-only file tree (returns once it is readable).
     Mount(Box<cmd::mount::MountArgs>),

@@ -363,6 +363,46 @@ async fn restore_drill_brings_every_byte_back_from_the_backup() {
         ("text", 6 * 300_000),
     )
     .await;
+
+    // Someone deletes a dataset: it comes back from the backup into the running cluster,
+    // as its next version (numbers are never reused), identical to the original.
+    let o = m.cli(&["dataset", "rm", "text", "--all-versions"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let o = m.cli(&["restore", "--from", &url, "--dataset", "text@1", "--json"]);
+    let r = json(&o);
+    assert_eq!(r["dataset"], "text");
+    assert_eq!(r["version"], 2);
+    assert_eq!(r["replicas"], 2);
+    // Each replica's blobs were written to its node: from the backup, or found cached there.
+    assert_eq!(u(&r, "uploaded_bytes") + u(&r, "skipped_bytes"), 2 * 6 * 300_000);
+    let mnt = m.mount("mnt-text-2", "text@2", Some(&nodes[1]), &[]);
+    assert_eq!(tree(&mnt.path), expect[1].1);
+    drop(mnt);
+    // Under another name, and refusals: a version the snapshot lacks, both modes at once.
+    let o = m.cli(&[
+        "restore",
+        "--from",
+        &url,
+        "--dataset",
+        "images",
+        "--as",
+        "images-copy",
+        "--json",
+    ]);
+    assert_eq!(json(&o)["version"], 1);
+    let o = m.cli(&["restore", "--from", &url, "--dataset", "text@7"]);
+    assert!(!o.status.success());
+    assert!(stderr(&o).contains("does not hold text@7"), "{}", stderr(&o));
+    let o = m.cli(&[
+        "restore",
+        "--from",
+        &url,
+        "--dataset",
+        "text",
+        "--data-dir",
+        "/tmp/x",
+    ]);
+    assert!(!o.status.success());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

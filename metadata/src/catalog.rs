@@ -1906,7 +1906,7 @@ fn entry_record(e: &Entry) -> EntryRecord {
     r
 }
 
-fn entry_pb(path: String, r: EntryRecord, with_chunks: bool) -> pb::Entry {
+pub(crate) fn entry_pb(path: String, r: EntryRecord, with_chunks: bool) -> pb::Entry {
     let kind = match r.kind {
         KIND_FILE => pb::EntryKind::File,
         KIND_DIR => pb::EntryKind::Dir,

@@ -371,6 +371,118 @@ pub fn plan(input: impl Read) -> Result<Plan> {
     Ok(plan)
 }
 
+/// One version as a snapshot holds it: enough to import it again into a running cluster
+/// (its blobs read from the backup, or found on nodes that still hold them).
+#[derive(Debug, Clone, Default)]
+pub struct ExportedVersion {
+    pub dataset: String,
+    pub number: u64,
+    pub origin: String,
+    pub chunk_size: u32,
+    pub replication: u32,
+    /// Sorted by path, with chunk hashes.
+    pub entries: Vec<locus_proto::pb::Entry>,
+    /// Without replicas (a new placement is chosen).
+    pub shards: Vec<locus_proto::pb::Shard>,
+    /// The distinct blobs of each shard (hash, size), indexed by shard id.
+    pub shard_blobs: Vec<Vec<(BlobHash, u64)>>,
+}
+
+/// Reads `dataset@number` (the newest version of `dataset` the snapshot holds when
+/// `number` is None) out of an export.
+pub fn version_from_export(input: impl Read, dataset: &str, number: Option<u64>) -> Result<ExportedVersion> {
+    let mut r = Reader::new(std::io::BufReader::with_capacity(1 << 20, input))?;
+    let corrupt = |t: Table, e: String| SnapshotError::Corrupt(format!("{}: {e}", t.name()));
+    let prefix = keys::version_prefix(dataset);
+    let mut found: Option<(u64, VersionRecord)> = None;
+    let mut out = ExportedVersion {
+        dataset: dataset.to_string(),
+        ..Default::default()
+    };
+    let mut uid = None;
+    let mut shard_blobs: BTreeMap<u32, Vec<(BlobHash, u64)>> = BTreeMap::new();
+    while let Some((t, k, v)) = r.next_row()? {
+        if t != Table::Versions && uid.is_none() {
+            // Every version row precedes the rows that need the chosen uid.
+            if let Some((n, rec)) = found.take() {
+                out.number = n;
+                out.origin = rec.origin;
+                out.chunk_size = rec.chunk_size;
+                out.replication = rec.replication;
+                uid = Some(rec.uid);
+            }
+        }
+        match t {
+            Table::Versions if k.starts_with(&prefix) && k.len() == prefix.len() + 8 => {
+                let n = keys::version_number(&k).unwrap_or(0);
+                if number.is_none_or(|want| want == n) && found.as_ref().is_none_or(|(m, _)| n > *m) {
+                    let rec = VersionRecord::decode(&v[..]).map_err(|e| corrupt(t, e.to_string()))?;
+                    found = Some((n, rec));
+                }
+            }
+            Table::Entries | Table::Shards | Table::ShardBlobs => {
+                let Some(uid) = uid else { continue };
+                if k.get(..8) != Some(&keys::uid(uid)[..]) {
+                    continue;
+                }
+                match t {
+                    Table::Entries => {
+                        let (dir, name) =
+                            keys::split_entry(&k).ok_or_else(|| corrupt(t, "bad key".into()))?;
+                        let rec = crate::records::EntryRecord::decode(&v[..])
+                            .map_err(|e| corrupt(t, e.to_string()))?;
+                        out.entries
+                            .push(crate::catalog::entry_pb(keys::join(dir, name), rec, true));
+                    }
+                    Table::Shards => {
+                        let rec = ShardRecord::decode(&v[..]).map_err(|e| corrupt(t, e.to_string()))?;
+                        let id = keys::shard_id(&k).ok_or_else(|| corrupt(t, "bad key".into()))?;
+                        out.shards.push(locus_proto::pb::Shard {
+                            id,
+                            bytes: rec.bytes,
+                            files: rec.files,
+                            replicas: Vec::new(),
+                        });
+                    }
+                    _ => {
+                        if k.len() != 44 || v.len() < 8 {
+                            return Err(corrupt(t, "bad row".into()));
+                        }
+                        let shard = u32::from_be_bytes(k[8..12].try_into().expect("4 bytes"));
+                        let h = BlobHash::from_slice("blob", &k[12..44])
+                            .map_err(|e| corrupt(t, e.to_string()))?;
+                        let size = u64::from_be_bytes(v[..8].try_into().expect("8 bytes"));
+                        shard_blobs.entry(shard).or_default().push((h, size));
+                    }
+                }
+            }
+            _ => {}
+        }
+    }
+    if uid.is_none() {
+        let what = match number {
+            Some(n) => format!("{dataset}@{n}"),
+            None => format!("any version of {dataset}"),
+        };
+        return Err(SnapshotError::Incompatible(format!(
+            "the snapshot does not hold {what}"
+        )));
+    }
+    out.entries.sort_by(|a, b| a.path.cmp(&b.path));
+    out.shards.sort_by_key(|s| s.id);
+    for s in &out.shards {
+        if s.id as usize != out.shard_blobs.len() {
+            return Err(SnapshotError::Corrupt(format!(
+                "shard ids of {dataset}@{} are not 0..n",
+                out.number
+            )));
+        }
+        out.shard_blobs
+            .push(shard_blobs.remove(&s.id).unwrap_or_default());
+    }
+    Ok(out)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -402,7 +514,12 @@ mod tests {
         // An open session (uid 9) and its rows stay out of the export.
         b.put(Table::Sessions, keys::uid(9).to_vec(), b"s".to_vec());
         b.put(Table::Entries, keys::entry(9, "x"), b"e".to_vec());
-        b.put(Table::Entries, keys::entry(7, "a"), b"e".to_vec());
+        let file = crate::records::EntryRecord {
+            kind: crate::records::KIND_FILE,
+            size: 100,
+            ..Default::default()
+        };
+        b.put(Table::Entries, keys::entry(7, "a"), file.encode_to_vec());
         s.write(b, true).unwrap();
         s
     }
@@ -425,8 +542,8 @@ mod tests {
         let r = restore(&out[..], &fresh, "file:///b", "snap1").unwrap();
         assert_eq!(r.rows, 6);
         assert_eq!(
-            fresh.get(Table::Entries, &keys::entry(7, "a")).unwrap().unwrap(),
-            b"e"
+            fresh.get(Table::Entries, &keys::entry(7, "a")).unwrap(),
+            s.get(Table::Entries, &keys::entry(7, "a")).unwrap()
         );
         assert!(fresh.get(Table::Entries, &keys::entry(9, "x")).unwrap().is_none());
         assert!(fresh.get(Table::Sessions, &keys::uid(9)).unwrap().is_none());
@@ -434,6 +551,24 @@ mod tests {
             fresh.get(Table::Backups, b"file:///b").unwrap().unwrap(),
             b"snap1"
         );
+    }
+
+    #[test]
+    fn one_version_comes_back_out() {
+        let s = sample();
+        let mut out = Vec::new();
+        export(&s, &mut out).unwrap();
+        let v = version_from_export(&out[..], "ds", None).unwrap();
+        assert_eq!(v.number, 1);
+        assert_eq!(v.entries.len(), 1);
+        assert_eq!(v.entries[0].path, "a");
+        assert_eq!(v.entries[0].size, 100);
+        assert_eq!(v.shards.len(), 1);
+        assert!(v.shards[0].replicas.is_empty());
+        assert_eq!(v.shard_blobs[0].len(), 2);
+        assert!(version_from_export(&out[..], "ds", Some(2)).is_err());
+        let e = version_from_export(&out[..], "other", None).unwrap_err();
+        assert!(e.to_string().contains("does not hold"), "{e}");
     }
 
     #[test]

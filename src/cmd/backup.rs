@@ -122,10 +122,27 @@ pub struct RestoreArgs {
     /// Snapshot to restore [default: the newest committed one].
     #[arg(long, value_name = "ID")]
     pub snapshot: Option<String>,
-    /// The new metadata service's data dir; must not exist or be empty. Start the
-    /// service on it afterwards (`locus metadata serve --data-dir DIR`).
-    #[arg(long, value_name = "DIR")]
-    pub data_dir: PathBuf,
+    /// Rebuild a whole metadata service here: a new data dir, which must not exist or be
+    /// empty. Start the service on it afterwards (`locus metadata serve --data-dir DIR`).
+    #[arg(
+        long,
+        value_name = "DIR",
+        required_unless_present = "dataset",
+        conflicts_with = "dataset"
+    )]
+    pub data_dir: Option<PathBuf>,
+    /// Or bring one version back into the running cluster (a deleted dataset, say):
+    /// NAME[@VERSION] as the snapshot holds it [default version: its newest there]. It
+    /// becomes the next version of the dataset (numbers are never reused); blobs come
+    /// from nodes that still hold them, else from the backup.
+    #[arg(long, value_name = "NAME[@VERSION]")]
+    pub dataset: Option<String>,
+    /// With --dataset: restore under this dataset name instead.
+    #[arg(long = "as", value_name = "NAME", requires = "dataset")]
+    pub as_name: Option<String>,
+    /// With --dataset: replicas of every shard [default: as the version had].
+    #[arg(long, value_name = "R", requires = "dataset")]
+    pub replicas: Option<u32>,
 }
 
 pub async fn run(cmd: BackupCmd, cfg: &Resolved) -> anyhow::Result<()> {
@@ -805,13 +822,15 @@ async fn gc(a: GcArgs, cfg: &Resolved) -> anyhow::Result<()> {
 }
 
 pub async fn restore(a: RestoreArgs, cfg: &Resolved) -> anyhow::Result<()> {
-    let dir = crate::absolute(a.data_dir);
-    if let Ok(mut rd) = std::fs::read_dir(&dir) {
-        if rd.next().is_some() {
-            bail!(
-                "{} is not empty: restore only into a new or empty data dir (nothing was changed)",
-                dir.display()
-            );
+    let dir = a.data_dir.clone().map(crate::absolute);
+    if let Some(dir) = &dir {
+        if let Ok(mut rd) = std::fs::read_dir(dir) {
+            if rd.next().is_some() {
+                bail!(
+                    "{} is not empty: restore only into a new or empty data dir (nothing was changed)",
+                    dir.display()
+                );
+            }
         }
     }
     let t = Target::open(&a.from)?;
@@ -830,6 +849,9 @@ pub async fn restore(a: RestoreArgs, cfg: &Resolved) -> anyhow::Result<()> {
             snap.id
         );
     }
+    let Some(dir) = dir else {
+        return restore_version(&a, cfg, &t, &snap.id, file).await;
+    };
     std::fs::create_dir_all(&dir).with_context(|| format!("cannot create {}", dir.display()))?;
     let db = dir.join("db");
     let (url, id) = (t.url.clone(), snap.id.clone());
@@ -875,5 +897,86 @@ pub async fn restore(a: RestoreArgs, cfg: &Resolved) -> anyhow::Result<()> {
         dir.display(),
         t.url
     );
+    Ok(())
+}
+
+/// `restore --dataset`: one version of the snapshot imported again into the running
+/// cluster, through the import path (placement, verified writes to the nodes, one commit).
+async fn restore_version(
+    a: &RestoreArgs,
+    cfg: &Resolved,
+    t: &Target,
+    snapshot: &str,
+    mut file: std::fs::File,
+) -> anyhow::Result<()> {
+    let started = Instant::now();
+    let want = a.dataset.clone().unwrap_or_default();
+    let (name, number) = match want.split_once('@') {
+        None => (want.as_str(), None),
+        Some((n, "latest")) => (n, None),
+        Some((n, v)) => (
+            n,
+            Some(
+                v.parse::<u64>()
+                    .map_err(|_| anyhow::anyhow!("--dataset {want}: {v:?} is not a version number"))?,
+            ),
+        ),
+    };
+    locus_proto::DatasetName::try_from(name).map_err(|e| anyhow::anyhow!("--dataset: {e}"))?;
+    let (n2, num) = (name.to_string(), number);
+    let v = tokio::task::spawn_blocking(move || {
+        use std::io::Seek;
+        file.rewind()?;
+        Ok::<_, anyhow::Error>(locus_metadata::snapshot::version_from_export(file, &n2, num)?)
+    })
+    .await??;
+    let mut blobs = HashMap::new();
+    let mut shard_blobs = Vec::with_capacity(v.shard_blobs.len());
+    for sb in &v.shard_blobs {
+        for (h, size) in sb {
+            blobs.insert(*h, (crate::scan::BlobSource::Remote(t.blob_key(h)), *size));
+        }
+        shard_blobs.push(sb.iter().map(|(h, _)| *h).collect());
+    }
+    let scanned = crate::scan::Scanned {
+        entries: v.entries,
+        shards: v.shards,
+        blobs,
+        shard_blobs,
+    };
+    let args = super::import::ImportArgs {
+        name: a.as_name.clone().unwrap_or_else(|| name.to_string()),
+        source: t.url.clone(),
+        replicas: a.replicas.unwrap_or(v.replication).max(1),
+        shard_size: String::new(),
+        chunk_size: String::new(),
+        parallel: 8,
+    };
+    if !cfg.json {
+        println!(
+            "restoring {}@{} from snapshot {snapshot} as the next version of {}",
+            v.dataset, v.number, args.name
+        );
+    }
+    let mut m = cfg.connect().await?;
+    super::import::commit_scanned(
+        &args,
+        cfg,
+        &mut m,
+        &scanned,
+        Some(t.store.clone()),
+        v.origin,
+        v.chunk_size,
+        started,
+        Duration::ZERO,
+    )
+    .await?;
+    // The backup is now a source for this version's blobs too.
+    let _ = m
+        .record_backup(pb::RecordBackupRequest {
+            url: t.url.clone(),
+            snapshot: snapshot.to_string(),
+        })
+        .await;
     Ok(())
 }

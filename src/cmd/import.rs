@@ -49,7 +49,7 @@ pub struct ImportArgs {
 
 pub async fn run(a: ImportArgs, cfg: &Resolved) -> anyhow::Result<()> {
     let started = Instant::now();
-    let name = locus_proto::DatasetName::try_from(a.name.as_str()).map_err(|e| anyhow::anyhow!("{}", e))?;
+    locus_proto::DatasetName::try_from(a.name.as_str()).map_err(|e| anyhow::anyhow!("{}", e))?;
     let remote = if a.source.contains("://") && !a.source.starts_with("file://") {
         Some(crate::remote::open(&a.source)?)
     } else {
@@ -93,31 +93,51 @@ pub async fn run(a: ImportArgs, cfg: &Resolved) -> anyhow::Result<()> {
     };
     let hash_time = hashing.finish();
     let store = remote.as_ref().map(|r| r.store.clone());
+    // Where the bytes came from: the mount's last source when no node has them.
+    let origin = match &remote {
+        Some(_) => a.source.clone(),
+        None => format!(
+            "file://{}",
+            locus_fuse::origin::encode_path(
+                &std::fs::canonicalize(&source)
+                    .unwrap_or_else(|_| crate::absolute(source.clone()))
+                    .display()
+                    .to_string()
+            )
+        ),
+    };
+    commit_scanned(
+        &a, cfg, &mut meta, &scanned, store, origin, chunk_size, started, hash_time,
+    )
+    .await
+}
 
+/// Sends an already hashed manifest's blobs to the nodes and commits it as the next
+/// version of `a.name` — for a scanned source, or a version read back from a backup.
+#[allow(clippy::too_many_arguments)]
+pub async fn commit_scanned(
+    a: &ImportArgs,
+    cfg: &Resolved,
+    meta: &mut locus_proto::client::MetadataClient,
+    scanned: &crate::scan::Scanned,
+    store: Option<Arc<dyn object_store::ObjectStore>>,
+    origin: String,
+    chunk_size: u32,
+    started: Instant,
+    hash_time: Duration,
+) -> anyhow::Result<()> {
     // 2. Session and manifest.
     let begin = meta
         .begin_version(pb::BeginVersionRequest {
-            dataset: name.to_string(),
+            dataset: a.name.clone(),
             chunk_size,
-            // Where the bytes came from: the mount's last source when no node has them.
-            origin: match &remote {
-                Some(_) => a.source.clone(),
-                None => format!(
-                    "file://{}",
-                    locus_fuse::origin::encode_path(
-                        &std::fs::canonicalize(&source)
-                            .unwrap_or_else(|_| crate::absolute(source.clone()))
-                            .display()
-                            .to_string()
-                    )
-                ),
-            },
+            origin,
             replication: a.replicas,
         })
         .await
         .or_status()?;
     let session = begin.session_id;
-    let result = import_into_session(&a, cfg, store, &mut meta, session, chunk_size, &scanned).await;
+    let result = import_into_session(a, cfg, store, meta, session, chunk_size, scanned).await;
     let (placement, uploaded, skipped, upload_time) = match result {
         Ok(r) => r,
         Err(e) => {
@@ -132,7 +152,7 @@ pub async fn run(a: ImportArgs, cfg: &Resolved) -> anyhow::Result<()> {
     for s in &mut shards {
         s.replicas = placement.get(&s.id).cloned().unwrap_or_default();
     }
-    locus_proto::client::put_shards_paged(&mut meta, session, shards)
+    locus_proto::client::put_shards_paged(meta, session, shards)
         .await
         .map_err(output::status_error)?;
     let v = meta
