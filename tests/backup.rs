@@ -604,6 +604,13 @@ async fn bad_copies_and_dead_nodes_do_not_stop_a_backup() {
     assert_eq!(r["committed"], true);
     assert_eq!(u(&r, "blobs_uploaded"), 20);
     assert_eq!(stored_blobs(&target), want);
+    // A second node dies: some blobs now have no live replica at all, but the target holds
+    // them already, so the next run still commits.
+    nodes[1].daemon.kill9();
+    wait_node_down(&m, "n2").await;
+    let r = json(&m.cli(&["backup", "run", "--to", &url, "--json"]));
+    assert_eq!(r["committed"], true);
+    assert_eq!(u(&r, "blobs_uploaded"), 0);
 }
 
 /// The restore drill: the metadata service, every node's disk and the import sources are

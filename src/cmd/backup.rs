@@ -305,8 +305,9 @@ async fn backup_inner(
             todo.push(b);
         }
     }
-    if let Some(b) = plan
-        .blobs
+    // Only blobs still to send need a live replica: what the target holds is safe even
+    // if every node holding it is gone.
+    if let Some(b) = todo
         .iter()
         .find(|b| !b.replicas.iter().any(|r| up.contains_key(r)))
     {
@@ -348,7 +349,7 @@ async fn backup_inner(
         use tokio::io::AsyncSeekExt;
         let mut cat = cat;
         cat.rewind().await?;
-        tokio_util_stream(cat)
+        file_stream(cat)
     };
     blob::upload_to(
         t,
@@ -425,7 +426,7 @@ async fn live_nodes(m: &mut locus_proto::client::MetadataClient) -> anyhow::Resu
 }
 
 /// A tokio file as a stream of 1 MiB pieces.
-fn tokio_util_stream(
+fn file_stream(
     f: tokio::fs::File,
 ) -> impl futures_util::Stream<Item = std::io::Result<bytes::Bytes>> + Send + 'static {
     futures_util::stream::unfold(f, |mut f| async move {
