@@ -130,6 +130,19 @@ async fn backups_to_a_directory_are_incremental_verified_and_collected() {
     }
     assert_eq!(stored.values().sum::<u64>(), u(&r1, "bytes_scanned"));
 
+    // The cluster knows its backup: `locus status` and the metadata service's metrics.
+    let st = json(&m.cli(&["status", "--json"]));
+    assert_eq!(st["backups"][0]["url"], url.as_str());
+    assert_eq!(st["backups"][0]["snapshot"], r1["snapshot"]);
+    let metrics = http_get(m.http, "/metrics").await;
+    let last = metrics
+        .lines()
+        .find(|l| l.starts_with("locus_metadata_last_backup_timestamp_seconds"))
+        .and_then(|l| l.split_whitespace().last())
+        .and_then(|v| v.parse::<u64>().ok())
+        .unwrap_or(0);
+    assert!(last > 1_700_000_000, "{metrics}");
+
     // Nothing changed: nothing is sent.
     let r2 = backup(&m, &url, &[]);
     assert_eq!(u(&r2, "bytes_uploaded"), 0, "{r2}");

@@ -18,7 +18,7 @@ pub fn required_access(method: &str) -> Option<Access> {
         "GetClusterInfo" => Access::Any,
         "RegisterNode" | "Heartbeat" => Access::Node,
         "ListNodes" | "ListDatasets" | "GetDataset" | "GetVersion" | "ListEntries" | "ListShards"
-        | "LocateBlobs" | "Locality" | "Assign" => Access::Read,
+        | "LocateBlobs" | "Locality" | "Assign" | "ListBackups" => Access::Read,
         "DeleteVersion" | "DeleteDataset" | "BeginVersion" | "PutEntries" | "PutShards" | "CommitVersion"
         | "AbortVersion" | "PlaceShards" | "DrainNode" | "Warm" | "ExportCatalog" | "RecordBackup" => {
             Access::Admin

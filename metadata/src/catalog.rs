@@ -1656,16 +1656,30 @@ impl Catalog {
         })
     }
 
-    /// Remembers a committed backup (URL → snapshot id) as a source of last resort.
+    /// Remembers a committed backup (URL → snapshot id, when) as a source of last resort.
     pub fn record_backup(&self, url: &str, snapshot: &str) -> Result<()> {
+        let rec = BackupRecord {
+            snapshot: snapshot.to_string(),
+            recorded_at_ms: self.clock.now_ms(),
+            restored: false,
+        };
         let mut b = Batch::default();
-        b.put(
-            Table::Backups,
-            url.as_bytes().to_vec(),
-            snapshot.as_bytes().to_vec(),
-        );
+        b.put(Table::Backups, url.as_bytes().to_vec(), rec.encode_to_vec());
         self.store.write(b, true)?;
         Ok(())
+    }
+
+    /// Every recorded backup target with its last snapshot.
+    pub fn list_backups(&self) -> Result<Vec<(String, BackupRecord)>> {
+        let mut out = Vec::new();
+        for kv in self.store.scan(Table::Backups, b"", None) {
+            let (k, v) = kv?;
+            out.push((
+                String::from_utf8_lossy(&k).into_owned(),
+                decode(Table::Backups, &v)?,
+            ));
+        }
+        Ok(out)
     }
 
     /// Backup targets that blobs can be read back from, in URL order.

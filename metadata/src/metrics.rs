@@ -61,6 +61,7 @@ pub struct Metrics {
     pub repairs: Family<ReasonLabel, Counter>,
     pub repair_bytes: Counter,
     pub shards_lost: Gauge,
+    pub last_backup: Gauge,
 }
 
 fn latency_histogram() -> Histogram {
@@ -83,6 +84,7 @@ impl Default for Metrics {
         let repairs = Family::<ReasonLabel, Counter>::default();
         let repair_bytes = Counter::default();
         let shards_lost = Gauge::default();
+        let last_backup = Gauge::default();
         registry.register(
             "rpc_requests",
             "gRPC calls by method and status code",
@@ -116,6 +118,11 @@ impl Default for Metrics {
             open_sessions.clone(),
         );
         registry.register(
+            "last_backup_timestamp_seconds",
+            "When the last backup was committed (Unix time; 0 = never): alert when it grows old",
+            last_backup.clone(),
+        );
+        registry.register(
             "store_bytes",
             "Size of the metadata store on disk",
             store_bytes.clone(),
@@ -134,6 +141,7 @@ impl Default for Metrics {
             repairs,
             repair_bytes,
             shards_lost,
+            last_backup,
         }
     }
 }

@@ -127,3 +127,15 @@ pub struct SessionRecord {
     #[prost(string, tag = "10")]
     pub opened_by: String,
 }
+
+/// `backups` value: the last snapshot committed to (or restored from) a backup target.
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct BackupRecord {
+    #[prost(string, tag = "1")]
+    pub snapshot: String,
+    #[prost(int64, tag = "2")]
+    pub recorded_at_ms: i64,
+    /// True when this service was restored from it (rather than backed up to it).
+    #[prost(bool, tag = "3")]
+    pub restored: bool,
+}

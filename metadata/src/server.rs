@@ -277,6 +277,14 @@ async fn render_metrics(catalog: Arc<Catalog>, metrics: Arc<Metrics>) -> impl ax
             m.open_sessions.set(n as i64);
         }
         m.store_bytes.set(catalog.size_on_disk() as i64);
+        if let Ok(b) = catalog.list_backups() {
+            let last = b
+                .iter()
+                .filter(|(_, r)| !r.restored)
+                .map(|(_, r)| r.recorded_at_ms)
+                .max();
+            m.last_backup.set(last.unwrap_or(0) / 1000);
+        }
     })
     .await;
     (

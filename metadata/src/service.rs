@@ -449,6 +449,21 @@ impl pb::metadata_server::Metadata for MetadataService {
         Ok(Response::new(pb::RecordBackupResponse {}))
     }
 
+    async fn list_backups(&self, _req: Request<pb::ListBackupsRequest>) -> Res<pb::ListBackupsResponse> {
+        let list = self.run(|c| c.list_backups()).await.map_err(to_status)?;
+        Ok(Response::new(pb::ListBackupsResponse {
+            backups: list
+                .into_iter()
+                .map(|(url, r)| pb::BackupTarget {
+                    url,
+                    snapshot: r.snapshot,
+                    recorded_at_ms: r.recorded_at_ms,
+                    restored: r.restored,
+                })
+                .collect(),
+        }))
+    }
+
     async fn list_datasets(&self, _req: Request<pb::ListDatasetsRequest>) -> Res<pb::ListDatasetsResponse> {
         let datasets = self.run(|c| c.list_datasets()).await.map_err(to_status)?;
         Ok(Response::new(pb::ListDatasetsResponse { datasets }))

@@ -26,6 +26,11 @@ pub async fn run(cfg: &Resolved) -> anyhow::Result<()> {
     let versions: u64 = datasets.iter().map(|d| d.version_count).sum();
     let bytes: u64 = datasets.iter().map(|d| d.bytes).sum();
     let mounts = crate::cmd::mount::statuses();
+    let backups = c
+        .list_backups(pb::ListBackupsRequest {})
+        .await
+        .or_status()?
+        .backups;
     if cfg.json {
         return output::json(&serde_json::json!({
             "metadata": {
@@ -41,6 +46,10 @@ pub async fn run(cfg: &Resolved) -> anyhow::Result<()> {
                       "capacity_bytes": capacity, "free_bytes": free},
             "datasets": {"count": datasets.len(), "versions": versions, "bytes": bytes},
             "mounts": mounts,
+            "backups": backups.iter().map(|b| serde_json::json!({
+                "url": b.url, "snapshot": b.snapshot, "recorded_at_ms": b.recorded_at_ms,
+                "restored_from": b.restored,
+            })).collect::<Vec<_>>(),
         }));
     }
     println!(
@@ -75,6 +84,18 @@ pub async fn run(cfg: &Resolved) -> anyhow::Result<()> {
     let quarantined: u64 = nodes.iter().map(|n| n.quarantined).sum();
     if quarantined > 0 {
         println!("integrity  {quarantined} blob(s) failed verification and were quarantined (see `locus node list --json`)");
+    }
+    if backups.is_empty() {
+        println!("backups    none recorded (locus backup run --to URL)");
+    }
+    for b in &backups {
+        println!(
+            "backup     {}: {} snapshot {} at {}",
+            b.url,
+            if b.restored { "restored from" } else { "last" },
+            b.snapshot,
+            output::time(b.recorded_at_ms)
+        );
     }
     if info.open_sessions > 0 {
         println!("imports    {} in progress", info.open_sessions);
