@@ -146,6 +146,34 @@ async fn main() {
     let mount_rss = peak_rss_mib(mnt.pid());
     drop(mnt);
 
+    // Backups: the catalogue export (one RocksDB snapshot, streamed over gRPC), the plan a
+    // backup run derives from it, and a restore into a fresh RocksDB.
+    let t = Instant::now();
+    let mut export = Vec::new();
+    let mut s = c
+        .export_catalog(pb::ExportCatalogRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    {
+        use futures_util::StreamExt;
+        while let Some(chunk) = s.next().await {
+            export.extend_from_slice(&chunk.unwrap().data);
+        }
+    }
+    let export_time = t.elapsed();
+    let t = Instant::now();
+    let plan = locus_metadata::snapshot::plan(&export[..]).unwrap();
+    let plan_time = t.elapsed();
+    assert!(plan.datasets.contains_key("big"));
+    let restore_dir = h.path("restored");
+    let t = Instant::now();
+    {
+        let store = locus_metadata::store::RocksStore::open(&restore_dir).unwrap();
+        locus_metadata::snapshot::restore(&export[..], &store, "file:///bench", "bench").unwrap();
+    }
+    let restore_time = t.elapsed();
+
     println!();
     println!(
         "manifest_1m: {files} files + {} dirs = {total} entries, {chunk_hashes} chunk hashes",
@@ -199,6 +227,22 @@ async fn main() {
         first_ls.as_secs_f64() * 1000.0
     );
     println!("| mount process peak RSS | {mount_rss:.0} MiB | |");
+    println!(
+        "| backup: export the catalogue over gRPC ({:.1} MiB) | {:.2} s | {} |",
+        export.len() as f64 / 1048576.0,
+        export_time.as_secs_f64(),
+        rate(export_time)
+    );
+    println!(
+        "| backup: plan (every blob and its first replica) | {:.2} s | {} |",
+        plan_time.as_secs_f64(),
+        rate(plan_time)
+    );
+    println!(
+        "| restore: the export into a fresh RocksDB | {:.2} s | {} |",
+        restore_time.as_secs_f64(),
+        rate(restore_time)
+    );
 }
 
 fn m_pid(m: &Metadata) -> u32 {
