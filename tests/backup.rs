@@ -448,15 +448,6 @@ async fn backup_to_s3_survives_the_server_dying_resumes_and_restores() {
     let o = import(&m, "big", &big, &["--replicas", "2"]);
     assert!(o.status.success(), "{}", stderr(&o));
     let bucket = weed.bucket();
-    let count = |bucket: std::sync::Arc<dyn object_store::ObjectStore>| async move {
-        use futures_util::StreamExt;
-        let p = object_store::path::Path::from("nightly/blobs");
-        bucket
-            .list(Some(&p))
-            .filter(|r| std::future::ready(r.is_ok()))
-            .count()
-            .await
-    };
     let before = count(bucket.clone()).await;
     let mut run = std::process::Command::new(env!("CARGO_BIN_EXE_locus"));
     run.args(["backup", "run", "--to", url])
@@ -465,16 +456,7 @@ async fn backup_to_s3_survives_the_server_dying_resumes_and_restores() {
         .env_remove("LOCUS_CONFIG")
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped());
-    let child = run.spawn().unwrap();
-    wait_until(
-        "some blobs of the big dataset to arrive",
-        Duration::from_secs(60),
-        || {
-            let b = bucket.clone();
-            async move { (count(b).await >= before + 40).then_some(()) }
-        },
-    )
-    .await;
+    let child = spawn_while_uploading(&mut run, &bucket, before + 40).await;
     weed.kill9();
     let out = child.wait_with_output().unwrap();
     assert!(!out.status.success(), "the run must fail: {}", stdout(&out));
@@ -527,17 +509,12 @@ async fn backup_to_s3_survives_the_server_dying_resumes_and_restores() {
     let o = import(&m, "more", &more, &["--replicas", "2"]);
     assert!(o.status.success(), "{}", stderr(&o));
     let before = count(weed.bucket()).await;
-    let child = run.spawn().unwrap();
-    wait_until(
-        "some blobs of the third dataset to arrive",
-        Duration::from_secs(60),
-        || {
-            let b = weed.bucket();
-            async move { (count(b).await >= before + 10).then_some(()) }
-        },
-    )
-    .await;
+    let mut child = spawn_while_uploading(&mut run, &weed.bucket(), before + 10).await;
     weed.sigstop();
+    assert!(
+        child.try_wait().unwrap().is_none(),
+        "the run ended before the server froze"
+    );
     let started = std::time::Instant::now();
     let out = child.wait_with_output().unwrap();
     let took = started.elapsed();
@@ -624,6 +601,37 @@ async fn bad_copies_and_dead_nodes_do_not_stop_a_backup() {
     let r = json(&m.cli(&["backup", "run", "--to", &url, "--json"]));
     assert_eq!(r["committed"], true);
     assert_eq!(u(&r, "blobs_uploaded"), 0);
+}
+
+/// Blob objects under the S3 test's target.
+async fn count(bucket: std::sync::Arc<dyn object_store::ObjectStore>) -> usize {
+    use futures_util::StreamExt;
+    let p = object_store::path::Path::from("nightly/blobs");
+    bucket
+        .list(Some(&p))
+        .filter(|r| std::future::ready(r.is_ok()))
+        .count()
+        .await
+}
+
+/// Starts a backup run and returns once `n` blob objects are in the bucket: the run is
+/// then in the middle of its uploads.
+async fn spawn_while_uploading(
+    run: &mut std::process::Command,
+    bucket: &std::sync::Arc<dyn object_store::ObjectStore>,
+    n: usize,
+) -> std::process::Child {
+    let child = run.spawn().unwrap();
+    wait_until(
+        &format!("{n} blobs in the bucket"),
+        Duration::from_secs(60),
+        || {
+            let b = bucket.clone();
+            async move { (count(b).await >= n).then_some(()) }
+        },
+    )
+    .await;
+    child
 }
 
 /// The restore drill: the metadata service, every node's disk and the import sources are
