@@ -173,6 +173,17 @@ async fn backups_to_a_directory_are_incremental_verified_and_collected() {
     assert!(snaps.iter().all(|s| s["state"] == "committed"));
     assert_eq!(snaps[2]["id"], r3["snapshot"]);
     assert_eq!(snaps[2]["committed"]["bytes_uploaded"], r3["bytes_uploaded"]);
+    // A damaged manifest is shown with its snapshot, not a failed listing.
+    let mp = target
+        .join("snapshots")
+        .join(snaps[0]["id"].as_str().unwrap())
+        .join("manifest.json");
+    let good = std::fs::read(&mp).unwrap();
+    std::fs::write(&mp, b"{ not json").unwrap();
+    let o = m.cli(&["backup", "list", "--to", &url]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stdout(&o).contains("committed, DAMAGED"), "{}", stdout(&o));
+    std::fs::write(&mp, good).unwrap();
     let table = m.cli(&["backup", "list", "--to", &url]);
     assert!(stdout(&table).contains("alpha(2)"), "{}", stdout(&table));
 

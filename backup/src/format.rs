@@ -115,6 +115,9 @@ pub struct SnapshotInfo {
     pub state: SnapshotState,
     pub manifest: Option<SnapshotManifest>,
     pub committed: Option<Committed>,
+    /// Objects of the snapshot that exist but cannot be read (damaged).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub damage: Vec<String>,
 }
 
 impl SnapshotInfo {
@@ -257,9 +260,26 @@ impl Target {
             let manifest = self.get_json_opt::<SnapshotManifest>(&mk);
             let committed = self.get_json_opt::<Committed>(&ck);
             let (manifest, committed) = futures_util::future::join(manifest, committed).await;
-            let (manifest, committed) = (manifest?, committed?);
+            // A damaged object is reported with its snapshot rather than failing the list.
+            let mut damage = Vec::new();
+            let manifest = match manifest {
+                Ok(m) => m,
+                Err(BackupError::Corrupt(e)) => {
+                    damage.push(e);
+                    None
+                }
+                Err(e) => return Err(e),
+            };
+            let (committed, is_committed) = match committed {
+                Ok(c) => (c.clone(), c.is_some()),
+                Err(BackupError::Corrupt(e)) => {
+                    damage.push(e);
+                    (None, true)
+                }
+                Err(e) => return Err(e),
+            };
             Ok::<_, BackupError>(SnapshotInfo {
-                state: if committed.is_some() {
+                state: if is_committed {
                     SnapshotState::Committed
                 } else {
                     SnapshotState::Incomplete
@@ -267,6 +287,7 @@ impl Target {
                 id,
                 manifest,
                 committed,
+                damage,
             })
         }))
         .buffered(8);
@@ -274,7 +295,7 @@ impl Target {
             let i = i?;
             // A directory with neither object is not a snapshot: what a deletion leaves
             // behind on a file:// target. (A run writes its manifest first of all.)
-            if i.manifest.is_some() || i.committed.is_some() {
+            if i.manifest.is_some() || i.committed.is_some() || !i.damage.is_empty() {
                 out.push(i);
             }
         }

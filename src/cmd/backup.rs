@@ -597,9 +597,11 @@ async fn list(t: &Target, cfg: &Resolved) -> anyhow::Result<()> {
             vec![
                 s.id.clone(),
                 output::time(s.created_ms()),
-                match s.state {
-                    SnapshotState::Committed => "committed".into(),
-                    SnapshotState::Incomplete => "incomplete".into(),
+                match (s.state, s.damage.is_empty()) {
+                    (SnapshotState::Committed, true) => "committed".into(),
+                    (SnapshotState::Incomplete, true) => "incomplete".into(),
+                    (SnapshotState::Committed, false) => "committed, DAMAGED".into(),
+                    (SnapshotState::Incomplete, false) => "incomplete, DAMAGED".into(),
                 },
                 m.map(|m| {
                     m.datasets
