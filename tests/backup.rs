@@ -718,10 +718,16 @@ async fn drill(
         }
         drop(mnt);
     }
-    let log = std::fs::read_to_string(&nodes[0].daemon.log).unwrap();
-    assert!(log.contains("copied a blob back from a backup"), "{log}");
+    // Every disk was wiped: the first copy of each blob can only have come from the backup.
+    let from_backup = nodes.iter().any(|n| {
+        std::fs::read_to_string(&n.daemon.log)
+            .unwrap()
+            .contains("copied a blob back from a backup")
+    });
+    assert!(from_backup, "no node logged a copy from the backup");
     // The nodes refill their replicas from the backup on their own (pin sync).
     let mut c = m.client(None).await;
+    let mut refilled = 0;
     for n in nodes.iter() {
         let want: usize = {
             let r = c
@@ -735,11 +741,16 @@ async fn drill(
                 .into_inner();
             r.blobs.iter().filter(|b| b.size > 0).count()
         };
-        assert!(want > 0);
+        // Placement may leave a node without replicas of these few shards.
+        if want == 0 {
+            continue;
+        }
+        refilled += 1;
         wait_until(&format!("{} to refill", n.id), Duration::from_secs(60), || {
             let have = n.blob_files().len();
             async move { (have >= want).then_some(()) }
         })
         .await;
     }
+    assert!(refilled >= 2, "replicas of every shard are on two nodes");
 }
