@@ -316,11 +316,22 @@ async fn backups_to_a_directory_are_incremental_verified_and_collected() {
     let victim = listed_blobs(&target, latest).into_iter().next().unwrap();
     let vp = target.join("blobs").join(&victim[..2]).join(&victim);
     std::fs::remove_file(&vp).unwrap();
-    std::fs::write(
-        target.join("gc/STATE"),
-        r#"{"id":"other","running":true,"started_ms":0}"#,
-    )
-    .unwrap();
+    let gc_running = |started_ms: u128| {
+        std::fs::write(
+            target.join("gc/STATE"),
+            format!(r#"{{"id":"other-{started_ms}","running":true,"started_ms":{started_ms}}}"#),
+        )
+        .unwrap()
+    };
+    // A "running" marker a day old is a collection that died: no re-check (the run trusts
+    // its previous snapshot's list, so the blob stays missing and verify says so)...
+    let day_ago = now_ms - 2 * 86_400_000;
+    gc_running(day_ago);
+    let stale = backup(&m, &url, &[]);
+    assert_eq!(u(&stale, "blobs_uploaded"), 0, "{stale}");
+    assert!(!vp.exists());
+    // ...while a live one makes the run check every blob and send the missing one again.
+    gc_running(day_ago + 2 * 86_400_000);
     let r6 = backup(&m, &url, &[]);
     assert_eq!(r6["committed"], true);
     assert_eq!(u(&r6, "blobs_uploaded"), 1, "{r6}");

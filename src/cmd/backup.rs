@@ -370,7 +370,10 @@ async fn backup_inner(
     // 6. A collection that overlapped this run may have deleted a blob it skipped as
     //    present: check every blob of the snapshot and send what is missing.
     let gc_now = t.gc_state().await?;
-    let overlapped = gc_at_start.as_ref().is_some_and(|g| g.running) || gc_now != gc_at_start;
+    // A "running" marker older than a day is a collection that died part-way: it deletes
+    // nothing any more, and must not force a full re-check on every night after.
+    let running = |g: &locus_backup::GcState| g.running && now_ms() - g.started_ms < 86_400_000;
+    let overlapped = gc_at_start.as_ref().is_some_and(running) || gc_now != gc_at_start;
     if overlapped {
         tracing::info!("a garbage collection ran during this backup; re-checking every blob");
         let mut again = RunReport::default();
@@ -495,6 +498,9 @@ async fn send_blobs(
 
 type Sums = (u64, u64, u64, u64);
 
+/// Blob references per `UploadBlobs` call (about 2.5 MB of request).
+const UPLOAD_BATCH: usize = 50_000;
+
 /// How nodes upload: uploads in flight per node, and whether to replace objects already
 /// in the target (to mend corrupt ones) instead of skipping them.
 #[derive(Debug, Clone, Copy)]
@@ -529,28 +535,39 @@ async fn upload_from_nodes(
                     locus_proto::client::connect_node(&addr, token.as_deref(), Duration::from_secs(5))
                         .await
                         .map_err(|e| anyhow::anyhow!("cannot reach it at {addr}: {e}"))?;
-                let mut s = c
-                    .upload_blobs(nodepb::UploadBlobsRequest {
-                        target: url,
-                        blobs,
-                        skip_existing: !send.overwrite,
-                        parallel: send.parallel,
-                    })
-                    .await
-                    .map_err(|s| anyhow::anyhow!("{}", s.message()))?
-                    .into_inner();
-                let mut last = nodepb::UploadProgress::default();
-                let mut counted = 0;
-                while let Some(p) = s.next().await {
-                    let p = p.map_err(|s| anyhow::anyhow!("{}", s.message()))?;
-                    let now = p.bytes_uploaded + p.bytes_skipped;
-                    done.fetch_add(now - counted, Ordering::Relaxed);
-                    counted = now;
-                    last = p;
+                // Batches keep each request far below the gRPC message limit, however many
+                // blobs a node sends (a 1M-file dataset is ~45 MB of blob references).
+                let mut total = nodepb::UploadProgress::default();
+                for batch in blobs.chunks(UPLOAD_BATCH) {
+                    let mut s = c
+                        .upload_blobs(nodepb::UploadBlobsRequest {
+                            target: url.clone(),
+                            blobs: batch.to_vec(),
+                            skip_existing: !send.overwrite,
+                            parallel: send.parallel,
+                        })
+                        .await
+                        .map_err(|s| anyhow::anyhow!("{}", s.message()))?
+                        .into_inner();
+                    let mut last = nodepb::UploadProgress::default();
+                    let mut counted = 0;
+                    while let Some(p) = s.next().await {
+                        let p = p.map_err(|s| anyhow::anyhow!("{}", s.message()))?;
+                        let now = p.bytes_uploaded + p.bytes_skipped;
+                        done.fetch_add(now - counted, Ordering::Relaxed);
+                        counted = now;
+                        last = p;
+                    }
+                    if !last.finished {
+                        bail!("the node ended the upload without finishing it");
+                    }
+                    total.blobs_uploaded += last.blobs_uploaded;
+                    total.bytes_uploaded += last.bytes_uploaded;
+                    total.blobs_skipped += last.blobs_skipped;
+                    total.bytes_skipped += last.bytes_skipped;
+                    total.failed.extend(last.failed);
                 }
-                if !last.finished {
-                    bail!("the node ended the upload without finishing it");
-                }
+                let last = total;
                 Ok(last)
             }
             .await;
@@ -950,7 +967,11 @@ async fn restore_version(
     let args = super::import::ImportArgs {
         name: a.as_name.clone().unwrap_or_else(|| name.to_string()),
         source: t.url.clone(),
-        replicas: a.replicas.unwrap_or(v.replication).max(1),
+        replicas: match a.replicas {
+            Some(0) => bail!("--replicas must be at least 1"),
+            Some(r) => r,
+            None => v.replication.max(1),
+        },
         shard_size: String::new(),
         chunk_size: String::new(),
         parallel: 8,
