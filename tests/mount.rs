@@ -84,16 +84,27 @@ async fn every_file_reads_back_identical_with_and_without_a_local_node() {
     let out = import(&m, "mixed", &src, &["--replicas", "2", "--shard-size", "2MiB"]);
     assert!(out.status.success(), "{}", stderr(&out));
 
-    let local = m.mount("local", "mixed@1", Some(&nodes[0]), &[]);
+    // Files of 140 KB and more are passed through, smaller ones read by the mount.
+    let local = m.mount(
+        "local",
+        "mixed@1",
+        Some(&nodes[0]),
+        &["--passthrough-min-size", "128KiB"],
+    );
     let remote = m.mount("remote", "mixed", None, &[]);
     assert_same_tree(&src, &local.path);
     assert_same_tree(&src, &remote.path);
 
     let ls = local
-        .status_when("the local mount to hand files to the kernel", |s| {
-            s["totals"]["opens_passthrough"].as_u64() > Some(500)
-        })
+        .status_when(
+            "the local mount to hand large files to the kernel and read small ones",
+            |s| {
+                s["totals"]["opens_passthrough"].as_u64() >= Some(60)
+                    && s["totals"]["opens_local"].as_u64() >= Some(450)
+            },
+        )
         .await;
+    assert!(ls["totals"]["opens_passthrough"].as_u64() < Some(100), "{ls}");
     assert_eq!(ls["totals"]["read_errors"], 0, "{ls}");
     assert_eq!(ls["totals"]["opens_remote"], 0, "{ls}");
     let rs = remote
@@ -306,12 +317,39 @@ async fn a_corrupted_blob_is_never_returned() {
             .unwrap();
     }
     // Through n1 as local node: the node re-verifies the changed file, quarantines it and
-    // fetches a good copy from n2.
-    let local = m.mount("local", "mixed@1", Some(&nodes[0]), &[]);
+    // fetches a good copy from n2. The 140 KB+ files are passed through to the kernel,
+    // smaller ones read by the mount.
+    let local = m.mount(
+        "local",
+        "mixed@1",
+        Some(&nodes[0]),
+        &["--passthrough-min-size", "128KiB"],
+    );
     let (rel, want) = big[0];
     let got = std::fs::read(local.path.join(rel)).unwrap();
     assert_eq!(blake3::hash(&got).to_hex().as_str(), want);
     assert_eq!(nodes[0].quarantined(), 1);
+
+    // A small file's blob cut short on n1 after the node verified it (the mount keeps the
+    // verified file open for reuse): the read fails rather than ending early, and the
+    // next open has the node re-check, quarantine and refetch it.
+    let (rel, want) = files
+        .iter()
+        .find(|(p, _)| (10_000..100_000).contains(&std::fs::metadata(src.join(p)).unwrap().len()))
+        .unwrap();
+    drop(std::fs::File::open(local.path.join(rel)).unwrap());
+    let blob = &on_n1[want];
+    let len = std::fs::metadata(blob).unwrap().len();
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(blob)
+        .and_then(|f| f.set_len(len / 2))
+        .unwrap();
+    let err = std::fs::read(local.path.join(rel)).unwrap_err();
+    assert_eq!(err.raw_os_error(), Some(libc::EIO), "{err}");
+    let got = std::fs::read(local.path.join(rel)).unwrap();
+    assert_eq!(blake3::hash(&got).to_hex().as_str(), want);
+    assert_eq!(nodes[0].quarantined(), 2);
     // From replicas, n1 first (the mount says it runs on n1's host): n1's copy of the
     // second blob fails the check, n1 quarantines it, and n2 serves the chunk.
     let remote = m.mount("remote", "mixed@1", None, &["--labels", "host=h1"]);
@@ -323,7 +361,7 @@ async fn a_corrupted_blob_is_never_returned() {
     }
     assert_eq!(
         nodes[0].quarantined(),
-        2,
+        3,
         "n1 was asked first and caught its bad copy"
     );
     remote

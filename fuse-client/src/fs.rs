@@ -14,8 +14,12 @@
 //! 3. **remote**: no local node, or it failed: verified chunks from remote replicas
 //!    (`reader`), with read-ahead for sequential readers.
 //!
-//! The fuser session calls these methods from several threads; they block on the async
-//! runtime for network work, which is why the session runs many threads.
+//! The fuser session calls these methods from a few threads, about one per CPU: every
+//! round trip through the kernel costs a context switch, and more threads than CPUs only
+//! add switches (measured: 16 threads on 2 CPUs served half as many small-file opens per
+//! second as 2). Nothing slow may therefore run on a session thread: opening a blob the
+//! node has to fetch first, and reads from remote replicas, move to the runtime's
+//! blocking pool and reply from there (fuser replies may be sent from any thread).
 
 use std::collections::HashMap;
 use std::ffi::OsStr;
@@ -48,7 +52,7 @@ enum Handle {
     /// pread of the node's verified local file.
     Local { file: Arc<File> },
     /// Chunks from remote replicas.
-    Remote { ino: u64, ra: Mutex<ReadAhead> },
+    Remote { ino: u64, ra: Arc<Mutex<ReadAhead>> },
 }
 
 /// Sequential-read detection for one open file.
@@ -64,6 +68,10 @@ struct ReadAhead {
 pub struct Settings {
     /// Ask the kernel for passthrough (it may still refuse).
     pub passthrough: bool,
+    /// Smaller local files are read here and kept in the mount's page cache instead of
+    /// being handed to the kernel: a passthrough open opens the backing file again in the
+    /// kernel, which costs more than reading a small file from cache.
+    pub passthrough_min_size: u64,
     /// Most chunks fetched ahead of a sequential reader.
     pub readahead_chunks: usize,
     /// How long open may wait for the local node to make a blob present.
@@ -76,7 +84,20 @@ pub struct Settings {
     pub generation: u64,
 }
 
+/// The filesystem handed to fuser; its state is shared with the work it moves off the
+/// session threads.
 pub struct LocusFs {
+    core: Arc<Core>,
+}
+
+impl std::ops::Deref for LocusFs {
+    type Target = Core;
+    fn deref(&self) -> &Core {
+        &self.core
+    }
+}
+
+pub struct Core {
     ns: Arc<Namespace>,
     rt: tokio::runtime::Handle,
     local: Option<NodeClient>,
@@ -137,20 +158,22 @@ impl LocusFs {
             })
             .unwrap_or((0, 0));
         LocusFs {
-            ns,
-            rt,
-            local,
-            remote,
-            metrics,
-            settings,
-            uid,
-            gid,
-            passthrough: Arc::new(AtomicBool::new(false)),
-            next_fh: AtomicU64::new(1),
-            handles: Mutex::new(HashMap::new()),
-            backing: Mutex::new(HashMap::new()),
-            recent: Mutex::new(HashMap::new()),
-            recent_max: recent_capacity(),
+            core: Arc::new(Core {
+                ns,
+                rt,
+                local,
+                remote,
+                metrics,
+                settings,
+                uid,
+                gid,
+                passthrough: Arc::new(AtomicBool::new(false)),
+                next_fh: AtomicU64::new(1),
+                handles: Mutex::new(HashMap::new()),
+                backing: Mutex::new(HashMap::new()),
+                recent: Mutex::new(HashMap::new()),
+                recent_max: recent_capacity(),
+            }),
         }
     }
 
@@ -159,7 +182,9 @@ impl LocusFs {
     pub fn passthrough_state(&self) -> Arc<AtomicBool> {
         self.passthrough.clone()
     }
+}
 
+impl Core {
     fn file_attr(&self, a: &Attr) -> FileAttr {
         let t = if a.mtime_ns >= 0 {
             SystemTime::UNIX_EPOCH + Duration::from_nanos(a.mtime_ns as u64)
@@ -209,51 +234,52 @@ impl LocusFs {
         })
     }
 
-    /// Opens through the local node. Gives the reply back when the caller must use the
-    /// remote path instead (no local node, or it cannot provide the blob).
-    fn open_local(&self, ino: u64, blob: BlobHash, size: u64, reply: ReplyOpen) -> Option<ReplyOpen> {
-        let Some(node) = self.local.as_ref() else {
-            return Some(reply);
-        };
-        let known = {
-            let recent = self.recent.lock().unwrap();
-            recent
-                .get(&ino)
-                .filter(|(_, at)| at.elapsed() < self.settings.reopen_ttl)
-                .map(|(f, _)| f.clone())
-        };
-        let file = match known {
-            Some(f) => f,
-            None => {
-                let path = match self.ensure_local(node, blob, size) {
-                    Ok(p) => p,
-                    Err(e) => {
-                        tracing::warn!(ino, blob = %blob, "the local node cannot provide the blob, reading from replicas: {e}");
-                        return Some(reply);
-                    }
-                };
-                let file = match File::open(&path) {
-                    Ok(f) => Arc::new(f),
-                    Err(e) => {
-                        tracing::warn!(path = %path.display(), "cannot open the node's blob file, reading from replicas: {e}");
-                        return Some(reply);
-                    }
-                };
-                let ttl = self.settings.reopen_ttl;
-                let mut recent = self.recent.lock().unwrap();
-                if recent.len() >= self.recent_max {
-                    recent.retain(|_, (_, at)| at.elapsed() < ttl);
-                    if recent.len() >= self.recent_max {
-                        recent.clear();
-                    }
-                }
-                if !ttl.is_zero() {
-                    recent.insert(ino, (file.clone(), Instant::now()));
-                }
-                file
+    /// The local file the node verified for this inode within the reopen window, if any.
+    fn recent_file(&self, ino: u64) -> Option<Arc<File>> {
+        let recent = self.recent.lock().unwrap();
+        recent
+            .get(&ino)
+            .filter(|(_, at)| at.elapsed() < self.settings.reopen_ttl)
+            .map(|(f, _)| f.clone())
+    }
+
+    /// Has the local node make the blob present and verified, and opens its file. `None`
+    /// when the caller must read from remote replicas instead. Blocks for as long as the
+    /// node needs (a copy from a peer), so never called on a session thread.
+    fn fetch_local(&self, node: &NodeClient, ino: u64, blob: BlobHash, size: u64) -> Option<Arc<File>> {
+        let path = match self.ensure_local(node, blob, size) {
+            Ok(p) => p,
+            Err(e) => {
+                tracing::warn!(ino, blob = %blob, "the local node cannot provide the blob, reading from replicas: {e}");
+                return None;
             }
         };
-        if self.passthrough.load(Ordering::Relaxed) {
+        let file = match File::open(&path) {
+            Ok(f) => Arc::new(f),
+            Err(e) => {
+                tracing::warn!(path = %path.display(), "cannot open the node's blob file, reading from replicas: {e}");
+                return None;
+            }
+        };
+        let ttl = self.settings.reopen_ttl;
+        let mut recent = self.recent.lock().unwrap();
+        if recent.len() >= self.recent_max {
+            recent.retain(|_, (_, at)| at.elapsed() < ttl);
+            if recent.len() >= self.recent_max {
+                recent.clear();
+            }
+        }
+        if !ttl.is_zero() {
+            recent.insert(ino, (file.clone(), Instant::now()));
+        }
+        Some(file)
+    }
+
+    /// Answers an open with the node's verified local file: as the kernel's backing file
+    /// (passthrough) when allowed and the file is large enough, else read here with pread
+    /// into pages the kernel keeps across opens.
+    fn open_file(&self, ino: u64, size: u64, file: Arc<File>, reply: ReplyOpen) {
+        if size >= self.settings.passthrough_min_size && self.passthrough.load(Ordering::Relaxed) {
             let mut backing = self.backing.lock().unwrap();
             let id = match backing.get_mut(&ino) {
                 Some((id, n)) => {
@@ -287,13 +313,41 @@ impl LocusFs {
                 // allowed set (KEEP_CACHE included: the backing file's own page cache
                 // is what gets used); NOFLUSH is allowed.
                 reply.opened_passthrough(fh, FopenFlags::FOPEN_NOFLUSH, &id);
-                return None;
+                return;
             }
         }
         let fh = self.add_handle(Handle::Local { file });
         self.metrics.opened("local");
         reply.opened(fh, OPEN_FLAGS);
-        None
+    }
+
+    /// Answers an open whose bytes come from remote replicas (or an empty file).
+    fn open_remote(&self, ino: u64, size: u64, reply: ReplyOpen) {
+        // Start on the first chunk now; the reader almost always wants it.
+        if let Some(c) = self.chunk_ref(ino, 0) {
+            let remote = self.remote.clone();
+            let _guard = self.rt.enter();
+            remote.prefetch(vec![c]);
+        }
+        let fh = self.add_handle(Handle::Remote {
+            ino,
+            ra: Arc::new(Mutex::new(ReadAhead::default())),
+        });
+        self.metrics.opened(if size == 0 { "empty" } else { "remote" });
+        reply.opened(fh, OPEN_FLAGS);
+    }
+
+    fn finish_read(&self, how: &'static str, r: Result<Vec<u8>, Errno>, started: Instant, reply: ReplyData) {
+        match r {
+            Ok(data) => {
+                self.metrics.read(how, data.len(), started.elapsed());
+                reply.data(&data)
+            }
+            Err(e) => {
+                self.metrics.read_error();
+                reply.error(e)
+            }
+        }
     }
 
     fn chunk_ref(&self, ino: u64, index: u64) -> Option<ChunkRef> {
@@ -467,32 +521,25 @@ impl Filesystem for LocusFs {
         let Some((blob, _)) = self.ns.blob(ino) else {
             return reply.error(Errno::EIO);
         };
-        let reply = if a.size > 0 {
-            match self.open_local(ino, blob, a.size, reply) {
-                None => return,
-                Some(r) => r,
-            }
-        } else {
-            reply
+        let node = match &self.local {
+            Some(node) if a.size > 0 => node.clone(),
+            _ => return self.open_remote(ino, a.size, reply),
         };
-        // Remote: start on the first chunk now; the reader almost always wants it.
-        if let Some(c) = self.chunk_ref(ino, 0) {
-            let remote = self.remote.clone();
-            let _guard = self.rt.enter();
-            remote.prefetch(vec![c]);
+        if let Some(file) = self.recent_file(ino) {
+            return self.open_file(ino, a.size, file, reply);
         }
-        let fh = self.add_handle(Handle::Remote {
-            ino,
-            ra: Mutex::new(ReadAhead::default()),
-        });
-        self.metrics.opened(if a.size == 0 { "empty" } else { "remote" });
-        reply.opened(fh, OPEN_FLAGS);
+        let core = self.core.clone();
+        self.rt
+            .spawn_blocking(move || match core.fetch_local(&node, ino, blob, a.size) {
+                Some(file) => core.open_file(ino, a.size, file, reply),
+                None => core.open_remote(ino, a.size, reply),
+            });
     }
 
     fn read(
         &self,
         _req: &Request,
-        _ino: INodeNo,
+        ino: INodeNo,
         fh: FileHandle,
         offset: u64,
         size: u32,
@@ -504,24 +551,39 @@ impl Filesystem for LocusFs {
         let Some(h) = self.handles.lock().unwrap().get(&fh.0).cloned() else {
             return reply.error(Errno::EBADF);
         };
-        let (how, r) = match &*h {
-            Handle::Passthrough { _file: file, .. } | Handle::Local { file } => (
-                "local",
-                pread(file, offset, size).map_err(|e| {
-                    tracing::error!("reading the node's local file failed: {e}");
-                    Errno::EIO
-                }),
-            ),
-            Handle::Remote { ino, ra } => ("remote", self.read_remote(*ino, ra, offset, size)),
-        };
-        match r {
-            Ok(data) => {
-                self.metrics.read(how, data.len(), started.elapsed());
-                reply.data(&data)
+        match &*h {
+            Handle::Passthrough { _file: file, .. } | Handle::Local { file } => {
+                let want = self
+                    .ns
+                    .attr(ino.0)
+                    .map_or(0, |a| a.size.saturating_sub(offset).min(u64::from(size)));
+                let r = match pread(file, offset, size) {
+                    // Short means the node's file shrank after it was verified: the
+                    // kernel would take it for the end of the file.
+                    Ok(data) if (data.len() as u64) < want => {
+                        tracing::error!(
+                            ino = ino.0,
+                            offset,
+                            "the node's local file is shorter than the blob"
+                        );
+                        self.recent.lock().unwrap().remove(&ino.0);
+                        Err(Errno::EIO)
+                    }
+                    Ok(data) => Ok(data),
+                    Err(e) => {
+                        tracing::error!("reading the node's local file failed: {e}");
+                        Err(Errno::EIO)
+                    }
+                };
+                self.finish_read("local", r, started, reply)
             }
-            Err(e) => {
-                self.metrics.read_error();
-                reply.error(e)
+            Handle::Remote { ino, ra } => {
+                // Waits for the network: off the session thread.
+                let (ino, ra, core) = (*ino, ra.clone(), self.core.clone());
+                self.rt.spawn_blocking(move || {
+                    let r = core.read_remote(ino, &ra, offset, size);
+                    core.finish_read("remote", r, started, reply)
+                });
             }
         }
     }
