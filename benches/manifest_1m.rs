@@ -140,7 +140,9 @@ async fn main() {
     let mnt = m.mount("mnt", &format!("big@{}", v.version), None, &[]);
     let mount_ready = t.elapsed();
     let t = Instant::now();
-    let listed = std::fs::read_dir(mnt.path.join("top/d00500")).unwrap().count();
+    // A directory in the middle (there are files / 1000 of them).
+    let mid = format!("top/d{:05}", files / 2000);
+    let listed = std::fs::read_dir(mnt.path.join(mid)).unwrap().count();
     let first_ls = t.elapsed();
     assert_eq!(listed, 1000);
     let mount_rss = peak_rss_mib(mnt.pid());
