@@ -337,6 +337,31 @@ impl Core {
         reply.opened(fh, OPEN_FLAGS);
     }
 
+    /// pread of the node's verified file, which must give all `want` bytes.
+    fn pread_local(
+        &self,
+        ino: u64,
+        file: &File,
+        offset: u64,
+        size: u32,
+        want: u64,
+    ) -> Result<Vec<u8>, Errno> {
+        match pread(file, offset, size) {
+            // Short means the node's file shrank after it was verified: the kernel would
+            // take it for the end of the file.
+            Ok(data) if (data.len() as u64) < want => {
+                tracing::error!(ino, offset, "the node's local file is shorter than the blob");
+                self.recent.lock().unwrap().remove(&ino);
+                Err(Errno::EIO)
+            }
+            Ok(data) => Ok(data),
+            Err(e) => {
+                tracing::error!("reading the node's local file failed: {e}");
+                Err(Errno::EIO)
+            }
+        }
+    }
+
     fn finish_read(&self, how: &'static str, r: Result<Vec<u8>, Errno>, started: Instant, reply: ReplyData) {
         match r {
             Ok(data) => {
@@ -440,6 +465,26 @@ fn file_type(k: Kind) -> FileType {
         Kind::Dir => FileType::Directory,
         Kind::Symlink => FileType::Symlink,
     }
+}
+
+/// Reads `want` bytes at `offset` only if the page cache already holds them (preadv2 with
+/// RWF_NOWAIT), so a session thread never waits for the disk; `None` means the read
+/// would have to wait (or this kernel or filesystem cannot say), and belongs off the
+/// session thread.
+#[allow(unsafe_code)]
+fn pread_cached(file: &File, offset: u64, want: usize) -> Option<Vec<u8>> {
+    use std::os::fd::AsRawFd;
+    let mut buf = vec![0u8; want];
+    let iov = libc::iovec {
+        iov_base: buf.as_mut_ptr().cast(),
+        iov_len: buf.len(),
+    };
+    let offset = libc::off_t::try_from(offset).ok()?;
+    // SAFETY: the one iovec points into `buf`, which is live and `want` bytes long for the
+    // whole call; the descriptor belongs to `file`, borrowed for the call.
+    let n = unsafe { libc::preadv2(file.as_raw_fd(), &iov, 1, offset, libc::RWF_NOWAIT) };
+    // Short (partly cached) or failed: the caller's ordinary read decides.
+    (usize::try_from(n).ok()? == want).then_some(buf)
 }
 
 fn pread(file: &File, offset: u64, size: u32) -> std::io::Result<Vec<u8>> {
@@ -557,25 +602,20 @@ impl Filesystem for LocusFs {
                     .ns
                     .attr(ino.0)
                     .map_or(0, |a| a.size.saturating_sub(offset).min(u64::from(size)));
-                let r = match pread(file, offset, size) {
-                    // Short means the node's file shrank after it was verified: the
-                    // kernel would take it for the end of the file.
-                    Ok(data) if (data.len() as u64) < want => {
-                        tracing::error!(
-                            ino = ino.0,
-                            offset,
-                            "the node's local file is shorter than the blob"
-                        );
-                        self.recent.lock().unwrap().remove(&ino.0);
-                        Err(Errno::EIO)
-                    }
-                    Ok(data) => Ok(data),
-                    Err(e) => {
-                        tracing::error!("reading the node's local file failed: {e}");
-                        Err(Errno::EIO)
-                    }
-                };
-                self.finish_read("local", r, started, reply)
+                if want == 0 {
+                    return self.finish_read("local", Ok(Vec::new()), started, reply);
+                }
+                if let Some(data) = pread_cached(file, offset, want as usize) {
+                    return self.finish_read("local", Ok(data), started, reply);
+                }
+                // From the disk: off the session thread, so readers of uncached files
+                // keep as many reads in flight as they like (there are few session
+                // threads, and a disk wants a deep queue).
+                let (file, core) = (file.clone(), self.core.clone());
+                self.rt.spawn_blocking(move || {
+                    let r = core.pread_local(ino.0, &file, offset, size, want);
+                    core.finish_read("local", r, started, reply)
+                });
             }
             Handle::Remote { ino, ra } => {
                 // Waits for the network: off the session thread.
