@@ -11,7 +11,9 @@
 //! only) and remounts (so rclone's VFS cache and Locus's remote chunk cache start
 //! empty); "warm" then repeats the read at once: three samples, each as many whole passes
 //! as fit in a second (a warm pass over the small files takes only tens of milliseconds,
-//! too short to time alone), and reports the median sample. The Locus cluster is one metadata service
+//! too short to time alone), and reports the median sample. Each warm sample follows a
+//! sample of the local directory, and the warm ratio ("× raw N") is against the median of
+//! those paired samples, so load from elsewhere on the host moves both. The Locus cluster is one metadata service
 //! and one cache node on this host; the local mount uses the node's Unix socket
 //! (passthrough), the remote mount reads from the node over TCP. The peers read from
 //! SeaweedFS when `weed` is installed (bench/setup-peers.sh), else from the harness's
@@ -85,6 +87,15 @@ fn warm_sample(root: &Path, files: &[PathBuf], threads: usize) -> (usize, u64, f
         secs += s;
     }
     (passes, bytes, secs)
+}
+
+/// GB/s for the large files (workload 0), files/s for the small ones.
+fn rate((passes, bytes, secs): (usize, u64, f64), workload: usize, files: usize) -> f64 {
+    if workload == 0 {
+        bytes as f64 / secs / 1e9
+    } else {
+        (passes * files) as f64 / secs
+    }
 }
 
 /// A peer's FUSE mount of the bucket; unmounted on drop.
@@ -329,17 +340,26 @@ async fn main() {
             let (cold_bytes, cold_secs) = read_all(&root, files, *threads);
             let cold = (1, cold_bytes, cold_secs);
             // Warm: the median of three samples (page-cache state makes single ones noisy).
-            let mut samples: Vec<(usize, u64, f64)> =
-                (0..3).map(|_| warm_sample(&root, files, *threads)).collect();
+            // Each is taken right after a sample of the local directory, and the warm
+            // ratio is against the median of those: other load on this host then moves
+            // both figures rather than the ratio.
+            let mut samples = Vec::new();
+            let mut paired_raw = Vec::new();
+            if si > 0 {
+                read_all(&src, files, *threads); // the local files back into the page cache
+            }
+            for _ in 0..3 {
+                if si > 0 {
+                    paired_raw.push(rate(warm_sample(&src, files, *threads), wi, files.len()));
+                }
+                samples.push(warm_sample(&root, files, *threads));
+            }
             samples.sort_by(|a, b| (a.1 as f64 / a.2).total_cmp(&(b.1 as f64 / b.2)));
             let warm = samples[1];
+            paired_raw.sort_by(f64::total_cmp);
             drop(guard);
-            for (k, (passes, bytes, secs)) in [cold, warm].into_iter().enumerate() {
-                let value = if wi == 0 {
-                    bytes as f64 / secs / 1e9
-                } else {
-                    (passes * files.len()) as f64 / secs
-                };
+            for (k, sample) in [cold, warm].into_iter().enumerate() {
+                let value = rate(sample, wi, files.len());
                 if si == 0 {
                     raw[wi * 2 + k] = value;
                 }
@@ -349,11 +369,22 @@ async fn main() {
                 } else {
                     format!("{value:.0}")
                 };
-                cells[wi * 2 + k] = format!("{shown} {unit} ({:.2}× raw)", value / raw[wi * 2 + k]);
+                cells[wi * 2 + k] = match paired_raw.get(1) {
+                    Some(&r) if k == 1 => {
+                        let r_shown = if wi == 0 {
+                            format!("{r:.2}")
+                        } else {
+                            format!("{r:.0}")
+                        };
+                        format!("{shown} {unit} ({:.2}× raw {r_shown})", value / r)
+                    }
+                    _ => format!("{shown} {unit} ({:.2}× raw)", value / raw[wi * 2 + k]),
+                };
             }
         }
         rows.push((name.to_string(), cells));
     }
+    notes.push("warm \"× raw N\": against the local directory sampled in turn with that system (N: the median of those samples)");
     if !can_drop {
         notes.push("not root: page caches could not be dropped, so \"cold\" is not cold");
     }
