@@ -354,7 +354,7 @@ async fn main() {
                 }
                 samples.push(warm_sample(&root, files, *threads));
             }
-            samples.sort_by(|a, b| (a.1 as f64 / a.2).total_cmp(&(b.1 as f64 / b.2)));
+            samples.sort_by(|a, b| rate(*a, wi, files.len()).total_cmp(&rate(*b, wi, files.len())));
             let warm = samples[1];
             paired_raw.sort_by(f64::total_cmp);
             drop(guard);
@@ -364,20 +364,16 @@ async fn main() {
                     raw[wi * 2 + k] = value;
                 }
                 let unit = if wi == 0 { "GB/s" } else { "files/s" };
-                let shown = if wi == 0 {
-                    format!("{value:.2}")
-                } else {
-                    format!("{value:.0}")
-                };
-                cells[wi * 2 + k] = match paired_raw.get(1) {
-                    Some(&r) if k == 1 => {
-                        let r_shown = if wi == 0 {
-                            format!("{r:.2}")
-                        } else {
-                            format!("{r:.0}")
-                        };
-                        format!("{shown} {unit} ({:.2}× raw {r_shown})", value / r)
+                let show = |v: f64| {
+                    if wi == 0 {
+                        format!("{v:.2}")
+                    } else {
+                        format!("{v:.0}")
                     }
+                };
+                let shown = show(value);
+                cells[wi * 2 + k] = match paired_raw.get(1) {
+                    Some(&r) if k == 1 => format!("{shown} {unit} ({:.2}× raw {})", value / r, show(r)),
                     _ => format!("{shown} {unit} ({:.2}× raw)", value / raw[wi * 2 + k]),
                 };
             }

@@ -349,8 +349,7 @@ async fn serve(a: MountArgs, mountpoint: PathBuf, cfg: &Resolved) -> anyhow::Res
         metrics.clone(),
         Settings {
             passthrough: !a.no_passthrough,
-            passthrough_min_size: locus_proto::human::parse_size(&a.passthrough_min_size)
-                .map_err(|e| anyhow::anyhow!("--passthrough-min-size: {}", e.reason))?,
+            passthrough_min_size,
             readahead_chunks,
             open_timeout: Duration::from_secs(600),
             reopen_ttl: locus_proto::human::parse_duration(&a.reopen_cache)
@@ -418,6 +417,7 @@ async fn serve(a: MountArgs, mountpoint: PathBuf, cfg: &Resolved) -> anyhow::Res
         output::size(v.bytes),
         loaded.took.as_secs_f64(),
         match (a.node_socket.is_some(), passthrough.load(Ordering::Relaxed)) {
+            (true, true) if passthrough_min_size == 0 => "local node, passthrough".to_string(),
             (true, true) => format!(
                 "local node, passthrough for files of {} or more",
                 output::size(passthrough_min_size)
