@@ -571,6 +571,7 @@ impl BlobStore {
         fs::create_dir_all(parent).map_err(io)?;
         fs::rename(&path, &dest).map_err(io)?;
         fsync_dir(parent)?;
+        self.hashed_whole(h, &dest);
         let done = BlobRecord {
             partial: false,
             present: Vec::new(),
@@ -908,6 +909,18 @@ impl BlobStore {
         Ok(Some(path))
     }
 
+    /// Records that the blob's file at `path` was just written and its bytes hashed
+    /// whole by this node, so the first `verified_path` after an import or a copy from
+    /// a peer need not read it all again (what made cold passthrough opens of large
+    /// files cost a full read before the kernel's own). The stamp is taken after the
+    /// rename (which changes the ctime); a write by someone else between the node's
+    /// fsync and this stamp, microseconds apart, would go unnoticed until the scrub.
+    fn hashed_whole(&self, h: &BlobHash, path: &Path) {
+        if let Ok(s) = stamp(path) {
+            self.state().verified.insert(*h, s);
+        }
+    }
+
     fn corrupt(&self, h: &BlobHash, path: &Path, what: String) -> StoreError {
         tracing::error!(blob = %h, "{what}; quarantining");
         self.move_to_quarantine(path, h);
@@ -1075,6 +1088,7 @@ impl BlobWriter {
         fs::create_dir_all(parent).map_err(io)?;
         fs::rename(&self.tmp, &dest).map_err(io)?;
         fsync_dir(parent)?;
+        self.store.hashed_whole(&self.hash, &dest);
         self.store
             .insert(self.hash, self.size, self.dir, self.pin, self.chunk_size, &chunks)?;
         Ok(())
