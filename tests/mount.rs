@@ -84,15 +84,20 @@ async fn every_file_reads_back_identical_with_and_without_a_local_node() {
     let out = import(&m, "mixed", &src, &["--replicas", "2", "--shard-size", "2MiB"]);
     assert!(out.status.success(), "{}", stderr(&out));
 
-    // Files of 140 KB and more are passed through, smaller ones read by the mount.
+    // Every open asks the mount: files of 140 KB and more are passed through, smaller
+    // ones read by the mount.
     let local = m.mount(
         "local",
         "mixed@1",
         Some(&nodes[0]),
-        &["--passthrough-min-size", "128KiB"],
+        &["--opens", "mount", "--passthrough-min-size", "128KiB"],
     );
+    // The kernel opens files by itself and asks for pages only.
+    let kernel = m.mount("kernel", "mixed@1", Some(&nodes[0]), &["--opens", "kernel"]);
+    // No local node: `--opens auto` lets the kernel open files here too.
     let remote = m.mount("remote", "mixed", None, &[]);
     assert_same_tree(&src, &local.path);
+    assert_same_tree(&src, &kernel.path);
     assert_same_tree(&src, &remote.path);
 
     let ls = local
@@ -107,11 +112,29 @@ async fn every_file_reads_back_identical_with_and_without_a_local_node() {
     assert!(ls["totals"]["opens_passthrough"].as_u64() < Some(100), "{ls}");
     assert_eq!(ls["totals"]["read_errors"], 0, "{ls}");
     assert_eq!(ls["totals"]["opens_remote"], 0, "{ls}");
+    assert_eq!(ls["kernel_opens"], false, "{ls}");
+    // Opened by the kernel: nothing passed through, every non-empty file fetched from the
+    // node once (the first read of each), however often it is opened.
+    for _ in 0..3 {
+        std::fs::read(kernel.path.join("val/file 0002.bin")).unwrap();
+    }
+    let ks = kernel
+        .status_when("the kernel-opened mount to count its files", |s| {
+            s["totals"]["opens_local"].as_u64() >= Some(500)
+        })
+        .await;
+    assert_eq!(ks["kernel_opens"], true, "{ks}");
+    assert_eq!(ks["passthrough"], false, "{ks}");
+    assert!(ks["totals"]["opens_local"].as_u64() <= Some(540), "{ks}");
+    assert_eq!(ks["totals"]["opens_passthrough"], 0, "{ks}");
+    assert_eq!(ks["totals"]["opens_remote"], 0, "{ks}");
+    assert_eq!(ks["totals"]["read_errors"], 0, "{ks}");
     let rs = remote
         .status_when("the remote mount to count its reads", |s| {
             s["totals"]["opens_remote"].as_u64() > Some(500)
         })
         .await;
+    assert_eq!(rs["kernel_opens"], true, "{rs}");
     assert!(rs["totals"]["bytes_remote"].as_u64().unwrap() > 0, "{rs}");
     assert_eq!(rs["totals"]["read_errors"], 0, "{rs}");
     // The local node now holds every blob the mount opened, verified.
@@ -131,25 +154,43 @@ async fn every_file_reads_back_identical_with_and_without_a_local_node() {
         "{text}"
     );
     assert!(text.contains(&format!("at {}", remote.path.display())), "{text}");
-
-    // Read-only: every kind of change is refused with EROFS and leaves the tree alone.
-    let some_file = local.path.join("val/file 0002.bin");
-    let erofs = |r: std::io::Result<()>| {
-        let e = r.expect_err("a change to a read-only mount");
-        assert_eq!(e.raw_os_error(), Some(libc::EROFS), "{e}");
-    };
-    erofs(std::fs::write(local.path.join("new"), b"x"));
-    erofs(
-        std::fs::OpenOptions::new()
-            .append(true)
-            .open(&some_file)
-            .map(drop),
+    assert!(
+        text.contains(&format!(
+            "at {} (pid {}): opened by the kernel",
+            kernel.path.display(),
+            kernel.pid()
+        )),
+        "{text}"
     );
-    erofs(std::fs::remove_file(&some_file));
-    erofs(std::fs::rename(&some_file, local.path.join("val/moved")));
-    erofs(std::fs::create_dir(local.path.join("newdir")));
-    erofs(std::os::unix::fs::symlink("x", local.path.join("newlink")));
-    assert_same_tree(&src, &local.path);
+
+    // Read-only: every kind of change is refused with EROFS and leaves the tree alone,
+    // whoever opens the files.
+    for mnt in [&local.path, &kernel.path] {
+        let some_file = mnt.join("val/file 0002.bin");
+        let erofs = |r: std::io::Result<()>| {
+            let e = r.expect_err("a change to a read-only mount");
+            assert_eq!(e.raw_os_error(), Some(libc::EROFS), "{e}");
+        };
+        erofs(std::fs::write(mnt.join("new"), b"x"));
+        erofs(
+            std::fs::OpenOptions::new()
+                .append(true)
+                .open(&some_file)
+                .map(drop),
+        );
+        erofs(
+            std::fs::OpenOptions::new()
+                .write(true)
+                .truncate(true)
+                .open(&some_file)
+                .map(drop),
+        );
+        erofs(std::fs::remove_file(&some_file));
+        erofs(std::fs::rename(&some_file, mnt.join("val/moved")));
+        erofs(std::fs::create_dir(mnt.join("newdir")));
+        erofs(std::os::unix::fs::symlink("x", mnt.join("newlink")));
+        assert_same_tree(&src, mnt);
+    }
 
     // `locus umount` unmounts and the mount process exits.
     let pid = remote.pid();
@@ -217,13 +258,15 @@ async fn readers_see_no_error_when_the_node_serving_them_is_killed() {
     make_tree(&src, 300);
     let out = import(&m, "mixed", &src, &["--replicas", "2", "--shard-size", "1MiB"]);
     assert!(out.status.success(), "{}", stderr(&out));
-    // One mount reads through n1 as its local node, the other from replicas (n1 among them).
+    // Two mounts read through n1 as their local node (one asked at every open, one whose
+    // files the kernel opens), the third from replicas (n1 among them).
     let local = m.mount(
         "local",
         "mixed@1",
         Some(&nodes[0]),
-        &["--no-passthrough", "--reopen-cache", "0s"],
+        &["--opens", "mount", "--no-passthrough", "--reopen-cache", "0s"],
     );
+    let kernel = m.mount("kernel", "mixed@1", Some(&nodes[0]), &["--opens", "kernel"]);
     // A small chunk cache, so passes after the kill really go to the nodes again.
     let remote = m.mount("remote", "mixed@1", None, &["--cache-size", "256KiB"]);
     let files = Arc::new(files_of(&src));
@@ -232,10 +275,10 @@ async fn readers_see_no_error_when_the_node_serving_them_is_killed() {
     let reads = Arc::new(AtomicU64::new(0));
     let mut readers = Vec::new();
     for r in 0..8 {
-        let root = if r % 2 == 0 {
-            local.path.clone()
-        } else {
-            remote.path.clone()
+        let root = match r % 4 {
+            0 => local.path.clone(),
+            2 => kernel.path.clone(),
+            _ => remote.path.clone(),
         };
         let (files, stop, reads) = (files.clone(), stop.clone(), reads.clone());
         readers.push(std::thread::spawn(move || -> Result<(), String> {
@@ -278,6 +321,12 @@ async fn readers_see_no_error_when_the_node_serving_them_is_killed() {
         })
         .await;
     assert_eq!(ls["totals"]["read_errors"], 0, "{ls}");
+    let ks = kernel
+        .status_when("the kernel-opened mount to fall back to replicas", |s| {
+            s["totals"]["opens_remote"].as_u64() > Some(0)
+        })
+        .await;
+    assert_eq!(ks["totals"]["read_errors"], 0, "{ks}");
     let rs = remote
         .status_when("the remote mount to have failed over", |s| {
             s["totals"]["failovers"].as_u64() > Some(0)
@@ -288,7 +337,17 @@ async fn readers_see_no_error_when_the_node_serving_them_is_killed() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_corrupted_blob_is_never_returned() {
-    let h = Harness::new("mount-corrupt");
+    corrupted_blobs("mount").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_corrupted_blob_is_never_returned_when_the_kernel_opens_files() {
+    corrupted_blobs("kernel").await;
+}
+
+/// `opens`: the local mount's `--opens`.
+async fn corrupted_blobs(opens: &str) {
+    let h = Harness::new(&format!("mount-corrupt-{opens}"));
     let (m, nodes) = cluster(&h, 2, NodeOpts::host).await;
     let src = h.path("src");
     make_tree(&src, 40);
@@ -317,13 +376,13 @@ async fn a_corrupted_blob_is_never_returned() {
             .unwrap();
     }
     // Through n1 as local node: the node re-verifies the changed file, quarantines it and
-    // fetches a good copy from n2. The 140 KB+ files are passed through to the kernel,
-    // smaller ones read by the mount.
+    // fetches a good copy from n2. Asked at every open, the mount passes the 140 KB+
+    // files through to the kernel and reads smaller ones itself.
     let local = m.mount(
         "local",
         "mixed@1",
         Some(&nodes[0]),
-        &["--passthrough-min-size", "128KiB"],
+        &["--opens", opens, "--passthrough-min-size", "128KiB"],
     );
     let (rel, want) = big[0];
     let got = std::fs::read(local.path.join(rel)).unwrap();
@@ -332,12 +391,18 @@ async fn a_corrupted_blob_is_never_returned() {
 
     // A small file's blob cut short on n1 after the node verified it (the mount keeps the
     // verified file open for reuse): the read fails rather than ending early, and the
-    // next open has the node re-check, quarantine and refetch it.
+    // next read has the node re-check, quarantine and refetch it.
     let (rel, want) = files
         .iter()
         .find(|(p, _)| (10_000..100_000).contains(&std::fs::metadata(src.join(p)).unwrap().len()))
         .unwrap();
-    drop(std::fs::File::open(local.path.join(rel)).unwrap());
+    assert_eq!(
+        blake3::hash(&std::fs::read(local.path.join(rel)).unwrap())
+            .to_hex()
+            .as_str(),
+        want
+    );
+    drop_page_cache(&local.path.join(rel));
     let blob = &on_n1[want];
     let len = std::fs::metadata(blob).unwrap().len();
     std::fs::OpenOptions::new()
@@ -345,8 +410,13 @@ async fn a_corrupted_blob_is_never_returned() {
         .open(blob)
         .and_then(|f| f.set_len(len / 2))
         .unwrap();
-    let err = std::fs::read(local.path.join(rel)).unwrap_err();
-    assert_eq!(err.raw_os_error(), Some(libc::EIO), "{err}");
+    if opens == "mount" {
+        // The open handle holds the cut file: this read can only fail.
+        let err = std::fs::read(local.path.join(rel)).unwrap_err();
+        assert_eq!(err.raw_os_error(), Some(libc::EIO), "{err}");
+    }
+    // Without handles, the kernel retries the failed page at once, and the retry already
+    // has the node re-check and refetch the blob: the reader sees only the right bytes.
     let got = std::fs::read(local.path.join(rel)).unwrap();
     assert_eq!(blake3::hash(&got).to_hex().as_str(), want);
     assert_eq!(nodes[0].quarantined(), 2);

@@ -102,17 +102,27 @@ pub async fn run(cfg: &Resolved) -> anyhow::Result<()> {
     }
     for m in &mounts {
         let t = &m.totals;
+        let opens = t.opens_passthrough + t.opens_local + t.opens_remote;
+        // Files the kernel opens by itself reach the mount only when their pages are
+        // missing, so what is counted then is files first read, not opens.
+        let opens = if m.kernel_opens {
+            format!(
+                "opened by the kernel, {opens} files read ({} local, {} remote)",
+                t.opens_local, t.opens_remote
+            )
+        } else {
+            format!(
+                "{opens} opens ({} passthrough, {} local, {} remote)",
+                t.opens_passthrough, t.opens_local, t.opens_remote
+            )
+        };
         println!(
-            "mount      {}@{} at {} (pid {}): {} opens ({} passthrough, {} local, {} remote); \
+            "mount      {}@{} at {} (pid {}): {opens}; \
              read {} local, {} remote, {} from origin, {} from memory; {} read errors",
             m.dataset,
             m.version,
             m.mountpoint.display(),
             m.pid,
-            t.opens_passthrough + t.opens_local + t.opens_remote,
-            t.opens_passthrough,
-            t.opens_local,
-            t.opens_remote,
             output::size(t.bytes_local),
             output::size(t.bytes_remote),
             output::size(t.bytes_origin),
