@@ -6,19 +6,23 @@
 //!     LOCUS_BENCH_LARGE_MIB=256 LOCUS_BENCH_SMALL_FILES=2000 cargo bench --bench mount_read
 //!     LOCUS_BENCH_MOUNT_ARGS="--threads 8" cargo bench --bench mount_read
 //!
-//! Workloads: large files read sequentially one after another (1 MiB reads), and
-//! 128 KiB files read whole by 8 threads. "cold" drops the kernel page cache (root
-//! only) and remounts (so rclone's VFS cache and Locus's remote chunk cache start
-//! empty); "warm" then repeats the read at once: three samples, each as many whole passes
-//! as fit in a second (a warm pass over the small files takes only tens of milliseconds,
-//! too short to time alone), and reports the median sample. Each warm sample follows a
-//! sample of the local directory, and the warm ratio ("× raw N") is against the median of
-//! those paired samples, so load from elsewhere on the host moves both. The Locus cluster is one metadata service
-//! and one cache node on this host; the local mount uses the node's Unix socket
-//! (passthrough), the remote mount reads from the node over TCP. The peers read from
-//! SeaweedFS when `weed` is installed (bench/setup-peers.sh), else from the harness's
-//! moto; rclone (`--vfs-cache-mode full --read-only`) and s3fs come from Debian and are
-//! skipped with a note when absent.
+//! Workloads, each its own dataset (as training data comes): large files read
+//! sequentially one after another (1 MiB reads), and 128 KiB files read whole by 8
+//! threads. "cold" drops the kernel page cache (root only) and remounts (so rclone's VFS
+//! cache and Locus's remote chunk cache start empty); "warm" then repeats the read at
+//! once: three samples, each as many whole passes as fit in a second (a warm pass over
+//! the small files takes only tens of milliseconds, too short to time alone), and
+//! reports the median sample. Each warm sample follows a sample of the local directory,
+//! and the warm ratio ("× raw N") is against the median of those paired samples, so load
+//! from elsewhere on the host moves both.
+//!
+//! The Locus cluster is one metadata service and one cache node on this host. The
+//! local-node rows use the node's Unix socket: with the default `--opens auto` (the
+//! large-file version is passed through, the small-file one opened by the kernel), then
+//! each `--opens` forced, to show what the choice is worth; the remote row reads from the
+//! node over TCP. The peers read from SeaweedFS when `weed` is installed
+//! (bench/setup-peers.sh), else from the harness's moto; rclone (`--vfs-cache-mode full
+//! --read-only`) and s3fs come from Debian and are skipped with a note when absent.
 
 #[path = "../tests/support/mod.rs"]
 mod support;
@@ -245,16 +249,22 @@ async fn main() {
     let src = h.path("src");
     let mut large = Vec::new();
     let mut small = Vec::new();
+    // Two datasets, as training data comes: one of large files, one of small ones.
     std::fs::create_dir_all(src.join("large")).unwrap();
     for i in 0..large_n {
-        let rel = PathBuf::from(format!("large/l{i}.bin"));
-        std::fs::write(src.join(&rel), pseudo_random(i as u64, large_mib << 20)).unwrap();
+        let rel = PathBuf::from(format!("l{i}.bin"));
+        std::fs::write(
+            src.join("large").join(&rel),
+            pseudo_random(i as u64, large_mib << 20),
+        )
+        .unwrap();
         large.push(rel);
     }
     for i in 0..small_n {
-        let rel = PathBuf::from(format!("small/d{:02}/s{i:05}.bin", i % 50));
-        std::fs::create_dir_all(src.join(rel.parent().unwrap())).unwrap();
-        std::fs::write(src.join(&rel), pseudo_random(1_000_000 + i as u64, 128 << 10)).unwrap();
+        let rel = PathBuf::from(format!("d{:02}/s{i:05}.bin", i % 50));
+        let path = src.join("small").join(&rel);
+        std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+        std::fs::write(path, pseudo_random(1_000_000 + i as u64, 128 << 10)).unwrap();
         small.push(rel);
     }
 
@@ -264,13 +274,17 @@ async fn main() {
         ..NodeOpts::host(i)
     })
     .await;
-    let out = import(&m, "bench", &src, &["--replicas", "1"]);
-    assert!(out.status.success(), "{}", stderr(&out));
+    for dataset in ["large", "small"] {
+        let out = import(&m, dataset, &src.join(dataset), &["--replicas", "1"]);
+        assert!(out.status.success(), "{}", stderr(&out));
+    }
     // The same files in S3 for the peers.
     let s3 = Peers::start(&h).await;
     let bucket = s3.bucket().await;
-    for rel in large.iter().chain(&small) {
-        let data = std::fs::read(src.join(rel)).unwrap();
+    let keys = (large.iter().map(|r| Path::new("large").join(r)))
+        .chain(small.iter().map(|r| Path::new("small").join(r)));
+    for rel in keys {
+        let data = std::fs::read(src.join(&rel)).unwrap();
         let key = object_store::path::Path::from(rel.to_str().unwrap());
         object_store::ObjectStoreExt::put(&bucket, &key, data.into())
             .await
@@ -278,36 +292,49 @@ async fn main() {
     }
 
     // Extra `locus mount` flags, e.g. LOCUS_BENCH_MOUNT_ARGS="--threads 8".
+    // Extra `locus mount` flags, e.g. LOCUS_BENCH_MOUNT_ARGS="--threads 8".
     let mount_args_s = std::env::var("LOCUS_BENCH_MOUNT_ARGS").unwrap_or_default();
     let mount_args: Vec<&str> = mount_args_s.split_whitespace().collect();
+    let with = |extra: &[&'static str]| -> Vec<&str> {
+        mount_args.iter().copied().chain(extra.iter().copied()).collect()
+    };
+    let (default_args, mount_opens, kernel_opens) = (
+        with(&[]),
+        with(&["--opens", "mount"]),
+        with(&["--opens", "kernel"]),
+    );
     let can_drop = drop_caches();
+    // (dataset and directory, files in it, readers)
     let workloads: [(&str, &[PathBuf], usize); 2] = [("large", &large, 1), ("small", &small, 8)];
-    type Mounter<'a> = Box<dyn Fn(usize) -> Option<(PathBuf, Box<dyn std::any::Any>)> + 'a>;
+    // A system mounts the workload's dataset (numbered to keep mount points apart) and
+    // returns where its files are, with whatever keeps the mount alive.
+    type Mounter<'a> = Box<dyn Fn(usize, &str) -> Option<(PathBuf, Box<dyn std::any::Any>)> + 'a>;
     let mut counter = 0usize;
     let mut systems: Vec<(&str, Mounter)> = vec![(
         "local directory",
-        Box::new(|_| Some((src.clone(), Box::new(()) as Box<dyn std::any::Any>))),
+        Box::new(|_, dir| Some((src.join(dir), Box::new(()) as Box<dyn std::any::Any>))),
     )];
-    systems.push((
-        "locus (local node, passthrough)",
-        Box::new(|n| {
-            let mnt = m.mount(&format!("locus-local{n}"), "bench", Some(&nodes[0]), &mount_args);
-            Some((mnt.path.clone(), Box::new(mnt) as Box<dyn std::any::Any>))
-        }),
-    ));
-    systems.push((
-        "locus (remote reads)",
-        Box::new(|n| {
-            let mnt = m.mount(&format!("locus-remote{n}"), "bench", None, &mount_args);
-            Some((mnt.path.clone(), Box::new(mnt) as Box<dyn std::any::Any>))
-        }),
-    ));
+    for (name, node, args) in [
+        ("locus (local node)", true, &default_args),
+        ("locus (local node, --opens mount)", true, &mount_opens),
+        ("locus (local node, --opens kernel)", true, &kernel_opens),
+        ("locus (remote reads)", false, &default_args),
+    ] {
+        let (m, node) = (&m, node.then(|| &nodes[0]));
+        systems.push((
+            name,
+            Box::new(move |n, dataset| {
+                let mnt = m.mount(&format!("locus{n}"), dataset, node, args);
+                Some((mnt.path.clone(), Box::new(mnt) as Box<dyn std::any::Any>))
+            }),
+        ));
+    }
     let mut notes = Vec::new();
     if have("rclone") {
         systems.push((
             "rclone mount (vfs-cache full)",
-            Box::new(|n| {
-                rclone_mount(&h, &s3, n).map(|p| (p.path.clone(), Box::new(p) as Box<dyn std::any::Any>))
+            Box::new(|n, dir| {
+                rclone_mount(&h, &s3, n).map(|p| (p.path.join(dir), Box::new(p) as Box<dyn std::any::Any>))
             }),
         ));
     } else {
@@ -316,8 +343,8 @@ async fn main() {
     if have("s3fs") {
         systems.push((
             "s3fs",
-            Box::new(|n| {
-                s3fs_mount(&h, &s3, n).map(|p| (p.path.clone(), Box::new(p) as Box<dyn std::any::Any>))
+            Box::new(|n, dir| {
+                s3fs_mount(&h, &s3, n).map(|p| (p.path.join(dir), Box::new(p) as Box<dyn std::any::Any>))
             }),
         ));
     } else {
@@ -328,12 +355,13 @@ async fn main() {
     let mut raw: [f64; 4] = [0.0; 4];
     for (si, (name, mount)) in systems.iter().enumerate() {
         let mut cells: [String; 4] = Default::default();
-        for (wi, (_, files, threads)) in workloads.iter().enumerate() {
+        for (wi, (dir, files, threads)) in workloads.iter().enumerate() {
+            let raw_root = src.join(dir);
             counter += 1;
             if can_drop {
                 drop_caches();
             }
-            let Some((root, guard)) = mount(counter) else {
+            let Some((root, guard)) = mount(counter, dir) else {
                 cells[wi * 2] = "mount failed".into();
                 continue;
             };
@@ -346,11 +374,11 @@ async fn main() {
             let mut samples = Vec::new();
             let mut paired_raw = Vec::new();
             if si > 0 {
-                read_all(&src, files, *threads); // the local files back into the page cache
+                read_all(&raw_root, files, *threads); // the local files back into the page cache
             }
             for _ in 0..3 {
                 if si > 0 {
-                    paired_raw.push(rate(warm_sample(&src, files, *threads), wi, files.len()));
+                    paired_raw.push(rate(warm_sample(&raw_root, files, *threads), wi, files.len()));
                 }
                 samples.push(warm_sample(&root, files, *threads));
             }
