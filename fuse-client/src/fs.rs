@@ -642,13 +642,7 @@ fn preadv2(file: &File, buf: &mut [u8], offset: u64, flags: libc::c_int) -> std:
         iov_base: buf.as_mut_ptr().cast(),
         iov_len: buf.len(),
     };
-    loop {
-        let dontcache = DONTCACHE.load(Ordering::Relaxed);
-        let flags = if dontcache {
-            flags | libc::RWF_DONTCACHE
-        } else {
-            flags
-        };
+    let call = |flags: libc::c_int| loop {
         // SAFETY: the one iovec points into `buf`, live and that long for the whole call;
         // the descriptor belongs to `file`, borrowed for the call.
         let n = unsafe { libc::preadv2(file.as_raw_fd(), &iov, 1, off, flags) };
@@ -656,11 +650,23 @@ fn preadv2(file: &File, buf: &mut [u8], offset: u64, flags: libc::c_int) -> std:
             return Ok(n as usize);
         }
         let e = std::io::Error::last_os_error();
-        match e.raw_os_error() {
-            Some(libc::EOPNOTSUPP | libc::EINVAL) if dontcache => DONTCACHE.store(false, Ordering::Relaxed),
-            Some(libc::EINTR) => {}
-            _ => return Err(e),
+        if e.raw_os_error() != Some(libc::EINTR) {
+            return Err(e);
         }
+    };
+    if !DONTCACHE.load(Ordering::Relaxed) {
+        return call(flags);
+    }
+    match call(flags | libc::RWF_DONTCACHE) {
+        Err(e) if matches!(e.raw_os_error(), Some(libc::EOPNOTSUPP | libc::EINVAL)) => {
+            let r = call(flags);
+            if r.is_ok() {
+                // The same read without it works: the flag is what was refused.
+                DONTCACHE.store(false, Ordering::Relaxed);
+            }
+            r
+        }
+        r => r,
     }
 }
 

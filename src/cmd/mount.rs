@@ -72,8 +72,9 @@ pub struct MountArgs {
     /// (host defaults to the host name).
     #[arg(long, env = "LOCUS_MOUNT_LABELS", value_name = "K=V,...", default_value = "")]
     pub labels: String,
-    /// Reopening a file within this long reuses the local file the node verified last
-    /// time instead of asking the node again ("0s": ask on every open).
+    /// A local file the node verified is reused for this long without asking the node
+    /// again: by reopens, and by reads the page cache lacks when the kernel opens files
+    /// ("0s": ask every time).
     #[arg(long, value_name = "DURATION", default_value = "30s")]
     pub reopen_cache: String,
     /// Serve Prometheus metrics at http://ADDR/metrics.
