@@ -90,9 +90,61 @@ struct BlobRecord {
     /// For a partial blob, bit i set = chunk i is on disk, verified and synced.
     #[prost(bytes = "vec", tag = "7")]
     present: Vec<u8>,
+    /// The file's stamp when it was last known whole and intact (see `State::verified`),
+    /// kept so a restart does not have every blob hashed again before its next direct
+    /// read. Absent in records written before it existed.
+    #[prost(message, optional, tag = "8")]
+    verified: Option<StampRecord>,
+}
+
+#[derive(Clone, PartialEq, prost::Message)]
+struct StampRecord {
+    #[prost(uint64, tag = "1")]
+    ino: u64,
+    #[prost(int64, tag = "2")]
+    ctime_s: i64,
+    #[prost(int64, tag = "3")]
+    ctime_ns: i64,
+    #[prost(uint64, tag = "4")]
+    size: u64,
+}
+
+impl From<FileStamp> for StampRecord {
+    fn from(s: FileStamp) -> Self {
+        StampRecord {
+            ino: s.ino,
+            ctime_s: s.ctime_s,
+            ctime_ns: s.ctime_ns,
+            size: s.size,
+        }
+    }
+}
+
+impl From<&StampRecord> for FileStamp {
+    fn from(s: &StampRecord) -> Self {
+        FileStamp {
+            ino: s.ino,
+            ctime_s: s.ctime_s,
+            ctime_ns: s.ctime_ns,
+            size: s.size,
+        }
+    }
 }
 
 impl BlobRecord {
+    fn complete(size: u64, dir: u32, pinned: bool, chunk_size: u32, chunks: &[BlobHash]) -> Self {
+        BlobRecord {
+            size,
+            dir,
+            pinned,
+            chunk_size,
+            chunks: chunks.iter().flat_map(|c| c.0).collect(),
+            partial: false,
+            present: Vec::new(),
+            verified: None,
+        }
+    }
+
     fn chunk_count(&self) -> u64 {
         (self.chunks.len() / 32) as u64
     }
@@ -182,6 +234,8 @@ pub struct BlobStore {
     index: rocksdb::DB,
     state: Mutex<State>,
     tick: AtomicU64,
+    /// Blobs hashed whole by `verify` (scrub and first direct reads) since open.
+    whole_hashes: AtomicU64,
     /// Woken whenever a blob is quarantined, so the owner can refetch it at once.
     pub quarantine_events: tokio::sync::Notify,
 }
@@ -248,6 +302,7 @@ impl BlobStore {
             index,
             state: Mutex::new(State::default()),
             tick: AtomicU64::new(1),
+            whole_hashes: AtomicU64::new(0),
             quarantine_events: tokio::sync::Notify::new(),
         });
         let report = store.reconcile()?;
@@ -294,6 +349,11 @@ impl BlobStore {
             st.used += rec.size;
             if rec.pinned {
                 st.pinned += rec.size;
+            }
+            // Only a hint: `verified_path` compares it with the file as it is now, and any
+            // change while the node was down (a write, a copy, a restored file) differs.
+            if let Some(v) = &rec.verified {
+                st.verified.insert(h, v.into());
             }
             st.blobs.insert(h, Meta { rec, last_access: 0 });
         }
@@ -363,7 +423,8 @@ impl BlobStore {
             let h = BlobHash::from_hex(&name).expect("filtered above");
             match hash_file(&p, locus_proto::DEFAULT_CHUNK_SIZE) {
                 Ok((size, whole, chunks)) if whole == h => {
-                    self.insert(h, size, di, false, locus_proto::DEFAULT_CHUNK_SIZE, &chunks)?;
+                    let rec = BlobRecord::complete(size, di, false, locus_proto::DEFAULT_CHUNK_SIZE, &chunks);
+                    self.insert(h, rec)?;
                     rep.adopted += 1;
                 }
                 _ => {
@@ -375,28 +436,17 @@ impl BlobStore {
         Ok(rep)
     }
 
-    fn insert(
-        &self,
-        h: BlobHash,
-        size: u64,
-        dir: u32,
-        pinned: bool,
-        chunk_size: u32,
-        chunks: &[BlobHash],
-    ) -> Result<(), StoreError> {
-        let rec = BlobRecord {
-            size,
-            dir,
-            pinned,
-            chunk_size,
-            chunks: chunks.iter().flat_map(|c| c.0).collect(),
-            partial: false,
-            present: Vec::new(),
-        };
+    /// Publishes a complete blob (`rec` from `BlobRecord::complete`).
+    fn insert(&self, h: BlobHash, rec: BlobRecord) -> Result<(), StoreError> {
+        let (size, pinned, verified) = (rec.size, rec.pinned, rec.verified.as_ref().map(FileStamp::from));
         self.index
             .put(h.0, rec.encode_to_vec())
             .map_err(|e| StoreError::Index(e.into_string()))?;
         let mut st = self.state();
+        match verified {
+            Some(v) => st.verified.insert(h, v),
+            None => st.verified.remove(&h),
+        };
         if let Some(old) = st.blobs.insert(
             h,
             Meta {
@@ -489,6 +539,7 @@ impl BlobStore {
             chunks: chunks.iter().flat_map(|c| c.0).collect(),
             partial: true,
             present: vec![0u8; want.div_ceil(8) as usize],
+            verified: None,
         };
         self.index
             .put(hash.0, rec.encode_to_vec())
@@ -571,7 +622,6 @@ impl BlobStore {
         fs::create_dir_all(parent).map_err(io)?;
         fs::rename(&path, &dest).map_err(io)?;
         fsync_dir(parent)?;
-        self.hashed_whole(h, &dest);
         let done = BlobRecord {
             partial: false,
             present: Vec::new(),
@@ -584,6 +634,8 @@ impl BlobStore {
         if let Some(m) = st.partials.remove(h) {
             st.blobs.insert(h.to_owned(), Meta { rec: done, ..m });
         }
+        drop(st);
+        self.hashed_whole(h, &dest);
         Ok(true)
     }
 
@@ -838,6 +890,7 @@ impl BlobStore {
     /// when it no longer matches; partly present blobs are checked chunk by chunk on
     /// every read instead.
     pub fn verify(&self, h: &BlobHash) -> Result<bool, StoreError> {
+        self.whole_hashes.fetch_add(1, Ordering::Relaxed);
         let (rec, path) = {
             let st = self.state();
             match st.blobs.get(h) {
@@ -880,6 +933,11 @@ impl BlobStore {
         Ok(true)
     }
 
+    /// How many blobs `verify` has hashed whole since the store was opened.
+    pub fn whole_hashes(&self) -> u64 {
+        self.whole_hashes.load(Ordering::Relaxed)
+    }
+
     /// The path of a complete local blob whose file is known to hold the right bytes,
     /// for clients that read the file directly (the mount hands it to the kernel, which
     /// then reads it without us). The first request after any change to the file hashes
@@ -905,19 +963,36 @@ impl BlobStore {
         }
         // The stamp from before hashing: a write during the hash changes the ctime, so
         // the next request hashes again.
-        self.state().verified.insert(*h, before);
+        self.record_stamp(h, before);
         Ok(Some(path))
     }
 
     /// Records that the blob's file at `path` was just written and its bytes hashed
-    /// whole by this node, so the first `verified_path` after an import or a copy from
-    /// a peer need not read it all again (what made cold passthrough opens of large
-    /// files cost a full read before the kernel's own). The stamp is taken after the
-    /// rename (which changes the ctime); a write by someone else between the node's
-    /// fsync and this stamp, microseconds apart, would go unnoticed until the scrub.
+    /// whole by this node (as `BlobWriter::finish` does through `insert`), so the first
+    /// `verified_path` after an import or a copy from a peer need not read it all again
+    /// (what made cold passthrough opens of large files cost a full read before the
+    /// kernel's own). The stamp is taken after the rename (which changes the ctime); a
+    /// write by someone else between the node's fsync and this stamp, microseconds
+    /// apart, would go unnoticed until the scrub.
     fn hashed_whole(&self, h: &BlobHash, path: &Path) {
         if let Ok(s) = stamp(path) {
-            self.state().verified.insert(*h, s);
+            self.record_stamp(h, s);
+        }
+    }
+
+    /// Remembers a verified file's stamp, in memory and in the blob's index record.
+    fn record_stamp(&self, h: &BlobHash, s: FileStamp) {
+        let mut st = self.state();
+        st.verified.insert(*h, s);
+        let Some(m) = st.blobs.get_mut(h) else {
+            return;
+        };
+        m.rec.verified = Some(s.into());
+        let rec = m.rec.encode_to_vec();
+        drop(st);
+        // Losing it only costs one hash after a restart.
+        if let Err(e) = self.index.put(h.0, rec) {
+            tracing::warn!(blob = %h, "cannot record the blob's verification: {}", e.into_string());
         }
     }
 
@@ -1088,9 +1163,10 @@ impl BlobWriter {
         fs::create_dir_all(parent).map_err(io)?;
         fs::rename(&self.tmp, &dest).map_err(io)?;
         fsync_dir(parent)?;
-        self.store.hashed_whole(&self.hash, &dest);
-        self.store
-            .insert(self.hash, self.size, self.dir, self.pin, self.chunk_size, &chunks)?;
+        let mut rec = BlobRecord::complete(self.size, self.dir, self.pin, self.chunk_size, &chunks);
+        // Hashed on the way in (see `hashed_whole`).
+        rec.verified = stamp(&dest).ok().map(Into::into);
+        self.store.insert(self.hash, rec)?;
         Ok(())
     }
 }
@@ -1198,6 +1274,36 @@ mod tests {
         assert!(matches!(err, StoreError::Full { .. }), "{err}");
         assert_eq!(s.stats().used, 300_000);
         assert_eq!(s.stats().placeable, 0);
+    }
+
+    #[test]
+    fn a_verified_blob_is_not_hashed_again_until_its_file_changes() {
+        let d = tempfile::tempdir().unwrap();
+        let data: Vec<u8> = (0..300_000u32).map(|i| (i * 7 % 251) as u8).collect();
+        let s = open(d.path(), 1 << 30);
+        let h = put(&s, &data, true).unwrap();
+        // Hashed on the way in: the first direct read needs no second pass.
+        let path = s.verified_path(&h).unwrap().unwrap();
+        assert_eq!(s.whole_hashes(), 0);
+        drop(s);
+        // Nor after a restart: the stamp is in the index.
+        let s = open(d.path(), 1 << 30);
+        assert_eq!(s.verified_path(&h).unwrap(), Some(path.clone()));
+        assert_eq!(s.whole_hashes(), 0);
+        drop(s);
+        // A byte changed in place while the node was down changes the file's ctime: the
+        // stamp no longer matches, the blob is hashed, fails and is quarantined.
+        let mut bytes = fs::read(&path).unwrap();
+        bytes[123_456] ^= 1;
+        fs::OpenOptions::new()
+            .write(true)
+            .open(&path)
+            .and_then(|mut f| std::io::Write::write_all(&mut f, &bytes))
+            .unwrap();
+        let s = open(d.path(), 1 << 30);
+        assert_eq!(s.verified_path(&h).unwrap(), None);
+        assert_eq!(s.whole_hashes(), 1);
+        assert_eq!(s.stats().quarantined, 1);
     }
 
     #[test]
