@@ -708,6 +708,12 @@ impl Node for NodeService {
                     }
                 }
             }
+            // "Finished" vouches that the blobs are stored: on a file:// target that
+            // means on disk, not just written.
+            if let Err(e) = target.sync_local().await {
+                let _ = tx.send(Err(Status::unavailable(e.to_string()))).await;
+                return;
+            }
             p.finished = true;
             let _ = tx.send(Ok(p)).await;
         });

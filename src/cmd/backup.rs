@@ -394,7 +394,11 @@ async fn backup_inner(
         blobs_skipped: report.blobs_skipped,
         bytes_skipped: report.bytes_skipped,
     };
+    // What the marker vouches for must be on disk before it is, and the marker before
+    // the metadata service relies on it.
+    t.sync_local().await?;
     t.put_json(&t.snapshot_key(id, "COMMITTED"), &committed).await?;
+    t.sync_local().await?;
     report.committed = true;
     if let Err(e) = m
         .record_backup(pb::RecordBackupRequest {
