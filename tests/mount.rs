@@ -420,6 +420,38 @@ async fn corrupted_blobs(opens: &str) {
     let got = std::fs::read(local.path.join(rel)).unwrap();
     assert_eq!(blake3::hash(&got).to_hex().as_str(), want);
     assert_eq!(nodes[0].quarantined(), 2);
+
+    // A byte flipped in place in another small file's blob after the node verified it:
+    // same size, so only the file's mtime tells, and the changed byte never reaches the
+    // reader (with the mount asked at every open, that open's reads fail instead).
+    let (rel, want) = files
+        .iter()
+        .filter(|(p, _)| (10_000..100_000).contains(&std::fs::metadata(src.join(p)).unwrap().len()))
+        .nth(1)
+        .unwrap();
+    assert_eq!(
+        blake3::hash(&std::fs::read(local.path.join(rel)).unwrap())
+            .to_hex()
+            .as_str(),
+        want
+    );
+    drop_page_cache(&local.path.join(rel));
+    let blob = &on_n1[want];
+    let mut bytes = std::fs::read(blob).unwrap();
+    bytes[5_000] ^= 0x01;
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(blob)
+        .and_then(|mut f| std::io::Write::write_all(&mut f, &bytes))
+        .unwrap();
+    if opens == "mount" {
+        let err = std::fs::read(local.path.join(rel)).unwrap_err();
+        assert_eq!(err.raw_os_error(), Some(libc::EIO), "{err}");
+    }
+    let got = std::fs::read(local.path.join(rel)).unwrap();
+    assert_eq!(blake3::hash(&got).to_hex().as_str(), want);
+    assert_eq!(nodes[0].quarantined(), 3);
+
     // From replicas, n1 first (the mount says it runs on n1's host): n1's copy of the
     // second blob fails the check, n1 quarantines it, and n2 serves the chunk.
     let remote = m.mount("remote", "mixed@1", None, &["--labels", "host=h1"]);
@@ -431,7 +463,7 @@ async fn corrupted_blobs(opens: &str) {
     }
     assert_eq!(
         nodes[0].quarantined(),
-        3,
+        4,
         "n1 was asked first and caught its bad copy"
     );
     remote

@@ -54,11 +54,39 @@ const TTL: Duration = Duration::from_secs(24 * 3600);
 /// How a file was opened.
 enum Handle {
     /// The kernel reads the backing file; `file` stays open so the backing id does.
-    Passthrough { ino: u64, _file: Arc<File> },
+    Passthrough { ino: u64, _file: Arc<NodeFile> },
     /// pread of the node's verified local file.
-    Local { file: Arc<File> },
+    Local { file: Arc<NodeFile> },
     /// Chunks from remote replicas.
     Remote { ino: u64, ra: Arc<Mutex<ReadAhead>> },
+}
+
+/// A blob file the local node verified, as this mount opened it.
+struct NodeFile {
+    file: File,
+    /// (inode, size, mtime) when opened, right after the node's check.
+    seen: Option<(u64, u64, i64, i64)>,
+}
+
+impl NodeFile {
+    fn open(path: &std::path::Path) -> std::io::Result<NodeFile> {
+        let file = File::open(path)?;
+        let seen = file_id(&file);
+        Ok(NodeFile { file, seen })
+    }
+
+    /// Whether the file is as it was when opened. Read after the bytes were: any write
+    /// or truncation before that point has changed the mtime. (Not the ctime, which the
+    /// node's own eviction changes by unlinking the file, leaving its bytes intact.)
+    fn unchanged(&self) -> bool {
+        self.seen.is_some() && file_id(&self.file) == self.seen
+    }
+}
+
+fn file_id(f: &File) -> Option<(u64, u64, i64, i64)> {
+    use std::os::unix::fs::MetadataExt;
+    let m = f.metadata().ok()?;
+    Some((m.ino(), m.size(), m.mtime(), m.mtime_nsec()))
 }
 
 /// Sequential-read detection for one open file.
@@ -130,7 +158,7 @@ pub struct Core {
     /// Local files the node verified recently, by inode: reopening one within
     /// `Settings::reopen_ttl` skips the round trip to the node (what makes re-reading many small
     /// files fast). An open file keeps its bytes even if the node drops the blob.
-    recent: Mutex<HashMap<u64, (Arc<File>, Instant)>>,
+    recent: Mutex<HashMap<u64, (Arc<NodeFile>, Instant)>>,
     recent_max: usize,
     /// One fetch per inode at a time: the kernel sends a cold file's first reads (or
     /// opens) together, and each would otherwise ask the node for the same blob.
@@ -262,7 +290,7 @@ impl Core {
     }
 
     /// The local file the node verified for this inode within the reopen window, if any.
-    fn recent_file(&self, ino: u64) -> Option<Arc<File>> {
+    fn recent_file(&self, ino: u64) -> Option<Arc<NodeFile>> {
         let recent = self.recent.lock().unwrap();
         recent
             .get(&ino)
@@ -273,7 +301,7 @@ impl Core {
     /// Has the local node make the blob present and verified, and opens its file. `None`
     /// when the caller must read from remote replicas instead. Blocks for as long as the
     /// node needs (a copy from a peer), so never called on a session thread.
-    fn fetch_local(&self, node: &NodeClient, ino: u64, blob: BlobHash, size: u64) -> Option<Arc<File>> {
+    fn fetch_local(&self, node: &NodeClient, ino: u64, blob: BlobHash, size: u64) -> Option<Arc<NodeFile>> {
         let path = match self.ensure_local(node, blob, size) {
             Ok(p) => p,
             Err(e) => {
@@ -281,7 +309,7 @@ impl Core {
                 return None;
             }
         };
-        let file = match File::open(&path) {
+        let file = match NodeFile::open(&path) {
             Ok(f) => Arc::new(f),
             Err(e) => {
                 tracing::warn!(path = %path.display(), "cannot open the node's blob file, reading from replicas: {e}");
@@ -311,7 +339,7 @@ impl Core {
         ino: u64,
         blob: BlobHash,
         size: u64,
-    ) -> Option<(Arc<File>, bool)> {
+    ) -> Option<(Arc<NodeFile>, bool)> {
         let gate = self.fetching.lock().unwrap().entry(ino).or_default().clone();
         let held = gate.lock().unwrap();
         let r = match self.recent_file(ino) {
@@ -330,7 +358,7 @@ impl Core {
     /// Answers an open with the node's verified local file: as the kernel's backing file
     /// (passthrough) when allowed and the file is large enough, else read here with pread
     /// into pages the kernel keeps across opens.
-    fn open_file(&self, ino: u64, size: u64, file: Arc<File>, reply: ReplyOpen) {
+    fn open_file(&self, ino: u64, size: u64, file: Arc<NodeFile>, reply: ReplyOpen) {
         if size >= self.settings.passthrough_min_size && self.passthrough.load(Ordering::Relaxed) {
             let mut backing = self.backing.lock().unwrap();
             let id = match backing.get_mut(&ino) {
@@ -338,7 +366,7 @@ impl Core {
                     *n += 1;
                     Some(id.clone())
                 }
-                None => match reply.open_backing(&*file) {
+                None => match reply.open_backing(&file.file) {
                     Ok(id) => {
                         let id = Arc::new(id);
                         if backing.len() >= 2 * self.recent_max {
@@ -393,12 +421,12 @@ impl Core {
     fn pread_local(
         &self,
         ino: u64,
-        file: &File,
+        file: &NodeFile,
         offset: u64,
         size: u32,
         want: u64,
     ) -> Result<Vec<u8>, Errno> {
-        match pread(file, offset, size) {
+        match pread(&file.file, offset, size) {
             // Short means the node's file shrank after it was verified: the kernel would
             // take it for the end of the file.
             Ok(data) if (data.len() as u64) < want => {
@@ -406,12 +434,24 @@ impl Core {
                 self.recent.lock().unwrap().remove(&ino);
                 Err(Errno::EIO)
             }
-            Ok(data) => Ok(data),
+            Ok(data) => self.check_unchanged(ino, file).map(|()| data),
             Err(e) => {
                 tracing::error!("reading the node's local file failed: {e}");
                 Err(Errno::EIO)
             }
         }
+    }
+
+    /// Bytes just read from the node's file count only if nothing wrote to it since the
+    /// node checked it; else EIO, and the file is forgotten so the next read or open has
+    /// the node check it again (the kernel retries a failed page at once).
+    fn check_unchanged(&self, ino: u64, file: &NodeFile) -> Result<(), Errno> {
+        if file.unchanged() {
+            return Ok(());
+        }
+        tracing::error!(ino, "the node's local file changed after it was verified");
+        self.recent.lock().unwrap().remove(&ino);
+        Err(Errno::EIO)
     }
 
     fn finish_read(&self, how: &'static str, r: Result<Vec<u8>, Errno>, started: Instant, reply: ReplyData) {
@@ -435,7 +475,7 @@ impl Core {
     fn read_local(
         self: &Arc<Self>,
         ino: u64,
-        file: Arc<File>,
+        file: Arc<NodeFile>,
         offset: u64,
         size: u32,
         want: u64,
@@ -445,8 +485,9 @@ impl Core {
         if want == 0 {
             return self.finish_read("local", Ok(Vec::new()), started, reply);
         }
-        if let Some(data) = pread_cached(&file, offset, want as usize) {
-            return self.finish_read("local", Ok(data), started, reply);
+        if let Some(data) = pread_cached(&file.file, offset, want as usize) {
+            let r = self.check_unchanged(ino, &file).map(|()| data);
+            return self.finish_read("local", r, started, reply);
         }
         let core = self.clone();
         self.rt.spawn_blocking(move || {
