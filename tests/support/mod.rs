@@ -965,12 +965,19 @@ impl Drop for Weed {
     }
 }
 
-/// A free port whose +10000 neighbour (SeaweedFS's gRPC port) is free too.
+/// A free port whose +10000 neighbour (SeaweedFS's gRPC port) is free too, both below
+/// the kernel's ephemeral range (32768 and up here): a test that kills SeaweedFS and
+/// starts it again on the same ports must not find one taken meanwhile by a port-0 bind
+/// of another test running in parallel.
 fn free_port_pair() -> u16 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
     loop {
-        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        let p = l.local_addr().unwrap().port();
-        if p < 55_000 && std::net::TcpListener::bind(("127.0.0.1", p + 10_000)).is_ok() {
+        h.write_u32(std::process::id());
+        let p = 12_000 + (h.finish() % 10_000) as u16;
+        if std::net::TcpListener::bind(("127.0.0.1", p)).is_ok()
+            && std::net::TcpListener::bind(("127.0.0.1", p + 10_000)).is_ok()
+        {
             return p;
         }
     }
@@ -1032,15 +1039,14 @@ impl Weed {
         wait_until("SeaweedFS to answer", Duration::from_secs(90), || {
             let endpoint = endpoint.clone();
             async move {
-                tokio::net::TcpStream::connect(("127.0.0.1", filer)).await.ok()?;
-                let (code, _) = http_request(
+                let (code, _) = try_http_request(
                     format!("127.0.0.1:{filer}").parse().unwrap(),
                     "POST",
                     "/buckets/locus/",
                     &[],
                     "",
                 )
-                .await;
+                .await?;
                 if !matches!(code, 200 | 201 | 409) {
                     return None;
                 }
@@ -1131,8 +1137,21 @@ pub async fn http_request(
     headers: &[(&str, &str)],
     body: &str,
 ) -> (u16, String) {
+    try_http_request(addr, method, path, headers, body)
+        .await
+        .unwrap_or_else(|| panic!("{method} http://{addr}{path}: no answer"))
+}
+
+/// `http_request`, None when the connection fails (for waiting on a server to start).
+pub async fn try_http_request(
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: &str,
+) -> Option<(u16, String)> {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let mut s = tokio::net::TcpStream::connect(addr).await.ok()?;
     let mut req = format!(
         "{method} {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Length: {}\r\n",
         body.len()
@@ -1142,15 +1161,15 @@ pub async fn http_request(
     }
     req.push_str("\r\n");
     req.push_str(body);
-    s.write_all(req.as_bytes()).await.unwrap();
+    s.write_all(req.as_bytes()).await.ok()?;
     let mut buf = String::new();
-    s.read_to_string(&mut buf).await.unwrap();
+    s.read_to_string(&mut buf).await.ok()?;
     let code = buf.get(9..12).and_then(|c| c.parse().ok()).unwrap_or(0);
     let body = buf
         .split_once("\r\n\r\n")
         .map(|(_, b)| b.to_string())
         .unwrap_or_default();
-    (code, body)
+    Some((code, body))
 }
 
 // ---------------------------------------------------------------------------------------
