@@ -345,6 +345,17 @@ async fn a_corrupted_blob_is_never_returned_when_the_kernel_opens_files() {
     corrupted_blobs("kernel").await;
 }
 
+/// Changes one byte of a node's blob file in place (same size).
+fn flip_byte(blob: &Path, at: usize) {
+    let mut bytes = std::fs::read(blob).unwrap();
+    bytes[at] ^= 0x01;
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(blob)
+        .and_then(|mut f| std::io::Write::write_all(&mut f, &bytes))
+        .unwrap();
+}
+
 /// `opens`: the local mount's `--opens`.
 async fn corrupted_blobs(opens: &str) {
     let h = Harness::new(&format!("mount-corrupt-{opens}"));
@@ -366,14 +377,7 @@ async fn corrupted_blobs(opens: &str) {
         let hash = blake3::hash(&std::fs::read(src.join(rel)).unwrap())
             .to_hex()
             .to_string();
-        let blob = &on_n1[&hash];
-        let mut bytes = std::fs::read(blob).unwrap();
-        bytes[70_000] ^= 0xff;
-        std::fs::OpenOptions::new()
-            .write(true)
-            .open(blob)
-            .and_then(|mut f| std::io::Write::write_all(&mut f, &bytes))
-            .unwrap();
+        flip_byte(&on_n1[&hash], 70_000);
     }
     // Through n1 as local node: the node re-verifies the changed file, quarantines it and
     // fetches a good copy from n2. Asked at every open, the mount passes the 140 KB+
@@ -389,68 +393,37 @@ async fn corrupted_blobs(opens: &str) {
     assert_eq!(blake3::hash(&got).to_hex().as_str(), want);
     assert_eq!(nodes[0].quarantined(), 1);
 
-    // A small file's blob cut short on n1 after the node verified it (the mount keeps the
-    // verified file open for reuse): the read fails rather than ending early, and the
-    // next read has the node re-check, quarantine and refetch it.
-    let (rel, want) = files
+    // Small files' blobs damaged on n1 after the node verified them (the mount keeps the
+    // verified file open for reuse): cut short, or one byte flipped in place (same size,
+    // so only the file's mtime tells). The damage never reaches the reader. Asked at
+    // every open, the mount fails that open's reads (the handle holds the damaged file);
+    // without handles, the kernel retries the failed page at once and the retry already
+    // has the node re-check and refetch the blob. Either way the next read is right.
+    let cut_short = |blob: &Path| {
+        let len = std::fs::metadata(blob).unwrap().len();
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(blob)
+            .and_then(|f| f.set_len(len / 2))
+            .unwrap();
+    };
+    let flip_a_byte = |blob: &Path| flip_byte(blob, 5_000);
+    let damages: [&dyn Fn(&Path); 2] = [&cut_short, &flip_a_byte];
+    let small = files
         .iter()
-        .find(|(p, _)| (10_000..100_000).contains(&std::fs::metadata(src.join(p)).unwrap().len()))
-        .unwrap();
-    assert_eq!(
-        blake3::hash(&std::fs::read(local.path.join(rel)).unwrap())
-            .to_hex()
-            .as_str(),
-        want
-    );
-    drop_page_cache(&local.path.join(rel));
-    let blob = &on_n1[want];
-    let len = std::fs::metadata(blob).unwrap().len();
-    std::fs::OpenOptions::new()
-        .write(true)
-        .open(blob)
-        .and_then(|f| f.set_len(len / 2))
-        .unwrap();
-    if opens == "mount" {
-        // The open handle holds the cut file: this read can only fail.
-        let err = std::fs::read(local.path.join(rel)).unwrap_err();
-        assert_eq!(err.raw_os_error(), Some(libc::EIO), "{err}");
+        .filter(|(p, _)| (10_000..100_000).contains(&std::fs::metadata(src.join(p)).unwrap().len()));
+    for (i, ((rel, want), damage)) in small.zip(damages).enumerate() {
+        let read = || std::fs::read(local.path.join(rel));
+        assert_eq!(blake3::hash(&read().unwrap()).to_hex().as_str(), want);
+        drop_page_cache(&local.path.join(rel));
+        damage(&on_n1[want]);
+        if opens == "mount" {
+            let err = read().unwrap_err();
+            assert_eq!(err.raw_os_error(), Some(libc::EIO), "{err}");
+        }
+        assert_eq!(blake3::hash(&read().unwrap()).to_hex().as_str(), want);
+        assert_eq!(nodes[0].quarantined(), 2 + i);
     }
-    // Without handles, the kernel retries the failed page at once, and the retry already
-    // has the node re-check and refetch the blob: the reader sees only the right bytes.
-    let got = std::fs::read(local.path.join(rel)).unwrap();
-    assert_eq!(blake3::hash(&got).to_hex().as_str(), want);
-    assert_eq!(nodes[0].quarantined(), 2);
-
-    // A byte flipped in place in another small file's blob after the node verified it:
-    // same size, so only the file's mtime tells, and the changed byte never reaches the
-    // reader (with the mount asked at every open, that open's reads fail instead).
-    let (rel, want) = files
-        .iter()
-        .filter(|(p, _)| (10_000..100_000).contains(&std::fs::metadata(src.join(p)).unwrap().len()))
-        .nth(1)
-        .unwrap();
-    assert_eq!(
-        blake3::hash(&std::fs::read(local.path.join(rel)).unwrap())
-            .to_hex()
-            .as_str(),
-        want
-    );
-    drop_page_cache(&local.path.join(rel));
-    let blob = &on_n1[want];
-    let mut bytes = std::fs::read(blob).unwrap();
-    bytes[5_000] ^= 0x01;
-    std::fs::OpenOptions::new()
-        .write(true)
-        .open(blob)
-        .and_then(|mut f| std::io::Write::write_all(&mut f, &bytes))
-        .unwrap();
-    if opens == "mount" {
-        let err = std::fs::read(local.path.join(rel)).unwrap_err();
-        assert_eq!(err.raw_os_error(), Some(libc::EIO), "{err}");
-    }
-    let got = std::fs::read(local.path.join(rel)).unwrap();
-    assert_eq!(blake3::hash(&got).to_hex().as_str(), want);
-    assert_eq!(nodes[0].quarantined(), 3);
 
     // From replicas, n1 first (the mount says it runs on n1's host): n1's copy of the
     // second blob fails the check, n1 quarantines it, and n2 serves the chunk.
