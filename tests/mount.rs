@@ -336,6 +336,79 @@ async fn readers_see_no_error_when_the_node_serving_them_is_killed() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hung_node_does_not_hold_up_readers() {
+    let h = Harness::new("mount-hung");
+    let (m, nodes) = cluster(&h, 2, NodeOpts::host).await;
+    let src = h.path("src");
+    make_tree(&src, 60);
+    let out = import(&m, "mixed", &src, &["--replicas", "2"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    // n1 is the local node; remote reads prefer n2 (same "host" label).
+    let args = |opens| vec!["--opens", opens, "--labels", "host=h2"];
+    let kernel = m.mount("kernel", "mixed@1", Some(&nodes[0]), &args("kernel"));
+    let mount = m.mount("mount", "mixed@1", Some(&nodes[0]), &args("mount"));
+    let files: Vec<_> = files_of(&src)
+        .into_iter()
+        .filter(|(p, _)| std::fs::metadata(src.join(p)).unwrap().len() > 0)
+        .collect();
+    // The node answers while it runs.
+    let (rel, want) = &files[0];
+    let got = std::fs::read(kernel.path.join(rel)).unwrap();
+    assert_eq!(blake3::hash(&got).to_hex().as_str(), want);
+
+    // Stopped (alive, silent), it would hold every first read for the whole open timeout
+    // (ten minutes); readers get the bytes from n2 after a few seconds instead.
+    let pid = nodes[0].daemon.pid().to_string();
+    assert!(std::process::Command::new("kill")
+        .args(["-STOP", &pid])
+        .status()
+        .unwrap()
+        .success());
+    let readers: Vec<_> = files[1..9]
+        .iter()
+        .enumerate()
+        .map(|(i, (rel, want))| {
+            let root = if i % 2 == 0 {
+                kernel.path.clone()
+            } else {
+                mount.path.clone()
+            };
+            let (p, want) = (root.join(rel), want.clone());
+            std::thread::spawn(move || {
+                let data = std::fs::read(&p).map_err(|e| format!("{}: {e}", p.display()))?;
+                if blake3::hash(&data).to_hex().as_str() == want {
+                    Ok(())
+                } else {
+                    Err(format!("{}: wrong bytes", p.display()))
+                }
+            })
+        })
+        .collect();
+    wait_until(
+        "readers to finish while n1 is stopped",
+        Duration::from_secs(60),
+        || async { readers.iter().all(|r| r.is_finished()).then_some(()) },
+    )
+    .await;
+    assert!(std::process::Command::new("kill")
+        .args(["-CONT", &pid])
+        .status()
+        .unwrap()
+        .success());
+    for r in readers {
+        r.join().unwrap().unwrap();
+    }
+    for mnt in [&kernel, &mount] {
+        let st = mnt
+            .status_when("the mount to count its remote reads", |s| {
+                s["totals"]["bytes_remote"].as_u64() > Some(0)
+            })
+            .await;
+        assert_eq!(st["totals"]["read_errors"], 0, "{st}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_corrupted_blob_is_never_returned() {
     corrupted_blobs("mount").await;
 }

@@ -89,6 +89,14 @@ fn file_id(f: &File) -> Option<(u64, u64, i64, i64)> {
     Some((m.ino(), m.size(), m.mtime(), m.mtime_nsec()))
 }
 
+/// A fetch of one inode's file from the local node, which readers wait for.
+#[derive(Default)]
+struct Pending {
+    /// Set once the node answered: the file, or None (read from replicas).
+    done: Mutex<Option<Option<Arc<NodeFile>>>>,
+    cv: std::sync::Condvar,
+}
+
 /// Sequential-read detection for one open file.
 #[derive(Debug, Default)]
 struct ReadAhead {
@@ -115,6 +123,9 @@ pub struct Settings {
     pub readahead_chunks: usize,
     /// How long open may wait for the local node to make a blob present.
     pub open_timeout: Duration,
+    /// How long a read or open waits for the local node before reading that file from
+    /// remote replicas instead; the node's work goes on and later reads use its file.
+    pub local_patience: Duration,
     /// How long a local file the node verified may be reopened without asking it again
     /// (zero: ask on every open).
     pub reopen_ttl: Duration,
@@ -160,9 +171,11 @@ pub struct Core {
     /// files fast). An open file keeps its bytes even if the node drops the blob.
     recent: Mutex<HashMap<u64, (Arc<NodeFile>, Instant)>>,
     recent_max: usize,
-    /// One fetch per inode at a time: the kernel sends a cold file's first reads (or
-    /// opens) together, and each would otherwise ask the node for the same blob.
-    fetching: Mutex<HashMap<u64, Arc<Mutex<()>>>>,
+    /// The fetch from the node in flight for an inode (see `local_file`).
+    fetching: Mutex<HashMap<u64, Arc<Pending>>>,
+    /// For rate-limiting the slow-node warning: seconds since `started`, plus 60.
+    slow_node_warned: AtomicU64,
+    started: Instant,
     /// Sequential-read state of remote files the kernel opened without asking, by inode.
     inode_readahead: Mutex<HashMap<u64, Arc<Mutex<ReadAhead>>>>,
 }
@@ -222,6 +235,8 @@ impl LocusFs {
                 recent: Mutex::new(HashMap::new()),
                 recent_max: recent_capacity(),
                 fetching: Mutex::new(HashMap::new()),
+                slow_node_warned: AtomicU64::new(0),
+                started: Instant::now(),
                 inode_readahead: Mutex::new(HashMap::new()),
             }),
         }
@@ -331,28 +346,65 @@ impl Core {
     }
 
     /// The node's verified file for this inode: the one verified within the reopen
-    /// window, else a fresh `fetch_local`, one fetch per inode at a time. The flag says
-    /// whether this call fetched it.
+    /// window, else the result of a `fetch_local`, waiting for it at most
+    /// `Settings::local_patience`. A node slow to answer (a hung process, or a long copy
+    /// from a peer) must not hold up a reader who can have the same verified bytes from
+    /// remote replicas meanwhile; the fetch goes on in the background and later reads
+    /// and opens use its result. One fetch per inode at a time: a cold file's first reads
+    /// (or opens) arrive together, and all wait for the same answer rather than each
+    /// asking the node (or each holding a thread while a hung node does not answer).
+    /// None: read from replicas. The flag says whether this call started the fetch.
     fn local_file(
-        &self,
+        self: &Arc<Self>,
         node: &NodeClient,
         ino: u64,
         blob: BlobHash,
         size: u64,
     ) -> Option<(Arc<NodeFile>, bool)> {
-        let gate = self.fetching.lock().unwrap().entry(ino).or_default().clone();
-        let held = gate.lock().unwrap();
-        let r = match self.recent_file(ino) {
-            Some(f) => Some((f, false)),
-            None => self.fetch_local(node, ino, blob, size).map(|f| (f, true)),
-        };
-        drop(held);
-        let mut fetching = self.fetching.lock().unwrap();
-        // Ours and the map's: nobody else is waiting (clones are made under this lock).
-        if Arc::strong_count(&gate) == 2 {
-            fetching.remove(&ino);
+        if let Some(f) = self.recent_file(ino) {
+            return Some((f, false));
         }
-        r
+        let (pending, first) = {
+            let mut fetching = self.fetching.lock().unwrap();
+            match fetching.get(&ino) {
+                Some(p) => (p.clone(), false),
+                None => {
+                    let p = Arc::new(Pending::default());
+                    fetching.insert(ino, p.clone());
+                    (p, true)
+                }
+            }
+        };
+        if first {
+            let (core, node, p) = (self.clone(), node.clone(), pending.clone());
+            self.rt.spawn_blocking(move || {
+                let r = core.fetch_local(&node, ino, blob, size);
+                core.fetching.lock().unwrap().remove(&ino);
+                *p.done.lock().unwrap() = Some(r);
+                p.cv.notify_all();
+            });
+        }
+        let patience = self.settings.local_patience;
+        let done = pending.done.lock().unwrap();
+        let (done, _) = pending
+            .cv
+            .wait_timeout_while(done, patience, |d| d.is_none())
+            .unwrap();
+        if let Some(r) = &*done {
+            return r.clone().map(|f| (f, first));
+        }
+        // Once a minute at most: a hung node would otherwise log every read.
+        let now = self.started.elapsed().as_secs() + 60;
+        let last = self.slow_node_warned.load(Ordering::Relaxed);
+        if now >= last + 60
+            && self
+                .slow_node_warned
+                .compare_exchange(last, now, Ordering::Relaxed, Ordering::Relaxed)
+                .is_ok()
+        {
+            tracing::warn!(ino, blob = %blob, "the local node has not answered within {patience:?}; reading from replicas meanwhile");
+        }
+        None
     }
 
     /// Answers an open with the node's verified local file: as the kernel's backing file

@@ -395,6 +395,7 @@ async fn serve(a: MountArgs, mountpoint: PathBuf, cfg: &Resolved) -> anyhow::Res
             passthrough_min_size,
             readahead_chunks,
             open_timeout: Duration::from_secs(600),
+            local_patience: Duration::from_secs(3),
             reopen_ttl: locus_proto::human::parse_duration(&a.reopen_cache)
                 .map_err(|e| anyhow::anyhow!("--reopen-cache: {}", e.reason))?,
             generation: v.version,
