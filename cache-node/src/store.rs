@@ -622,9 +622,12 @@ impl BlobStore {
         fs::create_dir_all(parent).map_err(io)?;
         fs::rename(&path, &dest).map_err(io)?;
         fsync_dir(parent)?;
+        // Just hashed whole (see `BlobWriter::finish`).
+        let verified = stamp(&dest).ok();
         let done = BlobRecord {
             partial: false,
             present: Vec::new(),
+            verified: verified.map(Into::into),
             ..rec
         };
         self.index
@@ -633,9 +636,10 @@ impl BlobStore {
         let mut st = self.state();
         if let Some(m) = st.partials.remove(h) {
             st.blobs.insert(h.to_owned(), Meta { rec: done, ..m });
+            if let Some(v) = verified {
+                st.verified.insert(*h, v);
+            }
         }
-        drop(st);
-        self.hashed_whole(h, &dest);
         Ok(true)
     }
 
@@ -890,7 +894,6 @@ impl BlobStore {
     /// when it no longer matches; partly present blobs are checked chunk by chunk on
     /// every read instead.
     pub fn verify(&self, h: &BlobHash) -> Result<bool, StoreError> {
-        self.whole_hashes.fetch_add(1, Ordering::Relaxed);
         let (rec, path) = {
             let st = self.state();
             match st.blobs.get(h) {
@@ -906,6 +909,7 @@ impl BlobStore {
             }
             Err(e) => return Err(io(e)),
         };
+        self.whole_hashes.fetch_add(1, Ordering::Relaxed);
         // Bytes appended to the file would be read by the kernel through passthrough.
         let len = f.metadata().map_err(io)?.len();
         if len != rec.size {
@@ -965,19 +969,6 @@ impl BlobStore {
         // the next request hashes again.
         self.record_stamp(h, before);
         Ok(Some(path))
-    }
-
-    /// Records that the blob's file at `path` was just written and its bytes hashed
-    /// whole by this node (as `BlobWriter::finish` does through `insert`), so the first
-    /// `verified_path` after an import or a copy from a peer need not read it all again
-    /// (what made cold passthrough opens of large files cost a full read before the
-    /// kernel's own). The stamp is taken after the rename (which changes the ctime); a
-    /// write by someone else between the node's fsync and this stamp, microseconds
-    /// apart, would go unnoticed until the scrub.
-    fn hashed_whole(&self, h: &BlobHash, path: &Path) {
-        if let Ok(s) = stamp(path) {
-            self.record_stamp(h, s);
-        }
     }
 
     /// Remembers a verified file's stamp, in memory and in the blob's index record.
@@ -1164,7 +1155,12 @@ impl BlobWriter {
         fs::rename(&self.tmp, &dest).map_err(io)?;
         fsync_dir(parent)?;
         let mut rec = BlobRecord::complete(self.size, self.dir, self.pin, self.chunk_size, &chunks);
-        // Hashed on the way in (see `hashed_whole`).
+        // The bytes were hashed on the way in, so the first `verified_path` after an
+        // import or a copy from a peer need not read the file whole again (what made a
+        // cold passthrough open of a large file cost a full read before the kernel's
+        // own). The stamp is taken after the rename, which changes the ctime; a write by
+        // someone else between the fsync and this stamp, microseconds apart, would go
+        // unnoticed until the scrub.
         rec.verified = stamp(&dest).ok().map(Into::into);
         self.store.insert(self.hash, rec)?;
         Ok(())
@@ -1380,6 +1376,13 @@ mod tests {
         assert_eq!(s.read_range(&h, 0, 1 << 30).unwrap(), data);
         assert_eq!(fs::read_dir(d.path().join("partial")).unwrap().count(), 0);
         assert_eq!(s.stats().used, 200_000);
+        // Hashed whole as it completed: a direct read needs no second pass, now or after
+        // a restart.
+        assert!(s.verified_path(&h).unwrap().is_some());
+        drop(s);
+        let s = open(d.path(), 1 << 30);
+        assert!(s.verified_path(&h).unwrap().is_some());
+        assert_eq!(s.whole_hashes(), 0);
     }
 
     #[test]

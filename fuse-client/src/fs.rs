@@ -173,12 +173,18 @@ pub struct Core {
     recent_max: usize,
     /// The fetch from the node in flight for an inode (see `local_file`).
     fetching: Mutex<HashMap<u64, Arc<Pending>>>,
-    /// For rate-limiting the slow-node warning: seconds since `started`, plus 60.
-    slow_node_warned: AtomicU64,
-    started: Instant,
+    /// When the mount last said the node is slow (said once a minute at most).
+    slow_node_warned: Mutex<Option<Instant>>,
     /// Sequential-read state of remote files the kernel opened without asking, by inode.
     inode_readahead: Mutex<HashMap<u64, Arc<Mutex<ReadAhead>>>>,
 }
+
+/// Most fetches from the local node in flight at once. Each holds a blocking thread for
+/// as long as the node takes to answer; with a hung node that is the whole open timeout,
+/// and without a bound a reader going through many files would tie up the runtime's
+/// blocking pool (512 threads), which every read also needs. Beyond it, files are read
+/// from replicas until fetches finish.
+const MAX_FETCHES: usize = 32;
 
 /// Most recently verified local files kept open. Each holds a file descriptor, so the
 /// real bound is a quarter of the process's open-file limit (often only 1,024).
@@ -235,8 +241,7 @@ impl LocusFs {
                 recent: Mutex::new(HashMap::new()),
                 recent_max: recent_capacity(),
                 fetching: Mutex::new(HashMap::new()),
-                slow_node_warned: AtomicU64::new(0),
-                started: Instant::now(),
+                slow_node_warned: Mutex::new(None),
                 inode_readahead: Mutex::new(HashMap::new()),
             }),
         }
@@ -368,6 +373,10 @@ impl Core {
             let mut fetching = self.fetching.lock().unwrap();
             match fetching.get(&ino) {
                 Some(p) => (p.clone(), false),
+                None if fetching.len() >= MAX_FETCHES => {
+                    self.warn_slow_node(ino, blob, "has too many files to fetch");
+                    return None;
+                }
                 None => {
                     let p = Arc::new(Pending::default());
                     fetching.insert(ino, p.clone());
@@ -393,18 +402,27 @@ impl Core {
         if let Some(r) = &*done {
             return r.clone().map(|f| (f, first));
         }
-        // Once a minute at most: a hung node would otherwise log every read.
-        let now = self.started.elapsed().as_secs() + 60;
-        let last = self.slow_node_warned.load(Ordering::Relaxed);
-        if now >= last + 60
-            && self
-                .slow_node_warned
-                .compare_exchange(last, now, Ordering::Relaxed, Ordering::Relaxed)
-                .is_ok()
-        {
-            tracing::warn!(ino, blob = %blob, "the local node has not answered within {patience:?}; reading from replicas meanwhile");
-        }
+        self.warn_slow_node(ino, blob, &format!("has not answered within {patience:?}"));
         None
+    }
+
+    /// Logs that reads bypass a slow node, once a minute at most: a hung node would
+    /// otherwise log every read.
+    fn warn_slow_node(&self, ino: u64, blob: BlobHash, why: &str) {
+        let mut last = self.slow_node_warned.lock().unwrap();
+        if last.is_none_or(|t| t.elapsed() >= Duration::from_secs(60)) {
+            *last = Some(Instant::now());
+            tracing::warn!(ino, blob = %blob, "the local node {why}; reading from replicas meanwhile");
+        }
+    }
+
+    /// Forgets the node's file for `ino` if it is still `file` (a newer one another
+    /// reader fetched meanwhile stays), so the next read or open asks the node again.
+    fn forget(&self, ino: u64, file: &NodeFile) {
+        let mut recent = self.recent.lock().unwrap();
+        if recent.get(&ino).is_some_and(|(f, _)| std::ptr::eq(&**f, file)) {
+            recent.remove(&ino);
+        }
     }
 
     /// Answers an open with the node's verified local file: as the kernel's backing file
@@ -483,7 +501,7 @@ impl Core {
             // take it for the end of the file.
             Ok(data) if (data.len() as u64) < want => {
                 tracing::error!(ino, offset, "the node's local file is shorter than the blob");
-                self.recent.lock().unwrap().remove(&ino);
+                self.forget(ino, file);
                 Err(Errno::EIO)
             }
             Ok(data) => self.check_unchanged(ino, file).map(|()| data),
@@ -502,7 +520,7 @@ impl Core {
             return Ok(());
         }
         tracing::error!(ino, "the node's local file changed after it was verified");
-        self.recent.lock().unwrap().remove(&ino);
+        self.forget(ino, file);
         Err(Errno::EIO)
     }
 

@@ -129,7 +129,7 @@ pub enum Opens {
 impl Opens {
     /// Whether the kernel should open files by itself. Per open, passthrough costs two
     /// round trips to the mount (~25 µs of CPU here); the kernel's own opens cost none
-    /// but read large files through the mount's small pages (~9 vs ~16 GB/s warm). The
+    /// but read large files through the mount's small pages (~7 vs ~16 GB/s warm). The
     /// two break even around a 0.5 MiB file, so a version whose files are mostly small
     /// is better opened by the kernel. Without passthrough every read goes through the
     /// mount's pages anyway, and the round trips buy nothing.
