@@ -881,3 +881,256 @@ async fn a_same_host_client_gets_a_verified_local_path_over_the_unix_socket() {
     let e = local.ensure_local(missing).await.unwrap_err();
     assert_eq!(e.code(), tonic::Code::NotFound, "{e:?}");
 }
+
+/// Files of `mib` MiB each, `n` of them, different contents.
+fn make_big_files(root: &Path, n: usize, mib: usize) {
+    std::fs::create_dir_all(root).unwrap();
+    for i in 0..n {
+        std::fs::write(
+            root.join(format!("f{i:03}.bin")),
+            pseudo_random(1000 + i as u64, mib << 20),
+        )
+        .unwrap();
+    }
+}
+
+async fn node_info(c: &mut locus_proto::client::MetadataClient, id: &str) -> pb::Node {
+    c.list_nodes(pb::ListNodesRequest {})
+        .await
+        .unwrap()
+        .into_inner()
+        .nodes
+        .into_iter()
+        .find(|n| n.id == id)
+        .unwrap()
+}
+
+fn replica_map(s: &[pb::Shard]) -> BTreeMap<u32, BTreeSet<String>> {
+    s.iter()
+        .map(|s| (s.id, s.replicas.iter().cloned().collect()))
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refilling_node_stays_up_serves_mounts_and_nothing_is_re_placed() {
+    let h = Harness::new("refill");
+    // A 2 s liveness timeout, and a refill held to 3 MiB/s so that refilling 24 MiB takes
+    // several liveness windows.
+    let (m, mut nodes) = cluster(&h, 2, |i| NodeOpts {
+        extra: vec!["--refill-rate".into(), "3MiB".into()],
+        ..NodeOpts::host(i)
+    })
+    .await;
+    let src = h.path("src");
+    make_big_files(&src, 24, 1);
+    let out = import(&m, "ds", &src, &["--replicas", "2", "--shard-size", "4MiB"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let mut c = m.client(None).await;
+    let before = replica_map(&shards(&mut c, "ds", 1).await);
+    let want: BTreeSet<String> = nodes[1].blob_files().into_keys().collect();
+    assert_eq!(
+        nodes[0].blob_files().len(),
+        want.len(),
+        "both nodes hold every blob"
+    );
+
+    // The disk of n1 is replaced: stop it, wipe its data dir, start it again.
+    nodes[0].daemon.terminate().await;
+    std::fs::remove_dir_all(&nodes[0].data_dir).unwrap();
+    nodes[0].restart().await;
+
+    // Back: registered, pins synced, the missing blobs queued.
+    let opts = m.client_options(None);
+    wait_until("n1 to start refilling", Duration::from_secs(30), || {
+        let opts = opts.clone();
+        async move {
+            let mut c = locus_proto::client::connect(&opts).await.ok()?;
+            let n = node_info(&mut c, "n1").await;
+            (n.state == pb::NodeState::Up as i32 && n.refill_blobs > 0).then_some(())
+        }
+    })
+    .await;
+    let started = std::time::Instant::now();
+    let mut saw_refilling = None;
+    let mut mounted = None;
+    loop {
+        let n = node_info(&mut c, "n1").await;
+        assert_eq!(
+            n.state,
+            pb::NodeState::Up as i32,
+            "n1 was taken for dead {:?} into its refill: {n:?}",
+            started.elapsed()
+        );
+        if n.refill_blobs > 0 && saw_refilling.is_none() {
+            assert!(n.refill_bytes > 0 && n.refill_bytes <= 24 << 20, "{n:?}");
+            saw_refilling = Some(n.clone());
+            // The node serves a mount while it refills: files it lacks are fetched for
+            // the reader at once (not at the refill's rate) and read back intact.
+            let mnt = m.mount("mnt", "ds@latest", Some(&nodes[0]), &[]);
+            for i in [3usize, 11, 20] {
+                let name = format!("f{i:03}.bin");
+                let got = std::fs::read(mnt.path.join(&name)).unwrap();
+                assert!(got == std::fs::read(src.join(&name)).unwrap(), "{name} differs");
+            }
+            mounted = Some(mnt);
+        }
+        if saw_refilling.is_some() && n.refill_blobs == 0 {
+            let have: BTreeSet<String> = nodes[0].blob_files().into_keys().collect();
+            if have == want {
+                break;
+            }
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(90),
+            "the refill did not finish: {n:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(150)).await;
+    }
+    let first = saw_refilling.expect("the refill was seen in node list");
+    drop(mounted);
+    // It took several liveness windows, during which n1 never went down.
+    assert!(
+        started.elapsed() > Duration::from_secs(4),
+        "the refill was too quick ({:?}) to prove anything",
+        started.elapsed()
+    );
+    assert_eq!(
+        replica_map(&shards(&mut c, "ds", 1).await),
+        before,
+        "no shard was re-placed"
+    );
+    for (name, p) in nodes[0].blob_files() {
+        assert!(rehash_ok(&p, &name), "{name} refilled wrong");
+    }
+    let metrics = http_get(nodes[0].http, "/metrics").await;
+    assert!(
+        metrics.contains("locus_node_refill_bytes_total"),
+        "refill metrics are served"
+    );
+    let list = m.cli(&["node", "list"]);
+    assert!(list.status.success());
+    drop(first);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refill_gives_up_on_a_hung_peer_and_copies_from_another() {
+    let h = Harness::new("refill-hung");
+    // Liveness long enough that the stopped node still counts as up (and is offered as a
+    // source): only the copy's idle timeout (2 s) can save the refill.
+    let m = h
+        .start_metadata(
+            "meta",
+            MetadataOpts {
+                liveness_timeout: Some("120s"),
+                extra: vec!["--repair-interval".into(), "500ms".into()],
+                ..Default::default()
+            },
+        )
+        .await;
+    let mut nodes = Vec::new();
+    for i in 1..=3 {
+        nodes.push(h.start_node(&format!("n{i}"), &m, NodeOpts::host(i)).await);
+    }
+    let src = h.path("src");
+    make_big_files(&src, 12, 1);
+    let out = import(&m, "ds", &src, &["--replicas", "3", "--shard-size", "1MiB"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let want: BTreeSet<String> = nodes[1].blob_files().into_keys().collect();
+
+    nodes[0].daemon.terminate().await;
+    std::fs::remove_dir_all(&nodes[0].data_dir).unwrap();
+    nodes[1].daemon.sigstop();
+    nodes[0].restart().await;
+    let n1 = &nodes[0];
+    wait_until(
+        "n1 to refill around the hung n2",
+        Duration::from_secs(90),
+        || async {
+            let have: BTreeSet<String> = n1.blob_files().into_keys().collect();
+            (have == want).then_some(())
+        },
+    )
+    .await;
+    nodes[1].daemon.sigcont();
+    let log = std::fs::read_to_string(h.path("n1.log")).unwrap();
+    assert!(
+        log.contains("peer=n2")
+            && ["sent nothing", "did not answer", "cannot connect"]
+                .iter()
+                .any(|m| log.contains(m)),
+        "the hung peer was tried and given up on: {log}"
+    );
+    for (name, p) in nodes[0].blob_files() {
+        assert!(rehash_ok(&p, &name));
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn six_hundred_unread_streams_leave_writes_heartbeats_and_readers_working() {
+    let h = Harness::new("unread");
+    let (m, nodes) = cluster(&h, 1, |i| NodeOpts {
+        // Long enough that no stalled stream is closed during the test.
+        extra: vec!["--peer-timeout".into(), "120s".into()],
+        ..NodeOpts::host(i)
+    })
+    .await;
+    let src = h.path("src");
+    make_big_files(&src, 1, 4);
+    let out = import(&m, "ds", &src, &["--replicas", "1"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let (name, _) = nodes[0].blob_files().into_iter().next().unwrap();
+    let hash = blake3::Hash::from_hex(&name).unwrap().as_bytes().to_vec();
+    let data = std::fs::read(src.join("f000.bin")).unwrap();
+
+    // 3 connections × 200 streams (the server's per-connection limit), none ever read:
+    // once each connection's flow-control window is full, every further stream waits on
+    // its reader.
+    let mut held = Vec::new();
+    for _ in 0..3 {
+        let mut c = nodes[0].client().await;
+        for _ in 0..200 {
+            let s = tokio::time::timeout(
+                Duration::from_secs(20),
+                c.read_blob(nodepb::ReadBlobRequest {
+                    hash: hash.clone(),
+                    offset: 0,
+                    length: 0,
+                }),
+            )
+            .await
+            .expect("a stream opens")
+            .unwrap();
+            held.push(s.into_inner());
+        }
+    }
+    assert_eq!(held.len(), 600);
+    tokio::time::sleep(Duration::from_secs(1)).await;
+
+    // A fresh reader gets the whole blob.
+    let mut fresh = nodes[0].client().await;
+    let got = tokio::time::timeout(Duration::from_secs(20), read_all(&mut fresh, &hash))
+        .await
+        .expect("a fresh reader is served")
+        .unwrap();
+    assert!(got == data, "the fresh reader got the right bytes");
+
+    // A write lands.
+    let new = pseudo_random(77, 3 << 20);
+    let r = tokio::time::timeout(
+        Duration::from_secs(20),
+        fresh.write_blob(tokio_stream::iter(write_msgs(new.clone()))),
+    )
+    .await
+    .expect("a write is served")
+    .unwrap();
+    assert!(r.into_inner().stored);
+
+    // Heartbeats go on: after more than a liveness timeout (2 s) the node is up and was
+    // seen recently.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let mut c = m.client(None).await;
+    let n = node_info(&mut c, "n1").await;
+    assert_eq!(n.state, pb::NodeState::Up as i32, "{n:?}");
+    assert!(n.last_seen_ms_ago < 2000, "{n:?}");
+    drop(held);
+}

@@ -1,19 +1,25 @@
 //! The Locus cache node: the blob store on a GPU host's NVMe, the node API its peers,
 //! importers and the repair loop use, and the local socket the FUSE mount asks for blobs.
 //!
-//! Background work of a running node: heartbeats (with space and inventory figures), pin
-//! sync (the metadata service says which blobs this node must hold; the node pins exactly
-//! those and fetches any that are missing — after a crash, a quarantine, or a repair it
-//! missed), and scrub (re-verifies stored blobs at a bounded rate; a blob that fails is
-//! quarantined and, if pinned, refetched by the next pin sync, which it triggers).
+//! Background work of a running node, each on its own task so that none waits on another:
+//! heartbeats (`agent`: space, inventory and refill figures; nothing slow ever runs on
+//! this task, so a node busy with long work is never taken for dead), pin sync (`agent`:
+//! the metadata service says which blobs this node must hold; the node pins exactly those
+//! and queues the missing ones), the refill workers (`refill`: bounded-parallel,
+//! rate-limited copies of the queued blobs with retries and backoff) and scrub
+//! (re-verifies stored blobs at a bounded rate; a blob that fails is quarantined, which
+//! triggers a pin sync that queues it for refill).
 //!
 //! It depends only on `locus-proto` and never reaches into another Locus crate.
 
+pub mod agent;
 pub mod metrics;
+pub mod refill;
 pub mod service;
 pub mod store;
+pub mod transfer;
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::future::Future;
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -51,6 +57,10 @@ pub struct NodeConfig {
     pub insecure: bool,
     /// How long a peer may stay silent during a transfer before it is given up on.
     pub peer_idle: Duration,
+    /// Refill copies at once.
+    pub refill_parallel: usize,
+    /// Bytes per second for all refill copies together; 0 = unlimited.
+    pub refill_rate: u64,
 }
 
 /// Who may call what on the node's TCP API. The Unix socket is for same-host clients and
@@ -159,42 +169,6 @@ impl Peers {
             backups: r.backups,
         })
     }
-
-    /// Copies `h` from the first backup that has it, verified. Ok(false) if none had it.
-    pub async fn fetch_from_backups(
-        &self,
-        store: &Arc<BlobStore>,
-        backups: &[String],
-        h: BlobHash,
-        size: u64,
-        chunk_size: u32,
-        pin: bool,
-    ) -> Result<bool, Status> {
-        let mut last = None;
-        for url in backups {
-            let target = match self.target(url) {
-                Ok(t) => t,
-                Err(s) => {
-                    last = Some(s);
-                    continue;
-                }
-            };
-            match service::fetch_from_backup(store, &target, h, size, chunk_size, pin).await {
-                Ok(_) => {
-                    tracing::info!(blob = %h, backup = %url, "copied a blob back from a backup");
-                    return Ok(true);
-                }
-                Err(s) => {
-                    tracing::warn!(blob = %h, backup = %url, "backup read failed: {}", s.message());
-                    last = Some(s);
-                }
-            }
-        }
-        match last {
-            Some(s) => Err(s),
-            None => Ok(false),
-        }
-    }
 }
 
 fn bind(addr: SocketAddr) -> Result<tokio::net::TcpListener, NodeError> {
@@ -243,7 +217,15 @@ pub async fn serve(
     };
     let peers = Arc::new(Peers::new(cfg.metadata.clone()));
     let metrics = Arc::new(metrics::Metrics::default());
+    let refill = refill::Refill::new(refill::RefillConfig {
+        me: cfg.id.to_string(),
+        token: cfg.metadata.token.clone(),
+        parallel: cfg.refill_parallel,
+        rate: cfg.refill_rate,
+        idle: cfg.peer_idle,
+    });
     let svc = NodeService {
+        refill: refill.clone(),
         store: store.clone(),
         peers: peers.clone(),
         token: cfg.metadata.token.clone(),
@@ -295,11 +277,13 @@ pub async fn serve(
     if let Some(l) = http_listener {
         let st = store.clone();
         let m = metrics.clone();
+        let rf = refill.clone();
         let app = axum::Router::new()
             .route("/healthz", axum::routing::get(|| async { "ok\n" }))
             .route(
                 "/metrics",
                 axum::routing::get(move || {
+                    m.refill(&rf.progress());
                     let body = m.encode(&st.stats());
                     async move {
                         (
@@ -331,14 +315,23 @@ pub async fn serve(
     }
     tracing::info!(node = %cfg.id, %bound, %advertise, "cache node listening");
 
-    let agent = tokio::spawn(agent(
+    let agent = agent::Agent::new(
         cfg.clone(),
         advertise,
         store.clone(),
         peers.clone(),
+        refill.clone(),
         metrics.clone(),
-        stop_rx.clone(),
-    ));
+    );
+    let background = [
+        tokio::spawn(agent.clone().heartbeats(stop_rx.clone())),
+        tokio::spawn(agent.clone().pin_sync(stop_rx.clone())),
+        tokio::spawn(
+            refill
+                .clone()
+                .run(store.clone(), peers.clone(), metrics.clone(), stop_rx.clone()),
+        ),
+    ];
     let scrubber = tokio::spawn(scrub(store.clone(), cfg.scrub_rate, stop_rx.clone()));
 
     let incoming = tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
@@ -355,7 +348,9 @@ pub async fn serve(
         Some(r) => r.map_err(|e| NodeError::Serve(locus_proto::client::error_chain(&e)))?,
         None => tracing::warn!("transfers still running after 10 s; stopping anyway"),
     }
-    agent.abort();
+    for t in background {
+        t.abort();
+    }
     scrubber.abort();
     if let Some(u) = uds {
         let _ = tokio::time::timeout(Duration::from_secs(2), u).await;
@@ -371,172 +366,6 @@ fn node_server(svc: NodeService) -> nodepb::node_server::NodeServer<NodeService>
     nodepb::node_server::NodeServer::new(svc)
         .max_decoding_message_size(locus_proto::MAX_MESSAGE_BYTES)
         .max_encoding_message_size(locus_proto::MAX_MESSAGE_BYTES)
-}
-
-async fn register(cfg: &NodeConfig, advertise: &str, store: &BlobStore, peers: &Peers) -> Result<(), Status> {
-    let s = store.stats();
-    let mut m = peers.metadata().await?;
-    m.register_node(pb::RegisterNodeRequest {
-        id: cfg.id.to_string(),
-        address: advertise.to_string(),
-        labels: cfg.labels.clone(),
-        capacity_bytes: s.capacity,
-        free_bytes: s.placeable,
-        used_bytes: s.used,
-    })
-    .await?;
-    Ok(())
-}
-
-/// Registration, heartbeats and pin sync, until stopped.
-async fn agent(
-    cfg: NodeConfig,
-    advertise: String,
-    store: Arc<BlobStore>,
-    peers: Arc<Peers>,
-    metrics: Arc<metrics::Metrics>,
-    mut stop: tokio::sync::watch::Receiver<bool>,
-) {
-    let mut registered = false;
-    let mut last_sync = tokio::time::Instant::now() - cfg.pin_sync_interval;
-    loop {
-        if !registered {
-            match register(&cfg, &advertise, &store, &peers).await {
-                Ok(()) => {
-                    tracing::info!(node = %cfg.id, "registered with the metadata service");
-                    registered = true;
-                }
-                Err(s) => tracing::warn!("cannot register yet: {}", s.message()),
-            }
-        } else {
-            let s = store.stats();
-            let hb = async {
-                peers
-                    .metadata()
-                    .await?
-                    .heartbeat(pb::HeartbeatRequest {
-                        id: cfg.id.to_string(),
-                        free_bytes: s.placeable,
-                        used_bytes: s.used,
-                        pinned_bytes: s.pinned,
-                        cached_bytes: s.cached,
-                        blobs: s.blobs,
-                        quarantined: s.quarantined,
-                    })
-                    .await
-            };
-            match hb.await {
-                Ok(_) => {}
-                Err(s) if s.code() == tonic::Code::NotFound => registered = false,
-                Err(s) => tracing::warn!("heartbeat failed: {}", s.message()),
-            }
-        }
-        if registered && last_sync.elapsed() >= cfg.pin_sync_interval {
-            match sync_pins(&cfg, &store, &peers, &metrics).await {
-                Ok((changed, fetched)) if changed + fetched > 0 => {
-                    tracing::info!(changed, fetched, "pins synced with the metadata service")
-                }
-                Ok(_) => {}
-                Err(s) => tracing::warn!("pin sync failed: {}", s.message()),
-            }
-            last_sync = tokio::time::Instant::now();
-        }
-        tokio::select! {
-            _ = tokio::time::sleep(cfg.heartbeat_interval) => {}
-            _ = store.quarantine_events.notified() => {
-                metrics.corrupt.inc();
-                last_sync = tokio::time::Instant::now() - cfg.pin_sync_interval;
-            }
-            _ = stop.wait_for(|s| *s) => return,
-        }
-    }
-}
-
-/// Pins exactly the blobs this node's shards need, and fetches those that are missing
-/// from live peers. Returns (pins changed, blobs fetched).
-async fn sync_pins(
-    cfg: &NodeConfig,
-    store: &Arc<BlobStore>,
-    peers: &Peers,
-    metrics: &metrics::Metrics,
-) -> Result<(usize, usize), Status> {
-    let mut m = peers.metadata().await?;
-    let mut want: HashMap<BlobHash, (u64, u32)> = HashMap::new();
-    let mut token = Vec::new();
-    loop {
-        let r = m
-            .list_node_blobs(pb::ListNodeBlobsRequest {
-                node: cfg.id.to_string(),
-                page_token: token,
-                limit: 0,
-            })
-            .await?
-            .into_inner();
-        for b in r.blobs {
-            let h = BlobHash::from_slice("hash", &b.hash)?;
-            want.insert(h, (b.size, b.chunk_size));
-        }
-        if r.next_page_token.is_empty() {
-            break;
-        }
-        token = r.next_page_token;
-    }
-    let set: HashSet<BlobHash> = want.keys().copied().collect();
-    let st = store.clone();
-    let changed = tokio::task::spawn_blocking(move || st.sync_pins(&set))
-        .await
-        .map_err(|e| Status::internal(e.to_string()))?
-        .map_err(service::to_status)?;
-    let mut fetched = 0;
-    for (h, (size, cs)) in want {
-        if store.contains(&h) {
-            continue;
-        }
-        let mut done = false;
-        let sources = peers.locate(&h).await?;
-        for (id, addr) in sources.nodes {
-            if id == cfg.id.as_str() {
-                continue;
-            }
-            let Ok(mut peer) = locus_proto::client::connect_node(
-                &addr,
-                cfg.metadata.token.as_deref(),
-                Duration::from_secs(3),
-            )
-            .await
-            else {
-                continue;
-            };
-            match service::fetch_from_peer(store, &mut peer, h, size, cs, true, cfg.peer_idle).await {
-                Ok(_) => {
-                    fetched += 1;
-                    done = true;
-                    metrics.wrote("peer", size);
-                    tracing::info!(blob = %h, from = %id, "restored a missing pinned blob");
-                    break;
-                }
-                Err(s) => tracing::warn!(blob = %h, peer = %id, "refetch failed: {}", s.message()),
-            }
-        }
-        if !done && !sources.backups.is_empty() {
-            match peers
-                .fetch_from_backups(store, &sources.backups, h, size, cs, true)
-                .await
-            {
-                Ok(true) => {
-                    fetched += 1;
-                    done = true;
-                    metrics.wrote("backup", size);
-                }
-                Ok(false) => {}
-                Err(s) => tracing::warn!(blob = %h, "refetch from backup failed: {}", s.message()),
-            }
-        }
-        if !done {
-            tracing::warn!(blob = %h, "pinned blob missing and no peer or backup could supply it");
-        }
-    }
-    Ok((changed, fetched))
 }
 
 /// Re-verifies every stored blob at about `rate` bytes per second, forever.

@@ -11,6 +11,12 @@
 //! | locus_node_used_bytes | gauge | bytes | bytes of stored blobs |
 //! | locus_node_pinned_bytes | gauge | bytes | bytes of blobs this node replicates (never evicted) |
 //! | locus_node_blobs | gauge | blobs | stored blobs |
+//! | locus_node_refill_queue_blobs | gauge | blobs | pinned blobs missing here, still to copy |
+//! | locus_node_refill_queue_bytes | gauge | bytes | bytes of those blobs |
+//! | locus_node_refill_rate_bytes_per_second | gauge | bytes/s | mean copy rate of the current refill |
+//! | locus_node_refill_eta_seconds | gauge | s | time to go at that rate (0 when idle or unknown) |
+//! | locus_node_refill_failing_blobs | gauge | blobs | blobs waiting for a retry after a failed copy |
+//! | locus_node_refill_bytes_total | counter | bytes | bytes the refill copied |
 
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
@@ -35,6 +41,12 @@ pub struct Metrics {
     pub used: Gauge,
     pub pinned: Gauge,
     pub blobs: Gauge,
+    pub refill_queue_blobs: Gauge,
+    pub refill_queue_bytes: Gauge,
+    pub refill_rate: Gauge,
+    pub refill_eta: Gauge,
+    pub refill_failing: Gauge,
+    pub refill_bytes: Counter,
 }
 
 impl Default for Metrics {
@@ -52,6 +64,12 @@ impl Default for Metrics {
             used: Gauge::default(),
             pinned: Gauge::default(),
             blobs: Gauge::default(),
+            refill_queue_blobs: Gauge::default(),
+            refill_queue_bytes: Gauge::default(),
+            refill_rate: Gauge::default(),
+            refill_eta: Gauge::default(),
+            refill_failing: Gauge::default(),
+            refill_bytes: Counter::default(),
         };
         r.register("read_bytes", "Blob bytes served", m.read_bytes.clone());
         r.register(
@@ -75,6 +93,32 @@ impl Default for Metrics {
         r.register("used_bytes", "Bytes of stored blobs", m.used.clone());
         r.register("pinned_bytes", "Bytes of replicated blobs", m.pinned.clone());
         r.register("blobs", "Stored blobs", m.blobs.clone());
+        r.register(
+            "refill_queue_blobs",
+            "Pinned blobs missing here, still to copy",
+            m.refill_queue_blobs.clone(),
+        );
+        r.register(
+            "refill_queue_bytes",
+            "Bytes of pinned blobs missing here",
+            m.refill_queue_bytes.clone(),
+        );
+        r.register(
+            "refill_rate_bytes_per_second",
+            "Mean copy rate of the current refill",
+            m.refill_rate.clone(),
+        );
+        r.register(
+            "refill_eta_seconds",
+            "Time the refill needs at its current rate",
+            m.refill_eta.clone(),
+        );
+        r.register(
+            "refill_failing_blobs",
+            "Blobs waiting for a retry after a failed copy",
+            m.refill_failing.clone(),
+        );
+        r.register("refill_bytes", "Bytes the refill copied", m.refill_bytes.clone());
         Metrics { registry: r, ..m }
     }
 }
@@ -94,6 +138,14 @@ impl Metrics {
             .inc();
     }
 
+    pub fn refill(&self, p: &crate::refill::Progress) {
+        self.refill_queue_blobs.set(p.blobs as i64);
+        self.refill_queue_bytes.set(p.bytes as i64);
+        self.refill_rate.set(p.rate as i64);
+        self.refill_eta.set(p.eta_secs().unwrap_or(0) as i64);
+        self.refill_failing.set(p.failing as i64);
+    }
+
     pub fn refused(&self, kind: &str) {
         self.write_refusals
             .get_or_create(&KindLabel { kind: kind.into() })
@@ -109,5 +161,19 @@ impl Metrics {
         prometheus_client::encoding::text::encode(&mut out, &self.registry)
             .expect("writing to a String cannot fail");
         out
+    }
+}
+
+/// The refill's progress on the wire.
+pub fn refill_status(p: &crate::refill::Progress) -> locus_proto::nodepb::RefillStatus {
+    locus_proto::nodepb::RefillStatus {
+        blobs: p.blobs,
+        bytes: p.bytes,
+        done_bytes: p.done_bytes,
+        rate: p.rate,
+        failing: p.failing,
+        copied_blobs: p.copied_blobs,
+        copied_bytes: p.copied_bytes,
+        failures: p.failures,
     }
 }

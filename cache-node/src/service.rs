@@ -1,6 +1,8 @@
 //! The node API over gRPC: streaming blob reads and writes, presence checks, peer fetches
 //! and, for same-host clients on the Unix socket, "make this blob local". Store errors are
-//! mapped to `Status` here and nowhere else. Blob I/O runs on blocking threads.
+//! mapped to `Status` here and nowhere else. Blob I/O runs on blocking threads, one piece
+//! at a time: no blocking thread ever waits on a client or a peer, so a reader that stops
+//! reading holds a little memory and its idle timeout, never a thread.
 
 use std::pin::Pin;
 use std::sync::Arc;
@@ -13,6 +15,7 @@ use tokio_stream::{Stream, StreamExt};
 use tonic::{Request, Response, Status, Streaming};
 
 use crate::store::{BlobStore, StoreError};
+use crate::transfer::{fetch_from_peer, next_within, open_read, Sink};
 use crate::Peers;
 
 /// Bytes per streamed message.
@@ -44,6 +47,7 @@ pub struct NodeService {
     /// How long a peer may stay silent during a transfer before it is given up on.
     pub peer_idle: Duration,
     pub metrics: Arc<crate::metrics::Metrics>,
+    pub refill: Arc<crate::refill::Refill>,
 }
 
 impl NodeService {
@@ -74,49 +78,68 @@ fn blob_refs(refs: &[nodepb::BlobRef]) -> Result<Vec<(BlobHash, u64)>, Status> {
 
 type BlobStream = Pin<Box<dyn Stream<Item = Result<nodepb::BlobData, Status>> + Send>>;
 
-/// Streams `[offset, offset+len)` of a local blob into a channel, verified chunk by chunk.
-pub fn stream_blob(store: Arc<BlobStore>, h: BlobHash, offset: u64, len: u64) -> BlobStream {
-    let (tx, rx) = mpsc::channel::<Result<nodepb::BlobData, Status>>(4);
-    tokio::task::spawn_blocking(move || {
-        let size = store.size_of(&h).unwrap_or(0);
-        let end = if len == 0 {
-            size
-        } else {
-            offset.saturating_add(len).min(size)
-        };
-        let mut pos = offset;
-        // Read a few chunks' worth at a time; each read verifies the chunks it touches.
-        let step = (STREAM_PIECE as u64) * 4;
-        if pos >= end {
-            if store.size_of(&h).is_none() {
-                let _ = tx.blocking_send(Err(to_status(StoreError::NotFound(h))));
+/// Streams `[offset, offset+len)` of a local blob, verified chunk by chunk. Each piece is
+/// read on a blocking thread and handed over on the async side; a reader that takes
+/// nothing for `idle` loses the stream.
+pub fn stream_blob(store: Arc<BlobStore>, h: BlobHash, offset: u64, len: u64, idle: Duration) -> BlobStream {
+    let (tx, rx) = mpsc::channel::<Result<nodepb::BlobData, Status>>(1);
+    tokio::spawn(async move {
+        let st = store.clone();
+        let opened = tokio::task::spawn_blocking(move || st.open_reader(&h, offset, len)).await;
+        let mut reader = match opened {
+            Ok(Ok(r)) => r,
+            Ok(Err(e)) => {
+                let _ = tx.send(Err(to_status(e))).await;
+                return;
             }
-            return;
-        }
-        while pos < end {
-            let n = step.min(end - pos);
-            match store.read_range(&h, pos, n) {
-                Ok(buf) => {
-                    // One verified buffer, sliced into messages without copying.
-                    let buf = bytes::Bytes::from(buf);
-                    let mut at = 0;
-                    while at < buf.len() {
-                        let to = (at + STREAM_PIECE).min(buf.len());
-                        if tx
-                            .blocking_send(Ok(nodepb::BlobData {
-                                data: buf.slice(at..to),
-                            }))
-                            .is_err()
-                        {
-                            return; // the reader went away
-                        }
-                        at = to;
-                    }
-                    pos += n;
+            Err(e) => {
+                let _ = tx
+                    .send(Err(Status::internal(format!("read task failed: {e}"))))
+                    .await;
+                return;
+            }
+        };
+        loop {
+            let next = tokio::task::spawn_blocking(move || {
+                let piece = reader.next_piece();
+                (reader, piece)
+            })
+            .await;
+            let piece = match next {
+                Ok((r, piece)) => {
+                    reader = r;
+                    piece
                 }
                 Err(e) => {
-                    let _ = tx.blocking_send(Err(to_status(e)));
+                    let _ = tx
+                        .send(Err(Status::internal(format!("read task failed: {e}"))))
+                        .await;
                     return;
+                }
+            };
+            let buf = match piece {
+                Ok(Some(buf)) => bytes::Bytes::from(buf),
+                Ok(None) => return,
+                Err(e) => {
+                    let _ = tx.send(Err(to_status(e))).await;
+                    return;
+                }
+            };
+            // One verified buffer, sliced into messages without copying; the next is read
+            // only once the reader has taken all of this one.
+            let mut at = 0;
+            while at < buf.len() {
+                let to = (at + STREAM_PIECE).min(buf.len());
+                let msg = Ok(nodepb::BlobData {
+                    data: buf.slice(at..to),
+                });
+                match tokio::time::timeout(idle, tx.send(msg)).await {
+                    Ok(Ok(())) => at = to,
+                    Ok(Err(_)) => return, // the reader went away
+                    Err(_) => {
+                        tracing::debug!(blob = %h, "a reader took nothing for {idle:?}; closing its stream");
+                        return;
+                    }
                 }
             }
         }
@@ -124,36 +147,8 @@ pub fn stream_blob(store: Arc<BlobStore>, h: BlobHash, offset: u64, len: u64) ->
     Box::pin(tokio_stream::wrappers::ReceiverStream::new(rx))
 }
 
-/// Feeds a blob writer from a channel on a blocking thread: async code sends buffers,
-/// the blocking side writes, hashes and finally verifies and publishes the blob.
-fn spawn_sink(
-    writer: crate::store::BlobWriter,
-) -> (
-    mpsc::Sender<bytes::Bytes>,
-    tokio::task::JoinHandle<Result<(), StoreError>>,
-) {
-    let (tx, mut rx) = mpsc::channel::<bytes::Bytes>(8);
-    let sink = tokio::task::spawn_blocking(move || {
-        let mut w = writer;
-        while let Some(buf) = rx.blocking_recv() {
-            w.write(&buf)?;
-        }
-        w.finish()
-    });
-    (tx, sink)
-}
-
-/// Waits for a sink; a transport failure seen while feeding it wins over its own result.
-async fn finish_sink(
-    sink: tokio::task::JoinHandle<Result<(), StoreError>>,
-    failed: Option<Status>,
-) -> Result<(), Status> {
-    let done = sink.await.map_err(|e| Status::internal(e.to_string()))?;
-    if let Some(s) = failed {
-        return Err(s);
-    }
-    done.map_err(to_status)
-}
+/// How long a backup upload may stop taking bytes before the node gives up on it.
+const UPLOAD_IDLE: Duration = Duration::from_secs(120);
 
 /// Uploads one local blob to a backup target: Ok(false) when the target already had it.
 /// The bytes come from the store's verified read (a corrupt local copy fails with
@@ -179,140 +174,11 @@ async fn upload_one(
     {
         return Ok(false);
     }
-    let data =
-        stream_blob(store.clone(), h, 0, 0).map(|r| r.map(|d| d.data).map_err(|s| s.message().to_string()));
+    let data = stream_blob(store.clone(), h, 0, 0, UPLOAD_IDLE)
+        .map(|r| r.map(|d| d.data).map_err(|s| s.message().to_string()));
     locus_backup::blob::upload(target, &h, size, data)
         .await
         .map_err(unavailable)?;
-    Ok(true)
-}
-
-/// Starts storing blob `h` (None if it is here already), off the async threads.
-async fn begin_write(
-    store: &Arc<BlobStore>,
-    h: BlobHash,
-    size: u64,
-    chunk_size: u32,
-    pin: bool,
-) -> Result<Option<crate::store::BlobWriter>, Status> {
-    let st = store.clone();
-    tokio::task::spawn_blocking(move || st.begin_write(h, size, chunk_size, pin))
-        .await
-        .map_err(|e| Status::internal(e.to_string()))?
-        .map_err(to_status)
-}
-
-/// Copies one blob from a backup target into the local store; the store's writer checks
-/// every chunk and the whole blob against its name before it becomes visible.
-pub async fn fetch_from_backup(
-    store: &Arc<BlobStore>,
-    target: &locus_backup::Target,
-    h: BlobHash,
-    size: u64,
-    chunk_size: u32,
-    pin: bool,
-) -> Result<bool, Status> {
-    let Some(writer) = begin_write(store, h, size, chunk_size, pin).await? else {
-        return Ok(false);
-    };
-    let data = locus_backup::blob::read(target, &h)
-        .await
-        .map_err(|e| Status::unavailable(e.to_string()))?;
-    let mut data = std::pin::pin!(data);
-    let (tx, sink) = spawn_sink(writer);
-    let mut failed = None;
-    while let Some(piece) = data.next().await {
-        match piece {
-            Ok(b) => {
-                if tx.send(b).await.is_err() {
-                    break;
-                }
-            }
-            Err(e) => {
-                failed = Some(Status::unavailable(format!(
-                    "reading blob {h} from {}: {e}",
-                    target.url
-                )));
-                break;
-            }
-        }
-    }
-    drop(tx);
-    finish_sink(sink, failed).await?;
-    Ok(true)
-}
-
-/// Copies one blob from a peer into the local store, verifying it. Returns false if it was
-/// already here.
-/// Waits for a peer's next message, but not longer than `idle`: a peer that hangs (stopped,
-/// wedged disk, network partition without resets) must fail the transfer, not stall it.
-pub async fn next_within<T>(stream: &mut tonic::Streaming<T>, idle: Duration) -> Result<Option<T>, Status> {
-    match tokio::time::timeout(idle, stream.next()).await {
-        Ok(Some(Ok(m))) => Ok(Some(m)),
-        Ok(Some(Err(s))) => Err(s),
-        Ok(None) => Ok(None),
-        Err(_) => Err(Status::unavailable(format!(
-            "the peer sent nothing for {}s",
-            idle.as_secs_f64()
-        ))),
-    }
-}
-
-/// Opens a ReadBlob stream, giving up after `idle` without an answer.
-pub async fn open_read(
-    peer: &mut locus_proto::client::NodeClient,
-    req: nodepb::ReadBlobRequest,
-    idle: Duration,
-) -> Result<tonic::Streaming<nodepb::BlobData>, Status> {
-    match tokio::time::timeout(idle, peer.read_blob(req)).await {
-        Ok(r) => Ok(r?.into_inner()),
-        Err(_) => Err(Status::unavailable(format!(
-            "the peer did not answer for {}s",
-            idle.as_secs_f64()
-        ))),
-    }
-}
-
-pub async fn fetch_from_peer(
-    store: &Arc<BlobStore>,
-    peer: &mut locus_proto::client::NodeClient,
-    h: BlobHash,
-    size: u64,
-    chunk_size: u32,
-    pin: bool,
-    idle: Duration,
-) -> Result<bool, Status> {
-    let Some(writer) = begin_write(store, h, size, chunk_size, pin).await? else {
-        return Ok(false);
-    };
-    let mut stream = open_read(
-        peer,
-        nodepb::ReadBlobRequest {
-            hash: h.0.to_vec(),
-            offset: 0,
-            length: 0,
-        },
-        idle,
-    )
-    .await?;
-    let (tx, sink) = spawn_sink(writer);
-    let mut failed = None;
-    loop {
-        match next_within(&mut stream, idle).await {
-            Ok(Some(d)) => {
-                if tx.send(d.data).await.is_err() {
-                    break;
-                }
-            }
-            Ok(None) => break,
-            Err(s) => {
-                failed = Some(s);
-                break;
-            }
-        }
-    }
-    drop(tx);
-    finish_sink(sink, failed).await?;
     Ok(true)
 }
 
@@ -357,6 +223,7 @@ impl Node for NodeService {
             h,
             q.offset,
             q.length,
+            self.peer_idle,
         )))
     }
 
@@ -366,11 +233,10 @@ impl Node for NodeService {
     ) -> Result<Response<nodepb::WriteBlobResponse>, Status> {
         use nodepb::write_blob_message::Msg;
         let mut stream = req.into_inner();
-        let header = match stream.next().await {
-            Some(Ok(nodepb::WriteBlobMessage {
+        let header = match next_within(&mut stream, self.peer_idle).await? {
+            Some(nodepb::WriteBlobMessage {
                 msg: Some(Msg::Header(h)),
-            })) => h,
-            Some(Err(s)) => return Err(s),
+            }) => h,
             _ => return Err(Status::invalid_argument("the first message must be the header")),
         };
         let h = hash(&header.hash)?;
@@ -388,29 +254,18 @@ impl Node for NodeService {
         let Some(writer) = writer else {
             return Ok(Response::new(nodepb::WriteBlobResponse { stored: false }));
         };
-        let (tx, sink) = spawn_sink(writer);
-        let mut failed = None;
-        while let Some(msg) = stream.next().await {
+        // A writer that goes silent loses its write (and its reservation) after the idle
+        // timeout instead of holding them forever.
+        let mut sink = Sink::new(writer);
+        while let Some(msg) = next_within(&mut stream, self.peer_idle).await? {
             match msg {
-                Ok(nodepb::WriteBlobMessage {
+                nodepb::WriteBlobMessage {
                     msg: Some(Msg::Data(d)),
-                }) => {
-                    if tx.send(d).await.is_err() {
-                        break; // the writer failed; its error is reported below
-                    }
-                }
-                Ok(_) => {
-                    failed = Some(Status::invalid_argument("only data may follow the header"));
-                    break;
-                }
-                Err(s) => {
-                    failed = Some(s);
-                    break;
-                }
+                } => sink.write(d).await?,
+                _ => return Err(Status::invalid_argument("only data may follow the header")),
             }
         }
-        drop(tx);
-        finish_sink(sink, failed).await.inspect_err(|s| {
+        sink.finish().await.inspect_err(|s| {
             if s.code() == tonic::Code::InvalidArgument {
                 self.metrics.refused("mismatch");
             }
@@ -458,7 +313,7 @@ impl Node for NodeService {
                 set.spawn(async move {
                     (
                         size,
-                        fetch_from_peer(&store, &mut p, h, size, cs, pin, idle).await,
+                        fetch_from_peer(&store, &mut p, h, size, cs, pin, idle, None).await,
                     )
                 });
             }
@@ -574,67 +429,28 @@ impl Node for NodeService {
                 path: p.display().to_string(),
             }));
         }
-        let sources = self.peers.locate(&h).await?;
-        let mut last = Status::not_found(format!("no live node holds blob {h}"));
-        for (id, addr) in sources.nodes {
-            if id == self.id {
-                continue;
-            }
-            let mut peer =
-                match locus_proto::client::connect_node(&addr, self.token.as_deref(), Duration::from_secs(3))
-                    .await
-                {
-                    Ok(p) => p,
-                    Err(e) => {
-                        last = Status::unavailable(e.to_string());
-                        continue;
-                    }
-                };
-            match fetch_from_peer(
-                &self.store,
-                &mut peer,
-                h,
-                q.size,
-                q.chunk_size,
-                false,
-                self.peer_idle,
-            )
-            .await
-            {
-                Ok(_) => {
-                    if let Some(p) = self.verified_path(h).await? {
-                        return Ok(Response::new(nodepb::EnsureLocalResponse {
-                            path: p.display().to_string(),
-                        }));
-                    }
-                }
-                Err(s) => {
-                    tracing::warn!(blob = %h, peer = %id, "fetch failed, trying another replica: {}", s.message());
-                    last = s;
-                }
-            }
+        let opts = crate::transfer::CopyOptions {
+            me: &self.id,
+            token: self.token.as_deref(),
+            pin: false,
+            idle: self.peer_idle,
+            limit: None,
+        };
+        match crate::transfer::copy_from_anywhere(&self.store, &self.peers, h, q.size, q.chunk_size, opts)
+            .await?
+        {
+            crate::transfer::Source::Peer(_) => self.metrics.wrote("peer", q.size),
+            crate::transfer::Source::Backup(_) => self.metrics.wrote("backup", q.size),
+            crate::transfer::Source::Here => {}
         }
-        // No live replica could serve: a backup is the source of last resort (after a
-        // restore, every blob comes back this way).
-        if !sources.backups.is_empty() {
-            match self
-                .peers
-                .fetch_from_backups(&self.store, &sources.backups, h, q.size, q.chunk_size, false)
-                .await
-            {
-                Ok(true) => {
-                    self.metrics.wrote("backup", q.size);
-                    if let Some(p) = self.verified_path(h).await? {
-                        return Ok(Response::new(nodepb::EnsureLocalResponse {
-                            path: p.display().to_string(),
-                        }));
-                    }
-                }
-                Ok(false) => {}
-                Err(s) => last = s,
-            }
+        match self.verified_path(h).await? {
+            Some(p) => Ok(Response::new(nodepb::EnsureLocalResponse {
+                path: p.display().to_string(),
+            })),
+            None => Err(Status::unavailable(format!(
+                "blob {h} was copied but failed its check here; try again"
+            ))),
         }
-        Err(last)
     }
 
     type UploadBlobsStream = Pin<Box<dyn Stream<Item = Result<nodepb::UploadProgress, Status>> + Send>>;
@@ -735,6 +551,7 @@ impl Node for NodeService {
             cached_bytes: s.cached,
             blobs: s.blobs,
             quarantined: s.quarantined,
+            refill: Some(crate::metrics::refill_status(&self.refill.progress())),
         }))
     }
 }

@@ -102,12 +102,7 @@ impl Default for CatalogConfig {
 #[derive(Debug, Clone, Copy, Default)]
 struct Live {
     last_seen_ms: i64,
-    free: u64,
-    used: u64,
-    pinned: u64,
-    cached: u64,
-    blobs: u64,
-    quarantined: u64,
+    stats: NodeStats,
 }
 
 /// What a node reports with each heartbeat.
@@ -119,6 +114,12 @@ pub struct NodeStats {
     pub cached: u64,
     pub blobs: u64,
     pub quarantined: u64,
+    /// Pinned blobs the node lacks and is copying back: still to go, bytes, its copy
+    /// rate (bytes/s) and blobs waiting for a retry.
+    pub refill_blobs: u64,
+    pub refill_bytes: u64,
+    pub refill_rate: u64,
+    pub refill_failing: u64,
 }
 
 /// One shard to re-replicate: copy it from `source` to `target`, then drop `drop`.
@@ -313,9 +314,11 @@ impl Catalog {
                 id.clone(),
                 Live {
                     last_seen_ms: started_ms,
-                    free: rec.free_bytes,
-                    used: rec.used_bytes,
-                    ..Default::default()
+                    stats: NodeStats {
+                        free: rec.free_bytes,
+                        used: rec.used_bytes,
+                        ..Default::default()
+                    },
                 },
             );
         }
@@ -369,8 +372,8 @@ impl Catalog {
         let mut live = lock(&self.live);
         let l = live.entry(reg.id.to_string()).or_default();
         l.last_seen_ms = now;
-        l.free = reg.free;
-        l.used = reg.used;
+        l.stats.free = reg.free;
+        l.stats.used = reg.used;
         Ok(())
     }
 
@@ -384,12 +387,7 @@ impl Catalog {
             id.to_string(),
             Live {
                 last_seen_ms: self.clock.now_ms(),
-                free: st.free,
-                used: st.used,
-                pinned: st.pinned,
-                cached: st.cached,
-                blobs: st.blobs,
-                quarantined: st.quarantined,
+                stats: st,
             },
         );
         Ok(())
@@ -458,10 +456,13 @@ impl Catalog {
             .map(|(id, rec)| {
                 let l = live.get(id).copied().unwrap_or(Live {
                     last_seen_ms: self.started_ms,
-                    free: rec.free_bytes,
-                    used: rec.used_bytes,
-                    ..Default::default()
+                    stats: NodeStats {
+                        free: rec.free_bytes,
+                        used: rec.used_bytes,
+                        ..Default::default()
+                    },
                 });
+                let st = l.stats;
                 let ago = (now - l.last_seen_ms).max(0);
                 let state = if ago <= timeout {
                     pb::NodeState::Up
@@ -473,16 +474,20 @@ impl Catalog {
                     address: rec.address.clone(),
                     labels: rec.labels.clone(),
                     capacity_bytes: rec.capacity_bytes,
-                    free_bytes: l.free,
-                    used_bytes: l.used,
+                    free_bytes: st.free,
+                    used_bytes: st.used,
                     state: state as i32,
                     last_seen_ms_ago: ago as u64,
                     registered_at_ms: rec.registered_at_ms,
-                    pinned_bytes: l.pinned,
-                    cached_bytes: l.cached,
-                    blobs: l.blobs,
+                    pinned_bytes: st.pinned,
+                    cached_bytes: st.cached,
+                    blobs: st.blobs,
                     draining: rec.draining,
-                    quarantined: l.quarantined,
+                    quarantined: st.quarantined,
+                    refill_blobs: st.refill_blobs,
+                    refill_bytes: st.refill_bytes,
+                    refill_rate: st.refill_rate,
+                    refill_failing: st.refill_failing,
                 }
             })
             .collect())

@@ -179,6 +179,10 @@ impl pb::metadata_server::Metadata for MetadataService {
             cached: r.cached_bytes,
             blobs: r.blobs,
             quarantined: r.quarantined,
+            refill_blobs: r.refill_blobs,
+            refill_bytes: r.refill_bytes,
+            refill_rate: r.refill_rate,
+            refill_failing: r.refill_failing,
         };
         self.run(move |c| c.heartbeat(&id, st)).await.map_err(to_status)?;
         Ok(Response::new(pb::HeartbeatResponse {}))

@@ -220,19 +220,13 @@ pub fn statuses() -> Vec<MountStatus> {
         .collect()
 }
 
+/// DATASET, DATASET@latest or DATASET@N, through the domain type every command uses;
+/// (name, wire version: 0 = latest).
 pub fn parse_target(t: &str) -> anyhow::Result<(String, u64)> {
-    let (name, version) = match t.split_once('@') {
-        Some((n, v)) => (
-            n,
-            v.parse::<u64>()
-                .ok()
-                .filter(|v| *v > 0)
-                .with_context(|| format!("{t:?}: the version after @ must be a number from 1"))?,
-        ),
-        None => (t, 0),
-    };
-    locus_proto::DatasetName::try_from(name).map_err(|e| anyhow::anyhow!("{t:?}: {}", e.reason))?;
-    Ok((name.to_string(), version))
+    let r: locus_proto::DatasetRef = t
+        .parse()
+        .map_err(|e: locus_proto::InvalidInput| anyhow::anyhow!("{t:?}: {}", e.reason))?;
+    Ok((r.name.to_string(), r.version.to_wire()))
 }
 
 /// Refuses what would fail later with a worse message.

@@ -80,6 +80,24 @@ pub struct ServeArgs {
     /// from another replica).
     #[arg(long, value_name = "DURATION", default_value = "30s")]
     pub peer_timeout: String,
+    /// Blobs this node must hold but lacks (after a disk swap, a wipe, a quarantine) are
+    /// copied back by this many workers at once, from live replicas, else backups.
+    #[arg(
+        long,
+        env = "LOCUS_NODE_REFILL_PARALLEL",
+        value_name = "N",
+        default_value_t = 8
+    )]
+    pub refill_parallel: usize,
+    /// Most bytes per second all refill copies take together, e.g. 500MiB, so a refill
+    /// leaves bandwidth for training reads; 0 = no limit.
+    #[arg(
+        long,
+        env = "LOCUS_NODE_REFILL_RATE",
+        value_name = "SIZE",
+        default_value = "0"
+    )]
+    pub refill_rate: String,
     /// Background re-verification rate per second (0 disables).
     #[arg(long, value_name = "SIZE", default_value = "64MiB")]
     pub scrub_rate: String,
@@ -167,6 +185,11 @@ async fn serve(a: ServeArgs, cfg: &Resolved) -> anyhow::Result<()> {
         },
         insecure: a.insecure,
         peer_idle: duration_arg("--peer-timeout", &a.peer_timeout)?,
+        refill_parallel: match a.refill_parallel {
+            0 => anyhow::bail!("--refill-parallel must be at least 1"),
+            n => n.min(256),
+        },
+        refill_rate: size_arg("--refill-rate", &a.refill_rate)?,
     };
     locus_cache_node::serve(config, super::shutdown_signal()).await?;
     Ok(())
@@ -198,10 +221,34 @@ async fn drain(cfg: &Resolved, node: &str, drain: bool) -> anyhow::Result<()> {
 }
 
 pub fn state_of(n: &pb::Node) -> &'static str {
-    match (state_name(n.state), n.draining) {
-        ("up", true) => "draining",
-        (s, _) => s,
+    match (state_name(n.state), n.draining, n.refill_blobs > 0) {
+        ("up", true, _) => "draining",
+        ("up", false, true) => "refilling",
+        (s, _, _) => s,
     }
+}
+
+/// "1.2 GiB to go at 210 MiB/s, ~6s" for a refilling node; None otherwise.
+pub fn refill_summary(n: &pb::Node) -> Option<String> {
+    if n.refill_blobs == 0 {
+        return None;
+    }
+    let mut s = format!(
+        "{} in {} blob(s) to go",
+        output::size(n.refill_bytes),
+        n.refill_blobs
+    );
+    if n.refill_rate > 0 {
+        s.push_str(&format!(
+            " at {}/s, ~{}s",
+            output::size(n.refill_rate),
+            n.refill_bytes.div_ceil(n.refill_rate)
+        ));
+    }
+    if n.refill_failing > 0 {
+        s.push_str(&format!(", {} failing (retrying)", n.refill_failing));
+    }
+    Some(s)
 }
 
 pub fn state_name(state: i32) -> &'static str {
@@ -226,6 +273,13 @@ pub fn node_json(n: &pb::Node) -> serde_json::Value {
         "cached_bytes": n.cached_bytes,
         "blobs": n.blobs,
         "quarantined": n.quarantined,
+        "refill": {
+            "blobs": n.refill_blobs,
+            "bytes": n.refill_bytes,
+            "rate_bytes_per_second": n.refill_rate,
+            "failing": n.refill_failing,
+            "eta_seconds": (n.refill_rate > 0).then(|| n.refill_bytes.div_ceil(n.refill_rate)),
+        },
         "last_seen_ms_ago": n.last_seen_ms_ago,
         "registered_at": output::time(n.registered_at_ms),
     })
@@ -265,5 +319,10 @@ async fn list(cfg: &Resolved) -> anyhow::Result<()> {
         ],
         &rows,
     );
+    for n in &nodes {
+        if let Some(r) = refill_summary(n) {
+            println!("{}: refilling, {r}", n.id);
+        }
+    }
     Ok(())
 }

@@ -43,7 +43,11 @@ pub async fn run(cfg: &Resolved) -> anyhow::Result<()> {
                 "caller": {"name": info.caller_name, "role": info.caller_role},
             },
             "nodes": {"total": nodes.len(), "up": up.len(), "down": nodes.len() - up.len(),
-                      "capacity_bytes": capacity, "free_bytes": free},
+                      "capacity_bytes": capacity, "free_bytes": free,
+                      "refilling": nodes.iter().filter(|n| n.refill_blobs > 0).map(|n| serde_json::json!({
+                          "id": n.id, "blobs": n.refill_blobs, "bytes": n.refill_bytes,
+                          "rate_bytes_per_second": n.refill_rate, "failing": n.refill_failing,
+                      })).collect::<Vec<_>>()},
             "datasets": {"count": datasets.len(), "versions": versions, "bytes": bytes},
             "mounts": mounts,
             "backups": backups.iter().map(|b| serde_json::json!({
@@ -74,6 +78,11 @@ pub async fn run(cfg: &Resolved) -> anyhow::Result<()> {
             n.address,
             n.last_seen_ms_ago as f64 / 1000.0
         );
+    }
+    for n in &nodes {
+        if let Some(r) = crate::cmd::node::refill_summary(n) {
+            println!("  refilling: {}, {r}", n.id);
+        }
     }
     println!(
         "datasets   {} with {} versions, {}",

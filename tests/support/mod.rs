@@ -447,6 +447,8 @@ pub struct NodeOpts {
     pub pin_sync: &'static str,
     /// Put the data dir on a tmpfs of this size (e.g. "2m"), to fill a real disk.
     pub tmpfs: Option<&'static str>,
+    /// More `locus node serve` arguments.
+    pub extra: Vec<String>,
 }
 
 impl NodeOpts {
@@ -460,6 +462,7 @@ impl NodeOpts {
             scrub_rate: "0",
             pin_sync: "1s",
             tmpfs: None,
+            extra: Vec::new(),
         }
     }
 }
@@ -576,9 +579,14 @@ impl Node {
             ("--scrub-rate", o.scrub_rate.to_string()),
             ("--peer-timeout", "2s".to_string()),
         ] {
+            // A test's own setting (in `extra`) wins over the default here.
+            if o.extra.iter().any(|x| x == k) {
+                continue;
+            }
             a.push(k.into());
             a.push(v.into());
         }
+        a.extend(o.extra.iter().map(OsString::from));
         a
     }
 

@@ -1,0 +1,609 @@
+//! The blob store: BLAKE3-addressed blobs on one or more local data directories.
+//!
+//! Layout of each data dir (format version 1, in `LOCUS_BLOBSTORE`):
+//! `blobs/<h[0..2]>/<hash>` complete, verified blobs; `tmp/` blobs being written;
+//! `quarantine/<hash>.<ms>` blobs that failed verification. The first data dir also holds
+//! `index/`, a RocksDB map hash → (size, dir, pinned, chunk size, chunk hashes), so a
+//! restart reads the index and lists directory names instead of re-hashing every blob.
+//!
+//! Rules this module never breaks:
+//! - a blob becomes visible (renamed into `blobs/`) only after its bytes hashed to its
+//!   name, and after the file and its directory were fsynced;
+//! - bytes are returned only after the chunk they belong to matched its stored hash; a
+//!   blob that fails is moved to `quarantine/` and forgotten;
+//! - pinned blobs (this node is a replica of a shard needing them) are never evicted;
+//!   space for a write is reserved before the first byte lands, evicting unpinned blobs
+//!   (least recently used first) when needed, else the write is refused.
+
+use std::collections::{BTreeSet, HashMap, HashSet};
+use std::fs::{self, File};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+use locus_proto::manifest::hash_file;
+use locus_proto::BlobHash;
+use prost::Message;
+
+pub(crate) mod read;
+mod record;
+mod space;
+mod write;
+
+pub use read::BlobReader;
+use record::{chunk_hashes, stamp, BlobRecord, FileStamp};
+use space::Reservation;
+pub use write::BlobWriter;
+
+pub const FORMAT_FILE: &str = "LOCUS_BLOBSTORE";
+pub const FORMAT_VERSION: u32 = 1;
+
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    #[error("data dir {path}: {reason}")]
+    DataDir { path: String, reason: String },
+    #[error("blob {0} is not on this node")]
+    NotFound(BlobHash),
+    #[error("blob {hash} failed verification ({what}); it was quarantined")]
+    Corrupt { hash: BlobHash, what: String },
+    #[error("received bytes do not match blob {hash}: {what}")]
+    Mismatch { hash: BlobHash, what: String },
+    #[error("blob {hash} is only partly here; chunks {missing:?} of the range are missing")]
+    NotPresent { hash: BlobHash, missing: Vec<u64> },
+    #[error("no room for {need} bytes: {why}")]
+    Full { need: u64, why: String },
+    #[error("blob I/O: {0}")]
+    Io(String),
+    #[error("blob index: {0}")]
+    Index(String),
+}
+
+fn io(e: std::io::Error) -> StoreError {
+    if e.kind() == std::io::ErrorKind::StorageFull || e.raw_os_error() == Some(libc::ENOSPC) {
+        // The filesystem filled up under us (another tenant, a wrong reserve): the write
+        // is refused like any other full-node case, and its temporary file removed.
+        return StoreError::Full {
+            need: 0,
+            why: format!("the disk is full: {e}"),
+        };
+    }
+    StoreError::Io(e.to_string())
+}
+
+#[derive(Debug, Clone)]
+pub struct StoreConfig {
+    pub dirs: Vec<PathBuf>,
+    /// Most bytes of blobs this node keeps.
+    pub capacity: u64,
+    /// Free space each data dir's filesystem must keep.
+    pub reserve: u64,
+}
+
+#[derive(Debug, Clone)]
+struct Meta {
+    rec: BlobRecord,
+    last_access: u64,
+}
+
+#[derive(Default)]
+struct State {
+    blobs: HashMap<BlobHash, Meta>,
+    /// Blobs with only some chunks present (not visible to HaveBlobs or pin sync).
+    partials: HashMap<BlobHash, Meta>,
+    used: u64,
+    pinned: u64,
+    /// Bytes reserved by writes in progress.
+    reserved: u64,
+    quarantined: u64,
+    /// When each blob's file was last hashed whole and found intact, as the file's
+    /// (inode, ctime) at that moment. Any write to the file changes its ctime, so a
+    /// matching stamp means nothing has touched the bytes since (bit rot is the scrub's).
+    verified: HashMap<BlobHash, FileStamp>,
+    /// Every unpinned blob, complete or partial, by (last access, hash): eviction takes
+    /// from the front, so choosing victims costs O(log n) each, never a sort of the store.
+    lru: BTreeSet<(u64, BlobHash)>,
+}
+
+impl State {
+    /// Records that a blob that was just added to `blobs` or `partials` may be evicted.
+    fn track(&mut self, h: BlobHash, m: &Meta) {
+        if !m.rec.pinned {
+            self.lru.insert((m.last_access, h));
+        }
+    }
+
+    /// Forgets a blob's place in the eviction order (it was removed or pinned).
+    fn untrack(&mut self, h: BlobHash, m: &Meta) {
+        self.lru.remove(&(m.last_access, h));
+    }
+
+    /// Marks a blob (complete or partial) used at `tick`.
+    fn touch(&mut self, h: &BlobHash, tick: u64) {
+        let State {
+            blobs, partials, lru, ..
+        } = self;
+        let Some(m) = blobs.get_mut(h).or_else(|| partials.get_mut(h)) else {
+            return;
+        };
+        if !m.rec.pinned && lru.remove(&(m.last_access, *h)) {
+            lru.insert((tick, *h));
+        }
+        m.last_access = tick;
+    }
+}
+
+/// What a restart found when it compared the index with the directories.
+#[derive(Debug, Default, Clone)]
+pub struct Reconcile {
+    pub indexed: usize,
+    /// In the index, missing on disk: dropped from the index.
+    pub missing: usize,
+    /// On disk, not in the index (a crash between rename and index write): verified and
+    /// adopted, or quarantined.
+    pub adopted: usize,
+    pub quarantined: usize,
+    /// Leftover partial writes removed from tmp/.
+    pub tmp_removed: usize,
+}
+
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Stats {
+    pub capacity: u64,
+    pub used: u64,
+    pub pinned: u64,
+    pub cached: u64,
+    pub blobs: u64,
+    pub quarantined: u64,
+    /// Bytes the node can still accept for pinned blobs.
+    pub placeable: u64,
+}
+
+pub struct BlobStore {
+    cfg: StoreConfig,
+    index: rocksdb::DB,
+    state: Mutex<State>,
+    tick: AtomicU64,
+    /// Blobs hashed whole by `verify` (scrub and first direct reads) since open.
+    whole_hashes: AtomicU64,
+    /// Woken whenever a blob is quarantined, so the owner can refetch it at once.
+    pub quarantine_events: tokio::sync::Notify,
+}
+
+fn hex(h: &BlobHash) -> String {
+    h.to_hex()
+}
+
+/// Free bytes on the filesystem holding `p`.
+#[allow(unsafe_code)]
+pub fn fs_free(p: &Path) -> Option<u64> {
+    use std::os::unix::ffi::OsStrExt;
+    let c = std::ffi::CString::new(p.as_os_str().as_bytes()).ok()?;
+    let mut st: libc::statvfs = unsafe {
+        // SAFETY: statvfs is a plain C struct of integers; all-zero is a valid value.
+        std::mem::zeroed()
+    };
+    // SAFETY: `c` is a valid NUL-terminated path and `st` a valid, writable statvfs.
+    let rc = unsafe { libc::statvfs(c.as_ptr(), &mut st) };
+    (rc == 0).then(|| st.f_bavail as u64 * st.f_frsize as u64)
+}
+
+fn fsync_dir(p: &Path) -> Result<(), StoreError> {
+    File::open(p).and_then(|d| d.sync_all()).map_err(io)
+}
+
+fn now_ms() -> u128 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis())
+        .unwrap_or(0)
+}
+
+impl BlobStore {
+    /// Opens (or initialises) the data dirs and reconciles the index with them.
+    pub fn open(cfg: StoreConfig) -> Result<(Arc<Self>, Reconcile), StoreError> {
+        if cfg.dirs.is_empty() {
+            return Err(StoreError::DataDir {
+                path: String::new(),
+                reason: "at least one data dir is needed".into(),
+            });
+        }
+        for d in &cfg.dirs {
+            check_format(d)?;
+            for sub in ["blobs", "tmp", "quarantine", "partial"] {
+                fs::create_dir_all(d.join(sub)).map_err(|e| StoreError::DataDir {
+                    path: d.display().to_string(),
+                    reason: e.to_string(),
+                })?;
+            }
+        }
+        let mut opts = rocksdb::Options::default();
+        opts.create_if_missing(true);
+        let index = rocksdb::DB::open(&opts, cfg.dirs[0].join("index"))
+            .map_err(|e| StoreError::Index(e.into_string()))?;
+        let store = Arc::new(BlobStore {
+            cfg,
+            index,
+            state: Mutex::new(State::default()),
+            tick: AtomicU64::new(1),
+            whole_hashes: AtomicU64::new(0),
+            quarantine_events: tokio::sync::Notify::new(),
+        });
+        let report = store.reconcile()?;
+        Ok((store, report))
+    }
+
+    fn state(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub fn blob_path_in(&self, dir: u32, h: &BlobHash) -> PathBuf {
+        let x = hex(h);
+        self.cfg.dirs[dir as usize].join("blobs").join(&x[..2]).join(x)
+    }
+
+    fn partial_path_in(&self, dir: u32, h: &BlobHash) -> PathBuf {
+        self.cfg.dirs[dir as usize].join("partial").join(hex(h))
+    }
+
+    fn reconcile(&self) -> Result<Reconcile, StoreError> {
+        let mut rep = Reconcile::default();
+        let mut st = self.state();
+        for kv in self.index.iterator(rocksdb::IteratorMode::Start) {
+            let (k, v) = kv.map_err(|e| StoreError::Index(e.into_string()))?;
+            let (Ok(h), Ok(rec)) = (<[u8; 32]>::try_from(&k[..]), BlobRecord::decode(&v[..])) else {
+                continue;
+            };
+            let h = BlobHash(h);
+            if rec.dir as usize >= self.cfg.dirs.len() {
+                continue;
+            }
+            if rec.partial {
+                if self.partial_path_in(rec.dir, &h).exists() {
+                    st.used += rec.size;
+                    if rec.pinned {
+                        st.pinned += rec.size;
+                    }
+                    let m = Meta { rec, last_access: 0 };
+                    st.track(h, &m);
+                    st.partials.insert(h, m);
+                } else {
+                    let _ = self.index.delete(h.0);
+                }
+                continue;
+            }
+            st.used += rec.size;
+            if rec.pinned {
+                st.pinned += rec.size;
+            }
+            // Only a hint: `verified_path` compares it with the file as it is now, and any
+            // change while the node was down (a write, a copy, a restored file) differs.
+            if let Some(v) = &rec.verified {
+                st.verified.insert(h, v.into());
+            }
+            let m = Meta { rec, last_access: 0 };
+            st.track(h, &m);
+            st.blobs.insert(h, m);
+        }
+        rep.indexed = st.blobs.len();
+        // Compare with the directories: names only, no hashing of indexed blobs.
+        let mut on_disk: HashSet<BlobHash> = HashSet::new();
+        let mut strays: Vec<(u32, PathBuf)> = Vec::new();
+        for (di, d) in self.cfg.dirs.iter().enumerate() {
+            for sub in fs::read_dir(d.join("blobs")).map_err(io)?.flatten() {
+                for f in fs::read_dir(sub.path()).map_err(io)?.flatten() {
+                    let name = f.file_name();
+                    let Some(h) = name.to_str().and_then(|n| BlobHash::from_hex(n).ok()) else {
+                        continue;
+                    };
+                    match st.blobs.get(&h) {
+                        Some(m) if m.rec.dir as usize == di => {
+                            on_disk.insert(h);
+                        }
+                        _ => strays.push((di as u32, f.path())),
+                    }
+                }
+            }
+            // Partial files the index does not know (a crash before the index write).
+            for f in fs::read_dir(d.join("partial")).map_err(io)?.flatten() {
+                let known = f
+                    .file_name()
+                    .to_str()
+                    .and_then(|n| BlobHash::from_hex(n).ok())
+                    .is_some_and(|h| st.partials.contains_key(&h));
+                if !known {
+                    let _ = fs::remove_file(f.path());
+                    rep.tmp_removed += 1;
+                }
+            }
+            for t in fs::read_dir(d.join("tmp")).map_err(io)?.flatten() {
+                let _ = fs::remove_file(t.path());
+                rep.tmp_removed += 1;
+            }
+            rep.quarantined += fs::read_dir(d.join("quarantine")).map_err(io)?.count();
+        }
+        let missing: Vec<BlobHash> = st
+            .blobs
+            .keys()
+            .filter(|h| !on_disk.contains(*h))
+            .copied()
+            .collect();
+        for h in &missing {
+            if let Some(m) = st.blobs.remove(h) {
+                st.untrack(*h, &m);
+                st.used -= m.rec.size;
+                if m.rec.pinned {
+                    st.pinned -= m.rec.size;
+                }
+            }
+            let _ = self.index.delete(h.0);
+        }
+        rep.missing = missing.len();
+        st.quarantined = rep.quarantined as u64;
+        drop(st);
+        for (di, p) in strays {
+            // A crash after the rename but before the index write: the file was verified
+            // before the rename, but re-check it since nothing vouches for it now.
+            let name = p
+                .file_name()
+                .and_then(|n| n.to_str())
+                .unwrap_or_default()
+                .to_string();
+            let h = BlobHash::from_hex(&name).expect("filtered above");
+            match hash_file(&p, locus_proto::DEFAULT_CHUNK_SIZE) {
+                Ok((size, whole, chunks)) if whole == h => {
+                    let rec = BlobRecord::complete(size, di, false, locus_proto::DEFAULT_CHUNK_SIZE, &chunks);
+                    self.insert(h, rec)?;
+                    rep.adopted += 1;
+                }
+                _ => {
+                    self.move_to_quarantine(&p, &h);
+                    rep.quarantined += 1;
+                }
+            }
+        }
+        Ok(rep)
+    }
+
+    /// Publishes a complete blob (`rec` from `BlobRecord::complete`).
+    fn insert(&self, h: BlobHash, rec: BlobRecord) -> Result<(), StoreError> {
+        let (size, pinned, verified) = (rec.size, rec.pinned, rec.verified.as_ref().map(FileStamp::from));
+        self.index
+            .put(h.0, rec.encode_to_vec())
+            .map_err(|e| StoreError::Index(e.into_string()))?;
+        let mut st = self.state();
+        match verified {
+            Some(v) => st.verified.insert(h, v),
+            None => st.verified.remove(&h),
+        };
+        let m = Meta {
+            rec,
+            last_access: self.tick.fetch_add(1, Ordering::Relaxed),
+        };
+        st.track(h, &m);
+        if let Some(old) = st.blobs.insert(h, m) {
+            st.untrack(h, &old);
+            st.used -= old.rec.size;
+            if old.rec.pinned {
+                st.pinned -= old.rec.size;
+            }
+        }
+        st.used += size;
+        if pinned {
+            st.pinned += size;
+        }
+        Ok(())
+    }
+
+    pub fn contains(&self, h: &BlobHash) -> bool {
+        self.state().blobs.contains_key(h)
+    }
+
+    /// Path of a present blob (for same-host readers), marking it recently used.
+    pub fn path_of(&self, h: &BlobHash) -> Option<PathBuf> {
+        let mut st = self.state();
+        let m = st.blobs.get_mut(h)?;
+        let dir = m.rec.dir;
+        st.touch(h, self.tick.fetch_add(1, Ordering::Relaxed));
+        drop(st);
+        Some(self.blob_path_in(dir, h))
+    }
+
+    /// Size of a blob that is here, completely or partly.
+    pub fn size_of(&self, h: &BlobHash) -> Option<u64> {
+        let st = self.state();
+        st.blobs.get(h).or_else(|| st.partials.get(h)).map(|m| m.rec.size)
+    }
+
+    pub fn chunk_size_of(&self, h: &BlobHash) -> Option<u64> {
+        let st = self.state();
+        st.blobs
+            .get(h)
+            .or_else(|| st.partials.get(h))
+            .map(|m| u64::from(m.rec.chunk_size))
+    }
+
+    /// Chunks of a partly present blob that are still missing; None if the blob is not
+    /// partly here (it is complete, or absent).
+    pub fn missing_chunks(&self, h: &BlobHash) -> Option<Vec<u64>> {
+        self.state().partials.get(h).map(|m| m.rec.missing())
+    }
+
+    /// Every stored blob's hash (for scrub and tests).
+    pub fn hashes(&self) -> Vec<BlobHash> {
+        self.state().blobs.keys().copied().collect()
+    }
+
+    pub fn is_pinned(&self, h: &BlobHash) -> bool {
+        self.state().blobs.get(h).is_some_and(|m| m.rec.pinned)
+    }
+
+    pub fn stats(&self) -> Stats {
+        // statvfs before the lock: a slow filesystem must not hold up every reader.
+        let disk_free: u64 = self
+            .cfg
+            .dirs
+            .iter()
+            .filter_map(|d| fs_free(d))
+            .map(|f| f.saturating_sub(self.cfg.reserve))
+            .sum();
+        let st = self.state();
+        let cached = st.used - st.pinned;
+        let placeable = self
+            .cfg
+            .capacity
+            .saturating_sub(st.pinned + st.reserved)
+            .min(disk_free + cached);
+        Stats {
+            capacity: self.cfg.capacity,
+            used: st.used,
+            pinned: st.pinned,
+            cached,
+            blobs: st.blobs.len() as u64,
+            quarantined: st.quarantined,
+            placeable,
+        }
+    }
+
+    /// Pins or unpins one present blob. Returns false if it is not here.
+    pub fn set_pinned(&self, h: &BlobHash, pinned: bool) -> Result<bool, StoreError> {
+        let mut st = self.state();
+        let Some(m) = st.blobs.get_mut(h) else {
+            return Ok(false);
+        };
+        if m.rec.pinned == pinned {
+            return Ok(true);
+        }
+        m.rec.pinned = pinned;
+        let rec = m.rec.clone();
+        let key = (m.last_access, *h);
+        if pinned {
+            st.lru.remove(&key);
+        } else {
+            st.lru.insert(key);
+        }
+        if pinned {
+            st.pinned += rec.size;
+        } else {
+            st.pinned -= rec.size;
+        }
+        drop(st);
+        self.index
+            .put(h.0, rec.encode_to_vec())
+            .map_err(|e| StoreError::Index(e.into_string()))?;
+        Ok(true)
+    }
+
+    /// Makes the pinned set exactly `want` (blobs not here are ignored). Returns how many
+    /// blobs changed.
+    pub fn sync_pins(&self, want: &HashSet<BlobHash>) -> Result<usize, StoreError> {
+        let changes: Vec<(BlobHash, bool)> = {
+            let st = self.state();
+            st.blobs
+                .iter()
+                .filter(|(h, m)| m.rec.pinned != want.contains(*h))
+                .map(|(h, m)| (*h, !m.rec.pinned))
+                .collect()
+        };
+        for (h, p) in &changes {
+            self.set_pinned(h, *p)?;
+        }
+        Ok(changes.len())
+    }
+
+    fn corrupt(&self, h: &BlobHash, path: &Path, what: String) -> StoreError {
+        tracing::error!(blob = %h, "{what}; quarantining");
+        self.move_to_quarantine(path, h);
+        self.forget(h);
+        self.state().quarantined += 1;
+        self.quarantine_events.notify_one();
+        StoreError::Corrupt { hash: *h, what }
+    }
+
+    fn move_to_quarantine(&self, path: &Path, h: &BlobHash) {
+        // The data dir the file lives in keeps it, so the rename never crosses devices.
+        let dir = self
+            .cfg
+            .dirs
+            .iter()
+            .find(|d| path.starts_with(d))
+            .unwrap_or(&self.cfg.dirs[0])
+            .join("quarantine");
+        let dest = dir.join(format!("{}.{}", hex(h), now_ms()));
+        if fs::rename(path, &dest).is_err() {
+            let _ = fs::remove_file(path);
+        }
+    }
+
+    fn forget(&self, h: &BlobHash) {
+        let mut st = self.state();
+        st.verified.remove(h);
+        if let Some(m) = st.blobs.remove(h).or_else(|| st.partials.remove(h)) {
+            st.untrack(*h, &m);
+            st.used -= m.rec.size;
+            if m.rec.pinned {
+                st.pinned -= m.rec.size;
+            }
+        }
+        drop(st);
+        let _ = self.index.delete(h.0);
+    }
+}
+
+/// The chunk size a blob is kept at: 0 means the default; anything else must be a power
+/// of two in the range versions allow. A tiny chunk size would make the index hold a hash
+/// per few bytes, so it is refused rather than trusted.
+fn checked_chunk_size(hash: BlobHash, chunk_size: u32) -> Result<u32, StoreError> {
+    if chunk_size == 0 {
+        return Ok(locus_proto::DEFAULT_CHUNK_SIZE);
+    }
+    if !chunk_size.is_power_of_two()
+        || !(locus_proto::MIN_CHUNK_SIZE..=locus_proto::MAX_CHUNK_SIZE).contains(&chunk_size)
+    {
+        return Err(StoreError::Mismatch {
+            hash,
+            what: format!("chunk size {chunk_size} is not a power of two from 64 KiB to 1 GiB"),
+        });
+    }
+    Ok(chunk_size)
+}
+
+fn check_format(d: &Path) -> Result<(), StoreError> {
+    let err = |reason: String| StoreError::DataDir {
+        path: d.display().to_string(),
+        reason,
+    };
+    fs::create_dir_all(d).map_err(|e| err(e.to_string()))?;
+    let f = d.join(FORMAT_FILE);
+    match fs::read_to_string(&f) {
+        Ok(s) => {
+            let v = s
+                .trim()
+                .strip_prefix("locus-blobstore ")
+                .and_then(|v| v.parse::<u32>().ok());
+            match v {
+                Some(FORMAT_VERSION) => Ok(()),
+                Some(other) => Err(err(format!(
+                    "blob store format {other}; this build reads format {FORMAT_VERSION}"
+                ))),
+                None => Err(err(format!("{FORMAT_FILE} is not a Locus format marker"))),
+            }
+        }
+        Err(_) => {
+            let empty = fs::read_dir(d).map(|mut r| r.next().is_none()).unwrap_or(false);
+            if !empty {
+                return Err(err(format!(
+                    "not empty and has no {FORMAT_FILE}; refusing to use a directory Locus did not create"
+                )));
+            }
+            let tmp = d.join(format!("{FORMAT_FILE}.tmp"));
+            fs::write(&tmp, format!("locus-blobstore {FORMAT_VERSION}\n"))
+                .and_then(|_| File::open(&tmp)?.sync_all())
+                .and_then(|_| fs::rename(&tmp, &f))
+                .map_err(|e| err(e.to_string()))?;
+            fsync_dir(d)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

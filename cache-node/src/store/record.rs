@@ -1,0 +1,136 @@
+//! What the index keeps per blob, and the file stamps that say whether a verified file
+//! has been touched since.
+
+use std::fs;
+use std::path::Path;
+
+use locus_proto::BlobHash;
+
+/// What the index knows about a stored blob.
+#[derive(Clone, PartialEq, prost::Message)]
+pub(super) struct BlobRecord {
+    #[prost(uint64, tag = "1")]
+    pub(super) size: u64,
+    #[prost(uint32, tag = "2")]
+    pub(super) dir: u32,
+    #[prost(bool, tag = "3")]
+    pub(super) pinned: bool,
+    #[prost(uint32, tag = "4")]
+    pub(super) chunk_size: u32,
+    /// 32-byte chunk hashes, concatenated.
+    #[prost(bytes = "vec", tag = "5")]
+    pub(super) chunks: Vec<u8>,
+    /// Only some chunks are here: the blob lives in `partial/<hash>`, a sparse file.
+    #[prost(bool, tag = "6")]
+    pub(super) partial: bool,
+    /// For a partial blob, bit i set = chunk i is on disk, verified and synced.
+    #[prost(bytes = "vec", tag = "7")]
+    pub(super) present: Vec<u8>,
+    /// The file's stamp when it was last known whole and intact (see `State::verified`),
+    /// kept so a restart does not have every blob hashed again before its next direct
+    /// read. Absent in records written before it existed.
+    #[prost(message, optional, tag = "8")]
+    pub(super) verified: Option<StampRecord>,
+}
+
+#[derive(Clone, PartialEq, prost::Message)]
+pub(super) struct StampRecord {
+    #[prost(uint64, tag = "1")]
+    pub(super) ino: u64,
+    #[prost(int64, tag = "2")]
+    pub(super) ctime_s: i64,
+    #[prost(int64, tag = "3")]
+    pub(super) ctime_ns: i64,
+    #[prost(uint64, tag = "4")]
+    pub(super) size: u64,
+}
+
+impl From<FileStamp> for StampRecord {
+    fn from(s: FileStamp) -> Self {
+        StampRecord {
+            ino: s.ino,
+            ctime_s: s.ctime_s,
+            ctime_ns: s.ctime_ns,
+            size: s.size,
+        }
+    }
+}
+
+impl From<&StampRecord> for FileStamp {
+    fn from(s: &StampRecord) -> Self {
+        FileStamp {
+            ino: s.ino,
+            ctime_s: s.ctime_s,
+            ctime_ns: s.ctime_ns,
+            size: s.size,
+        }
+    }
+}
+
+impl BlobRecord {
+    pub(super) fn complete(size: u64, dir: u32, pinned: bool, chunk_size: u32, chunks: &[BlobHash]) -> Self {
+        BlobRecord {
+            size,
+            dir,
+            pinned,
+            chunk_size,
+            chunks: chunks.iter().flat_map(|c| c.0).collect(),
+            partial: false,
+            present: Vec::new(),
+            verified: None,
+        }
+    }
+
+    pub(super) fn chunk_count(&self) -> u64 {
+        (self.chunks.len() / 32) as u64
+    }
+
+    pub(super) fn has_chunk(&self, i: u64) -> bool {
+        !self.partial
+            || self
+                .present
+                .get((i / 8) as usize)
+                .is_some_and(|b| b & (1 << (i % 8)) != 0)
+    }
+
+    pub(super) fn missing(&self) -> Vec<u64> {
+        (0..self.chunk_count()).filter(|i| !self.has_chunk(*i)).collect()
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct FileStamp {
+    pub(super) ino: u64,
+    pub(super) ctime_s: i64,
+    pub(super) ctime_ns: i64,
+    pub(super) size: u64,
+}
+
+pub(super) fn stamp(p: &Path) -> std::io::Result<FileStamp> {
+    use std::os::unix::fs::MetadataExt;
+    let m = fs::metadata(p)?;
+    Ok(FileStamp {
+        ino: m.ino(),
+        ctime_s: m.ctime(),
+        ctime_ns: m.ctime_nsec(),
+        size: m.len(),
+    })
+}
+
+/// The stamp of an open file (same meaning as `stamp`).
+pub(super) fn stamp_file(f: &fs::File) -> std::io::Result<FileStamp> {
+    use std::os::unix::fs::MetadataExt;
+    let m = f.metadata()?;
+    Ok(FileStamp {
+        ino: m.ino(),
+        ctime_s: m.ctime(),
+        ctime_ns: m.ctime_nsec(),
+        size: m.len(),
+    })
+}
+
+pub(super) fn chunk_hashes(b: &[u8]) -> Vec<BlobHash> {
+    b.chunks(32)
+        .map(|c| BlobHash(c.try_into().expect("index stores whole 32-byte hashes")))
+        .collect()
+}

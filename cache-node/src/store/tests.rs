@@ -1,0 +1,274 @@
+//! Unit tests of the blob store on real files in a temp dir.
+
+use super::*;
+
+fn open(dir: &Path, capacity: u64) -> Arc<BlobStore> {
+    BlobStore::open(StoreConfig {
+        dirs: vec![dir.to_path_buf()],
+        capacity,
+        reserve: 0,
+    })
+    .unwrap()
+    .0
+}
+
+fn put(s: &Arc<BlobStore>, data: &[u8], pin: bool) -> Result<BlobHash, StoreError> {
+    let h = BlobHash::of(data);
+    if let Some(mut w) = s.begin_write(h, data.len() as u64, 1 << 16, pin)? {
+        for part in data.chunks(10_000) {
+            w.write(part)?;
+        }
+        w.finish()?;
+    }
+    Ok(h)
+}
+
+#[test]
+fn writes_verify_and_read_back() {
+    let d = tempfile::tempdir().unwrap();
+    let s = open(d.path(), 1 << 30);
+    let data: Vec<u8> = (0..200_000u32).map(|i| (i % 251) as u8).collect();
+    let h = put(&s, &data, true).unwrap();
+    assert_eq!(s.read_range(&h, 0, 1 << 30).unwrap(), data);
+    assert_eq!(s.read_range(&h, 65_530, 20).unwrap(), data[65_530..65_550]);
+    assert_eq!(s.read_range(&h, 199_990, 100).unwrap(), data[199_990..]);
+    assert!(s.read_range(&h, 300_000, 1).unwrap().is_empty());
+    let empty = put(&s, b"", false).unwrap();
+    assert!(s.read_range(&empty, 0, 10).unwrap().is_empty());
+    assert!(s.is_pinned(&h));
+    assert_eq!(s.stats().used, 200_000);
+
+    // A chunk size that would blow up the index is refused.
+    assert!(matches!(
+        s.begin_write(BlobHash::of(b"x"), 1, 1, false),
+        Err(StoreError::Mismatch { .. })
+    ));
+
+    // Wrong bytes never become visible.
+    let fake = BlobHash::of(b"something else");
+    let mut w = s.begin_write(fake, 3, 0, false).unwrap().unwrap();
+    w.write(b"abc").unwrap();
+    assert!(matches!(w.finish(), Err(StoreError::Mismatch { .. })));
+    assert!(!s.contains(&fake));
+    assert_eq!(fs::read_dir(d.path().join("tmp")).unwrap().count(), 0);
+    assert_eq!(s.stats().used, 200_000);
+}
+
+#[test]
+fn corruption_is_quarantined_and_never_served() {
+    let d = tempfile::tempdir().unwrap();
+    let s = open(d.path(), 1 << 30);
+    let data = vec![42u8; 150_000];
+    let h = put(&s, &data, true).unwrap();
+    let p = s.path_of(&h).unwrap();
+    let mut bytes = fs::read(&p).unwrap();
+    bytes[140_000] ^= 1;
+    fs::write(&p, bytes).unwrap();
+    // The first chunk is intact and may be read; the damaged one is not.
+    assert_eq!(s.read_range(&h, 0, 10).unwrap(), vec![42u8; 10]);
+    assert!(matches!(
+        s.read_range(&h, 139_000, 2000),
+        Err(StoreError::Corrupt { .. })
+    ));
+    assert!(!s.contains(&h));
+    assert!(!p.exists());
+    assert_eq!(fs::read_dir(d.path().join("quarantine")).unwrap().count(), 1);
+    assert!(matches!(s.read_range(&h, 0, 10), Err(StoreError::NotFound(_))));
+}
+
+#[test]
+fn capacity_evicts_unpinned_and_refuses_beyond_pinned() {
+    let d = tempfile::tempdir().unwrap();
+    let s = open(d.path(), 300_000);
+    let a = put(&s, &vec![1u8; 100_000], true).unwrap();
+    let b = put(&s, &vec![2u8; 100_000], false).unwrap();
+    let c = put(&s, &vec![3u8; 100_000], false).unwrap();
+    let _ = s.read_range(&b, 0, 1).unwrap(); // b is now more recent than c
+    let e = put(&s, &vec![4u8; 100_000], false).unwrap();
+    assert!(s.contains(&a) && s.contains(&b) && s.contains(&e));
+    assert!(!s.contains(&c), "least recently used unpinned blob evicted");
+    s.set_pinned(&b, true).unwrap();
+    s.set_pinned(&e, true).unwrap();
+    let err = put(&s, &vec![5u8; 100_000], false).unwrap_err();
+    assert!(matches!(err, StoreError::Full { .. }), "{err}");
+    assert_eq!(s.stats().used, 300_000);
+    assert_eq!(s.stats().placeable, 0);
+}
+
+#[test]
+fn a_verified_blob_is_not_hashed_again_until_its_file_changes() {
+    let d = tempfile::tempdir().unwrap();
+    let data: Vec<u8> = (0..300_000u32).map(|i| (i * 7 % 251) as u8).collect();
+    let s = open(d.path(), 1 << 30);
+    let h = put(&s, &data, true).unwrap();
+    // Hashed on the way in: the first direct read needs no second pass.
+    let path = s.verified_path(&h).unwrap().unwrap();
+    assert_eq!(s.whole_hashes(), 0);
+    drop(s);
+    // Nor after a restart: the stamp is in the index.
+    let s = open(d.path(), 1 << 30);
+    assert_eq!(s.verified_path(&h).unwrap(), Some(path.clone()));
+    assert_eq!(s.whole_hashes(), 0);
+    drop(s);
+    // A byte changed in place while the node was down changes the file's ctime: the
+    // stamp no longer matches, the blob is hashed, fails and is quarantined.
+    let mut bytes = fs::read(&path).unwrap();
+    bytes[123_456] ^= 1;
+    fs::OpenOptions::new()
+        .write(true)
+        .open(&path)
+        .and_then(|mut f| std::io::Write::write_all(&mut f, &bytes))
+        .unwrap();
+    let s = open(d.path(), 1 << 30);
+    assert_eq!(s.verified_path(&h).unwrap(), None);
+    assert_eq!(s.whole_hashes(), 1);
+    assert_eq!(s.stats().quarantined, 1);
+}
+
+#[test]
+fn restart_reconciles_index_and_directory() {
+    let d = tempfile::tempdir().unwrap();
+    let (a, b);
+    {
+        let s = open(d.path(), 1 << 30);
+        a = put(&s, b"first blob", true).unwrap();
+        b = put(&s, b"second blob", false).unwrap();
+        fs::remove_file(s.path_of(&b).unwrap()).unwrap();
+        fs::write(d.path().join("tmp/leftover"), b"partial").unwrap();
+    }
+    // A verified blob that reached the directory but not the index is adopted.
+    let c = BlobHash::of(b"third blob");
+    let x = c.to_hex();
+    fs::create_dir_all(d.path().join("blobs").join(&x[..2])).unwrap();
+    fs::write(d.path().join("blobs").join(&x[..2]).join(&x), b"third blob").unwrap();
+    let (s, rep) = BlobStore::open(StoreConfig {
+        dirs: vec![d.path().to_path_buf()],
+        capacity: 1 << 30,
+        reserve: 0,
+    })
+    .unwrap();
+    assert_eq!(
+        (rep.indexed, rep.missing, rep.adopted, rep.tmp_removed),
+        (2, 1, 1, 1)
+    );
+    assert!(s.contains(&a) && s.is_pinned(&a));
+    assert!(!s.contains(&b));
+    assert_eq!(s.read_range(&c, 0, 100).unwrap(), b"third blob");
+}
+
+#[test]
+fn partial_blobs_fill_chunk_by_chunk_and_survive_restarts() {
+    let d = tempfile::tempdir().unwrap();
+    let data: Vec<u8> = (0..200_000u32).map(|i| (i % 241) as u8).collect();
+    let h = BlobHash::of(&data);
+    let cs = 1u64 << 16;
+    let chunks: Vec<BlobHash> = data.chunks(cs as usize).map(BlobHash::of).collect();
+    let piece = |i: u64| &data[(i * cs) as usize..((i + 1) * cs).min(200_000) as usize];
+    {
+        let s = open(d.path(), 1 << 30);
+        s.begin_partial(h, 200_000, 1 << 16, &chunks, true).unwrap();
+        assert!(!s.contains(&h), "a partial blob is not a blob yet");
+        assert_eq!(s.missing_chunks(&h).unwrap(), vec![0, 1, 2, 3]);
+        assert!(!s.write_chunk(&h, 2, piece(2)).unwrap());
+        // A wrong chunk is refused and changes nothing.
+        assert!(matches!(
+            s.write_chunk(&h, 1, piece(2)),
+            Err(StoreError::Mismatch { .. })
+        ));
+        assert_eq!(
+            s.read_range(&h, 2 * cs + 5, 10).unwrap(),
+            data[(2 * cs + 5) as usize..(2 * cs + 15) as usize]
+        );
+        match s.read_range(&h, cs, 2 * cs) {
+            Err(StoreError::NotPresent { missing, .. }) => assert_eq!(missing, vec![1]),
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(s.stats().used, 200_000, "its space is held");
+    }
+    // After a restart the chunks already written are still known.
+    let s = open(d.path(), 1 << 30);
+    assert_eq!(s.missing_chunks(&h).unwrap(), vec![0, 1, 3]);
+    assert!(!s.write_chunk(&h, 0, piece(0)).unwrap());
+    assert!(!s.write_chunk(&h, 3, piece(3)).unwrap());
+    assert!(
+        s.write_chunk(&h, 1, piece(1)).unwrap(),
+        "the last chunk completes it"
+    );
+    assert!(s.contains(&h) && s.is_pinned(&h));
+    assert_eq!(s.missing_chunks(&h), None);
+    assert_eq!(s.read_range(&h, 0, 1 << 30).unwrap(), data);
+    assert_eq!(fs::read_dir(d.path().join("partial")).unwrap().count(), 0);
+    assert_eq!(s.stats().used, 200_000);
+    // Hashed whole as it completed: a direct read needs no second pass, now or after
+    // a restart.
+    assert!(s.verified_path(&h).unwrap().is_some());
+    drop(s);
+    let s = open(d.path(), 1 << 30);
+    assert!(s.verified_path(&h).unwrap().is_some());
+    assert_eq!(s.whole_hashes(), 0);
+}
+
+#[test]
+fn unpinned_partial_blobs_are_evictable() {
+    let d = tempfile::tempdir().unwrap();
+    let s = open(d.path(), 300_000);
+    let data = vec![9u8; 200_000];
+    let chunks: Vec<BlobHash> = data.chunks(1 << 16).map(BlobHash::of).collect();
+    let h = BlobHash::of(&data);
+    s.begin_partial(h, 200_000, 1 << 16, &chunks, false).unwrap();
+    let other = put(&s, &vec![3u8; 200_000], true).unwrap();
+    assert!(s.contains(&other));
+    assert_eq!(s.missing_chunks(&h), None, "the abandoned partial blob made room");
+    assert_eq!(fs::read_dir(d.path().join("partial")).unwrap().count(), 0);
+}
+
+#[test]
+fn refuses_foreign_directories() {
+    let d = tempfile::tempdir().unwrap();
+    fs::write(d.path().join("precious.txt"), b"not ours").unwrap();
+    let r = BlobStore::open(StoreConfig {
+        dirs: vec![d.path().to_path_buf()],
+        capacity: 1,
+        reserve: 0,
+    });
+    assert!(matches!(r, Err(StoreError::DataDir { .. })));
+}
+
+#[test]
+fn a_large_chunk_is_served_in_bounded_pieces_and_checked_before_any_byte() {
+    let d = tempfile::tempdir().unwrap();
+    let s = open(d.path(), 1 << 30);
+    // One 32 MiB chunk plus a 4 MiB tail chunk; every piece stays at or under 8 MiB.
+    let cs: u32 = 32 << 20;
+    let data: Vec<u8> = (0..(36u32 << 20))
+        .map(|i| (i.wrapping_mul(2_654_435_761) >> 24) as u8)
+        .collect();
+    let h = BlobHash::of(&data);
+    let mut w = s.begin_write(h, data.len() as u64, cs, true).unwrap().unwrap();
+    w.write(&data).unwrap();
+    w.finish().unwrap();
+    let mut r = s.open_reader(&h, 3, 0).unwrap();
+    let mut got = Vec::new();
+    while let Some(p) = r.next_piece().unwrap() {
+        assert!(
+            p.len() as u64 <= read::WHOLE_CHUNK_MAX,
+            "a piece of {} bytes",
+            p.len()
+        );
+        got.extend_from_slice(&p);
+    }
+    assert_eq!(got, data[3..]);
+    assert_eq!(
+        s.read_range(&h, (31 << 20) + 7, 2 << 20).unwrap(),
+        data[(31 << 20) + 7..(33 << 20) + 7]
+    );
+
+    // A flipped byte at the end of the large chunk fails the read of its first byte.
+    let path = s.path_of(&h).unwrap();
+    let mut bytes = std::fs::read(&path).unwrap();
+    bytes[(32 << 20) - 1] ^= 1;
+    std::fs::write(&path, &bytes).unwrap();
+    let mut r = s.open_reader(&h, 0, 10).unwrap();
+    assert!(matches!(r.next_piece(), Err(StoreError::Corrupt { .. })));
+    assert!(!s.contains(&h), "the blob was quarantined");
+}

@@ -1,0 +1,273 @@
+//! Writing blobs: whole (`BlobWriter`, verified before the rename that publishes it) or
+//! chunk by chunk into a sparse partial file (`begin_partial`, `write_chunk`).
+
+use std::fs::{self, File};
+use std::io::Write;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use locus_proto::BlobHash;
+use prost::Message;
+
+use super::*;
+
+impl BlobStore {
+    /// Starts a blob that will arrive chunk by chunk (a reader wants a range before the
+    /// whole blob, or a transfer resumes). Its space is held from now on. Nothing to do
+    /// when it is already complete or started.
+    pub fn begin_partial(
+        self: &Arc<Self>,
+        hash: BlobHash,
+        size: u64,
+        chunk_size: u32,
+        chunks: &[BlobHash],
+        pin: bool,
+    ) -> Result<(), StoreError> {
+        if self.contains(&hash) || self.state().partials.contains_key(&hash) {
+            return Ok(());
+        }
+        let chunk_size = checked_chunk_size(hash, chunk_size)?;
+        let want = locus_proto::manifest::chunk_count(size, chunk_size);
+        if chunks.len() as u64 != want {
+            return Err(StoreError::Mismatch {
+                hash,
+                what: format!(
+                    "{} chunk hashes for a blob of {size} bytes ({want} chunks)",
+                    chunks.len()
+                ),
+            });
+        }
+        let (dir, reservation) = self.reserve(size)?;
+        let path = self.partial_path_in(dir, &hash);
+        let f = File::create(&path).map_err(io)?;
+        f.set_len(size).map_err(io)?;
+        f.sync_all().map_err(io)?;
+        fsync_dir(path.parent().expect("partial paths have a parent"))?;
+        let rec = BlobRecord {
+            size,
+            dir,
+            pinned: pin,
+            chunk_size,
+            chunks: chunks.iter().flat_map(|c| c.0).collect(),
+            partial: true,
+            present: vec![0u8; want.div_ceil(8) as usize],
+            verified: None,
+        };
+        self.index
+            .put(hash.0, rec.encode_to_vec())
+            .map_err(|e| StoreError::Index(e.into_string()))?;
+        let mut st = self.state();
+        // The reservation becomes permanent use.
+        st.used += size;
+        if pin {
+            st.pinned += size;
+        }
+        let m = Meta {
+            rec,
+            last_access: self.tick.fetch_add(1, Ordering::Relaxed),
+        };
+        st.track(hash, &m);
+        st.partials.insert(hash, m);
+        drop(st);
+        drop(reservation);
+        Ok(())
+    }
+
+    /// Stores chunk `i` of a partly present blob after checking it against its hash. The
+    /// bit is set only once the bytes are synced. When the last chunk arrives the whole
+    /// blob is re-hashed and moved into `blobs/`. Returns true when the blob is complete.
+    pub fn write_chunk(&self, h: &BlobHash, i: u64, data: &[u8]) -> Result<bool, StoreError> {
+        use std::os::unix::fs::FileExt;
+        let rec = match self.state().partials.get(h) {
+            Some(m) => m.rec.clone(),
+            None if self.contains(h) => return Ok(true),
+            None => return Err(StoreError::NotFound(*h)),
+        };
+        let cs = u64::from(rec.chunk_size);
+        if i >= rec.chunk_count() {
+            return Err(StoreError::Mismatch {
+                hash: *h,
+                what: format!("chunk {i} of a blob with {} chunks", rec.chunk_count()),
+            });
+        }
+        let expect_len = cs.min(rec.size - i * cs);
+        let want = chunk_hashes(&rec.chunks)[i as usize];
+        if data.len() as u64 != expect_len || BlobHash::of(data) != want {
+            return Err(StoreError::Mismatch {
+                hash: *h,
+                what: format!("chunk {i} does not match its hash"),
+            });
+        }
+        if rec.has_chunk(i) {
+            return Ok(false);
+        }
+        let path = self.partial_path_in(rec.dir, h);
+        let f = std::fs::OpenOptions::new().write(true).open(&path).map_err(io)?;
+        f.write_all_at(data, i * cs).map_err(io)?;
+        f.sync_data().map_err(io)?;
+        let mut st = self.state();
+        let Some(m) = st.partials.get_mut(h) else {
+            return Err(StoreError::NotFound(*h));
+        };
+        m.rec.present[(i / 8) as usize] |= 1 << (i % 8);
+        let rec = m.rec.clone();
+        drop(st);
+        self.index
+            .put(h.0, rec.encode_to_vec())
+            .map_err(|e| StoreError::Index(e.into_string()))?;
+        if !rec.missing().is_empty() {
+            return Ok(false);
+        }
+        // Complete: the whole-blob hash is the final word before it becomes visible.
+        let (_, whole, _) = hash_file(&path, rec.chunk_size).map_err(io)?;
+        if whole != *h {
+            self.move_to_quarantine(&path, h);
+            self.forget(h);
+            return Err(StoreError::Corrupt {
+                hash: *h,
+                what: "all chunks matched but the whole blob does not".into(),
+            });
+        }
+        let dest = self.blob_path_in(rec.dir, h);
+        let parent = dest.parent().expect("blob paths have a parent");
+        fs::create_dir_all(parent).map_err(io)?;
+        fs::rename(&path, &dest).map_err(io)?;
+        fsync_dir(parent)?;
+        // Just hashed whole (see `BlobWriter::finish`).
+        let verified = stamp(&dest).ok();
+        let done = BlobRecord {
+            partial: false,
+            present: Vec::new(),
+            verified: verified.map(Into::into),
+            ..rec
+        };
+        self.index
+            .put(h.0, done.encode_to_vec())
+            .map_err(|e| StoreError::Index(e.into_string()))?;
+        let mut st = self.state();
+        if let Some(m) = st.partials.remove(h) {
+            st.blobs.insert(h.to_owned(), Meta { rec: done, ..m });
+            if let Some(v) = verified {
+                st.verified.insert(*h, v);
+            }
+        }
+        Ok(true)
+    }
+
+    /// Starts writing a blob. `None` when it is already here (it is pinned if asked).
+    pub fn begin_write(
+        self: &Arc<Self>,
+        hash: BlobHash,
+        size: u64,
+        chunk_size: u32,
+        pin: bool,
+    ) -> Result<Option<BlobWriter>, StoreError> {
+        if self.contains(&hash) {
+            if pin {
+                self.set_pinned(&hash, true)?;
+            }
+            return Ok(None);
+        }
+        let chunk_size = checked_chunk_size(hash, chunk_size)?;
+        let (dir, reservation) = self.reserve(size)?;
+        let tmp = self.cfg.dirs[dir as usize].join("tmp").join(format!(
+            "{}.{}",
+            hex(&hash),
+            self.tick.fetch_add(1, Ordering::Relaxed)
+        ));
+        let file = File::create(&tmp).map_err(io)?;
+        Ok(Some(BlobWriter {
+            store: self.clone(),
+            hash,
+            size,
+            chunk_size,
+            pin,
+            dir,
+            tmp,
+            file: Some(std::io::BufWriter::with_capacity(1 << 20, file)),
+            hasher: locus_proto::manifest::ChunkHasher::new(chunk_size),
+            _reservation: reservation,
+        }))
+    }
+}
+
+/// A blob being written. Nothing is visible until `finish` verified it; dropping an
+/// unfinished writer removes its temporary file and releases its space.
+pub struct BlobWriter {
+    store: Arc<BlobStore>,
+    hash: BlobHash,
+    size: u64,
+    chunk_size: u32,
+    pin: bool,
+    dir: u32,
+    tmp: PathBuf,
+    file: Option<std::io::BufWriter<File>>,
+    hasher: locus_proto::manifest::ChunkHasher,
+    _reservation: Reservation,
+}
+
+impl BlobWriter {
+    pub fn write(&mut self, data: &[u8]) -> Result<(), StoreError> {
+        if self.hasher.size() + data.len() as u64 > self.size {
+            return Err(StoreError::Mismatch {
+                hash: self.hash,
+                what: format!("more than the announced {} bytes", self.size),
+            });
+        }
+        self.file
+            .as_mut()
+            .expect("open until finish")
+            .write_all(data)
+            .map_err(io)?;
+        self.hasher.update(data);
+        Ok(())
+    }
+
+    /// Verifies, syncs and publishes the blob.
+    pub fn finish(mut self) -> Result<(), StoreError> {
+        if self.hasher.size() != self.size {
+            return Err(StoreError::Mismatch {
+                hash: self.hash,
+                what: format!("{} bytes received, {} announced", self.hasher.size(), self.size),
+            });
+        }
+        let (_, got, chunks) = self.hasher.clone().finish();
+        if got != self.hash {
+            return Err(StoreError::Mismatch {
+                hash: self.hash,
+                what: format!("the bytes hash to {got}"),
+            });
+        }
+        let file = self
+            .file
+            .take()
+            .expect("open until finish")
+            .into_inner()
+            .map_err(|e| io(e.into_error()))?;
+        file.sync_all().map_err(io)?;
+        drop(file);
+        let dest = self.store.blob_path_in(self.dir, &self.hash);
+        let parent = dest.parent().expect("blob paths have a parent");
+        fs::create_dir_all(parent).map_err(io)?;
+        fs::rename(&self.tmp, &dest).map_err(io)?;
+        fsync_dir(parent)?;
+        let mut rec = BlobRecord::complete(self.size, self.dir, self.pin, self.chunk_size, &chunks);
+        // The bytes were hashed on the way in, so the first `verified_path` after an
+        // import or a copy from a peer need not read the file whole again (what made a
+        // cold passthrough open of a large file cost a full read before the kernel's
+        // own). The stamp is taken after the rename, which changes the ctime; a write by
+        // someone else between the fsync and this stamp, microseconds apart, would go
+        // unnoticed until the scrub.
+        rec.verified = stamp(&dest).ok().map(Into::into);
+        self.store.insert(self.hash, rec)?;
+        Ok(())
+    }
+}
+
+impl Drop for BlobWriter {
+    fn drop(&mut self) {
+        if self.file.is_some() {
+            let _ = fs::remove_file(&self.tmp);
+        }
+    }
+}

@@ -1,0 +1,356 @@
+//! Copying blobs into this node's store: from a peer's ReadBlob stream, from a backup
+//! target, or "from anywhere" (live replicas first, then backups), with an idle timeout on
+//! every wait and an optional byte-rate limit shared by the copies that take it.
+//!
+//! Bytes reach the store through a [`Sink`]: it writes each received piece on a blocking
+//! thread while the next one is being received, so the network and the disk overlap, and
+//! it never holds a blocking thread while it waits for the network — a slow or silent
+//! sender costs its idle timeout and nothing else. Nothing here makes a blob visible: the
+//! store's writer verifies every chunk and the whole blob against its name first.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use locus_proto::nodepb;
+use locus_proto::BlobHash;
+use tokio_stream::StreamExt;
+use tonic::Status;
+
+use crate::service::to_status;
+use crate::store::{BlobStore, BlobWriter, StoreError};
+use crate::Peers;
+
+/// A byte-rate budget shared by several copies (token bucket; a copy may run into debt by
+/// one piece, then waits it off). `rate == 0` means unlimited.
+#[derive(Debug)]
+pub struct RateLimit {
+    rate: u64,
+    /// (when the budget was last topped up, bytes available — negative while in debt).
+    state: std::sync::Mutex<(tokio::time::Instant, f64)>,
+}
+
+impl RateLimit {
+    pub fn new(rate: u64) -> Self {
+        Self {
+            rate,
+            state: std::sync::Mutex::new((tokio::time::Instant::now(), 0.0)),
+        }
+    }
+
+    pub fn rate(&self) -> u64 {
+        self.rate
+    }
+
+    /// Waits until `n` more bytes fit in the budget.
+    pub async fn take(&self, n: u64) {
+        if self.rate == 0 {
+            return;
+        }
+        let wait = {
+            let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
+            let now = tokio::time::Instant::now();
+            let rate = self.rate as f64;
+            // A quarter second of burst: enough to keep a copy streaming, small enough
+            // that the rate holds over any second.
+            let burst = rate / 4.0;
+            st.1 = (st.1 + now.duration_since(st.0).as_secs_f64() * rate).min(burst);
+            st.0 = now;
+            st.1 -= n as f64;
+            if st.1 < 0.0 {
+                Duration::from_secs_f64(-st.1 / rate)
+            } else {
+                Duration::ZERO
+            }
+        };
+        if !wait.is_zero() {
+            tokio::time::sleep(wait).await;
+        }
+    }
+}
+
+/// Feeds a [`BlobWriter`] without parking a blocking thread between pieces: each piece is
+/// written on a blocking thread while the caller receives the next.
+pub struct Sink {
+    state: SinkState,
+}
+
+enum SinkState {
+    Idle(Box<BlobWriter>),
+    Busy(tokio::task::JoinHandle<Result<Box<BlobWriter>, StoreError>>),
+    Failed,
+}
+
+impl Sink {
+    pub fn new(w: BlobWriter) -> Self {
+        Self {
+            state: SinkState::Idle(Box::new(w)),
+        }
+    }
+
+    async fn writer(&mut self) -> Result<Box<BlobWriter>, Status> {
+        match std::mem::replace(&mut self.state, SinkState::Failed) {
+            SinkState::Idle(w) => Ok(w),
+            SinkState::Busy(j) => j
+                .await
+                .map_err(|e| Status::internal(format!("write task failed: {e}")))?
+                .map_err(to_status),
+            SinkState::Failed => Err(Status::internal("the blob write failed earlier")),
+        }
+    }
+
+    /// Waits for the previous piece to be written, then starts writing this one.
+    pub async fn write(&mut self, buf: bytes::Bytes) -> Result<(), Status> {
+        let mut w = self.writer().await?;
+        self.state = SinkState::Busy(tokio::task::spawn_blocking(move || {
+            w.write(&buf)?;
+            Ok(w)
+        }));
+        Ok(())
+    }
+
+    /// Writes what is pending, then verifies and publishes the blob.
+    pub async fn finish(mut self) -> Result<(), Status> {
+        let w = self.writer().await?;
+        tokio::task::spawn_blocking(move || w.finish())
+            .await
+            .map_err(|e| Status::internal(format!("write task failed: {e}")))?
+            .map_err(to_status)
+    }
+}
+
+/// Starts storing blob `h` (None if it is here already), off the async threads.
+pub async fn begin_write(
+    store: &Arc<BlobStore>,
+    h: BlobHash,
+    size: u64,
+    chunk_size: u32,
+    pin: bool,
+) -> Result<Option<BlobWriter>, Status> {
+    let st = store.clone();
+    tokio::task::spawn_blocking(move || st.begin_write(h, size, chunk_size, pin))
+        .await
+        .map_err(|e| Status::internal(e.to_string()))?
+        .map_err(to_status)
+}
+
+/// Copies one blob from a backup target into the local store; the store's writer checks
+/// every chunk and the whole blob against its name before it becomes visible.
+pub async fn fetch_from_backup(
+    store: &Arc<BlobStore>,
+    target: &locus_backup::Target,
+    h: BlobHash,
+    size: u64,
+    chunk_size: u32,
+    pin: bool,
+    idle: Duration,
+) -> Result<bool, Status> {
+    let Some(writer) = begin_write(store, h, size, chunk_size, pin).await? else {
+        return Ok(false);
+    };
+    let data = locus_backup::blob::read(target, &h)
+        .await
+        .map_err(|e| Status::unavailable(e.to_string()))?;
+    let mut data = std::pin::pin!(data);
+    let mut sink = Sink::new(writer);
+    loop {
+        let piece = tokio::time::timeout(idle, data.next()).await.map_err(|_| {
+            Status::unavailable(format!("{} sent nothing for {}s", target.url, idle.as_secs_f64()))
+        })?;
+        match piece {
+            Some(Ok(b)) => sink.write(b).await?,
+            Some(Err(e)) => {
+                return Err(Status::unavailable(format!(
+                    "reading blob {h} from {}: {e}",
+                    target.url
+                )))
+            }
+            None => break,
+        }
+    }
+    sink.finish().await?;
+    Ok(true)
+}
+
+/// Waits for a peer's next message, but not longer than `idle`: a peer that hangs (stopped,
+/// wedged disk, network partition without resets) must fail the transfer, not stall it.
+pub async fn next_within<T>(stream: &mut tonic::Streaming<T>, idle: Duration) -> Result<Option<T>, Status> {
+    match tokio::time::timeout(idle, stream.next()).await {
+        Ok(Some(Ok(m))) => Ok(Some(m)),
+        Ok(Some(Err(s))) => Err(s),
+        Ok(None) => Ok(None),
+        Err(_) => Err(Status::unavailable(format!(
+            "the peer sent nothing for {}s",
+            idle.as_secs_f64()
+        ))),
+    }
+}
+
+/// Opens a ReadBlob stream, giving up after `idle` without an answer.
+pub async fn open_read(
+    peer: &mut locus_proto::client::NodeClient,
+    req: nodepb::ReadBlobRequest,
+    idle: Duration,
+) -> Result<tonic::Streaming<nodepb::BlobData>, Status> {
+    match tokio::time::timeout(idle, peer.read_blob(req)).await {
+        Ok(r) => Ok(r?.into_inner()),
+        Err(_) => Err(Status::unavailable(format!(
+            "the peer did not answer for {}s",
+            idle.as_secs_f64()
+        ))),
+    }
+}
+
+/// Copies one blob from a peer into the local store, verifying it. Returns false if it was
+/// already here. With `limit`, every piece is paid for before it is written.
+#[allow(clippy::too_many_arguments)]
+pub async fn fetch_from_peer(
+    store: &Arc<BlobStore>,
+    peer: &mut locus_proto::client::NodeClient,
+    h: BlobHash,
+    size: u64,
+    chunk_size: u32,
+    pin: bool,
+    idle: Duration,
+    limit: Option<&RateLimit>,
+) -> Result<bool, Status> {
+    let Some(writer) = begin_write(store, h, size, chunk_size, pin).await? else {
+        return Ok(false);
+    };
+    let mut stream = open_read(
+        peer,
+        nodepb::ReadBlobRequest {
+            hash: h.0.to_vec(),
+            offset: 0,
+            length: 0,
+        },
+        idle,
+    )
+    .await?;
+    let mut sink = Sink::new(writer);
+    while let Some(d) = next_within(&mut stream, idle).await? {
+        if let Some(l) = limit {
+            l.take(d.data.len() as u64).await;
+        }
+        sink.write(d.data).await?;
+    }
+    sink.finish().await?;
+    Ok(true)
+}
+
+/// Where a copy came from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Source {
+    /// It was here already.
+    Here,
+    Peer(String),
+    Backup(String),
+}
+
+/// How a "from anywhere" copy behaves.
+#[derive(Debug, Clone, Copy)]
+pub struct CopyOptions<'a> {
+    /// This node's id: never a source.
+    pub me: &'a str,
+    /// The token this node presents to peers.
+    pub token: Option<&'a str>,
+    pub pin: bool,
+    pub idle: Duration,
+    pub limit: Option<&'a RateLimit>,
+}
+
+/// Copies `h` from the first live replica that can send it, else from a backup. The error
+/// is the last source's, so the caller can tell "nobody has it" (NOT_FOUND) from "the
+/// sources failed" (UNAVAILABLE and friends).
+pub async fn copy_from_anywhere(
+    store: &Arc<BlobStore>,
+    peers: &Peers,
+    h: BlobHash,
+    size: u64,
+    chunk_size: u32,
+    o: CopyOptions<'_>,
+) -> Result<Source, Status> {
+    if store.contains(&h) {
+        if o.pin {
+            let st = store.clone();
+            tokio::task::spawn_blocking(move || st.set_pinned(&h, true))
+                .await
+                .map_err(|e| Status::internal(e.to_string()))?
+                .map_err(to_status)?;
+        }
+        return Ok(Source::Here);
+    }
+    let sources = peers.locate(&h).await?;
+    let mut last = Status::not_found(format!("no live node or backup holds blob {h}"));
+    for (id, addr) in sources.nodes {
+        if id == o.me {
+            continue;
+        }
+        let mut peer = match locus_proto::client::connect_node(&addr, o.token, o.idle.min(CONNECT)).await {
+            Ok(p) => p,
+            Err(e) => {
+                tracing::warn!(blob = %h, peer = %id, "cannot connect, trying another source: {e}");
+                last = Status::unavailable(format!("{id}: {e}"));
+                continue;
+            }
+        };
+        match fetch_from_peer(store, &mut peer, h, size, chunk_size, o.pin, o.idle, o.limit).await {
+            Ok(true) => return Ok(Source::Peer(id)),
+            Ok(false) => return Ok(Source::Here),
+            Err(s) => {
+                tracing::warn!(blob = %h, peer = %id, "copy failed, trying another source: {}", s.message());
+                last = Status::new(s.code(), format!("{id}: {}", s.message()));
+            }
+        }
+    }
+    // No live replica could send it: a backup is the source of last resort (after a
+    // restore, every blob comes back this way).
+    for url in &sources.backups {
+        let target = match peers.target(url) {
+            Ok(t) => t,
+            Err(s) => {
+                last = s;
+                continue;
+            }
+        };
+        match fetch_from_backup(store, &target, h, size, chunk_size, o.pin, o.idle).await {
+            Ok(true) => {
+                tracing::info!(blob = %h, backup = %url, "copied a blob back from a backup");
+                return Ok(Source::Backup(url.clone()));
+            }
+            Ok(false) => return Ok(Source::Here),
+            Err(s) => {
+                tracing::warn!(blob = %h, backup = %url, "backup read failed: {}", s.message());
+                last = s;
+            }
+        }
+    }
+    Err(last)
+}
+
+/// Longest wait for a peer's connection to open.
+const CONNECT: Duration = Duration::from_secs(3);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn a_rate_limit_never_lets_more_through_than_its_rate() {
+        // 2.5 MB at 10 MB/s from an empty budget cannot take less than 0.25 s.
+        let l = RateLimit::new(10_000_000);
+        let t0 = tokio::time::Instant::now();
+        for _ in 0..10 {
+            l.take(250_000).await;
+        }
+        let took = t0.elapsed().as_secs_f64();
+        assert!(took >= 0.24, "2.5 MB passed in {took}s at 10 MB/s");
+    }
+
+    #[tokio::test]
+    async fn an_unlimited_rate_never_waits() {
+        let l = RateLimit::new(0);
+        let t0 = std::time::Instant::now();
+        l.take(u64::MAX / 2).await;
+        assert!(t0.elapsed() < Duration::from_secs(1));
+    }
+}
