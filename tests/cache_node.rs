@@ -1134,3 +1134,61 @@ async fn six_hundred_unread_streams_leave_writes_heartbeats_and_readers_working(
     assert!(n.last_seen_ms_ago < 2000, "{n:?}");
     drop(held);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_import_to_a_hung_node_gives_up_after_the_peer_timeout_and_commits_nothing() {
+    let h = Harness::new("import-hung");
+    // The stopped node must still count as up, so placement sends it shards.
+    let m = h
+        .start_metadata(
+            "meta",
+            MetadataOpts {
+                liveness_timeout: Some("120s"),
+                ..Default::default()
+            },
+        )
+        .await;
+    let mut nodes = Vec::new();
+    for i in 1..=2 {
+        nodes.push(h.start_node(&format!("n{i}"), &m, NodeOpts::host(i)).await);
+    }
+    let src = h.path("src");
+    make_big_files(&src, 8, 1);
+    nodes[1].daemon.sigstop();
+    let started = std::time::Instant::now();
+    let (m2, src2) = (m.url(), src.clone());
+    let out = tokio::time::timeout(
+        Duration::from_secs(120),
+        tokio::task::spawn_blocking(move || {
+            std::process::Command::new(LOCUS)
+                .args(["dataset", "import", "ds"])
+                .arg(&src2)
+                .args(["--replicas", "1", "--shard-size", "1MiB"])
+                .env("LOCUS_METADATA", m2)
+                .env("LOCUS_PEER_TIMEOUT", "2s")
+                .env_remove("LOCUS_CONFIG")
+                .env_remove("LOCUS_TOKEN")
+                .output()
+                .unwrap()
+        }),
+    )
+    .await
+    .expect("the import gave up on the hung node instead of waiting for it")
+    .unwrap();
+    nodes[1].daemon.sigcont();
+    assert!(!out.status.success(), "the import cannot have succeeded");
+    let err = stderr(&out);
+    assert!(
+        ["no bytes reached the node", "did not answer", "cannot reach"]
+            .iter()
+            .any(|m| err.contains(m)),
+        "says why: {err}"
+    );
+    let show = m.cli(&["dataset", "show", "ds", "--json"]);
+    let versions = stdout(&show);
+    assert!(
+        !show.status.success() || !versions.contains("\"version\": 1"),
+        "nothing was committed: {versions}"
+    );
+    eprintln!("gave up after {:?}", started.elapsed());
+}

@@ -341,6 +341,10 @@ async fn a_hung_node_does_not_hold_up_readers() {
     let (m, nodes) = cluster(&h, 2, NodeOpts::host).await;
     let src = h.path("src");
     make_tree(&src, 60);
+    // A large file read in many requests: a hung node must cost it one wait, not one
+    // per request (32 MiB in 1 MiB requests at 3 s each would be minutes).
+    let big = pseudo_random(31, 32 << 20);
+    std::fs::write(src.join("zz-big.bin"), &big).unwrap();
     let out = import(&m, "mixed", &src, &["--replicas", "2"]);
     assert!(out.status.success(), "{}", stderr(&out));
     // n1 is the local node; remote reads prefer n2 (same "host" label).
@@ -349,7 +353,7 @@ async fn a_hung_node_does_not_hold_up_readers() {
     let mount = m.mount("mount", "mixed@1", Some(&nodes[0]), &args("mount"));
     let files: Vec<_> = files_of(&src)
         .into_iter()
-        .filter(|(p, _)| std::fs::metadata(src.join(p)).unwrap().len() > 0)
+        .filter(|(p, _)| std::fs::metadata(src.join(p)).unwrap().len() > 0 && !p.ends_with("zz-big.bin"))
         .collect();
     // The node answers while it runs.
     let (rel, want) = &files[0];
@@ -364,7 +368,26 @@ async fn a_hung_node_does_not_hold_up_readers() {
         .status()
         .unwrap()
         .success());
-    let readers: Vec<_> = files[1..9]
+    let big_path = kernel.path.join("zz-big.bin");
+    let big_reader = std::thread::spawn(move || {
+        use std::io::Read;
+        let mut f = std::fs::File::open(&big_path).map_err(|e| e.to_string())?;
+        let mut got = Vec::new();
+        let mut buf = vec![0u8; 1 << 20];
+        loop {
+            let n = f.read(&mut buf).map_err(|e| e.to_string())?;
+            if n == 0 {
+                break;
+            }
+            got.extend_from_slice(&buf[..n]);
+        }
+        if got == big {
+            Ok(())
+        } else {
+            Err("zz-big.bin: wrong bytes".to_string())
+        }
+    });
+    let mut readers: Vec<_> = files[1..9]
         .iter()
         .enumerate()
         .map(|(i, (rel, want))| {
@@ -384,6 +407,7 @@ async fn a_hung_node_does_not_hold_up_readers() {
             })
         })
         .collect();
+    readers.push(big_reader);
     wait_until(
         "readers to finish while n1 is stopped",
         Duration::from_secs(60),

@@ -90,11 +90,13 @@ fn file_id(f: &File) -> Option<(u64, u64, i64, i64)> {
 }
 
 /// A fetch of one inode's file from the local node, which readers wait for.
-#[derive(Default)]
 struct Pending {
     /// Set once the node answered: the file, or None (read from replicas).
     done: Mutex<Option<Option<Arc<NodeFile>>>>,
     cv: std::sync::Condvar,
+    /// Readers wait for the node until `started + local_patience`, not each for the
+    /// whole patience: a hung node costs a file one wait, not one per read request.
+    started: Instant,
 }
 
 /// Sequential-read detection for one open file.
@@ -378,7 +380,11 @@ impl Core {
                     return None;
                 }
                 None => {
-                    let p = Arc::new(Pending::default());
+                    let p = Arc::new(Pending {
+                        done: Mutex::new(None),
+                        cv: std::sync::Condvar::new(),
+                        started: Instant::now(),
+                    });
                     fetching.insert(ino, p.clone());
                     (p, true)
                 }
@@ -394,10 +400,11 @@ impl Core {
             });
         }
         let patience = self.settings.local_patience;
+        let left = patience.saturating_sub(pending.started.elapsed());
         let done = pending.done.lock().unwrap();
         let (done, _) = pending
             .cv
-            .wait_timeout_while(done, patience, |d| d.is_none())
+            .wait_timeout_while(done, left, |d| d.is_none())
             .unwrap();
         if let Some(r) = &*done {
             return r.clone().map(|f| (f, first));

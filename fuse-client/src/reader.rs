@@ -28,6 +28,9 @@ use tokio::sync::OnceCell;
 
 use crate::metrics::Metrics;
 
+/// Longest a background refresh of replica locations may take.
+const REFRESH_TIMEOUT: Duration = Duration::from_secs(60);
+
 /// How long a node that failed a read is passed over.
 const BAD_NODE_PAUSE: Duration = Duration::from_secs(10);
 
@@ -244,7 +247,17 @@ impl Remote {
     /// Re-reads shard replica sets and nodes (after repair, nodes joining).
     pub async fn refresh(&self) -> Result<(), tonic::Status> {
         let mut c = self.metadata.clone();
-        let t = Topology::load(&mut c, &self.version, &self.place).await?;
+        // A metadata service that hangs must not stall the mount's housekeeping loop.
+        let t = tokio::time::timeout(
+            REFRESH_TIMEOUT,
+            Topology::load(&mut c, &self.version, &self.place),
+        )
+        .await
+        .map_err(|_| {
+            tonic::Status::deadline_exceeded(format!(
+                "the metadata service did not answer within {REFRESH_TIMEOUT:?}"
+            ))
+        })??;
         *self.topology.write().unwrap() = t;
         Ok(())
     }
@@ -419,11 +432,18 @@ impl Remote {
 
     async fn locate(&self, blob: &BlobHash) -> Result<Vec<(String, NodeInfo)>, tonic::Status> {
         let mut m = self.metadata.clone();
-        let r = m
-            .locate_blobs(pb::LocateBlobsRequest {
-                hashes: vec![blob.0.to_vec()],
-            })
-            .await?
+        let ask = m.locate_blobs(pb::LocateBlobsRequest {
+            hashes: vec![blob.0.to_vec()],
+        });
+        // A reader is waiting: a hung metadata service costs it one timeout, then EIO.
+        let r = tokio::time::timeout(self.timeout, ask)
+            .await
+            .map_err(|_| {
+                tonic::Status::deadline_exceeded(format!(
+                    "the metadata service did not answer within {:?}",
+                    self.timeout
+                ))
+            })??
             .into_inner();
         {
             let mut known = self.backups.lock().unwrap();

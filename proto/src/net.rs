@@ -32,3 +32,70 @@ pub async fn serve_with_grace<T>(
         _ = deadline => None,
     }
 }
+
+/// Bytes moved by a transfer, watched by [`until_idle`].
+pub type Progress = std::sync::Arc<std::sync::atomic::AtomicU64>;
+
+/// How long a transfer with a peer (a node or an object store) may move no bytes before
+/// clients give up on it: `LOCUS_PEER_TIMEOUT` (e.g. "30s"), else 60 s.
+pub fn peer_idle() -> std::time::Duration {
+    std::env::var("LOCUS_PEER_TIMEOUT")
+        .ok()
+        .and_then(|v| crate::human::parse_duration(&v).ok())
+        .filter(|d| !d.is_zero())
+        .unwrap_or(std::time::Duration::from_secs(60))
+}
+
+/// Runs `fut` until it completes, or until `progress` has not moved for `idle`: a peer
+/// that hangs (stopped, wedged, partitioned without resets) costs one idle timeout, while
+/// a slow one that keeps moving bytes may take as long as it needs. Err(()) on idle.
+pub async fn until_idle<T>(
+    fut: impl std::future::Future<Output = T>,
+    progress: &Progress,
+    idle: std::time::Duration,
+) -> Result<T, ()> {
+    use std::sync::atomic::Ordering;
+    let watch = async {
+        let tick = (idle / 4).max(std::time::Duration::from_millis(50));
+        let mut seen = progress.load(Ordering::Relaxed);
+        let mut since = tokio::time::Instant::now();
+        loop {
+            tokio::time::sleep(tick).await;
+            let now = progress.load(Ordering::Relaxed);
+            if now != seen {
+                seen = now;
+                since = tokio::time::Instant::now();
+            } else if since.elapsed() >= idle {
+                return;
+            }
+        }
+    };
+    tokio::select! {
+        r = fut => Ok(r),
+        _ = watch => Err(()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::Ordering;
+    use std::time::Duration;
+
+    #[tokio::test]
+    async fn a_transfer_that_keeps_moving_is_not_cut_but_a_silent_one_is() {
+        let p = Progress::default();
+        let p2 = p.clone();
+        let moving = async move {
+            for _ in 0..40 {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+                p2.fetch_add(1, Ordering::Relaxed);
+            }
+            7
+        };
+        // Longer in all than the idle timeout, never idle for it.
+        assert_eq!(until_idle(moving, &p, Duration::from_millis(500)).await, Ok(7));
+        let silent = std::future::pending::<()>();
+        assert_eq!(until_idle(silent, &p, Duration::from_millis(500)).await, Err(()));
+    }
+}

@@ -297,12 +297,19 @@ async fn import_into_session(
         let mut c = locus_proto::client::connect_node(addr, cfg.token.as_deref(), Duration::from_secs(5))
             .await
             .with_context(|| format!("node {node}"))?;
+        let idle = locus_proto::net::peer_idle();
         for batch in blobs.chunks(50_000) {
-            let have = c
-                .have_blobs(nodepb::HaveBlobsRequest {
-                    hashes: batch.iter().map(|h| h.0.to_vec()).collect(),
-                })
+            let ask = c.have_blobs(nodepb::HaveBlobsRequest {
+                hashes: batch.iter().map(|h| h.0.to_vec()).collect(),
+            });
+            let have = tokio::time::timeout(idle, ask)
                 .await
+                .map_err(|_| {
+                    anyhow::anyhow!(
+                        "node {node} at {addr} did not answer within {}s (LOCUS_PEER_TIMEOUT)",
+                        idle.as_secs_f64()
+                    )
+                })?
                 .map_err(|s| anyhow::anyhow!("node {node}: {}", s.message()))?
                 .into_inner()
                 .present;
@@ -413,6 +420,16 @@ async fn send_blob(
     let data = |b: bytes::Bytes| nodepb::WriteBlobMessage {
         msg: Some(Msg::Data(b)),
     };
+    // Bytes of this blob handed to the node's stream.
+    let moved = locus_proto::net::Progress::default();
+    let moved2 = moved.clone();
+    let done = {
+        let total = done;
+        move |n: u64| {
+            total.fetch_add(n, Ordering::Relaxed);
+            moved2.fetch_add(n, Ordering::Relaxed);
+        }
+    };
     // The reader ends early without error when the node ends the call (it had the blob,
     // or failed; the call's own result says which).
     let reader: tokio::task::JoinHandle<anyhow::Result<()>> = match source {
@@ -428,7 +445,7 @@ async fn send_blob(
                     if n == 0 || tx.send(data(buf.freeze())).await.is_err() {
                         return Ok(());
                     }
-                    done.fetch_add(n as u64, Ordering::Relaxed);
+                    done(n as u64);
                 }
             })
         }
@@ -443,15 +460,26 @@ async fn send_blob(
                     if tx.send(data(piece)).await.is_err() {
                         break;
                     }
-                    done.fetch_add(n, Ordering::Relaxed);
+                    done(n);
                 }
                 Ok(())
             })
         }
     };
-    let resp = client
-        .write_blob(tokio_stream::wrappers::ReceiverStream::new(rx))
-        .await;
+    // The node takes the bytes as fast as it stores them; one that takes none for the
+    // peer timeout (hung, partitioned) fails this blob instead of the import waiting.
+    let idle = locus_proto::net::peer_idle();
+    let call = client.write_blob(tokio_stream::wrappers::ReceiverStream::new(rx));
+    let resp = match locus_proto::net::until_idle(call, &moved, idle).await {
+        Ok(r) => r,
+        Err(()) => {
+            reader.abort();
+            bail!(
+                "no bytes reached the node for {}s: it or the source is stalled (LOCUS_PEER_TIMEOUT)",
+                idle.as_secs_f64()
+            );
+        }
+    };
     reader.await??;
     match resp {
         Ok(_) => Ok(()),
