@@ -765,3 +765,63 @@ async fn drill(
     }
     assert!(refilled >= 2, "replicas of every shard are on two nodes");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hung_node_fails_a_backup_run_after_the_peer_timeout_with_a_clear_message() {
+    let h = Harness::new("backup-hung");
+    // The stopped node must still count as up, so the plan gives it blobs to send.
+    let m = h
+        .start_metadata(
+            "meta",
+            MetadataOpts {
+                liveness_timeout: Some("120s"),
+                ..Default::default()
+            },
+        )
+        .await;
+    let mut nodes = Vec::new();
+    for i in 1..=2 {
+        nodes.push(h.start_node(&format!("n{i}"), &m, NodeOpts::host(i)).await);
+    }
+    let src = h.path("src");
+    std::fs::create_dir_all(&src).unwrap();
+    for i in 0..20u64 {
+        std::fs::write(src.join(format!("f{i:02}")), pseudo_random(500 + i, 70_000)).unwrap();
+    }
+    let o = import(&m, "ds", &src, &["--replicas", "1", "--shard-size", "64KiB"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(!nodes[1].blob_files().is_empty(), "n2 holds blobs to back up");
+    nodes[1].daemon.sigstop();
+    let target = h.path("backup");
+    let url = format!("file://{}", target.display());
+    let (murl, url2) = (m.url(), url.clone());
+    let o = tokio::time::timeout(
+        Duration::from_secs(120),
+        tokio::task::spawn_blocking(move || {
+            std::process::Command::new(LOCUS)
+                .args(["backup", "run", "--to", &url2, "--json"])
+                .env("LOCUS_METADATA", murl)
+                .env("LOCUS_PEER_TIMEOUT", "2s")
+                .env_remove("LOCUS_CONFIG")
+                .env_remove("LOCUS_TOKEN")
+                .output()
+                .unwrap()
+        }),
+    )
+    .await
+    .expect("the run gave up on the hung node instead of waiting for it")
+    .unwrap();
+    nodes[1].daemon.sigcont();
+    assert!(!o.status.success(), "a run missing n2's blobs cannot succeed");
+    let err = stderr(&o);
+    assert!(
+        ["sent no progress", "cannot reach"]
+            .iter()
+            .any(|m| err.contains(m)),
+        "says why: {err}"
+    );
+    assert!(err.contains("was not committed"), "{err}");
+    // Once n2 answers again, a rerun completes the snapshot.
+    let r = json(&m.cli(&["backup", "run", "--to", &url, "--json"]));
+    assert_eq!(r["committed"], true);
+}

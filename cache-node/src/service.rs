@@ -147,6 +147,9 @@ pub fn stream_blob(store: Arc<BlobStore>, h: BlobHash, offset: u64, len: u64, id
     Box::pin(tokio_stream::wrappers::ReceiverStream::new(rx))
 }
 
+/// Longest an UploadBlobs stream stays silent while blobs are being uploaded.
+const UPLOAD_ALIVE: Duration = Duration::from_secs(5);
+
 /// How long a backup upload may stop taking bytes before the node gives up on it.
 const UPLOAD_IDLE: Duration = Duration::from_secs(120);
 
@@ -477,7 +480,18 @@ impl Node for NodeService {
                     let (store, target, skip) = (store.clone(), target.clone(), q.skip_existing);
                     set.spawn(async move { (h, size, upload_one(&store, &target, h, size, skip).await) });
                 }
-                let Some(r) = set.join_next().await else { break };
+                // While long uploads run, the caller still hears from us every few
+                // seconds: silence means this node hangs, not that a blob is large.
+                let r = tokio::select! {
+                    r = set.join_next() => r,
+                    _ = tokio::time::sleep(UPLOAD_ALIVE) => {
+                        if tx.send(Ok(p.clone())).await.is_err() {
+                            return;
+                        }
+                        continue;
+                    }
+                };
+                let Some(r) = r else { break };
                 let (h, size, r) = match r {
                     Ok(x) => x,
                     Err(e) => {

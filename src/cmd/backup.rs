@@ -542,20 +542,34 @@ async fn upload_from_nodes(
                 // Batches keep each request far below the gRPC message limit, however many
                 // blobs a node sends (a 1M-file dataset is ~45 MB of blob references).
                 let mut total = nodepb::UploadProgress::default();
+                // A working node reports at least every 5 s (UploadBlobs); one silent
+                // for the peer timeout hangs, and the run says so instead of waiting.
+                let idle = locus_proto::net::peer_idle().max(Duration::from_secs(10));
+                let silent = || {
+                    anyhow::anyhow!(
+                        "{addr} sent no progress for {}s (LOCUS_PEER_TIMEOUT)",
+                        idle.as_secs_f64()
+                    )
+                };
                 for batch in blobs.chunks(UPLOAD_BATCH) {
-                    let mut s = c
-                        .upload_blobs(nodepb::UploadBlobsRequest {
-                            target: url.clone(),
-                            blobs: batch.to_vec(),
-                            skip_existing: !send.overwrite,
-                            parallel: send.parallel,
-                        })
+                    let open = c.upload_blobs(nodepb::UploadBlobsRequest {
+                        target: url.clone(),
+                        blobs: batch.to_vec(),
+                        skip_existing: !send.overwrite,
+                        parallel: send.parallel,
+                    });
+                    let mut s = tokio::time::timeout(idle, open)
                         .await
+                        .map_err(|_| silent())?
                         .map_err(|s| anyhow::anyhow!("{}", s.message()))?
                         .into_inner();
                     let mut last = nodepb::UploadProgress::default();
                     let mut counted = 0;
-                    while let Some(p) = s.next().await {
+                    loop {
+                        let Some(p) = tokio::time::timeout(idle, s.next()).await.map_err(|_| silent())?
+                        else {
+                            break;
+                        };
                         let p = p.map_err(|s| anyhow::anyhow!("{}", s.message()))?;
                         let now = p.bytes_uploaded + p.bytes_skipped;
                         done.fetch_add(now - counted, Ordering::Relaxed);
