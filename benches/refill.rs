@@ -1,0 +1,219 @@
+//! Refill of a wiped node, against a plain peer copy of the same bytes in the same run.
+//!
+//! Three nodes; a dataset with two replicas on n1 and n2. References, each with the page
+//! cache dropped first:
+//! - peer copy: n3 copies every blob from n2 (FetchBlobs, four at a time, verified and
+//!   fsynced) — what the data path gives a node-to-node copy;
+//! - serial refill: n1 is wiped and restarted with `--refill-parallel 1` (one blob at a
+//!   time, as pin sync used to refetch).
+//!
+//! Then the measured case: n1 wiped and restarted with the default refill workers. During
+//! each refill the bench polls `ListNodes` and counts how often n1 was reported down
+//! (liveness timeout 4 s), and checks afterwards that no shard was re-placed.
+//!
+//! Run: `cargo bench --bench refill` (1 GiB in 64 files), or with `LOCUS_BENCH_MIB=2048`.
+//! Dropping the page cache needs root; without it the figures are warm and say so.
+
+#[path = "../tests/support/mod.rs"]
+mod support;
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use locus_proto::{nodepb, pb};
+use support::*;
+
+/// Writes dirty pages back and drops the page cache; false without root.
+fn drop_caches() -> bool {
+    let _ = std::process::Command::new("sync").status();
+    std::fs::write("/proc/sys/vm/drop_caches", "3").is_ok()
+}
+
+fn write_files(dir: &Path, files: usize, each: usize) {
+    std::fs::create_dir_all(dir).unwrap();
+    for i in 0..files {
+        std::fs::write(
+            dir.join(format!("part-{i:03}.bin")),
+            pseudo_random(7000 + i as u64, each),
+        )
+        .unwrap();
+    }
+}
+
+fn mbs(bytes: u64, d: Duration) -> f64 {
+    bytes as f64 / d.as_secs_f64() / (1 << 20) as f64
+}
+
+fn replicas(s: &[pb::Shard]) -> BTreeMap<u32, BTreeSet<String>> {
+    s.iter()
+        .map(|s| (s.id, s.replicas.iter().cloned().collect()))
+        .collect()
+}
+
+/// Wipes n1, restarts it and waits until it holds every blob again. Returns (time, times
+/// it was seen down, most bytes it reported to go, the highest rate it reported).
+async fn refill(m: &Metadata, n1: &mut Node, want: &BTreeSet<String>) -> (Duration, u32, u64, u64) {
+    n1.daemon.terminate().await;
+    std::fs::remove_dir_all(&n1.data_dir).unwrap();
+    drop_caches();
+    let t = Instant::now();
+    n1.restart().await;
+    let mut c = m.client(None).await;
+    let (mut down, mut most, mut rate) = (0u32, 0u64, 0u64);
+    loop {
+        let nodes = c
+            .list_nodes(pb::ListNodesRequest {})
+            .await
+            .unwrap()
+            .into_inner()
+            .nodes;
+        let n = nodes.iter().find(|n| n.id == n1.id).unwrap();
+        // Before it registers again it may be down for real (it was stopped).
+        if n.state != pb::NodeState::Up as i32 && t.elapsed() > Duration::from_secs(3) {
+            down += 1;
+        }
+        most = most.max(n.refill_bytes);
+        rate = rate.max(n.refill_rate);
+        let have: BTreeSet<String> = n1.blob_files().into_keys().collect();
+        if &have == want {
+            return (t.elapsed(), down, most, rate);
+        }
+        assert!(t.elapsed() < Duration::from_secs(1800), "refill did not finish");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+#[tokio::main(flavor = "multi_thread", worker_threads = 2)]
+async fn main() {
+    if std::env::args().any(|a| a == "--list") {
+        println!("refill: bench");
+        return;
+    }
+    let mib: usize = std::env::var("LOCUS_BENCH_MIB")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(1024);
+    let files = 64;
+    let each = (mib << 20) / files;
+    let h = Harness::new("bench-refill");
+    let src = h.path("src");
+    write_files(&src, files, each);
+    let m = h
+        .start_metadata(
+            "meta",
+            MetadataOpts {
+                liveness_timeout: Some("4s"),
+                extra: vec!["--repair-interval".into(), "1s".into()],
+                ..Default::default()
+            },
+        )
+        .await;
+    let mut nodes = Vec::new();
+    for i in 1..=3 {
+        let mut o = NodeOpts::host(i);
+        o.capacity = "64GiB";
+        o.extra = vec!["--peer-timeout".into(), "30s".into()];
+        nodes.push(h.start_node(&format!("n{i}"), &m, o).await);
+    }
+    // Two replicas on n1 and n2: n3 gets none (it is stopped during the import).
+    nodes[2].daemon.terminate().await;
+    wait_node_down(&m, "n3").await;
+    let out = m.cli(&[
+        "dataset",
+        "import",
+        "ds",
+        src.to_str().unwrap(),
+        "--replicas",
+        "2",
+    ]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    nodes[2].restart().await;
+    let mut c = m.client(None).await;
+    let before = replicas(&shards(&mut c, "ds", 1).await);
+    let want: BTreeSet<String> = nodes[1].blob_files().into_keys().collect();
+    let bytes: u64 = nodes[1]
+        .blob_files()
+        .values()
+        .map(|p| std::fs::metadata(p).unwrap().len())
+        .sum();
+
+    // Reference: a peer copy of the same blobs, n2 -> n3.
+    let blobs: Vec<nodepb::BlobRef> = nodes[1]
+        .blob_files()
+        .iter()
+        .map(|(name, p)| nodepb::BlobRef {
+            hash: blake3::Hash::from_hex(name).unwrap().as_bytes().to_vec(),
+            size: std::fs::metadata(p).unwrap().len(),
+        })
+        .collect();
+    let cold = drop_caches();
+    let mut n3 = nodes[2].client().await;
+    let t = Instant::now();
+    let r = n3
+        .fetch_blobs(nodepb::FetchBlobsRequest {
+            source: nodes[1].grpc.to_string(),
+            blobs,
+            pin: false,
+            chunk_size: 0,
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let peer = t.elapsed();
+    assert_eq!(r.bytes, bytes);
+
+    // Reference: the refill one blob at a time.
+    nodes[0].opts.extra = vec![
+        "--peer-timeout".into(),
+        "30s".into(),
+        "--refill-parallel".into(),
+        "1".into(),
+    ];
+    let (serial, serial_down, _, _) = refill(&m, &mut nodes[0], &want).await;
+    // Measured: the default workers.
+    nodes[0].opts.extra = vec!["--peer-timeout".into(), "30s".into()];
+    let (par, par_down, most, top_rate) = refill(&m, &mut nodes[0], &want).await;
+    let after = replicas(&shards(&mut c, "ds", 1).await);
+
+    println!();
+    println!(
+        "refill: {} files of {} MiB ({} MiB), 3 nodes on one host, liveness timeout 4 s, {}",
+        files,
+        each >> 20,
+        bytes >> 20,
+        if cold {
+            "page cache dropped before each"
+        } else {
+            "WARM (not root: caches not dropped)"
+        }
+    );
+    println!("| copy | time | MiB/s | ratio to peer copy | seen down |");
+    println!("|---|---|---|---|---|");
+    println!(
+        "| peer copy n2 -> n3 (FetchBlobs, 4 at a time) | {:.2}s | {:.0} | 1.00× | - |",
+        peer.as_secs_f64(),
+        mbs(bytes, peer)
+    );
+    println!(
+        "| refill of wiped n1, --refill-parallel 1 | {:.2}s | {:.0} | {:.2}× | {} |",
+        serial.as_secs_f64(),
+        mbs(bytes, serial),
+        peer.as_secs_f64() / serial.as_secs_f64(),
+        serial_down
+    );
+    println!(
+        "| refill of wiped n1, default workers | {:.2}s | {:.0} | {:.2}× | {} |",
+        par.as_secs_f64(),
+        mbs(bytes, par),
+        peer.as_secs_f64() / par.as_secs_f64(),
+        par_down
+    );
+    println!(
+        "refill as n1 reported it: up to {} MiB to go, up to {} MiB/s; shards re-placed: {}",
+        most >> 20,
+        top_rate >> 20,
+        before.iter().filter(|(k, v)| after.get(k) != Some(v)).count()
+    );
+    println!("(times include n1's restart and registration)");
+}

@@ -1,0 +1,279 @@
+//! Placement of new shards, where blobs are (for nodes and mounts), what each node must hold, and the
+//! repair plan for shards under their replication factor.
+
+use super::*;
+
+impl Catalog {
+    /// Live, non-draining nodes as placement candidates.
+    pub(super) fn candidates(&self) -> Result<Vec<(placement::Candidate, String)>> {
+        Ok(self
+            .list_nodes()?
+            .into_iter()
+            .filter(|n| n.state == pb::NodeState::Up as i32 && !n.draining)
+            .map(|n| {
+                let c = placement::Candidate {
+                    host: n.labels.get("host").cloned().unwrap_or_else(|| n.id.clone()),
+                    rack: n.labels.get("rack").cloned().unwrap_or_default(),
+                    free: n.free_bytes,
+                    id: n.id,
+                };
+                (c, n.address)
+            })
+            .collect())
+    }
+
+    /// Chooses `replication` nodes for each shard. Shards that cannot be placed are
+    /// returned with the reason, and debit nothing.
+    pub fn place_shards(
+        &self,
+        shards: &[(u32, u64, Vec<String>)],
+        replication: u32,
+    ) -> Result<PlacementResult> {
+        if replication == 0 || replication > 16 {
+            return Err(InvalidInput::new("replication", "must be 1 to 16").into());
+        }
+        let mut seen = HashSet::new();
+        if let Some((id, _, _)) = shards.iter().find(|(id, _, _)| !seen.insert(*id)) {
+            return Err(InvalidInput::new("shards", format!("shard {id} is listed twice")).into());
+        }
+        let mut nodes: Vec<_> = self.candidates()?.into_iter().map(|(c, _)| c).collect();
+        let reqs: Vec<_> = shards
+            .iter()
+            .map(|(id, bytes, prefer)| placement::Request {
+                shard: *id,
+                bytes: *bytes,
+                replicas: replication as usize,
+                existing: Vec::new(),
+                prefer: prefer.clone(),
+            })
+            .collect();
+        let mut placed = Vec::new();
+        let mut unplaced = Vec::new();
+        for (shard, o) in placement::place(&reqs, &mut nodes) {
+            match o {
+                placement::Outcome::Placed(n) => placed.push((shard, n)),
+                placement::Outcome::Unplaced(why) => unplaced.push((shard, why)),
+            }
+        }
+        Ok((placed, unplaced))
+    }
+
+    pub(super) fn live_addresses(&self) -> Result<HashMap<String, String>> {
+        Ok(self
+            .list_nodes()?
+            .into_iter()
+            .filter(|n| n.state == pb::NodeState::Up as i32)
+            .map(|n| (n.id, n.address))
+            .collect())
+    }
+
+    /// For each blob, the live nodes that hold it as a replica.
+    pub fn locate_blobs(&self, hashes: &[BlobHash]) -> Result<Vec<(Vec<String>, Vec<String>)>> {
+        let live = self.live_addresses()?;
+        let mut out = Vec::with_capacity(hashes.len());
+        for h in hashes {
+            let end = crate::store::prefix_end(&h.0);
+            let mut nodes: Vec<String> = Vec::new();
+            for kv in self.store.scan(Table::BlobShards, &h.0, end.as_deref()) {
+                let (k, _) = kv?;
+                if k.len() != 44 {
+                    continue;
+                }
+                let uid = keys::u64_value(&k[32..40]).unwrap_or(0);
+                let shard = u32::from_be_bytes(k[40..44].try_into().expect("4 bytes"));
+                if let Some(v) = self.store.get(Table::Shards, &keys::shard(uid, shard))? {
+                    let rec: ShardRecord = decode(Table::Shards, &v)?;
+                    for n in rec.replicas {
+                        if live.contains_key(&n) && !nodes.contains(&n) {
+                            nodes.push(n);
+                        }
+                    }
+                }
+            }
+            let addrs = nodes.iter().map(|n| live[n].clone()).collect();
+            out.push((nodes, addrs));
+        }
+        Ok(out)
+    }
+
+    /// The blobs `node` must hold, a page at a time (whole shards per page). The token is
+    /// the last `node_shards` key covered.
+    pub fn list_node_blobs(
+        &self,
+        node: &NodeId,
+        token: &[u8],
+        limit: usize,
+    ) -> Result<(Vec<pb::NodeBlob>, Vec<u8>)> {
+        let mut prefix = node.as_str().as_bytes().to_vec();
+        prefix.push(0);
+        let end = crate::store::prefix_end(&prefix).expect("prefix ends in 0x00");
+        let start = if token.is_empty() {
+            prefix.clone()
+        } else {
+            if !token.starts_with(&prefix) {
+                return Err(InvalidInput::new("page_token", "does not belong to this node's listing").into());
+            }
+            let mut t = token.to_vec();
+            t.push(0);
+            t
+        };
+        let mut out = Vec::new();
+        let mut last = Vec::new();
+        let mut more = false;
+        for kv in self.store.scan(Table::NodeShards, &start, Some(&end)) {
+            let (k, _) = kv?;
+            if out.len() >= limit {
+                more = true;
+                break;
+            }
+            let tail = &k[prefix.len()..];
+            if tail.len() != 12 {
+                continue;
+            }
+            let uid = keys::u64_value(&tail[..8]).unwrap_or(0);
+            let shard = u32::from_be_bytes(tail[8..12].try_into().expect("4 bytes"));
+            for (hash, size, chunk_size) in self.shard_blobs(uid, shard)? {
+                out.push(pb::NodeBlob {
+                    hash: hash.0.to_vec(),
+                    size,
+                    chunk_size,
+                });
+            }
+            last = k.to_vec();
+        }
+        Ok((out, if more { last } else { Vec::new() }))
+    }
+
+    /// The blobs of one shard: (hash, size, chunk size).
+    pub fn shard_blobs(&self, uid: u64, shard: u32) -> Result<Vec<(BlobHash, u64, u32)>> {
+        let prefix = keys::shard(uid, shard);
+        let end = crate::store::prefix_end(&prefix);
+        let mut out = Vec::new();
+        for kv in self.store.scan(Table::ShardBlobs, &prefix, end.as_deref()) {
+            let (k, v) = kv?;
+            if k.len() != 44 || v.len() != 12 {
+                return Err(CatalogError::Corrupt {
+                    table: "shard_blobs",
+                    reason: "malformed row".into(),
+                });
+            }
+            let hash = BlobHash(k[12..44].try_into().expect("32 bytes"));
+            let size = keys::u64_value(&v[..8]).unwrap_or(0);
+            let chunk = u32::from_be_bytes(v[8..12].try_into().expect("4 bytes"));
+            out.push((hash, size, chunk));
+        }
+        Ok(out)
+    }
+
+    /// The blobs of a shard of a committed version, by reference.
+    pub fn version_shard_blobs(&self, r: &DatasetRef, shard: u32) -> Result<Vec<(BlobHash, u64, u32)>> {
+        let (_, v) = self.resolve(r)?;
+        self.shard_blobs(v.uid, shard)
+    }
+
+    /// Shards with fewer live replicas than their version's replication factor (replicas
+    /// on down or draining nodes do not count), each with a source and a new target.
+    /// Shards with no live replica at all are reported in the second list.
+    pub fn repair_plan(&self, limit: usize) -> Result<(Vec<RepairTask>, Vec<String>)> {
+        let nodes = self.list_nodes()?;
+        let serving: HashMap<&str, &pb::Node> = nodes
+            .iter()
+            .filter(|n| n.state == pb::NodeState::Up as i32)
+            .map(|n| (n.id.as_str(), n))
+            .collect();
+        let mut cands: Vec<placement::Candidate> = self.candidates()?.into_iter().map(|(c, _)| c).collect();
+        let cand_of = |n: &pb::Node| placement::Candidate {
+            id: n.id.clone(),
+            host: n.labels.get("host").cloned().unwrap_or_else(|| n.id.clone()),
+            rack: n.labels.get("rack").cloned().unwrap_or_default(),
+            free: 0,
+        };
+        let mut tasks = Vec::new();
+        let mut lost = Vec::new();
+        let versions: Vec<(String, u64, VersionRecord)> = self
+            .store
+            .scan(Table::Versions, b"", None)
+            .map(|kv| {
+                let (k, v) = kv?;
+                let name = String::from_utf8_lossy(&k[..k.len().saturating_sub(9)]).into_owned();
+                let n = keys::version_number(&k).unwrap_or(0);
+                Ok((name, n, decode::<VersionRecord>(Table::Versions, &v)?))
+            })
+            .collect::<Result<_>>()?;
+        for (name, n, v) in versions {
+            let (from, to) = keys::uid_range(v.uid);
+            for kv in self.store.scan(Table::Shards, &from, Some(&to)) {
+                let (k, val) = kv?;
+                let shard = keys::shard_id(&k).unwrap_or(0);
+                let rec: ShardRecord = decode(Table::Shards, &val)?;
+                if rec.replicas.is_empty() {
+                    continue; // an origin-only version: nothing to keep replicated
+                }
+                let counting: Vec<&pb::Node> = rec
+                    .replicas
+                    .iter()
+                    .filter_map(|r| serving.get(r.as_str()).copied())
+                    .filter(|n| !n.draining)
+                    .collect();
+                let drop: Vec<String> = rec
+                    .replicas
+                    .iter()
+                    .filter(|r| !counting.iter().any(|c| &c.id == *r))
+                    .cloned()
+                    .collect();
+                if counting.len() >= v.replication as usize {
+                    continue;
+                }
+                // A draining node that is still up can be the source.
+                let source = counting
+                    .first()
+                    .copied()
+                    .or_else(|| rec.replicas.iter().find_map(|r| serving.get(r.as_str()).copied()));
+                let Some(source) = source else {
+                    lost.push(format!("{name}@{n} shard {shard}: no live replica"));
+                    continue;
+                };
+                let req = placement::Request {
+                    shard,
+                    bytes: rec.bytes,
+                    replicas: counting.len() + 1,
+                    existing: rec
+                        .replicas
+                        .iter()
+                        .filter_map(|r| serving.get(r.as_str()).copied())
+                        .map(cand_of)
+                        .collect(),
+                    prefer: Vec::new(),
+                };
+                // existing includes live draining replicas (so they are not chosen again);
+                // ask for one more replica than currently counts.
+                let req = placement::Request {
+                    replicas: req.existing.len() + 1,
+                    ..req
+                };
+                if let Some((_, placement::Outcome::Placed(t))) =
+                    placement::place(&[req], &mut cands).into_iter().next()
+                {
+                    let target = &t[0];
+                    tasks.push(RepairTask {
+                        dataset: name.clone(),
+                        version: n,
+                        shard,
+                        bytes: rec.bytes,
+                        source: (source.id.clone(), source.address.clone()),
+                        target: (target.clone(), serving[target.as_str()].address.clone()),
+                        drop: if counting.len() + 1 >= v.replication as usize {
+                            drop
+                        } else {
+                            Vec::new()
+                        },
+                    });
+                    if tasks.len() >= limit {
+                        return Ok((tasks, lost));
+                    }
+                }
+            }
+        }
+        Ok((tasks, lost))
+    }
+}

@@ -1,0 +1,153 @@
+//! Nodes: registration, heartbeats (liveness and the figures nodes report), drain, listing.
+
+use super::*;
+
+impl Catalog {
+    pub fn register_node(&self, reg: NodeRegistration) -> Result<()> {
+        let now = self.clock.now_ms();
+        let key = reg.id.as_str().as_bytes();
+        let (registered_at_ms, draining) = match self.store.get(Table::Nodes, key)? {
+            Some(v) => {
+                let old = decode::<NodeRecord>(Table::Nodes, &v)?;
+                (old.registered_at_ms, old.draining)
+            }
+            None => (now, false),
+        };
+        let rec = NodeRecord {
+            address: reg.address,
+            labels: reg.labels,
+            capacity_bytes: reg.capacity,
+            free_bytes: reg.free,
+            used_bytes: reg.used,
+            registered_at_ms,
+            draining,
+        };
+        let mut b = Batch::default();
+        b.put(Table::Nodes, key, rec.encode_to_vec());
+        self.store.write(b, true)?;
+        // After the write: a reader that loaded before it holds the old generation.
+        self.node_gen.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        let mut live = lock(&self.live);
+        let l = live.entry(reg.id.to_string()).or_default();
+        l.last_seen_ms = now;
+        l.stats.free = reg.free;
+        l.stats.used = reg.used;
+        Ok(())
+    }
+
+    pub fn heartbeat(&self, id: &NodeId, st: NodeStats) -> Result<()> {
+        if self.store.get(Table::Nodes, id.as_str().as_bytes())?.is_none() {
+            return Err(CatalogError::NotFound(format!(
+                "node {id} is not registered; register before sending heartbeats"
+            )));
+        }
+        lock(&self.live).insert(
+            id.to_string(),
+            Live {
+                last_seen_ms: self.clock.now_ms(),
+                stats: st,
+            },
+        );
+        Ok(())
+    }
+
+    /// Marks a node draining (or not). Returns how many shards it still holds.
+    pub fn drain_node(&self, id: &NodeId, drain: bool) -> Result<u64> {
+        let key = id.as_str().as_bytes();
+        let mut rec: NodeRecord = match self.store.get(Table::Nodes, key)? {
+            Some(v) => decode(Table::Nodes, &v)?,
+            None => return Err(CatalogError::NotFound(format!("node {id} is not registered"))),
+        };
+        rec.draining = drain;
+        let mut b = Batch::default();
+        b.put(Table::Nodes, key, rec.encode_to_vec());
+        self.store.write(b, true)?;
+        // After the write: a reader that loaded before it holds the old generation.
+        self.node_gen.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        self.node_shard_count(id.as_str())
+    }
+
+    pub(super) fn node_shard_count(&self, id: &str) -> Result<u64> {
+        let mut prefix = id.as_bytes().to_vec();
+        prefix.push(0);
+        let end = crate::store::prefix_end(&prefix);
+        let mut n = 0;
+        for kv in self.store.scan(Table::NodeShards, &prefix, end.as_deref()) {
+            kv?;
+            n += 1;
+        }
+        Ok(n)
+    }
+
+    pub(super) fn node_records(&self) -> Result<NodeRecords> {
+        let gen = self.node_gen.load(std::sync::atomic::Ordering::SeqCst);
+        if let Some((g, v)) = lock(&self.node_cache).as_ref() {
+            if *g == gen {
+                return Ok(v.clone());
+            }
+        }
+        let mut out = Vec::new();
+        for kv in self.store.scan(Table::Nodes, b"", None) {
+            let (k, v) = kv?;
+            let id = String::from_utf8(k.to_vec()).map_err(|_| CatalogError::Corrupt {
+                table: "nodes",
+                reason: "node id is not UTF-8".into(),
+            })?;
+            out.push((id, decode(Table::Nodes, &v)?));
+        }
+        let out = Arc::new(out);
+        *lock(&self.node_cache) = Some((gen, out.clone()));
+        Ok(out)
+    }
+
+    pub(super) fn node_exists(&self, id: &NodeId) -> Result<bool> {
+        Ok(self.store.get(Table::Nodes, id.as_str().as_bytes())?.is_some())
+    }
+
+    pub fn list_nodes(&self) -> Result<Vec<pb::Node>> {
+        let now = self.clock.now_ms();
+        let timeout = self.config.liveness_timeout.as_millis() as i64;
+        let live = lock(&self.live).clone();
+        Ok(self
+            .node_records()?
+            .iter()
+            .map(|(id, rec)| {
+                let l = live.get(id).copied().unwrap_or(Live {
+                    last_seen_ms: self.started_ms,
+                    stats: NodeStats {
+                        free: rec.free_bytes,
+                        used: rec.used_bytes,
+                        ..Default::default()
+                    },
+                });
+                let st = l.stats;
+                let ago = (now - l.last_seen_ms).max(0);
+                let state = if ago <= timeout {
+                    pb::NodeState::Up
+                } else {
+                    pb::NodeState::Down
+                };
+                pb::Node {
+                    id: id.clone(),
+                    address: rec.address.clone(),
+                    labels: rec.labels.clone(),
+                    capacity_bytes: rec.capacity_bytes,
+                    free_bytes: st.free,
+                    used_bytes: st.used,
+                    state: state as i32,
+                    last_seen_ms_ago: ago as u64,
+                    registered_at_ms: rec.registered_at_ms,
+                    pinned_bytes: st.pinned,
+                    cached_bytes: st.cached,
+                    blobs: st.blobs,
+                    draining: rec.draining,
+                    quarantined: st.quarantined,
+                    refill_blobs: st.refill_blobs,
+                    refill_bytes: st.refill_bytes,
+                    refill_rate: st.refill_rate,
+                    refill_failing: st.refill_failing,
+                }
+            })
+            .collect())
+    }
+}

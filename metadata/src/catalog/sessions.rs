@@ -1,0 +1,375 @@
+//! Import sessions: a version is built under an internal uid (entries and shards uploaded in pages) and
+//! becomes visible in the one atomic write of its commit; abandoned sessions are reaped.
+
+use super::*;
+
+impl Catalog {
+    pub(super) fn session(&self, id: u64) -> Result<SessionRecord> {
+        let v = self.store.get(Table::Sessions, &keys::uid(id))?.ok_or_else(|| {
+            CatalogError::NotFound(format!(
+                "no open import session {id} (it was committed, aborted, or expired after {}s idle)",
+                self.config.session_timeout.as_secs()
+            ))
+        })?;
+        decode(Table::Sessions, &v)
+    }
+
+    pub fn open_sessions(&self) -> Result<u64> {
+        let mut n = 0;
+        for kv in self.store.scan(Table::Sessions, b"", None) {
+            kv?;
+            n += 1;
+        }
+        Ok(n)
+    }
+
+    /// Opens an import session for the next version of `dataset`.
+    pub fn begin_version(
+        &self,
+        dataset: &DatasetName,
+        chunk_size: u32,
+        origin: &str,
+        replication: u32,
+        principal: &str,
+    ) -> Result<(u64, u32)> {
+        let chunk_size = if chunk_size == 0 {
+            locus_proto::DEFAULT_CHUNK_SIZE
+        } else {
+            chunk_size
+        };
+        if !chunk_size.is_power_of_two()
+            || !(locus_proto::MIN_CHUNK_SIZE..=locus_proto::MAX_CHUNK_SIZE).contains(&chunk_size)
+        {
+            return Err(InvalidInput::new(
+                "chunk_size",
+                format!("{chunk_size} is not a power of two from 64 KiB to 1 GiB"),
+            )
+            .into());
+        }
+        let origin = if origin.is_empty() { "cluster" } else { origin };
+        check_origin(origin)?;
+        if replication > 16 {
+            return Err(InvalidInput::new("replication", "at most 16 replicas").into());
+        }
+        let _s = lock(&self.sessions_lock);
+        let uid = self
+            .store
+            .get(Table::Meta, keys::META_NEXT_UID)?
+            .and_then(|v| keys::u64_value(&v))
+            .ok_or_else(|| CatalogError::Corrupt {
+                table: "meta",
+                reason: "next_uid missing".into(),
+            })?;
+        let now = self.clock.now_ms();
+        let rec = SessionRecord {
+            dataset: dataset.to_string(),
+            created_at_ms: now,
+            last_active_ms: now,
+            chunk_size,
+            origin: origin.to_string(),
+            replication: replication.max(1),
+            next_entry_page: 0,
+            next_shard_page: 0,
+            entries: 0,
+            opened_by: principal.to_string(),
+        };
+        let mut b = Batch::default();
+        b.put(Table::Meta, keys::META_NEXT_UID, (uid + 1).to_be_bytes().to_vec());
+        b.put(Table::Sessions, keys::uid(uid), rec.encode_to_vec());
+        self.store.write(b, true)?;
+        Ok((uid, chunk_size))
+    }
+
+    /// Stores one page of a session's manifest. A page already applied is acknowledged
+    /// again without effect; a page from the future is refused.
+    pub fn put_entries(&self, session: u64, page: u64, entries: Vec<Entry>) -> Result<(u64, u64)> {
+        let _s = lock(&self.sessions_lock);
+        let mut rec = self.session(session)?;
+        if page < rec.next_entry_page {
+            return Ok((rec.entries, rec.next_entry_page));
+        }
+        if page > rec.next_entry_page {
+            return Err(CatalogError::Precondition(format!(
+                "session {session} expects entry page {}, got page {page}",
+                rec.next_entry_page
+            )));
+        }
+        let mut b = Batch::default();
+        let mut seen = HashSet::with_capacity(entries.len());
+        let mut shard_blobs = Vec::with_capacity(entries.len());
+        let mut blob_shards = Vec::with_capacity(entries.len());
+        for (i, e) in entries.iter().enumerate() {
+            e.check_chunks(rec.chunk_size)
+                .map_err(|x| x.within(format_args!("entries[{i}]")))?;
+            let key = keys::entry(session, e.path.as_str());
+            if !seen.insert(key.clone()) || self.store.get(Table::Entries, &key)?.is_some() {
+                return Err(InvalidInput::new(
+                    format!("entries[{i}].path"),
+                    format!("{} appears more than once in the manifest", e.path),
+                )
+                .into());
+            }
+            b.put(Table::Entries, key, entry_record(e).encode_to_vec());
+            if let EntryKind::File {
+                size, blob, shard, ..
+            } = &e.kind
+            {
+                let mut v = size.to_be_bytes().to_vec();
+                v.extend_from_slice(&rec.chunk_size.to_be_bytes());
+                shard_blobs.push((keys::shard_blob(session, *shard, &blob.0), v));
+                blob_shards.push(keys::blob_shard(&blob.0, session, *shard));
+            }
+        }
+        // Both index tables are keyed by blob hash, i.e. in random order. Inserted sorted,
+        // each key lands next to the previous one in RocksDB's memtable (whose skip list
+        // starts from the last insert) instead of being searched for from the top: a
+        // 400,000-file upload went from 4.35 s to 3.48 s.
+        shard_blobs.sort_unstable();
+        blob_shards.sort_unstable();
+        for (k, v) in shard_blobs {
+            b.put(Table::ShardBlobs, k, v);
+        }
+        for k in blob_shards {
+            b.put(Table::BlobShards, k, Vec::new());
+        }
+        rec.entries += entries.len() as u64;
+        rec.next_entry_page += 1;
+        rec.last_active_ms = self.clock.now_ms();
+        b.put(Table::Sessions, keys::uid(session), rec.encode_to_vec());
+        self.store.write(b, false)?;
+        Ok((rec.entries, rec.next_entry_page))
+    }
+
+    /// Stores one page of a session's shard records.
+    pub fn put_shards(&self, session: u64, page: u64, shards: Vec<ShardSpec>) -> Result<u64> {
+        let _s = lock(&self.sessions_lock);
+        let mut rec = self.session(session)?;
+        if page < rec.next_shard_page {
+            return Ok(rec.next_shard_page);
+        }
+        if page > rec.next_shard_page {
+            return Err(CatalogError::Precondition(format!(
+                "session {session} expects shard page {}, got page {page}",
+                rec.next_shard_page
+            )));
+        }
+        let mut b = Batch::default();
+        let mut seen = HashSet::new();
+        for s in &shards {
+            let key = keys::shard(session, s.id);
+            if !seen.insert(s.id) || self.store.get(Table::Shards, &key)?.is_some() {
+                return Err(
+                    InvalidInput::new("shards", format!("shard {} is sent more than once", s.id)).into(),
+                );
+            }
+            for n in &s.replicas {
+                if !self.node_exists(n)? {
+                    return Err(InvalidInput::new(
+                        format!("shards[{}].replicas", s.id),
+                        format!("node {n} is not registered"),
+                    )
+                    .into());
+                }
+            }
+            let r = ShardRecord {
+                bytes: s.bytes,
+                files: s.files,
+                replicas: s.replicas.iter().map(|n| n.to_string()).collect(),
+            };
+            b.put(Table::Shards, key, r.encode_to_vec());
+        }
+        rec.next_shard_page += 1;
+        rec.last_active_ms = self.clock.now_ms();
+        b.put(Table::Sessions, keys::uid(session), rec.encode_to_vec());
+        self.store.write(b, false)?;
+        Ok(rec.next_shard_page)
+    }
+
+    /// Checks the session's whole manifest and makes it the dataset's next version.
+    pub fn commit(&self, session: u64, principal: &str) -> Result<pb::Version> {
+        let _v = lock(&self.versions_lock);
+        let _s = lock(&self.sessions_lock);
+        let rec = self.session(session)?;
+        let uid = session;
+
+        // One pass over the manifest: parents exist and are directories, tallies per shard.
+        let (from, to) = keys::uid_range(uid);
+        let mut group: Option<Vec<u8>> = None;
+        let (mut files, mut dirs, mut symlinks, mut bytes) = (0u64, 0u64, 0u64, 0u64);
+        let mut per_shard: BTreeMap<u32, (u64, u64)> = BTreeMap::new();
+        for kv in self.store.scan(Table::Entries, &from, Some(&to)) {
+            let (k, v) = kv?;
+            let (dir, name) = keys::split_entry(&k).ok_or_else(|| CatalogError::Corrupt {
+                table: "entries",
+                reason: "malformed key".into(),
+            })?;
+            let dir_key = &k[..8 + dir.len()];
+            if group.as_deref() != Some(dir_key) {
+                if !dir.is_empty() {
+                    let parent = self
+                        .store
+                        .get(Table::Entries, &keys::entry(uid, dir))?
+                        .map(|b| decode::<EntryRecord>(Table::Entries, &b))
+                        .transpose()?;
+                    if parent.as_ref().map(|p| p.kind) != Some(KIND_DIR) {
+                        return Err(CatalogError::Precondition(format!(
+                            "manifest is incomplete: {} is inside {dir:?}, which is not a \
+                             directory in the manifest",
+                            keys::join(dir, name)
+                        )));
+                    }
+                }
+                group = Some(dir_key.to_vec());
+            }
+            let e: EntryRecord = decode(Table::Entries, &v)?;
+            match e.kind {
+                KIND_FILE => {
+                    files += 1;
+                    bytes += e.size;
+                    let t = per_shard.entry(e.shard).or_default();
+                    t.0 += e.size;
+                    t.1 += 1;
+                }
+                KIND_DIR => dirs += 1,
+                _ => symlinks += 1,
+            }
+        }
+
+        let mut shards: Vec<(u32, ShardRecord)> = Vec::new();
+        for kv in self.store.scan(Table::Shards, &from, Some(&to)) {
+            let (k, v) = kv?;
+            shards.push((keys::shard_id(&k).unwrap_or(0), decode(Table::Shards, &v)?));
+        }
+        for (id, s) in &shards {
+            let (b, f) = per_shard.remove(id).unwrap_or((0, 0));
+            if f == 0 {
+                return Err(CatalogError::Precondition(format!("shard {id} has no files")));
+            }
+            if (b, f) != (s.bytes, s.files) {
+                return Err(CatalogError::Precondition(format!(
+                    "shard {id} was declared with {} files and {} bytes, the manifest puts {f} \
+                     files and {b} bytes in it",
+                    s.files, s.bytes
+                )));
+            }
+        }
+        if let Some((id, (_, f))) = per_shard.into_iter().next() {
+            return Err(CatalogError::Precondition(format!(
+                "{f} files belong to shard {id}, which was never sent"
+            )));
+        }
+
+        let now = self.clock.now_ms();
+        let mut ds = self.dataset_record(&rec.dataset)?.unwrap_or(DatasetRecord {
+            created_at_ms: now,
+            next_version: 1,
+            latest: 0,
+            deleted: false,
+        });
+        if ds.deleted {
+            ds = DatasetRecord {
+                created_at_ms: now,
+                next_version: ds.next_version,
+                latest: 0,
+                deleted: false,
+            };
+        }
+        let number = ds.next_version.max(1);
+        ds.next_version = number + 1;
+        ds.latest = number;
+        let vrec = VersionRecord {
+            uid,
+            created_at_ms: now,
+            origin: rec.origin.clone(),
+            replication: rec.replication,
+            chunk_size: rec.chunk_size,
+            files,
+            dirs,
+            symlinks,
+            bytes,
+            shards: shards.len() as u32,
+            committed_by: principal.to_string(),
+        };
+        let mut b = Batch::default();
+        let mut resident: BTreeMap<&str, u64> = BTreeMap::new();
+        for (id, s) in &shards {
+            for n in &s.replicas {
+                b.put(Table::NodeShards, keys::node_shard(n, uid, *id), Vec::new());
+                *resident.entry(n).or_default() += s.bytes;
+            }
+        }
+        for (n, bytes) in resident {
+            b.put(
+                Table::Resident,
+                keys::resident(uid, n),
+                bytes.to_be_bytes().to_vec(),
+            );
+        }
+        b.put(
+            Table::Versions,
+            keys::version(&rec.dataset, number),
+            vrec.encode_to_vec(),
+        );
+        b.put(Table::Datasets, rec.dataset.as_bytes(), ds.encode_to_vec());
+        b.delete(Table::Sessions, keys::uid(uid));
+        self.store.write(b, true)?;
+        Ok(Self::version_pb(&rec.dataset, number, &vrec))
+    }
+
+    pub(super) fn discard_session(&self, b: &mut Batch, uid: u64) -> Result<()> {
+        let (from, to) = keys::uid_range(uid);
+        self.delete_shard_blobs(b, uid)?;
+        b.delete_range(Table::Entries, from.clone(), to.clone());
+        b.delete_range(Table::Shards, from, to);
+        b.delete(Table::Sessions, keys::uid(uid));
+        Ok(())
+    }
+
+    /// Deletes the shard → blob and blob → shard rows of one version or session.
+    pub(super) fn delete_shard_blobs(&self, b: &mut Batch, uid: u64) -> Result<()> {
+        let (from, to) = keys::uid_range(uid);
+        for kv in self.store.scan(Table::ShardBlobs, &from, Some(&to)) {
+            let (k, _) = kv?;
+            if k.len() == 44 {
+                let shard = keys::shard_id(&k).unwrap_or(0);
+                b.delete(Table::BlobShards, keys::blob_shard(&k[12..44], uid, shard));
+            }
+        }
+        b.delete_range(Table::ShardBlobs, from, to);
+        Ok(())
+    }
+
+    pub fn abort(&self, session: u64) -> Result<()> {
+        let _v = lock(&self.versions_lock);
+        let _s = lock(&self.sessions_lock);
+        self.session(session)?;
+        let mut b = Batch::default();
+        self.discard_session(&mut b, session)?;
+        self.store.write(b, true)?;
+        Ok(())
+    }
+
+    /// Discards sessions idle longer than the session timeout. Returns how many.
+    pub fn reap_sessions(&self) -> Result<usize> {
+        let _v = lock(&self.versions_lock);
+        let _s = lock(&self.sessions_lock);
+        let deadline = self.clock.now_ms() - self.config.session_timeout.as_millis() as i64;
+        let mut stale = Vec::new();
+        for kv in self.store.scan(Table::Sessions, b"", None) {
+            let (k, v) = kv?;
+            let rec: SessionRecord = decode(Table::Sessions, &v)?;
+            if rec.last_active_ms < deadline {
+                stale.push(keys::u64_value(&k).unwrap_or(0));
+            }
+        }
+        if stale.is_empty() {
+            return Ok(0);
+        }
+        let mut b = Batch::default();
+        for uid in &stale {
+            self.discard_session(&mut b, *uid)?;
+        }
+        self.store.write(b, true)?;
+        Ok(stale.len())
+    }
+}
