@@ -11,6 +11,7 @@
 //!
 //! It depends only on `locus-proto` and never reaches into another Locus crate.
 
+pub mod core;
 pub mod fs;
 pub mod metrics;
 pub mod namespace;

@@ -114,6 +114,18 @@ impl Topology {
         Ok(t)
     }
 
+    /// A topology given outright: shard → replica node ids, and each node's (id,
+    /// address, cost from 0 = same host to 3 = elsewhere).
+    pub fn from_parts(shards: HashMap<u32, Vec<String>>, nodes: Vec<(String, String, u8)>) -> Self {
+        Topology {
+            shards,
+            nodes: nodes
+                .into_iter()
+                .map(|(id, addr, cost)| (id, NodeInfo { addr, cost }))
+                .collect(),
+        }
+    }
+
     fn candidates(&self, shard: u32) -> Vec<(String, NodeInfo)> {
         self.shards
             .get(&shard)
@@ -188,13 +200,147 @@ impl ChunkCache {
     }
 }
 
-pub struct Remote {
+/// A boxed future, for the object-safe source traits.
+pub type BoxFuture<'a, T> = std::pin::Pin<Box<dyn std::future::Future<Output = T> + Send + 'a>>;
+
+/// Where remote chunks come from, behind a trait so the read path (ordering, failover,
+/// verification, caching, read-ahead) is unit-tested against injected faults. Nothing a
+/// source returns is trusted: `Remote` checks length and hash before anyone sees it.
+pub trait Replicas: Send + Sync + 'static {
+    /// Bytes `[c.offset, c.offset + c.len)` of blob `c.blob` as the node at `addr` sends
+    /// them; a node silent for `idle` is an error.
+    fn read<'a>(&'a self, addr: &'a str, c: ChunkRef, idle: Duration)
+        -> BoxFuture<'a, Result<Bytes, String>>;
+    /// The node at `addr` failed: drop whatever connection is kept to it.
+    fn forget<'a>(&'a self, addr: &'a str) -> BoxFuture<'a, ()>;
+    /// Where `blob` is now: live (node id, address) pairs, and backup URLs.
+    fn locate<'a>(&'a self, blob: BlobHash, timeout: Duration) -> BoxFuture<'a, Result<Located, String>>;
+    /// The version's shard replica sets and the cluster's nodes, afresh.
+    fn topology<'a>(&'a self, place: &'a Place) -> BoxFuture<'a, Result<Topology, String>>;
+}
+
+/// An answer to `Replicas::locate`.
+#[derive(Debug, Default, Clone)]
+pub struct Located {
+    pub nodes: Vec<(String, String)>,
+    pub backups: Vec<String>,
+}
+
+/// The cluster's replicas over gRPC: node connections kept per address, the metadata
+/// service for locations and topology.
+pub struct GrpcReplicas {
     metadata: MetadataClient,
     version: pb::VersionRef,
     token: Option<String>,
+    clients: tokio::sync::Mutex<HashMap<String, NodeClient>>,
+}
+
+impl GrpcReplicas {
+    pub fn new(metadata: MetadataClient, version: pb::VersionRef, token: Option<String>) -> Self {
+        GrpcReplicas {
+            metadata,
+            version,
+            token,
+            clients: Default::default(),
+        }
+    }
+
+    async fn client(&self, addr: &str) -> Result<NodeClient, String> {
+        if let Some(c) = self.clients.lock().await.get(addr) {
+            return Ok(c.clone());
+        }
+        let c = connect_node(addr, self.token.as_deref(), Duration::from_secs(3))
+            .await
+            .map_err(|e| e.to_string())?;
+        self.clients.lock().await.insert(addr.to_string(), c.clone());
+        Ok(c)
+    }
+
+    async fn read_from(&self, addr: &str, c: ChunkRef, idle: Duration) -> Result<Bytes, String> {
+        let mut client = self.client(addr).await?;
+        let mut stream = tokio::time::timeout(
+            idle,
+            client.read_blob(nodepb::ReadBlobRequest {
+                hash: c.blob.0.to_vec(),
+                offset: c.offset,
+                length: c.len,
+            }),
+        )
+        .await
+        .map_err(|_| format!("no answer within {idle:?}"))?
+        .map_err(|s| format!("{:?}: {}", s.code(), s.message()))?
+        .into_inner();
+        let mut buf = BytesMut::with_capacity(c.len as usize);
+        loop {
+            let msg = tokio::time::timeout(idle, stream.message())
+                .await
+                .map_err(|_| format!("stalled for {idle:?}"))?
+                .map_err(|s| format!("{:?}: {}", s.code(), s.message()))?;
+            let Some(m) = msg else { break };
+            if buf.len() + m.data.len() > c.len as usize {
+                return Err("sent more bytes than asked for".into());
+            }
+            buf.extend_from_slice(&m.data);
+        }
+        Ok(buf.freeze())
+    }
+}
+
+impl Replicas for GrpcReplicas {
+    fn read<'a>(
+        &'a self,
+        addr: &'a str,
+        c: ChunkRef,
+        idle: Duration,
+    ) -> BoxFuture<'a, Result<Bytes, String>> {
+        Box::pin(self.read_from(addr, c, idle))
+    }
+
+    fn forget<'a>(&'a self, addr: &'a str) -> BoxFuture<'a, ()> {
+        Box::pin(async move {
+            self.clients.lock().await.remove(addr);
+        })
+    }
+
+    fn locate<'a>(&'a self, blob: BlobHash, timeout: Duration) -> BoxFuture<'a, Result<Located, String>> {
+        Box::pin(async move {
+            let mut m = self.metadata.clone();
+            let ask = m.locate_blobs(pb::LocateBlobsRequest {
+                hashes: vec![blob.0.to_vec()],
+            });
+            // A reader is waiting: a hung metadata service costs it one timeout.
+            let r = tokio::time::timeout(timeout, ask)
+                .await
+                .map_err(|_| format!("the metadata service did not answer within {timeout:?}"))?
+                .map_err(|s| s.message().to_string())?
+                .into_inner();
+            Ok(Located {
+                nodes: r
+                    .blobs
+                    .into_iter()
+                    .flat_map(|b| b.nodes.into_iter().zip(b.addresses))
+                    .collect(),
+                backups: r.backups,
+            })
+        })
+    }
+
+    fn topology<'a>(&'a self, place: &'a Place) -> BoxFuture<'a, Result<Topology, String>> {
+        Box::pin(async move {
+            let mut c = self.metadata.clone();
+            // A metadata service that hangs must not stall the mount's housekeeping.
+            tokio::time::timeout(REFRESH_TIMEOUT, Topology::load(&mut c, &self.version, place))
+                .await
+                .map_err(|_| format!("the metadata service did not answer within {REFRESH_TIMEOUT:?}"))?
+                .map_err(|s| s.message().to_string())
+        })
+    }
+}
+
+pub struct Remote {
+    sources: Arc<dyn Replicas>,
     place: Place,
     topology: RwLock<Topology>,
-    clients: tokio::sync::Mutex<HashMap<String, NodeClient>>,
     bad: Mutex<HashMap<String, Instant>>,
     cache: ChunkCache,
     metrics: Arc<Metrics>,
@@ -207,21 +353,16 @@ pub struct Remote {
 
 impl Remote {
     pub fn new(
-        metadata: MetadataClient,
-        version: pb::VersionRef,
-        token: Option<String>,
+        sources: Arc<dyn Replicas>,
         place: Place,
         topology: Topology,
         cache_bytes: usize,
         metrics: Arc<Metrics>,
     ) -> Self {
         Remote {
-            metadata,
-            version,
-            token,
+            sources,
             place,
             topology: RwLock::new(topology),
-            clients: Default::default(),
             bad: Default::default(),
             cache: ChunkCache {
                 budget: cache_bytes,
@@ -245,19 +386,8 @@ impl Remote {
     }
 
     /// Re-reads shard replica sets and nodes (after repair, nodes joining).
-    pub async fn refresh(&self) -> Result<(), tonic::Status> {
-        let mut c = self.metadata.clone();
-        // A metadata service that hangs must not stall the mount's housekeeping loop.
-        let t = tokio::time::timeout(
-            REFRESH_TIMEOUT,
-            Topology::load(&mut c, &self.version, &self.place),
-        )
-        .await
-        .map_err(|_| {
-            tonic::Status::deadline_exceeded(format!(
-                "the metadata service did not answer within {REFRESH_TIMEOUT:?}"
-            ))
-        })??;
+    pub async fn refresh(&self) -> Result<(), String> {
+        let t = self.sources.topology(&self.place).await?;
         *self.topology.write().unwrap() = t;
         Ok(())
     }
@@ -329,7 +459,7 @@ impl Remote {
                 match self.locate(&c.blob).await {
                     Ok(v) => v,
                     Err(e) => {
-                        last = format!("locating the blob failed: {}", e.message());
+                        last = format!("locating the blob failed: {e}");
                         break;
                     }
                 }
@@ -350,7 +480,7 @@ impl Remote {
                             .lock()
                             .unwrap()
                             .insert(id.clone(), Instant::now() + BAD_NODE_PAUSE);
-                        self.clients.lock().await.remove(&info.addr);
+                        self.sources.forget(&info.addr).await;
                         last = format!("{id}: {e}");
                     }
                 }
@@ -430,21 +560,8 @@ impl Remote {
         Ok(b)
     }
 
-    async fn locate(&self, blob: &BlobHash) -> Result<Vec<(String, NodeInfo)>, tonic::Status> {
-        let mut m = self.metadata.clone();
-        let ask = m.locate_blobs(pb::LocateBlobsRequest {
-            hashes: vec![blob.0.to_vec()],
-        });
-        // A reader is waiting: a hung metadata service costs it one timeout, then EIO.
-        let r = tokio::time::timeout(self.timeout, ask)
-            .await
-            .map_err(|_| {
-                tonic::Status::deadline_exceeded(format!(
-                    "the metadata service did not answer within {:?}",
-                    self.timeout
-                ))
-            })??
-            .into_inner();
+    async fn locate(&self, blob: &BlobHash) -> Result<Vec<(String, NodeInfo)>, String> {
+        let r = self.sources.locate(*blob, self.timeout).await?;
         {
             let mut known = self.backups.lock().unwrap();
             if known.iter().map(|t| &t.url).ne(r.backups.iter()) {
@@ -462,9 +579,8 @@ impl Remote {
             }
         }
         let topo = self.topology.read().unwrap();
-        Ok(r.blobs
+        Ok(r.nodes
             .into_iter()
-            .flat_map(|b| b.nodes.into_iter().zip(b.addresses))
             .map(|(id, addr)| {
                 let cost = topo.nodes.get(&id).map_or(3, |n| n.cost);
                 (id, NodeInfo { addr, cost })
@@ -472,45 +588,10 @@ impl Remote {
             .collect())
     }
 
-    async fn client(&self, addr: &str) -> Result<NodeClient, String> {
-        if let Some(c) = self.clients.lock().await.get(addr) {
-            return Ok(c.clone());
-        }
-        let c = connect_node(addr, self.token.as_deref(), Duration::from_secs(3))
-            .await
-            .map_err(|e| e.to_string())?;
-        self.clients.lock().await.insert(addr.to_string(), c.clone());
-        Ok(c)
-    }
-
-    /// One chunk from one node, verified.
+    /// One chunk from one node, verified: only bytes of the right length that hash to
+    /// the manifest's chunk hash count.
     async fn read_from(&self, addr: &str, c: ChunkRef) -> Result<Bytes, String> {
-        let mut client = self.client(addr).await?;
-        let idle = self.timeout;
-        let mut stream = tokio::time::timeout(
-            idle,
-            client.read_blob(nodepb::ReadBlobRequest {
-                hash: c.blob.0.to_vec(),
-                offset: c.offset,
-                length: c.len,
-            }),
-        )
-        .await
-        .map_err(|_| format!("no answer within {idle:?}"))?
-        .map_err(|s| format!("{:?}: {}", s.code(), s.message()))?
-        .into_inner();
-        let mut buf = BytesMut::with_capacity(c.len as usize);
-        loop {
-            let msg = tokio::time::timeout(idle, stream.message())
-                .await
-                .map_err(|_| format!("stalled for {idle:?}"))?
-                .map_err(|s| format!("{:?}: {}", s.code(), s.message()))?;
-            let Some(m) = msg else { break };
-            if buf.len() + m.data.len() > c.len as usize {
-                return Err("sent more bytes than asked for".into());
-            }
-            buf.extend_from_slice(&m.data);
-        }
+        let buf = self.sources.read(addr, c, self.timeout).await?;
         if buf.len() as u64 != c.len {
             return Err(format!("sent {} of {} bytes", buf.len(), c.len));
         }
@@ -518,6 +599,6 @@ impl Remote {
             self.metrics.corrupt();
             return Err("bytes do not match the chunk's hash".into());
         }
-        Ok(buf.freeze())
+        Ok(buf)
     }
 }

@@ -340,13 +340,16 @@ async fn serve(a: MountArgs, mountpoint: PathBuf, cfg: &Resolved) -> anyhow::Res
         output::size(ns.heap_bytes() as u64)
     );
     let metrics = Arc::new(locus_fuse::metrics::Metrics::default());
-    let mut remote = Remote::new(
+    let replicas = locus_fuse::reader::GrpcReplicas::new(
         client.clone(),
         locus_proto::pb::VersionRef {
             dataset: dataset.clone(),
             version: v.version,
         },
         cfg.token.clone(),
+    );
+    let mut remote = Remote::new(
+        Arc::new(replicas),
         place,
         loaded.topology,
         cache_bytes,
@@ -508,7 +511,7 @@ async fn serve(a: MountArgs, mountpoint: PathBuf, cfg: &Resolved) -> anyhow::Res
                 if last_refresh.elapsed() > Duration::from_secs(30) {
                     last_refresh = Instant::now();
                     if let Err(e) = remote.refresh().await {
-                        tracing::warn!("cannot refresh replica locations: {}", e.message());
+                        tracing::warn!("cannot refresh replica locations: {e}");
                     }
                 }
             }

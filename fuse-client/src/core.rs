@@ -1,0 +1,613 @@
+//! The mount's core: which source serves each read, and the reads themselves, with typed
+//! errors and no fuser types. The fuser adapter (`fs`) turns its results into replies
+//! and its errors into errno values, in one place.
+//!
+//! Sources sit behind traits so this is unit-tested against injected faults: the local
+//! cache node (`LocalNode`: make a blob present and verified, give its path) and remote
+//! replicas (`reader::Replicas`). Rules it keeps:
+//! - only verified bytes are returned: the node's file as the node verified it (and
+//!   unchanged since, else the read fails and the file is forgotten), or chunks
+//!   `reader::Remote` checked against the manifest;
+//! - a node that is slow or hung costs a file one wait of `Settings::local_patience`,
+//!   after which its reads go to remote replicas while the node's answer is awaited in
+//!   the background (one fetch per inode);
+//! - a read no source can serve is an error (EIO to the reader), never zeros.
+//!
+//! Blocking: `local_file`, `read_by_inode` and `read_remote` wait for the network or the
+//! node; callers run them off the FUSE session threads.
+
+use std::collections::HashMap;
+use std::fs::File;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use locus_proto::client::NodeClient;
+use locus_proto::{nodepb, BlobHash};
+
+use crate::metrics::Metrics;
+use crate::namespace::{Kind, Namespace};
+use crate::reader::{ChunkRef, Remote};
+
+/// Why a filesystem operation failed; `fs` maps each to one errno.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum FsError {
+    #[error("no such entry")]
+    NotFound,
+    #[error("is a directory")]
+    IsDir,
+    #[error("not a directory")]
+    NotDir,
+    #[error("not a symbolic link")]
+    NotSymlink,
+    #[error("the file system is read-only")]
+    ReadOnly,
+    #[error("no such open file")]
+    BadHandle,
+    /// No source could serve verified bytes.
+    #[error("I/O error: {0}")]
+    Io(String),
+}
+
+/// The same host's cache node, as the mount uses it.
+pub trait LocalNode: Send + Sync + 'static {
+    /// Has the node make `blob` present and verified and returns its file's path, within
+    /// `limit`. Blocking (it may copy the blob from a peer first).
+    fn ensure_local(&self, blob: BlobHash, size: u64, limit: Duration) -> Result<PathBuf, String>;
+}
+
+/// The node over its Unix socket.
+pub struct GrpcLocalNode {
+    pub client: NodeClient,
+    pub rt: tokio::runtime::Handle,
+    pub chunk_size: u32,
+}
+
+impl LocalNode for GrpcLocalNode {
+    fn ensure_local(&self, blob: BlobHash, size: u64, limit: Duration) -> Result<PathBuf, String> {
+        let mut node = self.client.clone();
+        let req = nodepb::EnsureLocalRequest {
+            hash: blob.0.to_vec(),
+            size,
+            chunk_size: self.chunk_size,
+        };
+        self.rt.block_on(async move {
+            match tokio::time::timeout(limit, node.ensure_local(req)).await {
+                Ok(Ok(r)) => Ok(PathBuf::from(r.into_inner().path)),
+                Ok(Err(s)) => Err(format!("{:?}: {}", s.code(), s.message())),
+                Err(_) => Err(format!("no answer within {limit:?}")),
+            }
+        })
+    }
+}
+
+/// A blob file the local node verified, as this mount opened it.
+pub(crate) struct NodeFile {
+    pub(crate) file: File,
+    /// (inode, size, mtime) when opened, right after the node's check.
+    pub(crate) seen: Option<(u64, u64, i64, i64)>,
+}
+
+impl NodeFile {
+    pub(crate) fn open(path: &std::path::Path) -> std::io::Result<NodeFile> {
+        let file = File::open(path)?;
+        let seen = file_id(&file);
+        Ok(NodeFile { file, seen })
+    }
+
+    /// Whether the file is as it was when opened. Read after the bytes were: any write
+    /// or truncation before that point has changed the mtime. (Not the ctime, which the
+    /// node's own eviction changes by unlinking the file, leaving its bytes intact.)
+    pub(crate) fn unchanged(&self) -> bool {
+        self.seen.is_some() && file_id(&self.file) == self.seen
+    }
+}
+
+pub(crate) fn file_id(f: &File) -> Option<(u64, u64, i64, i64)> {
+    use std::os::unix::fs::MetadataExt;
+    let m = f.metadata().ok()?;
+    Some((m.ino(), m.size(), m.mtime(), m.mtime_nsec()))
+}
+
+/// A fetch of one inode's file from the local node, which readers wait for.
+pub(crate) struct Pending {
+    /// Set once the node answered: the file, or None (read from replicas).
+    pub(crate) done: Mutex<Option<Option<Arc<NodeFile>>>>,
+    pub(crate) cv: std::sync::Condvar,
+    /// Readers wait for the node until `started + local_patience`, not each for the
+    /// whole patience: a hung node costs a file one wait, not one per read request.
+    pub(crate) started: Instant,
+}
+
+/// Sequential-read detection for one open file.
+#[derive(Debug, Default)]
+pub(crate) struct ReadAhead {
+    /// The furthest chunk read so far.
+    pub(crate) next_chunk: u64,
+    pub(crate) window: usize,
+    /// Chunks before this one have already been asked for in the background.
+    pub(crate) ahead_to: u64,
+}
+
+pub struct Settings {
+    /// Let the kernel open files without asking this process (it then never sends OPEN,
+    /// FLUSH or RELEASE, and keeps pages across opens): a cached small file costs no
+    /// round trip at all. Reads arrive without a handle and are served by inode; nothing
+    /// is passed through, so large files are read through the mount's page cache.
+    pub kernel_opens: bool,
+    /// Ask the kernel for passthrough (it may still refuse).
+    pub passthrough: bool,
+    /// Smaller local files are read here and kept in the mount's page cache instead of
+    /// being handed to the kernel: a passthrough open opens the backing file again in the
+    /// kernel, which costs more than reading a small file from cache.
+    pub passthrough_min_size: u64,
+    /// Most chunks fetched ahead of a sequential reader.
+    pub readahead_chunks: usize,
+    /// How long open may wait for the local node to make a blob present.
+    pub open_timeout: Duration,
+    /// How long a read or open waits for the local node before reading that file from
+    /// remote replicas instead; the node's work goes on and later reads use its file.
+    pub local_patience: Duration,
+    /// How long a local file the node verified may be reopened without asking it again
+    /// (zero: ask on every open).
+    pub reopen_ttl: Duration,
+    /// Generation number for every inode (the version number: inode numbers are stable
+    /// within a version only).
+    pub generation: u64,
+}
+
+pub struct Core {
+    pub(crate) ns: Arc<Namespace>,
+    pub(crate) rt: tokio::runtime::Handle,
+    pub(crate) local: Option<Arc<dyn LocalNode>>,
+    pub(crate) remote: Arc<Remote>,
+    pub(crate) metrics: Arc<Metrics>,
+    pub(crate) settings: Settings,
+    /// Local files the node verified recently, by inode: reopening one within
+    /// `Settings::reopen_ttl` skips the round trip to the node (what makes re-reading many small
+    /// files fast). An open file keeps its bytes even if the node drops the blob.
+    pub(crate) recent: Mutex<HashMap<u64, (Arc<NodeFile>, Instant)>>,
+    pub(crate) recent_max: usize,
+    /// The fetch from the node in flight for an inode (see `local_file`).
+    pub(crate) fetching: Mutex<HashMap<u64, Arc<Pending>>>,
+    /// When the mount last said the node is slow (said once a minute at most).
+    pub(crate) slow_node_warned: Mutex<Option<Instant>>,
+    /// Sequential-read state of remote files the kernel opened without asking, by inode.
+    pub(crate) inode_readahead: Mutex<HashMap<u64, Arc<Mutex<ReadAhead>>>>,
+}
+
+/// Most fetches from the local node in flight at once. Each holds a blocking thread for
+/// as long as the node takes to answer; with a hung node that is the whole open timeout,
+/// and without a bound a reader going through many files would tie up the runtime's
+/// blocking pool (512 threads), which every read also needs. Beyond it, files are read
+/// from replicas until fetches finish.
+const MAX_FETCHES: usize = 32;
+
+/// Most recently verified local files kept open. Each holds a file descriptor, so the
+/// real bound is a quarter of the process's open-file limit (often only 1,024).
+const RECENT_MAX: usize = 65_536;
+
+pub(crate) fn recent_capacity() -> usize {
+    let soft = std::fs::read_to_string("/proc/self/limits")
+        .ok()
+        .and_then(|l| {
+            l.lines()
+                .find(|x| x.starts_with("Max open files"))
+                .and_then(|x| x.split_whitespace().nth(3))
+                .and_then(|v| v.parse::<usize>().ok())
+        })
+        .unwrap_or(1024);
+    (soft / 4).clamp(16, RECENT_MAX)
+}
+
+impl Core {
+    /// The local file the node verified for this inode within the reopen window, if any.
+    pub(crate) fn recent_file(&self, ino: u64) -> Option<Arc<NodeFile>> {
+        let recent = self.recent.lock().unwrap();
+        recent
+            .get(&ino)
+            .filter(|(_, at)| at.elapsed() < self.settings.reopen_ttl)
+            .map(|(f, _)| f.clone())
+    }
+
+    /// Has the local node make the blob present and verified, and opens its file. `None`
+    /// when the caller must read from remote replicas instead. Blocks for as long as the
+    /// node needs (a copy from a peer), so never called on a session thread.
+    pub(crate) fn fetch_local(
+        &self,
+        node: &dyn LocalNode,
+        ino: u64,
+        blob: BlobHash,
+        size: u64,
+    ) -> Option<Arc<NodeFile>> {
+        let path = match node.ensure_local(blob, size, self.settings.open_timeout) {
+            Ok(p) => p,
+            Err(e) => {
+                tracing::warn!(ino, blob = %blob, "the local node cannot provide the blob, reading from replicas: {e}");
+                return None;
+            }
+        };
+        let file = match NodeFile::open(&path) {
+            Ok(f) => Arc::new(f),
+            Err(e) => {
+                tracing::warn!(path = %path.display(), "cannot open the node's blob file, reading from replicas: {e}");
+                return None;
+            }
+        };
+        let ttl = self.settings.reopen_ttl;
+        let mut recent = self.recent.lock().unwrap();
+        if recent.len() >= self.recent_max {
+            recent.retain(|_, (_, at)| at.elapsed() < ttl);
+            if recent.len() >= self.recent_max {
+                recent.clear();
+            }
+        }
+        if !ttl.is_zero() {
+            recent.insert(ino, (file.clone(), Instant::now()));
+        }
+        Some(file)
+    }
+
+    /// The node's verified file for this inode: the one verified within the reopen
+    /// window, else the result of a `fetch_local`, waiting for it at most
+    /// `Settings::local_patience`. A node slow to answer (a hung process, or a long copy
+    /// from a peer) must not hold up a reader who can have the same verified bytes from
+    /// remote replicas meanwhile; the fetch goes on in the background and later reads
+    /// and opens use its result. One fetch per inode at a time: a cold file's first reads
+    /// (or opens) arrive together, and all wait for the same answer rather than each
+    /// asking the node (or each holding a thread while a hung node does not answer).
+    /// None: read from replicas. The flag says whether this call started the fetch.
+    pub(crate) fn local_file(
+        self: &Arc<Self>,
+        ino: u64,
+        blob: BlobHash,
+        size: u64,
+    ) -> Option<(Arc<NodeFile>, bool)> {
+        if let Some(f) = self.recent_file(ino) {
+            return Some((f, false));
+        }
+        let (pending, first) = {
+            let mut fetching = self.fetching.lock().unwrap();
+            match fetching.get(&ino) {
+                Some(p) => (p.clone(), false),
+                None if fetching.len() >= MAX_FETCHES => {
+                    self.warn_slow_node(ino, blob, "has too many files to fetch");
+                    return None;
+                }
+                None => {
+                    let p = Arc::new(Pending {
+                        done: Mutex::new(None),
+                        cv: std::sync::Condvar::new(),
+                        started: Instant::now(),
+                    });
+                    fetching.insert(ino, p.clone());
+                    (p, true)
+                }
+            }
+        };
+        if first {
+            let (core, p) = (self.clone(), pending.clone());
+            self.rt.spawn_blocking(move || {
+                let r = match &core.local {
+                    Some(node) => core.fetch_local(&**node, ino, blob, size),
+                    None => None,
+                };
+                core.fetching.lock().unwrap().remove(&ino);
+                *p.done.lock().unwrap() = Some(r);
+                p.cv.notify_all();
+            });
+        }
+        let patience = self.settings.local_patience;
+        let left = patience.saturating_sub(pending.started.elapsed());
+        let done = pending.done.lock().unwrap();
+        let (done, _) = pending
+            .cv
+            .wait_timeout_while(done, left, |d| d.is_none())
+            .unwrap();
+        if let Some(r) = &*done {
+            return r.clone().map(|f| (f, first));
+        }
+        self.warn_slow_node(ino, blob, &format!("has not answered within {patience:?}"));
+        None
+    }
+
+    /// Logs that reads bypass a slow node, once a minute at most: a hung node would
+    /// otherwise log every read.
+    pub(crate) fn warn_slow_node(&self, ino: u64, blob: BlobHash, why: &str) {
+        let mut last = self.slow_node_warned.lock().unwrap();
+        if last.is_none_or(|t| t.elapsed() >= Duration::from_secs(60)) {
+            *last = Some(Instant::now());
+            tracing::warn!(ino, blob = %blob, "the local node {why}; reading from replicas meanwhile");
+        }
+    }
+
+    /// Forgets the node's file for `ino` if it is still `file` (a newer one another
+    /// reader fetched meanwhile stays), so the next read or open asks the node again.
+    pub(crate) fn forget(&self, ino: u64, file: &NodeFile) {
+        let mut recent = self.recent.lock().unwrap();
+        if recent.get(&ino).is_some_and(|(f, _)| std::ptr::eq(&**f, file)) {
+            recent.remove(&ino);
+        }
+    }
+
+    /// pread of the node's verified file, which must give all `want` bytes.
+    pub(crate) fn pread_local(
+        &self,
+        ino: u64,
+        file: &NodeFile,
+        offset: u64,
+        size: u32,
+        want: u64,
+    ) -> Result<Vec<u8>, FsError> {
+        match pread(&file.file, offset, size) {
+            // Short means the node's file shrank after it was verified: the kernel would
+            // take it for the end of the file.
+            Ok(data) if (data.len() as u64) < want => {
+                tracing::error!(ino, offset, "the node's local file is shorter than the blob");
+                self.forget(ino, file);
+                Err(FsError::Io(
+                    "the node's local file is shorter than the blob".into(),
+                ))
+            }
+            Ok(data) => self.check_unchanged(ino, file).map(|()| data),
+            Err(e) => {
+                tracing::error!("reading the node's local file failed: {e}");
+                Err(FsError::Io(format!("reading the node's local file: {e}")))
+            }
+        }
+    }
+
+    /// Bytes just read from the node's file count only if nothing wrote to it since the
+    /// node checked it; else EIO, and the file is forgotten so the next read or open has
+    /// the node check it again (the kernel retries a failed page at once).
+    pub(crate) fn check_unchanged(&self, ino: u64, file: &NodeFile) -> Result<(), FsError> {
+        if file.unchanged() {
+            return Ok(());
+        }
+        tracing::error!(ino, "the node's local file changed after it was verified");
+        self.forget(ino, file);
+        Err(FsError::Io(
+            "the node's local file changed after it was verified".into(),
+        ))
+    }
+
+    /// The read-ahead state of a remote file read without a handle; the first read of a
+    /// file counts as its open.
+    pub(crate) fn inode_readahead(&self, ino: u64) -> Arc<Mutex<ReadAhead>> {
+        let mut all = self.inode_readahead.lock().unwrap();
+        if let Some(ra) = all.get(&ino) {
+            return ra.clone();
+        }
+        if all.len() >= self.recent_max {
+            // Forgetting only costs a reader its read-ahead window, which regrows.
+            all.clear();
+        }
+        self.metrics.opened("remote");
+        all.entry(ino).or_default().clone()
+    }
+
+    pub(crate) fn chunk_ref(&self, ino: u64, index: u64) -> Option<ChunkRef> {
+        let a = self.ns.attr(ino)?;
+        let (blob, chunks) = self.ns.blob(ino)?;
+        let cs = u64::from(self.ns.chunk_size());
+        let offset = index * cs;
+        if offset >= a.size {
+            return None;
+        }
+        Some(ChunkRef {
+            ino,
+            blob,
+            shard: self.ns.shard(ino)?,
+            index: index as u32,
+            offset,
+            len: cs.min(a.size - offset),
+            hash: *chunks.get(index as usize)?,
+        })
+    }
+
+    pub(crate) fn read_remote(
+        &self,
+        ino: u64,
+        ra: &Mutex<ReadAhead>,
+        offset: u64,
+        size: u32,
+    ) -> Result<Vec<u8>, FsError> {
+        let a = self.ns.attr(ino).ok_or(FsError::NotFound)?;
+        let end = offset.saturating_add(u64::from(size)).min(a.size);
+        if offset >= end {
+            return Ok(Vec::new());
+        }
+        let cs = u64::from(self.ns.chunk_size());
+        let (first, last) = (offset / cs, (end - 1) / cs);
+        let (ahead_from, ahead_to) = {
+            // Sequential means moving forward through the chunks: the kernel's own
+            // read-ahead sends several reads at once, slightly out of order.
+            let mut st = ra.lock().unwrap();
+            let forward = first >= st.next_chunk && first <= st.next_chunk + 1 && (first > 0 || offset > 0);
+            st.window = if forward {
+                (st.window * 2).clamp(1, self.settings.readahead_chunks)
+            } else {
+                0
+            };
+            st.next_chunk = st.next_chunk.max(last);
+            // Only chunks not already asked for: a read-ahead task per chunk, not per read.
+            let from = (last + 1).max(st.ahead_to);
+            let to = last + 1 + st.window as u64;
+            if to > st.ahead_to {
+                st.ahead_to = to;
+            }
+            (from, to)
+        };
+        let wanted: Vec<ChunkRef> = (first..=last).filter_map(|i| self.chunk_ref(ino, i)).collect();
+        let ahead: Vec<ChunkRef> = (ahead_from..ahead_to)
+            .filter_map(|i| self.chunk_ref(ino, i))
+            .collect();
+        let remote = self.remote.clone();
+        let parts = self.rt.block_on(async move {
+            remote.prefetch(ahead);
+            let tasks: Vec<_> = wanted
+                .into_iter()
+                .map(|c| {
+                    let r = remote.clone();
+                    tokio::spawn(async move { (c, r.chunk(c).await) })
+                })
+                .collect();
+            let mut parts = Vec::with_capacity(tasks.len());
+            for t in tasks {
+                parts.push(t.await);
+            }
+            parts
+        });
+        let mut out = Vec::with_capacity((end - offset) as usize);
+        for p in parts {
+            let (c, data) = p.map_err(|e| FsError::Io(format!("read task failed: {e}")))?;
+            let (data, cached) = data.map_err(|e| {
+                tracing::error!(ino, "read failed: {e}");
+                FsError::Io(e.to_string())
+            })?;
+            let from = offset.max(c.offset) - c.offset;
+            let to = end.min(c.offset + c.len) - c.offset;
+            if cached {
+                self.metrics.cache_hit((to - from) as usize);
+            }
+            out.extend_from_slice(&data[from as usize..to as usize]);
+        }
+        Ok(out)
+    }
+}
+
+impl Core {
+    pub fn new(
+        ns: Arc<Namespace>,
+        rt: tokio::runtime::Handle,
+        local: Option<Arc<dyn LocalNode>>,
+        remote: Arc<Remote>,
+        metrics: Arc<Metrics>,
+        settings: Settings,
+    ) -> Self {
+        Core {
+            ns,
+            rt,
+            local,
+            remote,
+            metrics,
+            settings,
+            recent: Mutex::new(HashMap::new()),
+            recent_max: recent_capacity(),
+            fetching: Mutex::new(HashMap::new()),
+            slow_node_warned: Mutex::new(None),
+            inode_readahead: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// A read of a file nobody opened through the mount (the kernel opened it): from the
+    /// node's verified file if the node provides it within its patience, else from remote
+    /// replicas. Returns the bytes and which source served them ("local" or "remote").
+    /// Blocking.
+    pub fn read_by_inode(
+        self: &Arc<Self>,
+        ino: u64,
+        offset: u64,
+        size: u32,
+    ) -> Result<(Vec<u8>, &'static str), FsError> {
+        let a = self.ns.attr(ino).ok_or(FsError::NotFound)?;
+        if a.kind != Kind::File {
+            return Err(FsError::IsDir);
+        }
+        let want = a.size.saturating_sub(offset).min(u64::from(size));
+        if want == 0 {
+            return Ok((Vec::new(), "local"));
+        }
+        if self.local.is_some() {
+            let (blob, _) = self
+                .ns
+                .blob(ino)
+                .ok_or_else(|| FsError::Io("a file without a blob".into()))?;
+            if let Some((file, fetched)) = self.local_file(ino, blob, a.size) {
+                if fetched {
+                    self.metrics.opened("local");
+                }
+                return self
+                    .pread_local(ino, &file, offset, size, want)
+                    .map(|d| (d, "local"));
+            }
+        }
+        let ra = self.inode_readahead(ino);
+        self.read_remote(ino, &ra, offset, size).map(|d| (d, "remote"))
+    }
+}
+
+/// Whether preadv2 accepts RWF_DONTCACHE here (kernel ≥ 6.14 and a filesystem that
+/// supports it); cleared at the first refusal.
+static DONTCACHE: AtomicBool = AtomicBool::new(true);
+
+/// One preadv2 into `buf` of the node's file. The bytes are about to become the mount's
+/// own pages, so the node's copy is read without caching it (RWF_DONTCACHE, also for the
+/// read-ahead it starts) rather than kept twice; pages of it already cached stay.
+#[allow(unsafe_code)]
+pub(crate) fn preadv2(
+    file: &File,
+    buf: &mut [u8],
+    offset: u64,
+    flags: libc::c_int,
+) -> std::io::Result<usize> {
+    use std::os::fd::AsRawFd;
+    let off = libc::off_t::try_from(offset).map_err(|_| std::io::Error::from_raw_os_error(libc::EINVAL))?;
+    let iov = libc::iovec {
+        iov_base: buf.as_mut_ptr().cast(),
+        iov_len: buf.len(),
+    };
+    let call = |flags: libc::c_int| loop {
+        // SAFETY: the one iovec points into `buf`, live and that long for the whole call;
+        // the descriptor belongs to `file`, borrowed for the call.
+        let n = unsafe { libc::preadv2(file.as_raw_fd(), &iov, 1, off, flags) };
+        if n >= 0 {
+            return Ok(n as usize);
+        }
+        let e = std::io::Error::last_os_error();
+        if e.raw_os_error() != Some(libc::EINTR) {
+            return Err(e);
+        }
+    };
+    if !DONTCACHE.load(Ordering::Relaxed) {
+        return call(flags);
+    }
+    match call(flags | libc::RWF_DONTCACHE) {
+        Err(e) if matches!(e.raw_os_error(), Some(libc::EOPNOTSUPP | libc::EINVAL)) => {
+            let r = call(flags);
+            if r.is_ok() {
+                // The same read without it works: the flag is what was refused.
+                DONTCACHE.store(false, Ordering::Relaxed);
+            }
+            r
+        }
+        r => r,
+    }
+}
+
+/// Reads `want` bytes at `offset` only if the page cache already holds them (RWF_NOWAIT),
+/// so a session thread never waits for the disk; `None` means the read would have to
+/// wait (or this kernel or filesystem cannot say), and belongs off the session thread.
+pub(crate) fn pread_cached(file: &File, offset: u64, want: usize) -> Option<Vec<u8>> {
+    let mut buf = vec![0u8; want];
+    // Short (partly cached) or failed: the caller's ordinary read decides.
+    (preadv2(file, &mut buf, offset, libc::RWF_NOWAIT).ok()? == want).then_some(buf)
+}
+
+/// Up to `size` bytes at `offset`, short only at the end of the file.
+pub(crate) fn pread(file: &File, offset: u64, size: u32) -> std::io::Result<Vec<u8>> {
+    let mut buf = vec![0u8; size as usize];
+    let mut got = 0;
+    while got < buf.len() {
+        match preadv2(file, &mut buf[got..], offset + got as u64, 0)? {
+            0 => break,
+            n => got += n,
+        }
+    }
+    buf.truncate(got);
+    Ok(buf)
+}
+
+#[cfg(test)]
+mod tests;

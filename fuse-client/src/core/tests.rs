@@ -1,0 +1,341 @@
+//! The mount's core against injected faults: replicas that fail, send corrupt bytes or
+//! hang, a local node that hangs, and sequential readers. No kernel, no network: the
+//! sources are fakes behind the same traits the real ones implement.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use locus_proto::manifest::{EntryKind, RelPath};
+use locus_proto::{BlobHash, Entry};
+
+use super::*;
+use crate::reader::{BoxFuture, ChunkRef, Located, Place, Remote, Replicas, Topology};
+
+const CHUNK: u32 = 4096;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Behave {
+    Good,
+    Fail,
+    Corrupt,
+    /// Silent: the read gives up after its idle timeout, as the real source does.
+    Hang,
+}
+
+/// Replicas serving one blob, each node behaving as told; every request is logged.
+struct FakeReplicas {
+    data: Vec<u8>,
+    behave: Mutex<HashMap<String, Behave>>,
+    log: Mutex<Vec<(String, u32)>>,
+}
+
+impl FakeReplicas {
+    fn requests_for(&self, index: u32) -> usize {
+        self.log
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|(_, i)| *i == index)
+            .count()
+    }
+}
+
+impl Replicas for FakeReplicas {
+    fn read<'a>(
+        &'a self,
+        addr: &'a str,
+        c: ChunkRef,
+        idle: Duration,
+    ) -> BoxFuture<'a, Result<Bytes, String>> {
+        Box::pin(async move {
+            self.log.lock().unwrap().push((addr.to_string(), c.index));
+            let how = *self.behave.lock().unwrap().get(addr).unwrap_or(&Behave::Fail);
+            let part = || self.data[c.offset as usize..(c.offset + c.len) as usize].to_vec();
+            match how {
+                Behave::Good => Ok(Bytes::from(part())),
+                Behave::Fail => Err("connection refused".into()),
+                Behave::Corrupt => {
+                    let mut b = part();
+                    b[0] ^= 1;
+                    Ok(Bytes::from(b))
+                }
+                Behave::Hang => {
+                    tokio::time::sleep(idle).await;
+                    Err(format!("stalled for {idle:?}"))
+                }
+            }
+        })
+    }
+
+    fn forget<'a>(&'a self, _addr: &'a str) -> BoxFuture<'a, ()> {
+        Box::pin(async {})
+    }
+
+    fn locate<'a>(&'a self, _blob: BlobHash, _timeout: Duration) -> BoxFuture<'a, Result<Located, String>> {
+        // Repair moved nothing: the same replicas.
+        Box::pin(async { Ok(Located::default()) })
+    }
+
+    fn topology<'a>(&'a self, _place: &'a Place) -> BoxFuture<'a, Result<Topology, String>> {
+        Box::pin(async { Err("not used here".to_string()) })
+    }
+}
+
+#[derive(Debug, Clone)]
+enum LocalBehave {
+    File(PathBuf),
+    Hang,
+}
+
+struct FakeLocal {
+    behave: LocalBehave,
+    calls: AtomicUsize,
+}
+
+impl LocalNode for FakeLocal {
+    fn ensure_local(&self, _blob: BlobHash, _size: u64, limit: Duration) -> Result<PathBuf, String> {
+        self.calls.fetch_add(1, Ordering::SeqCst);
+        match &self.behave {
+            LocalBehave::File(p) => Ok(p.clone()),
+            LocalBehave::Hang => {
+                std::thread::sleep(limit);
+                Err(format!("no answer within {limit:?}"))
+            }
+        }
+    }
+}
+
+struct Fixture {
+    core: Arc<Core>,
+    replicas: Arc<FakeReplicas>,
+    local: Option<Arc<FakeLocal>>,
+    data: Vec<u8>,
+    ino: u64,
+    rt: Option<tokio::runtime::Runtime>,
+    _dir: tempfile::TempDir,
+}
+
+impl Drop for Fixture {
+    fn drop(&mut self) {
+        // A hung fake node's fetch may still be sleeping; do not wait for it.
+        if let Some(rt) = self.rt.take() {
+            rt.shutdown_background();
+        }
+    }
+}
+
+/// One file of `chunks` chunks on shard 0, replicated on n1 (cheapest) and n2.
+fn fixture(chunks: usize, n1: Behave, n2: Behave, local: Option<LocalBehave>) -> Fixture {
+    let data: Vec<u8> = (0..chunks * CHUNK as usize - 100)
+        .map(|i| (i * 7 % 251) as u8)
+        .collect();
+    let hashes: Vec<BlobHash> = data.chunks(CHUNK as usize).map(BlobHash::of).collect();
+    let entry = Entry {
+        path: RelPath::try_from("f").unwrap(),
+        kind: EntryKind::File {
+            size: data.len() as u64,
+            blob: BlobHash::of(&data),
+            chunks: hashes,
+            shard: 0,
+        },
+        mode: 0o644,
+        mtime_ns: 1,
+    };
+    let ns = Arc::new(Namespace::build(vec![entry], CHUNK).unwrap());
+    let ino = ns.lookup(crate::namespace::ROOT, "f").unwrap();
+    let replicas = Arc::new(FakeReplicas {
+        data: data.clone(),
+        behave: Mutex::new(HashMap::from([("a1".to_string(), n1), ("a2".to_string(), n2)])),
+        log: Mutex::new(Vec::new()),
+    });
+    let topo = Topology::from_parts(
+        HashMap::from([(0, vec!["n1".to_string(), "n2".to_string()])]),
+        vec![("n1".into(), "a1".into(), 0), ("n2".into(), "a2".into(), 1)],
+    );
+    let metrics = Arc::new(Metrics::default());
+    let mut remote = Remote::new(
+        replicas.clone(),
+        Place::default(),
+        topo,
+        64 << 20,
+        metrics.clone(),
+    );
+    remote.timeout = Duration::from_millis(200);
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let local = local.map(|b| {
+        let b = match b {
+            LocalBehave::File(_) => {
+                let p = dir.path().join("blob");
+                std::fs::write(&p, &data).unwrap();
+                LocalBehave::File(p)
+            }
+            other => other,
+        };
+        Arc::new(FakeLocal {
+            behave: b,
+            calls: AtomicUsize::new(0),
+        })
+    });
+    let settings = Settings {
+        kernel_opens: true,
+        passthrough: false,
+        passthrough_min_size: 0,
+        readahead_chunks: 4,
+        open_timeout: Duration::from_secs(2),
+        local_patience: Duration::from_millis(300),
+        reopen_ttl: Duration::from_secs(60),
+        generation: 1,
+    };
+    let core = Arc::new(Core::new(
+        ns,
+        rt.handle().clone(),
+        local.clone().map(|l| l as Arc<dyn LocalNode>),
+        Arc::new(remote),
+        metrics,
+        settings,
+    ));
+    Fixture {
+        core,
+        replicas,
+        local,
+        data,
+        ino,
+        rt: Some(rt),
+        _dir: dir,
+    }
+}
+
+/// The whole file through `read_by_inode`, `step` bytes at a time, as the kernel asks.
+fn read_all(f: &Fixture, step: u32) -> Result<Vec<u8>, FsError> {
+    let mut out = Vec::new();
+    loop {
+        let (b, _) = f.core.read_by_inode(f.ino, out.len() as u64, step)?;
+        if b.is_empty() {
+            return Ok(out);
+        }
+        out.extend_from_slice(&b);
+    }
+}
+
+#[test]
+fn a_failing_replica_fails_over_to_the_next() {
+    let f = fixture(3, Behave::Fail, Behave::Good, None);
+    assert!(read_all(&f, CHUNK).unwrap() == f.data);
+    let log = f.replicas.log.lock().unwrap().clone();
+    assert_eq!(
+        log[0],
+        ("a1".to_string(), 0),
+        "the cheapest replica is asked first"
+    );
+    assert!(log.iter().any(|(a, _)| a == "a2"), "then the next: {log:?}");
+}
+
+#[test]
+fn a_corrupt_chunk_is_never_returned_and_another_replica_serves_it() {
+    let f = fixture(3, Behave::Corrupt, Behave::Good, None);
+    assert!(read_all(&f, CHUNK).unwrap() == f.data, "only verified bytes");
+    let m = f.core.metrics.encode();
+    assert!(m.contains("locus_mount_corrupt_chunks_total 1"), "{m}");
+}
+
+#[test]
+fn when_every_source_fails_the_read_is_an_io_error_not_zeros() {
+    let f = fixture(2, Behave::Fail, Behave::Corrupt, None);
+    match f.core.read_by_inode(f.ino, 0, CHUNK) {
+        Err(FsError::Io(why)) => assert!(why.contains("no source could serve it"), "{why}"),
+        other => panic!("expected an I/O error, got {other:?}"),
+    }
+}
+
+#[test]
+fn a_hung_replica_costs_its_idle_timeout_then_the_next_serves() {
+    let f = fixture(1, Behave::Hang, Behave::Good, None);
+    assert!(read_all(&f, CHUNK).unwrap() == f.data);
+    assert_eq!(f.replicas.log.lock().unwrap()[0].0, "a1");
+}
+
+#[test]
+fn a_hung_local_node_costs_a_file_one_wait_not_one_per_read() {
+    let f = fixture(8, Behave::Good, Behave::Good, Some(LocalBehave::Hang));
+    let patience = f.core.settings.local_patience;
+    let t = Instant::now();
+    // Eight reads of one chunk each; before, each waited the whole patience again.
+    let got = read_all(&f, CHUNK).unwrap();
+    let took = t.elapsed();
+    assert!(got == f.data, "the replicas served the file");
+    assert_eq!(
+        f.local.as_ref().unwrap().calls.load(Ordering::SeqCst),
+        1,
+        "one fetch per inode"
+    );
+    assert!(
+        took < patience * 4,
+        "8 reads took {took:?} with a patience of {patience:?}: each read waited again"
+    );
+}
+
+#[test]
+fn a_verified_local_file_is_read_locally_and_a_changed_one_is_refused() {
+    let f = fixture(
+        3,
+        Behave::Fail,
+        Behave::Fail,
+        Some(LocalBehave::File(PathBuf::new())),
+    );
+    let (b, how) = f.core.read_by_inode(f.ino, 0, 1 << 20).unwrap();
+    assert_eq!(how, "local");
+    assert!(b == f.data);
+    assert!(f.replicas.log.lock().unwrap().is_empty(), "no replica was asked");
+    // Someone writes into the node's file after it was verified: the next read of it
+    // fails instead of returning the new bytes.
+    let LocalBehave::File(p) = &f.local.as_ref().unwrap().behave else {
+        unreachable!()
+    };
+    std::thread::sleep(Duration::from_millis(20));
+    let mut changed = f.data.clone();
+    changed[10] ^= 0xff;
+    std::fs::write(p, &changed).unwrap();
+    assert!(matches!(f.core.read_by_inode(f.ino, 0, 100), Err(FsError::Io(_))));
+}
+
+#[test]
+fn sequential_reads_fetch_the_next_chunks_ahead() {
+    let f = fixture(8, Behave::Good, Behave::Good, None);
+    for i in 0..3u64 {
+        f.core.read_by_inode(f.ino, i * u64::from(CHUNK), CHUNK).unwrap();
+    }
+    // A forward reader's window grows: after chunks 0, 1 and 2, chunks 3 and 4 are
+    // asked for before anyone reads them.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while f.replicas.requests_for(3) == 0 || f.replicas.requests_for(4) == 0 {
+        assert!(
+            Instant::now() < deadline,
+            "no read-ahead: {:?}",
+            f.replicas.log.lock().unwrap()
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    // Reading them is served from what was fetched ahead: no second request.
+    f.core.read_by_inode(f.ino, 3 * u64::from(CHUNK), CHUNK).unwrap();
+    assert_eq!(f.replicas.requests_for(3), 1);
+    // A reader that jumps about gets no read-ahead past what it asked for.
+    let g = fixture(8, Behave::Good, Behave::Good, None);
+    g.core.read_by_inode(g.ino, 6 * u64::from(CHUNK), 10).unwrap();
+    g.core.read_by_inode(g.ino, u64::from(CHUNK), 10).unwrap();
+    std::thread::sleep(Duration::from_millis(100));
+    assert_eq!(
+        g.replicas.requests_for(7),
+        0,
+        "{:?}",
+        g.replicas.log.lock().unwrap()
+    );
+}
