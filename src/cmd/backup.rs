@@ -949,18 +949,15 @@ async fn restore_version(
 ) -> anyhow::Result<()> {
     let started = Instant::now();
     let want = a.dataset.clone().unwrap_or_default();
-    let (name, number) = match want.split_once('@') {
-        None => (want.as_str(), None),
-        Some((n, "latest")) => (n, None),
-        Some((n, v)) => (
-            n,
-            Some(
-                v.parse::<u64>()
-                    .map_err(|_| anyhow::anyhow!("--dataset {want}: {v:?} is not a version number"))?,
-            ),
-        ),
+    let r: locus_proto::DatasetRef = want
+        .parse()
+        .map_err(|e: locus_proto::InvalidInput| anyhow::anyhow!("--dataset {want}: {}", e.reason))?;
+    let name = r.name.to_string();
+    let number = match r.version {
+        locus_proto::VersionSel::Latest => None,
+        locus_proto::VersionSel::Number(n) => Some(n),
     };
-    locus_proto::DatasetName::try_from(name).map_err(|e| anyhow::anyhow!("--dataset: {e}"))?;
+    let name = name.as_str();
     let (n2, num) = (name.to_string(), number);
     let v = tokio::task::spawn_blocking(move || {
         use std::io::Seek;

@@ -1,0 +1,206 @@
+//! A metadata service with nodes, and helpers that read the catalogue (manifests, shards, waits).
+
+#![allow(unused_imports)]
+
+use std::ffi::OsString;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use locus_proto::client::{ClientOptions, MetadataClient};
+use locus_proto::manifest::{BlobHash, Entry, EntryKind, RelPath};
+use locus_proto::pb;
+
+use super::*;
+
+// ---------------------------------------------------------------------------------------
+// Manifests
+
+/// A deterministic synthetic manifest: `files` files spread over directories of
+/// `per_dir` files each, under `top/`; sizes vary from 0 to a few chunks. Files go into
+/// shards of `files_per_shard` in path order. Returns the entries and shard records.
+pub fn synthetic_manifest(
+    seed: &str,
+    files: usize,
+    per_dir: usize,
+    files_per_shard: usize,
+    chunk_size: u32,
+) -> (Vec<pb::Entry>, Vec<pb::Shard>) {
+    let mut entries = vec![dir_entry("top")];
+    let mut shards: Vec<pb::Shard> = Vec::new();
+    for i in 0..files {
+        if i % per_dir == 0 {
+            entries.push(dir_entry(&format!("top/d{:05}", i / per_dir)));
+        }
+        let size = match i % 7 {
+            0 => 0,
+            1 => u64::from(chunk_size) * 2 + 17,
+            _ => (i as u64 * 7919) % 200_000,
+        };
+        let shard = (i / files_per_shard) as u32;
+        if shards.len() <= shard as usize {
+            shards.push(pb::Shard {
+                id: shard,
+                ..Default::default()
+            });
+        }
+        let s = &mut shards[shard as usize];
+        s.bytes += size;
+        s.files += 1;
+        let name = format!("top/d{:05}/{seed}-f{i:07}.bin", i / per_dir);
+        let blob = BlobHash::of(name.as_bytes());
+        let chunks = (0..size.div_ceil(u64::from(chunk_size)))
+            .map(|c| BlobHash::of(format!("{name}#{c}").as_bytes()))
+            .collect();
+        entries.push(pb::Entry::from(Entry {
+            path: RelPath::try_from(name).unwrap(),
+            kind: EntryKind::File {
+                size,
+                blob,
+                chunks,
+                shard,
+            },
+            mode: 0o644,
+            mtime_ns: 1_700_000_000_000_000_000 + i as i64,
+        }));
+    }
+    (entries, shards)
+}
+
+pub fn dir_entry(path: &str) -> pb::Entry {
+    pb::Entry {
+        path: path.into(),
+        kind: pb::EntryKind::Dir as i32,
+        mode: 0o755,
+        mtime_ns: 1_700_000_000_000_000_000,
+        ..Default::default()
+    }
+}
+
+/// Opens a session, uploads the manifest in pages and commits it.
+pub async fn commit(
+    c: &mut MetadataClient,
+    dataset: &str,
+    chunk_size: u32,
+    entries: Vec<pb::Entry>,
+    shards: Vec<pb::Shard>,
+) -> Result<pb::Version, tonic::Status> {
+    let s = c
+        .begin_version(pb::BeginVersionRequest {
+            dataset: dataset.into(),
+            replication: 1,
+            chunk_size,
+            ..Default::default()
+        })
+        .await?
+        .into_inner();
+    locus_proto::client::put_entries_paged(c, s.session_id, entries).await?;
+    locus_proto::client::put_shards_paged(c, s.session_id, shards).await?;
+    let v = c
+        .commit_version(pb::CommitVersionRequest {
+            session_id: s.session_id,
+        })
+        .await?
+        .into_inner();
+    Ok(v.version.expect("commit returns the version"))
+}
+
+/// A version's shards (first page of 10,000).
+pub async fn shards(c: &mut locus_proto::client::MetadataClient, ds: &str, v: u64) -> Vec<pb::Shard> {
+    c.list_shards(pb::ListShardsRequest {
+        r#ref: Some(pb::VersionRef {
+            dataset: ds.into(),
+            version: v,
+        }),
+        start: 0,
+        limit: 10_000,
+    })
+    .await
+    .unwrap()
+    .into_inner()
+    .shards
+}
+
+/// Waits until every shard of `ds@1` has two replicas, none on `node` (after a drain or
+/// a kill and repair).
+pub async fn wait_moved_off(m: &Metadata, ds: &str, node: &str) {
+    let opts = m.client_options(None);
+    wait_until(
+        &format!("{node} to hold no replicas of {ds}"),
+        Duration::from_secs(90),
+        || {
+            let opts = opts.clone();
+            async move {
+                let mut c = locus_proto::client::connect(&opts).await.ok()?;
+                let s = shards(&mut c, ds, 1).await;
+                s.iter()
+                    .all(|s| s.replicas.len() == 2 && !s.replicas.iter().any(|r| r == node))
+                    .then_some(())
+            }
+        },
+    )
+    .await;
+}
+
+/// Waits until the metadata service reports `node` down.
+pub async fn wait_node_down(m: &Metadata, node: &str) {
+    let opts = m.client_options(m.token("admin"));
+    wait_until(&format!("{node} to be down"), Duration::from_secs(30), || {
+        let opts = opts.clone();
+        async move {
+            let mut c = locus_proto::client::connect(&opts).await.ok()?;
+            let n = c
+                .list_nodes(pb::ListNodesRequest {})
+                .await
+                .ok()?
+                .into_inner()
+                .nodes;
+            n.iter()
+                .any(|n| n.id == node && n.state == pb::NodeState::Down as i32)
+                .then_some(())
+        }
+    })
+    .await;
+}
+
+/// Every entry of a version, sorted by path.
+pub async fn all_entries(c: &mut MetadataClient, dataset: &str, version: u64) -> Vec<pb::Entry> {
+    let (_, mut e) = locus_proto::client::list_all_entries(
+        c,
+        pb::VersionRef {
+            dataset: dataset.into(),
+            version,
+        },
+        None,
+        false,
+    )
+    .await
+    .expect("list entries");
+    e.sort_by(|a, b| a.path.cmp(&b.path));
+    e
+}
+
+pub fn sorted(mut e: Vec<pb::Entry>) -> Vec<pb::Entry> {
+    e.sort_by(|a, b| a.path.cmp(&b.path));
+    e
+}
+
+/// A metadata service (2 s liveness, fast repair) and `nodes` cache nodes n1, n2, ….
+pub async fn cluster(h: &Harness, nodes: usize, opts: impl Fn(usize) -> NodeOpts) -> (Metadata, Vec<Node>) {
+    let m = h
+        .start_metadata(
+            "meta",
+            MetadataOpts {
+                liveness_timeout: Some("2s"),
+                extra: vec!["--repair-interval".into(), "500ms".into()],
+                ..Default::default()
+            },
+        )
+        .await;
+    let mut ns = Vec::new();
+    for i in 1..=nodes {
+        ns.push(h.start_node(&format!("n{i}"), &m, opts(i)).await);
+    }
+    (m, ns)
+}

@@ -1,0 +1,292 @@
+//! `locus metadata serve` as a test starts it: tokens, TLS, options, and the CLI against it.
+
+#![allow(unused_imports)]
+
+use std::ffi::OsString;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use locus_proto::client::{ClientOptions, MetadataClient};
+use locus_proto::manifest::{BlobHash, Entry, EntryKind, RelPath};
+use locus_proto::pb;
+
+use super::*;
+
+/// A token the harness configures, with its role.
+#[derive(Clone, Debug)]
+pub struct Token {
+    pub name: &'static str,
+    pub role: &'static str,
+    pub secret: String,
+}
+
+pub fn tokens() -> Vec<Token> {
+    ["admin", "node", "reader"]
+        .iter()
+        .map(|role| Token {
+            name: match *role {
+                "admin" => "ops",
+                "node" => "gpu-node",
+                _ => "trainer",
+            },
+            role,
+            secret: format!("{role}-secret-0123456789abcdef"),
+        })
+        .collect()
+}
+
+#[derive(Clone, Debug, Default)]
+pub struct MetadataOpts {
+    pub tokens: Vec<Token>,
+    pub tls: bool,
+    pub liveness_timeout: Option<&'static str>,
+    pub session_timeout: Option<&'static str>,
+    pub extra: Vec<String>,
+}
+
+/// A running (or stopped) `locus metadata serve`.
+pub struct Metadata {
+    pub daemon: Daemon,
+    pub data_dir: PathBuf,
+    pub log: PathBuf,
+    pub grpc: SocketAddr,
+    pub http: SocketAddr,
+    pub opts: MetadataOpts,
+    pub ca_pem: Option<Vec<u8>>,
+    pub dir: PathBuf,
+}
+
+impl Harness {
+    /// Starts a metadata service on free loopback ports and waits until it answers.
+    pub async fn start_metadata(&self, name: &str, opts: MetadataOpts) -> Metadata {
+        let dir = self.path(name);
+        std::fs::create_dir_all(&dir).unwrap();
+        let ca_pem = if opts.tls { Some(make_tls(&dir)) } else { None };
+        if !opts.tokens.is_empty() {
+            let mut t = String::new();
+            for tok in &opts.tokens {
+                t.push_str(&format!(
+                    "[[token]]\nname = \"{}\"\nrole = \"{}\"\ntoken = \"{}\"\n",
+                    tok.name, tok.role, tok.secret
+                ));
+            }
+            std::fs::write(dir.join("tokens.toml"), t).unwrap();
+        }
+        let log = self.path(&format!("{name}.log"));
+        // With tokens, the repair loop presents the node token to cache nodes.
+        let env = opts
+            .tokens
+            .iter()
+            .find(|t| t.role == "node")
+            .map(|t| vec![("LOCUS_METADATA_NODE_TOKEN".to_string(), t.secret.clone())])
+            .unwrap_or_default();
+        let mut m = Metadata {
+            daemon: Daemon::new(name, log.clone(), dir.join("addr"), env),
+            data_dir: dir.join("data"),
+            log,
+            grpc: "127.0.0.1:0".parse().unwrap(),
+            http: "127.0.0.1:0".parse().unwrap(),
+            opts,
+            ca_pem,
+            dir,
+        };
+        m.start().await;
+        m
+    }
+}
+
+impl Metadata {
+    pub fn args(&self) -> Vec<OsString> {
+        let mut a: Vec<OsString> = vec!["metadata".into(), "serve".into(), "--data-dir".into()];
+        a.push(self.data_dir.clone().into());
+        a.push("--listen".into());
+        a.push(self.grpc.to_string().into());
+        a.push("--http-listen".into());
+        a.push(self.http.to_string().into());
+        a.push("--addr-file".into());
+        a.push(self.dir.join("addr").into());
+        if !self.opts.tokens.is_empty() {
+            a.push("--tokens-file".into());
+            a.push(self.dir.join("tokens.toml").into());
+        }
+        if self.opts.tls {
+            a.push("--tls-cert".into());
+            a.push(self.dir.join("server.pem").into());
+            a.push("--tls-key".into());
+            a.push(self.dir.join("server.key").into());
+        }
+        if let Some(t) = self.opts.liveness_timeout {
+            a.push("--liveness-timeout".into());
+            a.push(t.into());
+        }
+        if let Some(t) = self.opts.session_timeout {
+            a.push("--session-timeout".into());
+            a.push(t.into());
+        }
+        a.extend(self.opts.extra.iter().map(OsString::from));
+        a
+    }
+
+    pub async fn start(&mut self) {
+        let args = self.args();
+        self.daemon.spawn(&args);
+        let addrs = self.daemon.wait_addrs().await;
+        self.grpc = addr_of(&addrs, "grpc");
+        self.http = addr_of(&addrs, "http");
+        let token = self.opts.tokens.first().map(|t| t.secret.clone());
+        let opts = self.client_options(token);
+        wait_until("the metadata service to answer", Duration::from_secs(30), || {
+            let opts = opts.clone();
+            async move {
+                let mut c = locus_proto::client::connect(&opts).await.ok()?;
+                c.get_cluster_info(pb::GetClusterInfoRequest {}).await.ok()
+            }
+        })
+        .await;
+    }
+
+    pub fn url(&self) -> String {
+        if self.opts.tls {
+            format!("https://localhost:{}", self.grpc.port())
+        } else {
+            format!("http://{}", self.grpc)
+        }
+    }
+
+    pub fn client_options(&self, token: Option<String>) -> ClientOptions {
+        let mut o = ClientOptions::new(self.url()).with_token(token);
+        o.ca_cert_pem = self.ca_pem.clone();
+        o
+    }
+
+    pub fn token(&self, role: &str) -> Option<String> {
+        self.opts
+            .tokens
+            .iter()
+            .find(|t| t.role == role)
+            .map(|t| t.secret.clone())
+    }
+
+    /// A client with the token of `role` ("admin", "node", "reader"), or none.
+    pub async fn client(&self, role: Option<&str>) -> MetadataClient {
+        let token = role.map(|r| self.token(r).unwrap_or_else(|| panic!("no {r} token configured")));
+        locus_proto::client::connect(&self.client_options(token))
+            .await
+            .expect("connect to the metadata service")
+    }
+
+    /// Runs the `locus` CLI against this service, with the admin token if any.
+    pub fn cli(&self, args: &[&str]) -> Output {
+        self.cli_env(args, &[])
+    }
+
+    /// `cli` with extra environment variables (PATH for stand-in tools, say).
+    pub fn cli_env(&self, args: &[&str], env: &[(&str, String)]) -> Output {
+        let mut cmd = Command::new(LOCUS);
+        cmd.envs(env.iter().map(|(k, v)| (*k, v.as_str())));
+        cmd.args(args)
+            .env("LOCUS_METADATA", self.url())
+            .env_remove("LOCUS_CONFIG");
+        cmd.env("HOME", &self.dir);
+        match self.token("admin") {
+            Some(t) => cmd.env("LOCUS_TOKEN", t),
+            None => cmd.env_remove("LOCUS_TOKEN"),
+        };
+        if self.opts.tls {
+            cmd.env("LOCUS_CA_CERT", self.dir.join("ca.pem"));
+        }
+        cmd.output().expect("run locus")
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.daemon.pid()
+    }
+
+    pub fn kill9(&mut self) {
+        self.daemon.kill9();
+    }
+
+    pub async fn terminate(&mut self) -> ExitStatus {
+        self.daemon.terminate().await
+    }
+
+    /// Starts it again on the same data dir and ports.
+    pub async fn restart(&mut self) {
+        assert!(!self.daemon.is_running(), "stop it first");
+        self.start().await;
+    }
+
+    pub fn audit_lines(&self) -> Vec<serde_json::Value> {
+        std::fs::read_to_string(self.data_dir.join("audit.log"))
+            .unwrap_or_default()
+            .lines()
+            .map(|l| serde_json::from_str(l).expect("audit lines are JSON"))
+            .collect()
+    }
+}
+
+/// A self-signed CA and a server certificate for `localhost`, made with openssl(1).
+pub fn make_tls(dir: &Path) -> Vec<u8> {
+    let run = |args: &[&str]| {
+        let st = Command::new("openssl")
+            .args(args)
+            .current_dir(dir)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status()
+            .expect("openssl is needed for the TLS test");
+        assert!(st.success(), "openssl {args:?} failed");
+    };
+    run(&[
+        "req",
+        "-x509",
+        "-newkey",
+        "ec",
+        "-pkeyopt",
+        "ec_paramgen_curve:prime256v1",
+        "-nodes",
+        "-keyout",
+        "ca.key",
+        "-out",
+        "ca.pem",
+        "-days",
+        "2",
+        "-subj",
+        "/CN=locus test CA",
+    ]);
+    run(&[
+        "req",
+        "-newkey",
+        "ec",
+        "-pkeyopt",
+        "ec_paramgen_curve:prime256v1",
+        "-nodes",
+        "-keyout",
+        "server.key",
+        "-out",
+        "server.csr",
+        "-subj",
+        "/CN=localhost",
+    ]);
+    std::fs::write(dir.join("ext.cnf"), "subjectAltName=DNS:localhost,IP:127.0.0.1\n").unwrap();
+    run(&[
+        "x509",
+        "-req",
+        "-in",
+        "server.csr",
+        "-CA",
+        "ca.pem",
+        "-CAkey",
+        "ca.key",
+        "-CAcreateserial",
+        "-out",
+        "server.pem",
+        "-days",
+        "2",
+        "-extfile",
+        "ext.cnf",
+    ]);
+    std::fs::read(dir.join("ca.pem")).unwrap()
+}

@@ -1,0 +1,175 @@
+//! `locus mount` as an operator runs it, and what a test reads of it.
+
+#![allow(unused_imports)]
+
+use std::ffi::OsString;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use locus_proto::client::{ClientOptions, MetadataClient};
+use locus_proto::manifest::{BlobHash, Entry, EntryKind, RelPath};
+use locus_proto::pb;
+
+use super::*;
+
+// ---------------------------------------------------------------------------------------
+// Mounts
+
+/// A `locus mount` started through the real CLI (daemonizing, as an operator runs it).
+/// Dropping it unmounts (lazily, so a hung mount cannot hang the test) and kills the
+/// mount process.
+pub struct Mount {
+    pub path: PathBuf,
+    pub runtime_dir: PathBuf,
+    pub log: PathBuf,
+}
+
+impl Metadata {
+    /// `locus mount TARGET <run dir>/NAME [--node-socket SOCK] EXTRA…`; panics unless it
+    /// reports ready.
+    pub fn mount(&self, name: &str, target: &str, node: Option<&Node>, extra: &[&str]) -> Mount {
+        let o = self.try_mount(name, target, node, extra);
+        assert!(o.1.status.success(), "mount failed: {}", stderr(&o.1));
+        o.0
+    }
+
+    /// Like `mount`, returning the CLI's output whatever it was.
+    pub fn try_mount(
+        &self,
+        name: &str,
+        target: &str,
+        node: Option<&Node>,
+        extra: &[&str],
+    ) -> (Mount, Output) {
+        let path = self.dir.parent().unwrap().join(name);
+        std::fs::create_dir_all(&path).unwrap();
+        let runtime_dir = self.dir.parent().unwrap().join("runtime");
+        let log = self.dir.parent().unwrap().join(format!("{name}.log"));
+        let mut args = vec![
+            "mount",
+            target,
+            path.to_str().unwrap(),
+            "--log-file",
+            log.to_str().unwrap(),
+        ];
+        if let Some(n) = node {
+            args.push("--node-socket");
+            args.push(n.socket.to_str().unwrap());
+        }
+        args.extend_from_slice(extra);
+        let mut cmd = Command::new(LOCUS);
+        cmd.args(&args)
+            .env("LOCUS_METADATA", self.url())
+            .env("LOCUS_RUNTIME_DIR", &runtime_dir)
+            .env("RUST_LOG", "info")
+            .env_remove("LOCUS_CONFIG");
+        match self.token("reader").or_else(|| self.token("admin")) {
+            Some(t) => cmd.env("LOCUS_TOKEN", t),
+            None => cmd.env_remove("LOCUS_TOKEN"),
+        };
+        let out = cmd.output().expect("run locus mount");
+        (
+            Mount {
+                path,
+                runtime_dir,
+                log,
+            },
+            out,
+        )
+    }
+}
+
+impl Mount {
+    /// The mount's status file (what `locus status` shows): the one in the runtime dir
+    /// that names this mountpoint.
+    pub fn status(&self) -> serde_json::Value {
+        let dir = self.runtime_dir.join("mounts");
+        for e in std::fs::read_dir(&dir).into_iter().flatten().flatten() {
+            if e.path().extension().is_some_and(|x| x == "json") {
+                let Ok(v) =
+                    serde_json::from_slice::<serde_json::Value>(&std::fs::read(e.path()).unwrap_or_default())
+                else {
+                    continue;
+                };
+                if v["mountpoint"].as_str() == Some(self.path.to_str().unwrap()) {
+                    return v;
+                }
+            }
+        }
+        panic!("no status file for {} in {}", self.path.display(), dir.display())
+    }
+
+    /// Waits (the status file is rewritten every two seconds) until `ok` holds for the
+    /// mount's status, and returns it.
+    pub async fn status_when(
+        &self,
+        what: &str,
+        ok: impl Fn(&serde_json::Value) -> bool,
+    ) -> serde_json::Value {
+        wait_until(what, Duration::from_secs(10), || {
+            let s = self.status();
+            let good = ok(&s);
+            async move { good.then_some(s) }
+        })
+        .await
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.status()["pid"].as_u64().unwrap() as u32
+    }
+
+    pub fn umount(&self) -> Output {
+        Command::new(LOCUS)
+            .args(["umount", self.path.to_str().unwrap()])
+            .env("LOCUS_RUNTIME_DIR", &self.runtime_dir)
+            .output()
+            .expect("run locus umount")
+    }
+
+    pub fn is_mounted(&self) -> bool {
+        let want = self.path.display().to_string();
+        std::fs::read_to_string("/proc/self/mountinfo")
+            .unwrap_or_default()
+            .lines()
+            .any(|l| l.split(' ').nth(4) == Some(want.as_str()))
+    }
+}
+
+impl Drop for Mount {
+    fn drop(&mut self) {
+        if !self.is_mounted() {
+            return;
+        }
+        let pid = std::fs::read_dir(self.runtime_dir.join("mounts"))
+            .ok()
+            .and_then(|_| std::panic::catch_unwind(|| self.pid()).ok());
+        let _ = Command::new("fusermount3")
+            .args(["-u", "-z"])
+            .arg(&self.path)
+            .status();
+        if let Some(pid) = pid {
+            let _ = Command::new("kill").args(["-9", &pid.to_string()]).status();
+        }
+        if std::thread::panicking() {
+            eprintln!(
+                "--- mount log {} ---\n{}",
+                self.log.display(),
+                std::fs::read_to_string(&self.log).unwrap_or_default()
+            );
+        }
+    }
+}
+
+/// Drops a file's pages from the page cache, so the next read asks the filesystem again.
+#[allow(unsafe_code)]
+pub fn drop_page_cache(path: &Path) {
+    use std::os::fd::AsRawFd;
+    if let Ok(f) = std::fs::File::open(path) {
+        // SAFETY: a valid open descriptor; posix_fadvise only advises the kernel.
+        unsafe {
+            libc::posix_fadvise(f.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED);
+        }
+    }
+}

@@ -1,0 +1,209 @@
+//! `locus node serve` as a test starts it: one host per node (labels), its data dir and sockets.
+
+#![allow(unused_imports)]
+
+use std::ffi::OsString;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use locus_proto::client::{ClientOptions, MetadataClient};
+use locus_proto::manifest::{BlobHash, Entry, EntryKind, RelPath};
+use locus_proto::pb;
+
+use super::*;
+
+#[derive(Clone, Debug)]
+pub struct NodeOpts {
+    pub capacity: &'static str,
+    pub zone: &'static str,
+    pub rack: String,
+    pub host: String,
+    pub scrub_rate: &'static str,
+    pub pin_sync: &'static str,
+    /// Put the data dir on a tmpfs of this size (e.g. "2m"), to fill a real disk.
+    pub tmpfs: Option<&'static str>,
+    /// More `locus node serve` arguments.
+    pub extra: Vec<String>,
+}
+
+impl NodeOpts {
+    /// A node on its own host and rack.
+    pub fn host(n: usize) -> Self {
+        NodeOpts {
+            capacity: "1GiB",
+            zone: "z1",
+            rack: format!("r{n}"),
+            host: format!("h{n}"),
+            scrub_rate: "0",
+            pin_sync: "1s",
+            tmpfs: None,
+            extra: Vec::new(),
+        }
+    }
+}
+
+impl Drop for Node {
+    fn drop(&mut self) {
+        self.daemon.kill9();
+        if self.opts.tmpfs.is_some() {
+            let _ = Command::new("umount").arg("-l").arg(&self.data_dir).status();
+        }
+    }
+}
+
+/// A running (or stopped) `locus node serve`.
+pub struct Node {
+    pub id: String,
+    pub daemon: Daemon,
+    pub data_dir: PathBuf,
+    pub grpc: SocketAddr,
+    pub http: SocketAddr,
+    pub socket: PathBuf,
+    pub opts: NodeOpts,
+    pub metadata_url: String,
+    pub dir: PathBuf,
+    pub tokens_file: Option<PathBuf>,
+}
+
+impl Harness {
+    /// Starts a cache node registered with `meta` and waits until it is listed as up.
+    pub async fn start_node(&self, id: &str, meta: &Metadata, opts: NodeOpts) -> Node {
+        let dir = self.path(id);
+        std::fs::create_dir_all(&dir).unwrap();
+        let mut env = Vec::new();
+        if let Some(t) = meta.token("node") {
+            env.push(("LOCUS_TOKEN".to_string(), t));
+        }
+        if let Some(size) = opts.tmpfs {
+            let data = dir.join("data");
+            std::fs::create_dir_all(&data).unwrap();
+            let st = Command::new("mount")
+                .args(["-t", "tmpfs", "-o", &format!("size={size}"), "tmpfs"])
+                .arg(&data)
+                .status()
+                .expect("run mount");
+            assert!(
+                st.success(),
+                "this test needs to mount a tmpfs (root and mount(8)); it cannot run here"
+            );
+        }
+        let tokens_file = (!meta.opts.tokens.is_empty()).then(|| meta.dir.join("tokens.toml"));
+        let mut n = Node {
+            tokens_file,
+            id: id.to_string(),
+            daemon: Daemon::new(id, self.path(&format!("{id}.log")), dir.join("addr"), env),
+            data_dir: dir.join("data"),
+            grpc: "127.0.0.1:0".parse().unwrap(),
+            http: "127.0.0.1:0".parse().unwrap(),
+            socket: dir.join("node.sock"),
+            opts,
+            metadata_url: meta.url(),
+            dir,
+        };
+        n.start().await;
+        let c = meta.client(meta.opts.tokens.first().map(|t| t.role)).await;
+        wait_until(&format!("node {id} to register"), Duration::from_secs(30), || {
+            let mut c = c.clone();
+            async move {
+                let nodes = c
+                    .list_nodes(pb::ListNodesRequest {})
+                    .await
+                    .ok()?
+                    .into_inner()
+                    .nodes;
+                nodes
+                    .iter()
+                    .any(|n| n.id == id && n.state == pb::NodeState::Up as i32)
+                    .then_some(())
+            }
+        })
+        .await;
+        n
+    }
+}
+
+impl Node {
+    pub fn args(&self) -> Vec<OsString> {
+        let o = &self.opts;
+        let mut a: Vec<OsString> = vec!["--metadata".into(), self.metadata_url.clone().into()];
+        a.extend(["node", "serve", "--id"].map(OsString::from));
+        a.push(self.id.clone().into());
+        a.push("--data-dir".into());
+        a.push(self.data_dir.clone().into());
+        a.push("--listen".into());
+        a.push(self.grpc.to_string().into());
+        a.push("--local-socket".into());
+        a.push(self.socket.clone().into());
+        a.push("--http-listen".into());
+        a.push(self.http.to_string().into());
+        if let Some(t) = &self.tokens_file {
+            a.push("--tokens-file".into());
+            a.push(t.clone().into());
+        }
+        a.push("--addr-file".into());
+        a.push(self.dir.join("addr").into());
+        for (k, v) in [
+            ("--capacity", o.capacity.to_string()),
+            ("--reserve", "0".to_string()),
+            (
+                "--labels",
+                format!("zone={},rack={},host={}", o.zone, o.rack, o.host),
+            ),
+            ("--heartbeat-interval", "300ms".to_string()),
+            ("--pin-sync-interval", o.pin_sync.to_string()),
+            ("--scrub-rate", o.scrub_rate.to_string()),
+            ("--peer-timeout", "2s".to_string()),
+        ] {
+            // A test's own setting (in `extra`) wins over the default here.
+            if o.extra.iter().any(|x| x == k) {
+                continue;
+            }
+            a.push(k.into());
+            a.push(v.into());
+        }
+        a.extend(o.extra.iter().map(OsString::from));
+        a
+    }
+
+    pub async fn start(&mut self) {
+        let args = self.args();
+        self.daemon.spawn(&args);
+        let addrs = self.daemon.wait_addrs().await;
+        self.grpc = addr_of(&addrs, "grpc");
+        self.http = addr_of(&addrs, "http");
+    }
+
+    /// Starts it again on the same data dir and port.
+    pub async fn restart(&mut self) {
+        assert!(!self.daemon.is_running(), "stop it first");
+        self.start().await;
+    }
+
+    pub async fn client(&self) -> locus_proto::client::NodeClient {
+        self.client_with(None).await
+    }
+
+    pub async fn client_with(&self, token: Option<&str>) -> locus_proto::client::NodeClient {
+        locus_proto::client::connect_node(&self.grpc.to_string(), token, Duration::from_secs(5))
+            .await
+            .expect("connect to the node")
+    }
+
+    /// The blobs on disk: hash (from the file name) → path.
+    pub fn blob_files(&self) -> std::collections::BTreeMap<String, PathBuf> {
+        let mut out = std::collections::BTreeMap::new();
+        let blobs = self.data_dir.join("blobs");
+        for sub in std::fs::read_dir(&blobs).into_iter().flatten().flatten() {
+            for f in std::fs::read_dir(sub.path()).into_iter().flatten().flatten() {
+                out.insert(f.file_name().to_string_lossy().into_owned(), f.path());
+            }
+        }
+        out
+    }
+
+    pub fn quarantined(&self) -> usize {
+        std::fs::read_dir(self.data_dir.join("quarantine")).map_or(0, |d| d.count())
+    }
+}
