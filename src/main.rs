@@ -7,8 +7,6 @@
 mod cmd;
 mod config;
 mod output;
-mod remote;
-mod scan;
 
 use std::path::PathBuf;
 use std::process::ExitCode;

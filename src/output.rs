@@ -40,18 +40,7 @@ pub fn json<T: Serialize>(v: &T) -> anyhow::Result<()> {
 
 /// A refused or failed call as a sentence for the operator.
 pub fn status_error(s: tonic::Status) -> anyhow::Error {
-    use tonic::Code::*;
-    let what = match s.code() {
-        Unauthenticated => "not authenticated",
-        PermissionDenied => "permission denied",
-        NotFound => "not found",
-        InvalidArgument => "invalid request",
-        FailedPrecondition => "refused",
-        Unavailable => "metadata service unavailable",
-        DeadlineExceeded => "timed out",
-        _ => "metadata service error",
-    };
-    anyhow::anyhow!("{what}: {}", s.message())
+    anyhow::anyhow!("{}", locus::ops::status_sentence(&s))
 }
 
 pub trait StatusExt<T> {
@@ -126,5 +115,34 @@ impl Progress {
             );
         }
         self.start.elapsed()
+    }
+}
+
+/// Shows each phase of long library work (`locus::ops`) as a progress line on a terminal.
+#[derive(Default)]
+pub struct TermObserver {
+    phases: std::sync::Mutex<std::collections::HashMap<&'static str, Progress>>,
+}
+
+impl locus::ops::Observer for TermObserver {
+    fn start(&self, phase: &'static str, total: u64) -> Arc<AtomicU64> {
+        let p = Progress::new(phase, total);
+        let done = p.done.clone();
+        self.phases
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(phase, p);
+        done
+    }
+
+    fn end(&self, phase: &'static str) {
+        let p = self
+            .phases
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(phase);
+        if let Some(p) = p {
+            p.finish();
+        }
     }
 }

@@ -969,17 +969,17 @@ async fn restore_version(
     let mut shard_blobs = Vec::with_capacity(v.shard_blobs.len());
     for sb in &v.shard_blobs {
         for (h, size) in sb {
-            blobs.insert(*h, (crate::scan::BlobSource::Remote(t.blob_key(h)), *size));
+            blobs.insert(*h, (locus::ops::scan::BlobSource::Remote(t.blob_key(h)), *size));
         }
         shard_blobs.push(sb.iter().map(|(h, _)| *h).collect());
     }
-    let scanned = crate::scan::Scanned {
+    let scanned = locus::ops::scan::Scanned {
         entries: v.entries,
         shards: v.shards,
         blobs,
         shard_blobs,
     };
-    let args = super::import::ImportArgs {
+    let o = locus::ops::import::ImportOptions {
         name: a.as_name.clone().unwrap_or_else(|| name.to_string()),
         source: t.url.clone(),
         replicas: match a.replicas {
@@ -987,29 +987,31 @@ async fn restore_version(
             Some(r) => r,
             None => v.replication.max(1),
         },
-        shard_size: String::new(),
-        chunk_size: String::new(),
+        // The snapshot's shards are reused as they were: no new grouping.
+        shard_size: 0,
+        chunk_size: v.chunk_size,
         parallel: 8,
+        token: cfg.token.clone(),
     };
     if !cfg.json {
         println!(
             "restoring {}@{} from snapshot {snapshot} as the next version of {}",
-            v.dataset, v.number, args.name
+            v.dataset, v.number, o.name
         );
     }
     let mut m = cfg.connect().await?;
-    super::import::commit_scanned(
-        &args,
-        cfg,
+    let report = locus::ops::import::commit_scanned(
         &mut m,
+        &o,
         &scanned,
         Some(t.store.clone()),
         v.origin,
-        v.chunk_size,
+        &crate::output::TermObserver::default(),
         started,
         Duration::ZERO,
     )
     .await?;
+    super::import::print_report(&report, cfg)?;
     // The backup is now a source for this version's blobs too.
     let _ = m
         .record_backup(pb::RecordBackupRequest {

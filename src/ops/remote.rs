@@ -10,13 +10,15 @@ use std::collections::BTreeSet;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
-use anyhow::{bail, Context};
+use super::{Explain, SourceError};
+
+type Result<T, E = SourceError> = std::result::Result<T, E>;
 use futures_util::StreamExt;
 use locus_proto::manifest::{ChunkHasher, FileHashes};
 use object_store::path::Path as ObjPath;
 use object_store::{ObjectStore, ObjectStoreExt};
 
-use crate::scan::{BlobSource, Found, FoundKind, Scanned};
+use super::scan::{BlobSource, Found, FoundKind, Scanned};
 
 pub struct Remote {
     pub store: Arc<dyn ObjectStore>,
@@ -24,21 +26,21 @@ pub struct Remote {
 }
 
 /// Opens `s3://bucket/prefix`.
-pub fn open(url: &str) -> anyhow::Result<Remote> {
+pub fn open(url: &str) -> Result<Remote> {
     let Some(rest) = url.strip_prefix("s3://") else {
-        bail!(
+        return Err(SourceError(format!(
             "{url}: this build reads local directories, file:// and s3:// sources \
              (gs:// and az:// are not built in yet)"
-        );
+        )));
     };
     let (bucket, prefix) = rest.split_once('/').unwrap_or((rest, ""));
     if bucket.is_empty() {
-        bail!("{url}: no bucket name");
+        return Err(SourceError(format!("{url}: no bucket name")));
     }
     let store = object_store::aws::AmazonS3Builder::from_env()
         .with_bucket_name(bucket)
         .build()
-        .with_context(|| format!("cannot set up access to {url}"))?;
+        .explain(|| format!("cannot set up access to {url}"))?;
     Ok(Remote {
         store: Arc::new(store),
         prefix: ObjPath::from(prefix.trim_matches('/')),
@@ -49,11 +51,11 @@ pub fn open(url: &str) -> anyhow::Result<Remote> {
 pub async fn open_object(
     store: &Arc<dyn ObjectStore>,
     path: &ObjPath,
-) -> anyhow::Result<impl futures_util::Stream<Item = object_store::Result<bytes::Bytes>> + use<>> {
+) -> Result<impl futures_util::Stream<Item = object_store::Result<bytes::Bytes>> + use<>> {
     Ok(store
         .get(path)
         .await
-        .with_context(|| format!("cannot read {path}"))?
+        .explain(|| format!("cannot read {path}"))?
         .into_stream())
 }
 
@@ -62,7 +64,7 @@ async fn hash_object(
     path: ObjPath,
     chunk_size: u32,
     done: Arc<AtomicU64>,
-) -> anyhow::Result<FileHashes> {
+) -> Result<FileHashes> {
     // Hashing runs on a blocking thread, fed through a bounded channel.
     let (tx, mut rx) = tokio::sync::mpsc::channel::<bytes::Bytes>(8);
     let hasher = tokio::task::spawn_blocking(move || {
@@ -74,14 +76,14 @@ async fn hash_object(
     });
     let mut s = std::pin::pin!(open_object(&store, &path).await?);
     while let Some(piece) = s.next().await {
-        let piece = piece.with_context(|| format!("reading {path} failed"))?;
+        let piece = piece.explain(|| format!("reading {path} failed"))?;
         done.fetch_add(piece.len() as u64, Ordering::Relaxed);
         if tx.send(piece).await.is_err() {
             break;
         }
     }
     drop(tx);
-    Ok(hasher.await?)
+    hasher.await.explain(|| "hashing task failed".to_string())
 }
 
 /// Lists `remote`, hashes every object (`parallel` at a time) and builds the manifest.
@@ -91,13 +93,13 @@ pub async fn scan(
     shard_size: u64,
     parallel: usize,
     done: Arc<AtomicU64>,
-) -> anyhow::Result<Scanned> {
+) -> Result<Scanned> {
     let prefix = remote.prefix.clone();
     let mut listing = remote.store.list(Some(&prefix));
     let mut found = Vec::new();
     let mut dirs = BTreeSet::new();
     while let Some(meta) = listing.next().await {
-        let meta = meta.context("listing the source failed")?;
+        let meta = meta.explain(|| "listing the source failed".to_string())?;
         let key = meta.location.as_ref();
         let rel = if prefix.as_ref().is_empty() {
             key.to_string()
@@ -148,8 +150,8 @@ pub async fn scan(
             set.spawn(async move { (i, hash_object(store, p, chunk_size, done).await) });
         }
         let Some(r) = set.join_next().await else { break };
-        let (i, h) = r?;
+        let (i, h) = r.explain(|| "hashing task failed".to_string())?;
         hashes[i] = Some(h?);
     }
-    crate::scan::assemble(found, hashes, shard_size)
+    super::scan::assemble(found, hashes, shard_size)
 }

@@ -8,7 +8,9 @@ use std::collections::{HashMap, HashSet};
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 
-use anyhow::{bail, Context};
+use super::{Explain, SourceError};
+
+type Result<T, E = SourceError> = std::result::Result<T, E>;
 use locus_proto::manifest::{BlobHash, Entry, EntryKind, FileHashes, RelPath};
 use locus_proto::pb;
 
@@ -51,9 +53,8 @@ pub enum FoundKind {
     File(BlobSource),
 }
 
-fn hash_file(path: &Path, chunk_size: u32) -> anyhow::Result<FileHashes> {
-    locus_proto::manifest::hash_file(path, chunk_size)
-        .with_context(|| format!("cannot read {}", path.display()))
+fn hash_file(path: &Path, chunk_size: u32) -> Result<FileHashes> {
+    locus_proto::manifest::hash_file(path, chunk_size).explain(|| format!("cannot read {}", path.display()))
 }
 
 /// Scans `root` into a manifest with `chunk_size` chunks and shards of about `shard_size`,
@@ -64,7 +65,7 @@ pub fn scan_dir_parallel(
     shard_size: u64,
     threads: usize,
     progress: &(dyn Fn(u64) + Sync),
-) -> anyhow::Result<Scanned> {
+) -> Result<Scanned> {
     use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
     let mut found = Vec::new();
     walk(root, "", &mut found)?;
@@ -76,7 +77,7 @@ pub fn scan_dir_parallel(
     let done = AtomicU64::new(0);
     let results: Vec<std::sync::Mutex<Option<FileHashes>>> =
         (0..found.len()).map(|_| std::sync::Mutex::new(None)).collect();
-    let first_err: std::sync::Mutex<Option<anyhow::Error>> = std::sync::Mutex::new(None);
+    let first_err: std::sync::Mutex<Option<SourceError>> = std::sync::Mutex::new(None);
     std::thread::scope(|s| {
         for _ in 0..threads.max(1) {
             s.spawn(|| loop {
@@ -109,24 +110,20 @@ pub fn scan_dir_parallel(
 /// Turns sorted found entries and their hashes (`Some` for every file) into a manifest
 /// with shards: files in path order fill a shard until the next would overflow it; a
 /// file of at least a shard's size gets a shard of its own.
-pub fn assemble(
-    found: Vec<Found>,
-    hashes: Vec<Option<FileHashes>>,
-    shard_size: u64,
-) -> anyhow::Result<Scanned> {
+pub fn assemble(found: Vec<Found>, hashes: Vec<Option<FileHashes>>, shard_size: u64) -> Result<Scanned> {
     let mut entries = Vec::with_capacity(found.len());
     let mut shards: Vec<pb::Shard> = Vec::new();
     let mut blobs = HashMap::new();
     let mut shard_blobs: Vec<Vec<BlobHash>> = Vec::new();
     let mut in_shard: HashSet<BlobHash> = HashSet::new();
     for (f, h) in found.into_iter().zip(hashes) {
-        let path =
-            RelPath::try_from(f.rel.as_str()).map_err(|e| anyhow::anyhow!("{:?}: {}", f.rel, e.reason))?;
+        let path = RelPath::try_from(f.rel.as_str())
+            .map_err(|e| SourceError(format!("{:?}: {}", f.rel, e.reason)))?;
         let kind = match f.kind {
             FoundKind::Dir => EntryKind::Dir,
             FoundKind::Symlink(target) => EntryKind::Symlink { target },
             FoundKind::File(source) => {
-                let (size, blob, chunks) = h.with_context(|| format!("{} was not hashed", f.rel))?;
+                let (size, blob, chunks) = h.explain(|| format!("{} was not hashed", f.rel))?;
                 let start_new = match shards.last() {
                     None => true,
                     Some(s) => s.bytes + size > shard_size && s.files > 0,
@@ -169,38 +166,38 @@ pub fn assemble(
     })
 }
 
-fn walk(root: &Path, rel: &str, out: &mut Vec<Found>) -> anyhow::Result<()> {
+fn walk(root: &Path, rel: &str, out: &mut Vec<Found>) -> Result<()> {
     let dir = if rel.is_empty() {
         root.to_path_buf()
     } else {
         root.join(rel)
     };
-    let rd = std::fs::read_dir(&dir).with_context(|| format!("cannot list {}", dir.display()))?;
+    let rd = std::fs::read_dir(&dir).explain(|| format!("cannot list {}", dir.display()))?;
     for e in rd {
-        let e = e.with_context(|| format!("cannot list {}", dir.display()))?;
+        let e = e.explain(|| format!("cannot list {}", dir.display()))?;
         let name = e.file_name();
         let Some(name) = name.to_str() else {
-            bail!(
+            return Err(SourceError(format!(
                 "{}: file name is not UTF-8; rename it to import",
                 e.path().display()
-            );
+            )));
         };
         let child = if rel.is_empty() {
             name.to_string()
         } else {
             format!("{rel}/{name}")
         };
-        let meta = std::fs::symlink_metadata(e.path())
-            .with_context(|| format!("cannot stat {}", e.path().display()))?;
+        let meta =
+            std::fs::symlink_metadata(e.path()).explain(|| format!("cannot stat {}", e.path().display()))?;
         let ft = meta.file_type();
         let kind = if ft.is_dir() {
             FoundKind::Dir
         } else if ft.is_symlink() {
             let t = std::fs::read_link(e.path())
-                .with_context(|| format!("cannot read link {}", e.path().display()))?;
+                .explain(|| format!("cannot read link {}", e.path().display()))?;
             let target = t
                 .to_str()
-                .with_context(|| format!("{}: link target is not UTF-8", e.path().display()))?
+                .explain(|| format!("{}: link target is not UTF-8", e.path().display()))?
                 .to_string();
             FoundKind::Symlink(target)
         } else if ft.is_file() {

@@ -1,0 +1,75 @@
+//! What the operator's long commands do, as library code: the binary's `src/cmd/` parses
+//! arguments, calls these with plain option structs and prints what they return, so a
+//! daemon, a test or another command (restore imports a version read back from a backup)
+//! can run the same work.
+//!
+//! Nothing here prints or exits: progress goes to an [`Observer`], results and typed
+//! errors to the caller.
+
+pub mod import;
+pub mod remote;
+pub mod scan;
+
+use std::sync::atomic::AtomicU64;
+use std::sync::Arc;
+
+/// Sees long work progress, one phase at a time ("hashing", "uploading").
+pub trait Observer: Send + Sync {
+    /// A phase starts with `total` bytes to do (0 when not known yet); the returned
+    /// counter is advanced as bytes are done.
+    fn start(&self, phase: &'static str, total: u64) -> Arc<AtomicU64>;
+    /// The phase ended, done or not.
+    fn end(&self, phase: &'static str);
+}
+
+/// An observer that shows nothing.
+#[derive(Debug, Default)]
+pub struct Quiet;
+
+impl Observer for Quiet {
+    fn start(&self, _phase: &'static str, _total: u64) -> Arc<AtomicU64> {
+        Arc::default()
+    }
+    fn end(&self, _phase: &'static str) {}
+}
+
+/// Reading or hashing a source (a directory, an object-store prefix) failed: the
+/// sentence says what and where.
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct SourceError(pub String);
+
+/// `context: cause` for results and options, like a context chain, into a
+/// [`SourceError`].
+pub(crate) trait Explain<T> {
+    fn explain(self, what: impl FnOnce() -> String) -> Result<T, SourceError>;
+}
+
+impl<T, E: std::fmt::Display> Explain<T> for Result<T, E> {
+    fn explain(self, what: impl FnOnce() -> String) -> Result<T, SourceError> {
+        self.map_err(|e| SourceError(format!("{}: {e}", what())))
+    }
+}
+
+impl<T> Explain<T> for Option<T> {
+    fn explain(self, what: impl FnOnce() -> String) -> Result<T, SourceError> {
+        self.ok_or_else(|| SourceError(what()))
+    }
+}
+
+/// A metadata-service error as an operator reads it: what kind of refusal, then the
+/// service's own sentence.
+pub fn status_sentence(s: &tonic::Status) -> String {
+    use tonic::Code::*;
+    let what = match s.code() {
+        Unauthenticated => "not authenticated",
+        PermissionDenied => "permission denied",
+        NotFound => "not found",
+        InvalidArgument => "invalid request",
+        FailedPrecondition => "refused",
+        Unavailable => "metadata service unavailable",
+        DeadlineExceeded => "timed out",
+        _ => "metadata service error",
+    };
+    format!("{what}: {}", s.message())
+}
