@@ -10,6 +10,12 @@
 //! committed snapshot's list says what it holds without listing the bucket; anything
 //! else is checked with one HEAD, which is how an interrupted run resumes) → re-check if
 //! a garbage collection overlapped the run → write COMMITTED last.
+//!
+//! Why this file is still long: it holds the orchestration of run, verify, gc and restore
+//! as well as their arguments and printing. Import has moved to library code
+//! (`locus::ops::import`, which restore --dataset calls); these four are next, into
+//! `locus::ops` the same way (plain options in, reports and typed errors out, progress to
+//! an `Observer`), leaving only parsing and printing here.
 
 use std::collections::{BTreeMap, HashMap};
 use std::io::Write;
