@@ -769,20 +769,8 @@ async fn drill(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_hung_node_fails_a_backup_run_after_the_peer_timeout_with_a_clear_message() {
     let h = Harness::new("backup-hung");
-    // The stopped node must still count as up, so the plan gives it blobs to send.
-    let m = h
-        .start_metadata(
-            "meta",
-            MetadataOpts {
-                liveness_timeout: Some("120s"),
-                ..Default::default()
-            },
-        )
-        .await;
-    let mut nodes = Vec::new();
-    for i in 1..=2 {
-        nodes.push(h.start_node(&format!("n{i}"), &m, NodeOpts::host(i)).await);
-    }
+    // The stopped node still counts as up, so the plan gives it blobs to send.
+    let (m, nodes) = patient_cluster(&h, 2).await;
     let src = h.path("src");
     std::fs::create_dir_all(&src).unwrap();
     for i in 0..20u64 {
@@ -794,23 +782,13 @@ async fn a_hung_node_fails_a_backup_run_after_the_peer_timeout_with_a_clear_mess
     nodes[1].daemon.sigstop();
     let target = h.path("backup");
     let url = format!("file://{}", target.display());
-    let (murl, url2) = (m.url(), url.clone());
-    let o = tokio::time::timeout(
-        Duration::from_secs(120),
-        tokio::task::spawn_blocking(move || {
-            std::process::Command::new(LOCUS)
-                .args(["backup", "run", "--to", &url2, "--json"])
-                .env("LOCUS_METADATA", murl)
-                .env("LOCUS_PEER_TIMEOUT", "2s")
-                .env_remove("LOCUS_CONFIG")
-                .env_remove("LOCUS_TOKEN")
-                .output()
-                .unwrap()
-        }),
-    )
-    .await
-    .expect("the run gave up on the hung node instead of waiting for it")
-    .unwrap();
+    let o = m
+        .cli_within(
+            Duration::from_secs(120),
+            &["backup", "run", "--to", &url, "--json"],
+            &[("LOCUS_PEER_TIMEOUT", "2s".to_string())],
+        )
+        .await;
     nodes[1].daemon.sigcont();
     assert!(!o.status.success(), "a run missing n2's blobs cannot succeed");
     let err = stderr(&o);

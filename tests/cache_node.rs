@@ -1015,22 +1015,9 @@ async fn a_refilling_node_stays_up_serves_mounts_and_nothing_is_re_placed() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_refill_gives_up_on_a_hung_peer_and_copies_from_another() {
     let h = Harness::new("refill-hung");
-    // Liveness long enough that the stopped node still counts as up (and is offered as a
-    // source): only the copy's idle timeout (2 s) can save the refill.
-    let m = h
-        .start_metadata(
-            "meta",
-            MetadataOpts {
-                liveness_timeout: Some("120s"),
-                extra: vec!["--repair-interval".into(), "500ms".into()],
-                ..Default::default()
-            },
-        )
-        .await;
-    let mut nodes = Vec::new();
-    for i in 1..=3 {
-        nodes.push(h.start_node(&format!("n{i}"), &m, NodeOpts::host(i)).await);
-    }
+    // The stopped node still counts as up and is offered as a source: only the copy's
+    // idle timeout (2 s) can save the refill.
+    let (m, mut nodes) = patient_cluster(&h, 3).await;
     let src = h.path("src");
     make_big_files(&src, 12, 1);
     let out = import(&m, "ds", &src, &["--replicas", "3", "--shard-size", "1MiB"]);
@@ -1138,43 +1125,27 @@ async fn six_hundred_unread_streams_leave_writes_heartbeats_and_readers_working(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_import_to_a_hung_node_gives_up_after_the_peer_timeout_and_commits_nothing() {
     let h = Harness::new("import-hung");
-    // The stopped node must still count as up, so placement sends it shards.
-    let m = h
-        .start_metadata(
-            "meta",
-            MetadataOpts {
-                liveness_timeout: Some("120s"),
-                ..Default::default()
-            },
-        )
-        .await;
-    let mut nodes = Vec::new();
-    for i in 1..=2 {
-        nodes.push(h.start_node(&format!("n{i}"), &m, NodeOpts::host(i)).await);
-    }
+    // The stopped node still counts as up, so placement sends it shards.
+    let (m, nodes) = patient_cluster(&h, 2).await;
     let src = h.path("src");
     make_big_files(&src, 8, 1);
     nodes[1].daemon.sigstop();
-    let started = std::time::Instant::now();
-    let (m2, src2) = (m.url(), src.clone());
-    let out = tokio::time::timeout(
-        Duration::from_secs(120),
-        tokio::task::spawn_blocking(move || {
-            std::process::Command::new(LOCUS)
-                .args(["dataset", "import", "ds"])
-                .arg(&src2)
-                .args(["--replicas", "1", "--shard-size", "1MiB"])
-                .env("LOCUS_METADATA", m2)
-                .env("LOCUS_PEER_TIMEOUT", "2s")
-                .env_remove("LOCUS_CONFIG")
-                .env_remove("LOCUS_TOKEN")
-                .output()
-                .unwrap()
-        }),
-    )
-    .await
-    .expect("the import gave up on the hung node instead of waiting for it")
-    .unwrap();
+    let out = m
+        .cli_within(
+            Duration::from_secs(120),
+            &[
+                "dataset",
+                "import",
+                "ds",
+                src.to_str().unwrap(),
+                "--replicas",
+                "1",
+                "--shard-size",
+                "1MiB",
+            ],
+            &[("LOCUS_PEER_TIMEOUT", "2s".to_string())],
+        )
+        .await;
     nodes[1].daemon.sigcont();
     assert!(!out.status.success(), "the import cannot have succeeded");
     let err = stderr(&out);
@@ -1190,5 +1161,4 @@ async fn an_import_to_a_hung_node_gives_up_after_the_peer_timeout_and_commits_no
         !show.status.success() || !versions.contains("\"version\": 1"),
         "nothing was committed: {versions}"
     );
-    eprintln!("gave up after {:?}", started.elapsed());
 }

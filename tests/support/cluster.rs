@@ -204,3 +204,24 @@ pub async fn cluster(h: &Harness, nodes: usize, opts: impl Fn(usize) -> NodeOpts
     }
     (m, ns)
 }
+
+/// A cluster whose nodes count as up for two minutes after they fall silent: a node
+/// stopped with SIGSTOP is still offered as a placement target and a source, so only the
+/// caller's own timeouts can save the work (the hung-peer tests).
+pub async fn patient_cluster(h: &Harness, nodes: usize) -> (Metadata, Vec<Node>) {
+    let m = h
+        .start_metadata(
+            "meta",
+            MetadataOpts {
+                liveness_timeout: Some("120s"),
+                extra: vec!["--repair-interval".into(), "500ms".into()],
+                ..Default::default()
+            },
+        )
+        .await;
+    let mut ns = Vec::new();
+    for i in 1..=nodes {
+        ns.push(h.start_node(&format!("n{i}"), &m, NodeOpts::host(i)).await);
+    }
+    (m, ns)
+}

@@ -182,8 +182,28 @@ impl Metadata {
         self.cli_env(args, &[])
     }
 
+    /// `cli_env` that must finish within `deadline` (a command that would hang on a stopped
+    /// peer fails the test instead of stalling it). Runs off the async threads.
+    pub async fn cli_within(&self, deadline: Duration, args: &[&str], env: &[(&str, String)]) -> Output {
+        let mut cmd = self.cli_command(args, env);
+        let what = args.join(" ");
+        tokio::time::timeout(
+            deadline,
+            tokio::task::spawn_blocking(move || cmd.output().expect("run locus")),
+        )
+        .await
+        .unwrap_or_else(|_| panic!("`locus {what}` did not finish within {deadline:?}"))
+        .expect("the command's thread")
+    }
+
     /// `cli` with extra environment variables (PATH for stand-in tools, say).
     pub fn cli_env(&self, args: &[&str], env: &[(&str, String)]) -> Output {
+        self.cli_command(args, env).output().expect("run locus")
+    }
+
+    /// `locus ARGS` against this service, as its admin, with no config file; `env` first,
+    /// so the service's address and token win over it.
+    pub fn cli_command(&self, args: &[&str], env: &[(&str, String)]) -> Command {
         let mut cmd = Command::new(LOCUS);
         cmd.envs(env.iter().map(|(k, v)| (*k, v.as_str())));
         cmd.args(args)
@@ -197,7 +217,7 @@ impl Metadata {
         if self.opts.tls {
             cmd.env("LOCUS_CA_CERT", self.dir.join("ca.pem"));
         }
-        cmd.output().expect("run locus")
+        cmd
     }
 
     pub fn pid(&self) -> u32 {
