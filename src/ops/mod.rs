@@ -6,8 +6,10 @@
 //! Nothing here prints or exits: progress goes to an [`Observer`], results and typed
 //! errors to the caller.
 
+pub mod backup;
 pub mod import;
 pub mod remote;
+pub mod restore;
 pub mod scan;
 
 use std::sync::atomic::AtomicU64;
@@ -20,6 +22,11 @@ pub trait Observer: Send + Sync {
     fn start(&self, phase: &'static str, total: u64) -> Arc<AtomicU64>;
     /// The phase ended, done or not.
     fn end(&self, phase: &'static str);
+    /// Something went wrong that the work went around (a node's bad copy, another
+    /// replica asked); the operator should hear of it.
+    fn warn(&self, message: &str) {
+        tracing::warn!("{message}");
+    }
 }
 
 /// An observer that shows nothing.
