@@ -1,6 +1,6 @@
 //! `locus backup run|list|verify|gc` and `locus restore`: arguments and printing. What
-//! the commands do is library code in `locus::ops::backup` (run, verify and repair,
-//! restores) and `locus_backup` (listing, retention and garbage collection).
+//! the commands do is library code: `locus::ops::backup` (run, verify and repair),
+//! `locus::ops::restore`, and `locus_backup` (listing, retention, garbage collection).
 
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
