@@ -615,3 +615,37 @@ async fn a_read_no_source_can_serve_fails_with_eio_and_bad_mounts_are_refused() 
     })
     .await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hung_metadata_service_costs_a_reader_one_timeout_then_the_origin_serves() {
+    let h = Harness::new("mount-hung-meta");
+    let (m, mut nodes) = cluster(&h, 1, NodeOpts::host).await;
+    let src = h.path("src");
+    make_tree(&src, 30);
+    let out = import(&m, "mixed", &src, &["--replicas", "1"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let mnt = m.mount("mnt", "mixed", None, &[]);
+    let files: Vec<(PathBuf, String)> = files_of(&src)
+        .into_iter()
+        .filter(|(p, _)| std::fs::metadata(src.join(p)).unwrap().len() > 0)
+        .collect();
+    let got = std::fs::read(mnt.path.join(&files[0].0)).unwrap();
+    assert_eq!(blake3::hash(&got).to_hex().as_str(), files[0].1);
+
+    // The only replica dies and the metadata service hangs: a read asks where the blob
+    // went now, gives up on the silent service after the mount's source timeout, and
+    // reads the version's origin instead of waiting forever.
+    nodes[0].daemon.kill9();
+    m.daemon.sigstop();
+    let (p, want) = (mnt.path.join(&files[1].0), files[1].1.clone());
+    let reader = std::thread::spawn(move || std::fs::read(&p).map_err(|e| e.to_string()));
+    wait_until(
+        "the read to finish while the metadata service hangs",
+        Duration::from_secs(90),
+        || async { reader.is_finished().then_some(()) },
+    )
+    .await;
+    m.daemon.sigcont();
+    let got = reader.join().unwrap().unwrap();
+    assert_eq!(blake3::hash(&got).to_hex().as_str(), want, "read from the origin");
+}
