@@ -905,6 +905,16 @@ async fn node_info(c: &mut locus_proto::client::MetadataClient, id: &str) -> pb:
         .unwrap()
 }
 
+/// LocateBlobs calls the metadata service has answered so far.
+async fn locate_calls(m: &Metadata) -> u64 {
+    http_get(m.http, "/metrics")
+        .await
+        .lines()
+        .filter(|l| l.contains("rpc_requests_total") && l.contains("method=\"LocateBlobs\""))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<u64>().ok())
+        .sum()
+}
+
 fn replica_map(s: &[pb::Shard]) -> BTreeMap<u32, BTreeSet<String>> {
     s.iter()
         .map(|s| (s.id, s.replicas.iter().cloned().collect()))
@@ -934,6 +944,7 @@ async fn a_refilling_node_stays_up_serves_mounts_and_nothing_is_re_placed() {
         "both nodes hold every blob"
     );
 
+    let locates_before = locate_calls(&m).await;
     // The disk of n1 is replaced: stop it, wipe its data dir, start it again.
     nodes[0].daemon.terminate().await;
     std::fs::remove_dir_all(&nodes[0].data_dir).unwrap();
@@ -1007,6 +1018,13 @@ async fn a_refilling_node_stays_up_serves_mounts_and_nothing_is_re_placed() {
     for (name, p) in nodes[0].blob_files() {
         assert!(rehash_ok(&p, &name), "{name} refilled wrong");
     }
+    // Blobs are located in batches, not one LocateBlobs call per blob (the mount's three
+    // reads ask for theirs on their own).
+    let locates = locate_calls(&m).await - locates_before;
+    assert!(
+        (1..12).contains(&locates),
+        "{locates} LocateBlobs calls to refill 24 blobs"
+    );
     let metrics = http_get(nodes[0].http, "/metrics").await;
     assert!(
         metrics.contains("locus_node_refill_bytes_total"),

@@ -112,7 +112,7 @@ pub struct Peers {
 }
 
 /// Where a blob can be copied from: live replicas (id, address), then backups (URLs).
-#[derive(Debug, Default)]
+#[derive(Debug, Default, Clone)]
 pub struct Sources {
     pub nodes: Vec<(String, String)>,
     pub backups: Vec<String>,
@@ -152,24 +152,44 @@ impl Peers {
 
     /// Live nodes holding `h` as a replica, and the cluster's backups.
     pub async fn locate(&self, h: &BlobHash) -> Result<Sources, Status> {
+        let mut all = self.locate_many(&[*h]).await?;
+        Ok(all.pop().map(|(_, s)| s).unwrap_or_default())
+    }
+
+    /// `locate` for many blobs, in requests of at most 10,000 (a refill of a whole disk
+    /// asks once per batch, not once per blob). Each call is bounded: a hung metadata
+    /// service costs one timeout.
+    pub async fn locate_many(&self, hashes: &[BlobHash]) -> Result<Vec<(BlobHash, Sources)>, Status> {
         let mut m = self.metadata().await?;
-        let r = m
-            .locate_blobs(pb::LocateBlobsRequest {
-                hashes: vec![h.0.to_vec()],
-            })
-            .await?
-            .into_inner();
-        Ok(Sources {
-            nodes: r
-                .blobs
-                .into_iter()
-                .next()
-                .map(|b| b.nodes.into_iter().zip(b.addresses).collect())
-                .unwrap_or_default(),
-            backups: r.backups,
-        })
+        let mut out = Vec::with_capacity(hashes.len());
+        for batch in hashes.chunks(10_000) {
+            let ask = m.locate_blobs(pb::LocateBlobsRequest {
+                hashes: batch.iter().map(|h| h.0.to_vec()).collect(),
+            });
+            let r = tokio::time::timeout(LOCATE_TIMEOUT, ask)
+                .await
+                .map_err(|_| {
+                    Status::unavailable(format!(
+                        "the metadata service did not answer within {LOCATE_TIMEOUT:?}"
+                    ))
+                })??
+                .into_inner();
+            for (h, b) in batch.iter().zip(r.blobs) {
+                out.push((
+                    *h,
+                    Sources {
+                        nodes: b.nodes.into_iter().zip(b.addresses).collect(),
+                        backups: r.backups.clone(),
+                    },
+                ));
+            }
+        }
+        Ok(out)
     }
 }
+
+/// Longest one LocateBlobs request may take.
+const LOCATE_TIMEOUT: Duration = Duration::from_secs(30);
 
 fn bind(addr: SocketAddr) -> Result<tokio::net::TcpListener, NodeError> {
     locus_proto::net::bind_tcp(addr).map_err(|e| NodeError::Bind {

@@ -25,7 +25,7 @@ use tokio::time::Instant;
 
 use crate::store::BlobStore;
 use crate::transfer::{self, CopyOptions, RateLimit, Source};
-use crate::Peers;
+use crate::{Peers, Sources};
 
 /// First retry delay; it doubles with each failure up to `MAX_BACKOFF`.
 const MIN_BACKOFF: Duration = Duration::from_secs(1);
@@ -108,7 +108,16 @@ pub struct Refill {
     queue: Mutex<Queue>,
     wake: tokio::sync::Notify,
     limit: RateLimit,
+    /// Where queued blobs are, asked of the metadata service in batches ahead of the
+    /// workers (one request per `LOCATE_BATCH` blobs, not one per blob). An entry is
+    /// used once: a retry locates its blob afresh.
+    located: Mutex<HashMap<BlobHash, Sources>>,
+    /// One batch lookup at a time, so workers do not ask for the same blobs twice.
+    locating: tokio::sync::Mutex<()>,
 }
+
+/// Blobs located per LocateBlobs request.
+const LOCATE_BATCH: usize = 1000;
 
 impl Refill {
     pub fn new(cfg: RefillConfig) -> Arc<Self> {
@@ -117,6 +126,8 @@ impl Refill {
             cfg,
             queue: Mutex::new(Queue::default()),
             wake: tokio::sync::Notify::new(),
+            located: Mutex::new(HashMap::new()),
+            locating: tokio::sync::Mutex::new(()),
         })
     }
 
@@ -134,6 +145,10 @@ impl Refill {
         for h in gone {
             q.remove(&h);
         }
+        self.located
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .retain(|h, _| keep.contains(h));
         for w in missing {
             if q.items.contains_key(&w.hash) {
                 continue;
@@ -239,6 +254,43 @@ impl Refill {
         backoff
     }
 
+    /// Where `w` is: from the batch located ahead, else located now together with the
+    /// next blobs due. None when the lookup failed (the copy then asks for itself).
+    async fn sources_for(&self, peers: &Peers, w: &Wanted) -> Option<Sources> {
+        let take = |h: &BlobHash| self.located.lock().unwrap_or_else(|p| p.into_inner()).remove(h);
+        if let Some(s) = take(&w.hash) {
+            return Some(s);
+        }
+        let _one = self.locating.lock().await;
+        if let Some(s) = take(&w.hash) {
+            return Some(s);
+        }
+        let batch: Vec<BlobHash> = {
+            let q = self.q();
+            let known = self.located.lock().unwrap_or_else(|p| p.into_inner());
+            std::iter::once(w.hash)
+                .chain(
+                    q.order
+                        .iter()
+                        .map(|(_, h)| *h)
+                        .filter(|h| !known.contains_key(h))
+                        .take(LOCATE_BATCH - 1),
+                )
+                .collect()
+        };
+        match peers.locate_many(&batch).await {
+            Ok(found) => {
+                let mut known = self.located.lock().unwrap_or_else(|p| p.into_inner());
+                known.extend(found);
+                known.remove(&w.hash)
+            }
+            Err(s) => {
+                tracing::warn!("cannot locate blobs to refill: {}", s.message());
+                None
+            }
+        }
+    }
+
     /// Runs `parallel` workers until `stop`.
     pub async fn run(
         self: Arc<Self>,
@@ -286,7 +338,9 @@ impl Refill {
                 idle: self.cfg.idle,
                 limit: Some(&self.limit),
             };
-            let copy = transfer::copy_from_anywhere(&store, &peers, w.hash, w.size, w.chunk_size, opts);
+            let known = self.sources_for(&peers, &w).await;
+            let copy =
+                transfer::copy_from_anywhere(&store, &peers, w.hash, w.size, w.chunk_size, opts, known);
             let r = tokio::select! {
                 r = copy => r,
                 _ = stop.wait_for(|s| *s) => return,

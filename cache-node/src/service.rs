@@ -439,8 +439,16 @@ impl Node for NodeService {
             idle: self.peer_idle,
             limit: None,
         };
-        match crate::transfer::copy_from_anywhere(&self.store, &self.peers, h, q.size, q.chunk_size, opts)
-            .await?
+        match crate::transfer::copy_from_anywhere(
+            &self.store,
+            &self.peers,
+            h,
+            q.size,
+            q.chunk_size,
+            opts,
+            None,
+        )
+        .await?
         {
             crate::transfer::Source::Peer(_) => self.metrics.wrote("peer", q.size),
             crate::transfer::Source::Backup(_) => self.metrics.wrote("backup", q.size),

@@ -18,7 +18,7 @@ use tonic::Status;
 
 use crate::service::to_status;
 use crate::store::{BlobStore, BlobWriter, StoreError};
-use crate::Peers;
+use crate::{Peers, Sources};
 
 /// A byte-rate budget shared by several copies (token bucket; a copy may run into debt by
 /// one piece, then waits it off). `rate == 0` means unlimited.
@@ -258,7 +258,8 @@ pub struct CopyOptions<'a> {
     pub limit: Option<&'a RateLimit>,
 }
 
-/// Copies `h` from the first live replica that can send it, else from a backup. The error
+/// Copies `h` from the first live replica that can send it, else from a backup (from
+/// `known` sources if the caller located the blob already). The error
 /// is the last source's, so the caller can tell "nobody has it" (NOT_FOUND) from "the
 /// sources failed" (UNAVAILABLE and friends).
 pub async fn copy_from_anywhere(
@@ -268,6 +269,7 @@ pub async fn copy_from_anywhere(
     size: u64,
     chunk_size: u32,
     o: CopyOptions<'_>,
+    known: Option<Sources>,
 ) -> Result<Source, Status> {
     if store.contains(&h) {
         if o.pin {
@@ -279,7 +281,10 @@ pub async fn copy_from_anywhere(
         }
         return Ok(Source::Here);
     }
-    let sources = peers.locate(&h).await?;
+    let sources = match known {
+        Some(s) => s,
+        None => peers.locate(&h).await?,
+    };
     let mut last = Status::not_found(format!("no live node or backup holds blob {h}"));
     for (id, addr) in sources.nodes {
         if id == o.me {
