@@ -68,8 +68,17 @@ impl Daemon {
         );
     }
 
-    /// Waits for the address file's `key=addr` lines.
+    /// Waits for the address file's `key=addr` lines; panics with the log if the process
+    /// exits first.
     pub async fn wait_addrs(&mut self) -> Vec<(String, SocketAddr)> {
+        match self.try_wait_addrs().await {
+            Ok(a) => a,
+            Err(why) => panic!("{why}"),
+        }
+    }
+
+    /// `wait_addrs`, but an exit before listening is returned (with the log) instead.
+    pub async fn try_wait_addrs(&mut self) -> Result<Vec<(String, SocketAddr)>, String> {
         let addr_file = self.addr_file.clone();
         let log = self.log.clone();
         let name = self.name.clone();
@@ -81,10 +90,10 @@ impl Daemon {
             let name = name.clone();
             async move {
                 if let Some(st) = exited {
-                    panic!(
+                    return Some(Err(format!(
                         "{name} exited with {st} before listening:\n{}",
                         std::fs::read_to_string(&log).unwrap_or_default()
-                    );
+                    )));
                 }
                 let s = std::fs::read_to_string(&addr_file).ok()?;
                 let v: Vec<(String, SocketAddr)> = s
@@ -92,7 +101,7 @@ impl Daemon {
                     .filter_map(|l| l.split_once('='))
                     .filter_map(|(k, v)| Some((k.to_string(), v.parse().ok()?)))
                     .collect();
-                (!v.is_empty()).then_some(v)
+                (!v.is_empty()).then_some(Ok(v))
             }
         })
         .await;

@@ -175,10 +175,27 @@ impl Node {
         self.http = addr_of(&addrs, "http");
     }
 
-    /// Starts it again on the same data dir and port.
+    /// Starts it again on the same data dir, and on the same ports unless another test's
+    /// process took one meanwhile (ports freed by a stopped node are fair game for the
+    /// kernel's ephemeral ports): then on fresh ones, which the node registers as its new
+    /// address.
     pub async fn restart(&mut self) {
         assert!(!self.daemon.is_running(), "stop it first");
-        self.start().await;
+        let args = self.args();
+        self.daemon.spawn(&args);
+        let addrs = match self.daemon.try_wait_addrs().await {
+            Ok(a) => a,
+            Err(why) if why.contains("Address already in use") => {
+                self.grpc = "127.0.0.1:0".parse().unwrap();
+                self.http = "127.0.0.1:0".parse().unwrap();
+                let args = self.args();
+                self.daemon.spawn(&args);
+                self.daemon.wait_addrs().await
+            }
+            Err(why) => panic!("{why}"),
+        };
+        self.grpc = addr_of(&addrs, "grpc");
+        self.http = addr_of(&addrs, "http");
     }
 
     pub async fn client(&self) -> locus_proto::client::NodeClient {
