@@ -25,7 +25,7 @@ use crate::output;
 
 #[derive(Args, Debug)]
 pub struct MountArgs {
-    /// DATASET or DATASET@VERSION (latest when no version is given).
+    /// DATASET, DATASET@VERSION or DATASET@latest (latest when no version is given).
     pub target: String,
     /// An existing, empty directory to mount on.
     pub mountpoint: PathBuf,
