@@ -65,6 +65,9 @@ struct Queue {
     order: BTreeSet<(Instant, BlobHash)>,
     /// Bytes of every item, in flight or not.
     bytes: u64,
+    /// Items whose last copy failed (kept as a count: progress is read on every
+    /// heartbeat, and the queue may hold millions of blobs).
+    failing: u64,
     /// Since the queue last went from empty to non-empty.
     episode: Option<Episode>,
     /// Totals since the node started.
@@ -200,7 +203,7 @@ impl Refill {
             bytes: q.bytes,
             done_bytes,
             rate,
-            failing: q.items.values().filter(|i| i.attempts > 0).count() as u64,
+            failing: q.failing,
             copied_blobs: q.copied_blobs,
             copied_bytes: q.copied_bytes,
             failures: q.failures,
@@ -244,6 +247,7 @@ impl Refill {
             return Duration::ZERO; // no longer wanted
         };
         it.attempts += 1;
+        let first_failure = it.attempts == 1;
         let backoff = MIN_BACKOFF
             .saturating_mul(1 << it.attempts.min(16).saturating_sub(1))
             .min(MAX_BACKOFF);
@@ -251,6 +255,9 @@ impl Refill {
         it.in_flight = false;
         let key = (it.due, w.hash);
         q.order.insert(key);
+        if first_failure {
+            q.failing += 1;
+        }
         backoff
     }
 
@@ -381,6 +388,9 @@ impl Queue {
         if !it.in_flight {
             self.order.remove(&(it.due, *h));
         }
+        if it.attempts > 0 {
+            self.failing -= 1;
+        }
         self.bytes -= it.want.size;
         true
     }
@@ -445,6 +455,9 @@ mod tests {
         assert_eq!(r.failed(&a), Duration::from_secs(2));
         assert_eq!(r.progress().failing, 1);
         assert_eq!(r.progress().failures, 2);
+        // Copied at last: nothing is failing any more.
+        r.done(&a, true);
+        assert_eq!((r.progress().failing, r.progress().blobs), (0, 0));
     }
 
     #[test]
