@@ -243,8 +243,10 @@ impl Refill {
     fn failed(&self, w: &Wanted) -> Duration {
         let mut q = self.q();
         q.failures += 1;
-        let Some(it) = q.items.get_mut(&w.hash) else {
-            return Duration::ZERO; // no longer wanted
+        // Not in flight: the blob stopped being wanted while this copy ran and was queued
+        // again since; that newer item is waiting with its own schedule.
+        let Some(it) = q.items.get_mut(&w.hash).filter(|it| it.in_flight) else {
+            return Duration::ZERO;
         };
         it.attempts += 1;
         let first_failure = it.attempts == 1;
@@ -458,6 +460,73 @@ mod tests {
         // Copied at last: nothing is failing any more.
         r.done(&a, true);
         assert_eq!((r.progress().failing, r.progress().blobs), (0, 0));
+    }
+
+    /// The queue's bookkeeping, checked against its items.
+    fn check(r: &Refill) {
+        let q = r.q();
+        let bytes: u64 = q.items.values().map(|i| i.want.size).sum();
+        assert_eq!(q.bytes, bytes, "bytes to go");
+        let waiting: Vec<_> = q.items.iter().filter(|(_, i)| !i.in_flight).collect();
+        assert_eq!(q.order.len(), waiting.len(), "every waiting item is ordered once");
+        for (h, i) in waiting {
+            assert!(q.order.contains(&(i.due, *h)), "ordered by its due time");
+        }
+        let failing = q.items.values().filter(|i| i.attempts > 0).count() as u64;
+        assert_eq!(q.failing, failing, "failing count");
+    }
+
+    #[derive(Debug, Clone)]
+    enum Op {
+        Set(Vec<u8>),
+        Take,
+        Done(u8, bool),
+        Fail(u8),
+    }
+
+    fn op() -> impl proptest::strategy::Strategy<Value = Op> {
+        use proptest::prelude::*;
+        prop_oneof![
+            proptest::collection::vec(0u8..12, 0..12).prop_map(Op::Set),
+            Just(Op::Take),
+            (0u8..12, any::<bool>()).prop_map(|(n, c)| Op::Done(n, c)),
+            (0u8..12).prop_map(Op::Fail),
+        ]
+    }
+
+    proptest::proptest! {
+        /// Whatever pin sync, the workers and failures do in whatever order, the queue's
+        /// counts and order stay exactly those of its items.
+        #[test]
+        fn the_queue_keeps_its_books_through_any_sequence(ops in proptest::collection::vec(op(), 1..60)) {
+            let r = refill();
+            let mut taken: Vec<Wanted> = Vec::new();
+            for o in ops {
+                match o {
+                    Op::Set(ns) => r.set_missing(ns.iter().map(|n| w(*n, u64::from(*n) + 1)).collect()),
+                    Op::Take => {
+                        if let Ok(x) = r.next() {
+                            taken.push(x);
+                        }
+                    }
+                    Op::Done(n, copied) => {
+                        if let Some(i) = taken.iter().position(|x| x.hash == BlobHash([n; 32])) {
+                            r.done(&taken.remove(i), copied);
+                        }
+                    }
+                    Op::Fail(n) => {
+                        if let Some(i) = taken.iter().position(|x| x.hash == BlobHash([n; 32])) {
+                            let x = taken.remove(i);
+                            // Only a copy still wanted comes back to the queue.
+                            let wanted = r.q().items.contains_key(&x.hash);
+                            r.failed(&x);
+                            proptest::prop_assert_eq!(r.q().items.contains_key(&x.hash), wanted);
+                        }
+                    }
+                }
+                check(&r);
+            }
+        }
     }
 
     #[test]
