@@ -272,3 +272,79 @@ fn a_large_chunk_is_served_in_bounded_pieces_and_checked_before_any_byte() {
     assert!(matches!(r.next_piece(), Err(StoreError::Corrupt { .. })));
     assert!(!s.contains(&h), "the blob was quarantined");
 }
+
+/// The store's in-memory books, checked against its maps: bytes used and pinned, and the
+/// eviction order holding exactly the unpinned blobs at their last access.
+fn check_books(s: &BlobStore) {
+    let st = s.state();
+    let all = || st.blobs.iter().chain(st.partials.iter());
+    assert_eq!(st.used, all().map(|(_, m)| m.rec.size).sum::<u64>(), "used");
+    assert_eq!(
+        st.pinned,
+        all()
+            .filter(|(_, m)| m.rec.pinned)
+            .map(|(_, m)| m.rec.size)
+            .sum::<u64>(),
+        "pinned"
+    );
+    let want: std::collections::BTreeSet<(u64, BlobHash)> = all()
+        .filter(|(_, m)| !m.rec.pinned)
+        .map(|(h, m)| (m.last_access, *h))
+        .collect();
+    assert_eq!(st.lru, want, "eviction order");
+}
+
+#[derive(Debug, Clone)]
+enum StoreOp {
+    Put(u8, bool),
+    Read(u8),
+    Pin(u8, bool),
+    Forget(u8),
+}
+
+fn store_op() -> impl proptest::strategy::Strategy<Value = StoreOp> {
+    use proptest::prelude::*;
+    prop_oneof![
+        (0u8..10, any::<bool>()).prop_map(|(n, p)| StoreOp::Put(n, p)),
+        (0u8..10).prop_map(StoreOp::Read),
+        (0u8..10, any::<bool>()).prop_map(|(n, p)| StoreOp::Pin(n, p)),
+        (0u8..10).prop_map(StoreOp::Forget),
+    ]
+}
+
+proptest::proptest! {
+    #![proptest_config(proptest::prelude::ProptestConfig::with_cases(48))]
+    /// Writes (evicting least recently used unpinned blobs once 5 of 10 fill the
+    /// capacity), reads, pin changes and forgotten blobs in any order keep the books
+    /// exact, and eviction never takes a pinned blob.
+    #[test]
+    fn the_books_stay_exact_through_writes_reads_pins_and_evictions(
+        ops in proptest::collection::vec(store_op(), 1..40)
+    ) {
+        let d = tempfile::tempdir().unwrap();
+        let s = open(d.path(), 5 * 10_000);
+        let data = |n: u8| vec![n; 10_000];
+        for o in ops {
+            match o {
+                StoreOp::Put(n, pin) => {
+                    let pinned_before: Vec<BlobHash> = s.state().blobs.iter().filter(|(_, m)| m.rec.pinned).map(|(h, _)| *h).collect();
+                    match put(&s, &data(n), pin) {
+                        Ok(_) | Err(StoreError::Full { .. }) => {}
+                        Err(e) => panic!("{e}"),
+                    }
+                    for h in pinned_before {
+                        proptest::prop_assert!(s.contains(&h), "a pinned blob was evicted");
+                    }
+                }
+                StoreOp::Read(n) => {
+                    let _ = s.read_range(&BlobHash::of(&data(n)), 0, 10);
+                }
+                StoreOp::Pin(n, p) => {
+                    s.set_pinned(&BlobHash::of(&data(n)), p).unwrap();
+                }
+                StoreOp::Forget(n) => s.forget(&BlobHash::of(&data(n))),
+            }
+            check_books(&s);
+        }
+    }
+}
