@@ -67,6 +67,14 @@ fn assert_same_tree(src: &Path, mounted: &Path) {
     }
 }
 
+/// `files_of`, without empty files (reading those never reaches a source).
+fn nonempty_files(root: &Path) -> Vec<(PathBuf, String)> {
+    files_of(root)
+        .into_iter()
+        .filter(|(p, _)| std::fs::metadata(root.join(p)).unwrap().len() > 0)
+        .collect()
+}
+
 fn files_of(root: &Path) -> Vec<(PathBuf, String)> {
     describe(root)
         .into_iter()
@@ -351,9 +359,9 @@ async fn a_hung_node_does_not_hold_up_readers() {
     let args = |opens| vec!["--opens", opens, "--labels", "host=h2"];
     let kernel = m.mount("kernel", "mixed@1", Some(&nodes[0]), &args("kernel"));
     let mount = m.mount("mount", "mixed@1", Some(&nodes[0]), &args("mount"));
-    let files: Vec<_> = files_of(&src)
+    let files: Vec<_> = nonempty_files(&src)
         .into_iter()
-        .filter(|(p, _)| std::fs::metadata(src.join(p)).unwrap().len() > 0 && !p.ends_with("zz-big.bin"))
+        .filter(|(p, _)| !p.ends_with("zz-big.bin"))
         .collect();
     // The node answers while it runs.
     let (rel, want) = &files[0];
@@ -579,10 +587,7 @@ async fn a_read_no_source_can_serve_fails_with_eio_and_bad_mounts_are_refused() 
     assert!(stderr(&o).contains("not a Locus mount"), "{}", stderr(&o));
 
     // The only replica dies: the version's origin (the import source) serves, verified.
-    let files: Vec<(PathBuf, String)> = files_of(&src)
-        .into_iter()
-        .filter(|(p, _)| std::fs::metadata(src.join(p)).unwrap().len() > 0)
-        .collect();
+    let files = nonempty_files(&src);
     let got = std::fs::read(mnt.path.join(&files[0].0)).unwrap();
     assert_eq!(blake3::hash(&got).to_hex().as_str(), files[0].1);
     nodes[0].daemon.kill9();
@@ -625,10 +630,7 @@ async fn a_hung_metadata_service_costs_a_reader_one_timeout_then_the_origin_serv
     let out = import(&m, "mixed", &src, &["--replicas", "1"]);
     assert!(out.status.success(), "{}", stderr(&out));
     let mnt = m.mount("mnt", "mixed", None, &[]);
-    let files: Vec<(PathBuf, String)> = files_of(&src)
-        .into_iter()
-        .filter(|(p, _)| std::fs::metadata(src.join(p)).unwrap().len() > 0)
-        .collect();
+    let files = nonempty_files(&src);
     let got = std::fs::read(mnt.path.join(&files[0].0)).unwrap();
     assert_eq!(blake3::hash(&got).to_hex().as_str(), files[0].1);
 
