@@ -10,7 +10,8 @@
 //!
 //! Then the measured case: n1 wiped and restarted with the default refill workers. During
 //! each refill the bench polls `ListNodes` and counts how often n1 was reported down
-//! (liveness timeout 4 s), and checks afterwards that no shard was re-placed.
+//! (liveness timeout 4 s, or `LOCUS_BENCH_LIVENESS`, e.g. 30s for the default), and checks
+//! afterwards that no shard was re-placed.
 //!
 //! Run: `cargo bench --bench refill` (1 GiB in 64 files), or with `LOCUS_BENCH_MIB=2048`.
 //! Dropping the page cache needs root; without it the figures are warm and say so.
@@ -144,6 +145,9 @@ async fn main() {
         .unwrap_or(1024);
     let files = 64;
     let each = (mib << 20) / files;
+    let liveness: &'static str = std::env::var("LOCUS_BENCH_LIVENESS")
+        .map(|v| &*Box::leak(v.into_boxed_str()))
+        .unwrap_or("4s");
     let h = Harness::new("bench-refill");
     let src = h.path("src");
     write_files(&src, files, each);
@@ -151,22 +155,23 @@ async fn main() {
         .start_metadata(
             "meta",
             MetadataOpts {
-                liveness_timeout: Some("4s"),
+                liveness_timeout: Some(liveness),
                 extra: vec!["--repair-interval".into(), "1s".into()],
                 ..Default::default()
             },
         )
         .await;
     let mut nodes = Vec::new();
-    for i in 1..=3 {
+    let opts = |i| {
         let mut o = NodeOpts::host(i);
         o.capacity = "64GiB";
         o.extra = vec!["--peer-timeout".into(), "30s".into()];
-        nodes.push(h.start_node(&format!("n{i}"), &m, o).await);
+        o
+    };
+    // Two replicas on n1 and n2; n3 joins after the import and holds none.
+    for i in 1..=2 {
+        nodes.push(h.start_node(&format!("n{i}"), &m, opts(i)).await);
     }
-    // Two replicas on n1 and n2: n3 gets none (it is stopped during the import).
-    nodes[2].daemon.terminate().await;
-    wait_node_down(&m, "n3").await;
     let out = m.cli(&[
         "dataset",
         "import",
@@ -176,7 +181,7 @@ async fn main() {
         "2",
     ]);
     assert!(out.status.success(), "{}", stderr(&out));
-    nodes[2].restart().await;
+    nodes.push(h.start_node("n3", &m, opts(3)).await);
     let mut c = m.client(None).await;
     let before = replicas(&shards(&mut c, "ds", 1).await);
     let want: BTreeSet<String> = nodes[1].blob_files().into_keys().collect();
@@ -236,10 +241,11 @@ async fn main() {
 
     println!();
     println!(
-        "refill: {} files of {} MiB ({} MiB), 3 nodes on one host, liveness timeout 4 s, {}",
+        "refill: {} files of {} MiB ({} MiB), 3 nodes on one host, liveness timeout {}, {}",
         files,
         each >> 20,
         bytes >> 20,
+        liveness,
         if cold {
             "page cache dropped before each"
         } else {
