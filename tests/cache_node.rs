@@ -315,6 +315,19 @@ async fn scrub_finds_corruption_nobody_read() {
         async move { (std::fs::read(&path).ok()? == good).then_some(()) }
     })
     .await;
+    // The scrub keeps going over every blob, pass after pass, and says how far it got.
+    wait_until("a complete scrub pass", Duration::from_secs(30), || async {
+        let m = http_get(n.http, "/metrics").await;
+        let passes = m
+            .lines()
+            .find(|l| l.starts_with("locus_node_scrub_passes_total "))?
+            .rsplit(' ')
+            .next()?
+            .parse::<u64>()
+            .ok()?;
+        (passes >= 1).then_some(())
+    })
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -6,15 +6,17 @@
 //! this task, so a node busy with long work is never taken for dead), pin sync (`agent`:
 //! the metadata service says which blobs this node must hold; the node pins exactly those
 //! and queues the missing ones), the refill workers (`refill`: bounded-parallel,
-//! rate-limited copies of the queued blobs with retries and backoff) and scrub
-//! (re-verifies stored blobs at a bounded rate; a blob that fails is quarantined, which
-//! triggers a pin sync that queues it for refill).
+//! rate-limited copies of the queued blobs with retries and backoff) and scrub (`scrub`:
+//! re-verifies stored blobs at a bounded rate, resuming after a restart; a blob that fails
+//! is quarantined, which triggers a pin sync that queues it for refill).
 //!
-//! It depends only on `locus-proto` and never reaches into another Locus crate.
+//! It depends on `locus-proto`, and on `locus-backup` to read blobs back from backups; it
+//! never reaches into another Locus crate's internals.
 
 pub mod agent;
 pub mod metrics;
 pub mod refill;
+pub mod scrub;
 pub mod service;
 pub mod store;
 pub mod transfer;
@@ -352,7 +354,12 @@ pub async fn serve(
                 .run(store.clone(), peers.clone(), metrics.clone(), stop_rx.clone()),
         ),
     ];
-    let scrubber = tokio::spawn(scrub(store.clone(), cfg.scrub_rate, stop_rx.clone()));
+    let scrubber = tokio::spawn(scrub::run(
+        store.clone(),
+        cfg.scrub_rate,
+        metrics.clone(),
+        stop_rx.clone(),
+    ));
 
     let incoming = tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
     let server = tonic::transport::Server::builder()
@@ -386,39 +393,4 @@ fn node_server(svc: NodeService) -> nodepb::node_server::NodeServer<NodeService>
     nodepb::node_server::NodeServer::new(svc)
         .max_decoding_message_size(locus_proto::MAX_MESSAGE_BYTES)
         .max_encoding_message_size(locus_proto::MAX_MESSAGE_BYTES)
-}
-
-/// Re-verifies every stored blob at about `rate` bytes per second, forever.
-async fn scrub(store: Arc<BlobStore>, rate: u64, mut stop: tokio::sync::watch::Receiver<bool>) {
-    if rate == 0 {
-        return;
-    }
-    loop {
-        let hashes = store.hashes();
-        if hashes.is_empty() {
-            tokio::select! {
-                _ = tokio::time::sleep(Duration::from_secs(1)) => continue,
-                _ = stop.wait_for(|s| *s) => return,
-            }
-        }
-        for h in hashes {
-            let st = store.clone();
-            let size = store.size_of(&h).unwrap_or(0);
-            let ok = tokio::task::spawn_blocking(move || st.verify(&h)).await;
-            match ok {
-                Ok(Ok(true)) => {}
-                Ok(Ok(false)) => {
-                    // The store has already announced the quarantine; the agent refetches.
-                    tracing::error!(blob = %h, "scrub found a corrupt blob");
-                }
-                Ok(Err(e)) => tracing::warn!(blob = %h, "scrub could not verify: {e}"),
-                Err(e) => tracing::warn!("scrub task failed: {e}"),
-            }
-            let pause = Duration::from_secs_f64(size.max(4096) as f64 / rate as f64);
-            tokio::select! {
-                _ = tokio::time::sleep(pause) => {}
-                _ = stop.wait_for(|s| *s) => return,
-            }
-        }
-    }
 }

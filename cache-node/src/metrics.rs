@@ -17,6 +17,8 @@
 //! | locus_node_refill_eta_seconds | gauge | s | time to go at that rate (0 when idle or unknown) |
 //! | locus_node_refill_failing_blobs | gauge | blobs | blobs waiting for a retry after a failed copy |
 //! | locus_node_refill_bytes_total | counter | bytes | bytes the refill copied |
+//! | locus_node_scrub_bytes_total | counter | bytes | bytes the scrub re-verified |
+//! | locus_node_scrub_passes_total | counter | passes | complete scrub passes over every blob |
 
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
@@ -47,6 +49,8 @@ pub struct Metrics {
     pub refill_eta: Gauge,
     pub refill_failing: Gauge,
     pub refill_bytes: Counter,
+    pub scrub_bytes: Counter,
+    pub scrub_passes: Counter,
 }
 
 impl Default for Metrics {
@@ -70,6 +74,8 @@ impl Default for Metrics {
             refill_eta: Gauge::default(),
             refill_failing: Gauge::default(),
             refill_bytes: Counter::default(),
+            scrub_bytes: Counter::default(),
+            scrub_passes: Counter::default(),
         };
         r.register("read_bytes", "Blob bytes served", m.read_bytes.clone());
         r.register(
@@ -119,6 +125,12 @@ impl Default for Metrics {
             m.refill_failing.clone(),
         );
         r.register("refill_bytes", "Bytes the refill copied", m.refill_bytes.clone());
+        r.register(
+            "scrub_bytes",
+            "Bytes the scrub re-verified",
+            m.scrub_bytes.clone(),
+        );
+        r.register("scrub_passes", "Complete scrub passes", m.scrub_passes.clone());
         Metrics { registry: r, ..m }
     }
 }

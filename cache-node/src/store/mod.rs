@@ -27,6 +27,7 @@ use prost::Message;
 
 pub(crate) mod read;
 mod record;
+mod scrub;
 mod space;
 mod write;
 

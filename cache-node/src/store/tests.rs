@@ -348,3 +348,29 @@ proptest::proptest! {
         }
     }
 }
+
+#[test]
+fn the_scrub_walks_blobs_in_hash_order_and_its_place_survives_a_restart() {
+    let d = tempfile::tempdir().unwrap();
+    let mut all = Vec::new();
+    {
+        let s = open(d.path(), 1 << 30);
+        for i in 0..7u8 {
+            all.push(put(&s, &vec![i; 1000 + usize::from(i)], false).unwrap());
+        }
+        all.sort();
+        let first = s.scrub_batch(None, 3).unwrap();
+        assert_eq!(first.iter().map(|x| x.0).collect::<Vec<_>>(), all[..3]);
+        assert_eq!(first[0].1, s.size_of(&all[0]).unwrap());
+        s.set_scrub_cursor(Some(first[2].0));
+    }
+    // Reopened: the cursor key is not taken for a blob, and the walk goes on after it.
+    let s = open(d.path(), 1 << 30);
+    assert_eq!(s.hashes().len(), 7);
+    let at = s.scrub_cursor();
+    assert_eq!(at, Some(all[2]));
+    let rest = s.scrub_batch(at, 100).unwrap();
+    assert_eq!(rest.iter().map(|x| x.0).collect::<Vec<_>>(), all[3..]);
+    s.set_scrub_cursor(None);
+    assert_eq!(s.scrub_cursor(), None);
+}
