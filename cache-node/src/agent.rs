@@ -22,6 +22,8 @@ use crate::{NodeConfig, Peers};
 
 /// Longest a single heartbeat or registration call may take before the loop moves on.
 const CALL_TIMEOUT: Duration = Duration::from_secs(5);
+/// Longest one page of the blobs this node must hold may take.
+const PAGE_TIMEOUT: Duration = Duration::from_secs(60);
 
 async fn bounded<T>(
     what: &str,
@@ -167,13 +169,17 @@ impl Agent {
         let mut want: HashMap<BlobHash, (u64, u32)> = HashMap::new();
         let mut token = Vec::new();
         loop {
-            let r = m
-                .list_node_blobs(pb::ListNodeBlobsRequest {
-                    node: self.cfg.id.to_string(),
-                    page_token: token,
-                    limit: 0,
-                })
-                .await?
+            let page = m.list_node_blobs(pb::ListNodeBlobsRequest {
+                node: self.cfg.id.to_string(),
+                page_token: token,
+                limit: 0,
+            });
+            // A hung service costs this sync one page's timeout; the next sync tries again.
+            let r = tokio::time::timeout(PAGE_TIMEOUT, page)
+                .await
+                .map_err(|_| {
+                    Status::deadline_exceeded(format!("ListNodeBlobs: no answer within {PAGE_TIMEOUT:?}"))
+                })??
                 .into_inner();
             for b in r.blobs {
                 let h = BlobHash::from_slice("hash", &b.hash)?;
