@@ -434,9 +434,11 @@ async fn restore_version(
             v.dataset, v.number, o.name
         );
     }
-    let mut m = cfg.connect().await?;
+    let m = cfg.connect().await?;
+    let cluster: std::sync::Arc<dyn ops::cluster::ImportCluster> =
+        std::sync::Arc::new(ops::cluster::GrpcCluster::new(m.clone(), cfg.token.clone()));
     let report = ops::import::commit_scanned(
-        &mut m,
+        &cluster,
         &o,
         &scanned,
         Some(t.store.clone()),
@@ -449,6 +451,7 @@ async fn restore_version(
     super::import::print_report(&report, cfg)?;
     // The backup is now a source for this version's blobs too.
     let _ = m
+        .clone()
         .record_backup(pb::RecordBackupRequest {
             url: t.url.clone(),
             snapshot: snapshot.to_string(),

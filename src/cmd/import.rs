@@ -3,6 +3,9 @@
 
 use anyhow::bail;
 use clap::Args;
+use std::sync::Arc;
+
+use locus::ops::cluster::{GrpcCluster, ImportCluster};
 use locus::ops::import::{ImportOptions, ImportReport};
 
 use crate::config::Resolved;
@@ -55,8 +58,8 @@ impl ImportArgs {
 
 pub async fn run(a: ImportArgs, cfg: &Resolved) -> anyhow::Result<()> {
     let o = a.options(cfg)?;
-    let mut meta = cfg.connect().await?;
-    let r = locus::ops::import::import(&mut meta, &o, &TermObserver::default()).await?;
+    let cluster: Arc<dyn ImportCluster> = Arc::new(GrpcCluster::new(cfg.connect().await?, cfg.token.clone()));
+    let r = locus::ops::import::import(&cluster, &o, &TermObserver::default()).await?;
     print_report(&r, cfg)
 }
 

@@ -11,15 +11,15 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use locus_proto::client::{MetadataClient, NodeClient};
-use locus_proto::{nodepb, pb, BlobHash};
+use locus_proto::{pb, BlobHash};
 use tokio::task::JoinSet;
 
-use super::scan::{BlobSource, Scanned};
+use super::cluster::{ImportCluster, Upload};
+use super::scan::Scanned;
 use super::{status_sentence, Observer, SourceError};
 
 /// What to import and how.
@@ -74,7 +74,7 @@ type Result<T, E = ImportError> = std::result::Result<T, E>;
 
 /// Imports `o.source` as the next version of `o.name`.
 pub async fn import(
-    meta: &mut MetadataClient,
+    cluster: &Arc<dyn ImportCluster>,
     o: &ImportOptions,
     obs: &dyn Observer,
 ) -> Result<ImportReport> {
@@ -139,14 +139,14 @@ pub async fn import(
             )
         }
     };
-    commit_scanned(meta, o, &scanned, store, origin, obs, started, hash_time).await
+    commit_scanned(cluster, o, &scanned, store, origin, obs, started, hash_time).await
 }
 
 /// Sends an already hashed manifest's blobs to the nodes and commits it as the next
 /// version of `o.name` — for a scanned source, or a version read back from a backup.
 #[allow(clippy::too_many_arguments)]
 pub async fn commit_scanned(
-    meta: &mut MetadataClient,
+    cluster: &Arc<dyn ImportCluster>,
     o: &ImportOptions,
     scanned: &Scanned,
     store: Option<Arc<dyn object_store::ObjectStore>>,
@@ -156,24 +156,20 @@ pub async fn commit_scanned(
     hash_time: Duration,
 ) -> Result<ImportReport> {
     // 2. Session and manifest.
-    let begin = meta
-        .begin_version(pb::BeginVersionRequest {
+    let session = cluster
+        .begin(pb::BeginVersionRequest {
             dataset: o.name.clone(),
             chunk_size: o.chunk_size,
             origin,
             replication: o.replicas,
         })
-        .await?
-        .into_inner();
-    let session = begin.session_id;
-    let result = import_into_session(o, store, meta, session, scanned, obs).await;
+        .await?;
+    let result = import_into_session(o, store, cluster, session, scanned, obs).await;
     let (placement, uploaded, skipped, upload_time) = match result {
         Ok(r) => r,
         Err(e) => {
             // Leave nothing behind: the session's manifest is dropped now, not at expiry.
-            let _ = meta
-                .abort_version(pb::AbortVersionRequest { session_id: session })
-                .await;
+            cluster.abort(session).await;
             return Err(e);
         }
     };
@@ -181,13 +177,17 @@ pub async fn commit_scanned(
     for s in &mut shards {
         s.replicas = placement.get(&s.id).cloned().unwrap_or_default();
     }
-    locus_proto::client::put_shards_paged(meta, session, shards).await?;
-    let version = meta
-        .commit_version(pb::CommitVersionRequest { session_id: session })
-        .await?
-        .into_inner()
-        .version
-        .ok_or_else(|| ImportError::Transfer("the service committed without returning the version".into()))?;
+    let committed = async {
+        cluster.put_shards(session, shards).await?;
+        cluster.commit(session).await
+    };
+    let version = match committed.await {
+        Ok(v) => v,
+        Err(e) => {
+            cluster.abort(session).await;
+            return Err(e.into());
+        }
+    };
     Ok(ImportReport {
         version,
         replicas: o.replicas,
@@ -221,16 +221,15 @@ type Placement = BTreeMap<u32, Vec<String>>;
 async fn import_into_session(
     o: &ImportOptions,
     remote: Option<Arc<dyn object_store::ObjectStore>>,
-    meta: &mut MetadataClient,
+    cluster: &Arc<dyn ImportCluster>,
     session: u64,
     scanned: &Scanned,
     obs: &dyn Observer,
 ) -> Result<(Placement, u64, u64, Duration)> {
-    let chunk_size = o.chunk_size;
-    locus_proto::client::put_entries_paged(meta, session, scanned.entries.clone()).await?;
-    let prefer = holders(meta, scanned).await?;
-    let placed = meta
-        .place_shards(pb::PlaceShardsRequest {
+    cluster.put_entries(session, scanned.entries.clone()).await?;
+    let prefer = holders(cluster.as_ref(), scanned).await?;
+    let placed = cluster
+        .place(pb::PlaceShardsRequest {
             shards: scanned
                 .shards
                 .iter()
@@ -242,8 +241,7 @@ async fn import_into_session(
                 .collect(),
             replication: o.replicas,
         })
-        .await?
-        .into_inner();
+        .await?;
     if !placed.unplaced.is_empty() {
         let mut msg = format!(
             "{} of {} shard(s) could not be placed; nothing was committed:",
@@ -264,59 +262,30 @@ async fn import_into_session(
         .map(|p| (p.shard, p.nodes))
         .collect();
 
-    // What each node must hold.
-    let mut per_node: HashMap<String, Vec<BlobHash>> = HashMap::new();
+    // What each node must hold, less what it has already.
+    let mut per_node: BTreeMap<String, Vec<BlobHash>> = BTreeMap::new();
     for (shard, nodes) in &placement {
         for n in nodes {
             let v = per_node.entry(n.clone()).or_default();
             v.extend(scanned.shard_blobs[*shard as usize].iter().copied());
         }
     }
-    let addresses: HashMap<String, String> = meta
-        .list_nodes(pb::ListNodesRequest {})
-        .await?
-        .into_inner()
-        .nodes
-        .into_iter()
-        .map(|n| (n.id, n.address))
-        .collect();
-    let mut clients: HashMap<String, NodeClient> = HashMap::new();
     let mut todo: Vec<(String, BlobHash)> = Vec::new();
     let mut skipped = 0u64;
     for (node, mut blobs) in per_node {
         blobs.sort();
         blobs.dedup();
-        let addr = addresses
-            .get(&node)
-            .ok_or_else(|| ImportError::Transfer(format!("node {node} has no address")))?;
-        let mut c = locus_proto::client::connect_node(addr, o.token.as_deref(), Duration::from_secs(5))
+        let have = cluster
+            .have(&node, blobs.clone())
             .await
-            .map_err(|e| ImportError::Transfer(format!("node {node}: {e}")))?;
-        let idle = locus_proto::net::peer_idle();
-        for batch in blobs.chunks(50_000) {
-            let ask = c.have_blobs(nodepb::HaveBlobsRequest {
-                hashes: batch.iter().map(|h| h.0.to_vec()).collect(),
-            });
-            let have = tokio::time::timeout(idle, ask)
-                .await
-                .map_err(|_| {
-                    ImportError::Transfer(format!(
-                        "node {node} at {addr} did not answer within {}s (LOCUS_PEER_TIMEOUT)",
-                        idle.as_secs_f64()
-                    ))
-                })?
-                .map_err(|s| ImportError::Transfer(format!("node {node}: {}", s.message())))?
-                .into_inner()
-                .present;
-            for (h, here) in batch.iter().zip(have) {
-                if here {
-                    skipped += scanned.blobs[h].1;
-                } else {
-                    todo.push((node.clone(), *h));
-                }
+            .map_err(ImportError::Transfer)?;
+        for (h, here) in blobs.iter().zip(have) {
+            if here {
+                skipped += scanned.blobs[h].1;
+            } else {
+                todo.push((node.clone(), *h));
             }
         }
-        clients.insert(node, c);
     }
 
     // Send what is missing, a bounded number of blobs at a time.
@@ -329,11 +298,18 @@ async fn import_into_session(
         while set.len() < o.parallel.max(1) {
             let Some((node, h)) = pending.next() else { break };
             let (source, size) = scanned.blobs[&h].clone();
-            let client = clients[&node].clone();
-            let done = done.clone();
-            let remote = remote.clone();
+            let upload = Upload {
+                hash: h,
+                size,
+                chunk_size: o.chunk_size,
+                source: source.clone(),
+                store: remote.clone(),
+                done: done.clone(),
+            };
+            let cluster = cluster.clone();
             set.spawn(async move {
-                send_blob(client, remote, &source, h, size, chunk_size, done)
+                cluster
+                    .send(&node, upload)
                     .await
                     .map_err(|e| ImportError::Transfer(format!("sending {source} to node {node}: {e}")))
             });
@@ -358,25 +334,14 @@ async fn import_into_session(
 
 /// For each shard, the nodes that already hold its blobs as replicas, most bytes first,
 /// so placement can choose them and nothing is sent twice.
-async fn holders(
-    meta: &mut locus_proto::client::MetadataClient,
-    scanned: &Scanned,
-) -> Result<HashMap<u32, Vec<String>>> {
+async fn holders(cluster: &dyn ImportCluster, scanned: &Scanned) -> Result<HashMap<u32, Vec<String>>> {
     let all: Vec<BlobHash> = scanned.blobs.keys().copied().collect();
-    let mut at: HashMap<BlobHash, Vec<String>> = HashMap::new();
-    for batch in all.chunks(10_000) {
-        let r = meta
-            .locate_blobs(pb::LocateBlobsRequest {
-                hashes: batch.iter().map(|h| h.0.to_vec()).collect(),
-            })
-            .await?
-            .into_inner();
-        for (h, loc) in batch.iter().zip(r.blobs) {
-            if !loc.nodes.is_empty() {
-                at.insert(*h, loc.nodes);
-            }
-        }
-    }
+    let found = cluster.holders(all.clone()).await?;
+    let at: HashMap<BlobHash, Vec<String>> = all
+        .into_iter()
+        .zip(found)
+        .filter(|(_, nodes)| !nodes.is_empty())
+        .collect();
     let mut out = HashMap::new();
     for (shard, blobs) in scanned.shard_blobs.iter().enumerate() {
         let mut bytes: HashMap<&str, u64> = HashMap::new();
@@ -392,105 +357,5 @@ async fn holders(
     Ok(out)
 }
 
-/// Streams one file or object to a node as a pinned blob; the node verifies it against `h`.
-async fn send_blob(
-    mut client: NodeClient,
-    remote: Option<Arc<dyn object_store::ObjectStore>>,
-    source: &BlobSource,
-    h: BlobHash,
-    size: u64,
-    chunk_size: u32,
-    done: Arc<AtomicU64>,
-) -> Result<(), String> {
-    use futures_util::StreamExt;
-    use nodepb::write_blob_message::Msg;
-    use tokio::io::AsyncReadExt;
-    let (tx, rx) = tokio::sync::mpsc::channel(4);
-    tx.send(nodepb::WriteBlobMessage {
-        msg: Some(Msg::Header(nodepb::WriteBlobHeader {
-            hash: h.0.to_vec(),
-            size,
-            chunk_size,
-            pin: true,
-        })),
-    })
-    .await
-    .ok();
-    let data = |b: bytes::Bytes| nodepb::WriteBlobMessage {
-        msg: Some(Msg::Data(b)),
-    };
-    // Bytes of this blob handed to the node's stream.
-    let moved = locus_proto::net::Progress::default();
-    let moved2 = moved.clone();
-    let done = {
-        let total = done;
-        move |n: u64| {
-            total.fetch_add(n, Ordering::Relaxed);
-            moved2.fetch_add(n, Ordering::Relaxed);
-        }
-    };
-    // The reader ends early without error when the node ends the call (it had the blob,
-    // or failed; the call's own result says which).
-    let reader: tokio::task::JoinHandle<Result<(), String>> = match source {
-        BlobSource::Local(path) => {
-            let mut file = tokio::fs::File::open(path)
-                .await
-                .map_err(|e| format!("cannot open {}: {e}", path.display()))?;
-            tokio::spawn(async move {
-                loop {
-                    // A fresh buffer per message, frozen and handed over without a copy.
-                    let mut buf = bytes::BytesMut::with_capacity(2 << 20);
-                    let n = file.read_buf(&mut buf).await.map_err(|e| e.to_string())?;
-                    if n == 0 || tx.send(data(buf.freeze())).await.is_err() {
-                        return Ok(());
-                    }
-                    done(n as u64);
-                }
-            })
-        }
-        BlobSource::Remote(path) => {
-            let store = remote.ok_or("an object-store blob without its store")?;
-            let path = path.clone();
-            tokio::spawn(async move {
-                let s = super::remote::open_object(&store, &path)
-                    .await
-                    .map_err(|e| e.to_string())?;
-                let mut s = std::pin::pin!(s);
-                while let Some(piece) = s.next().await {
-                    let piece = piece.map_err(|e| format!("reading {path} failed: {e}"))?;
-                    let n = piece.len() as u64;
-                    if tx.send(data(piece)).await.is_err() {
-                        break;
-                    }
-                    done(n);
-                }
-                Ok(())
-            })
-        }
-    };
-    // The node takes the bytes as fast as it stores them; one that takes none for the
-    // peer timeout (hung, partitioned) fails this blob instead of the import waiting.
-    let idle = locus_proto::net::peer_idle();
-    let call = client.write_blob(tokio_stream::wrappers::ReceiverStream::new(rx));
-    let resp = match locus_proto::net::until_idle(call, &moved, idle).await {
-        Ok(r) => r,
-        Err(()) => {
-            reader.abort();
-            return Err(format!(
-                "no bytes reached the node for {}s: it or the source is stalled (LOCUS_PEER_TIMEOUT)",
-                idle.as_secs_f64()
-            ));
-        }
-    };
-    reader
-        .await
-        .map_err(|e| format!("reading the source failed: {e}"))??;
-    match resp {
-        Ok(_) => Ok(()),
-        Err(s) if s.code() == tonic::Code::InvalidArgument => Err(format!(
-            "{} (did the source change while importing?)",
-            s.message()
-        )),
-        Err(s) => Err(s.message().to_string()),
-    }
-}
+#[cfg(test)]
+mod tests;

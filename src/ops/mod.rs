@@ -7,6 +7,7 @@
 //! errors to the caller.
 
 pub mod backup;
+pub mod cluster;
 pub mod import;
 pub mod remote;
 pub mod restore;

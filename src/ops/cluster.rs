@@ -1,0 +1,307 @@
+//! What an import asks of the cluster — the metadata service's session calls and the
+//! nodes' blob writes — behind a trait, so the import's own rules (a failed send aborts
+//! the session, nothing is sent twice, unplaced shards are refused) are unit-tested with
+//! a fake cluster. [`GrpcCluster`] is the real one.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use locus_proto::client::{MetadataClient, NodeClient};
+use locus_proto::{nodepb, pb, BlobHash};
+
+use super::scan::BlobSource;
+
+/// A boxed future, for the object-safe trait.
+pub type BoxFuture<'a, T> = std::pin::Pin<Box<dyn std::future::Future<Output = T> + Send + 'a>>;
+
+/// One blob to store on a node, pinned.
+#[derive(Clone)]
+pub struct Upload {
+    pub hash: BlobHash,
+    pub size: u64,
+    pub chunk_size: u32,
+    pub source: BlobSource,
+    /// Where an object-store source is read from.
+    pub store: Option<Arc<dyn object_store::ObjectStore>>,
+    /// Advanced as bytes go out.
+    pub done: Arc<AtomicU64>,
+}
+
+pub trait ImportCluster: Send + Sync {
+    /// Opens an import session; its id.
+    fn begin(&self, r: pb::BeginVersionRequest) -> BoxFuture<'_, Result<u64, tonic::Status>>;
+    fn put_entries(&self, session: u64, entries: Vec<pb::Entry>) -> BoxFuture<'_, Result<(), tonic::Status>>;
+    /// For each blob, the nodes that hold it as a replica.
+    fn holders(&self, blobs: Vec<BlobHash>) -> BoxFuture<'_, Result<Vec<Vec<String>>, tonic::Status>>;
+    fn place(
+        &self,
+        r: pb::PlaceShardsRequest,
+    ) -> BoxFuture<'_, Result<pb::PlaceShardsResponse, tonic::Status>>;
+    fn put_shards(&self, session: u64, shards: Vec<pb::Shard>) -> BoxFuture<'_, Result<(), tonic::Status>>;
+    fn commit(&self, session: u64) -> BoxFuture<'_, Result<pb::Version, tonic::Status>>;
+    /// Drops the session's manifest now rather than at its expiry; best effort.
+    fn abort(&self, session: u64) -> BoxFuture<'_, ()>;
+    /// Which of `blobs` the node holds already.
+    fn have<'a>(&'a self, node: &'a str, blobs: Vec<BlobHash>) -> BoxFuture<'a, Result<Vec<bool>, String>>;
+    /// Stores one blob on the node (which verifies it).
+    fn send<'a>(&'a self, node: &'a str, blob: Upload) -> BoxFuture<'a, Result<(), String>>;
+}
+
+/// The cluster over gRPC: the metadata service, and node connections opened once each.
+pub struct GrpcCluster {
+    meta: MetadataClient,
+    token: Option<String>,
+    addresses: tokio::sync::OnceCell<HashMap<String, String>>,
+    nodes: tokio::sync::Mutex<HashMap<String, NodeClient>>,
+}
+
+impl GrpcCluster {
+    pub fn new(meta: MetadataClient, token: Option<String>) -> Self {
+        GrpcCluster {
+            meta,
+            token,
+            addresses: tokio::sync::OnceCell::new(),
+            nodes: Default::default(),
+        }
+    }
+
+    async fn node(&self, node: &str) -> Result<(NodeClient, String), String> {
+        let addresses = self
+            .addresses
+            .get_or_try_init(|| async {
+                let mut m = self.meta.clone();
+                let nodes = m
+                    .list_nodes(pb::ListNodesRequest {})
+                    .await
+                    .map_err(|s| super::status_sentence(&s))?
+                    .into_inner()
+                    .nodes;
+                Ok::<_, String>(nodes.into_iter().map(|n| (n.id, n.address)).collect())
+            })
+            .await?;
+        let addr = addresses
+            .get(node)
+            .ok_or_else(|| format!("node {node} has no address"))?
+            .clone();
+        if let Some(c) = self.nodes.lock().await.get(node) {
+            return Ok((c.clone(), addr));
+        }
+        let c = locus_proto::client::connect_node(&addr, self.token.as_deref(), Duration::from_secs(5))
+            .await
+            .map_err(|e| format!("node {node}: {e}"))?;
+        self.nodes.lock().await.insert(node.to_string(), c.clone());
+        Ok((c, addr))
+    }
+}
+
+impl ImportCluster for GrpcCluster {
+    fn begin(&self, r: pb::BeginVersionRequest) -> BoxFuture<'_, Result<u64, tonic::Status>> {
+        Box::pin(async move { Ok(self.meta.clone().begin_version(r).await?.into_inner().session_id) })
+    }
+
+    fn put_entries(&self, session: u64, entries: Vec<pb::Entry>) -> BoxFuture<'_, Result<(), tonic::Status>> {
+        Box::pin(async move {
+            locus_proto::client::put_entries_paged(&mut self.meta.clone(), session, entries).await?;
+            Ok(())
+        })
+    }
+
+    fn holders(&self, blobs: Vec<BlobHash>) -> BoxFuture<'_, Result<Vec<Vec<String>>, tonic::Status>> {
+        Box::pin(async move {
+            let mut m = self.meta.clone();
+            let mut out = Vec::with_capacity(blobs.len());
+            for batch in blobs.chunks(10_000) {
+                let r = m
+                    .locate_blobs(pb::LocateBlobsRequest {
+                        hashes: batch.iter().map(|h| h.0.to_vec()).collect(),
+                    })
+                    .await?
+                    .into_inner();
+                out.extend(r.blobs.into_iter().map(|b| b.nodes));
+            }
+            Ok(out)
+        })
+    }
+
+    fn place(
+        &self,
+        r: pb::PlaceShardsRequest,
+    ) -> BoxFuture<'_, Result<pb::PlaceShardsResponse, tonic::Status>> {
+        Box::pin(async move { Ok(self.meta.clone().place_shards(r).await?.into_inner()) })
+    }
+
+    fn put_shards(&self, session: u64, shards: Vec<pb::Shard>) -> BoxFuture<'_, Result<(), tonic::Status>> {
+        Box::pin(async move {
+            locus_proto::client::put_shards_paged(&mut self.meta.clone(), session, shards).await
+        })
+    }
+
+    fn commit(&self, session: u64) -> BoxFuture<'_, Result<pb::Version, tonic::Status>> {
+        Box::pin(async move {
+            self.meta
+                .clone()
+                .commit_version(pb::CommitVersionRequest { session_id: session })
+                .await?
+                .into_inner()
+                .version
+                .ok_or_else(|| tonic::Status::internal("the service committed without returning the version"))
+        })
+    }
+
+    fn abort(&self, session: u64) -> BoxFuture<'_, ()> {
+        Box::pin(async move {
+            let _ = self
+                .meta
+                .clone()
+                .abort_version(pb::AbortVersionRequest { session_id: session })
+                .await;
+        })
+    }
+
+    fn have<'a>(&'a self, node: &'a str, blobs: Vec<BlobHash>) -> BoxFuture<'a, Result<Vec<bool>, String>> {
+        Box::pin(async move {
+            let (mut c, addr) = self.node(node).await?;
+            let idle = locus_proto::net::peer_idle();
+            let mut out = Vec::with_capacity(blobs.len());
+            for batch in blobs.chunks(50_000) {
+                let ask = c.have_blobs(nodepb::HaveBlobsRequest {
+                    hashes: batch.iter().map(|h| h.0.to_vec()).collect(),
+                });
+                let have = tokio::time::timeout(idle, ask)
+                    .await
+                    .map_err(|_| {
+                        format!(
+                            "node {node} at {addr} did not answer within {}s (LOCUS_PEER_TIMEOUT)",
+                            idle.as_secs_f64()
+                        )
+                    })?
+                    .map_err(|s| format!("node {node}: {}", s.message()))?
+                    .into_inner()
+                    .present;
+                out.extend(have);
+            }
+            Ok(out)
+        })
+    }
+
+    fn send<'a>(&'a self, node: &'a str, blob: Upload) -> BoxFuture<'a, Result<(), String>> {
+        Box::pin(async move {
+            let (c, _) = self.node(node).await?;
+            send_blob(
+                c,
+                blob.store,
+                &blob.source,
+                blob.hash,
+                blob.size,
+                blob.chunk_size,
+                blob.done,
+            )
+            .await
+        })
+    }
+}
+
+/// Streams one file or object to a node as a pinned blob; the node verifies it against `h`.
+async fn send_blob(
+    mut client: NodeClient,
+    remote: Option<Arc<dyn object_store::ObjectStore>>,
+    source: &BlobSource,
+    h: BlobHash,
+    size: u64,
+    chunk_size: u32,
+    done: Arc<AtomicU64>,
+) -> Result<(), String> {
+    use futures_util::StreamExt;
+    use nodepb::write_blob_message::Msg;
+    use tokio::io::AsyncReadExt;
+    let (tx, rx) = tokio::sync::mpsc::channel(4);
+    tx.send(nodepb::WriteBlobMessage {
+        msg: Some(Msg::Header(nodepb::WriteBlobHeader {
+            hash: h.0.to_vec(),
+            size,
+            chunk_size,
+            pin: true,
+        })),
+    })
+    .await
+    .ok();
+    let data = |b: bytes::Bytes| nodepb::WriteBlobMessage {
+        msg: Some(Msg::Data(b)),
+    };
+    // Bytes of this blob handed to the node's stream.
+    let moved = locus_proto::net::Progress::default();
+    let moved2 = moved.clone();
+    let done = {
+        let total = done;
+        move |n: u64| {
+            total.fetch_add(n, Ordering::Relaxed);
+            moved2.fetch_add(n, Ordering::Relaxed);
+        }
+    };
+    // The reader ends early without error when the node ends the call (it had the blob,
+    // or failed; the call's own result says which).
+    let reader: tokio::task::JoinHandle<Result<(), String>> = match source {
+        BlobSource::Local(path) => {
+            let mut file = tokio::fs::File::open(path)
+                .await
+                .map_err(|e| format!("cannot open {}: {e}", path.display()))?;
+            tokio::spawn(async move {
+                loop {
+                    // A fresh buffer per message, frozen and handed over without a copy.
+                    let mut buf = bytes::BytesMut::with_capacity(2 << 20);
+                    let n = file.read_buf(&mut buf).await.map_err(|e| e.to_string())?;
+                    if n == 0 || tx.send(data(buf.freeze())).await.is_err() {
+                        return Ok(());
+                    }
+                    done(n as u64);
+                }
+            })
+        }
+        BlobSource::Remote(path) => {
+            let store = remote.ok_or("an object-store blob without its store")?;
+            let path = path.clone();
+            tokio::spawn(async move {
+                let s = super::remote::open_object(&store, &path)
+                    .await
+                    .map_err(|e| e.to_string())?;
+                let mut s = std::pin::pin!(s);
+                while let Some(piece) = s.next().await {
+                    let piece = piece.map_err(|e| format!("reading {path} failed: {e}"))?;
+                    let n = piece.len() as u64;
+                    if tx.send(data(piece)).await.is_err() {
+                        break;
+                    }
+                    done(n);
+                }
+                Ok(())
+            })
+        }
+    };
+    // The node takes the bytes as fast as it stores them; one that takes none for the
+    // peer timeout (hung, partitioned) fails this blob instead of the import waiting.
+    let idle = locus_proto::net::peer_idle();
+    let call = client.write_blob(tokio_stream::wrappers::ReceiverStream::new(rx));
+    let resp = match locus_proto::net::until_idle(call, &moved, idle).await {
+        Ok(r) => r,
+        Err(()) => {
+            reader.abort();
+            return Err(format!(
+                "no bytes reached the node for {}s: it or the source is stalled (LOCUS_PEER_TIMEOUT)",
+                idle.as_secs_f64()
+            ));
+        }
+    };
+    reader
+        .await
+        .map_err(|e| format!("reading the source failed: {e}"))??;
+    match resp {
+        Ok(_) => Ok(()),
+        Err(s) if s.code() == tonic::Code::InvalidArgument => Err(format!(
+            "{} (did the source change while importing?)",
+            s.message()
+        )),
+        Err(s) => Err(s.message().to_string()),
+    }
+}

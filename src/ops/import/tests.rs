@@ -1,0 +1,215 @@
+//! The import's own rules against a fake cluster: a failed send aborts the session and
+//! commits nothing, blobs a node holds already are not sent, unplaced shards are refused.
+
+use std::collections::HashSet;
+use std::sync::{Arc, Mutex};
+
+use locus_proto::{pb, BlobHash};
+
+use super::*;
+use crate::ops::cluster::{BoxFuture, ImportCluster, Upload};
+use crate::ops::Quiet;
+
+/// Every shard placed on nodes a and b (or none, when `unplaced`); what happened, in order.
+#[derive(Default)]
+struct Fake {
+    unplaced: bool,
+    /// Sends to this node fail.
+    refuse: Option<&'static str>,
+    /// (node, blob) pairs the nodes hold already.
+    holding: HashSet<(String, BlobHash)>,
+    log: Mutex<Vec<String>>,
+}
+
+impl Fake {
+    fn said(&self, what: &str) {
+        self.log.lock().unwrap().push(what.to_string());
+    }
+    fn log(&self) -> Vec<String> {
+        self.log.lock().unwrap().clone()
+    }
+}
+
+impl ImportCluster for Fake {
+    fn begin(&self, _r: pb::BeginVersionRequest) -> BoxFuture<'_, Result<u64, tonic::Status>> {
+        self.said("begin");
+        Box::pin(async { Ok(7) })
+    }
+    fn put_entries(&self, _s: u64, _e: Vec<pb::Entry>) -> BoxFuture<'_, Result<(), tonic::Status>> {
+        Box::pin(async { Ok(()) })
+    }
+    fn holders(&self, blobs: Vec<BlobHash>) -> BoxFuture<'_, Result<Vec<Vec<String>>, tonic::Status>> {
+        Box::pin(async move { Ok(vec![Vec::new(); blobs.len()]) })
+    }
+    fn place(
+        &self,
+        r: pb::PlaceShardsRequest,
+    ) -> BoxFuture<'_, Result<pb::PlaceShardsResponse, tonic::Status>> {
+        let resp = if self.unplaced {
+            pb::PlaceShardsResponse {
+                placements: vec![],
+                unplaced: r
+                    .shards
+                    .iter()
+                    .map(|s| pb::UnplacedShard {
+                        shard: s.id,
+                        reason: "no node has room".into(),
+                    })
+                    .collect(),
+            }
+        } else {
+            pb::PlaceShardsResponse {
+                placements: r
+                    .shards
+                    .iter()
+                    .map(|s| pb::ShardPlacement {
+                        shard: s.id,
+                        nodes: vec!["a".into(), "b".into()],
+                    })
+                    .collect(),
+                unplaced: vec![],
+            }
+        };
+        Box::pin(async move { Ok(resp) })
+    }
+    fn put_shards(&self, _s: u64, _sh: Vec<pb::Shard>) -> BoxFuture<'_, Result<(), tonic::Status>> {
+        Box::pin(async { Ok(()) })
+    }
+    fn commit(&self, session: u64) -> BoxFuture<'_, Result<pb::Version, tonic::Status>> {
+        self.said(&format!("commit {session}"));
+        Box::pin(async {
+            Ok(pb::Version {
+                version: 1,
+                ..Default::default()
+            })
+        })
+    }
+    fn abort(&self, session: u64) -> BoxFuture<'_, ()> {
+        self.said(&format!("abort {session}"));
+        Box::pin(async {})
+    }
+    fn have<'a>(&'a self, node: &'a str, blobs: Vec<BlobHash>) -> BoxFuture<'a, Result<Vec<bool>, String>> {
+        Box::pin(async move {
+            Ok(blobs
+                .iter()
+                .map(|h| self.holding.contains(&(node.to_string(), *h)))
+                .collect())
+        })
+    }
+    fn send<'a>(&'a self, node: &'a str, blob: Upload) -> BoxFuture<'a, Result<(), String>> {
+        Box::pin(async move {
+            if self.refuse == Some(node) {
+                return Err("refused: the disk is full".into());
+            }
+            self.said(&format!("send {node} {}", blob.hash));
+            Ok(())
+        })
+    }
+}
+
+/// Three files of distinct content in a temp dir, and the options to import it.
+fn source() -> (tempfile::TempDir, ImportOptions, Vec<BlobHash>) {
+    let d = tempfile::tempdir().unwrap();
+    let mut blobs = Vec::new();
+    for i in 0..3u8 {
+        let data = vec![i; 1000 + usize::from(i)];
+        blobs.push(BlobHash::of(&data));
+        std::fs::write(d.path().join(format!("f{i}")), data).unwrap();
+    }
+    let o = ImportOptions {
+        name: "ds".into(),
+        source: d.path().display().to_string(),
+        replicas: 2,
+        shard_size: 1 << 30,
+        chunk_size: 64 * 1024,
+        parallel: 2,
+        token: None,
+    };
+    (d, o, blobs)
+}
+
+async fn run(fake: Fake, o: &ImportOptions) -> (Result<ImportReport>, Vec<String>) {
+    let fake = Arc::new(fake);
+    let cluster: Arc<dyn ImportCluster> = fake.clone();
+    let r = import(&cluster, o, &Quiet).await;
+    (r, fake.log())
+}
+
+#[tokio::test]
+async fn every_blob_goes_to_every_replica_then_one_commit() {
+    let (_d, o, blobs) = source();
+    let (r, log) = run(Fake::default(), &o).await;
+    let r = r.unwrap();
+    assert_eq!(r.distinct_blobs, 3);
+    for h in &blobs {
+        for n in ["a", "b"] {
+            assert!(log.contains(&format!("send {n} {h}")), "{n} got {h}: {log:?}");
+        }
+    }
+    assert_eq!(log.last().unwrap(), "commit 7");
+    assert!(!log.iter().any(|l| l.starts_with("abort")));
+}
+
+#[tokio::test]
+async fn blobs_a_node_holds_already_are_not_sent_again() {
+    let (_d, o, blobs) = source();
+    let holding: HashSet<(String, BlobHash)> =
+        [("a".to_string(), blobs[0]), ("b".to_string(), blobs[1])].into();
+    let (r, log) = run(
+        Fake {
+            holding,
+            ..Default::default()
+        },
+        &o,
+    )
+    .await;
+    let r = r.unwrap();
+    assert!(!log.contains(&format!("send a {}", blobs[0])), "{log:?}");
+    assert!(!log.contains(&format!("send b {}", blobs[1])), "{log:?}");
+    assert_eq!(log.iter().filter(|l| l.starts_with("send")).count(), 4);
+    assert_eq!(r.skipped_bytes, 1000 + 1001);
+}
+
+#[tokio::test]
+async fn a_node_that_refuses_a_blob_aborts_the_session_and_nothing_is_committed() {
+    let (_d, o, _) = source();
+    let (r, log) = run(
+        Fake {
+            refuse: Some("b"),
+            ..Default::default()
+        },
+        &o,
+    )
+    .await;
+    match r {
+        Err(ImportError::Transfer(why)) => {
+            assert!(why.contains("node b") && why.contains("disk is full"), "{why}")
+        }
+        other => panic!("expected a transfer error, got {other:?}"),
+    }
+    assert!(log.contains(&"abort 7".to_string()), "{log:?}");
+    assert!(!log.iter().any(|l| l.starts_with("commit")), "{log:?}");
+}
+
+#[tokio::test]
+async fn shards_without_room_are_named_and_nothing_is_sent_or_committed() {
+    let (_d, o, _) = source();
+    let (r, log) = run(
+        Fake {
+            unplaced: true,
+            ..Default::default()
+        },
+        &o,
+    )
+    .await;
+    match r {
+        Err(ImportError::Unplaced(why)) => {
+            assert!(
+                why.contains("shard 0: no node has room") && why.contains("nothing was committed"),
+                "{why}"
+            )
+        }
+        other => panic!("expected an unplaced error, got {other:?}"),
+    }
+    assert_eq!(log, vec!["begin".to_string(), "abort 7".to_string()]);
+}
