@@ -86,8 +86,10 @@ impl Harness {
             daemon: Daemon::new(name, log.clone(), dir.join("addr"), env),
             data_dir: dir.join("data"),
             log,
-            grpc: "127.0.0.1:0".parse().unwrap(),
-            http: "127.0.0.1:0".parse().unwrap(),
+            // Below the kernel's ephemeral range: a restart on the same ports (nodes and
+            // clients hold the URL) cannot find one taken by another test's connection.
+            grpc: SocketAddr::from(([127, 0, 0, 1], free_low_port())),
+            http: SocketAddr::from(([127, 0, 0, 1], free_low_port())),
             opts,
             ca_pem,
             dir,

@@ -87,6 +87,21 @@ pub fn signal(child: &Child, sig: i32) {
     }
 }
 
+/// A port that is free now, from 5000–11999: below the kernel's ephemeral range (32768 and
+/// up), where no port-0 bind or outgoing connection of another test can take it, and below
+/// the range `free_port_pair` uses for SeaweedFS. For daemons that restart on their port.
+pub fn free_low_port() -> u16 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    loop {
+        h.write_u32(std::process::id());
+        let p = 5_000 + (h.finish() % 7_000) as u16;
+        if std::net::TcpListener::bind(("127.0.0.1", p)).is_ok() {
+            return p;
+        }
+    }
+}
+
 /// Polls `f` until it returns Some, or panics after `timeout` with `what`.
 pub async fn wait_until<T, F, Fut>(what: &str, timeout: Duration, mut f: F) -> T
 where
