@@ -74,6 +74,10 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
+    if let Err(e) = locus_proto::net::peer_idle_setting() {
+        eprintln!("error: {}: {}", e.field, e.reason);
+        return ExitCode::from(2);
+    }
     let is_daemon = match &cli.command {
         Command::Metadata(cmd::metadata::MetadataCmd::Serve(_)) => true,
         Command::Mount(m) => m.foreground || m.notify_ready,

@@ -275,3 +275,22 @@ fn help_explains_every_command() {
         .unwrap();
     assert_eq!(out.status.code(), Some(2));
 }
+
+#[test]
+fn a_peer_timeout_that_is_not_a_duration_is_refused_before_anything_runs() {
+    for bad in ["soon", "0s"] {
+        let out = Command::new(LOCUS)
+            .args(["dataset", "list"])
+            .env("LOCUS_PEER_TIMEOUT", bad)
+            .env("LOCUS_METADATA", "http://127.0.0.1:1")
+            .env_remove("LOCUS_CONFIG")
+            .output()
+            .unwrap();
+        assert_eq!(out.status.code(), Some(2), "{bad}: {}", stderr(&out));
+        assert!(
+            stderr(&out).contains("LOCUS_PEER_TIMEOUT"),
+            "{bad}: {}",
+            stderr(&out)
+        );
+    }
+}

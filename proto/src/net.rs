@@ -37,13 +37,35 @@ pub async fn serve_with_grace<T>(
 pub type Progress = std::sync::Arc<std::sync::atomic::AtomicU64>;
 
 /// How long a transfer with a peer (a node or an object store) may move no bytes before
-/// clients give up on it: `LOCUS_PEER_TIMEOUT` (e.g. "30s"), else 60 s.
+/// clients give up on it: `LOCUS_PEER_TIMEOUT` (e.g. "30s"), else 60 s. A value that is
+/// not a duration is refused by the CLI at start (`peer_idle_setting`); here it falls back
+/// to the default with a warning.
 pub fn peer_idle() -> std::time::Duration {
-    std::env::var("LOCUS_PEER_TIMEOUT")
-        .ok()
-        .and_then(|v| crate::human::parse_duration(&v).ok())
-        .filter(|d| !d.is_zero())
-        .unwrap_or(std::time::Duration::from_secs(60))
+    peer_idle_setting().unwrap_or_else(|e| {
+        tracing::warn!("{}; using 60s", e.reason);
+        DEFAULT_PEER_IDLE
+    })
+}
+
+const DEFAULT_PEER_IDLE: std::time::Duration = std::time::Duration::from_secs(60);
+
+/// `LOCUS_PEER_TIMEOUT` checked: unset is the default, anything else must be a non-zero
+/// duration.
+pub fn peer_idle_setting() -> Result<std::time::Duration, crate::InvalidInput> {
+    let Ok(v) = std::env::var("LOCUS_PEER_TIMEOUT") else {
+        return Ok(DEFAULT_PEER_IDLE);
+    };
+    match crate::human::parse_duration(&v) {
+        Ok(d) if !d.is_zero() => Ok(d),
+        Ok(_) => Err(crate::InvalidInput::new(
+            "LOCUS_PEER_TIMEOUT",
+            "must be longer than 0s",
+        )),
+        Err(e) => Err(crate::InvalidInput::new(
+            "LOCUS_PEER_TIMEOUT",
+            format!("{v:?} is not a duration such as 30s: {}", e.reason),
+        )),
+    }
 }
 
 /// Runs `fut` until it completes, or until `progress` has not moved for `idle`: a peer
