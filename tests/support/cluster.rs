@@ -1,14 +1,8 @@
 //! A metadata service with nodes, and helpers that read the catalogue (manifests, shards, waits).
 
-#![allow(unused_imports)]
+use std::time::Duration;
 
-use std::ffi::OsString;
-use std::net::SocketAddr;
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, ExitStatus, Output, Stdio};
-use std::time::{Duration, Instant};
-
-use locus_proto::client::{ClientOptions, MetadataClient};
+use locus_proto::client::MetadataClient;
 use locus_proto::manifest::{BlobHash, Entry, EntryKind, RelPath};
 use locus_proto::pb;
 

@@ -1,16 +1,10 @@
 //! A `locus` daemon process: its log, its address file, signals, and a clean stop.
 
-#![allow(unused_imports)]
-
 use std::ffi::OsString;
 use std::net::SocketAddr;
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, ExitStatus, Output, Stdio};
+use std::path::PathBuf;
+use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
-
-use locus_proto::client::{ClientOptions, MetadataClient};
-use locus_proto::manifest::{BlobHash, Entry, EntryKind, RelPath};
-use locus_proto::pb;
 
 use super::*;
 

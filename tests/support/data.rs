@@ -1,16 +1,6 @@
 //! Datasets on disk: deterministic bytes, a mixed tree, and `locus dataset import` of a directory.
 
-#![allow(unused_imports)]
-
-use std::ffi::OsString;
-use std::net::SocketAddr;
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, ExitStatus, Output, Stdio};
-use std::time::{Duration, Instant};
-
-use locus_proto::client::{ClientOptions, MetadataClient};
-use locus_proto::manifest::{BlobHash, Entry, EntryKind, RelPath};
-use locus_proto::pb;
+use std::path::Path;
 
 use super::*;
 

@@ -1,15 +1,12 @@
 //! `locus metadata serve` as a test starts it: tokens, TLS, options, and the CLI against it.
 
-#![allow(unused_imports)]
-
 use std::ffi::OsString;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, ExitStatus, Output, Stdio};
-use std::time::{Duration, Instant};
+use std::process::{Command, ExitStatus, Output, Stdio};
+use std::time::Duration;
 
 use locus_proto::client::{ClientOptions, MetadataClient};
-use locus_proto::manifest::{BlobHash, Entry, EntryKind, RelPath};
 use locus_proto::pb;
 
 use super::*;

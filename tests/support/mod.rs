@@ -8,8 +8,6 @@
 //! `mount`, and `data` (datasets on disk). Everything is re-exported here.
 
 #![allow(dead_code)]
-// Each test binary uses a part of the harness.
-#![allow(unused_imports)]
 
 mod cluster;
 mod daemon;
@@ -19,12 +17,19 @@ mod mount;
 mod node;
 mod objstore;
 
+#[allow(unused_imports)] // each test binary uses a part of the harness
 pub use cluster::*;
+#[allow(unused_imports)] // each test binary uses a part of the harness
 pub use daemon::*;
+#[allow(unused_imports)] // each test binary uses a part of the harness
 pub use data::*;
+#[allow(unused_imports)] // each test binary uses a part of the harness
 pub use metadata::*;
+#[allow(unused_imports)] // each test binary uses a part of the harness
 pub use mount::*;
+#[allow(unused_imports)] // each test binary uses a part of the harness
 pub use node::*;
+#[allow(unused_imports)] // each test binary uses a part of the harness
 pub use objstore::*;
 
 use std::net::SocketAddr;

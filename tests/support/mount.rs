@@ -1,16 +1,8 @@
 //! `locus mount` as an operator runs it, and what a test reads of it.
 
-#![allow(unused_imports)]
-
-use std::ffi::OsString;
-use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, ExitStatus, Output, Stdio};
-use std::time::{Duration, Instant};
-
-use locus_proto::client::{ClientOptions, MetadataClient};
-use locus_proto::manifest::{BlobHash, Entry, EntryKind, RelPath};
-use locus_proto::pb;
+use std::process::{Command, Output};
+use std::time::Duration;
 
 use super::*;
 

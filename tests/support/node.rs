@@ -1,15 +1,11 @@
 //! `locus node serve` as a test starts it: one host per node (labels), its data dir and sockets.
 
-#![allow(unused_imports)]
-
 use std::ffi::OsString;
 use std::net::SocketAddr;
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, ExitStatus, Output, Stdio};
-use std::time::{Duration, Instant};
+use std::path::PathBuf;
+use std::process::Command;
+use std::time::Duration;
 
-use locus_proto::client::{ClientOptions, MetadataClient};
-use locus_proto::manifest::{BlobHash, Entry, EntryKind, RelPath};
 use locus_proto::pb;
 
 use super::*;

@@ -1,16 +1,8 @@
 //! Object stores for tests: moto (quick) and SeaweedFS (real, persistent, SigV4), and clients for them.
 
-#![allow(unused_imports)]
-
-use std::ffi::OsString;
-use std::net::SocketAddr;
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, ExitStatus, Output, Stdio};
-use std::time::{Duration, Instant};
-
-use locus_proto::client::{ClientOptions, MetadataClient};
-use locus_proto::manifest::{BlobHash, Entry, EntryKind, RelPath};
-use locus_proto::pb;
+use std::path::PathBuf;
+use std::process::{Child, Command};
+use std::time::Duration;
 
 use super::*;
 
