@@ -328,22 +328,28 @@ impl Mount {
     /// rest (choosing the source, waiting for the node or the network) runs off the
     /// session thread in `Core::read_by_inode`.
     fn read_inode(self: &Arc<Self>, ino: u64, offset: u64, size: u32, started: Instant, reply: ReplyData) {
+        // What needs no source is answered here, without a trip to the blocking pool.
+        let want = match self.ns.attr(ino) {
+            None => return reply.error(errno(&FsError::NotFound)),
+            Some(a) if a.kind != Kind::File => return reply.error(errno(&FsError::IsDir)),
+            Some(a) => a.size.saturating_sub(offset).min(u64::from(size)),
+        };
+        if want == 0 {
+            return self.finish_read("local", Ok(Vec::new()), started, reply);
+        }
         if self.local.is_some() {
             if let Some(file) = self.recent_file(ino) {
-                let want = self
-                    .ns
-                    .attr(ino)
-                    .map_or(0, |a| a.size.saturating_sub(offset).min(u64::from(size)));
                 return self.read_local(ino, file, offset, size, want, started, reply);
             }
         }
-        let core = self.core.clone();
         let mount = self.clone();
-        self.rt
-            .spawn_blocking(move || match core.read_by_inode(ino, offset, size) {
-                Ok((data, how)) => mount.finish_read(how, Ok(data), started, reply),
-                Err(e) => mount.finish_read("remote", Err(e), started, reply),
-            });
+        self.rt.spawn_blocking(move || {
+            let (how, r) = match mount.core.read_by_inode(ino, offset, size) {
+                Ok((data, how)) => (how, Ok(data)),
+                Err(e) => ("remote", Err(e)),
+            };
+            mount.finish_read(how, r, started, reply)
+        });
     }
 }
 
