@@ -19,7 +19,7 @@ use std::collections::{BTreeSet, HashMap, HashSet};
 use std::fs::{self, File};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, MutexGuard};
 
 use locus_proto::manifest::hash_file;
 use locus_proto::BlobHash;
@@ -86,26 +86,56 @@ struct Meta {
     last_access: u64,
 }
 
+/// The blob maps are split by the hash's first byte into this many shards, each behind
+/// its own lock, so readers of different blobs (every FUSE read touches the LRU) do not
+/// queue behind one another or behind a write's bookkeeping. Hashes are uniform, so the
+/// shards fill evenly.
+const SHARDS: usize = 16;
+
+/// One shard's blobs. Lock order: `evicting` → one shard → `books`; never two shards at
+/// once, never a shard while holding `books`.
 #[derive(Default)]
-struct State {
+struct Shard {
     blobs: HashMap<BlobHash, Meta>,
     /// Blobs with only some chunks present (not visible to HaveBlobs or pin sync).
     partials: HashMap<BlobHash, Meta>,
+    /// When each blob's file was last hashed whole and found intact, as the file's
+    /// (inode, ctime) at that moment. Any write to the file changes its ctime, so a
+    /// matching stamp means nothing has touched the bytes since (bit rot is the scrub's).
+    verified: HashMap<BlobHash, FileStamp>,
+    /// This shard's unpinned blobs, complete or partial, by (last access, hash). Ticks are
+    /// global, so the store's least recently used blob is the smallest of the shards'
+    /// first entries: choosing a victim costs O(shards + log n), never a sort.
+    lru: BTreeSet<(u64, BlobHash)>,
+}
+
+/// Byte counts over all shards.
+#[derive(Default)]
+struct Books {
     used: u64,
     pinned: u64,
     /// Bytes reserved by writes in progress.
     reserved: u64,
     quarantined: u64,
-    /// When each blob's file was last hashed whole and found intact, as the file's
-    /// (inode, ctime) at that moment. Any write to the file changes its ctime, so a
-    /// matching stamp means nothing has touched the bytes since (bit rot is the scrub's).
-    verified: HashMap<BlobHash, FileStamp>,
-    /// Every unpinned blob, complete or partial, by (last access, hash): eviction takes
-    /// from the front, so choosing victims costs O(log n) each, never a sort of the store.
-    lru: BTreeSet<(u64, BlobHash)>,
 }
 
-impl State {
+impl Books {
+    fn add(&mut self, size: u64, pinned: bool) {
+        self.used += size;
+        if pinned {
+            self.pinned += size;
+        }
+    }
+
+    fn remove(&mut self, size: u64, pinned: bool) {
+        self.used -= size;
+        if pinned {
+            self.pinned -= size;
+        }
+    }
+}
+
+impl Shard {
     /// Records that a blob that was just added to `blobs` or `partials` may be evicted.
     fn track(&mut self, h: BlobHash, m: &Meta) {
         if !m.rec.pinned {
@@ -120,7 +150,7 @@ impl State {
 
     /// Marks a blob (complete or partial) used at `tick`.
     fn touch(&mut self, h: &BlobHash, tick: u64) {
-        let State {
+        let Shard {
             blobs, partials, lru, ..
         } = self;
         let Some(m) = blobs.get_mut(h).or_else(|| partials.get_mut(h)) else {
@@ -162,7 +192,11 @@ pub struct Stats {
 pub struct BlobStore {
     cfg: StoreConfig,
     index: rocksdb::DB,
-    state: Mutex<State>,
+    shards: Vec<Mutex<Shard>>,
+    books: Mutex<Books>,
+    /// Held by a reservation from its check of the books to its last eviction, so two
+    /// writes cannot both count the same evictable bytes.
+    evicting: Mutex<()>,
     tick: AtomicU64,
     /// Blobs hashed whole by `verify` (scrub and first direct reads) since open.
     whole_hashes: AtomicU64,
@@ -186,6 +220,12 @@ pub fn fs_free(p: &Path) -> Option<u64> {
     // SAFETY: `c` is a valid NUL-terminated path and `st` a valid, writable statvfs.
     let rc = unsafe { libc::statvfs(c.as_ptr(), &mut st) };
     (rc == 0).then(|| st.f_bavail as u64 * st.f_frsize as u64)
+}
+
+/// A poisoned lock still guards consistent maps: every critical section here only
+/// updates maps and counters, and a panic in one leaves at worst a stale LRU entry.
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 fn fsync_dir(p: &Path) -> Result<(), StoreError> {
@@ -224,7 +264,9 @@ impl BlobStore {
         let store = Arc::new(BlobStore {
             cfg,
             index,
-            state: Mutex::new(State::default()),
+            shards: (0..SHARDS).map(|_| Mutex::default()).collect(),
+            books: Mutex::default(),
+            evicting: Mutex::new(()),
             tick: AtomicU64::new(1),
             whole_hashes: AtomicU64::new(0),
             quarantine_events: tokio::sync::Notify::new(),
@@ -233,8 +275,21 @@ impl BlobStore {
         Ok((store, report))
     }
 
-    fn state(&self) -> std::sync::MutexGuard<'_, State> {
-        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    fn shard(&self, h: &BlobHash) -> MutexGuard<'_, Shard> {
+        lock(&self.shards[usize::from(h.0[0]) % SHARDS])
+    }
+
+    fn books(&self) -> MutexGuard<'_, Books> {
+        lock(&self.books)
+    }
+
+    /// Every stored blob (complete or partial) with its record, one shard at a time.
+    fn each_meta(&self, mut f: impl FnMut(&BlobHash, &Meta, bool)) {
+        for sh in &self.shards {
+            let sh = lock(sh);
+            sh.blobs.iter().for_each(|(h, m)| f(h, m, false));
+            sh.partials.iter().for_each(|(h, m)| f(h, m, true));
+        }
     }
 
     pub fn blob_path_in(&self, dir: u32, h: &BlobHash) -> PathBuf {
@@ -248,7 +303,6 @@ impl BlobStore {
 
     fn reconcile(&self) -> Result<Reconcile, StoreError> {
         let mut rep = Reconcile::default();
-        let mut st = self.state();
         for kv in self.index.iterator(rocksdb::IteratorMode::Start) {
             let (k, v) = kv.map_err(|e| StoreError::Index(e.into_string()))?;
             let (Ok(h), Ok(rec)) = (<[u8; 32]>::try_from(&k[..]), BlobRecord::decode(&v[..])) else {
@@ -258,34 +312,27 @@ impl BlobStore {
             if rec.dir as usize >= self.cfg.dirs.len() {
                 continue;
             }
-            if rec.partial {
-                if self.partial_path_in(rec.dir, &h).exists() {
-                    st.used += rec.size;
-                    if rec.pinned {
-                        st.pinned += rec.size;
-                    }
-                    let m = Meta { rec, last_access: 0 };
-                    st.track(h, &m);
-                    st.partials.insert(h, m);
-                } else {
-                    let _ = self.index.delete(h.0);
-                }
+            if rec.partial && !self.partial_path_in(rec.dir, &h).exists() {
+                let _ = self.index.delete(h.0);
                 continue;
             }
-            st.used += rec.size;
-            if rec.pinned {
-                st.pinned += rec.size;
-            }
+            let mut sh = self.shard(&h);
+            self.books().add(rec.size, rec.pinned);
             // Only a hint: `verified_path` compares it with the file as it is now, and any
             // change while the node was down (a write, a copy, a restored file) differs.
-            if let Some(v) = &rec.verified {
-                st.verified.insert(h, v.into());
+            if let (false, Some(v)) = (rec.partial, &rec.verified) {
+                sh.verified.insert(h, v.into());
             }
+            let partial = rec.partial;
             let m = Meta { rec, last_access: 0 };
-            st.track(h, &m);
-            st.blobs.insert(h, m);
+            sh.track(h, &m);
+            if partial {
+                sh.partials.insert(h, m);
+            } else {
+                sh.blobs.insert(h, m);
+                rep.indexed += 1;
+            }
         }
-        rep.indexed = st.blobs.len();
         // Compare with the directories: names only, no hashing of indexed blobs.
         let mut on_disk: HashSet<BlobHash> = HashSet::new();
         let mut strays: Vec<(u32, PathBuf)> = Vec::new();
@@ -296,11 +343,11 @@ impl BlobStore {
                     let Some(h) = name.to_str().and_then(|n| BlobHash::from_hex(n).ok()) else {
                         continue;
                     };
-                    match st.blobs.get(&h) {
-                        Some(m) if m.rec.dir as usize == di => {
-                            on_disk.insert(h);
-                        }
-                        _ => strays.push((di as u32, f.path())),
+                    let indexed_in = self.shard(&h).blobs.get(&h).map(|m| m.rec.dir as usize);
+                    if indexed_in == Some(di) {
+                        on_disk.insert(h);
+                    } else {
+                        strays.push((di as u32, f.path()));
                     }
                 }
             }
@@ -310,7 +357,7 @@ impl BlobStore {
                     .file_name()
                     .to_str()
                     .and_then(|n| BlobHash::from_hex(n).ok())
-                    .is_some_and(|h| st.partials.contains_key(&h));
+                    .is_some_and(|h| self.shard(&h).partials.contains_key(&h));
                 if !known {
                     let _ = fs::remove_file(f.path());
                     rep.tmp_removed += 1;
@@ -322,25 +369,17 @@ impl BlobStore {
             }
             rep.quarantined += fs::read_dir(d.join("quarantine")).map_err(io)?.count();
         }
-        let missing: Vec<BlobHash> = st
-            .blobs
-            .keys()
-            .filter(|h| !on_disk.contains(*h))
-            .copied()
-            .collect();
-        for h in &missing {
-            if let Some(m) = st.blobs.remove(h) {
-                st.untrack(*h, &m);
-                st.used -= m.rec.size;
-                if m.rec.pinned {
-                    st.pinned -= m.rec.size;
-                }
+        let mut missing = Vec::new();
+        self.each_meta(|h, _, partial| {
+            if !partial && !on_disk.contains(h) {
+                missing.push(*h);
             }
-            let _ = self.index.delete(h.0);
+        });
+        for h in &missing {
+            self.forget(h);
         }
         rep.missing = missing.len();
-        st.quarantined = rep.quarantined as u64;
-        drop(st);
+        self.books().quarantined = rep.quarantined as u64;
         for (di, p) in strays {
             // A crash after the rename but before the index write: the file was verified
             // before the rename, but re-check it since nothing vouches for it now.
@@ -371,75 +410,78 @@ impl BlobStore {
         self.index
             .put(h.0, rec.encode_to_vec())
             .map_err(|e| StoreError::Index(e.into_string()))?;
-        let mut st = self.state();
+        let mut sh = self.shard(&h);
         match verified {
-            Some(v) => st.verified.insert(h, v),
-            None => st.verified.remove(&h),
+            Some(v) => sh.verified.insert(h, v),
+            None => sh.verified.remove(&h),
         };
         let m = Meta {
             rec,
             last_access: self.tick.fetch_add(1, Ordering::Relaxed),
         };
-        st.track(h, &m);
-        if let Some(old) = st.blobs.insert(h, m) {
-            st.untrack(h, &old);
-            st.used -= old.rec.size;
-            if old.rec.pinned {
-                st.pinned -= old.rec.size;
-            }
+        sh.track(h, &m);
+        let old = sh.blobs.insert(h, m);
+        if let Some(old) = &old {
+            sh.untrack(h, old);
         }
-        st.used += size;
-        if pinned {
-            st.pinned += size;
+        let mut b = self.books();
+        if let Some(old) = old {
+            b.remove(old.rec.size, old.rec.pinned);
         }
+        b.add(size, pinned);
         Ok(())
     }
 
     pub fn contains(&self, h: &BlobHash) -> bool {
-        self.state().blobs.contains_key(h)
+        self.shard(h).blobs.contains_key(h)
     }
 
     /// Path of a present blob (for same-host readers), marking it recently used.
     pub fn path_of(&self, h: &BlobHash) -> Option<PathBuf> {
-        let mut st = self.state();
-        let m = st.blobs.get_mut(h)?;
-        let dir = m.rec.dir;
-        st.touch(h, self.tick.fetch_add(1, Ordering::Relaxed));
-        drop(st);
+        let mut sh = self.shard(h);
+        let dir = sh.blobs.get(h)?.rec.dir;
+        sh.touch(h, self.tick.fetch_add(1, Ordering::Relaxed));
+        drop(sh);
         Some(self.blob_path_in(dir, h))
     }
 
     /// Size of a blob that is here, completely or partly.
     pub fn size_of(&self, h: &BlobHash) -> Option<u64> {
-        let st = self.state();
-        st.blobs.get(h).or_else(|| st.partials.get(h)).map(|m| m.rec.size)
+        let sh = self.shard(h);
+        sh.blobs.get(h).or_else(|| sh.partials.get(h)).map(|m| m.rec.size)
     }
 
     pub fn chunk_size_of(&self, h: &BlobHash) -> Option<u64> {
-        let st = self.state();
-        st.blobs
+        let sh = self.shard(h);
+        sh.blobs
             .get(h)
-            .or_else(|| st.partials.get(h))
+            .or_else(|| sh.partials.get(h))
             .map(|m| u64::from(m.rec.chunk_size))
     }
 
     /// Chunks of a partly present blob that are still missing; None if the blob is not
     /// partly here (it is complete, or absent).
     pub fn missing_chunks(&self, h: &BlobHash) -> Option<Vec<u64>> {
-        self.state().partials.get(h).map(|m| m.rec.missing())
+        self.shard(h).partials.get(h).map(|m| m.rec.missing())
     }
 
     /// Every stored blob's hash (for scrub and tests).
     pub fn hashes(&self) -> Vec<BlobHash> {
-        self.state().blobs.keys().copied().collect()
+        let mut out = Vec::new();
+        self.each_meta(|h, _, partial| {
+            if !partial {
+                out.push(*h);
+            }
+        });
+        out
     }
 
     pub fn is_pinned(&self, h: &BlobHash) -> bool {
-        self.state().blobs.get(h).is_some_and(|m| m.rec.pinned)
+        self.shard(h).blobs.get(h).is_some_and(|m| m.rec.pinned)
     }
 
     pub fn stats(&self) -> Stats {
-        // statvfs before the lock: a slow filesystem must not hold up every reader.
+        // statvfs before any lock: a slow filesystem must not hold up every reader.
         let disk_free: u64 = self
             .cfg
             .dirs
@@ -447,28 +489,29 @@ impl BlobStore {
             .filter_map(|d| fs_free(d))
             .map(|f| f.saturating_sub(self.cfg.reserve))
             .sum();
-        let st = self.state();
-        let cached = st.used - st.pinned;
+        let blobs: usize = self.shards.iter().map(|s| lock(s).blobs.len()).sum();
+        let b = self.books();
+        let cached = b.used - b.pinned;
         let placeable = self
             .cfg
             .capacity
-            .saturating_sub(st.pinned + st.reserved)
+            .saturating_sub(b.pinned + b.reserved)
             .min(disk_free + cached);
         Stats {
             capacity: self.cfg.capacity,
-            used: st.used,
-            pinned: st.pinned,
+            used: b.used,
+            pinned: b.pinned,
             cached,
-            blobs: st.blobs.len() as u64,
-            quarantined: st.quarantined,
+            blobs: blobs as u64,
+            quarantined: b.quarantined,
             placeable,
         }
     }
 
     /// Pins or unpins one present blob. Returns false if it is not here.
     pub fn set_pinned(&self, h: &BlobHash, pinned: bool) -> Result<bool, StoreError> {
-        let mut st = self.state();
-        let Some(m) = st.blobs.get_mut(h) else {
+        let mut sh = self.shard(h);
+        let Some(m) = sh.blobs.get_mut(h) else {
             return Ok(false);
         };
         if m.rec.pinned == pinned {
@@ -478,16 +521,18 @@ impl BlobStore {
         let rec = m.rec.clone();
         let key = (m.last_access, *h);
         if pinned {
-            st.lru.remove(&key);
+            sh.lru.remove(&key);
         } else {
-            st.lru.insert(key);
+            sh.lru.insert(key);
         }
+        let mut b = self.books();
         if pinned {
-            st.pinned += rec.size;
+            b.pinned += rec.size;
         } else {
-            st.pinned -= rec.size;
+            b.pinned -= rec.size;
         }
-        drop(st);
+        drop(b);
+        drop(sh);
         self.index
             .put(h.0, rec.encode_to_vec())
             .map_err(|e| StoreError::Index(e.into_string()))?;
@@ -497,14 +542,12 @@ impl BlobStore {
     /// Makes the pinned set exactly `want` (blobs not here are ignored). Returns how many
     /// blobs changed.
     pub fn sync_pins(&self, want: &HashSet<BlobHash>) -> Result<usize, StoreError> {
-        let changes: Vec<(BlobHash, bool)> = {
-            let st = self.state();
-            st.blobs
-                .iter()
-                .filter(|(h, m)| m.rec.pinned != want.contains(*h))
-                .map(|(h, m)| (*h, !m.rec.pinned))
-                .collect()
-        };
+        let mut changes: Vec<(BlobHash, bool)> = Vec::new();
+        self.each_meta(|h, m, partial| {
+            if !partial && m.rec.pinned != want.contains(h) {
+                changes.push((*h, !m.rec.pinned));
+            }
+        });
         for (h, p) in &changes {
             self.set_pinned(h, *p)?;
         }
@@ -515,7 +558,7 @@ impl BlobStore {
         tracing::error!(blob = %h, "{what}; quarantining");
         self.move_to_quarantine(path, h);
         self.forget(h);
-        self.state().quarantined += 1;
+        self.books().quarantined += 1;
         self.quarantine_events.notify_one();
         StoreError::Corrupt { hash: *h, what }
     }
@@ -536,16 +579,13 @@ impl BlobStore {
     }
 
     fn forget(&self, h: &BlobHash) {
-        let mut st = self.state();
-        st.verified.remove(h);
-        if let Some(m) = st.blobs.remove(h).or_else(|| st.partials.remove(h)) {
-            st.untrack(*h, &m);
-            st.used -= m.rec.size;
-            if m.rec.pinned {
-                st.pinned -= m.rec.size;
-            }
+        let mut sh = self.shard(h);
+        sh.verified.remove(h);
+        if let Some(m) = sh.blobs.remove(h).or_else(|| sh.partials.remove(h)) {
+            sh.untrack(*h, &m);
+            self.books().remove(m.rec.size, m.rec.pinned);
         }
-        drop(st);
+        drop(sh);
         let _ = self.index.delete(h.0);
     }
 }

@@ -34,7 +34,7 @@ impl BlobStore {
         len: u64,
     ) -> Result<BlobReader, StoreError> {
         let (rec, path) = {
-            let mut st = self.state();
+            let mut st = self.shard(h);
             let tick = self.tick.fetch_add(1, Ordering::Relaxed);
             let (rec, path) = if let Some(m) = st.blobs.get(h) {
                 (m.rec.clone(), self.blob_path_in(m.rec.dir, h))
@@ -88,7 +88,7 @@ impl BlobStore {
     /// every read instead.
     pub fn verify(&self, h: &BlobHash) -> Result<bool, StoreError> {
         let (rec, path) = {
-            let st = self.state();
+            let st = self.shard(h);
             match st.blobs.get(h) {
                 Some(m) => (m.rec.clone(), self.blob_path_in(m.rec.dir, h)),
                 None => return Ok(true),
@@ -160,7 +160,7 @@ impl BlobStore {
             }
             Err(e) => return Err(io(e)),
         };
-        if self.state().verified.get(h) == Some(&before) {
+        if self.shard(h).verified.get(h) == Some(&before) {
             return Ok(Some(path));
         }
         if !self.verify(h)? {
@@ -174,7 +174,7 @@ impl BlobStore {
 
     /// Remembers a verified file's stamp, in memory and in the blob's index record.
     fn record_stamp(&self, h: &BlobHash, s: FileStamp) {
-        let mut st = self.state();
+        let mut st = self.shard(h);
         st.verified.insert(*h, s);
         let Some(m) = st.blobs.get_mut(h) else {
             return;

@@ -96,6 +96,64 @@ fn capacity_evicts_unpinned_and_refuses_beyond_pinned() {
 }
 
 #[test]
+fn eviction_takes_the_least_recently_used_blobs_of_the_whole_store_not_of_one_shard() {
+    let d = tempfile::tempdir().unwrap();
+    let s = open(d.path(), 8 * 10_000);
+    let hs: Vec<BlobHash> = (0..8u8)
+        .map(|i| put(&s, &vec![i; 10_000], false).unwrap())
+        .collect();
+    let shards: HashSet<usize> = hs.iter().map(|h| usize::from(h.0[0]) % SHARDS).collect();
+    assert!(
+        shards.len() > 3,
+        "the blobs spread over several shards: {shards:?}"
+    );
+    // Read all but blobs 5 and 2, in an order unrelated to the hashes or the write order.
+    for i in [7, 0, 3, 6, 1, 4] {
+        s.read_range(&hs[i], 0, 1).unwrap();
+    }
+    put(&s, &[9u8; 10_000], false).unwrap();
+    put(&s, &[10u8; 10_000], false).unwrap();
+    let gone: Vec<usize> = (0..8).filter(|i| !s.contains(&hs[*i])).collect();
+    assert_eq!(gone, [2, 5], "the two blobs not read since they were written");
+    put(&s, &[11u8; 10_000], false).unwrap();
+    assert!(!s.contains(&hs[7]), "then the first one read");
+    check_books(&s);
+}
+
+#[test]
+fn concurrent_writers_readers_and_pinners_leave_exact_books_and_never_exceed_capacity() {
+    let d = tempfile::tempdir().unwrap();
+    let cap = 12 * 10_000;
+    let s = open(d.path(), cap);
+    std::thread::scope(|scope| {
+        for t in 0..4u8 {
+            let s = &s;
+            scope.spawn(move || {
+                for i in 0..150u32 {
+                    let n = ((i * 7 + u32::from(t) * 13) % 40) as u8;
+                    let data = vec![n; 10_000];
+                    match i % 4 {
+                        0 | 1 => match put(s, &data, n % 9 == 0) {
+                            Ok(_) | Err(StoreError::Full { .. }) => {}
+                            Err(e) => panic!("{e}"),
+                        },
+                        2 => {
+                            let _ = s.read_range(&BlobHash::of(&data), 0, 10);
+                        }
+                        _ => {
+                            s.set_pinned(&BlobHash::of(&data), false).unwrap();
+                        }
+                    }
+                    assert!(s.stats().used <= cap, "over capacity");
+                }
+            });
+        }
+    });
+    check_books(&s);
+    assert!(s.hashes().len() <= 12);
+}
+
+#[test]
 fn a_verified_blob_is_not_hashed_again_until_its_file_changes() {
     let d = tempfile::tempdir().unwrap();
     let data: Vec<u8> = (0..300_000u32).map(|i| (i * 7 % 251) as u8).collect();
@@ -276,22 +334,28 @@ fn a_large_chunk_is_served_in_bounded_pieces_and_checked_before_any_byte() {
 /// The store's in-memory books, checked against its maps: bytes used and pinned, and the
 /// eviction order holding exactly the unpinned blobs at their last access.
 fn check_books(s: &BlobStore) {
-    let st = s.state();
-    let all = || st.blobs.iter().chain(st.partials.iter());
-    assert_eq!(st.used, all().map(|(_, m)| m.rec.size).sum::<u64>(), "used");
-    assert_eq!(
-        st.pinned,
-        all()
-            .filter(|(_, m)| m.rec.pinned)
-            .map(|(_, m)| m.rec.size)
-            .sum::<u64>(),
-        "pinned"
-    );
-    let want: std::collections::BTreeSet<(u64, BlobHash)> = all()
-        .filter(|(_, m)| !m.rec.pinned)
-        .map(|(h, m)| (m.last_access, *h))
-        .collect();
-    assert_eq!(st.lru, want, "eviction order");
+    let (mut used, mut pinned) = (0, 0);
+    let mut want = std::collections::BTreeSet::new();
+    s.each_meta(|h, m, _| {
+        used += m.rec.size;
+        if m.rec.pinned {
+            pinned += m.rec.size;
+        } else {
+            want.insert((m.last_access, *h));
+        }
+    });
+    let b = s.books();
+    assert_eq!(b.used, used, "used");
+    assert_eq!(b.pinned, pinned, "pinned");
+    drop(b);
+    let mut lru = std::collections::BTreeSet::new();
+    for (i, sh) in s.shards.iter().enumerate() {
+        for k in &lock(sh).lru {
+            assert_eq!(usize::from(k.1 .0[0]) % SHARDS, i, "a blob in the wrong shard");
+            lru.insert(*k);
+        }
+    }
+    assert_eq!(lru, want, "eviction order");
 }
 
 #[derive(Debug, Clone)]
@@ -327,7 +391,8 @@ proptest::proptest! {
         for o in ops {
             match o {
                 StoreOp::Put(n, pin) => {
-                    let pinned_before: Vec<BlobHash> = s.state().blobs.iter().filter(|(_, m)| m.rec.pinned).map(|(h, _)| *h).collect();
+                    let mut pinned_before = Vec::new();
+                    s.each_meta(|h, m, partial| if m.rec.pinned && !partial { pinned_before.push(*h) });
                     match put(&s, &data(n), pin) {
                         Ok(_) | Err(StoreError::Full { .. }) => {}
                         Err(e) => panic!("{e}"),

@@ -23,7 +23,7 @@ impl BlobStore {
         chunks: &[BlobHash],
         pin: bool,
     ) -> Result<(), StoreError> {
-        if self.contains(&hash) || self.state().partials.contains_key(&hash) {
+        if self.contains(&hash) || self.shard(&hash).partials.contains_key(&hash) {
             return Ok(());
         }
         let chunk_size = checked_chunk_size(hash, chunk_size)?;
@@ -56,12 +56,9 @@ impl BlobStore {
         self.index
             .put(hash.0, rec.encode_to_vec())
             .map_err(|e| StoreError::Index(e.into_string()))?;
-        let mut st = self.state();
+        let mut st = self.shard(&hash);
         // The reservation becomes permanent use.
-        st.used += size;
-        if pin {
-            st.pinned += size;
-        }
+        self.books().add(size, pin);
         let m = Meta {
             rec,
             last_access: self.tick.fetch_add(1, Ordering::Relaxed),
@@ -78,7 +75,7 @@ impl BlobStore {
     /// blob is re-hashed and moved into `blobs/`. Returns true when the blob is complete.
     pub fn write_chunk(&self, h: &BlobHash, i: u64, data: &[u8]) -> Result<bool, StoreError> {
         use std::os::unix::fs::FileExt;
-        let rec = match self.state().partials.get(h) {
+        let rec = match self.shard(h).partials.get(h) {
             Some(m) => m.rec.clone(),
             None if self.contains(h) => return Ok(true),
             None => return Err(StoreError::NotFound(*h)),
@@ -105,7 +102,7 @@ impl BlobStore {
         let f = std::fs::OpenOptions::new().write(true).open(&path).map_err(io)?;
         f.write_all_at(data, i * cs).map_err(io)?;
         f.sync_data().map_err(io)?;
-        let mut st = self.state();
+        let mut st = self.shard(h);
         let Some(m) = st.partials.get_mut(h) else {
             return Err(StoreError::NotFound(*h));
         };
@@ -144,7 +141,7 @@ impl BlobStore {
         self.index
             .put(h.0, done.encode_to_vec())
             .map_err(|e| StoreError::Index(e.into_string()))?;
-        let mut st = self.state();
+        let mut st = self.shard(h);
         if let Some(m) = st.partials.remove(h) {
             st.blobs.insert(h.to_owned(), Meta { rec: done, ..m });
             if let Some(v) = verified {
