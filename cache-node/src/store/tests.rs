@@ -133,7 +133,7 @@ fn concurrent_writers_readers_and_pinners_leave_exact_books_and_never_exceed_cap
                     let n = ((i * 7 + u32::from(t) * 13) % 40) as u8;
                     let data = vec![n; 10_000];
                     match i % 4 {
-                        0 | 1 => match put(s, &data, n % 9 == 0) {
+                        0 | 1 => match put(s, &data, n.is_multiple_of(9)) {
                             Ok(_) | Err(StoreError::Full { .. }) => {}
                             Err(e) => panic!("{e}"),
                         },
