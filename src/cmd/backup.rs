@@ -172,12 +172,17 @@ async fn backup_run(a: RunArgs, cfg: &Resolved) -> anyhow::Result<()> {
         started_ms,
         parallel: a.parallel,
         retention: policy(&a.retention, cfg),
-        token: cfg.token.clone(),
     };
     let r = match cfg.connect().await {
-        Ok(mut m) => ops::backup::run(&mut m, &t, &o, &TermObserver::default(), &mut report)
-            .await
-            .map_err(anyhow::Error::from),
+        Ok(m) => ops::backup::run(
+            &ops::cluster::GrpcCluster::new(m, cfg.token.clone()),
+            &t,
+            &o,
+            &TermObserver::default(),
+            &mut report,
+        )
+        .await
+        .map_err(anyhow::Error::from),
         Err(e) => Err(e),
     };
     report.duration_s = start.elapsed().as_secs_f64();
@@ -279,14 +284,17 @@ async fn verify(a: VerifyArgs, cfg: &Resolved) -> anyhow::Result<()> {
         sample: a.sample,
         parallel: a.parallel,
         repair: a.repair,
-        token: cfg.token.clone(),
     };
-    let mut meta = if a.repair {
-        Some(cfg.connect().await?)
+    let cluster = if a.repair {
+        Some(ops::cluster::GrpcCluster::new(
+            cfg.connect().await?,
+            cfg.token.clone(),
+        ))
     } else {
         None
     };
-    let report = ops::backup::verify(&t, meta.as_mut(), &o, &TermObserver::default()).await?;
+    let cluster = cluster.as_ref().map(|c| c as &dyn ops::cluster::BackupCluster);
+    let report = ops::backup::verify(&t, cluster, &o, &TermObserver::default()).await?;
     if cfg.json {
         output::json(&report)?;
     } else {

@@ -21,10 +21,10 @@ use futures_util::StreamExt;
 use locus_backup::format::{now_ms, DatasetSummary};
 use locus_backup::retention::Policy;
 use locus_backup::{blob, BlobList, Committed, SnapshotManifest, SnapshotState, Target};
-use locus_proto::client::MetadataClient;
-use locus_proto::{nodepb, pb, BlobHash};
+use locus_proto::{nodepb, BlobHash};
 use serde::Serialize;
 
+use super::cluster::BackupCluster;
 use super::{status_sentence, Observer};
 
 #[derive(Debug, thiserror::Error)]
@@ -75,8 +75,6 @@ pub struct RunOptions {
     pub parallel: u32,
     /// Applied after a committed run; an empty policy deletes nothing.
     pub retention: Policy,
-    /// The token presented to nodes.
-    pub token: Option<String>,
 }
 
 /// The `--json` report of a run, also printed (with `errors`) when it fails.
@@ -101,7 +99,7 @@ pub struct RunReport {
 
 /// One backup run into `t`; what it did goes into `report` whether it succeeds or not.
 pub async fn run(
-    m: &mut MetadataClient,
+    c: &dyn BackupCluster,
     t: &Target,
     o: &RunOptions,
     obs: &dyn Observer,
@@ -111,16 +109,16 @@ pub async fn run(
     let gc_at_start = t.gc_state().await?;
     // 1. The catalogue, as of one instant, into a temp file (it may be large).
     let mut file = tempfile::tempfile().map_err(io("cannot create a temp file for the catalogue"))?;
-    let mut stream = m.export_catalog(pb::ExportCatalogRequest {}).await?.into_inner();
+    let mut stream = c.export_catalog().await?;
     let mut hasher = blake3::Hasher::new();
     let mut catalog_bytes = 0u64;
     let exporting = obs.start("exporting the catalogue", 0);
-    while let Some(c) = stream.next().await {
-        let c = c?;
-        hasher.update(&c.data);
-        catalog_bytes += c.data.len() as u64;
-        exporting.fetch_add(c.data.len() as u64, Ordering::Relaxed);
-        file.write_all(&c.data)
+    while let Some(piece) = stream.next().await {
+        let piece = piece?;
+        hasher.update(&piece);
+        catalog_bytes += piece.len() as u64;
+        exporting.fetch_add(piece.len() as u64, Ordering::Relaxed);
+        file.write_all(&piece)
             .map_err(io("writing the catalogue to a temp file"))?;
     }
     obs.end("exporting the catalogue");
@@ -136,7 +134,7 @@ pub async fn run(
     })
     .await
     .map_err(joined)??;
-    let up = live_nodes(m).await?;
+    let up = c.live_nodes().await?;
     let list = BlobList::from_unsorted(plan.blobs.iter().map(|b| (b.hash, b.size)).collect());
     report.datasets = plan.datasets.len();
     report.versions = plan.datasets.values().map(|d| d.0.len()).sum();
@@ -223,8 +221,7 @@ pub async fn run(
         parallel: o.parallel,
         overwrite: false,
     };
-    let token = o.token.as_deref();
-    send_blobs(token, obs, &up, todo, t, send, report).await?;
+    send_blobs(c, obs, &up, todo, t, send, report).await?;
 
     // 6. A collection that overlapped this run may have deleted a blob it skipped as
     //    present: check every blob of the snapshot and send what is missing.
@@ -236,7 +233,7 @@ pub async fn run(
     if overlapped {
         tracing::info!("a garbage collection ran during this backup; re-checking every blob");
         let mut again = RunReport::default();
-        send_blobs(token, obs, &up, plan.blobs.iter().collect(), t, send, &mut again).await?;
+        send_blobs(c, obs, &up, plan.blobs.iter().collect(), t, send, &mut again).await?;
         report.blobs_uploaded += again.blobs_uploaded;
         report.bytes_uploaded += again.bytes_uploaded;
     }
@@ -259,13 +256,7 @@ pub async fn run(
     t.put_json(&t.snapshot_key(id, "COMMITTED"), &committed).await?;
     t.sync_local().await?;
     report.committed = true;
-    if let Err(e) = m
-        .record_backup(pb::RecordBackupRequest {
-            url: t.url.clone(),
-            snapshot: id.to_string(),
-        })
-        .await
-    {
+    if let Err(e) = c.record_backup(t.url.clone(), id.to_string()).await {
         obs.warn(&format!(
             "snapshot {id} is committed, but the metadata service did not record {} as a source \
              for lost blobs: {}",
@@ -279,16 +270,6 @@ pub async fn run(
             Some(locus_backup::gc::collect(t, o.retention, Duration::from_secs(86_400), false).await?);
     }
     Ok(())
-}
-
-/// Live nodes: id → address.
-async fn live_nodes(m: &mut MetadataClient) -> Result<HashMap<String, String>> {
-    let nodes = m.list_nodes(pb::ListNodesRequest {}).await?.into_inner().nodes;
-    Ok(nodes
-        .into_iter()
-        .filter(|n| n.state == pb::NodeState::Up as i32)
-        .map(|n| (n.id, n.address))
-        .collect())
 }
 
 /// A tokio file as a stream of 1 MiB pieces.
@@ -314,7 +295,7 @@ fn file_stream(
 /// reports the blob, and the next replica sends it in another round. Counts go into
 /// `report`.
 async fn send_blobs(
-    token: Option<&str>,
+    c: &dyn BackupCluster,
     obs: &dyn Observer,
     up: &HashMap<String, String>,
     blobs: Vec<&locus_metadata::snapshot::PlannedBlob>,
@@ -347,7 +328,7 @@ async fn send_blobs(
                 size: b.size,
             });
         }
-        let (sums, failed) = upload_from_nodes(token, obs, up, &per_node, t, send).await?;
+        let (sums, failed) = upload_from_nodes(c, obs, &per_node, t, send).await?;
         report.blobs_uploaded += sums.0;
         report.bytes_uploaded += sums.1;
         report.blobs_skipped += sums.2;
@@ -379,9 +360,8 @@ struct SendMode {
 /// found already stored, their bytes) and the blobs a node could not read (hash, node,
 /// why). Fails if any node or the target fails, naming each.
 async fn upload_from_nodes(
-    token: Option<&str>,
+    c: &dyn BackupCluster,
     obs: &dyn Observer,
-    up: &HashMap<String, String>,
     per_node: &BTreeMap<String, Vec<nodepb::BlobRef>>,
     t: &Target,
     send: SendMode,
@@ -391,74 +371,39 @@ async fn upload_from_nodes(
         return Ok(((0, 0, 0, 0), Vec::new()));
     }
     let done = obs.start("uploading", total);
-    let mut set = tokio::task::JoinSet::new();
-    for (node, blobs) in per_node {
-        let addr = up[node].clone();
-        let (node, blobs, token) = (node.clone(), blobs.clone(), token.map(str::to_string));
-        let (url, done) = (t.url.clone(), done.clone());
-        set.spawn(async move {
-            let r = async {
-                let mut c =
-                    locus_proto::client::connect_node(&addr, token.as_deref(), Duration::from_secs(5))
-                        .await
-                        .map_err(|e| format!("cannot reach it at {addr}: {e}"))?;
-                // Batches keep each request far below the gRPC message limit, however many
-                // blobs a node sends (a 1M-file dataset is ~45 MB of blob references).
-                let mut total = nodepb::UploadProgress::default();
-                // A working node reports at least every 5 s (UploadBlobs); one silent
-                // for the peer timeout hangs, and the run says so instead of waiting.
-                let idle = locus_proto::net::peer_idle().max(Duration::from_secs(10));
-                let silent = || {
-                    format!(
-                        "{addr} sent no progress for {}s (LOCUS_PEER_TIMEOUT)",
-                        idle.as_secs_f64()
-                    )
+    let uploads = per_node.iter().map(|(node, blobs)| {
+        let done = &*done;
+        async move {
+            // Batches keep each request far below the gRPC message limit, however many
+            // blobs a node sends (a 1M-file dataset is ~45 MB of blob references).
+            let mut total = nodepb::UploadProgress::default();
+            for batch in blobs.chunks(UPLOAD_BATCH) {
+                let r = nodepb::UploadBlobsRequest {
+                    target: t.url.clone(),
+                    blobs: batch.to_vec(),
+                    skip_existing: !send.overwrite,
+                    parallel: send.parallel,
                 };
-                for batch in blobs.chunks(UPLOAD_BATCH) {
-                    let open = c.upload_blobs(nodepb::UploadBlobsRequest {
-                        target: url.clone(),
-                        blobs: batch.to_vec(),
-                        skip_existing: !send.overwrite,
-                        parallel: send.parallel,
-                    });
-                    let mut s = tokio::time::timeout(idle, open)
-                        .await
-                        .map_err(|_| silent())?
-                        .map_err(|s| s.message().to_string())?
-                        .into_inner();
-                    let mut last = nodepb::UploadProgress::default();
-                    let mut counted = 0;
-                    loop {
-                        let Some(p) = tokio::time::timeout(idle, s.next()).await.map_err(|_| silent())?
-                        else {
-                            break;
-                        };
-                        let p = p.map_err(|s| s.message().to_string())?;
-                        let now = p.bytes_uploaded + p.bytes_skipped;
-                        done.fetch_add(now - counted, Ordering::Relaxed);
-                        counted = now;
-                        last = p;
-                    }
-                    if !last.finished {
-                        return Err("the node ended the upload without finishing it".to_string());
-                    }
-                    total.blobs_uploaded += last.blobs_uploaded;
-                    total.bytes_uploaded += last.bytes_uploaded;
-                    total.blobs_skipped += last.blobs_skipped;
-                    total.bytes_skipped += last.bytes_skipped;
-                    total.failed.extend(last.failed);
-                }
-                Ok::<_, String>(total)
+                let p = match c.upload(node, r, done).await {
+                    Ok(p) => p,
+                    Err(e) => return (node, Err(e)),
+                };
+                total.blobs_uploaded += p.blobs_uploaded;
+                total.bytes_uploaded += p.bytes_uploaded;
+                total.blobs_skipped += p.blobs_skipped;
+                total.bytes_skipped += p.bytes_skipped;
+                total.failed.extend(p.failed);
             }
-            .await;
-            (node, r)
-        });
-    }
+            (node, Ok(total))
+        }
+    });
+    // Every node at once; each call is network-bound, so one task drives them all.
+    let results = futures_util::future::join_all(uploads).await;
+    obs.end("uploading");
     let mut sums = (0, 0, 0, 0);
     let mut failed = Vec::new();
     let mut errors = Vec::new();
-    while let Some(r) = set.join_next().await {
-        let (node, r) = r.map_err(joined)?;
+    for (node, r) in results {
         match r {
             Ok(p) => {
                 sums.0 += p.blobs_uploaded;
@@ -474,7 +419,6 @@ async fn upload_from_nodes(
             Err(e) => errors.push(format!("node {node}: {e}")),
         }
     }
-    obs.end("uploading");
     if !errors.is_empty() {
         return Err(BackupOpError::Nodes(errors.join("; ")));
     }
@@ -490,9 +434,8 @@ pub struct VerifyOptions {
     pub sample: f64,
     /// Blobs read at once.
     pub parallel: usize,
-    /// Have nodes upload missing or corrupt blobs again (needs `meta`).
+    /// Have nodes upload missing or corrupt blobs again (needs the cluster).
     pub repair: bool,
-    pub token: Option<String>,
 }
 
 #[derive(Debug, Default, Serialize)]
@@ -522,10 +465,10 @@ impl VerifyReport {
 
 /// Re-reads a snapshot's catalogue and its blobs (all, or a random sample) and reports
 /// what is missing or corrupt; with `o.repair`, the nodes holding those blobs upload them
-/// again (`meta` is then needed to find them).
+/// again (`cluster` is then needed to find them).
 pub async fn verify(
     t: &Target,
-    meta: Option<&mut MetadataClient>,
+    cluster: Option<&dyn BackupCluster>,
     o: &VerifyOptions,
     obs: &dyn Observer,
 ) -> Result<VerifyReport> {
@@ -606,8 +549,8 @@ pub async fn verify(
             .chain(&report.corrupt)
             .filter_map(|s| BlobHash::from_hex(&s[..64.min(s.len())]).ok())
             .collect();
-        let r = match meta {
-            Some(m) => repair(m, o.token.as_deref(), obs, t, &list, &bad).await,
+        let r = match cluster {
+            Some(c) => repair(c, obs, t, &list, &bad).await,
             None => Err(BackupOpError::Invalid(
                 "repair needs the metadata service to find the blobs' holders".into(),
             )),
@@ -623,24 +566,17 @@ pub async fn verify(
 
 /// Has the nodes holding `bad` upload them again, replacing what the target holds.
 async fn repair(
-    m: &mut MetadataClient,
-    token: Option<&str>,
+    c: &dyn BackupCluster,
     obs: &dyn Observer,
     t: &Target,
     list: &BlobList,
     bad: &[BlobHash],
 ) -> Result<()> {
-    let up = live_nodes(m).await?;
+    let up = c.live_nodes().await?;
     let mut planned = Vec::new();
     for chunk in bad.chunks(1000) {
-        let found = m
-            .locate_blobs(pb::LocateBlobsRequest {
-                hashes: chunk.iter().map(|h| h.0.to_vec()).collect(),
-            })
-            .await?
-            .into_inner()
-            .blobs;
-        for (h, loc) in chunk.iter().zip(found) {
+        let found = c.holders(chunk.to_vec()).await?;
+        for (h, nodes) in chunk.iter().zip(found) {
             let size = list
                 .0
                 .binary_search_by(|(x, _)| x.0.cmp(&h.0))
@@ -650,7 +586,7 @@ async fn repair(
                 hash: *h,
                 size,
                 chunk_size: 0,
-                replicas: loc.nodes,
+                replicas: nodes,
             });
         }
     }
@@ -659,5 +595,8 @@ async fn repair(
         overwrite: true,
     };
     let mut report = RunReport::default();
-    send_blobs(token, obs, &up, planned.iter().collect(), t, send, &mut report).await
+    send_blobs(c, obs, &up, planned.iter().collect(), t, send, &mut report).await
 }
+
+#[cfg(test)]
+mod tests;

@@ -1,7 +1,8 @@
-//! What an import asks of the cluster — the metadata service's session calls and the
-//! nodes' blob writes — behind a trait, so the import's own rules (a failed send aborts
-//! the session, nothing is sent twice, unplaced shards are refused) are unit-tested with
-//! a fake cluster. [`GrpcCluster`] is the real one.
+//! What imports and backups ask of the cluster — the metadata service's calls and the
+//! nodes' blob writes and uploads — behind traits, so their own rules (a failed send
+//! aborts the session, nothing is sent twice, unplaced shards are refused; a blob a node
+//! cannot send is asked of the next replica, nothing is committed while a blob is
+//! missing) are unit-tested with a fake cluster. [`GrpcCluster`] is the real one.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -49,6 +50,31 @@ pub trait ImportCluster: Send + Sync {
     fn send<'a>(&'a self, node: &'a str, blob: Upload) -> BoxFuture<'a, Result<(), String>>;
 }
 
+/// A stream of catalogue pieces.
+pub type CatalogStream =
+    std::pin::Pin<Box<dyn futures_util::Stream<Item = Result<bytes::Bytes, tonic::Status>> + Send>>;
+
+pub trait BackupCluster: Send + Sync {
+    /// The catalogue as of one instant (one store snapshot), in pieces.
+    fn export_catalog(&self) -> BoxFuture<'_, Result<CatalogStream, tonic::Status>>;
+    /// Nodes that are up: id → address.
+    fn live_nodes(&self) -> BoxFuture<'_, Result<HashMap<String, String>, tonic::Status>>;
+    /// For each blob, the nodes that hold it as a replica.
+    fn holders(&self, blobs: Vec<BlobHash>) -> BoxFuture<'_, Result<Vec<Vec<String>>, tonic::Status>>;
+    /// Tells the metadata service the target holds a committed snapshot (a source for
+    /// blobs every node lost).
+    fn record_backup(&self, url: String, snapshot: String) -> BoxFuture<'_, Result<(), tonic::Status>>;
+    /// Has `node` upload `r.blobs` into the target `r.target`; `done` advances by the
+    /// bytes uploaded or found stored as the node reports them. The node's final tally,
+    /// or why the node failed as a whole (unreachable, silent, refused).
+    fn upload<'a>(
+        &'a self,
+        node: &'a str,
+        r: nodepb::UploadBlobsRequest,
+        done: &'a AtomicU64,
+    ) -> BoxFuture<'a, Result<nodepb::UploadProgress, String>>;
+}
+
 /// The cluster over gRPC: the metadata service, and node connections opened once each.
 pub struct GrpcCluster {
     meta: MetadataClient,
@@ -94,6 +120,22 @@ impl GrpcCluster {
         self.nodes.lock().await.insert(node.to_string(), c.clone());
         Ok((c, addr))
     }
+
+    /// For each blob, the nodes that hold it as a replica.
+    async fn locate(&self, blobs: Vec<BlobHash>) -> Result<Vec<Vec<String>>, tonic::Status> {
+        let mut m = self.meta.clone();
+        let mut out = Vec::with_capacity(blobs.len());
+        for batch in blobs.chunks(10_000) {
+            let r = m
+                .locate_blobs(pb::LocateBlobsRequest {
+                    hashes: batch.iter().map(|h| h.0.to_vec()).collect(),
+                })
+                .await?
+                .into_inner();
+            out.extend(r.blobs.into_iter().map(|b| b.nodes));
+        }
+        Ok(out)
+    }
 }
 
 impl ImportCluster for GrpcCluster {
@@ -109,20 +151,7 @@ impl ImportCluster for GrpcCluster {
     }
 
     fn holders(&self, blobs: Vec<BlobHash>) -> BoxFuture<'_, Result<Vec<Vec<String>>, tonic::Status>> {
-        Box::pin(async move {
-            let mut m = self.meta.clone();
-            let mut out = Vec::with_capacity(blobs.len());
-            for batch in blobs.chunks(10_000) {
-                let r = m
-                    .locate_blobs(pb::LocateBlobsRequest {
-                        hashes: batch.iter().map(|h| h.0.to_vec()).collect(),
-                    })
-                    .await?
-                    .into_inner();
-                out.extend(r.blobs.into_iter().map(|b| b.nodes));
-            }
-            Ok(out)
-        })
+        Box::pin(self.locate(blobs))
     }
 
     fn place(
@@ -199,6 +228,94 @@ impl ImportCluster for GrpcCluster {
                 blob.done,
             )
             .await
+        })
+    }
+}
+
+impl BackupCluster for GrpcCluster {
+    fn export_catalog(&self) -> BoxFuture<'_, Result<CatalogStream, tonic::Status>> {
+        Box::pin(async move {
+            use futures_util::StreamExt;
+            let s = self
+                .meta
+                .clone()
+                .export_catalog(pb::ExportCatalogRequest {})
+                .await?
+                .into_inner();
+            Ok(Box::pin(s.map(|c| c.map(|c| bytes::Bytes::from(c.data)))) as CatalogStream)
+        })
+    }
+
+    fn live_nodes(&self) -> BoxFuture<'_, Result<HashMap<String, String>, tonic::Status>> {
+        Box::pin(async move {
+            let nodes = self
+                .meta
+                .clone()
+                .list_nodes(pb::ListNodesRequest {})
+                .await?
+                .into_inner()
+                .nodes;
+            Ok(nodes
+                .into_iter()
+                .filter(|n| n.state == pb::NodeState::Up as i32)
+                .map(|n| (n.id, n.address))
+                .collect())
+        })
+    }
+
+    fn holders(&self, blobs: Vec<BlobHash>) -> BoxFuture<'_, Result<Vec<Vec<String>>, tonic::Status>> {
+        Box::pin(self.locate(blobs))
+    }
+
+    fn record_backup(&self, url: String, snapshot: String) -> BoxFuture<'_, Result<(), tonic::Status>> {
+        Box::pin(async move {
+            self.meta
+                .clone()
+                .record_backup(pb::RecordBackupRequest { url, snapshot })
+                .await?;
+            Ok(())
+        })
+    }
+
+    fn upload<'a>(
+        &'a self,
+        node: &'a str,
+        r: nodepb::UploadBlobsRequest,
+        done: &'a AtomicU64,
+    ) -> BoxFuture<'a, Result<nodepb::UploadProgress, String>> {
+        Box::pin(async move {
+            use futures_util::StreamExt;
+            let (mut c, addr) = self
+                .node(node)
+                .await
+                .map_err(|e| format!("cannot reach it: {e}"))?;
+            // A working node reports at least every 5 s (UploadBlobs); one silent for the
+            // peer timeout hangs, and the run says so instead of waiting.
+            let idle = locus_proto::net::peer_idle().max(Duration::from_secs(10));
+            let silent = || {
+                format!(
+                    "{addr} sent no progress for {}s (LOCUS_PEER_TIMEOUT)",
+                    idle.as_secs_f64()
+                )
+            };
+            let mut s = tokio::time::timeout(idle, c.upload_blobs(r))
+                .await
+                .map_err(|_| silent())?
+                .map_err(|s| s.message().to_string())?
+                .into_inner();
+            let mut last = nodepb::UploadProgress::default();
+            let mut counted = 0;
+            while let Some(p) = tokio::time::timeout(idle, s.next()).await.map_err(|_| silent())? {
+                let p = p.map_err(|s| s.message().to_string())?;
+                let now = p.bytes_uploaded + p.bytes_skipped;
+                done.fetch_add(now.saturating_sub(counted), Ordering::Relaxed);
+                counted = now;
+                last = p;
+            }
+            if !last.finished {
+                return Err("the node ended the upload without finishing it".to_string());
+            }
+            Ok(last)
         })
     }
 }
