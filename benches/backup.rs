@@ -13,8 +13,7 @@
 //! objects are deleted before the backup runs. Everything is in the page cache, so both
 //! sides are bound by the server, not by reading.
 
-#[path = "../tests/support/mod.rs"]
-mod support;
+use locus_testkit as support;
 
 use std::sync::Arc;
 use std::time::Instant;

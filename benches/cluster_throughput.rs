@@ -12,8 +12,7 @@
 //! Needs `b3sum` (cargo install b3sum) and `iperf3` (Debian) for the references; a missing
 //! reference is reported as such, not guessed.
 
-#[path = "../tests/support/mod.rs"]
-mod support;
+use locus_testkit as support;
 
 use std::io::Write;
 use std::path::Path;

@@ -7,8 +7,7 @@
 //!
 //! Targets: locality p99 ≤ 5 ms; extender prioritize over 1,000 node names p99 ≤ 10 ms.
 
-#[path = "../tests/support/mod.rs"]
-mod support;
+use locus_testkit as support;
 
 use std::collections::HashMap;
 use std::time::{Duration, Instant};

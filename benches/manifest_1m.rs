@@ -7,8 +7,7 @@
 //!
 //! Prints one table; record it in bench/RESULTS.md with the machine and date.
 
-#[path = "../tests/support/mod.rs"]
-mod support;
+use locus_testkit as support;
 
 use std::time::Instant;
 

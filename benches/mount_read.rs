@@ -24,8 +24,7 @@
 //! (bench/setup-peers.sh), else from the harness's moto; rclone (`--vfs-cache-mode full
 //! --read-only`) and s3fs come from Debian and are skipped with a note when absent.
 
-#[path = "../tests/support/mod.rs"]
-mod support;
+use locus_testkit as support;
 
 use std::path::{Path, PathBuf};
 use std::process::Command;

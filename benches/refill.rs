@@ -16,8 +16,7 @@
 //! Run: `cargo bench --bench refill` (1 GiB in 64 files), or with `LOCUS_BENCH_MIB=2048`.
 //! Dropping the page cache needs root; without it the figures are warm and say so.
 
-#[path = "../tests/support/mod.rs"]
-mod support;
+use locus_testkit as support;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;

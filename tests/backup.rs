@@ -4,7 +4,7 @@
 //! retention with garbage collection, and the restore drill: everything wiped, restored,
 //! mounted and compared byte for byte with the original files.
 
-mod support;
+use locus_testkit as support;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
@@ -471,7 +471,7 @@ async fn backup_to_s3_survives_the_server_dying_resumes_and_restores() {
     assert!(o.status.success(), "{}", stderr(&o));
     let bucket = weed.bucket();
     let before = count(bucket.clone()).await;
-    let mut run = std::process::Command::new(env!("CARGO_BIN_EXE_locus"));
+    let mut run = std::process::Command::new(locus());
     run.args(["backup", "run", "--to", url])
         .env("LOCUS_METADATA", m.url())
         .env_remove("LOCUS_TOKEN")

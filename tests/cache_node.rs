@@ -1,7 +1,7 @@
 //! End-to-end tests of cache nodes: a real metadata service and real `locus node serve`
 //! processes on loopback, data imported with the real `locus dataset import`.
 
-mod support;
+use locus_testkit as support;
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::path::Path;
@@ -449,7 +449,7 @@ async fn an_interrupted_import_leaves_no_version_and_a_rerun_completes_it() {
     .map(String::from)
     .to_vec();
     args.extend(["--chunk-size", "64KiB", "--parallel", "1"].map(String::from));
-    let mut import = std::process::Command::new(LOCUS)
+    let mut import = std::process::Command::new(locus())
         .args(&args)
         .env("LOCUS_METADATA", m.url())
         .stdout(std::process::Stdio::null())
@@ -518,7 +518,7 @@ async fn import_from_a_real_s3_server() {
     for i in 1..=3 {
         nodes.push(h.start_node(&format!("n{i}"), &m, NodeOpts::host(i)).await);
     }
-    let mut cmd = std::process::Command::new(LOCUS);
+    let mut cmd = std::process::Command::new(locus());
     cmd.args([
         "dataset",
         "import",
@@ -564,7 +564,7 @@ async fn import_from_a_real_s3_server() {
 
     // A source that does not answer gives a clear error and leaves nothing behind.
     drop(s3);
-    let mut cmd = std::process::Command::new(LOCUS);
+    let mut cmd = std::process::Command::new(locus());
     cmd.args(["dataset", "import", "gone", "s3://datasets/train/v1"])
         .env("LOCUS_METADATA", m.url())
         .env("AWS_ENDPOINT_URL", "http://127.0.0.1:1")
@@ -671,7 +671,7 @@ async fn with_tokens_nodes_check_callers_and_repair_still_works() {
 #[test]
 fn a_node_without_tokens_refuses_to_listen_beyond_loopback() {
     let h = Harness::new("node-insecure");
-    let out = std::process::Command::new(LOCUS)
+    let out = std::process::Command::new(locus())
         .args([
             "node",
             "serve",

@@ -1,6 +1,6 @@
 //! End-to-end tests of the `locus` command line against a real metadata service.
 
-mod support;
+use locus_testkit as support;
 
 use std::process::Command;
 
@@ -153,7 +153,7 @@ async fn tokens_and_config_precedence() {
         .await;
     let reader = tokens().into_iter().find(|t| t.role == "reader").unwrap().secret;
     let run = |args: &[&str], env: &[(&str, &str)]| {
-        let mut cmd = Command::new(LOCUS);
+        let mut cmd = Command::new(locus());
         cmd.args(args)
             .env_remove("LOCUS_METADATA")
             .env_remove("LOCUS_TOKEN")
@@ -212,7 +212,7 @@ async fn tokens_and_config_precedence() {
 #[test]
 fn demo_commits_and_lists_a_sample_dataset() {
     let h = Harness::new("demo");
-    let out = Command::new(LOCUS)
+    let out = Command::new(locus())
         .args(["demo", "--dir"])
         .arg(h.path("demo"))
         .env_remove("LOCUS_METADATA")
@@ -260,16 +260,16 @@ fn help_explains_every_command() {
         vec!["node", "list", "--help"],
         vec!["demo", "--help"],
     ] {
-        let out = Command::new(LOCUS).args(&args).output().unwrap();
+        let out = Command::new(locus()).args(&args).output().unwrap();
         assert!(out.status.success(), "{args:?}");
         assert!(stdout(&out).contains("Usage:"), "{args:?}");
     }
-    let out = Command::new(LOCUS)
+    let out = Command::new(locus())
         .args(["metadata", "serve", "--help"])
         .output()
         .unwrap();
     assert!(stdout(&out).contains("--tokens-file"));
-    let out = Command::new(LOCUS)
+    let out = Command::new(locus())
         .args(["dataset", "frobnicate"])
         .output()
         .unwrap();
@@ -279,7 +279,7 @@ fn help_explains_every_command() {
 #[test]
 fn a_peer_timeout_that_is_not_a_duration_is_refused_before_anything_runs() {
     for bad in ["soon", "0s"] {
-        let out = Command::new(LOCUS)
+        let out = Command::new(locus())
             .args(["dataset", "list"])
             .env("LOCUS_PEER_TIMEOUT", bad)
             .env("LOCUS_METADATA", "http://127.0.0.1:1")

@@ -1,7 +1,7 @@
 //! End-to-end tests of locality: a real cluster after a real import, the answers checked
 //! against the blobs actually on each node's disk, over gRPC (CLI) and HTTP/JSON.
 
-mod support;
+use locus_testkit as support;
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::Path;

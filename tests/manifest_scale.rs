@@ -2,7 +2,7 @@
 //! under the message-size limit, committed atomically, listed back in pages, whole and by
 //! directory. (Timings are measured by `cargo bench --bench manifest_1m`, not here.)
 
-mod support;
+use locus_testkit as support;
 
 use locus_proto::pb;
 use support::*;

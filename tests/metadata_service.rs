@@ -1,7 +1,7 @@
 //! End-to-end tests of the metadata service: a real `locus metadata serve` process with
 //! RocksDB on disk, spoken to over gRPC on loopback.
 
-mod support;
+use locus_testkit as support;
 
 use std::collections::HashSet;
 use std::time::Duration;
@@ -450,7 +450,7 @@ async fn each_role_is_refused_what_it_may_not_do() {
 #[tokio::test]
 async fn refuses_to_serve_without_tokens_beyond_loopback() {
     let h = Harness::new("insecure");
-    let out = std::process::Command::new(LOCUS)
+    let out = std::process::Command::new(locus())
         .args([
             "metadata",
             "serve",

@@ -2,7 +2,7 @@
 //! cluster (metadata service and cache nodes as processes on loopback), read through the
 //! kernel with ordinary file calls.
 
-mod support;
+use locus_testkit as support;
 
 use std::collections::BTreeMap;
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
@@ -149,7 +149,7 @@ async fn every_file_reads_back_identical_with_and_without_a_local_node() {
     assert!(nodes[0].blob_files().len() > 100);
 
     // `locus status` shows both mounts.
-    let mut cmd = std::process::Command::new(LOCUS);
+    let mut cmd = std::process::Command::new(locus());
     let st = cmd
         .arg("status")
         .env("LOCUS_METADATA", m.url())

@@ -203,7 +203,7 @@ impl Metadata {
     /// `locus ARGS` against this service, as its admin, with no config file; `env` first,
     /// so the service's address and token win over it.
     pub fn cli_command(&self, args: &[&str], env: &[(&str, String)]) -> Command {
-        let mut cmd = Command::new(LOCUS);
+        let mut cmd = Command::new(locus());
         cmd.envs(env.iter().map(|(k, v)| (*k, v.as_str())));
         cmd.args(args)
             .env("LOCUS_METADATA", self.url())

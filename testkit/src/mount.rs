@@ -51,7 +51,7 @@ impl Metadata {
             args.push(n.socket.to_str().unwrap());
         }
         args.extend_from_slice(extra);
-        let mut cmd = Command::new(LOCUS);
+        let mut cmd = Command::new(locus());
         cmd.args(&args)
             .env("LOCUS_METADATA", self.url())
             .env("LOCUS_RUNTIME_DIR", &runtime_dir)
@@ -113,7 +113,7 @@ impl Mount {
     }
 
     pub fn umount(&self) -> Output {
-        Command::new(LOCUS)
+        Command::new(locus())
             .args(["umount", self.path.to_str().unwrap()])
             .env("LOCUS_RUNTIME_DIR", &self.runtime_dir)
             .output()

@@ -44,7 +44,7 @@ impl Daemon {
             .append(true)
             .open(&self.log)
             .expect("open the daemon log");
-        let mut cmd = Command::new(LOCUS);
+        let mut cmd = Command::new(locus());
         cmd.args(args)
             .env("RUST_LOG", "info")
             .env_remove("LOCUS_TOKEN")

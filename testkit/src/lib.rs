@@ -1,4 +1,4 @@
-//! The cluster test harness: starts real `locus` processes on loopback, each with its own
+//! The cluster test harness (shared by the end-to-end tests and the benches): starts real `locus` processes on loopback, each with its own
 //! directory, log file and ports, waits for readiness by polling, offers fault injection
 //! (kill -9, SIGSTOP/SIGCONT, SIGTERM), and cleans up everything it started. When a test
 //! fails, the run directory with every daemon's log is kept and its path printed.
@@ -6,8 +6,6 @@
 //! One file per thing it starts: `daemon` (any `locus` process), `metadata`, `node`,
 //! `cluster` (a service with nodes, and catalogue helpers), `objstore` (moto, SeaweedFS),
 //! `mount`, and `data` (datasets on disk). Everything is re-exported here.
-
-#![allow(dead_code)]
 
 mod cluster;
 mod daemon;
@@ -17,28 +15,52 @@ mod mount;
 mod node;
 mod objstore;
 
-#[allow(unused_imports)] // each test binary uses a part of the harness
 pub use cluster::*;
-#[allow(unused_imports)] // each test binary uses a part of the harness
 pub use daemon::*;
-#[allow(unused_imports)] // each test binary uses a part of the harness
 pub use data::*;
-#[allow(unused_imports)] // each test binary uses a part of the harness
 pub use metadata::*;
-#[allow(unused_imports)] // each test binary uses a part of the harness
 pub use mount::*;
-#[allow(unused_imports)] // each test binary uses a part of the harness
 pub use node::*;
-#[allow(unused_imports)] // each test binary uses a part of the harness
 pub use objstore::*;
 
 use std::net::SocketAddr;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Output};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
-pub const LOCUS: &str = env!("CARGO_BIN_EXE_locus");
+/// The `locus` binary under test. Cargo builds it beside every integration test and
+/// bench, one directory above their own (`target/<profile>/deps/…` → `target/<profile>/`);
+/// `LOCUS_BIN` names another.
+pub fn locus() -> &'static Path {
+    static BIN: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+    BIN.get_or_init(|| {
+        if let Some(p) = std::env::var_os("LOCUS_BIN") {
+            return PathBuf::from(p);
+        }
+        let exe = std::env::current_exe().expect("the test's own path");
+        let bin = exe
+            .parent()
+            .and_then(Path::parent)
+            .map(|d| d.join("locus"))
+            .expect("tests run from target/<profile>/deps");
+        assert!(
+            bin.exists(),
+            "{} is missing: run the tests through cargo, or set LOCUS_BIN",
+            bin.display()
+        );
+        bin
+    })
+}
+
+/// Where test runs keep their directories: `target/tmp`, as cargo's CARGO_TARGET_TMPDIR.
+fn target_tmp() -> PathBuf {
+    let exe = std::env::current_exe().expect("the test's own path");
+    exe.ancestors()
+        .nth(3)
+        .map(|t| t.join("tmp"))
+        .unwrap_or_else(std::env::temp_dir)
+}
 
 static RUN: AtomicUsize = AtomicUsize::new(0);
 
@@ -50,7 +72,7 @@ pub struct Harness {
 impl Harness {
     pub fn new(test: &str) -> Self {
         let n = RUN.fetch_add(1, Ordering::SeqCst);
-        let root = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
+        let root = target_tmp()
             .join("runs")
             .join(format!("{test}-{}-{n}", std::process::id()));
         let _ = std::fs::remove_dir_all(&root);
