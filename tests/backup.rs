@@ -3,6 +3,10 @@
 //! S3-compatible server), incremental runs, an S3 server killed mid-backup, verification,
 //! retention with garbage collection, and the restore drill: everything wiped, restored,
 //! mounted and compared byte for byte with the original files.
+//!
+//! Longer than our ~700-line guide on purpose: every file under `tests/` is its own binary
+//! that links the whole workspace (seconds each on two cores), so end-to-end tests of one
+//! component share one file. Helpers belong in `testkit/`, not here.
 
 use locus_testkit as support;
 

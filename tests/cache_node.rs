@@ -1,5 +1,9 @@
 //! End-to-end tests of cache nodes: a real metadata service and real `locus node serve`
 //! processes on loopback, data imported with the real `locus dataset import`.
+//!
+//! Longer than our ~700-line guide on purpose: every file under `tests/` is its own binary
+//! that links the whole workspace (seconds each on two cores), so end-to-end tests of one
+//! component share one file. Helpers belong in `testkit/`, not here.
 
 use locus_testkit as support;
 

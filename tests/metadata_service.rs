@@ -1,5 +1,9 @@
 //! End-to-end tests of the metadata service: a real `locus metadata serve` process with
 //! RocksDB on disk, spoken to over gRPC on loopback.
+//!
+//! Longer than our ~700-line guide on purpose: every file under `tests/` is its own binary
+//! that links the whole workspace (seconds each on two cores), so end-to-end tests of one
+//! component share one file. Helpers belong in `testkit/`, not here.
 
 use locus_testkit as support;
 
