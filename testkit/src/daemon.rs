@@ -14,6 +14,8 @@ pub struct Daemon {
     pub log: PathBuf,
     pub addr_file: PathBuf,
     pub env: Vec<(String, String)>,
+    /// The network namespace it runs in (a test-bed host), or the root one.
+    pub netns: Option<String>,
     pub child: Option<Child>,
 }
 
@@ -33,6 +35,7 @@ impl Daemon {
             log,
             addr_file,
             env,
+            netns: None,
             child: None,
         }
     }
@@ -44,7 +47,15 @@ impl Daemon {
             .append(true)
             .open(&self.log)
             .expect("open the daemon log");
-        let mut cmd = Command::new(locus());
+        let mut cmd = match &self.netns {
+            // nsenter execs the program: the child is the daemon itself, so signals reach it.
+            Some(ns) => {
+                let mut c = Command::new("nsenter");
+                c.arg(format!("--net=/var/run/netns/{ns}")).arg(locus());
+                c
+            }
+            None => Command::new(locus()),
+        };
         cmd.args(args)
             .env("RUST_LOG", "info")
             .env_remove("LOCUS_TOKEN")

@@ -1,6 +1,8 @@
 //! Datasets on disk: deterministic bytes, a mixed tree, and `locus dataset import` of a directory.
 
-use std::path::Path;
+use std::collections::BTreeMap;
+use std::os::unix::fs::{MetadataExt, PermissionsExt};
+use std::path::{Path, PathBuf};
 
 use super::*;
 
@@ -68,4 +70,76 @@ pub fn import(m: &Metadata, name: &str, dir: &Path, extra: &[&str]) -> std::proc
     ];
     args.extend_from_slice(extra);
     m.cli(&args)
+}
+
+/// What a tree looks like through `stat`, `readlink`, `readdir` and `read`: path →
+/// (kind, size, permission bits, mtime in ns, link target or content hash).
+pub fn describe(root: &Path) -> BTreeMap<String, (char, u64, u32, i128, String)> {
+    walk(root, true)
+}
+
+/// `describe` without reading files (the hash is left empty).
+pub fn walk(root: &Path, content: bool) -> BTreeMap<String, (char, u64, u32, i128, String)> {
+    let mut out = BTreeMap::new();
+    let mut stack = vec![PathBuf::new()];
+    while let Some(rel) = stack.pop() {
+        let mut names: Vec<_> = std::fs::read_dir(root.join(&rel))
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
+        names.sort();
+        for name in names {
+            let r = rel.join(&name);
+            let p = root.join(&r);
+            let m = std::fs::symlink_metadata(&p).unwrap();
+            let mtime = i128::from(m.mtime()) * 1_000_000_000 + i128::from(m.mtime_nsec());
+            let perm = m.permissions().mode() & 0o7777;
+            let key = r.to_string_lossy().into_owned();
+            if m.file_type().is_symlink() {
+                let t = std::fs::read_link(&p).unwrap().to_string_lossy().into_owned();
+                out.insert(key, ('l', m.len(), perm, mtime, t));
+            } else if m.is_dir() {
+                out.insert(key, ('d', 0, perm, mtime, String::new()));
+                stack.push(r);
+            } else {
+                let h = if content {
+                    blake3::hash(&std::fs::read(&p).unwrap()).to_hex().to_string()
+                } else {
+                    String::new()
+                };
+                out.insert(key, ('f', m.len(), perm, mtime, h));
+            }
+        }
+    }
+    out
+}
+
+/// Asserts that two trees look the same through every call `describe` makes.
+pub fn assert_same_tree(src: &Path, mounted: &Path) {
+    let want = describe(src);
+    let got = describe(mounted);
+    assert_eq!(want.len(), got.len(), "number of entries");
+    for (path, w) in &want {
+        let g = got
+            .get(path)
+            .unwrap_or_else(|| panic!("{path} is missing from the mount"));
+        assert_eq!(w, g, "{path}");
+    }
+}
+
+/// `files_of`, without empty files (reading those never reaches a source).
+pub fn nonempty_files(root: &Path) -> Vec<(PathBuf, String)> {
+    files_of(root)
+        .into_iter()
+        .filter(|(p, _)| std::fs::metadata(root.join(p)).unwrap().len() > 0)
+        .collect()
+}
+
+/// Every regular file under `root`: (relative path, BLAKE3 of its content).
+pub fn files_of(root: &Path) -> Vec<(PathBuf, String)> {
+    describe(root)
+        .into_iter()
+        .filter(|(_, v)| v.0 == 'f')
+        .map(|(k, v)| (PathBuf::from(k), v.4))
+        .collect()
 }

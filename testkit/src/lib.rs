@@ -12,6 +12,7 @@ mod daemon;
 mod data;
 mod metadata;
 mod mount;
+mod netbed;
 mod node;
 mod objstore;
 
@@ -20,6 +21,7 @@ pub use daemon::*;
 pub use data::*;
 pub use metadata::*;
 pub use mount::*;
+pub use netbed::*;
 pub use node::*;
 pub use objstore::*;
 

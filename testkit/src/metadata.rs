@@ -41,6 +41,8 @@ pub struct MetadataOpts {
     pub liveness_timeout: Option<&'static str>,
     pub session_timeout: Option<&'static str>,
     pub extra: Vec<String>,
+    /// Listen on this address (a test bed's gateway) instead of loopback.
+    pub ip: Option<std::net::Ipv4Addr>,
 }
 
 /// A running (or stopped) `locus metadata serve`.
@@ -85,8 +87,8 @@ impl Harness {
             log,
             // Below the kernel's ephemeral range: a restart on the same ports (nodes and
             // clients hold the URL) cannot find one taken by another test's connection.
-            grpc: SocketAddr::from(([127, 0, 0, 1], free_low_port())),
-            http: SocketAddr::from(([127, 0, 0, 1], free_low_port())),
+            grpc: SocketAddr::from((opts.ip.unwrap_or(std::net::Ipv4Addr::LOCALHOST), free_low_port())),
+            http: SocketAddr::from((opts.ip.unwrap_or(std::net::Ipv4Addr::LOCALHOST), free_low_port())),
             opts,
             ca_pem,
             dir,
@@ -109,6 +111,8 @@ impl Metadata {
         if !self.opts.tokens.is_empty() {
             a.push("--tokens-file".into());
             a.push(self.dir.join("tokens.toml").into());
+        } else if self.opts.ip.is_some() {
+            a.push("--insecure".into());
         }
         if self.opts.tls {
             a.push("--tls-cert".into());

@@ -35,6 +35,26 @@ impl Metadata {
         node: Option<&Node>,
         extra: &[&str],
     ) -> (Mount, Output) {
+        self.try_mount_on(None, name, target, node, extra)
+    }
+
+    /// `mount` run on test-bed host `on`: the mount process lives in its network
+    /// namespace (so it reaches nodes over that host's link); the mountpoint is visible
+    /// everywhere.
+    pub fn mount_on(&self, on: &Host, name: &str, target: &str, extra: &[&str]) -> Mount {
+        let o = self.try_mount_on(Some(on), name, target, None, extra);
+        assert!(o.1.status.success(), "mount failed: {}", stderr(&o.1));
+        o.0
+    }
+
+    fn try_mount_on(
+        &self,
+        on: Option<&Host>,
+        name: &str,
+        target: &str,
+        node: Option<&Node>,
+        extra: &[&str],
+    ) -> (Mount, Output) {
         let path = self.dir.parent().unwrap().join(name);
         std::fs::create_dir_all(&path).unwrap();
         let runtime_dir = self.dir.parent().unwrap().join("runtime");
@@ -51,7 +71,10 @@ impl Metadata {
             args.push(n.socket.to_str().unwrap());
         }
         args.extend_from_slice(extra);
-        let mut cmd = Command::new(locus());
+        let mut cmd = match on {
+            Some(h) => h.command(locus()),
+            None => Command::new(locus()),
+        };
         cmd.args(&args)
             .env("LOCUS_METADATA", self.url())
             .env("LOCUS_RUNTIME_DIR", &runtime_dir)

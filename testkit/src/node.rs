@@ -22,6 +22,8 @@ pub struct NodeOpts {
     pub tmpfs: Option<&'static str>,
     /// More `locus node serve` arguments.
     pub extra: Vec<String>,
+    /// The test-bed host it runs on (its own network namespace and address), or loopback.
+    pub on: Option<Host>,
 }
 
 impl NodeOpts {
@@ -36,7 +38,27 @@ impl NodeOpts {
             pin_sync: "1s",
             tmpfs: None,
             extra: Vec::new(),
+            on: None,
         }
+    }
+
+    /// A node on test-bed host `h`: listening on its address, labelled with its name and rack.
+    pub fn on(h: &Host) -> Self {
+        NodeOpts {
+            rack: format!("r{}", h.rack),
+            host: h.name.clone(),
+            on: Some(h.clone()),
+            ..NodeOpts::host(0)
+        }
+    }
+
+    /// Where it listens: the host's address, or loopback; port chosen by the kernel.
+    fn listen(&self) -> SocketAddr {
+        let ip: std::net::IpAddr = match &self.on {
+            Some(h) => h.addr.into(),
+            None => [127, 0, 0, 1].into(),
+        };
+        SocketAddr::new(ip, 0)
     }
 }
 
@@ -86,13 +108,15 @@ impl Harness {
             );
         }
         let tokens_file = (!meta.opts.tokens.is_empty()).then(|| meta.dir.join("tokens.toml"));
+        let mut daemon = Daemon::new(id, self.path(&format!("{id}.log")), dir.join("addr"), env);
+        daemon.netns = opts.on.as_ref().map(|h| h.netns.clone());
         let mut n = Node {
             tokens_file,
             id: id.to_string(),
-            daemon: Daemon::new(id, self.path(&format!("{id}.log")), dir.join("addr"), env),
+            daemon,
             data_dir: dir.join("data"),
-            grpc: "127.0.0.1:0".parse().unwrap(),
-            http: "127.0.0.1:0".parse().unwrap(),
+            grpc: opts.listen(),
+            http: opts.listen(),
             socket: dir.join("node.sock"),
             opts,
             metadata_url: meta.url(),
@@ -137,6 +161,9 @@ impl Node {
         if let Some(t) = &self.tokens_file {
             a.push("--tokens-file".into());
             a.push(t.clone().into());
+        } else if o.on.is_some() {
+            // Off loopback without tokens: allowed only when asked for.
+            a.push("--insecure".into());
         }
         a.push("--addr-file".into());
         a.push(self.dir.join("addr").into());
@@ -182,8 +209,8 @@ impl Node {
         let addrs = match self.daemon.try_wait_addrs().await {
             Ok(a) => a,
             Err(why) if why.contains("Address already in use") => {
-                self.grpc = "127.0.0.1:0".parse().unwrap();
-                self.http = "127.0.0.1:0".parse().unwrap();
+                self.grpc = self.opts.listen();
+                self.http = self.opts.listen();
                 let args = self.args();
                 self.daemon.spawn(&args);
                 self.daemon.wait_addrs().await
