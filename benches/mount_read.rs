@@ -38,11 +38,6 @@ fn env_usize(k: &str, d: usize) -> usize {
     std::env::var(k).ok().and_then(|v| v.parse().ok()).unwrap_or(d)
 }
 
-fn drop_caches() -> bool {
-    let _ = Command::new("sync").status();
-    std::fs::write("/proc/sys/vm/drop_caches", "3").is_ok()
-}
-
 /// Reads every file in `files` under `root`: `threads` readers taking files in turn.
 /// Returns (bytes, seconds).
 fn read_all(root: &Path, files: &[PathBuf], threads: usize) -> (u64, f64) {

@@ -25,12 +25,6 @@ use std::time::{Duration, Instant};
 use locus_proto::{nodepb, pb};
 use support::*;
 
-/// Writes dirty pages back and drops the page cache; false without root.
-fn drop_caches() -> bool {
-    let _ = std::process::Command::new("sync").status();
-    std::fs::write("/proc/sys/vm/drop_caches", "3").is_ok()
-}
-
 fn write_files(dir: &Path, files: usize, each: usize) {
     std::fs::create_dir_all(dir).unwrap();
     for i in 0..files {
@@ -40,10 +34,6 @@ fn write_files(dir: &Path, files: usize, each: usize) {
         )
         .unwrap();
     }
-}
-
-fn mbs(bytes: u64, d: Duration) -> f64 {
-    bytes as f64 / d.as_secs_f64() / (1 << 20) as f64
 }
 
 fn replicas(s: &[pb::Shard]) -> BTreeMap<u32, BTreeSet<String>> {

@@ -10,6 +10,7 @@
 mod cluster;
 mod daemon;
 mod data;
+mod measure;
 mod metadata;
 mod mount;
 mod netbed;
@@ -19,6 +20,7 @@ mod objstore;
 pub use cluster::*;
 pub use daemon::*;
 pub use data::*;
+pub use measure::*;
 pub use metadata::*;
 pub use mount::*;
 pub use netbed::*;

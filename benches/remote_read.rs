@@ -1,0 +1,170 @@
+//! Remote reads across hosts: a mount with no local node reading cold, on the multi-host
+//! test bed, against the two bounds it cannot beat, measured in the same run.
+//!
+//! Hosts h0 (cache node n0, holding every blob) and h1 (the mount, no node), each its own
+//! network namespace; the metadata service on the bed's gateway. For each link setting
+//! (unshaped veth, then h1's link shaped with tbf to `LOCUS_BENCH_LINK_MBIT`, default 2000):
+//! - link: one TCP stream h0 → h1 (this binary at both ends);
+//! - source disk: n0's blob files read cold by one sequential reader (what n0's disk
+//!   gives; page cache dropped first);
+//! - Locus: the page cache dropped, a fresh mount on h1 (empty chunk cache), every file
+//!   read once in 1 MiB reads by one sequential reader.
+//!
+//! Disk and Locus alternate over `LOCUS_BENCH_ROUNDS` rounds (default 2) so both see the
+//! same state of the host's cache beneath this machine; each round's ratio is against the
+//! disk read of the same round. The bound for the mount is min(link, disk).
+//!
+//!     cargo bench --bench remote_read
+//!     LOCUS_BENCH_MIB=2048 LOCUS_BENCH_LINK_MBIT=2000 cargo bench --bench remote_read
+//!     LOCUS_BENCH_MOUNT_ARGS="--readahead 128MiB" cargo bench --bench remote_read
+//!     LOCUS_BENCH_PERF=/tmp LOCUS_BENCH_LINK_MBIT=0 cargo bench --bench remote_read
+//!
+//! Needs root (namespaces, dropping caches).
+
+use locus_testkit as support;
+
+use std::path::PathBuf;
+
+use support::*;
+
+fn env_u64(k: &str, d: u64) -> u64 {
+    std::env::var(k).ok().and_then(|v| v.parse().ok()).unwrap_or(d)
+}
+
+/// With `LOCUS_BENCH_PERF=DIR`: `perf record -a -g` over each Locus read, into
+/// `DIR/remote-<link>-<round>.data` (what each process spent its CPU on).
+fn profile(name: &str) -> Option<std::process::Child> {
+    let dir = std::env::var("LOCUS_BENCH_PERF").ok()?;
+    let c = std::process::Command::new("perf")
+        .args(["record", "-a", "-g", "-F", "499", "-o"])
+        .arg(format!("{dir}/remote-{name}.data"))
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .ok()?;
+    std::thread::sleep(std::time::Duration::from_millis(500));
+    Some(c)
+}
+
+fn stop_profile(c: Option<std::process::Child>) {
+    if let Some(mut c) = c {
+        // SAFETY: kill(2) on a child we spawned and have not reaped.
+        #[allow(unsafe_code)]
+        unsafe {
+            libc::kill(c.id() as i32, libc::SIGINT);
+        }
+        let _ = c.wait();
+    }
+}
+
+#[tokio::main]
+async fn main() {
+    serve_helper_role();
+    if std::env::args().any(|a| a == "--list") {
+        println!("remote_read: bench");
+        return;
+    }
+    if let Some(why) = Netbed::unavailable() {
+        eprintln!("remote_read needs the multi-host test bed: {why}");
+        return;
+    }
+    let mib = env_u64("LOCUS_BENCH_MIB", 1024);
+    let rounds = env_u64("LOCUS_BENCH_ROUNDS", 2);
+    let shaped = env_u64("LOCUS_BENCH_LINK_MBIT", 2000);
+    let mount_args_s = std::env::var("LOCUS_BENCH_MOUNT_ARGS").unwrap_or_default();
+    let mount_args: Vec<&str> = mount_args_s.split_whitespace().collect();
+    let files = 4usize;
+    let each = ((mib as usize) << 20) / files;
+
+    let bed = Netbed::new(&[2]).expect("the test bed");
+    let h = Harness::new("bench-remote-read");
+    let src = h.path("src");
+    std::fs::create_dir_all(&src).unwrap();
+    for i in 0..files {
+        std::fs::write(
+            src.join(format!("part-{i}.bin")),
+            pseudo_random(9000 + i as u64, each),
+        )
+        .unwrap();
+    }
+    let m = h
+        .start_metadata(
+            "meta",
+            MetadataOpts {
+                ip: Some(bed.gateway()),
+                ..Default::default()
+            },
+        )
+        .await;
+    let mut o = NodeOpts::on(&bed.hosts[0]);
+    o.capacity = "64GiB";
+    let n0 = h.start_node("n0", &m, o).await;
+    let out = m.cli(&[
+        "dataset",
+        "import",
+        "ds",
+        src.to_str().unwrap(),
+        "--replicas",
+        "1",
+    ]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let blob_files: Vec<PathBuf> = n0.blob_files().into_values().collect();
+    let total: u64 = blob_files
+        .iter()
+        .map(|p| std::fs::metadata(p).unwrap().len())
+        .sum();
+    assert_eq!(total, (each * files) as u64);
+    let cold = drop_caches();
+
+    println!(
+        "\nremote_read: {} MiB in {files} files, one sequential reader, 1 MiB reads; page cache {}",
+        total >> 20,
+        if cold {
+            "dropped before each read"
+        } else {
+            "NOT dropped (not root): warm figures"
+        }
+    );
+    println!("mount flags: {mount_args:?}\n");
+    println!("| link | link TCP MiB/s | round | disk cold MiB/s | Locus MiB/s | Locus / min(link, disk) |");
+    println!("|---|---|---|---|---|---|");
+    // LOCUS_BENCH_LINK_MBIT=0: the unshaped link only.
+    let links: &[u64] = if shaped == 0 { &[0] } else { &[0, shaped] };
+    for &mbit in links {
+        bed.shape_host(1, mbit).unwrap();
+        let link_bytes = if mbit == 0 {
+            4u64 << 30
+        } else {
+            (mbit << 20) / 8 * 3
+        };
+        let link = tcp_rate(&bed.hosts[0], &bed.hosts[1], link_bytes);
+        let name = if mbit == 0 {
+            "veth, unshaped".to_string()
+        } else {
+            format!("tbf {mbit} Mbit/s")
+        };
+        for round in 1..=rounds {
+            drop_caches();
+            let (b, t) = read_sequentially(&blob_files);
+            let disk = mbs(b, t);
+
+            drop_caches();
+            let mnt = m.mount_on(&bed.hosts[1], &format!("r{mbit}-{round}"), "ds@1", &mount_args);
+            let paths: Vec<PathBuf> = (0..files)
+                .map(|i| mnt.path.join(format!("part-{i}.bin")))
+                .collect();
+            let perf = profile(&format!("{mbit}-{round}"));
+            let (b, t) = read_sequentially(&paths);
+            stop_profile(perf);
+            assert_eq!(b, total);
+            let locus = mbs(b, t);
+            drop(mnt);
+            println!(
+                "| {name} | {link:.0} | {round} | {disk:.0} | {locus:.0} | {:.2}× |",
+                locus / link.min(disk)
+            );
+        }
+    }
+    drop(n0);
+    drop(m);
+}

@@ -1,0 +1,133 @@
+//! What benches measure their results against: cold reads of plain files, and the raw TCP
+//! rate between two test-bed hosts (a stream from this very binary, re-run inside each
+//! host's namespace, so the reference costs no more per byte than it must).
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+
+use super::*;
+
+/// Writes dirty pages back and drops the page cache; false without root.
+pub fn drop_caches() -> bool {
+    let _ = std::process::Command::new("sync").status();
+    std::fs::write("/proc/sys/vm/drop_caches", "3").is_ok()
+}
+
+/// MiB/s.
+pub fn mbs(bytes: u64, d: Duration) -> f64 {
+    bytes as f64 / d.as_secs_f64() / (1 << 20) as f64
+}
+
+/// Reads `files` one after another in 1 MiB reads, as one sequential reader: (bytes, time).
+pub fn read_sequentially(files: &[PathBuf]) -> (u64, Duration) {
+    let mut buf = vec![0u8; 1 << 20];
+    let t = Instant::now();
+    let mut total = 0u64;
+    for p in files {
+        let mut f = std::fs::File::open(p).unwrap_or_else(|e| panic!("{}: {e}", p.display()));
+        loop {
+            let n = f
+                .read(&mut buf)
+                .unwrap_or_else(|e| panic!("{}: {e}", p.display()));
+            if n == 0 {
+                break;
+            }
+            total += n as u64;
+        }
+    }
+    (total, t.elapsed())
+}
+
+/// Every regular file under `dir`, sorted.
+pub fn files_under(dir: &Path) -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        for e in std::fs::read_dir(&d).into_iter().flatten().flatten() {
+            let p = e.path();
+            if p.is_dir() {
+                stack.push(p);
+            } else if p.is_file() {
+                out.push(p);
+            }
+        }
+    }
+    out.sort();
+    out
+}
+
+const SINK: &str = "__locus-tcp-sink";
+const SEND: &str = "__locus-tcp-send";
+
+/// Call first in a bench's `main`: when the bench binary was re-run as a TCP helper
+/// inside a host (by [`tcp_rate`]), does that job and exits.
+pub fn serve_helper_role() {
+    let args: Vec<String> = std::env::args().collect();
+    match args.get(1).map(String::as_str) {
+        Some(SINK) => {
+            let l = TcpListener::bind(&args[2]).expect("bind the sink");
+            println!("{}", l.local_addr().unwrap());
+            std::io::stdout().flush().unwrap();
+            let (mut s, _) = l.accept().expect("accept");
+            let mut buf = vec![0u8; 4 << 20];
+            let mut n = 0u64;
+            let mut first: Option<Instant> = None;
+            loop {
+                let k = s.read(&mut buf).expect("receive");
+                if k == 0 {
+                    break;
+                }
+                first.get_or_insert_with(Instant::now);
+                n += k as u64;
+            }
+            let secs = first.map_or(0.0, |t| t.elapsed().as_secs_f64());
+            println!("{n} {secs}");
+            std::process::exit(0);
+        }
+        Some(SEND) => {
+            let to: SocketAddr = args[2].parse().unwrap();
+            let bytes: u64 = args[3].parse().unwrap();
+            let mut s = TcpStream::connect(to).expect("connect to the sink");
+            let buf = vec![0x5au8; 4 << 20];
+            let mut left = bytes;
+            while left > 0 {
+                let k = left.min(buf.len() as u64) as usize;
+                s.write_all(&buf[..k]).expect("send");
+                left -= k as u64;
+            }
+            std::process::exit(0);
+        }
+        _ => {}
+    }
+}
+
+/// One TCP stream of `bytes` from host `from` to host `to`, both ends this binary (see
+/// [`serve_helper_role`]): MiB/s as the receiver saw it.
+pub fn tcp_rate(from: &Host, to: &Host, bytes: u64) -> f64 {
+    let me = std::env::current_exe().unwrap();
+    let mut sink = to
+        .command(&me)
+        .args([SINK, &format!("{}:0", to.addr)])
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("start the sink");
+    let mut out = std::io::BufReader::new(sink.stdout.take().unwrap());
+    let mut line = String::new();
+    std::io::BufRead::read_line(&mut out, &mut line).unwrap();
+    let st = from
+        .command(&me)
+        .args([SEND, line.trim(), &bytes.to_string()])
+        .status()
+        .expect("run the sender");
+    assert!(st.success(), "the TCP sender failed");
+    let mut result = String::new();
+    out.read_to_string(&mut result).unwrap();
+    sink.wait().unwrap();
+    let mut it = result.split_whitespace();
+    let n: u64 = it.next().unwrap().parse().unwrap();
+    let secs: f64 = it.next().unwrap().parse().unwrap();
+    n as f64 / secs / (1 << 20) as f64
+}
