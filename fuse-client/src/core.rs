@@ -16,6 +16,7 @@
 //! Blocking: `local_file`, `read_by_inode` and `read_remote` wait for the network or the
 //! node; callers run them off the FUSE session threads.
 
+use bytes::Bytes;
 use std::collections::HashMap;
 use std::fs::File;
 use std::path::PathBuf;
@@ -412,11 +413,11 @@ impl Core {
         ra: &Mutex<ReadAhead>,
         offset: u64,
         size: u32,
-    ) -> Result<Vec<u8>, FsError> {
+    ) -> Result<Bytes, FsError> {
         let a = self.ns.attr(ino).ok_or(FsError::NotFound)?;
         let end = offset.saturating_add(u64::from(size)).min(a.size);
         if offset >= end {
-            return Ok(Vec::new());
+            return Ok(Bytes::new());
         }
         let cs = u64::from(self.ns.chunk_size());
         let (first, last) = (offset / cs, (end - 1) / cs);
@@ -459,7 +460,9 @@ impl Core {
             }
             parts
         });
-        let mut out = Vec::with_capacity((end - offset) as usize);
+        // One chunk (the usual case): a slice of it, no copy.
+        let single = parts.len() == 1;
+        let mut out = Vec::new();
         for p in parts {
             let (c, data) = p.map_err(|e| FsError::Io(format!("read task failed: {e}")))?;
             let (data, cached) = data.map_err(|e| {
@@ -471,9 +474,16 @@ impl Core {
             if cached {
                 self.metrics.cache_hit((to - from) as usize);
             }
-            out.extend_from_slice(&data[from as usize..to as usize]);
+            let piece = data.range(from as usize, to as usize);
+            if single {
+                return Ok(piece);
+            }
+            if out.is_empty() {
+                out.reserve((end - offset) as usize);
+            }
+            out.extend_from_slice(&piece);
         }
-        Ok(out)
+        Ok(out.into())
     }
 }
 
@@ -510,14 +520,14 @@ impl Core {
         ino: u64,
         offset: u64,
         size: u32,
-    ) -> Result<(Vec<u8>, &'static str), FsError> {
+    ) -> Result<(Bytes, &'static str), FsError> {
         let a = self.ns.attr(ino).ok_or(FsError::NotFound)?;
         if a.kind != Kind::File {
             return Err(FsError::IsDir);
         }
         let want = a.size.saturating_sub(offset).min(u64::from(size));
         if want == 0 {
-            return Ok((Vec::new(), "local"));
+            return Ok((Bytes::new(), "local"));
         }
         if self.local.is_some() {
             let (blob, _) = self
@@ -530,7 +540,7 @@ impl Core {
                 }
                 return self
                     .pread_local(ino, &file, offset, size, want)
-                    .map(|d| (d, "local"));
+                    .map(|d| (d.into(), "local"));
             }
         }
         let ra = self.inode_readahead(ino);

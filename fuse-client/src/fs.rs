@@ -261,7 +261,7 @@ impl Mount {
     fn finish_read(
         &self,
         how: &'static str,
-        r: Result<Vec<u8>, FsError>,
+        r: Result<impl std::ops::Deref<Target = [u8]>, FsError>,
         started: Instant,
         reply: ReplyData,
     ) {

@@ -21,7 +21,7 @@ use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
-use bytes::{Bytes, BytesMut};
+use bytes::Bytes;
 use locus_proto::client::{connect_node, MetadataClient, NodeClient};
 use locus_proto::{nodepb, pb, BlobHash};
 use tokio::sync::OnceCell;
@@ -161,6 +161,68 @@ pub enum ReadError {
 
 type Key = (BlobHash, u32);
 
+/// A chunk's bytes as they arrived: the node's messages kept as they are, never copied
+/// into one buffer. A read that falls inside one piece (the kernel asks in aligned 1 MiB
+/// reads; pieces are 2 MiB) is answered with a slice of it, so the bytes go from the
+/// receive buffer to the kernel without another copy.
+#[derive(Clone, Debug, Default)]
+pub struct Pieces(Arc<[Bytes]>);
+
+impl Pieces {
+    pub fn len(&self) -> usize {
+        self.0.iter().map(Bytes::len).sum()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// BLAKE3 of the whole chunk.
+    pub fn hash(&self) -> BlobHash {
+        if let [one] = &*self.0 {
+            return BlobHash::of(one);
+        }
+        let mut h = blake3::Hasher::new();
+        for p in self.0.iter() {
+            h.update(p);
+        }
+        BlobHash(*h.finalize().as_bytes())
+    }
+
+    /// Bytes `[from, to)` of the chunk: a slice of one piece when the range lies inside
+    /// it, else a copy of the parts.
+    pub fn range(&self, from: usize, to: usize) -> Bytes {
+        let mut at = 0;
+        let mut out: Option<bytes::BytesMut> = None;
+        for p in self.0.iter() {
+            let (start, end) = (at, at + p.len());
+            at = end;
+            if end <= from || start >= to {
+                continue;
+            }
+            let (a, b) = (from.max(start) - start, to.min(end) - start);
+            if out.is_none() && start <= from && to <= end {
+                return p.slice(a..b);
+            }
+            out.get_or_insert_with(|| bytes::BytesMut::with_capacity(to - from))
+                .extend_from_slice(&p[a..b]);
+        }
+        out.map(|b| b.freeze()).unwrap_or_default()
+    }
+}
+
+impl From<Bytes> for Pieces {
+    fn from(b: Bytes) -> Self {
+        Pieces(Arc::from([b]))
+    }
+}
+
+impl From<Vec<Bytes>> for Pieces {
+    fn from(v: Vec<Bytes>) -> Self {
+        Pieces(v.into())
+    }
+}
+
 /// Verified chunks, bounded by bytes, evicted oldest first (mounts mostly stream).
 struct ChunkCache {
     budget: usize,
@@ -169,13 +231,13 @@ struct ChunkCache {
 
 #[derive(Default)]
 struct CacheInner {
-    cells: HashMap<Key, Arc<OnceCell<Bytes>>>,
+    cells: HashMap<Key, Arc<OnceCell<Pieces>>>,
     order: VecDeque<Key>,
     bytes: usize,
 }
 
 impl ChunkCache {
-    fn cell(&self, k: Key) -> Arc<OnceCell<Bytes>> {
+    fn cell(&self, k: Key) -> Arc<OnceCell<Pieces>> {
         self.inner.lock().unwrap().cells.entry(k).or_default().clone()
     }
 
@@ -186,7 +248,7 @@ impl ChunkCache {
         while c.bytes > self.budget {
             let Some(old) = c.order.pop_front() else { break };
             if let Some(cell) = c.cells.remove(&old) {
-                c.bytes -= cell.get().map_or(0, |b| b.len());
+                c.bytes -= cell.get().map_or(0, Pieces::len);
             }
         }
     }
@@ -209,8 +271,12 @@ pub type BoxFuture<'a, T> = std::pin::Pin<Box<dyn std::future::Future<Output = T
 pub trait Replicas: Send + Sync + 'static {
     /// Bytes `[c.offset, c.offset + c.len)` of blob `c.blob` as the node at `addr` sends
     /// them; a node silent for `idle` is an error.
-    fn read<'a>(&'a self, addr: &'a str, c: ChunkRef, idle: Duration)
-        -> BoxFuture<'a, Result<Bytes, String>>;
+    fn read<'a>(
+        &'a self,
+        addr: &'a str,
+        c: ChunkRef,
+        idle: Duration,
+    ) -> BoxFuture<'a, Result<Pieces, String>>;
     /// The node at `addr` failed: drop whatever connection is kept to it.
     fn forget<'a>(&'a self, addr: &'a str) -> BoxFuture<'a, ()>;
     /// Where `blob` is now: live (node id, address) pairs, and backup URLs.
@@ -256,7 +322,7 @@ impl GrpcReplicas {
         Ok(c)
     }
 
-    async fn read_from(&self, addr: &str, c: ChunkRef, idle: Duration) -> Result<Bytes, String> {
+    async fn read_from(&self, addr: &str, c: ChunkRef, idle: Duration) -> Result<Pieces, String> {
         let mut client = self.client(addr).await?;
         let mut stream = tokio::time::timeout(
             idle,
@@ -270,19 +336,21 @@ impl GrpcReplicas {
         .map_err(|_| format!("no answer within {idle:?}"))?
         .map_err(|s| format!("{:?}: {}", s.code(), s.message()))?
         .into_inner();
-        let mut buf = BytesMut::with_capacity(c.len as usize);
+        let mut pieces = Vec::with_capacity(4);
+        let mut got = 0;
         loop {
             let msg = tokio::time::timeout(idle, stream.message())
                 .await
                 .map_err(|_| format!("stalled for {idle:?}"))?
                 .map_err(|s| format!("{:?}: {}", s.code(), s.message()))?;
             let Some(m) = msg else { break };
-            if buf.len() + m.data.len() > c.len as usize {
+            got += m.data.len();
+            if got > c.len as usize {
                 return Err("sent more bytes than asked for".into());
             }
-            buf.extend_from_slice(&m.data);
+            pieces.push(m.data);
         }
-        Ok(buf.freeze())
+        Ok(pieces.into())
     }
 }
 
@@ -292,7 +360,7 @@ impl Replicas for GrpcReplicas {
         addr: &'a str,
         c: ChunkRef,
         idle: Duration,
-    ) -> BoxFuture<'a, Result<Bytes, String>> {
+    ) -> BoxFuture<'a, Result<Pieces, String>> {
         Box::pin(self.read_from(addr, c, idle))
     }
 
@@ -394,7 +462,7 @@ impl Remote {
 
     /// A verified chunk, from the cache or the cheapest source that serves it, and
     /// whether it was already in memory when asked for.
-    pub async fn chunk(self: &Arc<Self>, c: ChunkRef) -> Result<(Bytes, bool), ReadError> {
+    pub async fn chunk(self: &Arc<Self>, c: ChunkRef) -> Result<(Pieces, bool), ReadError> {
         let key = (c.blob, c.index);
         let cell = self.cache.cell(key);
         if let Some(b) = cell.get() {
@@ -447,7 +515,7 @@ impl Remote {
         keyed.into_iter().map(|(_, id, info)| (id, info)).collect()
     }
 
-    async fn fetch(&self, c: ChunkRef) -> Result<Bytes, ReadError> {
+    async fn fetch(&self, c: ChunkRef) -> Result<Pieces, ReadError> {
         let started = Instant::now();
         let mut tried = HashSet::new();
         let mut last = String::from("no replica is known");
@@ -492,7 +560,7 @@ impl Remote {
             match self.read_backup(&t, c).await {
                 Ok(b) => {
                     self.metrics.origin_read(b.len(), started.elapsed());
-                    return Ok(b);
+                    return Ok(b.into());
                 }
                 Err(e) => {
                     tracing::warn!(blob = %c.blob, chunk = c.index, backup = %t.url, "the backup cannot serve it: {e}");
@@ -504,7 +572,7 @@ impl Remote {
             match self.read_origin(origin, ns, c).await {
                 Ok(b) => {
                     self.metrics.origin_read(b.len(), started.elapsed());
-                    return Ok(b);
+                    return Ok(b.into());
                 }
                 Err(e) => {
                     tracing::warn!(blob = %c.blob, chunk = c.index, "the origin cannot serve it either: {e}");
@@ -590,15 +658,39 @@ impl Remote {
 
     /// One chunk from one node, verified: only bytes of the right length that hash to
     /// the manifest's chunk hash count.
-    async fn read_from(&self, addr: &str, c: ChunkRef) -> Result<Bytes, String> {
+    async fn read_from(&self, addr: &str, c: ChunkRef) -> Result<Pieces, String> {
         let buf = self.sources.read(addr, c, self.timeout).await?;
         if buf.len() as u64 != c.len {
             return Err(format!("sent {} of {} bytes", buf.len(), c.len));
         }
-        if BlobHash::of(&buf) != c.hash {
+        if buf.hash() != c.hash {
             self.metrics.corrupt();
             return Err("bytes do not match the chunk's hash".into());
         }
         Ok(buf)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_range_inside_one_piece_is_a_slice_of_it_and_one_across_pieces_is_joined() {
+        let whole: Vec<u8> = (0..100u8).collect();
+        let b = Bytes::from(whole.clone());
+        let p = Pieces::from(vec![b.slice(..40), b.slice(40..41), b.slice(41..)]);
+        assert_eq!(p.len(), 100);
+        assert_eq!(p.hash(), BlobHash::of(&whole));
+        let inside = p.range(10, 30);
+        assert_eq!(&inside[..], &whole[10..30]);
+        assert_eq!(
+            inside.as_ptr(),
+            b[10..].as_ptr(),
+            "no copy for a range inside a piece"
+        );
+        for (from, to) in [(0, 100), (39, 42), (40, 41), (30, 99), (0, 0), (100, 100)] {
+            assert_eq!(&p.range(from, to)[..], &whole[from..to], "{from}..{to}");
+        }
     }
 }

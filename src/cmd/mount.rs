@@ -66,7 +66,7 @@ pub struct MountArgs {
     #[arg(long, value_name = "SIZE", default_value = "1GiB")]
     pub cache_size: String,
     /// How far ahead of a sequential reader to fetch from remote replicas.
-    #[arg(long, value_name = "SIZE", default_value = "64MiB")]
+    #[arg(long, value_name = "SIZE", default_value = "32MiB")]
     pub readahead: String,
     /// This host's topology labels, used to read from the cheapest replica
     /// (host defaults to the host name).

@@ -13,7 +13,7 @@ use locus_proto::manifest::{EntryKind, RelPath};
 use locus_proto::{BlobHash, Entry};
 
 use super::*;
-use crate::reader::{BoxFuture, ChunkRef, Located, Place, Remote, Replicas, Topology};
+use crate::reader::{BoxFuture, ChunkRef, Located, Pieces, Place, Remote, Replicas, Topology};
 
 const CHUNK: u32 = 4096;
 
@@ -44,24 +44,32 @@ impl FakeReplicas {
     }
 }
 
+/// `b` split at a third and at two thirds plus one.
+fn in_pieces(b: Vec<u8>) -> Pieces {
+    let b = Bytes::from(b);
+    let (x, y) = (b.len() / 3, (2 * b.len() / 3 + 1).min(b.len()));
+    Pieces::from(vec![b.slice(..x), b.slice(x..y), b.slice(y..)])
+}
+
 impl Replicas for FakeReplicas {
     fn read<'a>(
         &'a self,
         addr: &'a str,
         c: ChunkRef,
         idle: Duration,
-    ) -> BoxFuture<'a, Result<Bytes, String>> {
+    ) -> BoxFuture<'a, Result<Pieces, String>> {
         Box::pin(async move {
             self.log.lock().unwrap().push((addr.to_string(), c.index));
             let how = *self.behave.lock().unwrap().get(addr).unwrap_or(&Behave::Fail);
             let part = || self.data[c.offset as usize..(c.offset + c.len) as usize].to_vec();
             match how {
-                Behave::Good => Ok(Bytes::from(part())),
+                // In uneven pieces, as a node's messages arrive.
+                Behave::Good => Ok(in_pieces(part())),
                 Behave::Fail => Err("connection refused".into()),
                 Behave::Corrupt => {
                     let mut b = part();
                     b[0] ^= 1;
-                    Ok(Bytes::from(b))
+                    Ok(in_pieces(b))
                 }
                 Behave::Hang => {
                     tokio::time::sleep(idle).await;
