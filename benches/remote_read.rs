@@ -149,7 +149,13 @@ async fn main() {
             let disk = mbs(b, t);
 
             drop_caches();
-            let mnt = m.mount_on(&bed.hosts[1], &format!("r{mbit}-{round}"), "ds@1", &mount_args);
+            let mnt = m.mount_on(
+                &bed.hosts[1],
+                &format!("r{mbit}-{round}"),
+                "ds@1",
+                None,
+                &mount_args,
+            );
             let paths: Vec<PathBuf> = (0..files)
                 .map(|i| mnt.path.join(format!("part-{i}.bin")))
                 .collect();

@@ -84,7 +84,7 @@ async fn nodes_on_their_own_hosts_are_reached_at_their_advertised_addresses_and_
 
     // A mount on the third host, which has no node: every byte crosses its link.
     let (_, rx_before) = bed.link_bytes(2);
-    let mnt = m.mount_on(&bed.hosts[2], "remote", "mixed@1", &[]);
+    let mnt = m.mount_on(&bed.hosts[2], "remote", "mixed@1", None, &[]);
     assert_same_tree(&src, &mnt.path);
     let (_, rx_after) = bed.link_bytes(2);
     let content: u64 = files_of(&src)
@@ -120,7 +120,7 @@ async fn a_link_pulled_mid_read_fails_over_to_the_other_replica_with_every_byte_
     // The reader's host at 200 Mbit/s: the read takes about two seconds, long enough to
     // pull the serving node's cable in the middle of it.
     bed.shape_host(2, 200).unwrap();
-    let mnt = m.mount_on(&bed.hosts[2], "remote", "big@1", &[]);
+    let mnt = m.mount_on(&bed.hosts[2], "remote", "big@1", None, &[]);
     let path = mnt.path.join("big.bin");
     let reader = std::thread::spawn(move || {
         let t = Instant::now();

@@ -41,8 +41,15 @@ impl Metadata {
     /// `mount` run on test-bed host `on`: the mount process lives in its network
     /// namespace (so it reaches nodes over that host's link); the mountpoint is visible
     /// everywhere.
-    pub fn mount_on(&self, on: &Host, name: &str, target: &str, extra: &[&str]) -> Mount {
-        let o = self.try_mount_on(Some(on), name, target, None, extra);
+    pub fn mount_on(
+        &self,
+        on: &Host,
+        name: &str,
+        target: &str,
+        node: Option<&Node>,
+        extra: &[&str],
+    ) -> Mount {
+        let o = self.try_mount_on(Some(on), name, target, node, extra);
         assert!(o.1.status.success(), "mount failed: {}", stderr(&o.1));
         o.0
     }

@@ -271,6 +271,19 @@ impl Netbed {
     }
 }
 
+impl Netbed {
+    /// Bytes that crossed rack `r`'s uplink, both directions together.
+    pub fn uplink_bytes(&self, r: usize) -> u64 {
+        let read = |what: &str| {
+            std::fs::read_to_string(format!("/sys/class/net/lb{}-v{r}/statistics/{what}", self.id))
+                .ok()
+                .and_then(|s| s.trim().parse::<u64>().ok())
+                .unwrap_or(0)
+        };
+        read("rx_bytes") + read("tx_bytes")
+    }
+}
+
 /// tbf on `dev` (in `netns`, or the root namespace). The bucket holds 1 ms of traffic at
 /// least, so a fast link is not held below its rate by its own burst size.
 fn shape(netns: Option<&str>, dev: &str, mbit: u64) -> Result<(), String> {
