@@ -288,6 +288,7 @@ pub async fn serve(
             if let Err(e) = tonic::transport::Server::builder()
                 .initial_stream_window_size(locus_proto::client::BLOB_STREAM_WINDOW)
                 .initial_connection_window_size(locus_proto::client::BLOB_CONNECTION_WINDOW)
+                .max_frame_size(locus_proto::client::BLOB_MAX_FRAME)
                 .add_service(node_server(local))
                 .serve_with_incoming_shutdown(incoming, stopped(rx))
                 .await
@@ -365,6 +366,7 @@ pub async fn serve(
     let server = tonic::transport::Server::builder()
         .initial_stream_window_size(locus_proto::client::BLOB_STREAM_WINDOW)
         .initial_connection_window_size(locus_proto::client::BLOB_CONNECTION_WINDOW)
+        .max_frame_size(locus_proto::client::BLOB_MAX_FRAME)
         .layer(locus_proto::auth::AuthLayer::new(
             cfg.tokens.clone(),
             Arc::new(NodePolicy),
