@@ -582,3 +582,87 @@ async fn a_hung_metadata_service_costs_a_reader_one_timeout_then_the_origin_serv
     let got = reader.join().unwrap().unwrap();
     assert_eq!(blake3::hash(&got).to_hex().as_str(), want, "read from the origin");
 }
+
+/// Peak and current resident memory of a process, in bytes (VmHWM, VmRSS).
+fn memory_of(pid: u32) -> (u64, u64) {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let kib = |key: &str| {
+        status
+            .lines()
+            .find(|l| l.starts_with(key))
+            .and_then(|l| l.split_whitespace().nth(1))
+            .and_then(|v| v.parse::<u64>().ok())
+            .unwrap_or(0)
+            * 1024
+    };
+    (kib("VmHWM:"), kib("VmRSS:"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sixty_four_concurrent_remote_readers_keep_the_mount_within_its_memory_budget() {
+    let h = Harness::new("mount-64-readers");
+    let (m, _nodes) = cluster(&h, 1, NodeOpts::host).await;
+    let src = h.path("src");
+    std::fs::create_dir_all(&src).unwrap();
+    for i in 0..64u64 {
+        std::fs::write(src.join(format!("f{i:02}.bin")), pseudo_random(i, 8 << 20)).unwrap();
+    }
+    let out = m.cli(&[
+        "dataset",
+        "import",
+        "many",
+        src.to_str().unwrap(),
+        "--replicas",
+        "1",
+        "--chunk-size",
+        "1MiB",
+    ]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    // 16 MiB of chunk cache; 8 MiB of read-ahead per reader, 32 MiB over all of them.
+    let mnt = m.mount(
+        "many",
+        "many@1",
+        None,
+        &["--cache-size", "16MiB", "--readahead", "8MiB"],
+    );
+    let pid = mnt.pid();
+    let (_, before) = memory_of(pid);
+    let readers: Vec<_> = (0..64u64)
+        .map(|i| {
+            let p = mnt.path.join(format!("f{i:02}.bin"));
+            std::thread::spawn(move || {
+                let mut f = std::fs::File::open(&p).unwrap();
+                let mut buf = vec![0u8; 1 << 20];
+                let mut h = blake3::Hasher::new();
+                loop {
+                    let n = std::io::Read::read(&mut f, &mut buf).unwrap();
+                    if n == 0 {
+                        break;
+                    }
+                    h.update(&buf[..n]);
+                }
+                (i, h.finalize())
+            })
+        })
+        .collect();
+    for r in readers {
+        let (i, got) = tokio::task::spawn_blocking(move || r.join().unwrap())
+            .await
+            .unwrap();
+        assert_eq!(got, blake3::hash(&pseudo_random(i, 8 << 20)), "file {i}");
+    }
+    let (peak, _) = memory_of(pid);
+    // Each reader alone would keep its 8 MiB window in flight: 512 MiB for 64 of them.
+    // The budget instead: 16 MiB of chunk cache, 32 MiB of read-ahead (4 × 8 MiB), 32 MiB
+    // of fetches readers wait on, the node connection's 64 MiB HTTP/2 window, and 128 MiB
+    // for the runtime and the allocator's free lists.
+    let budget = (16 + 32 + 32 + 64 + 128) << 20;
+    let grew = peak.saturating_sub(before);
+    assert!(
+        grew < budget,
+        "the mount grew by {} MiB reading with 64 readers (budget {} MiB)",
+        grew >> 20,
+        budget >> 20
+    );
+    eprintln!("64 readers: the mount grew by {} MiB", grew >> 20);
+}

@@ -9,6 +9,7 @@
 //! | locus_mount_read_errors_total | counter | calls | reads answered with EIO |
 //! | locus_mount_source_failures_total | counter | attempts | remote reads that failed and moved on to another replica |
 //! | locus_mount_corrupt_chunks_total | counter | chunks | chunks whose bytes did not match their hash (never returned) |
+//! | locus_mount_readahead_skipped_total | counter | times | read-ahead not started because the shared read-ahead budget was in use |
 //! | locus_mount_read_seconds | histogram | seconds | latency of read calls served by the mount |
 //! | locus_mount_fetch_seconds | histogram | seconds | latency of remote chunk fetches |
 
@@ -34,6 +35,7 @@ pub struct Metrics {
     read_errors: Counter,
     source_failures: Counter,
     corrupt: Counter,
+    readahead_skipped: Counter,
     read_seconds: Histogram,
     fetch_seconds: Histogram,
     // Plain totals for the status file (prometheus-client cannot be read back cheaply).
@@ -63,6 +65,7 @@ impl Default for Metrics {
             read_errors: Counter::default(),
             source_failures: Counter::default(),
             corrupt: Counter::default(),
+            readahead_skipped: Counter::default(),
             // 10 µs .. ~5 s
             read_seconds: Histogram::new(exponential_buckets(1e-5, 3.0, 12)),
             fetch_seconds: Histogram::new(exponential_buckets(1e-4, 3.0, 11)),
@@ -81,6 +84,11 @@ impl Default for Metrics {
             "corrupt_chunks",
             "Chunks that did not match their hash",
             m.corrupt.clone(),
+        );
+        r.register(
+            "readahead_skipped",
+            "Read-ahead not started because the shared read-ahead budget was in use",
+            m.readahead_skipped.clone(),
         );
         r.register("read_seconds", "Latency of read calls", m.read_seconds.clone());
         r.register(
@@ -173,6 +181,10 @@ impl Metrics {
 
     pub fn corrupt(&self) {
         self.corrupt.inc();
+    }
+
+    pub fn readahead_skipped(&self) {
+        self.readahead_skipped.inc();
     }
 
     pub fn totals(&self) -> Totals {

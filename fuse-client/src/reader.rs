@@ -417,7 +417,22 @@ pub struct Remote {
     backups: Mutex<Vec<locus_backup::Target>>,
     /// A source silent for this long during a chunk is given up on.
     pub timeout: Duration,
+    /// KiB of read-ahead fetches in flight, shared by every reader: memory stays bounded
+    /// however many sequential readers there are (each would otherwise keep its own
+    /// window in flight). Read-ahead that finds no room is skipped; the reader fetches
+    /// those chunks when it reaches them.
+    ahead: Arc<tokio::sync::Semaphore>,
+    /// KiB of fetches readers are waiting on, in flight at once; a reader beyond it waits
+    /// for room (the kernel sends up to 64 background reads per mount, each asking for a
+    /// chunk, and the node would otherwise have all of them in flight).
+    demand: tokio::sync::Semaphore,
+    demand_kib: u32,
 }
+
+/// Default for [`Remote::with_readahead_budget`].
+pub const READAHEAD_BUDGET: usize = 128 << 20;
+/// Bytes of fetches readers wait on, in flight at once.
+pub const DEMAND_BUDGET: usize = 32 << 20;
 
 impl Remote {
     pub fn new(
@@ -440,7 +455,16 @@ impl Remote {
             origin: None,
             backups: Mutex::new(Vec::new()),
             timeout: Duration::from_secs(10),
+            ahead: Arc::new(tokio::sync::Semaphore::new(READAHEAD_BUDGET >> 10)),
+            demand: tokio::sync::Semaphore::new(DEMAND_BUDGET >> 10),
+            demand_kib: (DEMAND_BUDGET >> 10) as u32,
         }
+    }
+
+    /// Most bytes of read-ahead in flight at once, over all readers.
+    pub fn with_readahead_budget(mut self, bytes: usize) -> Self {
+        self.ahead = Arc::new(tokio::sync::Semaphore::new((bytes >> 10).max(1)));
+        self
     }
 
     /// Makes the version's origin the last source; `ns` gives files' paths.
@@ -463,6 +487,12 @@ impl Remote {
     /// A verified chunk, from the cache or the cheapest source that serves it, and
     /// whether it was already in memory when asked for.
     pub async fn chunk(self: &Arc<Self>, c: ChunkRef) -> Result<(Pieces, bool), ReadError> {
+        self.chunk_for(c, true).await
+    }
+
+    /// `chunk`, for a reader waiting on it (`demand`: it takes room in the demand budget)
+    /// or for read-ahead (which holds its own room).
+    async fn chunk_for(self: &Arc<Self>, c: ChunkRef, demand: bool) -> Result<(Pieces, bool), ReadError> {
         let key = (c.blob, c.index);
         let cell = self.cache.cell(key);
         if let Some(b) = cell.get() {
@@ -472,6 +502,12 @@ impl Remote {
         let r = cell
             .get_or_try_init(|| async {
                 fetched = true;
+                // A chunk larger than the whole budget takes all of it.
+                let kib = u32::try_from(c.len.div_ceil(1024)).unwrap_or(u32::MAX);
+                let _room = match demand {
+                    true => self.demand.acquire_many(kib.min(self.demand_kib)).await.ok(),
+                    false => None,
+                };
                 self.fetch(c).await
             })
             .await
@@ -488,9 +524,18 @@ impl Remote {
     /// reader that actually needs the chunk.
     pub fn prefetch(self: &Arc<Self>, chunks: Vec<ChunkRef>) {
         for c in chunks {
+            if self.cache.cell((c.blob, c.index)).initialized() {
+                continue;
+            }
+            let kib = u32::try_from(c.len.div_ceil(1024)).unwrap_or(u32::MAX);
+            let Ok(permit) = self.ahead.clone().try_acquire_many_owned(kib) else {
+                self.metrics.readahead_skipped();
+                return;
+            };
             let me = self.clone();
             tokio::spawn(async move {
-                let _ = me.chunk(c).await;
+                let _ = me.chunk_for(c, false).await;
+                drop(permit);
             });
         }
     }

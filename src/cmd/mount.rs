@@ -65,7 +65,8 @@ pub struct MountArgs {
     /// Memory for verified chunks read from remote replicas.
     #[arg(long, value_name = "SIZE", default_value = "1GiB")]
     pub cache_size: String,
-    /// How far ahead of a sequential reader to fetch from remote replicas.
+    /// How far ahead of a sequential reader to fetch from remote replicas. All readers
+    /// together keep at most four times this in flight, however many there are.
     #[arg(long, value_name = "SIZE", default_value = "32MiB")]
     pub readahead: String,
     /// This host's topology labels, used to read from the cheapest replica
@@ -354,7 +355,10 @@ async fn serve(a: MountArgs, mountpoint: PathBuf, cfg: &Resolved) -> anyhow::Res
         loaded.topology,
         cache_bytes,
         metrics.clone(),
-    );
+    )
+    // Four readers' full windows; more readers share them, so memory does not grow with
+    // the number of readers.
+    .with_readahead_budget((readahead as usize).saturating_mul(4));
     match locus_fuse::origin::Origin::parse(&v.origin) {
         Ok(Some(o)) => {
             tracing::info!(
