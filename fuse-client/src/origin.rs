@@ -4,7 +4,7 @@
 //! import; then the read fails rather than return other bytes).
 //!
 //! Origins are `file:///abs/dir` (percent-encoded where the path has `%` or whitespace)
-//! and `s3://bucket/prefix` (credentials and endpoint from the usual AWS environment).
+//! and object-store URLs (`s3://`, `gs://`, `az://`, opened by `locus_backup::url`).
 //! Versions whose origin is `cluster` have none.
 
 use std::path::PathBuf;
@@ -62,21 +62,12 @@ impl Origin {
             let p = decode_path(p).ok_or_else(|| format!("{url}: bad percent-encoding"))?;
             return Ok(Some(Origin::Dir(PathBuf::from(p))));
         }
-        if let Some(rest) = url.strip_prefix("s3://") {
-            let (bucket, prefix) = rest.split_once('/').unwrap_or((rest, ""));
-            let store = object_store::aws::AmazonS3Builder::from_env()
-                .with_bucket_name(bucket)
-                .build()
-                .map_err(|e| format!("{url}: {e}"))?;
-            return Ok(Some(Origin::Store {
-                url: url.to_string(),
-                store: Arc::new(store),
-                prefix: prefix.trim_matches('/').to_string(),
-            }));
-        }
-        Err(format!(
-            "{url}: this build reads origins from file:// and s3:// only"
-        ))
+        let o = locus_backup::url::open(url, false).map_err(|e| e.to_string())?;
+        Ok(Some(Origin::Store {
+            url: url.to_string(),
+            store: o.store,
+            prefix: o.prefix,
+        }))
     }
 
     pub fn describe(&self) -> String {

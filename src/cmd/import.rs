@@ -15,9 +15,11 @@ use crate::output::{self, TermObserver};
 pub struct ImportArgs {
     /// Dataset name; the import becomes its next version.
     pub name: String,
-    /// A local directory, file://PATH, or s3://BUCKET/PREFIX (credentials and endpoint
-    /// from the AWS_* environment: AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_REGION,
-    /// AWS_ENDPOINT_URL, AWS_ALLOW_HTTP).
+    /// A local directory, file://PATH, s3://BUCKET/PREFIX, gs://BUCKET/PREFIX or
+    /// az://CONTAINER/PREFIX. Credentials come from each cloud's usual environment: AWS_*
+    /// (AWS_ENDPOINT_URL and AWS_ALLOW_HTTP for S3-compatible servers),
+    /// GOOGLE_SERVICE_ACCOUNT / GOOGLE_APPLICATION_CREDENTIALS, AZURE_STORAGE_ACCOUNT_NAME
+    /// and AZURE_STORAGE_ACCOUNT_KEY (AZURE_STORAGE_USE_EMULATOR for Azurite).
     pub source: String,
     /// Replicas of every shard, on distinct hosts.
     #[arg(long, default_value_t = 2)]

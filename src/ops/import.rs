@@ -27,7 +27,7 @@ use super::{status_sentence, Observer, SourceError};
 pub struct ImportOptions {
     /// The dataset; the import becomes its next version.
     pub name: String,
-    /// A local directory, `file://PATH` or `s3://BUCKET/PREFIX`.
+    /// A local directory, `file://PATH`, or an `s3://`, `gs://` or `az://` URL.
     pub source: String,
     pub replicas: u32,
     /// Target shard size in bytes.

@@ -1,10 +1,8 @@
 //! Object-store sources for `locus dataset import`: lists a prefix, hashes every object
 //! while streaming it (never held whole in memory), and streams objects again to the nodes.
 //!
-//! `s3://BUCKET[/PREFIX]` is built in. Credentials and endpoint come from the usual AWS
-//! environment (`AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY`, `AWS_REGION`,
-//! `AWS_ENDPOINT_URL` for S3-compatible servers, `AWS_ALLOW_HTTP=true` for plain HTTP);
-//! they are never printed.
+//! `s3://`, `gs://` and `az://` URLs, opened by `locus_backup::url` (which says where
+//! each finds its credentials; they are never printed).
 
 use std::collections::BTreeSet;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -25,25 +23,12 @@ pub struct Remote {
     pub prefix: ObjPath,
 }
 
-/// Opens `s3://bucket/prefix`.
+/// Opens an object-store URL (`s3://`, `gs://`, `az://`; see `locus_backup::url`).
 pub fn open(url: &str) -> Result<Remote> {
-    let Some(rest) = url.strip_prefix("s3://") else {
-        return Err(SourceError(format!(
-            "{url}: this build reads local directories, file:// and s3:// sources \
-             (gs:// and az:// are not built in yet)"
-        )));
-    };
-    let (bucket, prefix) = rest.split_once('/').unwrap_or((rest, ""));
-    if bucket.is_empty() {
-        return Err(SourceError(format!("{url}: no bucket name")));
-    }
-    let store = object_store::aws::AmazonS3Builder::from_env()
-        .with_bucket_name(bucket)
-        .build()
-        .explain(|| format!("cannot set up access to {url}"))?;
+    let o = locus_backup::url::open(url, false).map_err(|e| SourceError(e.to_string()))?;
     Ok(Remote {
-        store: Arc::new(store),
-        prefix: ObjPath::from(prefix.trim_matches('/')),
+        store: o.store,
+        prefix: ObjPath::from(o.prefix.as_str()),
     })
 }
 

@@ -10,6 +10,7 @@
 mod cluster;
 mod daemon;
 mod data;
+mod emulators;
 mod measure;
 mod metadata;
 mod mount;
@@ -20,6 +21,7 @@ mod objstore;
 pub use cluster::*;
 pub use daemon::*;
 pub use data::*;
+pub use emulators::*;
 pub use measure::*;
 pub use metadata::*;
 pub use mount::*;
