@@ -885,3 +885,50 @@ async fn azure_imports_backups_and_restores_round_trip_against_azurite() {
     let emu = h.start_azurite(&["data", "backups"]).await;
     cloud_round_trip(&h, &emu).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_shard_whose_every_replica_is_gone_is_repaired_from_the_backup() {
+    let h = Harness::new("backup-lost-shard");
+    let (m, mut nodes) = cluster(&h, 3, NodeOpts::host).await;
+    let src = h.path("src");
+    make_tree(&src, 60);
+    // One replica per shard: losing a node loses its shards outright.
+    let o = import(&m, "ds", &src, &["--replicas", "1", "--shard-size", "128KiB"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let mut c = m.client(None).await;
+    let on_n1 = shards(&mut c, "ds", 1)
+        .await
+        .iter()
+        .filter(|s| s.replicas == ["n1"])
+        .count();
+    assert!(on_n1 > 0, "n1 holds some shards alone");
+    let target = h.path("backup");
+    let url = format!("file://{}", target.display());
+    assert_eq!(backup(&m, &url, &[])["committed"], true);
+
+    // n1 and its disk are gone for good.
+    nodes[0].daemon.kill9();
+    std::fs::remove_dir_all(&nodes[0].data_dir).unwrap();
+    wait_until(
+        "every shard to have its one replica back",
+        Duration::from_secs(60),
+        || {
+            let mut c = c.clone();
+            async move {
+                let s = shards(&mut c, "ds", 1).await;
+                s.iter()
+                    .all(|s| s.replicas.len() == 1 && s.replicas[0] != "n1")
+                    .then_some(())
+            }
+        },
+    )
+    .await;
+    let from_backup = nodes[1..].iter().any(|n| {
+        std::fs::read_to_string(&n.daemon.log)
+            .unwrap()
+            .contains("copied a blob back from a backup")
+    });
+    assert!(from_backup, "no node logged a copy from the backup");
+    let mnt = m.mount("after", "ds@1", Some(&nodes[1]), &[]);
+    assert_eq!(tree(&mnt.path), tree(&src));
+}

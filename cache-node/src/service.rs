@@ -51,6 +51,55 @@ pub struct NodeService {
 }
 
 impl NodeService {
+    /// FetchBlobs without a named source: each blob from wherever it can be had (live
+    /// replicas, then backups), four at a time. Fails naming the first blob no source had.
+    async fn fetch_from_anywhere(
+        &self,
+        blobs: Vec<(BlobHash, u64)>,
+        pin: bool,
+        chunk_size: u32,
+    ) -> Result<Response<nodepb::FetchBlobsResponse>, Status> {
+        let opts = crate::transfer::CopyOptions {
+            me: &self.id,
+            token: self.token.as_deref(),
+            pin,
+            idle: self.peer_idle,
+            limit: None,
+        };
+        let mut copies = futures_util::StreamExt::buffer_unordered(
+            futures_util::stream::iter(blobs.into_iter().map(|(h, size)| async move {
+                let r = crate::transfer::copy_from_anywhere(
+                    &self.store,
+                    &self.peers,
+                    h,
+                    size,
+                    chunk_size,
+                    opts,
+                    None,
+                )
+                .await;
+                (h, size, r)
+            })),
+            4,
+        );
+        let mut resp = nodepb::FetchBlobsResponse::default();
+        while let Some((h, size, r)) = futures_util::StreamExt::next(&mut copies).await {
+            let from = match r {
+                Ok(crate::transfer::Source::Here) => {
+                    resp.already_present += 1;
+                    continue;
+                }
+                Ok(crate::transfer::Source::Peer(_)) => "peer",
+                Ok(crate::transfer::Source::Backup(_)) => "backup",
+                Err(s) => return Err(Status::new(s.code(), format!("blob {h}: {}", s.message()))),
+            };
+            resp.fetched += 1;
+            resp.bytes += size;
+            self.metrics.wrote(from, size);
+        }
+        Ok(Response::new(resp))
+    }
+
     /// `BlobStore::verified_path` off the async threads: it may hash a whole blob.
     async fn verified_path(&self, h: BlobHash) -> Result<Option<std::path::PathBuf>, Status> {
         let store = self.store.clone();
@@ -299,6 +348,9 @@ impl Node for NodeService {
     ) -> Result<Response<nodepb::FetchBlobsResponse>, Status> {
         let q = req.into_inner();
         let blobs = blob_refs(&q.blobs)?;
+        if q.source.is_empty() {
+            return self.fetch_from_anywhere(blobs, q.pin, q.chunk_size).await;
+        }
         let peer =
             locus_proto::client::connect_node(&q.source, self.token.as_deref(), Duration::from_secs(5))
                 .await

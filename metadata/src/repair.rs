@@ -2,9 +2,10 @@
 //!
 //! Every `repair_interval` it asks the catalogue for under-replicated shards (replicas on
 //! down or draining nodes do not count), orders each chosen target node to copy the
-//! shard's blobs from a live replica (the node verifies every byte), and only then records
-//! the new replica — and drops the ones that no longer count — in one catalogue write.
-//! A failed copy changes nothing and is retried on the next round.
+//! shard's blobs from a live replica (the node verifies every byte) — or, when no replica
+//! is left and a backup is recorded, to copy them back from the backup — and only then
+//! records the new replica, and drops the ones that no longer count, in one catalogue
+//! write. A failed copy changes nothing and is retried on the next round.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -64,7 +65,8 @@ pub async fn run(
                         m.repair_bytes.inc_by(t.bytes);
                         tracing::info!(
                             dataset = %t.dataset, version = t.version, shard = t.shard,
-                            from = %t.source.0, to = %t.target.0, dropped = ?t.drop,
+                            from = %t.source.as_ref().map_or("a backup", |s| s.0.as_str()),
+                            to = %t.target.0, dropped = ?t.drop,
                             "shard re-replicated"
                         );
                         "ok"
@@ -109,7 +111,8 @@ pub async fn repair_one(catalog: &Arc<Catalog>, t: &RepairTask, token: Option<&s
     let bytes: u64 = blobs.iter().map(|b| b.1).sum();
     let limit = Duration::from_secs(60) + Duration::from_secs_f64(bytes as f64 / 20e6);
     let call = node.fetch_blobs(nodepb::FetchBlobsRequest {
-        source: t.source.1.clone(),
+        // No live replica: the target finds each blob itself (a backup).
+        source: t.source.as_ref().map(|s| s.1.clone()).unwrap_or_default(),
         blobs: blobs
             .iter()
             .map(|(h, size, _)| nodepb::BlobRef {

@@ -173,7 +173,9 @@ impl Catalog {
 
     /// Shards with fewer live replicas than their version's replication factor (replicas
     /// on down or draining nodes do not count), each with a source and a new target.
-    /// Shards with no live replica at all are reported in the second list.
+    /// Shards with no live replica at all are reported in the second list; while a backup
+    /// is recorded they are also planned, without a source: the target copies each blob
+    /// back from the backup.
     pub fn repair_plan(&self, limit: usize) -> Result<(Vec<RepairTask>, Vec<String>)> {
         let nodes = self.list_nodes()?;
         let serving: HashMap<&str, &pb::Node> = nodes
@@ -190,6 +192,7 @@ impl Catalog {
         };
         let mut tasks = Vec::new();
         let mut lost = Vec::new();
+        let have_backup = !self.backup_sources()?.is_empty();
         let versions: Vec<(String, u64, VersionRecord)> = self
             .store
             .scan(Table::Versions, b"", None)
@@ -229,10 +232,15 @@ impl Catalog {
                     .first()
                     .copied()
                     .or_else(|| rec.replicas.iter().find_map(|r| serving.get(r.as_str()).copied()));
-                let Some(source) = source else {
-                    lost.push(format!("{name}@{n} shard {shard}: no live replica"));
-                    continue;
-                };
+                if source.is_none() {
+                    if !have_backup {
+                        lost.push(format!("{name}@{n} shard {shard}: no live replica and no backup"));
+                        continue;
+                    }
+                    lost.push(format!(
+                        "{name}@{n} shard {shard}: no live replica; copying it back from the backup"
+                    ));
+                }
                 let req = placement::Request {
                     shard,
                     bytes: rec.bytes,
@@ -260,7 +268,7 @@ impl Catalog {
                         version: n,
                         shard,
                         bytes: rec.bytes,
-                        source: (source.id.clone(), source.address.clone()),
+                        source: source.map(|s| (s.id.clone(), s.address.clone())),
                         target: (target.clone(), serving[target.as_str()].address.clone()),
                         drop: if counting.len() + 1 >= v.replication as usize {
                             drop

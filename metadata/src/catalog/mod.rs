@@ -143,7 +143,9 @@ pub struct RepairTask {
     pub version: u64,
     pub shard: u32,
     pub bytes: u64,
-    pub source: (String, String),
+    /// The live replica to copy from (id, address); None when none is left, and the
+    /// target copies each blob from wherever it still is (a recorded backup).
+    pub source: Option<(String, String)>,
     pub target: (String, String),
     pub drop: Vec<String>,
 }

@@ -341,7 +341,7 @@ impl Catalog {
                     version: n,
                     shard: *id,
                     bytes: s.bytes,
-                    source: ((*source).clone(), by_id[source.as_str()].address.clone()),
+                    source: Some(((*source).clone(), by_id[source.as_str()].address.clone())),
                     target: (t.clone(), by_id[t.as_str()].address.clone()),
                     drop: Vec::new(),
                 });
