@@ -363,9 +363,11 @@ async fn backups_to_a_directory_are_incremental_verified_and_collected() {
     let o = m.cli(&["backup", "list"]);
     assert!(!o.status.success());
     assert!(stderr(&o).contains("no backup target"), "{}", stderr(&o));
+    // A cloud target without credentials fails the run, naming the target.
     let o = m.cli(&["backup", "run", "--to", "gs://bucket/x"]);
     assert!(!o.status.success());
-    assert!(stderr(&o).contains("not built in"), "{}", stderr(&o));
+    assert!(stderr(&o).contains("gs://bucket/x"), "{}", stderr(&o));
+    assert!(stderr(&o).contains("was not committed"), "{}", stderr(&o));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

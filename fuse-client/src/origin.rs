@@ -134,6 +134,7 @@ mod tests {
             }
         }
         assert!(Origin::parse("cluster").unwrap().is_none());
-        assert!(Origin::parse("gs://x/y").is_err());
+        assert!(matches!(Origin::parse("gs://x/y"), Ok(Some(Origin::Store { .. }))));
+        assert!(Origin::parse("ftp://x/y").is_err());
     }
 }
