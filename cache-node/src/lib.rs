@@ -70,7 +70,7 @@ pub struct NodeConfig {
 pub fn required_access(method: &str) -> Option<locus_proto::auth::Access> {
     use locus_proto::auth::Access;
     Some(match method {
-        "ReadBlob" | "HaveBlobs" | "GetNodeStatus" | "EnsureLocal" => Access::Read,
+        "ReadBlob" | "HaveBlobs" | "GetNodeStatus" | "EnsureLocal" | "LocalPaths" => Access::Read,
         "WriteBlob" | "FetchBlobs" | "FetchChunks" => Access::NodeOrAdmin,
         "UploadBlobs" => Access::Admin,
         _ => return None,

@@ -468,6 +468,44 @@ impl Node for NodeService {
         }))
     }
 
+    async fn local_paths(
+        &self,
+        req: Request<nodepb::LocalPathsRequest>,
+    ) -> Result<Response<nodepb::LocalPathsResponse>, Status> {
+        if !self.local {
+            return Err(Status::permission_denied(
+                "LocalPaths is served on the node's Unix socket only",
+            ));
+        }
+        let q = req.into_inner();
+        if q.hashes.len() > 10_000 {
+            return Err(Status::invalid_argument(format!(
+                "{} hashes in one LocalPaths call; at most 10,000",
+                q.hashes.len()
+            )));
+        }
+        let hashes = q.hashes.iter().map(|h| hash(h)).collect::<Result<Vec<_>, _>>()?;
+        let store = self.store.clone();
+        let paths = tokio::task::spawn_blocking(move || {
+            hashes
+                .iter()
+                .map(|h| match store.trusted_path(h) {
+                    Some((p, s)) => nodepb::LocalPath {
+                        path: p.display().to_string(),
+                        ino: s.ino,
+                        ctime_s: s.ctime_s,
+                        ctime_ns: s.ctime_ns,
+                        size: s.size,
+                    },
+                    None => nodepb::LocalPath::default(),
+                })
+                .collect()
+        })
+        .await
+        .map_err(|e| Status::internal(e.to_string()))?;
+        Ok(Response::new(nodepb::LocalPathsResponse { paths }))
+    }
+
     async fn ensure_local(
         &self,
         req: Request<nodepb::EnsureLocalRequest>,

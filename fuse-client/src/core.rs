@@ -56,6 +56,12 @@ pub trait LocalNode: Send + Sync + 'static {
     /// Has the node make `blob` present and verified and returns its file's path, within
     /// `limit`. Blocking (it may copy the blob from a peer first).
     fn ensure_local(&self, blob: BlobHash, size: u64, limit: Duration) -> Result<PathBuf, String>;
+    /// For each blob, the node's verified file and its identity at the check, if the node
+    /// has it verified now (it fetches and hashes nothing); within `limit`. Blocking.
+    fn local_paths(&self, blobs: &[BlobHash], limit: Duration) -> Result<Vec<Option<KnownPath>>, String> {
+        let _ = (blobs, limit);
+        Err("this node lists no paths".into())
+    }
 }
 
 /// The node over its Unix socket.
@@ -80,6 +86,36 @@ impl LocalNode for GrpcLocalNode {
                 Err(_) => Err(format!("no answer within {limit:?}")),
             }
         })
+    }
+
+    fn local_paths(&self, blobs: &[BlobHash], limit: Duration) -> Result<Vec<Option<KnownPath>>, String> {
+        let mut out = Vec::with_capacity(blobs.len());
+        for batch in blobs.chunks(10_000) {
+            let mut node = self.client.clone();
+            let req = nodepb::LocalPathsRequest {
+                hashes: batch.iter().map(|h| h.0.to_vec()).collect(),
+            };
+            let paths = self.rt.block_on(async move {
+                match tokio::time::timeout(limit, node.local_paths(req)).await {
+                    Ok(Ok(r)) => Ok(r.into_inner().paths),
+                    Ok(Err(s)) => Err(format!("{:?}: {}", s.code(), s.message())),
+                    Err(_) => Err(format!("no answer within {limit:?}")),
+                }
+            })?;
+            if paths.len() != batch.len() {
+                return Err(format!("{} paths for {} blobs", paths.len(), batch.len()));
+            }
+            out.extend(paths.into_iter().map(|p| {
+                (!p.path.is_empty()).then(|| KnownPath {
+                    path: PathBuf::from(p.path),
+                    ino: p.ino,
+                    ctime_s: p.ctime_s,
+                    ctime_ns: p.ctime_ns,
+                    size: p.size,
+                })
+            }));
+        }
+        Ok(out)
     }
 }
 
@@ -176,6 +212,8 @@ pub struct Core {
     pub(crate) slow_node_warned: Mutex<Option<Instant>>,
     /// Sequential-read state of remote files the kernel opened without asking, by inode.
     pub(crate) inode_readahead: Mutex<HashMap<u64, Arc<Mutex<ReadAhead>>>>,
+    /// Verified paths learned from the node a shard at a time (see `known`).
+    pub(crate) known: Mutex<known::Known>,
 }
 
 /// Most fetches from the local node in flight at once. Each holds a blocking thread for
@@ -236,6 +274,14 @@ impl Core {
                 return None;
             }
         };
+        if !self.settings.reopen_ttl.is_zero() {
+            self.remember(ino, file.clone());
+        }
+        Some(file)
+    }
+
+    /// Keeps a verified local file open for reopens within the reopen window.
+    pub(crate) fn remember(&self, ino: u64, file: Arc<NodeFile>) {
         let ttl = self.settings.reopen_ttl;
         let mut recent = self.recent.lock().unwrap();
         if recent.len() >= self.recent_max {
@@ -244,10 +290,7 @@ impl Core {
                 recent.clear();
             }
         }
-        if !ttl.is_zero() {
-            recent.insert(ino, (file.clone(), Instant::now()));
-        }
-        Some(file)
+        recent.insert(ino, (file, Instant::now()));
     }
 
     /// The node's verified file for this inode: the one verified within the reopen
@@ -268,6 +311,10 @@ impl Core {
         if let Some(f) = self.recent_file(ino) {
             return Some((f, false));
         }
+        if let Some(f) = self.known_file(ino) {
+            return Some((f, true));
+        }
+        self.learn_shard(ino);
         let (pending, first) = {
             let mut fetching = self.fetching.lock().unwrap();
             match fetching.get(&ino) {
@@ -508,6 +555,7 @@ impl Core {
             fetching: Mutex::new(HashMap::new()),
             slow_node_warned: Mutex::new(None),
             inode_readahead: Mutex::new(HashMap::new()),
+            known: Mutex::default(),
         }
     }
 
@@ -618,6 +666,9 @@ pub(crate) fn pread(file: &File, offset: u64, size: u32) -> std::io::Result<Vec<
     buf.truncate(got);
     Ok(buf)
 }
+
+mod known;
+pub use known::KnownPath;
 
 #[cfg(test)]
 mod tests;

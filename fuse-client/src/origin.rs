@@ -134,7 +134,10 @@ mod tests {
             }
         }
         assert!(Origin::parse("cluster").unwrap().is_none());
-        assert!(matches!(Origin::parse("gs://x/y"), Ok(Some(Origin::Store { .. }))));
+        assert!(matches!(
+            Origin::parse("gs://x/y"),
+            Ok(Some(Origin::Store { .. }))
+        ));
         assert!(Origin::parse("ftp://x/y").is_err());
     }
 }

@@ -32,7 +32,8 @@ mod space;
 mod write;
 
 pub use read::BlobReader;
-use record::{chunk_hashes, stamp, BlobRecord, FileStamp};
+pub use record::FileStamp;
+use record::{chunk_hashes, stamp, BlobRecord};
 use space::Reservation;
 pub use write::BlobWriter;
 

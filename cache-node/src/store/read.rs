@@ -181,6 +181,16 @@ impl BlobStore {
         Ok(Some(path))
     }
 
+    /// The path of a complete blob whose file still has the stamp of its last whole-blob
+    /// check, with that stamp; None when it is absent, partial or changed since (the
+    /// caller then asks `verified_path`, which hashes). Marks it recently used. Never
+    /// hashes: one stat per blob.
+    pub fn trusted_path(&self, h: &BlobHash) -> Option<(PathBuf, FileStamp)> {
+        let path = self.path_of(h)?;
+        let now = stamp(&path).ok()?;
+        (self.shard(h).verified.get(h) == Some(&now)).then_some((path, now))
+    }
+
     /// Remembers a verified file's stamp, in memory and in the blob's index record.
     fn record_stamp(&self, h: &BlobHash, s: FileStamp) {
         let mut st = self.shard(h);

@@ -98,12 +98,13 @@ impl BlobRecord {
     }
 }
 
+/// A file's identity as of a moment: any write to it changes the ctime.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) struct FileStamp {
-    pub(super) ino: u64,
-    pub(super) ctime_s: i64,
-    pub(super) ctime_ns: i64,
-    pub(super) size: u64,
+pub struct FileStamp {
+    pub ino: u64,
+    pub ctime_s: i64,
+    pub ctime_ns: i64,
+    pub size: u64,
 }
 
 pub(super) fn stamp(p: &Path) -> std::io::Result<FileStamp> {

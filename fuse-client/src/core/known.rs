@@ -1,0 +1,140 @@
+//! Paths the local node verified, learned a shard at a time. The first open of a file asks
+//! the node, in the background, for the verified paths of every file of the same shard in
+//! one call (`LocalPaths`), so later opens of its siblings open the node's file directly
+//! instead of each waiting on an `EnsureLocal` round trip: that round trip was most of
+//! the cost of a cold small file. Shards group files in path order and inodes follow path
+//! order, so a shard's files are found by walking the inodes on either side of the first
+//! one opened.
+//!
+//! A learned path is used only if the file opened there still has the identity the node
+//! verified (inode, ctime, size): any write since changes the ctime, so a stale or
+//! tampered file falls back to `EnsureLocal`, which hashes it again.
+
+use std::collections::{HashMap, HashSet};
+use std::os::unix::fs::MetadataExt;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use locus_proto::BlobHash;
+
+use super::{Core, NodeFile};
+use crate::namespace::Kind;
+
+/// A blob file the node verified, and the file's identity at that check.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KnownPath {
+    pub path: PathBuf,
+    pub ino: u64,
+    pub ctime_s: i64,
+    pub ctime_ns: i64,
+    pub size: u64,
+}
+
+/// What the mount has learned: paths by inode, and the shards already asked about.
+#[derive(Default)]
+pub(crate) struct Known {
+    paths: HashMap<u64, KnownPath>,
+    shards: HashSet<u32>,
+}
+
+#[cfg(test)]
+impl Known {
+    /// Paths learned and not yet used.
+    pub(crate) fn len(&self) -> usize {
+        self.paths.len()
+    }
+}
+
+/// Most learned paths kept (about 150 bytes each); past it they are dropped and relearned.
+const KNOWN_MAX: usize = 65_536;
+/// Most files of one shard asked about at once.
+const SHARD_BATCH: usize = 8_192;
+/// Inodes walked past (directories, other kinds) before a shard's run is taken as ended.
+const WALK_MAX: usize = 4 * SHARD_BATCH;
+
+impl Core {
+    /// The node's file for `ino` from a learned path, opened and checked against the
+    /// identity the node verified; None when nothing is learned or the file changed.
+    pub(crate) fn known_file(&self, ino: u64) -> Option<Arc<NodeFile>> {
+        let k = self.known.lock().unwrap().paths.remove(&ino)?;
+        let f = NodeFile::open(&k.path).ok()?;
+        let m = f.file.metadata().ok()?;
+        if (m.ino(), m.ctime(), m.ctime_nsec(), m.len()) != (k.ino, k.ctime_s, k.ctime_ns, k.size) {
+            tracing::debug!(ino, path = %k.path.display(), "the node's file changed since it was verified; asking the node");
+            return None;
+        }
+        let f = Arc::new(f);
+        if !self.settings.reopen_ttl.is_zero() {
+            self.remember(ino, f.clone());
+        }
+        Some(f)
+    }
+
+    /// Learns, in the background, the node's verified paths for the files of `ino`'s
+    /// shard; once per shard (until the learned paths are dropped for room).
+    pub(crate) fn learn_shard(self: &Arc<Self>, ino: u64) {
+        let (Some(node), Some(shard)) = (self.local.clone(), self.ns.shard(ino)) else {
+            return;
+        };
+        if !self.known.lock().unwrap().shards.insert(shard) {
+            return;
+        }
+        let core = self.clone();
+        self.rt.spawn_blocking(move || {
+            let inos = core.shard_files(ino, shard);
+            if inos.is_empty() {
+                return;
+            }
+            let blobs: Vec<BlobHash> = inos
+                .iter()
+                .filter_map(|i| core.ns.blob(*i).map(|b| b.0))
+                .collect();
+            match node.local_paths(&blobs, core.settings.open_timeout) {
+                Ok(paths) => {
+                    let mut k = core.known.lock().unwrap();
+                    if k.paths.len() + paths.len() > KNOWN_MAX {
+                        k.paths.clear();
+                        k.shards.clear();
+                        k.shards.insert(shard);
+                    }
+                    for (i, p) in inos.into_iter().zip(paths) {
+                        if let Some(p) = p {
+                            k.paths.insert(i, p);
+                        }
+                    }
+                }
+                Err(e) => {
+                    // Opens go on through EnsureLocal; a later open may ask again.
+                    tracing::debug!(shard, "the node did not list the shard's paths: {e}");
+                    core.known.lock().unwrap().shards.remove(&shard);
+                }
+            }
+        });
+    }
+
+    /// Non-empty files of `shard` around `ino` (not `ino` itself), at most `SHARD_BATCH`.
+    fn shard_files(&self, ino: u64, shard: u32) -> Vec<u64> {
+        let mut out = Vec::new();
+        for dir in [-1i64, 1] {
+            let mut at = ino as i64;
+            let mut walked = 0;
+            while out.len() < SHARD_BATCH && walked < WALK_MAX {
+                at += dir;
+                walked += 1;
+                let Some(a) = (at > 0).then(|| self.ns.attr(at as u64)).flatten() else {
+                    break;
+                };
+                if a.kind != Kind::File {
+                    continue;
+                }
+                if self.ns.shard(at as u64) != Some(shard) {
+                    break;
+                }
+                if a.size > 0 {
+                    out.push(at as u64);
+                }
+            }
+        }
+        out
+    }
+}
