@@ -31,32 +31,6 @@ fn env_u64(k: &str, d: u64) -> u64 {
     std::env::var(k).ok().and_then(|v| v.parse().ok()).unwrap_or(d)
 }
 
-/// With `LOCUS_BENCH_PERF=DIR`: `perf record -a -g` over each Locus read, into
-/// `DIR/remote-<link>-<round>.data` (what each process spent its CPU on).
-fn profile(name: &str) -> Option<std::process::Child> {
-    let dir = std::env::var("LOCUS_BENCH_PERF").ok()?;
-    let c = std::process::Command::new("perf")
-        .args(["record", "-a", "-g", "-F", "499", "-o"])
-        .arg(format!("{dir}/remote-{name}.data"))
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null())
-        .spawn()
-        .ok()?;
-    std::thread::sleep(std::time::Duration::from_millis(500));
-    Some(c)
-}
-
-fn stop_profile(c: Option<std::process::Child>) {
-    if let Some(mut c) = c {
-        // SAFETY: kill(2) on a child we spawned and have not reaped.
-        #[allow(unsafe_code)]
-        unsafe {
-            libc::kill(c.id() as i32, libc::SIGINT);
-        }
-        let _ = c.wait();
-    }
-}
-
 #[tokio::main]
 async fn main() {
     serve_helper_role();
@@ -159,7 +133,7 @@ async fn main() {
             let paths: Vec<PathBuf> = (0..files)
                 .map(|i| mnt.path.join(format!("part-{i}.bin")))
                 .collect();
-            let perf = profile(&format!("{mbit}-{round}"));
+            let perf = profile(&format!("remote-{mbit}-{round}"));
             let (b, t) = read_sequentially(&paths);
             stop_profile(perf);
             assert_eq!(b, total);

@@ -376,6 +376,22 @@ async fn send_blob(
                 }
             })
         }
+        BlobSource::Memory(bytes) => {
+            let bytes = bytes.clone();
+            tokio::spawn(async move {
+                // Slices of the one buffer, no copies.
+                let mut at = 0;
+                while at < bytes.len() {
+                    let to = (at + (2 << 20)).min(bytes.len());
+                    if tx.send(data(bytes.slice(at..to))).await.is_err() {
+                        return Ok(());
+                    }
+                    done((to - at) as u64);
+                    at = to;
+                }
+                Ok(())
+            })
+        }
         BlobSource::Remote(path) => {
             let store = remote.ok_or("an object-store blob without its store")?;
             let path = path.clone();

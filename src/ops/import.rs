@@ -1,11 +1,13 @@
 //! Import: a directory or an object-store prefix becomes the next version of a dataset,
 //! its blobs replicated onto cache nodes.
 //!
-//! Order of work, chosen so that nothing half-done is ever visible: hash everything, open
-//! an import session and upload the manifest, ask for a placement (and stop, aborting the
-//! session, if any shard cannot be placed), send each node the blobs its shards need that
-//! it does not already have (nodes verify every byte), then record the replicas and
-//! commit. An interrupted import leaves only an uncommitted session, which the service
+//! Order of work for a directory, chosen so that nothing half-done is ever visible: hash
+//! everything, open an import session and upload the manifest, ask for a placement (and
+//! stop, aborting the session, if any shard cannot be placed), send each node the blobs
+//! its shards need that it does not already have (nodes verify every byte), then record
+//! the replicas and commit. An object-store source is read once instead (see
+//! `import_remote`): placed from its listing, each object hashed as it streams in and sent
+//! from memory, the manifest committed last. An interrupted import leaves only an uncommitted session, which the service
 //! discards; rerunning it skips every blob the nodes already hold. A node that takes no
 //! bytes for `LOCUS_PEER_TIMEOUT` fails the import instead of stalling it.
 
@@ -90,13 +92,12 @@ pub async fn import(
     if o.replicas == 0 {
         return Err(ImportError::Invalid("--replicas must be at least 1".into()));
     }
-    let remote = if o.source.contains("://") && !o.source.starts_with("file://") {
-        Some(super::remote::open(&o.source)?)
-    } else {
-        None
-    };
+    if o.source.contains("://") && !o.source.starts_with("file://") {
+        let remote = super::remote::open(&o.source)?;
+        return import_remote(cluster, o, remote, obs, started).await;
+    }
     let source = PathBuf::from(o.source.strip_prefix("file://").unwrap_or(&o.source));
-    if remote.is_none() && !source.is_dir() {
+    if !source.is_dir() {
         return Err(ImportError::Invalid(format!(
             "{} is not a directory",
             source.display()
@@ -105,41 +106,256 @@ pub async fn import(
     let (chunk_size, shard_size) = (o.chunk_size, o.shard_size.max(1));
 
     // 1. Hash.
-    let total_guess = if remote.is_some() { 0 } else { dir_bytes(&source) };
-    let done = obs.start("hashing", total_guess);
+    let done = obs.start("hashing", dir_bytes(&source));
     let hashing_started = Instant::now();
-    let scanned = match &remote {
-        Some(r) => super::remote::scan(r, chunk_size, shard_size, o.parallel, done).await,
-        None => {
-            let src = source.clone();
-            let threads = std::thread::available_parallelism().map_or(2, |n| n.get());
-            tokio::task::spawn_blocking(move || {
-                super::scan::scan_dir_parallel(&src, chunk_size, shard_size, threads, &|n| {
-                    done.store(n, Ordering::Relaxed)
-                })
-            })
-            .await
-            .map_err(|e| ImportError::Source(SourceError(format!("hashing failed: {e}"))))?
-        }
-    };
+    let src = source.clone();
+    let threads = std::thread::available_parallelism().map_or(2, |n| n.get());
+    let scanned = tokio::task::spawn_blocking(move || {
+        super::scan::scan_dir_parallel(&src, chunk_size, shard_size, threads, &|n| {
+            done.store(n, Ordering::Relaxed)
+        })
+    })
+    .await
+    .map_err(|e| ImportError::Source(SourceError(format!("hashing failed: {e}"))))?;
     obs.end("hashing");
     let scanned = scanned?;
     let hash_time = hashing_started.elapsed();
-    let store = remote.as_ref().map(|r| r.store.clone());
     // Where the bytes came from: the mount's last source when no node has them.
-    let origin = match &remote {
-        Some(_) => o.source.clone(),
-        None => {
-            let abs = std::fs::canonicalize(&source)
-                .or_else(|_| std::env::current_dir().map(|d| d.join(&source)))
-                .unwrap_or_else(|_| source.clone());
-            format!(
-                "file://{}",
-                locus_fuse::origin::encode_path(&abs.display().to_string())
-            )
+    let abs = std::fs::canonicalize(&source)
+        .or_else(|_| std::env::current_dir().map(|d| d.join(&source)))
+        .unwrap_or_else(|_| source.clone());
+    let origin = format!(
+        "file://{}",
+        locus_fuse::origin::encode_path(&abs.display().to_string())
+    );
+    commit_scanned(cluster, o, &scanned, None, origin, obs, started, hash_time).await
+}
+
+/// An object-store import, reading each object once: list (sizes only), group into
+/// shards and place them, then read each object, hashing it as it streams in, and send it
+/// to its shard's nodes from memory (or a spill file when large; see `read_and_send`);
+/// the manifest is built from what was read and committed last. Placement cannot
+/// prefer nodes that hold the blobs already (their hashes are not known yet); nodes that
+/// hold a blob take its write without storing it twice.
+async fn import_remote(
+    cluster: &Arc<dyn ImportCluster>,
+    o: &ImportOptions,
+    remote: super::remote::Remote,
+    obs: &dyn Observer,
+    started: Instant,
+) -> Result<ImportReport> {
+    let shard_size = o.shard_size.max(1);
+    let (found, sizes) = super::remote::list(&remote).await?;
+    let groups = super::scan::group_shards(&sizes, shard_size);
+    let mut shard_bytes: Vec<u64> = Vec::new();
+    for (g, size) in groups.iter().zip(&sizes) {
+        if let (Some(g), Some(size)) = (g, size) {
+            if shard_bytes.len() <= *g as usize {
+                shard_bytes.push(0);
+            }
+            shard_bytes[*g as usize] += size;
+        }
+    }
+    let session = cluster
+        .begin(pb::BeginVersionRequest {
+            dataset: o.name.clone(),
+            chunk_size: o.chunk_size,
+            origin: o.source.clone(),
+            replication: o.replicas,
+        })
+        .await?;
+    let work = async {
+        let placed = cluster
+            .place(pb::PlaceShardsRequest {
+                shards: shard_bytes
+                    .iter()
+                    .enumerate()
+                    .map(|(id, bytes)| pb::ShardSize {
+                        id: id as u32,
+                        bytes: *bytes,
+                        prefer: Vec::new(),
+                    })
+                    .collect(),
+                replication: o.replicas,
+            })
+            .await?;
+        let placement = placed_or_refused(placed, shard_bytes.len())?;
+        let total: u64 = sizes.iter().flatten().sum();
+        let done = obs.start("importing", total);
+        let todo: Vec<(usize, object_store::path::Path, u64, Vec<String>)> = found
+            .iter()
+            .enumerate()
+            .filter_map(|(i, f)| match &f.kind {
+                super::scan::FoundKind::File(super::scan::BlobSource::Remote(p)) => {
+                    let nodes = placement[&groups[i].expect("a file")].clone();
+                    Some((i, p.clone(), sizes[i].unwrap_or(0), nodes))
+                }
+                _ => None,
+            })
+            .collect();
+        let read = read_and_send(cluster, &remote.store, todo, found.len(), o, &done).await;
+        obs.end("importing");
+        let hashes = read?;
+        // The manifest of what was read; its shards are the ones placed, since they
+        // depend on the sizes alone.
+        let scanned = super::scan::assemble(found, hashes, shard_size)?;
+        if scanned
+            .shards
+            .iter()
+            .map(|s| s.bytes)
+            .ne(shard_bytes.iter().copied())
+        {
+            return Err(ImportError::Source(SourceError(
+                "objects changed size during the import; rerun it".into(),
+            )));
+        }
+        cluster.put_entries(session, scanned.entries.clone()).await?;
+        let mut shards = scanned.shards.clone();
+        for s in &mut shards {
+            s.replicas = placement.get(&s.id).cloned().unwrap_or_default();
+        }
+        cluster.put_shards(session, shards).await?;
+        Ok::<_, ImportError>((scanned, total))
+    };
+    let (scanned, total) = match work.await {
+        Ok(x) => x,
+        Err(e) => {
+            cluster.abort(session).await;
+            return Err(e);
         }
     };
-    commit_scanned(cluster, o, &scanned, store, origin, obs, started, hash_time).await
+    let version = match cluster.commit(session).await {
+        Ok(v) => v,
+        Err(e) => {
+            cluster.abort(session).await;
+            return Err(e.into());
+        }
+    };
+    let took = started.elapsed();
+    Ok(ImportReport {
+        version,
+        replicas: o.replicas,
+        distinct_blobs: scanned.blobs.len(),
+        uploaded_bytes: total * u64::from(o.replicas),
+        skipped_bytes: 0,
+        hash_time: took,
+        upload_time: took,
+        total_time: took,
+    })
+}
+
+/// Reads objects `o.parallel` at a time and sends them to their nodes `o.parallel` at a
+/// time, with up to `o.parallel` read objects queued between: the nodes keep writes in
+/// flight while the next objects download, and memory stays bounded (objects above
+/// `remote::IN_MEMORY_MAX` wait in spill files). `todo`: (entry index, key, size, nodes).
+/// Returns each entry's hashes (None for non-files).
+async fn read_and_send(
+    cluster: &Arc<dyn ImportCluster>,
+    store: &Arc<dyn object_store::ObjectStore>,
+    todo: Vec<(usize, object_store::path::Path, u64, Vec<String>)>,
+    entries: usize,
+    o: &ImportOptions,
+    done: &Arc<std::sync::atomic::AtomicU64>,
+) -> Result<Vec<Option<locus_proto::manifest::FileHashes>>> {
+    type Staged = (
+        usize,
+        object_store::path::Path,
+        Vec<String>,
+        super::remote::Staged,
+    );
+    let parallel = o.parallel.max(1);
+    let chunk_size = o.chunk_size;
+    let (tx, mut rx) = tokio::sync::mpsc::channel::<Staged>(parallel);
+    let reads = async move {
+        let mut set: JoinSet<Result<Staged>> = JoinSet::new();
+        let mut todo = todo.into_iter();
+        loop {
+            while set.len() < parallel {
+                let Some((i, path, size, nodes)) = todo.next() else {
+                    break;
+                };
+                let (store, done) = (store.clone(), done.clone());
+                set.spawn(async move {
+                    let st = super::remote::stage_object(store, path.clone(), size, chunk_size, done).await?;
+                    Ok((i, path, nodes, st))
+                });
+            }
+            let Some(r) = set.join_next().await else { break };
+            let staged = r.map_err(|e| ImportError::Transfer(format!("read task failed: {e}")))??;
+            if tx.send(staged).await.is_err() {
+                break; // the sends failed; their error is the one reported
+            }
+        }
+        Ok::<_, ImportError>(())
+    };
+    let sends = async {
+        let mut hashes = vec![None; entries];
+        let mut set: JoinSet<Result<(usize, locus_proto::manifest::FileHashes)>> = JoinSet::new();
+        let mut open = true;
+        loop {
+            tokio::select! {
+                Some(r) = set.join_next(), if !set.is_empty() => {
+                    let (i, h) = r.map_err(|e| ImportError::Transfer(format!("send task failed: {e}")))??;
+                    hashes[i] = Some(h);
+                }
+                m = rx.recv(), if open && set.len() < parallel => match m {
+                    Some((i, path, nodes, st)) => {
+                        let cluster = cluster.clone();
+                        let store = store.clone();
+                        set.spawn(async move {
+                            let (size, hash, _) = st.hashes;
+                            let sends = nodes.iter().map(|node| {
+                                let upload = Upload {
+                                    hash,
+                                    size,
+                                    chunk_size,
+                                    source: st.source.clone(),
+                                    store: Some(store.clone()),
+                                    done: Default::default(),
+                                };
+                                let cluster = cluster.clone();
+                                async move { cluster.send(node, upload).await.map_err(|e| (node.clone(), e)) }
+                            });
+                            for r in futures_util::future::join_all(sends).await {
+                                r.map_err(|(node, e)| {
+                                    ImportError::Transfer(format!("sending {path} to node {node}: {e}"))
+                                })?;
+                            }
+                            Ok((i, st.hashes))
+                        });
+                    }
+                    None => open = false,
+                },
+                else => break,
+            }
+        }
+        Ok(hashes)
+    };
+    let ((), hashes) = tokio::try_join!(reads, sends)?;
+    Ok(hashes)
+}
+
+/// The placement, or the refusal naming the shards that found no room.
+fn placed_or_refused(placed: pb::PlaceShardsResponse, shards: usize) -> Result<Placement> {
+    if !placed.unplaced.is_empty() {
+        let mut msg = format!(
+            "{} of {} shard(s) could not be placed; nothing was committed:",
+            placed.unplaced.len(),
+            shards
+        );
+        for u in placed.unplaced.iter().take(20) {
+            msg.push_str(&format!("\n  shard {}: {}", u.shard, u.reason));
+        }
+        if placed.unplaced.len() > 20 {
+            msg.push_str(&format!("\n  … and {} more", placed.unplaced.len() - 20));
+        }
+        return Err(ImportError::Unplaced(msg));
+    }
+    Ok(placed
+        .placements
+        .into_iter()
+        .map(|p| (p.shard, p.nodes))
+        .collect())
 }
 
 /// Sends an already hashed manifest's blobs to the nodes and commits it as the next
@@ -242,25 +458,7 @@ async fn import_into_session(
             replication: o.replicas,
         })
         .await?;
-    if !placed.unplaced.is_empty() {
-        let mut msg = format!(
-            "{} of {} shard(s) could not be placed; nothing was committed:",
-            placed.unplaced.len(),
-            scanned.shards.len()
-        );
-        for u in placed.unplaced.iter().take(20) {
-            msg.push_str(&format!("\n  shard {}: {}", u.shard, u.reason));
-        }
-        if placed.unplaced.len() > 20 {
-            msg.push_str(&format!("\n  … and {} more", placed.unplaced.len() - 20));
-        }
-        return Err(ImportError::Unplaced(msg));
-    }
-    let placement: Placement = placed
-        .placements
-        .into_iter()
-        .map(|p| (p.shard, p.nodes))
-        .collect();
+    let placement = placed_or_refused(placed, scanned.shards.len())?;
 
     // What each node must hold, less what it has already.
     let mut per_node: BTreeMap<String, Vec<BlobHash>> = BTreeMap::new();

@@ -1,5 +1,6 @@
-//! Object-store sources for `locus dataset import`: lists a prefix, hashes every object
-//! while streaming it (never held whole in memory), and streams objects again to the nodes.
+//! Object-store sources for `locus dataset import`: lists a prefix, and reads each object
+//! once, hashing it as it streams in and keeping its bytes (in memory, or a spill file
+//! when large) for the sends to the nodes.
 //!
 //! `s3://`, `gs://` and `az://` URLs, opened by `locus_backup::url` (which says where
 //! each finds its credentials; they are never printed).
@@ -16,7 +17,7 @@ use locus_proto::manifest::{ChunkHasher, FileHashes};
 use object_store::path::Path as ObjPath;
 use object_store::{ObjectStore, ObjectStoreExt};
 
-use super::scan::{BlobSource, Found, FoundKind, Scanned};
+use super::scan::{BlobSource, Found, FoundKind};
 
 pub struct Remote {
     pub store: Arc<dyn ObjectStore>,
@@ -44,20 +45,65 @@ pub async fn open_object(
         .into_stream())
 }
 
-async fn hash_object(
+/// An object read once: its size and hashes, and its bytes kept for sending — in memory
+/// when small, else in a spill file that is removed when this is dropped.
+pub struct Staged {
+    pub hashes: FileHashes,
+    pub source: BlobSource,
+    _spill: Option<tempfile::TempPath>,
+}
+
+/// Objects up to this size are kept in memory between their read and their sends; with
+/// `--parallel` objects in flight that bounds the memory an import holds.
+pub const IN_MEMORY_MAX: u64 = 16 << 20;
+
+/// Reads `path` once, hashing it on a blocking thread as it streams in, and keeps its
+/// bytes for the sends (`size` as listed picks memory or a spill file).
+pub async fn stage_object(
     store: Arc<dyn ObjectStore>,
     path: ObjPath,
+    size: u64,
     chunk_size: u32,
     done: Arc<AtomicU64>,
-) -> Result<FileHashes> {
-    // Hashing runs on a blocking thread, fed through a bounded channel.
+) -> Result<Staged> {
+    use std::io::Write;
+    let spill = if size > IN_MEMORY_MAX {
+        Some(
+            tempfile::NamedTempFile::new()
+                .explain(|| "cannot create a spill file for a large object".to_string())?,
+        )
+    } else {
+        None
+    };
     let (tx, mut rx) = tokio::sync::mpsc::channel::<bytes::Bytes>(8);
-    let hasher = tokio::task::spawn_blocking(move || {
+    let sink = tokio::task::spawn_blocking(move || {
         let mut h = ChunkHasher::new(chunk_size);
+        let mut mem = bytes::BytesMut::with_capacity(if spill.is_none() { size as usize } else { 0 });
+        let mut file = spill.map(|f| std::io::BufWriter::with_capacity(1 << 20, f));
         while let Some(b) = rx.blocking_recv() {
             h.update(&b);
+            match &mut file {
+                Some(f) => f
+                    .write_all(&b)
+                    .map_err(|e| SourceError(format!("writing a spill file: {e}")))?,
+                None => mem.extend_from_slice(&b),
+            }
         }
-        h.finish()
+        let (source, spill) = match file {
+            Some(f) => {
+                let f = f
+                    .into_inner()
+                    .map_err(|e| SourceError(format!("writing a spill file: {e}")))?;
+                let p = f.into_temp_path();
+                (BlobSource::Local(p.to_path_buf()), Some(p))
+            }
+            None => (BlobSource::Memory(mem.freeze()), None),
+        };
+        Ok::<_, SourceError>(Staged {
+            hashes: h.finish(),
+            source,
+            _spill: spill,
+        })
     });
     let mut s = std::pin::pin!(open_object(&store, &path).await?);
     while let Some(piece) = s.next().await {
@@ -68,21 +114,25 @@ async fn hash_object(
         }
     }
     drop(tx);
-    hasher.await.explain(|| "hashing task failed".to_string())
+    let staged = sink.await.explain(|| "hashing task failed".to_string())??;
+    if staged.hashes.0 != size {
+        return Err(SourceError(format!(
+            "{path} was {size} bytes when listed and {} when read: it changed during the import; \
+             rerun it",
+            staged.hashes.0
+        )));
+    }
+    Ok(staged)
 }
 
-/// Lists `remote`, hashes every object (`parallel` at a time) and builds the manifest.
-pub async fn scan(
-    remote: &Remote,
-    chunk_size: u32,
-    shard_size: u64,
-    parallel: usize,
-    done: Arc<AtomicU64>,
-) -> Result<Scanned> {
+/// Lists `remote`: every object as a file entry (and the directories its keys imply), in
+/// path order, with each entry's size (None for directories).
+pub async fn list(remote: &Remote) -> Result<(Vec<Found>, Vec<Option<u64>>)> {
     let prefix = remote.prefix.clone();
     let mut listing = remote.store.list(Some(&prefix));
     let mut found = Vec::new();
     let mut dirs = BTreeSet::new();
+    let mut sizes = std::collections::HashMap::new();
     while let Some(meta) = listing.next().await {
         let meta = meta.explain(|| "listing the source failed".to_string())?;
         let key = meta.location.as_ref();
@@ -105,6 +155,7 @@ pub async fn scan(
             dirs.insert(p.to_string());
             parent = p;
         }
+        sizes.insert(rel.clone(), meta.size);
         found.push(Found {
             rel,
             kind: FoundKind::File(BlobSource::Remote(meta.location.clone())),
@@ -121,22 +172,6 @@ pub async fn scan(
         });
     }
     found.sort_by(|a, b| a.rel.cmp(&b.rel));
-    let mut hashes: Vec<Option<FileHashes>> = vec![None; found.len()];
-    let mut set = tokio::task::JoinSet::new();
-    let mut todo = found.iter().enumerate().filter_map(|(i, f)| match &f.kind {
-        FoundKind::File(BlobSource::Remote(p)) => Some((i, p.clone())),
-        _ => None,
-    });
-    loop {
-        while set.len() < parallel.max(1) {
-            let Some((i, p)) = todo.next() else { break };
-            let store = remote.store.clone();
-            let done = done.clone();
-            set.spawn(async move { (i, hash_object(store, p, chunk_size, done).await) });
-        }
-        let Some(r) = set.join_next().await else { break };
-        let (i, h) = r.explain(|| "hashing task failed".to_string())?;
-        hashes[i] = Some(h?);
-    }
-    super::scan::assemble(found, hashes, shard_size)
+    let sizes = found.iter().map(|f| sizes.get(&f.rel).copied()).collect();
+    Ok((found, sizes))
 }

@@ -19,6 +19,8 @@ use locus_proto::pb;
 pub enum BlobSource {
     Local(PathBuf),
     Remote(object_store::path::Path),
+    /// Already read (an object-store import reads each object once and sends it from here).
+    Memory(bytes::Bytes),
 }
 
 impl std::fmt::Display for BlobSource {
@@ -26,6 +28,7 @@ impl std::fmt::Display for BlobSource {
         match self {
             BlobSource::Local(p) => write!(f, "{}", p.display()),
             BlobSource::Remote(p) => write!(f, "{p}"),
+            BlobSource::Memory(b) => write!(f, "{} bytes in memory", b.len()),
         }
     }
 }
@@ -110,13 +113,47 @@ pub fn scan_dir_parallel(
 /// Turns sorted found entries and their hashes (`Some` for every file) into a manifest
 /// with shards: files in path order fill a shard until the next would overflow it; a
 /// file of at least a shard's size gets a shard of its own.
+/// The shard of each entry (None for directories and links): files, in path order, fill a
+/// shard until the next one would take it past `shard_size`; a larger file is a shard of
+/// its own. It depends on sizes alone, so an object-store import can place shards before
+/// it reads any object.
+pub fn group_shards(sizes: &[Option<u64>], shard_size: u64) -> Vec<Option<u32>> {
+    let mut out = Vec::with_capacity(sizes.len());
+    let (mut shards, mut bytes, mut files) = (0u32, 0u64, 0u64);
+    for size in sizes {
+        let Some(size) = *size else {
+            out.push(None);
+            continue;
+        };
+        if shards == 0 || (bytes + size > shard_size && files > 0) {
+            shards += 1;
+            bytes = 0;
+            files = 0;
+        }
+        bytes += size;
+        files += 1;
+        out.push(Some(shards - 1));
+    }
+    out
+}
+
 pub fn assemble(found: Vec<Found>, hashes: Vec<Option<FileHashes>>, shard_size: u64) -> Result<Scanned> {
+    let sizes: Vec<Option<u64>> = found
+        .iter()
+        .zip(&hashes)
+        .map(|(f, h)| match (&f.kind, h) {
+            (FoundKind::File(_), Some(h)) => Some(h.0),
+            (FoundKind::File(_), None) => Some(0),
+            _ => None,
+        })
+        .collect();
+    let groups = group_shards(&sizes, shard_size);
     let mut entries = Vec::with_capacity(found.len());
     let mut shards: Vec<pb::Shard> = Vec::new();
     let mut blobs = HashMap::new();
     let mut shard_blobs: Vec<Vec<BlobHash>> = Vec::new();
     let mut in_shard: HashSet<BlobHash> = HashSet::new();
-    for (f, h) in found.into_iter().zip(hashes) {
+    for ((f, h), group) in found.into_iter().zip(hashes).zip(groups) {
         let path = RelPath::try_from(f.rel.as_str())
             .map_err(|e| SourceError(format!("{:?}: {}", f.rel, e.reason)))?;
         let kind = match f.kind {
@@ -124,11 +161,7 @@ pub fn assemble(found: Vec<Found>, hashes: Vec<Option<FileHashes>>, shard_size: 
             FoundKind::Symlink(target) => EntryKind::Symlink { target },
             FoundKind::File(source) => {
                 let (size, blob, chunks) = h.explain(|| format!("{} was not hashed", f.rel))?;
-                let start_new = match shards.last() {
-                    None => true,
-                    Some(s) => s.bytes + size > shard_size && s.files > 0,
-                };
-                if start_new {
+                if group.map(|g| g as usize) != shards.len().checked_sub(1) {
                     shards.push(pb::Shard {
                         id: shards.len() as u32,
                         ..Default::default()

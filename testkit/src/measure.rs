@@ -131,3 +131,29 @@ pub fn tcp_rate(from: &Host, to: &Host, bytes: u64) -> f64 {
     let secs: f64 = it.next().unwrap().parse().unwrap();
     n as f64 / secs / (1 << 20) as f64
 }
+
+/// With `LOCUS_BENCH_PERF=DIR`: starts `perf record -a -g` into `DIR/<name>.data` (what
+/// every process spent its CPU on) until [`stop_profile`]; None otherwise.
+pub fn profile(name: &str) -> Option<std::process::Child> {
+    let dir = std::env::var("LOCUS_BENCH_PERF").ok()?;
+    let c = std::process::Command::new("perf")
+        .args(["record", "-a", "-g", "-F", "499", "-o"])
+        .arg(format!("{dir}/{name}.data"))
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .ok()?;
+    std::thread::sleep(std::time::Duration::from_millis(500));
+    Some(c)
+}
+
+pub fn stop_profile(c: Option<std::process::Child>) {
+    if let Some(mut c) = c {
+        // SAFETY: kill(2) on a child we spawned and have not reaped.
+        #[allow(unsafe_code)]
+        unsafe {
+            libc::kill(c.id() as i32, libc::SIGINT);
+        }
+        let _ = c.wait();
+    }
+}

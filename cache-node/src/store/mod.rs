@@ -25,6 +25,7 @@ use locus_proto::manifest::hash_file;
 use locus_proto::BlobHash;
 use prost::Message;
 
+mod direct;
 pub(crate) mod read;
 mod record;
 mod scrub;

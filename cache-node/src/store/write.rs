@@ -2,7 +2,6 @@
 //! chunk by chunk into a sparse partial file (`begin_partial`, `write_chunk`).
 
 use std::fs::{self, File};
-use std::io::Write;
 use std::path::PathBuf;
 use std::sync::Arc;
 
@@ -172,7 +171,7 @@ impl BlobStore {
             hex(&hash),
             self.tick.fetch_add(1, Ordering::Relaxed)
         ));
-        let file = File::create(&tmp).map_err(io)?;
+        let file = super::direct::BlobFile::create(&tmp).map_err(io)?;
         Ok(Some(BlobWriter {
             store: self.clone(),
             hash,
@@ -181,7 +180,7 @@ impl BlobStore {
             pin,
             dir,
             tmp,
-            file: Some(std::io::BufWriter::with_capacity(1 << 20, file)),
+            file: Some(file),
             hasher: locus_proto::manifest::ChunkHasher::new(chunk_size),
             _reservation: reservation,
         }))
@@ -198,7 +197,7 @@ pub struct BlobWriter {
     pin: bool,
     dir: u32,
     tmp: PathBuf,
-    file: Option<std::io::BufWriter<File>>,
+    file: Option<super::direct::BlobFile>,
     hasher: locus_proto::manifest::ChunkHasher,
     _reservation: Reservation,
 }
@@ -239,8 +238,8 @@ impl BlobWriter {
             .file
             .take()
             .expect("open until finish")
-            .into_inner()
-            .map_err(|e| io(e.into_error()))?;
+            .finish()
+            .map_err(io)?;
         file.sync_all().map_err(io)?;
         drop(file);
         let dest = self.store.blob_path_in(self.dir, &self.hash);
