@@ -303,6 +303,10 @@ async fn read_and_send(
                         let cluster = cluster.clone();
                         let store = store.clone();
                         set.spawn(async move {
+                            // The whole of `st`, its spill file too, lives until the sends
+                            // are done (a block capturing only the fields it names would
+                            // drop the spill file at once).
+                            let st = st;
                             let (size, hash, _) = st.hashes;
                             let sends = nodes.iter().map(|node| {
                                 let upload = Upload {

@@ -8,6 +8,7 @@ use locus_proto::{pb, BlobHash};
 
 use super::*;
 use crate::ops::cluster::{BoxFuture, ImportCluster, Upload};
+use crate::ops::scan::BlobSource;
 use crate::ops::Quiet;
 
 /// Every shard placed on nodes a and b (or none, when `unplaced`); what happened, in order.
@@ -100,6 +101,17 @@ impl ImportCluster for Fake {
         Box::pin(async move {
             if self.refuse == Some(node) {
                 return Err("refused: the disk is full".into());
+            }
+            // What a node would receive must hash to the blob's name.
+            let bytes = match &blob.source {
+                BlobSource::Memory(b) => Some(b.to_vec()),
+                BlobSource::Local(p) => {
+                    Some(std::fs::read(p).unwrap_or_else(|e| panic!("{}: {e}", p.display())))
+                }
+                BlobSource::Remote(_) => None,
+            };
+            if let Some(b) = bytes {
+                assert_eq!(BlobHash::of(&b), blob.hash, "the bytes sent for {}", blob.hash);
             }
             self.said(&format!("send {node} {}", blob.hash));
             Ok(())
@@ -212,4 +224,80 @@ async fn shards_without_room_are_named_and_nothing_is_sent_or_committed() {
         other => panic!("expected an unplaced error, got {other:?}"),
     }
     assert_eq!(log, vec!["begin".to_string(), "abort 7".to_string()]);
+}
+
+/// An object store holding three objects under `ds/`, one larger than the in-memory limit
+/// (it is staged through a spill file); their blob hashes.
+async fn bucket() -> (super::super::remote::Remote, Vec<BlobHash>) {
+    use object_store::ObjectStoreExt;
+    let store: Arc<dyn object_store::ObjectStore> = Arc::new(object_store::memory::InMemory::new());
+    let sizes = [
+        1000usize,
+        70_000,
+        super::super::remote::IN_MEMORY_MAX as usize + 5,
+    ];
+    let mut blobs = Vec::new();
+    for (i, n) in sizes.into_iter().enumerate() {
+        let data: Vec<u8> = (0..n).map(|x| (x * 7 + i) as u8).collect();
+        blobs.push(BlobHash::of(&data));
+        let key = object_store::path::Path::from(format!("ds/sub/o{i}"));
+        store.put(&key, data.into()).await.unwrap();
+    }
+    let remote = super::super::remote::Remote {
+        store,
+        prefix: object_store::path::Path::from("ds"),
+    };
+    (remote, blobs)
+}
+
+fn remote_options() -> ImportOptions {
+    ImportOptions {
+        name: "ds".into(),
+        source: "s3://bucket/ds".into(),
+        replicas: 2,
+        shard_size: 1 << 30,
+        chunk_size: 64 * 1024,
+        parallel: 2,
+        token: None,
+    }
+}
+
+#[tokio::test]
+async fn an_object_store_import_sends_every_object_read_once_to_every_replica_then_commits() {
+    let (remote, blobs) = bucket().await;
+    let fake = Arc::new(Fake::default());
+    let cluster: Arc<dyn ImportCluster> = fake.clone();
+    let o = remote_options();
+    let r = import_remote(&cluster, &o, remote, &Quiet, Instant::now())
+        .await
+        .unwrap();
+    assert_eq!(r.distinct_blobs, 3);
+    let log = fake.log();
+    for h in &blobs {
+        for n in ["a", "b"] {
+            assert!(log.contains(&format!("send {n} {h}")), "{n} got {h}: {log:?}");
+        }
+    }
+    assert_eq!(log.first().unwrap(), "begin");
+    assert_eq!(log.last().unwrap(), "commit 7");
+}
+
+#[tokio::test]
+async fn an_object_store_import_a_node_refuses_aborts_and_commits_nothing() {
+    let (remote, _) = bucket().await;
+    let fake = Arc::new(Fake {
+        refuse: Some("a"),
+        ..Default::default()
+    });
+    let cluster: Arc<dyn ImportCluster> = fake.clone();
+    let r = import_remote(&cluster, &remote_options(), remote, &Quiet, Instant::now()).await;
+    match r {
+        Err(ImportError::Transfer(why)) => {
+            assert!(why.contains("node a") && why.contains("disk is full"), "{why}")
+        }
+        other => panic!("expected a transfer error, got {other:?}"),
+    }
+    let log = fake.log();
+    assert!(log.contains(&"abort 7".to_string()), "{log:?}");
+    assert!(!log.iter().any(|l| l.starts_with("commit")), "{log:?}");
 }
