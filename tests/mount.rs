@@ -371,7 +371,9 @@ async fn a_hung_node_does_not_hold_up_readers() {
         .await;
     assert_eq!(st["totals"]["read_errors"], 0, "{st}");
     let st = mount
-        .status_when("the mount to count its reads", |s| s["totals"]["reads"].as_u64() > Some(0))
+        .status_when("the mount to count its reads", |s| {
+            s["totals"]["reads"].as_u64() > Some(0)
+        })
         .await;
     assert_eq!(st["totals"]["read_errors"], 0, "{st}");
 }
