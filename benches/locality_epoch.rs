@@ -25,10 +25,6 @@ use std::time::Instant;
 
 use support::*;
 
-fn env_u64(k: &str, d: u64) -> u64 {
-    std::env::var(k).ok().and_then(|v| v.parse().ok()).unwrap_or(d)
-}
-
 fn json(o: &std::process::Output) -> serde_json::Value {
     assert!(o.status.success(), "{}", stderr(o));
     serde_json::from_slice(&o.stdout).expect("JSON output")
@@ -109,28 +105,9 @@ async fn main() {
     let bed = Netbed::new(&[2, 2]).expect("the test bed");
     let h = Harness::new("bench-locality-epoch");
     let src = h.path("src");
-    std::fs::create_dir_all(&src).unwrap();
-    for i in 0..files {
-        std::fs::write(
-            src.join(format!("f{i:03}.bin")),
-            pseudo_random(500 + i as u64, 8 << 20),
-        )
-        .unwrap();
-    }
-    let m = h
-        .start_metadata(
-            "meta",
-            MetadataOpts {
-                ip: Some(bed.gateway()),
-                ..Default::default()
-            },
-        )
-        .await;
-    let opts = |k: usize| {
-        let mut o = NodeOpts::on(&bed.hosts[k]);
-        o.capacity = "64GiB";
-        o
-    };
+    write_random_files(&src, "f", files, 8 << 20, 500);
+    let m = h.start_metadata_on(&bed, MetadataOpts::default()).await;
+    let opts = |k: usize| NodeOpts::on(&bed.hosts[k]).with_capacity("64GiB");
     let mut nodes = Vec::new();
     for k in 0..2 {
         nodes.push(h.start_node(&format!("n{k}"), &m, opts(k)).await);

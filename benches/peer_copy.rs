@@ -21,10 +21,6 @@ use std::time::Instant;
 
 use support::*;
 
-fn env_u64(k: &str, d: u64) -> u64 {
-    std::env::var(k).ok().and_then(|v| v.parse().ok()).unwrap_or(d)
-}
-
 /// MiB/s of writing `bytes` into a new file under `dir` in 4 MiB writes, then fsync.
 fn fsync_write_rate(dir: &Path, bytes: u64) -> f64 {
     let p = dir.join("write-reference.tmp");
@@ -68,28 +64,9 @@ async fn main() {
     let bed = Netbed::new(&[3]).expect("the test bed");
     let h = Harness::new("bench-peer-copy");
     let src = h.path("src");
-    std::fs::create_dir_all(&src).unwrap();
-    for i in 0..files {
-        std::fs::write(
-            src.join(format!("part-{i:02}.bin")),
-            pseudo_random(300 + i as u64, each),
-        )
-        .unwrap();
-    }
-    let m = h
-        .start_metadata(
-            "meta",
-            MetadataOpts {
-                ip: Some(bed.gateway()),
-                ..Default::default()
-            },
-        )
-        .await;
-    let opts = |k: usize| {
-        let mut o = NodeOpts::on(&bed.hosts[k]);
-        o.capacity = "64GiB";
-        o
-    };
+    write_random_files(&src, "part-", files, each, 300);
+    let m = h.start_metadata_on(&bed, MetadataOpts::default()).await;
+    let opts = |k: usize| NodeOpts::on(&bed.hosts[k]).with_capacity("64GiB");
     let n0 = h.start_node("n0", &m, opts(0)).await;
     let out = m.cli(&[
         "dataset",

@@ -19,22 +19,10 @@
 use locus_testkit as support;
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::path::Path;
 use std::time::{Duration, Instant};
 
 use locus_proto::{nodepb, pb};
 use support::*;
-
-fn write_files(dir: &Path, files: usize, each: usize) {
-    std::fs::create_dir_all(dir).unwrap();
-    for i in 0..files {
-        std::fs::write(
-            dir.join(format!("part-{i:03}.bin")),
-            pseudo_random(7000 + i as u64, each),
-        )
-        .unwrap();
-    }
-}
 
 fn replicas(s: &[pb::Shard]) -> BTreeMap<u32, BTreeSet<String>> {
     s.iter()
@@ -139,7 +127,7 @@ async fn main() {
         .unwrap_or("4s");
     let h = Harness::new("bench-refill");
     let src = h.path("src");
-    write_files(&src, files, each);
+    write_random_files(&src, "part-", files, each, 7000);
     let m = h
         .start_metadata(
             "meta",

@@ -27,10 +27,6 @@ use std::path::PathBuf;
 
 use support::*;
 
-fn env_u64(k: &str, d: u64) -> u64 {
-    std::env::var(k).ok().and_then(|v| v.parse().ok()).unwrap_or(d)
-}
-
 #[tokio::main]
 async fn main() {
     serve_helper_role();
@@ -53,26 +49,11 @@ async fn main() {
     let bed = Netbed::new(&[2]).expect("the test bed");
     let h = Harness::new("bench-remote-read");
     let src = h.path("src");
-    std::fs::create_dir_all(&src).unwrap();
-    for i in 0..files {
-        std::fs::write(
-            src.join(format!("part-{i}.bin")),
-            pseudo_random(9000 + i as u64, each),
-        )
-        .unwrap();
-    }
-    let m = h
-        .start_metadata(
-            "meta",
-            MetadataOpts {
-                ip: Some(bed.gateway()),
-                ..Default::default()
-            },
-        )
+    write_random_files(&src, "part-", files, each, 9000);
+    let m = h.start_metadata_on(&bed, MetadataOpts::default()).await;
+    let n0 = h
+        .start_node("n0", &m, NodeOpts::on(&bed.hosts[0]).with_capacity("64GiB"))
         .await;
-    let mut o = NodeOpts::on(&bed.hosts[0]);
-    o.capacity = "64GiB";
-    let n0 = h.start_node("n0", &m, o).await;
     let out = m.cli(&[
         "dataset",
         "import",
@@ -131,7 +112,7 @@ async fn main() {
                 &mount_args,
             );
             let paths: Vec<PathBuf> = (0..files)
-                .map(|i| mnt.path.join(format!("part-{i}.bin")))
+                .map(|i| mnt.path.join(format!("part-{i:03}.bin")))
                 .collect();
             let perf = profile(&format!("remote-{mbit}-{round}"));
             let (b, t) = read_sequentially(&paths);

@@ -16,6 +16,24 @@ pub fn drop_caches() -> bool {
     std::fs::write("/proc/sys/vm/drop_caches", "3").is_ok()
 }
 
+/// A bench setting from the environment, or its default.
+pub fn env_u64(k: &str, d: u64) -> u64 {
+    std::env::var(k).ok().and_then(|v| v.parse().ok()).unwrap_or(d)
+}
+
+/// Writes `count` files of `each` deterministic pseudo-random bytes into `dir` (created),
+/// named `{prefix}{i:03}.bin`, seeded `seed + i`.
+pub fn write_random_files(dir: &Path, prefix: &str, count: usize, each: usize, seed: u64) {
+    std::fs::create_dir_all(dir).unwrap();
+    for i in 0..count {
+        std::fs::write(
+            dir.join(format!("{prefix}{i:03}.bin")),
+            pseudo_random(seed + i as u64, each),
+        )
+        .unwrap();
+    }
+}
+
 /// MiB/s.
 pub fn mbs(bytes: u64, d: Duration) -> f64 {
     bytes as f64 / d.as_secs_f64() / (1 << 20) as f64

@@ -22,6 +22,8 @@ use std::net::Ipv4Addr;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
+use super::*;
+
 /// One host of the bed.
 #[derive(Clone, Debug)]
 pub struct Host {
@@ -268,6 +270,20 @@ impl Netbed {
                 .unwrap_or(0)
         };
         (read("rx_bytes"), read("tx_bytes"))
+    }
+}
+
+impl Harness {
+    /// A metadata service on the bed's gateway (reachable from every host).
+    pub async fn start_metadata_on(&self, bed: &Netbed, opts: MetadataOpts) -> Metadata {
+        self.start_metadata(
+            "meta",
+            MetadataOpts {
+                ip: Some(bed.gateway()),
+                ..opts
+            },
+        )
+        .await
     }
 }
 

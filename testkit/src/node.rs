@@ -52,6 +52,12 @@ impl NodeOpts {
         }
     }
 
+    /// The same with room for `capacity` (benches hold more than a test's 1 GiB).
+    pub fn with_capacity(mut self, capacity: &'static str) -> Self {
+        self.capacity = capacity;
+        self
+    }
+
     /// Where it listens: the host's address, or loopback; port chosen by the kernel.
     fn listen(&self) -> SocketAddr {
         let ip: std::net::IpAddr = match &self.on {
