@@ -88,13 +88,7 @@ fn epoch(bed: &Netbed, m: &Metadata, nodes: &[Node], chosen: [usize; 2], tag: &s
 
 #[tokio::main]
 async fn main() {
-    serve_helper_role();
-    if std::env::args().any(|a| a == "--list") {
-        println!("locality_epoch: bench");
-        return;
-    }
-    if let Some(why) = Netbed::unavailable() {
-        eprintln!("locality_epoch needs the multi-host test bed: {why}");
+    if !bed_bench_starts("locality_epoch") {
         return;
     }
     let mib = env_u64("LOCUS_BENCH_MIB", 512);

@@ -46,13 +46,7 @@ fn fsync_write_rate(dir: &Path, bytes: u64) -> f64 {
 
 #[tokio::main]
 async fn main() {
-    serve_helper_role();
-    if std::env::args().any(|a| a == "--list") {
-        println!("peer_copy: bench");
-        return;
-    }
-    if let Some(why) = Netbed::unavailable() {
-        eprintln!("peer_copy needs the multi-host test bed: {why}");
+    if !bed_bench_starts("peer_copy") {
         return;
     }
     let mib = env_u64("LOCUS_BENCH_MIB", 1024);
@@ -87,10 +81,12 @@ async fn main() {
     );
     println!("| receiver | link | link TCP MiB/s | receiving disk, write+fsync MiB/s | warm MiB/s | warm / min(link, disk) |");
     println!("|---|---|---|---|---|---|");
-    for (k, node, link_name) in [
+    // LOCUS_BENCH_LINK_MBIT=0: the unshaped receiver only.
+    let receivers = [
         (1usize, &n1, "veth, unshaped".to_string()),
         (2, &n2, format!("tbf {shaped} Mbit/s")),
-    ] {
+    ];
+    for (k, node, link_name) in receivers.into_iter().take(if shaped == 0 { 1 } else { 2 }) {
         let link_bytes = if k == 1 {
             4u64 << 30
         } else {

@@ -29,13 +29,7 @@ use support::*;
 
 #[tokio::main]
 async fn main() {
-    serve_helper_role();
-    if std::env::args().any(|a| a == "--list") {
-        println!("remote_read: bench");
-        return;
-    }
-    if let Some(why) = Netbed::unavailable() {
-        eprintln!("remote_read needs the multi-host test bed: {why}");
+    if !bed_bench_starts("remote_read") {
         return;
     }
     let mib = env_u64("LOCUS_BENCH_MIB", 1024);

@@ -191,20 +191,5 @@ async fn a_node_cut_off_from_the_network_is_declared_down_repaired_around_and_re
     assert_same_tree(&src, &mnt.path);
 
     bed.set_link(0, true).unwrap();
-    wait_until("n0 to be up again", Duration::from_secs(30), || {
-        let mut c = c.clone();
-        async move {
-            let nodes = c
-                .list_nodes(pb::ListNodesRequest {})
-                .await
-                .ok()?
-                .into_inner()
-                .nodes;
-            nodes
-                .iter()
-                .any(|n| n.id == "n0" && n.state == pb::NodeState::Up as i32)
-                .then_some(())
-        }
-    })
-    .await;
+    m.wait_node_up("n0", "n0 to be up again").await;
 }

@@ -122,6 +122,21 @@ pub fn serve_helper_role() {
     }
 }
 
+/// The start of a bench on the test bed: serves a helper role if this run is one, answers
+/// `--list`, and says why not when the machine cannot build a bed. True: go on.
+pub fn bed_bench_starts(name: &str) -> bool {
+    serve_helper_role();
+    if std::env::args().any(|a| a == "--list") {
+        println!("{name}: bench");
+        return false;
+    }
+    if let Some(why) = Netbed::unavailable() {
+        eprintln!("{name} needs the multi-host test bed: {why}");
+        return false;
+    }
+    true
+}
+
 /// One TCP stream of `bytes` from host `from` to host `to`, both ends this binary (see
 /// [`serve_helper_role`]): MiB/s as the receiver saw it.
 pub fn tcp_rate(from: &Host, to: &Host, bytes: u64) -> f64 {

@@ -129,8 +129,16 @@ impl Harness {
             dir,
         };
         n.start().await;
-        let c = meta.client(meta.opts.tokens.first().map(|t| t.role)).await;
-        wait_until(&format!("node {id} to register"), Duration::from_secs(30), || {
+        meta.wait_node_up(id, &format!("node {id} to register")).await;
+        n
+    }
+}
+
+impl Metadata {
+    /// Waits (30 s at most) until the service lists node `id` as up; `what` names the wait.
+    pub async fn wait_node_up(&self, id: &str, what: &str) {
+        let c = self.client(self.opts.tokens.first().map(|t| t.role)).await;
+        wait_until(what, Duration::from_secs(30), || {
             let mut c = c.clone();
             async move {
                 let nodes = c
@@ -146,7 +154,6 @@ impl Harness {
             }
         })
         .await;
-        n
     }
 }
 
