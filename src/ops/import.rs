@@ -146,6 +146,12 @@ async fn import_remote(
 ) -> Result<ImportReport> {
     let shard_size = o.shard_size.max(1);
     let (found, sizes) = super::remote::list(&remote).await?;
+    // A key that cannot be a path is refused before anything is read or sent (object_store
+    // already escapes `.` and `..` segments; this guards whatever else RelPath refuses).
+    for f in &found {
+        locus_proto::manifest::RelPath::try_from(f.rel.as_str())
+            .map_err(|e| ImportError::Source(SourceError(format!("{:?}: {}", f.rel, e.reason))))?;
+    }
     let groups = super::scan::group_shards(&sizes, shard_size);
     let mut shard_bytes: Vec<u64> = Vec::new();
     for (g, size) in groups.iter().zip(&sizes) {
