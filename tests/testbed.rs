@@ -193,3 +193,44 @@ async fn a_node_cut_off_from_the_network_is_declared_down_repaired_around_and_re
     bed.set_link(0, true).unwrap();
     m.wait_node_up("n0", "n0 to be up again").await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn import_backup_and_restore_cross_hosts_with_every_node_at_its_own_address() {
+    let h = Harness::new("bed-backup");
+    let Some((bed, m)) = bed(&h, &[2, 1], "5s").await else {
+        return;
+    };
+    let mut nodes = Vec::new();
+    for k in 0..3 {
+        nodes.push(
+            h.start_node(&format!("n{k}"), &m, NodeOpts::on(&bed.hosts[k]))
+                .await,
+        );
+    }
+    // Rack 1's uplink is slow, as between real racks; nothing may depend on its speed.
+    bed.shape_uplink(1, 400).unwrap();
+    let src = h.path("src");
+    make_tree(&src, 80);
+    let out = import(&m, "ds", &src, &["--replicas", "2", "--shard-size", "256KiB"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    // Nodes upload the backup themselves, each over its own link.
+    let target = h.path("backup");
+    let url = format!("file://{}", target.display());
+    let sent_before: u64 = (0..3).map(|k| bed.link_bytes(k).0).sum();
+    let o = m.cli(&["backup", "run", "--to", &url, "--json"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let r: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(r["committed"], true, "{r}");
+    let sent: u64 = (0..3).map(|k| bed.link_bytes(k).0).sum::<u64>() - sent_before;
+    assert!(sent > 0, "the nodes' backup traffic crossed their links");
+    let v = m.cli(&["backup", "verify", "--to", &url, "--json"]);
+    assert!(v.status.success(), "{}", stderr(&v));
+    // The dataset deleted, then brought back from the backup into the running cluster,
+    // and read through a mount on a host of the other rack.
+    let o = m.cli(&["dataset", "rm", "ds", "--all-versions"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let o = m.cli(&["restore", "--from", &url, "--dataset", "ds@1", "--json"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let mnt = m.mount_on(&bed.hosts[2], "restored", "ds@2", None, &[]);
+    assert_same_tree(&src, &mnt.path);
+}

@@ -55,6 +55,8 @@ pub enum ClientError {
     Tls(String),
     #[error("cannot reach the metadata service at {url}: {reason}")]
     Connect { url: String, reason: String },
+    #[error("cannot reach the cache node at {url}: {reason}")]
+    ConnectNode { url: String, reason: String },
 }
 
 /// Adds `authorization: Bearer <token>` to every request.
@@ -152,7 +154,7 @@ pub async fn connect_node(
         .max_frame_size(BLOB_MAX_FRAME)
         .connect()
         .await
-        .map_err(|e| ClientError::Connect {
+        .map_err(|e| ClientError::ConnectNode {
             url,
             reason: error_chain(&e),
         })?;
