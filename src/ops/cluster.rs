@@ -17,6 +17,9 @@ use super::scan::BlobSource;
 /// A boxed future, for the object-safe trait.
 pub type BoxFuture<'a, T> = std::pin::Pin<Box<dyn std::future::Future<Output = T> + Send + 'a>>;
 
+/// A file of a dataset's latest version: (path, size, blob).
+pub type PreviousFile = (String, u64, BlobHash);
+
 /// One blob to store on a node, pinned.
 #[derive(Clone)]
 pub struct Upload {
@@ -48,6 +51,8 @@ pub trait ImportCluster: Send + Sync {
     fn have<'a>(&'a self, node: &'a str, blobs: Vec<BlobHash>) -> BoxFuture<'a, Result<Vec<bool>, String>>;
     /// Stores one blob on the node (which verifies it).
     fn send<'a>(&'a self, node: &'a str, blob: Upload) -> BoxFuture<'a, Result<(), String>>;
+    /// The files of the dataset's latest version; empty when it has none.
+    fn previous<'a>(&'a self, dataset: &'a str) -> BoxFuture<'a, Result<Vec<PreviousFile>, tonic::Status>>;
 }
 
 /// A stream of catalogue pieces.
@@ -139,6 +144,26 @@ impl GrpcCluster {
 }
 
 impl ImportCluster for GrpcCluster {
+    fn previous<'a>(&'a self, dataset: &'a str) -> BoxFuture<'a, Result<Vec<PreviousFile>, tonic::Status>> {
+        Box::pin(async move {
+            let r = pb::VersionRef {
+                dataset: dataset.to_string(),
+                version: 0,
+            };
+            let entries =
+                match locus_proto::client::list_all_entries(&mut self.meta.clone(), r, None, true).await {
+                    Ok((_, e)) => e,
+                    Err(s) if s.code() == tonic::Code::NotFound => return Ok(Vec::new()),
+                    Err(s) => return Err(s),
+                };
+            Ok(entries
+                .into_iter()
+                .filter(|e| e.kind == pb::EntryKind::File as i32)
+                .filter_map(|e| Some((e.path, e.size, BlobHash::from_slice("blob", &e.blob).ok()?)))
+                .collect())
+        })
+    }
+
     fn begin(&self, r: pb::BeginVersionRequest) -> BoxFuture<'_, Result<u64, tonic::Status>> {
         Box::pin(async move { Ok(self.meta.clone().begin_version(r).await?.into_inner().session_id) })
     }

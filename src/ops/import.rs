@@ -134,9 +134,9 @@ pub async fn import(
 /// An object-store import, reading each object once: list (sizes only), group into
 /// shards and place them, then read each object, hashing it as it streams in, and send it
 /// to its shard's nodes from memory (or a spill file when large; see `read_and_send`);
-/// the manifest is built from what was read and committed last. Placement cannot
-/// prefer nodes that hold the blobs already (their hashes are not known yet); nodes that
-/// hold a blob take its write without storing it twice.
+/// the manifest is built from what was read and committed last. Placement prefers the
+/// nodes holding what the previous version had at the same paths and sizes
+/// (`previous_holders`); nodes that hold a blob take its write without storing it twice.
 async fn import_remote(
     cluster: &Arc<dyn ImportCluster>,
     o: &ImportOptions,
@@ -162,6 +162,7 @@ async fn import_remote(
             shard_bytes[*g as usize] += size;
         }
     }
+    let prefer = previous_holders(cluster.as_ref(), &o.name, &found, &sizes, &groups).await;
     let session = cluster
         .begin(pb::BeginVersionRequest {
             dataset: o.name.clone(),
@@ -179,7 +180,7 @@ async fn import_remote(
                     .map(|(id, bytes)| pb::ShardSize {
                         id: id as u32,
                         bytes: *bytes,
-                        prefer: Vec::new(),
+                        prefer: prefer.get(&(id as u32)).cloned().unwrap_or_default(),
                     })
                     .collect(),
                 replication: o.replicas,
@@ -543,26 +544,80 @@ async fn import_into_session(
 /// For each shard, the nodes that already hold its blobs as replicas, most bytes first,
 /// so placement can choose them and nothing is sent twice.
 async fn holders(cluster: &dyn ImportCluster, scanned: &Scanned) -> Result<HashMap<u32, Vec<String>>> {
-    let all: Vec<BlobHash> = scanned.blobs.keys().copied().collect();
-    let found = cluster.holders(all.clone()).await?;
-    let at: HashMap<BlobHash, Vec<String>> = all
+    let blobs = scanned
+        .shard_blobs
+        .iter()
+        .enumerate()
+        .flat_map(|(shard, blobs)| blobs.iter().map(move |h| (shard as u32, *h, scanned.blobs[h].1)));
+    holders_of(cluster, blobs.collect()).await
+}
+
+/// For each shard, the nodes holding its (shard, blob, size) triples as replicas, most
+/// bytes first.
+async fn holders_of(
+    cluster: &dyn ImportCluster,
+    blobs: Vec<(u32, BlobHash, u64)>,
+) -> Result<HashMap<u32, Vec<String>>> {
+    let mut distinct: Vec<BlobHash> = blobs.iter().map(|b| b.1).collect();
+    distinct.sort();
+    distinct.dedup();
+    let found = cluster.holders(distinct.clone()).await?;
+    let at: HashMap<BlobHash, Vec<String>> = distinct
         .into_iter()
         .zip(found)
         .filter(|(_, nodes)| !nodes.is_empty())
         .collect();
-    let mut out = HashMap::new();
-    for (shard, blobs) in scanned.shard_blobs.iter().enumerate() {
-        let mut bytes: HashMap<&str, u64> = HashMap::new();
-        for h in blobs {
-            for n in at.get(h).into_iter().flatten() {
-                *bytes.entry(n).or_default() += scanned.blobs[h].1.max(1);
-            }
+    let mut bytes: BTreeMap<u32, HashMap<&str, u64>> = BTreeMap::new();
+    for (shard, h, size) in &blobs {
+        let per = bytes.entry(*shard).or_default();
+        for n in at.get(h).into_iter().flatten() {
+            *per.entry(n).or_default() += size.max(&1);
         }
-        let mut v: Vec<(&str, u64)> = bytes.into_iter().collect();
-        v.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(b.0)));
-        out.insert(shard as u32, v.into_iter().map(|(n, _)| n.to_string()).collect());
     }
-    Ok(out)
+    Ok(bytes
+        .into_iter()
+        .map(|(shard, per)| {
+            let mut v: Vec<(&str, u64)> = per.into_iter().collect();
+            v.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(b.0)));
+            (shard, v.into_iter().map(|(n, _)| n.to_string()).collect())
+        })
+        .collect())
+}
+
+/// Placement hints for an object-store import, whose hashes are not known before it
+/// reads: the blobs the dataset's latest version had at the same paths with the same
+/// sizes (most likely the same objects), and the nodes that hold them. Best effort: a
+/// failure only costs the hints.
+async fn previous_holders(
+    cluster: &dyn ImportCluster,
+    dataset: &str,
+    found: &[super::scan::Found],
+    sizes: &[Option<u64>],
+    groups: &[Option<u32>],
+) -> HashMap<u32, Vec<String>> {
+    let previous = match cluster.previous(dataset).await {
+        Ok(p) => p,
+        Err(_) => return HashMap::new(),
+    };
+    let by_path: HashMap<&str, (u64, BlobHash)> = previous
+        .iter()
+        .map(|(p, size, blob)| (p.as_str(), (*size, *blob)))
+        .collect();
+    let hints: Vec<(u32, BlobHash, u64)> = found
+        .iter()
+        .zip(sizes.iter().zip(groups))
+        .filter_map(|(f, (size, group))| {
+            let (size, group) = ((*size)?, (*group)?);
+            match by_path.get(f.rel.as_str()) {
+                Some((s, blob)) if *s == size => Some((group, *blob, size)),
+                _ => None,
+            }
+        })
+        .collect();
+    if hints.is_empty() {
+        return HashMap::new();
+    }
+    holders_of(cluster, hints).await.unwrap_or_default()
 }
 
 #[cfg(test)]

@@ -19,6 +19,8 @@ struct Fake {
     refuse: Option<&'static str>,
     /// (node, blob) pairs the nodes hold already.
     holding: HashSet<(String, BlobHash)>,
+    /// The dataset's latest version: (path, size, blob).
+    previous: Vec<(String, u64, BlobHash)>,
     log: Mutex<Vec<String>>,
 }
 
@@ -40,12 +42,37 @@ impl ImportCluster for Fake {
         Box::pin(async { Ok(()) })
     }
     fn holders(&self, blobs: Vec<BlobHash>) -> BoxFuture<'_, Result<Vec<Vec<String>>, tonic::Status>> {
-        Box::pin(async move { Ok(vec![Vec::new(); blobs.len()]) })
+        let r = blobs
+            .iter()
+            .map(|h| {
+                let mut nodes: Vec<String> = self
+                    .holding
+                    .iter()
+                    .filter(|(_, b)| b == h)
+                    .map(|(n, _)| n.clone())
+                    .collect();
+                nodes.sort();
+                nodes
+            })
+            .collect();
+        Box::pin(async move { Ok(r) })
+    }
+    fn previous<'a>(
+        &'a self,
+        _dataset: &'a str,
+    ) -> BoxFuture<'a, Result<Vec<crate::ops::cluster::PreviousFile>, tonic::Status>> {
+        let p = self.previous.clone();
+        Box::pin(async move { Ok(p) })
     }
     fn place(
         &self,
         r: pb::PlaceShardsRequest,
     ) -> BoxFuture<'_, Result<pb::PlaceShardsResponse, tonic::Status>> {
+        for s in &r.shards {
+            if !s.prefer.is_empty() {
+                self.said(&format!("prefer {} {}", s.id, s.prefer.join(",")));
+            }
+        }
         let resp = if self.unplaced {
             pb::PlaceShardsResponse {
                 placements: vec![],
@@ -300,4 +327,25 @@ async fn an_object_store_import_a_node_refuses_aborts_and_commits_nothing() {
     let log = fake.log();
     assert!(log.contains(&"abort 7".to_string()), "{log:?}");
     assert!(!log.iter().any(|l| l.starts_with("commit")), "{log:?}");
+}
+
+#[tokio::test]
+async fn an_object_store_reimport_prefers_the_nodes_holding_what_the_same_paths_held_before() {
+    let (remote, blobs) = bucket().await;
+    let fake = Arc::new(Fake {
+        // o0 is unchanged since the last version and node c holds it; o1 had another size.
+        previous: vec![("sub/o0".into(), 1000, blobs[0]), ("sub/o1".into(), 5, blobs[1])],
+        holding: [("c".to_string(), blobs[0]), ("d".to_string(), blobs[1])].into(),
+        ..Default::default()
+    });
+    let cluster: Arc<dyn ImportCluster> = fake.clone();
+    import_remote(&cluster, &remote_options(), remote, &Quiet, Instant::now())
+        .await
+        .unwrap();
+    let log = fake.log();
+    assert!(log.contains(&"prefer 0 c".to_string()), "{log:?}");
+    assert!(
+        !log.iter().any(|l| l.contains(",d") || l.ends_with(" d")),
+        "{log:?}"
+    );
 }
