@@ -94,10 +94,7 @@ async fn main() {
         println!("cluster_throughput: bench");
         return;
     }
-    let mib: usize = std::env::var("LOCUS_BENCH_MIB")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(1024);
+    let mib = env_u64("LOCUS_BENCH_MIB", 1024) as usize;
     let files = 8;
     let each = mib / files * (1 << 20);
     let bytes = each * files;

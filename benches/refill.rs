@@ -116,10 +116,7 @@ async fn main() {
         println!("refill: bench");
         return;
     }
-    let mib: usize = std::env::var("LOCUS_BENCH_MIB")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(1024);
+    let mib = env_u64("LOCUS_BENCH_MIB", 1024) as usize;
     let files = 64;
     let each = (mib << 20) / files;
     let liveness: &'static str = std::env::var("LOCUS_BENCH_LIVENESS")

@@ -50,10 +50,7 @@ async fn main() {
         println!("s3_import: bench");
         return;
     }
-    let mib: usize = std::env::var("LOCUS_BENCH_MIB")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(1024);
+    let mib = env_u64("LOCUS_BENCH_MIB", 1024) as usize;
     let objects = 64usize;
     let each = (mib << 20) / objects;
     let h = Harness::new("bench-s3-import");

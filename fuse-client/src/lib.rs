@@ -16,6 +16,7 @@ pub mod fs;
 pub mod metrics;
 pub mod namespace;
 pub mod origin;
+pub mod pieces;
 pub mod reader;
 
 use std::path::Path;

@@ -22,6 +22,8 @@ use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
+
+pub use crate::pieces::Pieces;
 use locus_proto::client::{connect_node, MetadataClient, NodeClient};
 use locus_proto::{nodepb, pb, BlobHash};
 use tokio::sync::OnceCell;
@@ -160,68 +162,6 @@ pub enum ReadError {
 }
 
 type Key = (BlobHash, u32);
-
-/// A chunk's bytes as they arrived: the node's messages kept as they are, never copied
-/// into one buffer. A read that falls inside one piece (the kernel asks in aligned 1 MiB
-/// reads; pieces are 2 MiB) is answered with a slice of it, so the bytes go from the
-/// receive buffer to the kernel without another copy.
-#[derive(Clone, Debug, Default)]
-pub struct Pieces(Arc<[Bytes]>);
-
-impl Pieces {
-    pub fn len(&self) -> usize {
-        self.0.iter().map(Bytes::len).sum()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-
-    /// BLAKE3 of the whole chunk.
-    pub fn hash(&self) -> BlobHash {
-        if let [one] = &*self.0 {
-            return BlobHash::of(one);
-        }
-        let mut h = blake3::Hasher::new();
-        for p in self.0.iter() {
-            h.update(p);
-        }
-        BlobHash(*h.finalize().as_bytes())
-    }
-
-    /// Bytes `[from, to)` of the chunk: a slice of one piece when the range lies inside
-    /// it, else a copy of the parts.
-    pub fn range(&self, from: usize, to: usize) -> Bytes {
-        let mut at = 0;
-        let mut out: Option<bytes::BytesMut> = None;
-        for p in self.0.iter() {
-            let (start, end) = (at, at + p.len());
-            at = end;
-            if end <= from || start >= to {
-                continue;
-            }
-            let (a, b) = (from.max(start) - start, to.min(end) - start);
-            if out.is_none() && start <= from && to <= end {
-                return p.slice(a..b);
-            }
-            out.get_or_insert_with(|| bytes::BytesMut::with_capacity(to - from))
-                .extend_from_slice(&p[a..b]);
-        }
-        out.map(|b| b.freeze()).unwrap_or_default()
-    }
-}
-
-impl From<Bytes> for Pieces {
-    fn from(b: Bytes) -> Self {
-        Pieces(Arc::from([b]))
-    }
-}
-
-impl From<Vec<Bytes>> for Pieces {
-    fn from(v: Vec<Bytes>) -> Self {
-        Pieces(v.into())
-    }
-}
 
 /// Verified chunks, bounded by bytes, evicted oldest first (mounts mostly stream).
 struct ChunkCache {
@@ -713,29 +653,5 @@ impl Remote {
             return Err("bytes do not match the chunk's hash".into());
         }
         Ok(buf)
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn a_range_inside_one_piece_is_a_slice_of_it_and_one_across_pieces_is_joined() {
-        let whole: Vec<u8> = (0..100u8).collect();
-        let b = Bytes::from(whole.clone());
-        let p = Pieces::from(vec![b.slice(..40), b.slice(40..41), b.slice(41..)]);
-        assert_eq!(p.len(), 100);
-        assert_eq!(p.hash(), BlobHash::of(&whole));
-        let inside = p.range(10, 30);
-        assert_eq!(&inside[..], &whole[10..30]);
-        assert_eq!(
-            inside.as_ptr(),
-            b[10..].as_ptr(),
-            "no copy for a range inside a piece"
-        );
-        for (from, to) in [(0, 100), (39, 42), (40, 41), (30, 99), (0, 0), (100, 100)] {
-            assert_eq!(&p.range(from, to)[..], &whole[from..to], "{from}..{to}");
-        }
     }
 }
