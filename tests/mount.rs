@@ -10,6 +10,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+use locus_proto::nodepb;
 use support::*;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -488,6 +489,85 @@ async fn corrupted_blobs(opens: &str) {
         })
         .await;
     assert_same_tree(&src, &remote.path);
+}
+
+/// A node whose bytes are damaged on the wire (its replies pass a proxy that flips one
+/// byte in every 256 KiB; its disk is fine, so it has nothing to quarantine): a remote
+/// mount refuses the bad chunks and reads them from the other replica, and a node copying
+/// from it keeps nothing wrong and gets the blob from the other replica instead.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_that_sends_wrong_bytes_is_passed_over_and_nothing_wrong_is_kept() {
+    let h = Harness::new("mount-liar");
+    let proxy = LyingProxy::start().await;
+    let advertise = proxy.addr.to_string();
+    let (m, nodes) = cluster(&h, 2, |i| {
+        let mut o = NodeOpts::host(i);
+        if i == 1 {
+            o.extra = vec!["--advertise".into(), advertise.clone()];
+        }
+        o
+    })
+    .await;
+    proxy.forward_to(nodes[0].grpc);
+    let src = h.path("src");
+    std::fs::create_dir_all(&src).unwrap();
+    let big = pseudo_random(41, 24 << 20);
+    std::fs::write(src.join("big.bin"), &big).unwrap();
+    let out = import(&m, "ds", &src, &["--replicas", "2"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    proxy.corrupt(true);
+
+    // The mount says it runs on n1's host, so n1 (the liar) is asked first.
+    let remote = m.mount("remote", "ds@1", None, &["--labels", "host=h1"]);
+    let got = std::fs::read(remote.path.join("big.bin")).unwrap();
+    assert!(got == big, "the mount returned wrong bytes");
+    assert!(
+        proxy.flipped() > 0,
+        "the proxy damaged nothing: the test tested nothing"
+    );
+    let st = remote
+        .status_when("the refused chunks to be counted", |s| {
+            s["totals"]["corrupt_chunks"].as_u64() > Some(0) && s["totals"]["failovers"].as_u64() > Some(0)
+        })
+        .await;
+    assert_eq!(st["totals"]["read_errors"], 0, "{st}");
+    assert_eq!(nodes[0].quarantined(), 0, "n1's own copy is good");
+
+    // A third node copying from the liar by name refuses what it got and keeps nothing;
+    // asked to copy from anywhere, it ends with the right blob.
+    let n3 = h.start_node("n3", &m, NodeOpts::host(3)).await;
+    let blob = blake3::hash(&big).as_bytes().to_vec();
+    let want = vec![nodepb::BlobRef {
+        hash: blob.clone(),
+        size: big.len() as u64,
+    }];
+    let mut c = n3.client().await;
+    let e = c
+        .fetch_blobs(nodepb::FetchBlobsRequest {
+            source: proxy.addr.to_string(),
+            blobs: want.clone(),
+            pin: false,
+            chunk_size: locus_proto::DEFAULT_CHUNK_SIZE,
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), tonic::Code::InvalidArgument, "{e:?}");
+    assert!(e.message().contains("hash"), "{e:?}");
+    assert!(n3.blob_files().is_empty(), "n3 kept a blob it could not verify");
+    let r = c
+        .fetch_blobs(nodepb::FetchBlobsRequest {
+            source: String::new(),
+            blobs: want,
+            pin: false,
+            chunk_size: locus_proto::DEFAULT_CHUNK_SIZE,
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(r.fetched, 1, "{r:?}");
+    let files = n3.blob_files();
+    let stored = std::fs::read(&files[&blake3::hash(&big).to_hex().to_string()]).unwrap();
+    assert!(stored == big, "n3 stored wrong bytes");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

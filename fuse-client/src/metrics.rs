@@ -39,7 +39,7 @@ pub struct Metrics {
     read_seconds: Histogram,
     fetch_seconds: Histogram,
     // Plain totals for the status file (prometheus-client cannot be read back cheaply).
-    totals: [AtomicU64; 10],
+    totals: [AtomicU64; 11],
 }
 
 /// Indexes into `totals`.
@@ -53,6 +53,7 @@ const ERRORS: usize = 6;
 const READS: usize = 7;
 const FAILOVERS: usize = 8;
 const BYTES_ORIGIN: usize = 9;
+const CORRUPT: usize = 10;
 
 impl Default for Metrics {
     fn default() -> Self {
@@ -116,6 +117,9 @@ pub struct Totals {
     /// Verified bytes read from a backup or the version's origin because no node could
     /// serve them.
     pub bytes_origin: u64,
+    /// Chunks a source sent whose bytes did not hash right (never returned to a reader).
+    #[serde(default)]
+    pub corrupt_chunks: u64,
 }
 
 impl Metrics {
@@ -181,6 +185,7 @@ impl Metrics {
 
     pub fn corrupt(&self) {
         self.corrupt.inc();
+        self.add(CORRUPT, 1);
     }
 
     pub fn readahead_skipped(&self) {
@@ -200,6 +205,7 @@ impl Metrics {
             reads: t(READS),
             failovers: t(FAILOVERS),
             bytes_origin: t(BYTES_ORIGIN),
+            corrupt_chunks: t(CORRUPT),
         }
     }
 

@@ -127,7 +127,7 @@ pub async fn run(cfg: &Resolved) -> anyhow::Result<()> {
         };
         println!(
             "mount      {}@{} at {} (pid {}): {opens}; \
-             read {} local, {} remote, {} from origin, {} from memory; {} read errors",
+             read {} local, {} remote, {} from origin, {} from memory; {} read errors{}",
             m.dataset,
             m.version,
             m.mountpoint.display(),
@@ -136,7 +136,12 @@ pub async fn run(cfg: &Resolved) -> anyhow::Result<()> {
             output::size(t.bytes_remote),
             output::size(t.bytes_origin),
             output::size(t.bytes_cache),
-            t.read_errors
+            t.read_errors,
+            if t.corrupt_chunks > 0 {
+                format!(", {} corrupt chunks refused", t.corrupt_chunks)
+            } else {
+                String::new()
+            }
         );
     }
     Ok(())

@@ -5,7 +5,7 @@
 //!
 //! One file per thing it starts: `daemon` (any `locus` process), `metadata`, `node`,
 //! `cluster` (a service with nodes, and catalogue helpers), `objstore` (moto, SeaweedFS),
-//! `mount`, and `data` (datasets on disk). Everything is re-exported here.
+//! `mount`, `data` (datasets on disk), and `proxy` (a peer that lies). Everything is re-exported here.
 
 mod cluster;
 mod daemon;
@@ -17,6 +17,7 @@ mod mount;
 mod netbed;
 mod node;
 mod objstore;
+mod proxy;
 
 pub use cluster::*;
 pub use daemon::*;
@@ -28,6 +29,7 @@ pub use mount::*;
 pub use netbed::*;
 pub use node::*;
 pub use objstore::*;
+pub use proxy::*;
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};

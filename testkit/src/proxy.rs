@@ -1,0 +1,114 @@
+//! A TCP proxy that can lie: what a peer with a bad NIC, bad RAM or bad intent looks like
+//! from the other end. A node started with `--advertise` at the proxy is reached only
+//! through it; once `corrupt` is set, the proxy flips one byte in every 256 KiB that
+//! the node sends back (past each connection's first 64 KiB, where HTTP/2's settings and
+//! headers are), so the HTTP/2 framing survives and the damage lands in blob bytes.
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+
+/// Bytes between two flipped bytes of one connection's server-to-client stream.
+const EVERY: u64 = 256 << 10;
+/// Bytes of each connection's server-to-client stream left alone.
+const CLEAN_START: u64 = 64 << 10;
+
+pub struct LyingProxy {
+    /// Where clients connect (what the node advertises).
+    pub addr: SocketAddr,
+    target: Arc<Mutex<Option<SocketAddr>>>,
+    corrupt: Arc<AtomicBool>,
+    flipped: Arc<AtomicU64>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl LyingProxy {
+    /// Listens on a free loopback port; connections wait for `forward_to`.
+    pub async fn start() -> LyingProxy {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let target: Arc<Mutex<Option<SocketAddr>>> = Arc::default();
+        let corrupt = Arc::new(AtomicBool::new(false));
+        let flipped = Arc::new(AtomicU64::new(0));
+        let (t, c, f) = (target.clone(), corrupt.clone(), flipped.clone());
+        let task = tokio::spawn(async move {
+            while let Ok((client, _)) = listener.accept().await {
+                let Some(to) = *t.lock().unwrap() else {
+                    continue;
+                };
+                let (c, f) = (c.clone(), f.clone());
+                tokio::spawn(async move {
+                    if let Ok(server) = TcpStream::connect(to).await {
+                        pump(client, server, c, f).await;
+                    }
+                });
+            }
+        });
+        LyingProxy {
+            addr,
+            target,
+            corrupt,
+            flipped,
+            task,
+        }
+    }
+
+    pub fn forward_to(&self, to: SocketAddr) {
+        *self.target.lock().unwrap() = Some(to);
+    }
+
+    /// From now on (on every connection, open or new), the server's bytes are damaged.
+    pub fn corrupt(&self, on: bool) {
+        self.corrupt.store(on, Ordering::SeqCst);
+    }
+
+    /// Bytes flipped so far.
+    pub fn flipped(&self) -> u64 {
+        self.flipped.load(Ordering::SeqCst)
+    }
+}
+
+impl Drop for LyingProxy {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+async fn pump(client: TcpStream, server: TcpStream, corrupt: Arc<AtomicBool>, flipped: Arc<AtomicU64>) {
+    let _ = client.set_nodelay(true);
+    let _ = server.set_nodelay(true);
+    let (mut cr, mut cw) = client.into_split();
+    let (mut sr, mut sw) = server.into_split();
+    let up = async {
+        let _ = tokio::io::copy(&mut cr, &mut sw).await;
+        let _ = sw.shutdown().await;
+    };
+    let down = async {
+        let mut buf = vec![0u8; 64 << 10];
+        let mut pos = 0u64;
+        loop {
+            let n = match sr.read(&mut buf).await {
+                Ok(0) | Err(_) => break,
+                Ok(n) => n,
+            };
+            if corrupt.load(Ordering::SeqCst) {
+                for (i, b) in buf[..n].iter_mut().enumerate() {
+                    let at = pos + i as u64;
+                    if at >= CLEAN_START && at % EVERY == EVERY / 2 {
+                        *b ^= 0x5a;
+                        flipped.fetch_add(1, Ordering::SeqCst);
+                    }
+                }
+            }
+            pos += n as u64;
+            if cw.write_all(&buf[..n]).await.is_err() {
+                break;
+            }
+        }
+        let _ = cw.shutdown().await;
+    };
+    tokio::join!(up, down);
+}
