@@ -189,6 +189,7 @@ async fn main() {
         .map(|e| nodepb::BlobRef {
             hash: e.blob.clone(),
             size: e.size,
+            ..Default::default()
         })
         .collect();
     let peer_bytes: u64 = blobs.iter().map(|b| b.size).sum();
@@ -200,6 +201,7 @@ async fn main() {
             blobs,
             pin: false,
             chunk_size: 0,
+            ..Default::default()
         })
         .await
         .unwrap()

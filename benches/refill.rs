@@ -182,6 +182,7 @@ async fn main() {
         .map(|(name, p)| nodepb::BlobRef {
             hash: blake3::Hash::from_hex(name).unwrap().as_bytes().to_vec(),
             size: std::fs::metadata(p).unwrap().len(),
+            ..Default::default()
         })
         .collect();
     let cold = drop_caches();
@@ -193,6 +194,7 @@ async fn main() {
             blobs,
             pin: false,
             chunk_size: 0,
+            ..Default::default()
         })
         .await
         .unwrap()

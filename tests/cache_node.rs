@@ -808,6 +808,7 @@ async fn a_hung_peer_fails_transfers_quickly_and_repair_goes_around_it() {
         .map(|e| nodepb::BlobRef {
             hash: e.blob.clone(),
             size: e.size,
+            ..Default::default()
         })
         .collect();
 
@@ -821,6 +822,7 @@ async fn a_hung_peer_fails_transfers_quickly_and_repair_goes_around_it() {
             blobs,
             pin: false,
             chunk_size: 65536,
+            ..Default::default()
         })
         .await
         .unwrap_err();
@@ -1199,4 +1201,75 @@ async fn an_import_to_a_hung_node_gives_up_after_the_peer_timeout_and_commits_no
         !show.status.success() || !versions.contains("\"version\": 1"),
         "nothing was committed: {versions}"
     );
+}
+
+/// With no backup, a shard whose every replica is gone is copied back from the version's
+/// origin (the directory it was imported from) — except a file changed there since the
+/// import: its shard stays lost and a read of it fails, never returns the new bytes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_shard_whose_every_replica_is_gone_is_repaired_from_the_origin_unless_the_file_changed() {
+    let h = Harness::new("repair-from-origin");
+    let (m, mut nodes) = cluster(&h, 3, NodeOpts::host).await;
+    let src = h.path("src");
+    make_tree(&src, 60);
+    let o = import(&m, "ds", &src, &["--replicas", "1", "--shard-size", "128KiB"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let mut c = m.client(None).await;
+    let alone: BTreeSet<u32> = shards(&mut c, "ds", 1)
+        .await
+        .iter()
+        .filter(|s| s.replicas == ["n1"])
+        .map(|s| s.id)
+        .collect();
+    assert!(alone.len() >= 2, "n1 holds some shards alone: {alone:?}");
+    // One file of one of n1's shards changes at the origin (same size, new bytes).
+    let entries = all_entries(&mut c, "ds", 1).await;
+    let changed = entries
+        .iter()
+        .find(|e| e.kind == pb::EntryKind::File as i32 && e.size > 0 && alone.contains(&e.shard))
+        .expect("a file on n1 alone");
+    let bad_shard = changed.shard;
+    let path = src.join(&changed.path);
+    let before = std::fs::read(&path).unwrap();
+    std::fs::write(&path, before.iter().map(|b| b ^ 0xff).collect::<Vec<_>>()).unwrap();
+
+    // n1 and its disk are gone for good.
+    nodes[0].daemon.kill9();
+    std::fs::remove_dir_all(&nodes[0].data_dir).unwrap();
+    wait_until(
+        "every shard but the changed file's to have its replica back",
+        Duration::from_secs(60),
+        || {
+            let mut c = c.clone();
+            async move {
+                let s = shards(&mut c, "ds", 1).await;
+                s.iter()
+                    .all(|s| s.replicas.len() == 1 && (s.id == bad_shard) == (s.replicas[0] == "n1"))
+                    .then_some(())
+            }
+        },
+    )
+    .await;
+    let from_origin = nodes[1..].iter().any(|n| {
+        std::fs::read_to_string(&n.daemon.log)
+            .unwrap()
+            .contains("copied a blob from the version's origin")
+    });
+    assert!(from_origin, "no node logged a copy from the origin");
+
+    // Every other file reads back as imported; the changed one fails with EIO.
+    std::fs::write(&path, &before).unwrap();
+    let want = files_of(&src);
+    std::fs::write(&path, before.iter().map(|b| b ^ 0xff).collect::<Vec<_>>()).unwrap();
+    let mnt = m.mount("after", "ds@1", None, &[]);
+    for (rel, hash) in &want {
+        let got = std::fs::read(mnt.path.join(rel));
+        if rel.as_path() == Path::new(&changed.path) {
+            let e = got.expect_err("the changed file must not read");
+            assert_eq!(e.raw_os_error(), Some(libc::EIO), "{e}");
+        } else {
+            let got = got.unwrap_or_else(|e| panic!("{}: {e}", rel.display()));
+            assert_eq!(blake3::hash(&got).to_hex().as_str(), hash, "{}", rel.display());
+        }
+    }
 }

@@ -493,3 +493,82 @@ async fn slurm_features_touch_only_locus_features_and_nodelist_names_the_best_no
     assert!(!nl.status.success());
     assert!(stderr(&nl).contains("only 3"), "{}", stderr(&nl));
 }
+
+/// Shards no live node holds come from the version's origin (here the directory it was
+/// imported from) when warm is allowed that many bytes, and only then.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn warm_reads_shards_no_live_node_holds_from_the_origin_within_its_budget() {
+    let h = Harness::new("warm-origin");
+    // No repair loop to race with: only warm copies here.
+    let m = h
+        .start_metadata(
+            "meta",
+            MetadataOpts {
+                liveness_timeout: Some("2s"),
+                extra: vec!["--repair-interval".into(), "1h".into()],
+                ..Default::default()
+            },
+        )
+        .await;
+    let mut nodes = Vec::new();
+    for i in 1..=2 {
+        nodes.push(h.start_node(&format!("n{i}"), &m, NodeOpts::host(i)).await);
+    }
+    let src = h.path("src");
+    unique_tree(&src, 40);
+    let out = import(&m, "ds", &src, &["--replicas", "1", "--shard-size", "256KiB"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let total: u64 = (0..40u64).map(|i| 20_000 + i * 97).sum();
+    let mut c = m.client(None).await;
+    let lost: u64 = shards(&mut c, "ds", 1)
+        .await
+        .iter()
+        .filter(|s| s.replicas == ["n1"])
+        .map(|s| s.bytes)
+        .sum();
+    assert!(lost > 0 && lost < total, "n1 holds some shards alone: {lost}");
+    nodes[0].daemon.kill9();
+    wait_node_down(&m, "n1").await;
+
+    // Without a budget, and with one a byte short, warm refuses and says what it needs.
+    for budget in ["0".to_string(), (lost - 1).to_string()] {
+        let out = m.cli(&["warm", "ds@1", "--nodes", "n2", "--max-origin-bytes", &budget]);
+        assert!(!out.status.success(), "budget {budget}: {}", stdout(&out));
+        let err = stderr(&out);
+        assert!(
+            err.contains("--max-origin-bytes") && err.contains(&format!("({lost} bytes)")),
+            "{err}"
+        );
+    }
+    assert_eq!(
+        bytes_on_disk(&src, &[&nodes[1]])["n2"],
+        total - lost,
+        "nothing was copied"
+    );
+
+    let budget = lost.to_string();
+    let out = m.cli(&[
+        "warm",
+        "ds@1",
+        "--nodes",
+        "n2",
+        "--max-origin-bytes",
+        &budget,
+        "--json",
+    ]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let w: serde_json::Value = serde_json::from_str(&stdout(&out)).unwrap();
+    assert_eq!(w["failed"], 0, "{w}");
+    assert_eq!(w["bytes_copied"], lost, "{w}");
+    assert_eq!(
+        bytes_on_disk(&src, &[&nodes[1]])["n2"],
+        total,
+        "n2 holds every byte"
+    );
+    let log = std::fs::read_to_string(&nodes[1].daemon.log).unwrap();
+    assert!(log.contains("copied a blob from the version's origin"), "{log}");
+    let j = locality_json(&m, &["ds@1", "--nodes", "n2"]);
+    assert_eq!(j["nodes"][0]["resident_fraction"], 1.0, "{j}");
+    let mnt = m.mount("after", "ds@1", Some(&nodes[1]), &[]);
+    assert_same_tree(&src, &mnt.path);
+}

@@ -540,6 +540,7 @@ async fn a_peer_that_sends_wrong_bytes_is_passed_over_and_nothing_wrong_is_kept(
     let want = vec![nodepb::BlobRef {
         hash: blob.clone(),
         size: big.len() as u64,
+        ..Default::default()
     }];
     let mut c = n3.client().await;
     let e = c
@@ -548,6 +549,7 @@ async fn a_peer_that_sends_wrong_bytes_is_passed_over_and_nothing_wrong_is_kept(
             blobs: want.clone(),
             pin: false,
             chunk_size: locus_proto::DEFAULT_CHUNK_SIZE,
+            ..Default::default()
         })
         .await
         .unwrap_err();
@@ -560,6 +562,7 @@ async fn a_peer_that_sends_wrong_bytes_is_passed_over_and_nothing_wrong_is_kept(
             blobs: want,
             pin: false,
             chunk_size: locus_proto::DEFAULT_CHUNK_SIZE,
+            ..Default::default()
         })
         .await
         .unwrap()

@@ -1,7 +1,8 @@
 //! Backups of a Locus cluster in object storage, in the layout every role shares:
 //! the CLI writes snapshots, lists, verifies, collects garbage and restores; cache nodes
 //! upload the blobs they are first replica for and read blobs back when a cluster is
-//! refilled; the mount reads ranges of blobs no node holds.
+//! refilled; the mount reads ranges of blobs no node holds. `origin` opens a version's
+//! origin (where it was imported from), the last source of the mount and the nodes.
 //!
 //! Layout under the target URL (format version 1, see docs/architecture.md "Backups"):
 //!
@@ -17,6 +18,7 @@
 pub mod blob;
 pub mod format;
 pub mod gc;
+pub mod origin;
 pub mod retention;
 pub mod target;
 pub mod url;

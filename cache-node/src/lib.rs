@@ -111,6 +111,8 @@ pub struct Peers {
     client: tokio::sync::Mutex<Option<MetadataClient>>,
     /// Backup targets opened so far, by URL (opening one builds an HTTP client).
     targets: std::sync::Mutex<HashMap<String, locus_backup::Target>>,
+    /// Version origins opened so far, by URL.
+    origins: std::sync::Mutex<HashMap<String, Arc<locus_backup::origin::Origin>>>,
 }
 
 /// Where a blob can be copied from: live replicas (id, address), then backups (URLs).
@@ -126,7 +128,23 @@ impl Peers {
             opts,
             client: tokio::sync::Mutex::new(None),
             targets: std::sync::Mutex::new(HashMap::new()),
+            origins: std::sync::Mutex::new(HashMap::new()),
         }
+    }
+
+    /// The version origin at `url`, opened once.
+    pub fn origin(&self, url: &str) -> Result<Arc<locus_backup::origin::Origin>, Status> {
+        let mut o = self.origins.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(x) = o.get(url) {
+            return Ok(x.clone());
+        }
+        let x = match locus_backup::origin::Origin::parse(url) {
+            Ok(Some(x)) => Arc::new(x),
+            Ok(None) => return Err(Status::invalid_argument(format!("{url:?} names no origin"))),
+            Err(e) => return Err(Status::failed_precondition(format!("origin {url}: {e}"))),
+        };
+        o.insert(url.to_string(), x.clone());
+        Ok(x)
     }
 
     /// The backup target at `url`, opened once.

@@ -4,7 +4,7 @@
 //! |---|---|---|---|
 //! | locus_node_read_bytes_total | counter | bytes | blob bytes served (ReadBlob) |
 //! | locus_node_written_bytes_total | counter | bytes | blob bytes stored, verified (WriteBlob, fetches) |
-//! | locus_node_blobs_written_total | counter | blobs | blobs stored by how they came (client, peer) |
+//! | locus_node_blobs_written_total | counter | blobs | blobs stored by how they came (client, peer, backup, origin) |
 //! | locus_node_write_refusals_total | counter | calls | writes refused by reason (full, mismatch) |
 //! | locus_node_corrupt_total | counter | blobs | blobs that failed verification and were quarantined |
 //! | locus_node_capacity_bytes | gauge | bytes | configured capacity |

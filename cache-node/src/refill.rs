@@ -346,6 +346,7 @@ impl Refill {
                 pin: true,
                 idle: self.cfg.idle,
                 limit: Some(&self.limit),
+                origin: None,
             };
             let known = self.sources_for(&peers, &w).await;
             let copy =
@@ -357,12 +358,7 @@ impl Refill {
             match r {
                 Ok(Source::Here) => self.done(&w, false),
                 Ok(src) => {
-                    let kind = if matches!(src, Source::Peer(_)) {
-                        "peer"
-                    } else {
-                        "backup"
-                    };
-                    metrics.wrote(kind, w.size);
+                    metrics.wrote(src.kind().unwrap_or("peer"), w.size);
                     metrics.refill_bytes.inc_by(w.size);
                     tracing::debug!(blob = %w.hash, from = ?src, "refilled a pinned blob");
                     self.done(&w, true);

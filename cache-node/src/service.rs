@@ -53,11 +53,15 @@ pub struct NodeService {
 impl NodeService {
     /// FetchBlobs without a named source: each blob from wherever it can be had (live
     /// replicas, then backups), four at a time. Fails naming the first blob no source had.
+    /// `origin`: the version's origin URL, and each blob's path under it ("" where the
+    /// origin is not to be read).
     async fn fetch_from_anywhere(
         &self,
         blobs: Vec<(BlobHash, u64)>,
         pin: bool,
         chunk_size: u32,
+        origin: &str,
+        paths: Vec<String>,
     ) -> Result<Response<nodepb::FetchBlobsResponse>, Status> {
         let opts = crate::transfer::CopyOptions {
             me: &self.id,
@@ -65,9 +69,14 @@ impl NodeService {
             pin,
             idle: self.peer_idle,
             limit: None,
+            origin: None,
         };
         let mut copies = futures_util::StreamExt::buffer_unordered(
-            futures_util::stream::iter(blobs.into_iter().map(|(h, size)| async move {
+            futures_util::stream::iter(blobs.into_iter().zip(paths).map(|((h, size), path)| async move {
+                let opts = crate::transfer::CopyOptions {
+                    origin: (!origin.is_empty() && !path.is_empty()).then_some((origin, path.as_str())),
+                    ..opts
+                };
                 let r = crate::transfer::copy_from_anywhere(
                     &self.store,
                     &self.peers,
@@ -85,12 +94,13 @@ impl NodeService {
         let mut resp = nodepb::FetchBlobsResponse::default();
         while let Some((h, size, r)) = futures_util::StreamExt::next(&mut copies).await {
             let from = match r {
-                Ok(crate::transfer::Source::Here) => {
-                    resp.already_present += 1;
-                    continue;
-                }
-                Ok(crate::transfer::Source::Peer(_)) => "peer",
-                Ok(crate::transfer::Source::Backup(_)) => "backup",
+                Ok(src) => match src.kind() {
+                    Some(kind) => kind,
+                    None => {
+                        resp.already_present += 1;
+                        continue;
+                    }
+                },
                 Err(s) => return Err(Status::new(s.code(), format!("blob {h}: {}", s.message()))),
             };
             resp.fetched += 1;
@@ -349,7 +359,10 @@ impl Node for NodeService {
         let q = req.into_inner();
         let blobs = blob_refs(&q.blobs)?;
         if q.source.is_empty() {
-            return self.fetch_from_anywhere(blobs, q.pin, q.chunk_size).await;
+            let paths = q.blobs.iter().map(|b| b.origin_path.clone()).collect();
+            return self
+                .fetch_from_anywhere(blobs, q.pin, q.chunk_size, &q.origin, paths)
+                .await;
         }
         let peer =
             locus_proto::client::connect_node(&q.source, self.token.as_deref(), Duration::from_secs(5))
@@ -528,8 +541,9 @@ impl Node for NodeService {
             pin: false,
             idle: self.peer_idle,
             limit: None,
+            origin: None,
         };
-        match crate::transfer::copy_from_anywhere(
+        let src = crate::transfer::copy_from_anywhere(
             &self.store,
             &self.peers,
             h,
@@ -538,11 +552,9 @@ impl Node for NodeService {
             opts,
             None,
         )
-        .await?
-        {
-            crate::transfer::Source::Peer(_) => self.metrics.wrote("peer", q.size),
-            crate::transfer::Source::Backup(_) => self.metrics.wrote("backup", q.size),
-            crate::transfer::Source::Here => {}
+        .await?;
+        if let Some(kind) = src.kind() {
+            self.metrics.wrote(kind, q.size)
         }
         match self.verified_path(h).await? {
             Some(p) => Ok(Response::new(nodepb::EnsureLocalResponse {

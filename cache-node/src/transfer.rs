@@ -1,5 +1,6 @@
 //! Copying blobs into this node's store: from a peer's ReadBlob stream, from a backup
-//! target, or "from anywhere" (live replicas first, then backups), with an idle timeout on
+//! target, from the version's origin, or "from anywhere" (live replicas first, then
+//! backups, then the origin when the caller named it), with an idle timeout on
 //! every wait and an optional byte-rate limit shared by the copies that take it.
 //!
 //! Bytes reach the store through a [`Sink`]: it writes each received piece on a blocking
@@ -244,6 +245,20 @@ pub enum Source {
     Here,
     Peer(String),
     Backup(String),
+    /// The version's origin (URL).
+    Origin(String),
+}
+
+impl Source {
+    /// The `blobs_written_total` label of a copy from here.
+    pub fn kind(&self) -> Option<&'static str> {
+        match self {
+            Source::Here => None,
+            Source::Peer(_) => Some("peer"),
+            Source::Backup(_) => Some("backup"),
+            Source::Origin(_) => Some("origin"),
+        }
+    }
 }
 
 /// How a "from anywhere" copy behaves.
@@ -256,6 +271,9 @@ pub struct CopyOptions<'a> {
     pub pin: bool,
     pub idle: Duration,
     pub limit: Option<&'a RateLimit>,
+    /// The version's origin URL and the blob's path under it: the last source, when no
+    /// live replica or backup could send the blob.
+    pub origin: Option<(&'a str, &'a str)>,
 }
 
 /// Copies `h` from the first live replica that can send it, else from a backup (from
@@ -329,7 +347,74 @@ pub async fn copy_from_anywhere(
             }
         }
     }
+    if let Some((url, path)) = o.origin {
+        match fetch_from_origin(store, peers, url, path, h, size, chunk_size, o.pin, o.idle).await {
+            Ok(true) => {
+                tracing::info!(blob = %h, origin = %url, path, "copied a blob from the version's origin");
+                return Ok(Source::Origin(url.to_string()));
+            }
+            Ok(false) => return Ok(Source::Here),
+            Err(s) => {
+                tracing::warn!(blob = %h, origin = %url, path, "origin read failed: {}", s.message());
+                last = Status::new(s.code(), format!("origin {url}: {}", s.message()));
+            }
+        }
+    }
     Err(last)
+}
+
+/// Bytes asked of an origin per request, and requests kept in flight per blob: enough to
+/// keep an object store streaming, bounded at 32 MiB of memory per blob.
+const ORIGIN_PIECE: u64 = 8 << 20;
+const ORIGIN_IN_FLIGHT: usize = 4;
+
+/// Copies one blob from the file at `path` under the version's origin `url`, read in
+/// ranges (a few in flight, written in order); the store's writer checks every chunk and
+/// the whole blob against its name, so a file changed since the import is refused.
+#[allow(clippy::too_many_arguments)]
+pub async fn fetch_from_origin(
+    store: &Arc<BlobStore>,
+    peers: &Peers,
+    url: &str,
+    path: &str,
+    h: BlobHash,
+    size: u64,
+    chunk_size: u32,
+    pin: bool,
+    idle: Duration,
+) -> Result<bool, Status> {
+    let rel = locus_proto::RelPath::try_from(path.to_string())
+        .map_err(|e| Status::invalid_argument(format!("origin_path: {e}")))?;
+    let origin = peers.origin(url)?;
+    let Some(writer) = begin_write(store, h, size, chunk_size, pin).await? else {
+        return Ok(false);
+    };
+    let reads = (0..size.div_ceil(ORIGIN_PIECE)).map(|i| {
+        let (origin, rel) = (origin.clone(), rel.clone());
+        let off = i * ORIGIN_PIECE;
+        let len = ORIGIN_PIECE.min(size - off);
+        async move {
+            match tokio::time::timeout(idle, origin.read(rel.as_str(), off, len)).await {
+                Err(_) => Err(Status::unavailable(format!(
+                    "{rel}: no answer for {}s",
+                    idle.as_secs_f64()
+                ))),
+                Ok(Err(e)) => Err(Status::unavailable(e)),
+                Ok(Ok(b)) if b.len() as u64 != len => Err(Status::data_loss(format!(
+                    "{rel}: {} bytes at {off}, {len} expected (changed since the import?)",
+                    b.len()
+                ))),
+                Ok(Ok(b)) => Ok(b),
+            }
+        }
+    });
+    let mut pieces = futures_util::StreamExt::buffered(futures_util::stream::iter(reads), ORIGIN_IN_FLIGHT);
+    let mut sink = Sink::new(writer);
+    while let Some(piece) = futures_util::StreamExt::next(&mut pieces).await {
+        sink.write(piece?).await?;
+    }
+    sink.finish().await?;
+    Ok(true)
 }
 
 /// Longest wait for a peer's connection to open.

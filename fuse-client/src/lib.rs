@@ -15,7 +15,6 @@ pub mod core;
 pub mod fs;
 pub mod metrics;
 pub mod namespace;
-pub mod origin;
 pub mod pieces;
 pub mod reader;
 

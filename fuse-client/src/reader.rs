@@ -352,7 +352,7 @@ pub struct Remote {
     bad: Mutex<HashMap<String, Instant>>,
     cache: ChunkCache,
     metrics: Arc<Metrics>,
-    origin: Option<(crate::origin::Origin, Arc<crate::namespace::Namespace>)>,
+    origin: Option<(locus_backup::origin::Origin, Arc<crate::namespace::Namespace>)>,
     /// Backups the metadata service named in its last `LocateBlobs` answer, opened.
     backups: Mutex<Vec<locus_backup::Target>>,
     /// A source silent for this long during a chunk is given up on.
@@ -410,7 +410,7 @@ impl Remote {
     /// Makes the version's origin the last source; `ns` gives files' paths.
     pub fn with_origin(
         mut self,
-        origin: crate::origin::Origin,
+        origin: locus_backup::origin::Origin,
         ns: Arc<crate::namespace::Namespace>,
     ) -> Self {
         self.origin = Some((origin, ns));
@@ -574,7 +574,7 @@ impl Remote {
 
     async fn read_origin(
         &self,
-        origin: &crate::origin::Origin,
+        origin: &locus_backup::origin::Origin,
         ns: &crate::namespace::Namespace,
         c: ChunkRef,
     ) -> Result<Bytes, String> {

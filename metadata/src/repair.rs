@@ -3,7 +3,7 @@
 //! Every `repair_interval` it asks the catalogue for under-replicated shards (replicas on
 //! down or draining nodes do not count), orders each chosen target node to copy the
 //! shard's blobs from a live replica (the node verifies every byte) — or, when no replica
-//! is left and a backup is recorded, to copy them back from the backup — and only then
+//! is left, to copy them back from a recorded backup or the version's origin — and only then
 //! records the new replica, and drops the ones that no longer count, in one catalogue
 //! write. A failed copy changes nothing and is retried on the next round.
 
@@ -65,7 +65,7 @@ pub async fn run(
                         m.repair_bytes.inc_by(t.bytes);
                         tracing::info!(
                             dataset = %t.dataset, version = t.version, shard = t.shard,
-                            from = %t.source.as_ref().map_or("a backup", |s| s.0.as_str()),
+                            from = %t.source.as_ref().map_or("a backup or the origin", |s| s.0.as_str()),
                             to = %t.target.0, dropped = ?t.drop,
                             "shard re-replicated"
                         );
@@ -103,6 +103,18 @@ pub async fn repair_one(catalog: &Arc<Catalog>, t: &RepairTask, token: Option<&s
         .map_err(|e| e.to_string())?
         .map_err(|e| e.to_string())?;
     let chunk_size = blobs.first().map_or(0, |b| b.2);
+    // No live replica: the target may end at the version's origin, and needs to know
+    // which file holds each blob there.
+    let origin = match &t.source {
+        Some(_) => None,
+        None => {
+            let (c, r2) = (catalog.clone(), r.clone());
+            tokio::task::spawn_blocking(move || c.shard_origin(&r2, shard))
+                .await
+                .map_err(|e| e.to_string())?
+                .map_err(|e| e.to_string())?
+        }
+    };
     let mut node = locus_proto::client::connect_node(&t.target.1, token, Duration::from_secs(5))
         .await
         .map_err(|e| e.to_string())?;
@@ -111,17 +123,22 @@ pub async fn repair_one(catalog: &Arc<Catalog>, t: &RepairTask, token: Option<&s
     let bytes: u64 = blobs.iter().map(|b| b.1).sum();
     let limit = Duration::from_secs(60) + Duration::from_secs_f64(bytes as f64 / 20e6);
     let call = node.fetch_blobs(nodepb::FetchBlobsRequest {
-        // No live replica: the target finds each blob itself (a backup).
+        // No live replica: the target finds each blob itself (a backup, the origin).
         source: t.source.as_ref().map(|s| s.1.clone()).unwrap_or_default(),
         blobs: blobs
             .iter()
             .map(|(h, size, _)| nodepb::BlobRef {
                 hash: h.0.to_vec(),
                 size: *size,
+                origin_path: origin
+                    .as_ref()
+                    .and_then(|o| o.1.get(h).cloned())
+                    .unwrap_or_default(),
             })
             .collect(),
         pin: true,
         chunk_size,
+        origin: origin.as_ref().map(|o| o.0.clone()).unwrap_or_default(),
     });
     tokio::time::timeout(limit, call)
         .await

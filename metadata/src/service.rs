@@ -335,18 +335,28 @@ impl pb::metadata_server::Metadata for MetadataService {
         self.audit(&who, "warm", &target, &planned, |p| {
             format!("{} copies planned", p.tasks.len())
         });
-        let plan = planned.map_err(to_status)?;
-        let origin: u64 = plan.origin.iter().map(|o| o.1).sum();
-        if origin > 0 {
-            // Only the mount reads origins so far; nodes need a live peer.
-            return Err(Status::failed_precondition(format!(
-                "{} shard(s), {} bytes, have no live replica to copy from, and cache nodes cannot \
-                 read a version's origin yet (budget --max-origin-bytes {}); bring a node holding \
-                 them back or re-import first",
-                plan.origin.len(),
-                origin,
-                q.max_origin_bytes
-            )));
+        let mut plan = planned.map_err(to_status)?;
+        let outside: u64 = plan.origin.iter().map(|t| t.bytes).sum();
+        if outside > 0 {
+            let copies = plan.origin.len();
+            if !plan.outside_source {
+                return Err(Status::failed_precondition(format!(
+                    "{copies} shard copies ({outside} bytes) have no live replica to copy from, and the \
+                     version has no origin and no backup is recorded; bring a node holding them back \
+                     or re-import"
+                )));
+            }
+            if outside > q.max_origin_bytes {
+                return Err(Status::failed_precondition(format!(
+                    "{copies} shard copies ({outside} bytes) have no live replica to copy from; they \
+                     would come from a backup or the version's origin, which the budget \
+                     (--max-origin-bytes {}) does not allow: allow {outside} bytes or bring a node \
+                     holding them back",
+                    q.max_origin_bytes
+                )));
+            }
+            // Within the budget: the targets copy those from a backup, else the origin.
+            plan.tasks.append(&mut plan.origin);
         }
         let (tx, rx) = tokio::sync::mpsc::channel(64);
         let catalog = self.catalog.clone();

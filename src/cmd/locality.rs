@@ -236,7 +236,8 @@ pub struct WarmArgs {
     /// Nodes that should hold every shard before the job starts (comma-separated).
     #[arg(long, value_delimiter = ',', value_name = "NODE,...", required = true)]
     pub nodes: Vec<String>,
-    /// Most bytes that may come from the object store (for shards no live node holds).
+    /// Most bytes that may come from outside the cluster — a recorded backup, else the
+    /// version's origin — for shards no live node holds (0: such shards are refused).
     #[arg(long, value_name = "SIZE", default_value = "0")]
     pub max_origin_bytes: String,
 }

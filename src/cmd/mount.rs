@@ -359,7 +359,7 @@ async fn serve(a: MountArgs, mountpoint: PathBuf, cfg: &Resolved) -> anyhow::Res
     // Four readers' full windows; more readers share them, so memory does not grow with
     // the number of readers.
     .with_readahead_budget((readahead as usize).saturating_mul(4));
-    match locus_fuse::origin::Origin::parse(&v.origin) {
+    match locus_backup::origin::Origin::parse(&v.origin) {
         Ok(Some(o)) => {
             tracing::info!(
                 "origin {} is the last source for chunks no node serves",

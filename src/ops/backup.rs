@@ -326,6 +326,7 @@ async fn send_blobs(
             per_node.entry(n.clone()).or_default().push(nodepb::BlobRef {
                 hash: h.0.to_vec(),
                 size: b.size,
+                ..Default::default()
             });
         }
         let (sums, failed) = upload_from_nodes(c, obs, &per_node, t, send).await?;

@@ -126,7 +126,7 @@ pub async fn import(
         .unwrap_or_else(|_| source.clone());
     let origin = format!(
         "file://{}",
-        locus_fuse::origin::encode_path(&abs.display().to_string())
+        locus_backup::origin::encode_path(&abs.display().to_string())
     );
     commit_scanned(cluster, o, &scanned, None, origin, obs, started, hash_time).await
 }

@@ -171,11 +171,42 @@ impl Catalog {
         self.shard_blobs(v.uid, shard)
     }
 
+    /// Where a shard's blobs can be read outside the cluster: the version's origin URL
+    /// (None for versions without one) and, for each blob, the path of a file holding
+    /// it. Found by reading the version's entries: O(entries), for the rare copy of a
+    /// shard no node holds, never on a read path.
+    pub fn shard_origin(
+        &self,
+        r: &DatasetRef,
+        shard: u32,
+    ) -> Result<Option<(String, HashMap<BlobHash, String>)>> {
+        let (_, v) = self.resolve(r)?;
+        if v.origin.is_empty() || v.origin == "cluster" {
+            return Ok(None);
+        }
+        let (from, to) = keys::uid_range(v.uid);
+        let mut paths = HashMap::new();
+        for kv in self.store.scan(Table::Entries, &from, Some(&to)) {
+            let (k, val) = kv?;
+            let rec: EntryRecord = decode(Table::Entries, &val)?;
+            if rec.kind != KIND_FILE || rec.shard != shard || rec.blob.len() != 32 {
+                continue;
+            }
+            let (dir, name) = keys::split_entry(&k).ok_or_else(|| CatalogError::Corrupt {
+                table: "entries",
+                reason: "malformed key".into(),
+            })?;
+            let hash = BlobHash(rec.blob[..].try_into().expect("32 bytes"));
+            paths.entry(hash).or_insert_with(|| keys::join(dir, name));
+        }
+        Ok(Some((v.origin, paths)))
+    }
+
     /// Shards with fewer live replicas than their version's replication factor (replicas
     /// on down or draining nodes do not count), each with a source and a new target.
     /// Shards with no live replica at all are reported in the second list; while a backup
-    /// is recorded they are also planned, without a source: the target copies each blob
-    /// back from the backup.
+    /// is recorded or the version has an origin they are also planned, without a source:
+    /// the target copies each blob back from the backup, else from the origin.
     pub fn repair_plan(&self, limit: usize) -> Result<(Vec<RepairTask>, Vec<String>)> {
         let nodes = self.list_nodes()?;
         let serving: HashMap<&str, &pb::Node> = nodes
@@ -233,12 +264,20 @@ impl Catalog {
                     .copied()
                     .or_else(|| rec.replicas.iter().find_map(|r| serving.get(r.as_str()).copied()));
                 if source.is_none() {
-                    if !have_backup {
-                        lost.push(format!("{name}@{n} shard {shard}: no live replica and no backup"));
+                    let has_origin = !v.origin.is_empty() && v.origin != "cluster";
+                    if !have_backup && !has_origin {
+                        lost.push(format!(
+                            "{name}@{n} shard {shard}: no live replica, no backup and no origin"
+                        ));
                         continue;
                     }
                     lost.push(format!(
-                        "{name}@{n} shard {shard}: no live replica; copying it back from the backup"
+                        "{name}@{n} shard {shard}: no live replica; copying it back from {}",
+                        match (have_backup, has_origin) {
+                            (true, true) => "the backup or the origin",
+                            (true, false) => "the backup",
+                            _ => "the origin",
+                        }
                     ));
                 }
                 let req = placement::Request {

@@ -156,8 +156,11 @@ pub struct WarmPlan {
     pub version: u64,
     pub tasks: Vec<RepairTask>,
     pub bytes_already: u64,
-    /// (shard, bytes) with no live replica to copy from.
-    pub origin: Vec<(u32, u64)>,
+    /// Copies of shards with no live replica to copy from (no source): only a recorded
+    /// backup or the version's origin can provide them.
+    pub origin: Vec<RepairTask>,
+    /// Whether the version has an origin (or a backup is recorded) to read them from.
+    pub outside_source: bool,
 }
 
 /// A shard as an import session reports it.

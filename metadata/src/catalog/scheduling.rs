@@ -288,7 +288,8 @@ impl Catalog {
 
     /// What warming `nodes` with a version takes: a copy task per (shard, node) the node
     /// does not hold yet, each from the cheapest live replica (same rack, then zone, then
-    /// any); the bytes already there; and the shards no live node holds (bytes, ids).
+    /// any); the bytes already there; and the copies of shards no live node holds, which
+    /// only a backup or the version's origin can make.
     pub fn warm_plan(&self, r: &DatasetRef, targets: &[String]) -> Result<WarmPlan> {
         if targets.is_empty() || targets.len() > 10_000 {
             return Err(InvalidInput::new("nodes", "name 1 to 10,000 nodes to warm").into());
@@ -316,6 +317,8 @@ impl Catalog {
         };
         let mut plan = WarmPlan {
             version: n,
+            outside_source: (!v.origin.is_empty() && v.origin != "cluster")
+                || !self.backup_sources()?.is_empty(),
             ..Default::default()
         };
         for (id, s) in self.cached_shards(v.uid)?.iter() {
@@ -333,7 +336,15 @@ impl Catalog {
                         src.as_str().to_string(),
                     )
                 }) else {
-                    plan.origin.push((*id, s.bytes));
+                    plan.origin.push(RepairTask {
+                        dataset: r.name.as_str().to_string(),
+                        version: n,
+                        shard: *id,
+                        bytes: s.bytes,
+                        source: None,
+                        target: (t.clone(), by_id[t.as_str()].address.clone()),
+                        drop: Vec::new(),
+                    });
                     continue;
                 };
                 plan.tasks.push(RepairTask {

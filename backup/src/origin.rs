@@ -1,7 +1,8 @@
-//! A version's origin — where its bytes were imported from — as the mount's last source:
-//! when no live node can serve a chunk, the same range is read from the origin and used
-//! only if it hashes to the manifest's chunk hash (the source may have changed since the
-//! import; then the read fails rather than return other bytes).
+//! A version's origin — where its bytes were imported from — as the last source of the
+//! mount and the cache nodes: when no live node (or backup) can serve a chunk or a blob,
+//! the same range is read from the origin and used only if it hashes to the manifest's
+//! hash (the source may have changed since the import; then the read fails rather than
+//! return other bytes).
 //!
 //! Origins are `file:///abs/dir` (percent-encoded where the path has `%` or whitespace)
 //! and object-store URLs (`s3://`, `gs://`, `az://`, opened by `locus_backup::url`).
@@ -62,7 +63,7 @@ impl Origin {
             let p = decode_path(p).ok_or_else(|| format!("{url}: bad percent-encoding"))?;
             return Ok(Some(Origin::Dir(PathBuf::from(p))));
         }
-        let o = locus_backup::url::open(url, false).map_err(|e| e.to_string())?;
+        let o = crate::url::open(url, false).map_err(|e| e.to_string())?;
         Ok(Some(Origin::Store {
             url: url.to_string(),
             store: o.store,
