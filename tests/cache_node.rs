@@ -517,11 +517,13 @@ async fn import_from_a_real_s3_server() {
             }
         }
     }
-    let m = h.start_metadata("meta", MetadataOpts::default()).await;
-    let mut nodes = Vec::new();
-    for i in 1..=3 {
-        nodes.push(h.start_node(&format!("n{i}"), &m, NodeOpts::host(i)).await);
-    }
+    // Nodes get the store's endpoint and credentials: they read the origin in repairs.
+    let env: Vec<(String, String)> = s3.env().into_iter().map(|(k, v)| (k.to_string(), v)).collect();
+    let (m, mut nodes) = cluster(&h, 3, |i| NodeOpts {
+        env: env.clone(),
+        ..NodeOpts::host(i)
+    })
+    .await;
     let mut cmd = std::process::Command::new(locus());
     cmd.args([
         "dataset",
@@ -532,6 +534,8 @@ async fn import_from_a_real_s3_server() {
         "2",
         "--chunk-size",
         "64KiB",
+        "--shard-size",
+        "256KiB",
         "--json",
     ])
     .env("LOCUS_METADATA", m.url());
@@ -559,12 +563,44 @@ async fn import_from_a_real_s3_server() {
     for s in shards(&mut c, "froms3", 1).await {
         assert_eq!(s.replicas.len(), 2);
     }
-    let total: usize = nodes.iter().map(|n| n.blob_files().len()).sum();
-    let distinct: BTreeSet<_> = files
+    let held: Vec<_> = nodes.iter().map(|n| n.blob_files()).collect();
+    for (rel, d) in &files {
+        let b = blake3::hash(d).to_hex().to_string();
+        let on = held.iter().filter(|h| h.contains_key(&b)).count();
+        assert!(on >= 2, "{rel}: its blob is on {on} nodes");
+    }
+
+    // n1 and n2 are lost with their disks: the shards only they held come back onto n3
+    // from the origin bucket, verified.
+    let both: usize = shards(&mut c, "froms3", 1)
+        .await
         .iter()
-        .map(|(_, d)| blake3::hash(d).to_hex().to_string())
-        .collect();
-    assert_eq!(total, 2 * distinct.len());
+        .filter(|s| !s.replicas.contains(&"n3".to_string()))
+        .count();
+    assert!(both > 0, "some shards live on n1 and n2 only");
+    for n in &mut nodes[..2] {
+        n.daemon.kill9();
+        std::fs::remove_dir_all(&n.data_dir).unwrap();
+    }
+    wait_until("n3 to hold every shard", Duration::from_secs(90), || {
+        let mut c = c.clone();
+        async move {
+            let s = shards(&mut c, "froms3", 1).await;
+            s.iter()
+                .all(|s| s.replicas.contains(&"n3".to_string()))
+                .then_some(())
+        }
+    })
+    .await;
+    let log = std::fs::read_to_string(&nodes[2].daemon.log).unwrap();
+    assert!(log.contains("copied a blob from the version's origin"), "{log}");
+    assert!(!log.contains(S3_SECRET), "credentials are never logged");
+    let mnt = m.mount("after", "froms3@1", Some(&nodes[2]), &[]);
+    for (rel, data) in &files {
+        let got = std::fs::read(mnt.path.join(rel)).unwrap();
+        assert!(got == *data, "{rel}: wrong bytes");
+    }
+    drop(mnt);
 
     // A source that does not answer gives a clear error and leaves nothing behind.
     drop(s3);

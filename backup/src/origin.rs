@@ -111,8 +111,11 @@ impl Origin {
                 } else {
                     format!("{prefix}/{rel}")
                 };
+                // The key as the import listed it: raw UTF-8 (`Path::from` would
+                // percent-encode a name like `ünï` into a key that does not exist).
+                let path = ObjPath::parse(key.as_str()).map_err(|e| format!("{url}/{rel}: {e}"))?;
                 store
-                    .get_range(&ObjPath::from(key.as_str()), offset..offset + len)
+                    .get_range(&path, offset..offset + len)
                     .await
                     .map_err(|e| format!("{url}/{rel}: {e}"))
             }

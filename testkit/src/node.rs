@@ -22,6 +22,8 @@ pub struct NodeOpts {
     pub tmpfs: Option<&'static str>,
     /// More `locus node serve` arguments.
     pub extra: Vec<String>,
+    /// More environment (an object store's endpoint and credentials, for origin reads).
+    pub env: Vec<(String, String)>,
     /// The test-bed host it runs on (its own network namespace and address), or loopback.
     pub on: Option<Host>,
 }
@@ -38,6 +40,7 @@ impl NodeOpts {
             pin_sync: "1s",
             tmpfs: None,
             extra: Vec::new(),
+            env: Vec::new(),
             on: None,
         }
     }
@@ -96,7 +99,7 @@ impl Harness {
     pub async fn start_node(&self, id: &str, meta: &Metadata, opts: NodeOpts) -> Node {
         let dir = self.path(id);
         std::fs::create_dir_all(&dir).unwrap();
-        let mut env = Vec::new();
+        let mut env = opts.env.clone();
         if let Some(t) = meta.token("node") {
             env.push(("LOCUS_TOKEN".to_string(), t));
         }
