@@ -7,9 +7,16 @@
 //!     LOCUS_BENCH_MOUNT_ARGS="--threads 8" cargo bench --bench mount_read
 //!
 //! Workloads, each its own dataset (as training data comes): large files read
-//! sequentially one after another (1 MiB reads), and 128 KiB files read whole by 8
-//! threads. "cold" drops the kernel page cache (root only) and remounts (so rclone's VFS
-//! cache and Locus's remote chunk cache start empty); "warm" then repeats the read at
+//! sequentially one after another (1 MiB reads); a version of mixed sizes (4 KiB to
+//! 64 MiB, doubling; `LOCUS_BENCH_MIXED_FILES`, default 45, ~384 MiB) read whole by 8
+//! threads; and 128 KiB files read whole by 8 threads. "cold" drops the kernel page
+//! cache (root only) and remounts (so rclone's VFS cache and Locus's remote chunk cache
+//! start empty). The host below a VM caches what the guest dropped, so a cold figure is
+//! only comparable with a read of the same files in the same cache state: each Locus
+//! cold read is framed by cold reads of the node's own blob files for that dataset (the
+//! bytes Locus reads), one just before the mount and one after the system's warm
+//! samples, and "× blobs" is against the one after, which has had one more read to warm
+//! the host's cache than Locus had (the ratio errs against Locus). "warm" then repeats the read at
 //! once: three samples, each as many whole passes as fit in a second (a warm pass over
 //! the small files takes only tens of milliseconds, too short to time alone), and
 //! reports the median sample. Each warm sample follows a sample of the local directory,
@@ -20,7 +27,9 @@
 //! local-node rows use the node's Unix socket: with the default `--opens auto` (the
 //! large-file version is passed through, the small-file one opened by the kernel), then
 //! each `--opens` forced, to show what the choice is worth; the remote row reads from the
-//! node over TCP. The peers read from SeaweedFS when `weed` is installed
+//! node over TCP. Under the table, each Locus row says how many of its opens were
+//! passed through to the kernel (FUSE passthrough) per workload, from the mount's own
+//! counters: whether passthrough engaged is recorded, not assumed. The peers read from SeaweedFS when `weed` is installed
 //! (bench/setup-peers.sh), else from the harness's moto; rclone (`--vfs-cache-mode full
 //! --read-only`) and s3fs come from Debian and are skipped with a note when absent.
 
@@ -87,9 +96,9 @@ fn warm_sample(root: &Path, files: &[PathBuf], threads: usize) -> (usize, u64, f
     (passes, bytes, secs)
 }
 
-/// GB/s for the large files (workload 0), files/s for the small ones.
+/// GB/s for the large and the mixed files (workloads 0 and 1), files/s for the small ones.
 fn rate((passes, bytes, secs): (usize, u64, f64), workload: usize, files: usize) -> f64 {
-    if workload == 0 {
+    if workload < 2 {
         bytes as f64 / secs / 1e9
     } else {
         (passes * files) as f64 / secs
@@ -239,6 +248,7 @@ async fn main() {
     let large_mib = env_usize("LOCUS_BENCH_LARGE_MIB", 256);
     let large_n = env_usize("LOCUS_BENCH_LARGE_FILES", 4);
     let small_n = env_usize("LOCUS_BENCH_SMALL_FILES", 2000);
+    let mixed_n = env_usize("LOCUS_BENCH_MIXED_FILES", 45);
     let h = Harness::new("bench-mount");
     let src = h.path("src");
     let mut large = Vec::new();
@@ -254,6 +264,18 @@ async fn main() {
         .unwrap();
         large.push(rel);
     }
+    // Mixed sizes: 4 KiB, 8 KiB, … 64 MiB, round and round.
+    let mut mixed = Vec::new();
+    let mut mixed_bytes = 0u64;
+    for i in 0..mixed_n {
+        let rel = PathBuf::from(format!("m{:02}/x{i:04}.bin", i % 5));
+        let path = src.join("mixed").join(&rel);
+        std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+        let size = 4096usize << (i % 15);
+        std::fs::write(path, pseudo_random(2_000_000 + i as u64, size)).unwrap();
+        mixed_bytes += size as u64;
+        mixed.push(rel);
+    }
     for i in 0..small_n {
         let rel = PathBuf::from(format!("d{:02}/s{i:05}.bin", i % 50));
         let path = src.join("small").join(&rel);
@@ -268,7 +290,7 @@ async fn main() {
         ..NodeOpts::host(i)
     })
     .await;
-    for dataset in ["large", "small"] {
+    for dataset in ["large", "mixed", "small"] {
         let out = import(&m, dataset, &src.join(dataset), &["--replicas", "1"]);
         assert!(out.status.success(), "{}", stderr(&out));
     }
@@ -276,6 +298,7 @@ async fn main() {
     let s3 = Peers::start(&h).await;
     let bucket = s3.bucket().await;
     let keys = (large.iter().map(|r| Path::new("large").join(r)))
+        .chain(mixed.iter().map(|r| Path::new("mixed").join(r)))
         .chain(small.iter().map(|r| Path::new("small").join(r)));
     for rel in keys {
         let data = std::fs::read(src.join(&rel)).unwrap();
@@ -285,7 +308,6 @@ async fn main() {
             .unwrap();
     }
 
-    // Extra `locus mount` flags, e.g. LOCUS_BENCH_MOUNT_ARGS="--threads 8".
     // Extra `locus mount` flags, e.g. LOCUS_BENCH_MOUNT_ARGS="--threads 8".
     let mount_args_s = std::env::var("LOCUS_BENCH_MOUNT_ARGS").unwrap_or_default();
     let mount_args: Vec<&str> = mount_args_s.split_whitespace().collect();
@@ -298,8 +320,25 @@ async fn main() {
         with(&["--opens", "kernel"]),
     );
     let can_drop = drop_caches();
+    // Per workload, the node's blob file of each of its files, in the same order.
+    let blob_files = nodes[0].blob_files();
+    let blobs_of = |dir: &str, files: &[PathBuf]| -> Vec<PathBuf> {
+        files
+            .iter()
+            .map(|f| {
+                let h = blake3::hash(&std::fs::read(src.join(dir).join(f)).unwrap());
+                blob_files[&h.to_hex().to_string()].clone()
+            })
+            .collect()
+    };
+    let blob_lists = [
+        blobs_of("large", &large),
+        blobs_of("mixed", &mixed),
+        blobs_of("small", &small),
+    ];
     // (dataset and directory, files in it, readers)
-    let workloads: [(&str, &[PathBuf], usize); 2] = [("large", &large, 1), ("small", &small, 8)];
+    let workloads: [(&str, &[PathBuf], usize); 3] =
+        [("large", &large, 1), ("mixed", &mixed, 8), ("small", &small, 8)];
     // A system mounts the workload's dataset (numbered to keep mount points apart) and
     // returns where its files are, with whatever keeps the mount alive.
     type Mounter<'a> = Box<dyn Fn(usize, &str) -> Option<(PathBuf, Box<dyn std::any::Any>)> + 'a>;
@@ -345,13 +384,21 @@ async fn main() {
         notes.push("s3fs is not installed (apt-get install s3fs): its rows are missing");
     }
 
-    let mut rows: Vec<(String, [String; 4])> = Vec::new();
-    let mut raw: [f64; 4] = [0.0; 4];
+    let mut rows: Vec<(String, [String; 6])> = Vec::new();
+    let mut raw: [f64; 6] = [0.0; 6];
+    let mut passthrough = Vec::new();
     for (si, (name, mount)) in systems.iter().enumerate() {
-        let mut cells: [String; 4] = Default::default();
+        let mut cells: [String; 6] = Default::default();
+        let mut engaged = Vec::new();
         for (wi, (dir, files, threads)) in workloads.iter().enumerate() {
             let raw_root = src.join(dir);
             counter += 1;
+            let blobs_cold = |files: &[PathBuf]| {
+                drop_caches();
+                let (b, t) = read_all(Path::new("/"), &blob_lists[wi], *threads);
+                rate((1, b, t), wi, files.len())
+            };
+            let blobs_before = (can_drop && name.starts_with("locus")).then(|| blobs_cold(files));
             if can_drop {
                 drop_caches();
             }
@@ -379,29 +426,56 @@ async fn main() {
             samples.sort_by(|a, b| rate(*a, wi, files.len()).total_cmp(&rate(*b, wi, files.len())));
             let warm = samples[1];
             paired_raw.sort_by(f64::total_cmp);
+            if let Some(mnt) = guard.downcast_ref::<Mount>() {
+                // The status file is rewritten every two seconds.
+                std::thread::sleep(Duration::from_millis(2100));
+                let st = mnt.status();
+                let t = &st["totals"];
+                let opens =
+                    ["opens_passthrough", "opens_local", "opens_remote"].map(|k| t[k].as_u64().unwrap_or(0));
+                engaged.push(if st["kernel_opens"] == true {
+                    format!("{dir}: the kernel opened every file")
+                } else if st["passthrough"] != true {
+                    format!("{dir}: passthrough unavailable")
+                } else {
+                    format!("{dir} {} of {}", opens[0], opens.iter().sum::<u64>())
+                });
+            }
             drop(guard);
+            let blobs = blobs_before.map(|before| (before, blobs_cold(files)));
             for (k, sample) in [cold, warm].into_iter().enumerate() {
                 let value = rate(sample, wi, files.len());
                 if si == 0 {
                     raw[wi * 2 + k] = value;
                 }
-                let unit = if wi == 0 { "GB/s" } else { "files/s" };
+                let unit = if wi < 2 { "GB/s" } else { "files/s" };
                 let show = |v: f64| {
-                    if wi == 0 {
+                    if wi < 2 {
                         format!("{v:.2}")
                     } else {
                         format!("{v:.0}")
                     }
                 };
                 let shown = show(value);
-                cells[wi * 2 + k] = match paired_raw.get(1) {
-                    Some(&r) if k == 1 => format!("{shown} {unit} ({:.2}× raw {})", value / r, show(r)),
+                cells[wi * 2 + k] = match (paired_raw.get(1), blobs) {
+                    (Some(&r), _) if k == 1 => format!("{shown} {unit} ({:.2}× raw {})", value / r, show(r)),
+                    (_, Some((before, after))) => format!(
+                        "{shown} {unit} ({:.2}× raw; {:.2}× blobs {}, {} before)",
+                        value / raw[wi * 2 + k],
+                        value / after,
+                        show(after),
+                        show(before)
+                    ),
                     _ => format!("{shown} {unit} ({:.2}× raw)", value / raw[wi * 2 + k]),
                 };
             }
         }
+        if !engaged.is_empty() {
+            passthrough.push(format!("{name}: {}", engaged.join(", ")));
+        }
         rows.push((name.to_string(), cells));
     }
+    notes.push("cold \"× blobs N, M before\": against the node's blob files of that dataset read cold after the system's warm samples (N) and just before its mount (M)");
     notes.push("warm \"× raw N\": against the local directory sampled in turn with that system (N: the median of those samples)");
     if !can_drop {
         notes.push("not root: page caches could not be dropped, so \"cold\" is not cold");
@@ -409,12 +483,18 @@ async fn main() {
 
     println!();
     println!(
-        "mount_read: {large_n} × {large_mib} MiB files read sequentially (1 thread); {small_n} × 128 KiB files, 8 readers"
+        "mount_read: {large_n} × {large_mib} MiB files read sequentially (1 thread); {mixed_n} files of \
+         4 KiB to 64 MiB ({} MiB), 8 readers; {small_n} × 128 KiB files, 8 readers",
+        mixed_bytes >> 20
     );
-    println!("| system | large cold | large warm | 128 KiB cold | 128 KiB warm |");
-    println!("|---|---|---|---|---|");
+    println!("| system | large cold | large warm | mixed cold | mixed warm | 128 KiB cold | 128 KiB warm |");
+    println!("|---|---|---|---|---|---|---|");
     for (name, c) in &rows {
-        println!("| {name} | {} | {} | {} | {} |", c[0], c[1], c[2], c[3]);
+        println!("| {name} | {} |", c.join(" | "));
+    }
+    println!("opens passed through to the kernel (of all opens the mount answered), cold and warm passes together:");
+    for p in passthrough {
+        println!("  {p}");
     }
     println!("peers read from: {}", s3.server);
     for n in notes {
