@@ -563,6 +563,17 @@ async fn import_from_a_real_s3_server() {
     for s in shards(&mut c, "froms3", 1).await {
         assert_eq!(s.replicas.len(), 2);
     }
+    // Read by the nodes (they have the store's credentials): each object on its first
+    // replica, the other replica copying it from there.
+    for n in &nodes {
+        let m = http_get(n.http, "/metrics").await;
+        assert!(
+            m.lines()
+                .any(|l| l.starts_with("locus_node_blobs_written_total{kind=\"origin\"}")),
+            "{} read nothing from the origin:\n{m}",
+            n.id
+        );
+    }
     let held: Vec<_> = nodes.iter().map(|n| n.blob_files()).collect();
     for (rel, d) in &files {
         let b = blake3::hash(d).to_hex().to_string();
@@ -935,6 +946,19 @@ async fn a_same_host_client_gets_a_verified_local_path_over_the_unix_socket() {
     missing.hash = blake3::hash(b"nobody has this").as_bytes().to_vec();
     let e = local.ensure_local(missing).await.unwrap_err();
     assert_eq!(e.code(), tonic::Code::NotFound, "{e:?}");
+    // Whoever reaches the socket cannot make the node read a URL of their choosing with
+    // the node's credentials.
+    let e = local
+        .import_object(nodepb::ImportObjectRequest {
+            origin: format!("file://{}", h.path("").display()),
+            path: "n1.log".into(),
+            size: 1,
+            ..Default::default()
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), tonic::Code::PermissionDenied, "{e:?}");
+    assert!(e.message().contains("Unix socket"), "{e:?}");
 }
 
 /// Files of `mib` MiB each, `n` of them, different contents.

@@ -78,6 +78,63 @@ impl Origin {
         }
     }
 
+    /// The whole file at `rel` (a validated relative path), as it streams in: pieces of
+    /// any size, in order. A local file is read on a blocking thread in 8 MiB pieces,
+    /// at most two ahead of the consumer.
+    pub async fn stream(
+        &self,
+        rel: &str,
+    ) -> Result<futures_util::stream::BoxStream<'static, Result<Bytes, String>>, String> {
+        use futures_util::StreamExt;
+        match self {
+            Origin::Dir(root) => {
+                let path = root.join(rel);
+                let f = std::fs::File::open(&path).map_err(|e| format!("{}: {e}", path.display()))?;
+                let (tx, rx) = tokio::sync::mpsc::channel::<Result<Bytes, String>>(2);
+                tokio::task::spawn_blocking(move || {
+                    use std::io::Read;
+                    let mut f = f;
+                    loop {
+                        let mut buf = vec![0u8; 8 << 20];
+                        let mut got = 0;
+                        while got < buf.len() {
+                            match f.read(&mut buf[got..]) {
+                                Ok(0) => break,
+                                Ok(n) => got += n,
+                                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                                Err(e) => {
+                                    let _ = tx.blocking_send(Err(format!("{}: {e}", path.display())));
+                                    return;
+                                }
+                            }
+                        }
+                        if got == 0 {
+                            return;
+                        }
+                        buf.truncate(got);
+                        if tx.blocking_send(Ok(Bytes::from(buf))).is_err() {
+                            return;
+                        }
+                    }
+                });
+                Ok(tokio_stream_of(rx).boxed())
+            }
+            Origin::Store { store, prefix, url } => {
+                let key = if prefix.is_empty() {
+                    rel.to_string()
+                } else {
+                    format!("{prefix}/{rel}")
+                };
+                let path = ObjPath::parse(key.as_str()).map_err(|e| format!("{url}/{rel}: {e}"))?;
+                let r = store.get(&path).await.map_err(|e| format!("{url}/{rel}: {e}"))?;
+                let what = format!("{url}/{rel}");
+                Ok(r.into_stream()
+                    .map(move |p| p.map_err(|e| format!("{what}: {e}")))
+                    .boxed())
+            }
+        }
+    }
+
     /// `[offset, offset + len)` of the entry at `rel` (a validated relative path).
     pub async fn read(&self, rel: &str, offset: u64, len: u64) -> Result<Bytes, String> {
         match self {
@@ -121,6 +178,13 @@ impl Origin {
             }
         }
     }
+}
+
+/// A receiver as a stream (what tokio-stream's wrapper does, without the dependency).
+fn tokio_stream_of<T: Send + 'static>(
+    mut rx: tokio::sync::mpsc::Receiver<T>,
+) -> impl futures_util::Stream<Item = T> {
+    futures_util::stream::poll_fn(move |cx| rx.poll_recv(cx))
 }
 
 #[cfg(test)]

@@ -72,7 +72,7 @@ pub fn required_access(method: &str) -> Option<locus_proto::auth::Access> {
     Some(match method {
         "ReadBlob" | "HaveBlobs" | "GetNodeStatus" | "EnsureLocal" | "LocalPaths" => Access::Read,
         "WriteBlob" | "FetchBlobs" | "FetchChunks" => Access::NodeOrAdmin,
-        "UploadBlobs" => Access::Admin,
+        "UploadBlobs" | "ImportObject" => Access::Admin,
         _ => return None,
     })
 }

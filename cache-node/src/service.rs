@@ -568,6 +568,41 @@ impl Node for NodeService {
 
     type UploadBlobsStream = Pin<Box<dyn Stream<Item = Result<nodepb::UploadProgress, Status>> + Send>>;
 
+    async fn import_object(
+        &self,
+        req: Request<nodepb::ImportObjectRequest>,
+    ) -> Result<Response<nodepb::ImportObjectResponse>, Status> {
+        if self.local {
+            // The node's own credentials would read whatever a local caller names.
+            return Err(Status::permission_denied(
+                "ImportObject is not served on the node's Unix socket",
+            ));
+        }
+        let q = req.into_inner();
+        if q.origin.is_empty() {
+            return Err(Status::invalid_argument("origin: name the version's origin URL"));
+        }
+        let stored = crate::transfer::import_from_origin(
+            &self.store,
+            &self.peers,
+            &q.origin,
+            &q.path,
+            q.size,
+            q.chunk_size,
+            q.pin,
+            self.peer_idle,
+        )
+        .await?;
+        if !stored.already_present {
+            self.metrics.wrote("origin", q.size);
+        }
+        Ok(Response::new(nodepb::ImportObjectResponse {
+            hash: stored.hash.0.to_vec(),
+            chunk_hashes: stored.chunks.iter().map(|c| c.0.to_vec()).collect(),
+            already_present: stored.already_present,
+        }))
+    }
+
     async fn upload_blobs(
         &self,
         req: Request<nodepb::UploadBlobsRequest>,

@@ -109,10 +109,27 @@ impl Sink {
         Ok(())
     }
 
+    /// `write` for several pieces, written one after another in one blocking task.
+    pub async fn write_all(&mut self, bufs: Vec<bytes::Bytes>) -> Result<(), Status> {
+        let mut w = self.writer().await?;
+        self.state = SinkState::Busy(tokio::task::spawn_blocking(move || {
+            for b in &bufs {
+                w.write(b)?;
+            }
+            Ok(w)
+        }));
+        Ok(())
+    }
+
     /// Writes what is pending, then verifies and publishes the blob.
-    pub async fn finish(mut self) -> Result<(), Status> {
+    pub async fn finish(self) -> Result<(), Status> {
+        self.finish_stored().await.map(|_| ())
+    }
+
+    /// `finish`, saying what was stored.
+    pub async fn finish_stored(mut self) -> Result<crate::store::Stored, Status> {
         let w = self.writer().await?;
-        tokio::task::spawn_blocking(move || w.finish())
+        tokio::task::spawn_blocking(move || w.finish_stored())
             .await
             .map_err(|e| Status::internal(format!("write task failed: {e}")))?
             .map_err(to_status)
@@ -361,6 +378,63 @@ pub async fn copy_from_anywhere(
         }
     }
     Err(last)
+}
+
+/// Pieces gathered before one write: an object store's body arrives in pieces of a few
+/// KiB, and each write is a trip to a blocking thread.
+const GATHER: usize = 4 << 20;
+
+/// Reads the file at `path` under the origin `url` whole, hashing it as it streams in,
+/// and stores it under the hash of its bytes (an import the node reads itself). Nothing
+/// is stored unless exactly `size` bytes arrive.
+#[allow(clippy::too_many_arguments)]
+pub async fn import_from_origin(
+    store: &Arc<BlobStore>,
+    peers: &Peers,
+    url: &str,
+    path: &str,
+    size: u64,
+    chunk_size: u32,
+    pin: bool,
+    idle: Duration,
+) -> Result<crate::store::Stored, Status> {
+    let rel = locus_proto::RelPath::try_from(path.to_string())
+        .map_err(|e| Status::invalid_argument(format!("path: {e}")))?;
+    let origin = peers.origin(url)?;
+    let st = store.clone();
+    let writer = tokio::task::spawn_blocking(move || st.begin_unnamed_write(size, chunk_size, pin))
+        .await
+        .map_err(|e| Status::internal(e.to_string()))?
+        .map_err(to_status)?;
+    let mut body = tokio::time::timeout(idle, origin.stream(rel.as_str()))
+        .await
+        .map_err(|_| Status::unavailable(format!("{url}/{rel}: no answer for {}s", idle.as_secs_f64())))?
+        .map_err(Status::unavailable)?;
+    let mut sink = Sink::new(writer);
+    let mut batch: Vec<bytes::Bytes> = Vec::new();
+    let mut batched = 0usize;
+    loop {
+        let piece = tokio::time::timeout(idle, futures_util::StreamExt::next(&mut body))
+            .await
+            .map_err(|_| Status::unavailable(format!("{url}/{rel}: nothing for {}s", idle.as_secs_f64())))?;
+        let end = match piece {
+            Some(Ok(b)) => {
+                batched += b.len();
+                batch.push(b);
+                false
+            }
+            Some(Err(e)) => return Err(Status::unavailable(e)),
+            None => true,
+        };
+        if batched >= GATHER || (end && !batch.is_empty()) {
+            sink.write_all(std::mem::take(&mut batch)).await?;
+            batched = 0;
+        }
+        if end {
+            break;
+        }
+    }
+    sink.finish_stored().await
 }
 
 /// Bytes asked of an origin per request, and requests kept in flight per blob: enough to

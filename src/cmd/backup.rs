@@ -435,6 +435,8 @@ async fn restore_version(
         chunk_size: v.chunk_size,
         parallel: 8,
         token: cfg.token.clone(),
+        // Blobs come from the backup's layout, which only this client reads.
+        read_by: ops::import::ReadBy::Client,
     };
     if !cfg.json {
         println!(

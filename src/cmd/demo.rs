@@ -139,6 +139,7 @@ pub async fn run(a: DemoArgs, cfg: &Resolved) -> anyhow::Result<()> {
             shard_size: "4MiB".into(),
             chunk_size: "4MiB".into(),
             parallel: 8,
+            read_by: super::import::ReadByArg::Auto,
         },
         &demo_cfg,
     )

@@ -31,9 +31,24 @@ pub struct ImportArgs {
     /// Chunk size for hashes and partial transfers (power of two, 64KiB..1GiB).
     #[arg(long, default_value = "4MiB", value_name = "SIZE")]
     pub chunk_size: String,
-    /// Blob uploads in flight at once.
+    /// Blob uploads (or, read by the nodes, objects) in flight at once.
     #[arg(long, default_value_t = 8)]
     pub parallel: usize,
+    /// Who reads an object-store source: `nodes` (each object is read by the first node
+    /// of its shard, with that node's credentials, hashed as it streams in and stored;
+    /// the shard's other replicas copy it from that node), `client` (this command reads
+    /// every object and sends it to the nodes), or `auto`: the nodes, and this command
+    /// for the objects a node cannot read (no credentials or no route to the store; a
+    /// warning names the node). A local directory is always read by this command.
+    #[arg(long, value_enum, default_value_t = ReadByArg::Auto, value_name = "WHO")]
+    pub read_by: ReadByArg,
+}
+
+#[derive(clap::ValueEnum, Clone, Copy, Debug)]
+pub enum ReadByArg {
+    Auto,
+    Nodes,
+    Client,
 }
 
 impl ImportArgs {
@@ -54,6 +69,11 @@ impl ImportArgs {
             chunk_size,
             parallel: self.parallel,
             token: cfg.token.clone(),
+            read_by: match self.read_by {
+                ReadByArg::Auto => locus::ops::import::ReadBy::Auto,
+                ReadByArg::Nodes => locus::ops::import::ReadBy::Nodes,
+                ReadByArg::Client => locus::ops::import::ReadBy::Client,
+            },
         })
     }
 }

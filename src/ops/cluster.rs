@@ -10,6 +10,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use locus_proto::client::{MetadataClient, NodeClient};
+use locus_proto::manifest::FileHashes;
 use locus_proto::{nodepb, pb, BlobHash};
 
 use super::scan::BlobSource;
@@ -53,6 +54,31 @@ pub trait ImportCluster: Send + Sync {
     fn send<'a>(&'a self, node: &'a str, blob: Upload) -> BoxFuture<'a, Result<(), String>>;
     /// The files of the dataset's latest version; empty when it has none.
     fn previous<'a>(&'a self, dataset: &'a str) -> BoxFuture<'a, Result<Vec<PreviousFile>, tonic::Status>>;
+    /// Has `node` read one file of the version's origin itself and store it (pinned); the
+    /// file's hashes. Clusters whose nodes cannot do that answer UNIMPLEMENTED.
+    fn pull<'a>(
+        &'a self,
+        node: &'a str,
+        r: nodepb::ImportObjectRequest,
+    ) -> BoxFuture<'a, Result<FileHashes, tonic::Status>> {
+        let _ = (node, r);
+        Box::pin(async {
+            Err(tonic::Status::unimplemented(
+                "this cluster's nodes do not read origins",
+            ))
+        })
+    }
+    /// Has `node` copy a blob from node `from` (verified, pinned).
+    fn copy<'a>(
+        &'a self,
+        node: &'a str,
+        from: &'a str,
+        blob: nodepb::BlobRef,
+        chunk_size: u32,
+    ) -> BoxFuture<'a, Result<(), String>> {
+        let _ = (node, from, blob, chunk_size);
+        Box::pin(async { Err("this cluster's nodes do not copy from each other".to_string()) })
+    }
 }
 
 /// A stream of catalogue pieces.
@@ -237,6 +263,67 @@ impl ImportCluster for GrpcCluster {
                 out.extend(have);
             }
             Ok(out)
+        })
+    }
+
+    fn pull<'a>(
+        &'a self,
+        node: &'a str,
+        r: nodepb::ImportObjectRequest,
+    ) -> BoxFuture<'a, Result<FileHashes, tonic::Status>> {
+        Box::pin(async move {
+            let (mut c, _) = self.node(node).await.map_err(tonic::Status::unavailable)?;
+            // A node gives up on a silent source after its own peer timeout; this bounds a
+            // node that stops answering: a minute plus the bytes at a slow 20 MB/s.
+            let limit = Duration::from_secs(60) + Duration::from_secs_f64(r.size as f64 / 20e6);
+            let (size, chunk_size) = (r.size, r.chunk_size);
+            let resp = tokio::time::timeout(limit, c.import_object(r))
+                .await
+                .map_err(|_| {
+                    tonic::Status::unavailable(format!("node {node}: no answer within {}s", limit.as_secs()))
+                })??
+                .into_inner();
+            let hash = BlobHash::from_slice("hash", &resp.hash)
+                .map_err(|e| tonic::Status::internal(e.to_string()))?;
+            let chunks = resp
+                .chunk_hashes
+                .iter()
+                .map(|c| BlobHash::from_slice("chunk_hashes", c))
+                .collect::<Result<Vec<_>, _>>()
+                .map_err(|e| tonic::Status::internal(e.to_string()))?;
+            if chunks.len() as u64 != locus_proto::manifest::chunk_count(size, chunk_size) {
+                return Err(tonic::Status::internal(format!(
+                    "node {node} returned {} chunk hashes for {size} bytes",
+                    chunks.len()
+                )));
+            }
+            Ok((size, hash, chunks))
+        })
+    }
+
+    fn copy<'a>(
+        &'a self,
+        node: &'a str,
+        from: &'a str,
+        blob: nodepb::BlobRef,
+        chunk_size: u32,
+    ) -> BoxFuture<'a, Result<(), String>> {
+        Box::pin(async move {
+            let (mut c, _) = self.node(node).await?;
+            let (_, source) = self.node(from).await?;
+            let limit = Duration::from_secs(60) + Duration::from_secs_f64(blob.size as f64 / 20e6);
+            let call = c.fetch_blobs(nodepb::FetchBlobsRequest {
+                source,
+                blobs: vec![blob],
+                pin: true,
+                chunk_size,
+                ..Default::default()
+            });
+            tokio::time::timeout(limit, call)
+                .await
+                .map_err(|_| format!("node {node}: no answer within {}s", limit.as_secs()))?
+                .map_err(|s| format!("node {node} copying from {from}: {}", super::status_sentence(&s)))?;
+            Ok(())
         })
     }
 

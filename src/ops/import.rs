@@ -40,6 +40,20 @@ pub struct ImportOptions {
     pub parallel: usize,
     /// The token presented to nodes.
     pub token: Option<String>,
+    /// Who reads an object-store source.
+    pub read_by: ReadBy,
+}
+
+/// Who reads the objects of an object-store import (a directory is always read here).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ReadBy {
+    /// The nodes, each object by the first node of its shard (see `pull`).
+    Nodes,
+    /// This client, sending each object to its nodes.
+    Client,
+    /// The nodes; this client for the objects a node cannot read.
+    #[default]
+    Auto,
 }
 
 /// What an import did.
@@ -189,18 +203,26 @@ async fn import_remote(
         let placement = placed_or_refused(placed, shard_bytes.len())?;
         let total: u64 = sizes.iter().flatten().sum();
         let done = obs.start("importing", total);
-        let todo: Vec<(usize, object_store::path::Path, u64, Vec<String>)> = found
+        let todo: Vec<pull::Todo> = found
             .iter()
             .enumerate()
             .filter_map(|(i, f)| match &f.kind {
                 super::scan::FoundKind::File(super::scan::BlobSource::Remote(p)) => {
                     let nodes = placement[&groups[i].expect("a file")].clone();
-                    Some((i, p.clone(), sizes[i].unwrap_or(0), nodes))
+                    Some((i, p.clone(), f.rel.clone(), sizes[i].unwrap_or(0), nodes))
                 }
                 _ => None,
             })
             .collect();
-        let read = read_and_send(cluster, &remote.store, todo, found.len(), o, &done).await;
+        let read = match o.read_by {
+            ReadBy::Client => {
+                let todo = todo.into_iter().map(|t| (t.0, t.1, t.3, t.4)).collect();
+                read_and_send(cluster, &remote.store, todo, found.len(), o, &done).await
+            }
+            ReadBy::Nodes | ReadBy::Auto => {
+                pull::pull_by_nodes(cluster, &remote.store, todo, found.len(), o, &done).await
+            }
+        };
         obs.end("importing");
         let hashes = read?;
         // The manifest of what was read; its shards are the ones placed, since they
@@ -619,6 +641,8 @@ async fn previous_holders(
     }
     holders_of(cluster, hints).await.unwrap_or_default()
 }
+
+mod pull;
 
 #[cfg(test)]
 mod tests;

@@ -36,7 +36,7 @@ pub use read::BlobReader;
 pub use record::FileStamp;
 use record::{chunk_hashes, stamp, BlobRecord};
 use space::Reservation;
-pub use write::BlobWriter;
+pub use write::{BlobWriter, Stored};
 
 pub const FORMAT_FILE: &str = "LOCUS_BLOBSTORE";
 pub const FORMAT_VERSION: u32 = 1;

@@ -164,15 +164,37 @@ impl BlobStore {
             }
             return Ok(None);
         }
-        let chunk_size = checked_chunk_size(hash, chunk_size)?;
+        self.writer(Some(hash), size, chunk_size, pin).map(Some)
+    }
+
+    /// Starts writing a blob whose name is not known yet: it is named by the hash of
+    /// what arrives (an object this node reads from a version's origin for an import).
+    pub fn begin_unnamed_write(
+        self: &Arc<Self>,
+        size: u64,
+        chunk_size: u32,
+        pin: bool,
+    ) -> Result<BlobWriter, StoreError> {
+        self.writer(None, size, chunk_size, pin)
+    }
+
+    fn writer(
+        self: &Arc<Self>,
+        hash: Option<BlobHash>,
+        size: u64,
+        chunk_size: u32,
+        pin: bool,
+    ) -> Result<BlobWriter, StoreError> {
+        let chunk_size = checked_chunk_size(hash.unwrap_or(BlobHash([0; 32])), chunk_size)?;
         let (dir, reservation) = self.reserve(size)?;
-        let tmp = self.cfg.dirs[dir as usize].join("tmp").join(format!(
-            "{}.{}",
-            hex(&hash),
-            self.tick.fetch_add(1, Ordering::Relaxed)
-        ));
+        let tick = self.tick.fetch_add(1, Ordering::Relaxed);
+        let name = match &hash {
+            Some(h) => format!("{}.{tick}", hex(h)),
+            None => format!("unnamed.{tick}"),
+        };
+        let tmp = self.cfg.dirs[dir as usize].join("tmp").join(name);
         let file = super::direct::BlobFile::create(&tmp).map_err(io)?;
-        Ok(Some(BlobWriter {
+        Ok(BlobWriter {
             store: self.clone(),
             hash,
             size,
@@ -183,15 +205,25 @@ impl BlobStore {
             file: Some(file),
             hasher: locus_proto::manifest::ChunkHasher::new(chunk_size),
             _reservation: reservation,
-        }))
+        })
     }
+}
+
+/// What a finished write stored: the blob's hashes, and whether the blob was here
+/// already (an unnamed write of bytes the store held: nothing new was kept).
+#[derive(Debug)]
+pub struct Stored {
+    pub hash: BlobHash,
+    pub chunks: Vec<BlobHash>,
+    pub already_present: bool,
 }
 
 /// A blob being written. Nothing is visible until `finish` verified it; dropping an
 /// unfinished writer removes its temporary file and releases its space.
 pub struct BlobWriter {
     store: Arc<BlobStore>,
-    hash: BlobHash,
+    /// The name the bytes must hash to; None: whatever they hash to.
+    hash: Option<BlobHash>,
     size: u64,
     chunk_size: u32,
     pin: bool,
@@ -206,7 +238,7 @@ impl BlobWriter {
     pub fn write(&mut self, data: &[u8]) -> Result<(), StoreError> {
         if self.hasher.size() + data.len() as u64 > self.size {
             return Err(StoreError::Mismatch {
-                hash: self.hash,
+                hash: self.hash.unwrap_or(BlobHash([0; 32])),
                 what: format!("more than the announced {} bytes", self.size),
             });
         }
@@ -220,19 +252,40 @@ impl BlobWriter {
     }
 
     /// Verifies, syncs and publishes the blob.
-    pub fn finish(mut self) -> Result<(), StoreError> {
+    pub fn finish(self) -> Result<(), StoreError> {
+        self.finish_stored().map(|_| ())
+    }
+
+    /// `finish`, saying what was stored.
+    pub fn finish_stored(mut self) -> Result<Stored, StoreError> {
         if self.hasher.size() != self.size {
             return Err(StoreError::Mismatch {
-                hash: self.hash,
+                hash: self.hash.unwrap_or(BlobHash([0; 32])),
                 what: format!("{} bytes received, {} announced", self.hasher.size(), self.size),
             });
         }
         let (_, got, chunks) = self.hasher.clone().finish();
-        if got != self.hash {
-            return Err(StoreError::Mismatch {
-                hash: self.hash,
-                what: format!("the bytes hash to {got}"),
-            });
+        match self.hash {
+            Some(want) if got != want => {
+                return Err(StoreError::Mismatch {
+                    hash: want,
+                    what: format!("the bytes hash to {got}"),
+                })
+            }
+            None if self.store.contains(&got) => {
+                // Named only now, and held already: keep the copy we have.
+                drop(self.file.take());
+                let _ = fs::remove_file(&self.tmp);
+                if self.pin {
+                    self.store.set_pinned(&got, true)?;
+                }
+                return Ok(Stored {
+                    hash: got,
+                    chunks,
+                    already_present: true,
+                });
+            }
+            _ => {}
         }
         let file = self
             .file
@@ -242,7 +295,7 @@ impl BlobWriter {
             .map_err(io)?;
         file.sync_all().map_err(io)?;
         drop(file);
-        let dest = self.store.blob_path_in(self.dir, &self.hash);
+        let dest = self.store.blob_path_in(self.dir, &got);
         let parent = dest.parent().expect("blob paths have a parent");
         fs::create_dir_all(parent).map_err(io)?;
         fs::rename(&self.tmp, &dest).map_err(io)?;
@@ -255,8 +308,12 @@ impl BlobWriter {
         // someone else between the fsync and this stamp, microseconds apart, would go
         // unnoticed until the scrub.
         rec.verified = stamp(&dest).ok().map(Into::into);
-        self.store.insert(self.hash, rec)?;
-        Ok(())
+        self.store.insert(got, rec)?;
+        Ok(Stored {
+            hash: got,
+            chunks,
+            already_present: false,
+        })
     }
 }
 

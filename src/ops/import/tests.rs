@@ -21,6 +21,10 @@ struct Fake {
     holding: HashSet<(String, BlobHash)>,
     /// The dataset's latest version: (path, size, blob).
     previous: Vec<(String, u64, BlobHash)>,
+    /// The origin the nodes read (ImportObject) under `ds/`; None: nodes cannot read it.
+    origin: Option<Arc<dyn object_store::ObjectStore>>,
+    /// A node whose reads of the origin fail, and how.
+    refuse_pull: Option<(&'static str, tonic::Code)>,
     log: Mutex<Vec<String>>,
 }
 
@@ -124,6 +128,43 @@ impl ImportCluster for Fake {
                 .collect())
         })
     }
+    fn pull<'a>(
+        &'a self,
+        node: &'a str,
+        r: locus_proto::nodepb::ImportObjectRequest,
+    ) -> BoxFuture<'a, Result<locus_proto::manifest::FileHashes, tonic::Status>> {
+        Box::pin(async move {
+            use object_store::ObjectStoreExt;
+            let Some(store) = &self.origin else {
+                return Err(tonic::Status::unimplemented("no origin reads"));
+            };
+            if let Some((n, code)) = self.refuse_pull {
+                if n == node {
+                    return Err(tonic::Status::new(code, "cannot read the store"));
+                }
+            }
+            let key = object_store::path::Path::from(format!("ds/{}", r.path));
+            let data = store.get(&key).await.unwrap().bytes().await.unwrap();
+            assert_eq!(data.len() as u64, r.size, "the size the listing gave");
+            let mut h = locus_proto::manifest::ChunkHasher::new(r.chunk_size);
+            h.update(&data);
+            self.said(&format!("pull {node} {}", r.path));
+            Ok(h.finish())
+        })
+    }
+    fn copy<'a>(
+        &'a self,
+        node: &'a str,
+        from: &'a str,
+        blob: locus_proto::nodepb::BlobRef,
+        _chunk_size: u32,
+    ) -> BoxFuture<'a, Result<(), String>> {
+        Box::pin(async move {
+            let h = BlobHash::from_slice("hash", &blob.hash).unwrap();
+            self.said(&format!("copy {node}<-{from} {h}"));
+            Ok(())
+        })
+    }
     fn send<'a>(&'a self, node: &'a str, blob: Upload) -> BoxFuture<'a, Result<(), String>> {
         Box::pin(async move {
             if self.refuse == Some(node) {
@@ -163,6 +204,7 @@ fn source() -> (tempfile::TempDir, ImportOptions, Vec<BlobHash>) {
         chunk_size: 64 * 1024,
         parallel: 2,
         token: None,
+        read_by: ReadBy::Client,
     };
     (d, o, blobs)
 }
@@ -286,6 +328,8 @@ fn remote_options() -> ImportOptions {
         chunk_size: 64 * 1024,
         parallel: 2,
         token: None,
+        // The fake's nodes cannot read origins: every object falls back to this client.
+        read_by: ReadBy::Auto,
     }
 }
 
@@ -348,4 +392,89 @@ async fn an_object_store_reimport_prefers_the_nodes_holding_what_the_same_paths_
         !log.iter().any(|l| l.contains(",d") || l.ends_with(" d")),
         "{log:?}"
     );
+}
+
+/// The bucket's objects read by the nodes: what the fake cluster did, and the result.
+async fn pulled(fake: Fake, read_by: ReadBy) -> (Vec<String>, Result<ImportReport>, Vec<BlobHash>) {
+    let (remote, blobs) = bucket().await;
+    let fake = Arc::new(Fake {
+        origin: Some(remote.store.clone()),
+        ..fake
+    });
+    let cluster: Arc<dyn ImportCluster> = fake.clone();
+    let o = ImportOptions {
+        read_by,
+        ..remote_options()
+    };
+    let r = import_remote(&cluster, &o, remote, &Quiet, Instant::now()).await;
+    (fake.log(), r, blobs)
+}
+
+#[tokio::test]
+async fn read_by_the_nodes_each_object_is_read_once_by_its_first_replica_and_copied_to_the_others() {
+    let (log, r, blobs) = pulled(Fake::default(), ReadBy::Nodes).await;
+    assert_eq!(r.unwrap().distinct_blobs, 3);
+    for (i, h) in blobs.iter().enumerate() {
+        let pulls: Vec<_> = log
+            .iter()
+            .filter(|l| l.ends_with(&format!(" sub/o{i}")))
+            .collect();
+        assert_eq!(pulls, [&format!("pull a sub/o{i}")], "{log:?}");
+        assert!(log.contains(&format!("copy b<-a {h}")), "{log:?}");
+    }
+    assert!(
+        !log.iter().any(|l| l.starts_with("send")),
+        "the client sent bytes: {log:?}"
+    );
+    assert_eq!(log.last().unwrap(), "commit 7");
+}
+
+#[tokio::test]
+async fn objects_a_node_cannot_read_are_read_and_sent_by_the_client_in_auto() {
+    let fake = Fake {
+        refuse_pull: Some(("a", tonic::Code::PermissionDenied)),
+        ..Default::default()
+    };
+    let (log, r, blobs) = pulled(fake, ReadBy::Auto).await;
+    assert_eq!(r.unwrap().distinct_blobs, 3);
+    for h in &blobs {
+        for n in ["a", "b"] {
+            assert!(log.contains(&format!("send {n} {h}")), "{n} got {h}: {log:?}");
+        }
+    }
+    assert_eq!(log.last().unwrap(), "commit 7");
+}
+
+#[tokio::test]
+async fn read_by_the_nodes_only_a_node_that_cannot_read_fails_the_import_and_commits_nothing() {
+    let fake = Fake {
+        refuse_pull: Some(("a", tonic::Code::PermissionDenied)),
+        ..Default::default()
+    };
+    let (log, r, _) = pulled(fake, ReadBy::Nodes).await;
+    match r {
+        Err(ImportError::Transfer(why)) => assert!(why.contains("node a reading sub/o"), "{why}"),
+        other => panic!("expected a transfer error, got {other:?}"),
+    }
+    assert!(log.contains(&"abort 7".to_string()), "{log:?}");
+    assert!(
+        !log.iter()
+            .any(|l| l.starts_with("commit") || l.starts_with("send")),
+        "{log:?}"
+    );
+}
+
+#[tokio::test]
+async fn in_auto_an_object_that_is_wrong_whoever_reads_it_fails_without_a_second_read() {
+    let fake = Fake {
+        refuse_pull: Some(("a", tonic::Code::InvalidArgument)),
+        ..Default::default()
+    };
+    let (log, r, _) = pulled(fake, ReadBy::Auto).await;
+    assert!(matches!(r, Err(ImportError::Transfer(_))), "{r:?}");
+    assert!(
+        !log.iter().any(|l| l.starts_with("send")),
+        "read again by the client: {log:?}"
+    );
+    assert!(log.contains(&"abort 7".to_string()), "{log:?}");
 }
