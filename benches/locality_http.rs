@@ -46,6 +46,7 @@ async fn main() {
             capacity_bytes: 1 << 44,
             free_bytes: 1 << 43,
             used_bytes: 0,
+            ..Default::default()
         })
         .await
         .unwrap();

@@ -41,6 +41,16 @@ pub struct GlobalArgs {
         value_name = "TOKEN"
     )]
     pub token: Option<String>,
+    /// Read the bearer token from this file (its first line): a Kubernetes Secret mounted
+    /// as files, one per node, or a file only its service account can read.
+    #[arg(
+        long,
+        global = true,
+        env = "LOCUS_TOKEN_FILE",
+        value_name = "FILE",
+        conflicts_with = "token"
+    )]
+    pub token_file: Option<PathBuf>,
     /// CA certificate (PEM) that signed the metadata service's TLS certificate.
     #[arg(long, global = true, env = "LOCUS_CA_CERT", value_name = "FILE")]
     pub ca_cert: Option<PathBuf>,
@@ -134,13 +144,28 @@ impl Resolved {
             Some("json") => LogFormat::Json,
             Some(other) => bail!("log format {other:?} is neither text nor json"),
         };
+        let from_file = match &args.token_file {
+            Some(p) => {
+                let text = std::fs::read_to_string(p)
+                    .map_err(|e| anyhow::anyhow!("--token-file {}: {e}", p.display()))?;
+                let t = text.lines().next().unwrap_or("").trim().to_string();
+                if t.is_empty() {
+                    bail!("--token-file {}: the file is empty", p.display());
+                }
+                Some(t)
+            }
+            None => None,
+        };
         Ok(Resolved {
             metadata_url: args
                 .metadata
                 .clone()
                 .or(file.metadata)
                 .unwrap_or_else(|| DEFAULT_METADATA_URL.to_string()),
-            token: args.token.clone().or(file.token).filter(|t| !t.is_empty()),
+            token: from_file
+                .or_else(|| args.token.clone())
+                .or(file.token)
+                .filter(|t| !t.is_empty()),
             ca_cert: args.ca_cert.clone().or(file.ca_cert),
             json: args.json,
             log_format,

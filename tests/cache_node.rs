@@ -1333,3 +1333,93 @@ async fn a_shard_whose_every_replica_is_gone_is_repaired_from_the_origin_unless_
         }
     }
 }
+
+/// A process holding node n2's token claims n1 at another address: refused at start with
+/// a message that says whose token it is, and n1 keeps its address.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_impostor_with_another_nodes_token_is_refused_and_the_victims_address_is_unchanged() {
+    let h = Harness::new("impostor");
+    let m = h
+        .start_metadata(
+            "meta",
+            MetadataOpts {
+                tokens: tokens(),
+                liveness_timeout: Some("2s"),
+                ..Default::default()
+            },
+        )
+        .await;
+    let n1 = h.start_node("n1", &m, NodeOpts::host(1)).await;
+    let _n2 = h.start_node("n2", &m, NodeOpts::host(2)).await;
+    let address = |id: &'static str| {
+        let m = &m;
+        async move { node_address(m, id).await }
+    };
+    assert_eq!(address("n1").await, n1.grpc.to_string());
+
+    let run = h.node_until_exit("impostor", "n1", &m, m.named_token("n2"), Duration::from_secs(20));
+    let (status, log) = run.expect("the impostor must not keep running");
+    assert!(!status.success(), "{log}");
+    assert!(log.contains("node n1 must present its own"), "{log}");
+    assert_eq!(
+        address("n1").await,
+        n1.grpc.to_string(),
+        "n1's address is unchanged"
+    );
+    // Nor can the real n2 speak for n1 directly.
+    let mut as_n2 = m.client_named("n2").await;
+    let e = as_n2
+        .heartbeat(pb::HeartbeatRequest {
+            id: "n1".into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), tonic::Code::PermissionDenied, "{e:?}");
+}
+
+/// Two processes started with one id (on one host, as two hosts left at the default id
+/// would be): the second is refused at start while the first is up. Once the first is
+/// down, a new identity takes the id over, and the old process, back from its pause, is
+/// told to stop and does.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_process_with_a_registered_id_is_refused_until_the_first_is_down() {
+    let h = Harness::new("duplicate-id");
+    let (m, mut nodes) = cluster(&h, 1, NodeOpts::host).await;
+    let first = nodes[0].grpc.to_string();
+
+    let (status, log) = h
+        .node_until_exit("dup", "n1", &m, None, Duration::from_secs(30))
+        .expect("the duplicate must give up");
+    assert!(!status.success(), "{log}");
+    assert!(
+        log.contains("held by another running process") && log.contains("its own --id"),
+        "{log}"
+    );
+    assert_eq!(node_address(&m, "n1").await, first);
+
+    // The first pauses (a hung host) and is declared down: a new process (its own data
+    // dir, so its own identity) takes n1 over.
+    nodes[0].daemon.sigstop();
+    wait_node_down(&m, "n1").await;
+    let replacement = h.start_node_in("n1-new", "n1", &m, NodeOpts::host(1)).await;
+    assert_eq!(node_address(&m, "n1").await, replacement.grpc.to_string());
+    // The old process comes back: its heartbeat is refused and it stops on its own.
+    nodes[0].daemon.sigcont();
+    let until = std::time::Instant::now() + Duration::from_secs(20);
+    while !nodes[0].daemon.exited() {
+        assert!(
+            std::time::Instant::now() < until,
+            "the replaced process is still running"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let log = std::fs::read_to_string(&nodes[0].daemon.log).unwrap();
+    assert!(log.contains("was taken over by another process"), "{log}");
+    assert_eq!(node_address(&m, "n1").await, replacement.grpc.to_string());
+}
+
+async fn node_address(m: &Metadata, id: &str) -> String {
+    let mut c = m.client(m.opts.tokens.first().map(|_| "admin")).await;
+    node_info(&mut c, id).await.address
+}

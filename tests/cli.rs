@@ -157,6 +157,7 @@ async fn tokens_and_config_precedence() {
         cmd.args(args)
             .env_remove("LOCUS_METADATA")
             .env_remove("LOCUS_TOKEN")
+            .env_remove("LOCUS_TOKEN_FILE")
             .env_remove("LOCUS_CONFIG")
             .env("HOME", h.path("home"));
         for (k, v) in env {
@@ -181,6 +182,30 @@ async fn tokens_and_config_precedence() {
         &[("LOCUS_TOKEN", &reader)],
     );
     assert_eq!(json(&out)["metadata"]["caller"]["name"], "trainer");
+
+    // A token from a file (its first line), as a mounted Secret gives it; an empty
+    // file is an error, not an anonymous call.
+    let tf = h.path("token");
+    std::fs::write(&tf, format!("{reader}\n")).unwrap();
+    let out = run(
+        &[
+            "--metadata",
+            &url,
+            "--token-file",
+            tf.to_str().unwrap(),
+            "status",
+            "--json",
+        ],
+        &[],
+    );
+    assert_eq!(json(&out)["metadata"]["caller"]["name"], "trainer");
+    std::fs::write(&tf, "\n").unwrap();
+    let out = run(
+        &["--metadata", &url, "--token-file", tf.to_str().unwrap(), "status"],
+        &[],
+    );
+    assert!(!out.status.success());
+    assert!(stderr(&out).contains("the file is empty"), "{}", stderr(&out));
 
     // The config file supplies what flags and environment leave out; they win over it.
     let cfg = h.path("locus.toml");

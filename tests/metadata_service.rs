@@ -323,7 +323,9 @@ async fn each_role_is_refused_what_it_may_not_do() {
         )
         .await;
     let mut admin = m.client(Some("admin")).await;
-    let mut node = m.client(Some("node")).await;
+    // n1's own node token; "gpu-node" is another node-role token.
+    let mut node = m.client_named("n1").await;
+    let mut other_node = m.client_named("gpu-node").await;
     let mut reader = m.client(Some("reader")).await;
     let mut nobody = m.client(None).await;
     let mut forged = locus_proto::client::connect(&m.client_options(Some("forged-token-0123456789".into())))
@@ -341,8 +343,11 @@ async fn each_role_is_refused_what_it_may_not_do() {
     };
     let code = |r: Result<(), tonic::Status>| r.err().map(|s| s.code());
 
-    // Node calls.
+    // Node calls, for its own id only.
     assert_eq!(code(node.register_node(reg()).await.map(drop)), None);
+    let e = other_node.register_node(reg()).await.unwrap_err();
+    assert_eq!(e.code(), Code::PermissionDenied, "{e:?}");
+    assert!(e.message().contains("node n1 must present its own"), "{e:?}");
     assert_eq!(
         code(admin.register_node(reg()).await.map(drop)),
         Some(Code::PermissionDenied)
@@ -356,6 +361,19 @@ async fn each_role_is_refused_what_it_may_not_do() {
         ..Default::default()
     };
     assert_eq!(code(node.heartbeat(hb()).await.map(drop)), None);
+    assert_eq!(
+        code(other_node.heartbeat(hb()).await.map(drop)),
+        Some(Code::PermissionDenied)
+    );
+    let pins = |id: &str| pb::ListNodeBlobsRequest {
+        node: id.into(),
+        ..Default::default()
+    };
+    assert_eq!(code(node.list_node_blobs(pins("n1")).await.map(drop)), None);
+    assert_eq!(
+        code(node.list_node_blobs(pins("n2")).await.map(drop)),
+        Some(Code::PermissionDenied)
+    );
     assert_eq!(
         code(reader.heartbeat(hb()).await.map(drop)),
         Some(Code::PermissionDenied)
@@ -390,7 +408,7 @@ async fn each_role_is_refused_what_it_may_not_do() {
         Some(Code::PermissionDenied)
     );
 
-    // Replica changes: node or admin.
+    // Replica changes: admin only (the service's own repair makes them).
     let upd = || pb::UpdateReplicasRequest {
         r#ref: Some(pb::VersionRef {
             dataset: "ds".into(),
@@ -404,7 +422,11 @@ async fn each_role_is_refused_what_it_may_not_do() {
         code(reader.update_replicas(upd()).await.map(drop)),
         Some(Code::PermissionDenied)
     );
-    assert_eq!(code(node.update_replicas(upd()).await.map(drop)), None);
+    assert_eq!(
+        code(node.update_replicas(upd()).await.map(drop)),
+        Some(Code::PermissionDenied)
+    );
+    assert_eq!(code(admin.update_replicas(upd()).await.map(drop)), None);
 
     // Reads: every role.
     for c in [&mut admin, &mut node, &mut reader] {
@@ -439,16 +461,35 @@ async fn each_role_is_refused_what_it_may_not_do() {
         ("trainer", "reader")
     );
 
-    // The admin's actions, and only those, are in the audit log.
+    // The admin's actions and the registrations (the refused one too) are in the audit
+    // log, and nothing else.
     assert_eq!(code(admin.delete_version(del()).await.map(drop)), None);
     let audit = m.audit_lines();
     let actions: Vec<_> = audit
         .iter()
         .map(|l| l["action"].as_str().unwrap().to_string())
         .collect();
-    assert_eq!(actions, vec!["version.begin", "version.commit", "version.delete"]);
-    assert!(audit.iter().all(|l| l["who"] == "ops" && l["result"] == "ok"));
-    assert_eq!(audit[2]["target"], format!("ds@{}", v.version));
+    assert_eq!(
+        actions,
+        vec![
+            "node.register",
+            "node.register",
+            "version.begin",
+            "version.commit",
+            "replicas.update",
+            "version.delete"
+        ]
+    );
+    assert_eq!(
+        (&audit[0]["who"], &audit[0]["result"]),
+        (&"n1".into(), &"ok".into())
+    );
+    assert_eq!(audit[1]["who"], "gpu-node");
+    assert_ne!(audit[1]["result"], "ok", "{}", audit[1]);
+    assert!(audit[2..]
+        .iter()
+        .all(|l| l["who"] == "ops" && l["result"] == "ok"));
+    assert_eq!(audit[5]["target"], format!("ds@{}", v.version));
 }
 
 #[tokio::test]
@@ -618,6 +659,7 @@ async fn nodes_go_down_when_silent_and_replicas_move_resident_counters() {
             capacity_bytes: 1 << 40,
             free_bytes: 1 << 39,
             used_bytes: 0,
+            ..Default::default()
         })
         .await
         .unwrap();

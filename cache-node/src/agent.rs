@@ -36,19 +36,29 @@ async fn bounded<T>(
     })
 }
 
-async fn register(cfg: &NodeConfig, advertise: &str, store: &BlobStore, peers: &Peers) -> Result<(), Status> {
-    let s = store.stats();
-    let mut m = peers.metadata().await?;
-    m.register_node(pb::RegisterNodeRequest {
-        id: cfg.id.to_string(),
-        address: advertise.to_string(),
-        labels: cfg.labels.clone(),
-        capacity_bytes: s.capacity,
-        free_bytes: s.placeable,
-        used_bytes: s.used,
+/// Why a registration failed.
+enum Refused {
+    /// Try again later (the service is unreachable, busy, or another live process holds
+    /// the id: `Some(ms)`, when it would be declared down).
+    Retry(Status, Option<u64>),
+    /// Never: the data dir belongs to another cluster.
+    Fatal(String),
+}
+
+impl From<Status> for Refused {
+    fn from(s: Status) -> Self {
+        Refused::Retry(s, None)
+    }
+}
+
+/// `bounded` for a registration.
+async fn bounded_refusal(f: impl std::future::Future<Output = Result<(), Refused>>) -> Result<(), Refused> {
+    tokio::time::timeout(CALL_TIMEOUT, f).await.unwrap_or_else(|_| {
+        Err(Refused::Retry(
+            Status::deadline_exceeded(format!("register: no answer within {CALL_TIMEOUT:?}")),
+            None,
+        ))
     })
-    .await?;
-    Ok(())
 }
 
 /// Shared between the heartbeat and pin-sync tasks.
@@ -59,18 +69,24 @@ pub struct Agent {
     pub peers: Arc<Peers>,
     pub refill: Arc<Refill>,
     pub metrics: Arc<crate::metrics::Metrics>,
+    identity: std::sync::Mutex<crate::identity::Identity>,
     /// Set once registered (and again after the service forgot us); pin sync waits for it.
     registered: tokio::sync::watch::Sender<bool>,
+    /// Why the node must stop, once it must.
+    fatal: tokio::sync::watch::Sender<Option<String>>,
 }
 
 impl Agent {
+    #[allow(clippy::too_many_arguments)]
     pub fn new(
         cfg: NodeConfig,
         advertise: String,
+        identity: crate::identity::Identity,
         store: Arc<BlobStore>,
         peers: Arc<Peers>,
         refill: Arc<Refill>,
         metrics: Arc<crate::metrics::Metrics>,
+        fatal: tokio::sync::watch::Sender<Option<String>>,
     ) -> Arc<Self> {
         Arc::new(Self {
             cfg,
@@ -79,25 +95,125 @@ impl Agent {
             peers,
             refill,
             metrics,
+            identity: std::sync::Mutex::new(identity),
             registered: tokio::sync::watch::channel(false).0,
+            fatal,
         })
+    }
+
+    fn instance(&self) -> String {
+        self.identity
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .instance
+            .clone()
+    }
+
+    /// Checks the service's cluster against the data dir's (binding a new data dir to
+    /// it), then registers this node's address and identity.
+    async fn register(&self) -> Result<(), Refused> {
+        let mut m = self.peers.metadata().await?;
+        let info = m
+            .get_cluster_info(pb::GetClusterInfoRequest {})
+            .await?
+            .into_inner();
+        self.identity
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .bind_cluster(&info.cluster_id)
+            .map_err(|e| Refused::Fatal(e.to_string()))?;
+        let s = self.store.stats();
+        let r = m
+            .register_node(pb::RegisterNodeRequest {
+                id: self.cfg.id.to_string(),
+                address: self.advertise.clone(),
+                labels: self.cfg.labels.clone(),
+                capacity_bytes: s.capacity,
+                free_bytes: s.placeable,
+                used_bytes: s.used,
+                instance: self.instance(),
+            })
+            .await;
+        match r {
+            Ok(_) => Ok(()),
+            Err(s) if s.code() == tonic::Code::AlreadyExists => {
+                let ms = s
+                    .metadata()
+                    .get("locus-liveness-ms")
+                    .and_then(|v| v.to_str().ok())
+                    .and_then(|v| v.parse().ok());
+                Err(Refused::Retry(s, ms))
+            }
+            Err(s) => Err(s.into()),
+        }
+    }
+
+    /// Registers before the node serves. While another live process holds this id, it
+    /// retries until that one would be declared down (a node restarted on a wiped disk
+    /// waits out its old self), then gives up: two live processes with one id is a
+    /// configuration error. A service that cannot be reached is not: the heartbeat loop
+    /// keeps trying.
+    pub async fn first_registration(&self) -> Result<(), crate::NodeError> {
+        let started = std::time::Instant::now();
+        loop {
+            match bounded_refusal(self.register()).await {
+                Ok(()) => {
+                    tracing::info!(node = %self.cfg.id, "registered with the metadata service");
+                    self.registered.send_replace(true);
+                    return Ok(());
+                }
+                Err(Refused::Fatal(why)) => return Err(crate::NodeError::Identity(why)),
+                Err(Refused::Retry(s, Some(liveness_ms))) => {
+                    let window = Duration::from_millis(liveness_ms) + Duration::from_secs(2);
+                    if started.elapsed() >= window {
+                        return Err(crate::NodeError::Identity(s.message().to_string()));
+                    }
+                    tracing::warn!(
+                        "registration refused, retrying until the other holder of this id would be \
+                         declared down: {}",
+                        s.message()
+                    );
+                    tokio::time::sleep(Duration::from_millis(500)).await;
+                }
+                Err(Refused::Retry(s, None))
+                    if matches!(
+                        s.code(),
+                        tonic::Code::PermissionDenied
+                            | tonic::Code::Unauthenticated
+                            | tonic::Code::InvalidArgument
+                    ) =>
+                {
+                    // This credential or configuration will never register this node.
+                    return Err(crate::NodeError::Identity(format!(
+                        "the metadata service refused to register node {}: {}",
+                        self.cfg.id,
+                        s.message()
+                    )));
+                }
+                Err(Refused::Retry(s, None)) => {
+                    tracing::warn!("cannot register yet: {}", s.message());
+                    return Ok(());
+                }
+            }
+        }
+    }
+
+    fn stop(&self, why: String) {
+        tracing::error!("{why}");
+        self.fatal.send_replace(Some(why));
     }
 
     /// Registration and heartbeats, until stopped. Nothing else runs on this task.
     pub async fn heartbeats(self: Arc<Self>, mut stop: tokio::sync::watch::Receiver<bool>) {
         loop {
             if !*self.registered.borrow() {
-                match bounded(
-                    "register",
-                    register(&self.cfg, &self.advertise, &self.store, &self.peers),
-                )
-                .await
-                {
+                match bounded_refusal(self.register()).await {
                     Ok(()) => {
                         tracing::info!(node = %self.cfg.id, "registered with the metadata service");
                         self.registered.send_replace(true);
                     }
-                    Err(s) => tracing::warn!("cannot register yet: {}", s.message()),
+                    Err(Refused::Fatal(why)) => return self.stop(why),
+                    Err(Refused::Retry(s, _)) => tracing::warn!("cannot register yet: {}", s.message()),
                 }
             } else {
                 let s = self.store.stats();
@@ -119,6 +235,8 @@ impl Agent {
                             refill_bytes: r.bytes,
                             refill_rate: r.rate,
                             refill_failing: r.failing,
+                            instance: self.instance(),
+                            leaving: false,
                         })
                         .await
                 };
@@ -127,13 +245,44 @@ impl Agent {
                     Err(s) if s.code() == tonic::Code::NotFound => {
                         self.registered.send_replace(false);
                     }
+                    Err(s) if s.code() == tonic::Code::FailedPrecondition => {
+                        // Another identity holds our id now: serving on would put two
+                        // processes behind one name.
+                        return self.stop(format!("stopping: {}", s.message()));
+                    }
                     Err(s) => tracing::warn!("heartbeat failed: {}", s.message()),
                 }
             }
             tokio::select! {
                 _ = tokio::time::sleep(self.cfg.heartbeat_interval) => {}
-                _ = stop.wait_for(|s| *s) => return,
+                _ = stop.wait_for(|s| *s) => break,
             }
+        }
+        self.goodbye().await
+    }
+
+    /// On a clean stop, gives the id up, so this node on a replaced disk (a new identity)
+    /// can register at once instead of waiting to be declared down. Best effort, bounded.
+    async fn goodbye(&self) {
+        let registered = *self.registered.borrow();
+        let stopping_on_error = self.fatal.borrow().is_some();
+        if !registered || stopping_on_error {
+            return;
+        }
+        let bye = async {
+            self.peers
+                .metadata()
+                .await?
+                .heartbeat(pb::HeartbeatRequest {
+                    id: self.cfg.id.to_string(),
+                    instance: self.instance(),
+                    leaving: true,
+                    ..Default::default()
+                })
+                .await
+        };
+        if let Err(s) = bounded("goodbye", bye).await {
+            tracing::warn!("could not give the node id up on the way out: {}", s.message());
         }
     }
 

@@ -14,6 +14,7 @@
 //! never reaches into another Locus crate's internals.
 
 pub mod agent;
+pub mod identity;
 pub mod metrics;
 pub mod refill;
 pub mod scrub;
@@ -103,6 +104,9 @@ pub enum NodeError {
     InsecureBind(SocketAddr),
     #[error("node API server failed: {0}")]
     Serve(String),
+    /// Another process holds this node's id, or the data dir belongs to another cluster.
+    #[error("{0}")]
+    Identity(String),
 }
 
 /// The node's view of the rest of the cluster, through the metadata service.
@@ -255,6 +259,7 @@ pub async fn serve(
         }
         None => bound.to_string(),
     };
+    let identity = identity::Identity::load_or_create(&cfg.store.dirs[0])?;
     let peers = Arc::new(Peers::new(cfg.metadata.clone()));
     let metrics = Arc::new(metrics::Metrics::default());
     let refill = refill::Refill::new(refill::RefillConfig {
@@ -281,8 +286,15 @@ pub async fn serve(
     let http_addr = http_listener.as_ref().and_then(|l| l.local_addr().ok());
 
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    // Set when the node must stop on its own: its id was taken over, or its data dir
+    // belongs to another cluster.
+    let (fatal_tx, mut fatal_rx) = tokio::sync::watch::channel::<Option<String>>(None);
+    let fatal = fatal_rx.clone();
     tokio::spawn(async move {
-        shutdown.await;
+        tokio::select! {
+            _ = shutdown => {}
+            _ = fatal_rx.wait_for(|f| f.is_some()) => {}
+        }
         let _ = stop_tx.send(true);
     });
     let stopped = |mut rx: tokio::sync::watch::Receiver<bool>| async move {
@@ -359,11 +371,16 @@ pub async fn serve(
     let agent = agent::Agent::new(
         cfg.clone(),
         advertise,
+        identity,
         store.clone(),
         peers.clone(),
         refill.clone(),
         metrics.clone(),
+        fatal_tx,
     );
+    // The first registration before anything else runs: a node whose id another live
+    // process holds, or whose data dir belongs to another cluster, stops here.
+    agent.first_registration().await?;
     let background = [
         tokio::spawn(agent.clone().heartbeats(stop_rx.clone())),
         tokio::spawn(agent.clone().pin_sync(stop_rx.clone())),
@@ -395,15 +412,21 @@ pub async fn serve(
         Some(r) => r.map_err(|e| NodeError::Serve(locus_proto::client::error_chain(&e)))?,
         None => tracing::warn!("transfers still running after 10 s; stopping anyway"),
     }
-    for t in background {
-        t.abort();
-    }
+    let [heartbeats, pins, refilling] = background;
+    // The heartbeat task says goodbye on its way out (the id given up); a moment for it.
+    let _ = tokio::time::timeout(Duration::from_secs(3), heartbeats).await;
+    pins.abort();
+    refilling.abort();
     scrubber.abort();
     if let Some(u) = uds {
         let _ = tokio::time::timeout(Duration::from_secs(2), u).await;
     }
     if let Some(p) = &cfg.local_socket {
         let _ = std::fs::remove_file(p);
+    }
+    if let Some(why) = fatal.borrow().clone() {
+        tracing::error!("cache node stopped: {why}");
+        return Err(NodeError::Identity(why));
     }
     tracing::info!("cache node stopped");
     Ok(())

@@ -48,6 +48,7 @@ fn main() {
             ]),
             capacity: 1 << 44,
             free: 1 << 43,
+            instance: String::new(),
             used: 0,
         })
         .unwrap();

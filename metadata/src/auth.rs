@@ -20,10 +20,11 @@ pub fn required_access(method: &str) -> Option<Access> {
         "ListNodes" | "ListDatasets" | "GetDataset" | "GetVersion" | "ListEntries" | "ListShards"
         | "LocateBlobs" | "Locality" | "Assign" | "ListBackups" => Access::Read,
         "DeleteVersion" | "DeleteDataset" | "BeginVersion" | "PutEntries" | "PutShards" | "CommitVersion"
-        | "AbortVersion" | "PlaceShards" | "DrainNode" | "Warm" | "ExportCatalog" | "RecordBackup" => {
-            Access::Admin
-        }
-        "UpdateReplicas" | "ListNodeBlobs" => Access::NodeOrAdmin,
+        | "AbortVersion" | "PlaceShards" | "DrainNode" | "Warm" | "ExportCatalog" | "RecordBackup"
+        // Only the service's own repair changes replicas in normal operation; a node token
+        // must not be able to rewrite where other nodes' data is.
+        | "UpdateReplicas" => Access::Admin,
+        "ListNodeBlobs" => Access::NodeOrAdmin,
         _ => return None,
     })
 }
@@ -95,8 +96,12 @@ mod tests {
         );
         assert!(call("Heartbeat", node).is_ok());
         assert!(call("ListEntries", reader).is_ok());
-        assert!(call("UpdateReplicas", node).is_ok());
+        assert_eq!(
+            call("UpdateReplicas", node).unwrap_err(),
+            tonic::Code::PermissionDenied
+        );
         assert!(call("UpdateReplicas", admin).is_ok());
+        assert!(call("ListNodeBlobs", node).is_ok());
         assert_eq!(
             call("UpdateReplicas", reader).unwrap_err(),
             tonic::Code::PermissionDenied

@@ -27,6 +27,9 @@ pub struct NodeRecord {
     /// Set by DrainNode: no new replicas, existing ones are moved away by repair.
     #[prost(bool, tag = "7")]
     pub draining: bool,
+    /// The registered process's identity (empty for records from before identities).
+    #[prost(string, tag = "8")]
+    pub instance: String,
 }
 
 #[derive(Clone, PartialEq, prost::Message)]

@@ -106,6 +106,7 @@ pub fn to_status(e: CatalogError) -> Status {
         CatalogError::Invalid(e) => Status::invalid_argument(e.to_string()),
         CatalogError::NotFound(m) => Status::not_found(m),
         CatalogError::Precondition(m) => Status::failed_precondition(m),
+        CatalogError::Taken(m) => Status::already_exists(m),
         CatalogError::Store(e) => {
             tracing::error!("metadata store failure: {e}");
             Status::unavailable(format!("the metadata store failed: {e}"))
@@ -127,6 +128,20 @@ fn principal<T>(req: &Request<T>) -> Principal {
             name: "unauthenticated".into(),
             role: Some(crate::auth::Role::Reader),
         })
+}
+
+/// A node-role caller acts only for the node its token is named after: a token leaked
+/// from one node cannot register, heartbeat or read pin lists for another. Admin may act
+/// for any node; without tokens there is no one to bind.
+fn check_node_caller(p: &Principal, id: &NodeId) -> Result<(), Status> {
+    if p.role == Some(crate::auth::Role::Node) && p.name != id.as_str() {
+        return Err(Status::permission_denied(format!(
+            "this token is node {:?}'s; node {id} must present its own (a [[token]] with name \
+             \"{id}\" and role \"node\" in the tokens file)",
+            p.name
+        )));
+    }
+    Ok(())
 }
 
 fn version_ref(r: Option<pb::VersionRef>) -> Result<DatasetRef, Status> {
@@ -160,9 +175,39 @@ impl pb::metadata_server::Metadata for MetadataService {
     }
 
     async fn register_node(&self, req: Request<pb::RegisterNodeRequest>) -> Res<pb::RegisterNodeResponse> {
+        let p = principal(&req);
         let reg = NodeRegistration::try_from(req.into_inner())?;
         let id = reg.id.clone();
-        self.run(move |c| c.register_node(reg)).await.map_err(to_status)?;
+        let target = format!("{id} at {}", reg.address);
+        if let Err(s) = check_node_caller(&p, &id) {
+            self.audit
+                .record(&p, "node.register", &target, Err(s.message().to_string()));
+            return Err(s);
+        }
+        let r = self.run(move |c| c.register_node(reg)).await;
+        self.audit(&p, "node.register", &target, &r, |replaced| match replaced {
+            Some(old) => format!("took the id over from identity {old}, which was down"),
+            None => "registered".into(),
+        });
+        let liveness = self.catalog.config().liveness_timeout.as_millis() as u64;
+        match r {
+            Ok(Some(old)) => {
+                tracing::warn!(node = %id, replaced = %old, "node id taken over by a new identity (the old process was down)")
+            }
+            Ok(None) => {}
+            Err(e) => {
+                let mut s = to_status(e);
+                if s.code() == tonic::Code::AlreadyExists {
+                    // When the holder would be declared down: a restarted node whose data
+                    // dir was wiped waits that long, a true duplicate gives up after it.
+                    if let Ok(v) = liveness.to_string().parse() {
+                        s.metadata_mut().insert("locus-liveness-ms", v);
+                    }
+                    tracing::warn!(node = %id, "registration refused: {}", s.message());
+                }
+                return Err(s);
+            }
+        }
         tracing::info!(node = %id, "node registered");
         Ok(Response::new(pb::RegisterNodeResponse {
             liveness_timeout_ms: self.catalog.config().liveness_timeout.as_millis() as u64,
@@ -170,8 +215,17 @@ impl pb::metadata_server::Metadata for MetadataService {
     }
 
     async fn heartbeat(&self, req: Request<pb::HeartbeatRequest>) -> Res<pb::HeartbeatResponse> {
+        let p = principal(&req);
         let r = req.into_inner();
         let id = NodeId::try_from(r.id)?;
+        check_node_caller(&p, &id)?;
+        let instance = r.instance;
+        if r.leaving {
+            self.run(move |c| c.release_node(&id, &instance))
+                .await
+                .map_err(to_status)?;
+            return Ok(Response::new(pb::HeartbeatResponse {}));
+        }
         let st = crate::catalog::NodeStats {
             free: r.free_bytes,
             used: r.used_bytes,
@@ -184,7 +238,9 @@ impl pb::metadata_server::Metadata for MetadataService {
             refill_rate: r.refill_rate,
             refill_failing: r.refill_failing,
         };
-        self.run(move |c| c.heartbeat(&id, st)).await.map_err(to_status)?;
+        self.run(move |c| c.heartbeat(&id, &instance, st))
+            .await
+            .map_err(to_status)?;
         Ok(Response::new(pb::HeartbeatResponse {}))
     }
 
@@ -211,8 +267,10 @@ impl pb::metadata_server::Metadata for MetadataService {
         &self,
         req: Request<pb::ListNodeBlobsRequest>,
     ) -> Res<pb::ListNodeBlobsResponse> {
+        let p = principal(&req);
         let q = req.into_inner();
         let id = NodeId::try_from(q.node)?;
+        check_node_caller(&p, &id)?;
         let limit = match q.limit {
             0 => 10_000,
             n => n.min(100_000) as usize,

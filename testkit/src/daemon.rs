@@ -118,6 +118,14 @@ impl Daemon {
         self.child.as_ref().map_or(0, Child::id)
     }
 
+    /// Whether the process has exited by itself (it is reaped then).
+    pub fn exited(&mut self) -> bool {
+        match &mut self.child {
+            Some(c) => c.try_wait().ok().flatten().is_some(),
+            None => true,
+        }
+    }
+
     pub fn is_running(&self) -> bool {
         self.child.is_some()
     }

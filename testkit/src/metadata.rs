@@ -19,8 +19,11 @@ pub struct Token {
     pub secret: String,
 }
 
+/// One token per role ("ops" admin, "gpu-node" node — what the metadata service presents
+/// to nodes —, "trainer" reader), and a node token of its own for each of nodes n1..n6
+/// (a node acts only for the id its token is named after).
 pub fn tokens() -> Vec<Token> {
-    ["admin", "node", "reader"]
+    let mut t: Vec<Token> = ["admin", "node", "reader"]
         .iter()
         .map(|role| Token {
             name: match *role {
@@ -31,7 +34,15 @@ pub fn tokens() -> Vec<Token> {
             role,
             secret: format!("{role}-secret-0123456789abcdef"),
         })
-        .collect()
+        .collect();
+    for name in ["n1", "n2", "n3", "n4", "n5", "n6"] {
+        t.push(Token {
+            name,
+            role: "node",
+            secret: format!("{name}-node-secret-0123456789"),
+        });
+    }
+    t
 }
 
 #[derive(Clone, Debug, Default)]
@@ -170,6 +181,36 @@ impl Metadata {
             .iter()
             .find(|t| t.role == role)
             .map(|t| t.secret.clone())
+    }
+
+    /// The secret of the token named `name`.
+    pub fn named_token(&self, name: &str) -> Option<String> {
+        self.opts
+            .tokens
+            .iter()
+            .find(|t| t.name == name)
+            .map(|t| t.secret.clone())
+    }
+
+    /// The token node `id` presents: its own when one is named after it, else the first
+    /// node-role token.
+    pub fn node_token(&self, id: &str) -> Option<String> {
+        self.opts
+            .tokens
+            .iter()
+            .find(|t| t.name == id && t.role == "node")
+            .map(|t| t.secret.clone())
+            .or_else(|| self.token("node"))
+    }
+
+    /// A client presenting the token named `name`.
+    pub async fn client_named(&self, name: &str) -> MetadataClient {
+        let token = self
+            .named_token(name)
+            .unwrap_or_else(|| panic!("no token named {name}"));
+        locus_proto::client::connect(&self.client_options(Some(token)))
+            .await
+            .expect("connect to the metadata service")
     }
 
     /// A client with the token of `role` ("admin", "node", "reader"), or none.

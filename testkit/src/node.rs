@@ -97,10 +97,16 @@ pub struct Node {
 impl Harness {
     /// Starts a cache node registered with `meta` and waits until it is listed as up.
     pub async fn start_node(&self, id: &str, meta: &Metadata, opts: NodeOpts) -> Node {
-        let dir = self.path(id);
+        self.start_node_in(id, id, meta, opts).await
+    }
+
+    /// `start_node` with its files under `name` rather than its id: a second process
+    /// claiming an id, with its own data dir.
+    pub async fn start_node_in(&self, name: &str, id: &str, meta: &Metadata, opts: NodeOpts) -> Node {
+        let dir = self.path(name);
         std::fs::create_dir_all(&dir).unwrap();
         let mut env = opts.env.clone();
-        if let Some(t) = meta.token("node") {
+        if let Some(t) = meta.node_token(id) {
             env.push(("LOCUS_TOKEN".to_string(), t));
         }
         if let Some(size) = opts.tmpfs {
@@ -117,7 +123,7 @@ impl Harness {
             );
         }
         let tokens_file = (!meta.opts.tokens.is_empty()).then(|| meta.dir.join("tokens.toml"));
-        let mut daemon = Daemon::new(id, self.path(&format!("{id}.log")), dir.join("addr"), env);
+        let mut daemon = Daemon::new(name, self.path(&format!("{name}.log")), dir.join("addr"), env);
         daemon.netns = opts.on.as_ref().map(|h| h.netns.clone());
         let mut n = Node {
             tokens_file,
@@ -157,6 +163,72 @@ impl Metadata {
             }
         })
         .await;
+    }
+}
+
+impl Harness {
+    /// Runs `locus node serve --id ID` as a second, unmanaged process would (its own data
+    /// dir under `name`, loopback, `token` as its LOCUS_TOKEN, the metadata's tokens file)
+    /// and waits up to `within` for it to exit on its own: its exit status and log. None
+    /// if it was still running (it is killed then).
+    pub fn node_until_exit(
+        &self,
+        name: &str,
+        id: &str,
+        meta: &Metadata,
+        token: Option<String>,
+        within: Duration,
+    ) -> Option<(std::process::ExitStatus, String)> {
+        let dir = self.path(name);
+        std::fs::create_dir_all(&dir).unwrap();
+        let log = dir.join("log");
+        let mut cmd = Command::new(locus());
+        cmd.args([
+            "--metadata",
+            &meta.url(),
+            "node",
+            "serve",
+            "--id",
+            id,
+            "--listen",
+            "127.0.0.1:0",
+        ])
+        .args(["--http-listen", "127.0.0.1:0"])
+        .arg("--data-dir")
+        .arg(dir.join("data"))
+        .args([
+            "--capacity",
+            "1GiB",
+            "--reserve",
+            "0",
+            "--heartbeat-interval",
+            "300ms",
+        ])
+        .env_remove("LOCUS_TOKEN")
+        .stdout(std::fs::File::create(&log).unwrap())
+        .stderr(std::fs::File::create(dir.join("stderr")).unwrap());
+        if !meta.opts.tokens.is_empty() {
+            cmd.arg("--tokens-file").arg(meta.dir.join("tokens.toml"));
+        }
+        if let Some(t) = token {
+            cmd.env("LOCUS_TOKEN", t);
+        }
+        let mut child = cmd.spawn().expect("start locus node serve");
+        let until = std::time::Instant::now() + within;
+        let status = loop {
+            if let Some(st) = child.try_wait().unwrap() {
+                break Some(st);
+            }
+            if std::time::Instant::now() > until {
+                let _ = child.kill();
+                let _ = child.wait();
+                break None;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        };
+        let text = std::fs::read_to_string(&log).unwrap_or_default()
+            + &std::fs::read_to_string(dir.join("stderr")).unwrap_or_default();
+        status.map(|st| (st, text))
     }
 }
 

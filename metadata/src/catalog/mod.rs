@@ -49,6 +49,9 @@ pub enum CatalogError {
     NotFound(String),
     #[error("{0}")]
     Precondition(String),
+    /// The id is held by another live process.
+    #[error("{0}")]
+    Taken(String),
     #[error(transparent)]
     Store(#[from] StoreError),
     #[error("corrupt metadata record in {table}: {reason}")]
@@ -204,6 +207,8 @@ pub struct NodeRegistration {
     pub capacity: u64,
     pub free: u64,
     pub used: u64,
+    /// The node's persistent identity; empty from nodes that predate identities.
+    pub instance: String,
 }
 
 impl TryFrom<pb::RegisterNodeRequest> for NodeRegistration {
@@ -229,6 +234,12 @@ impl TryFrom<pb::RegisterNodeRequest> for NodeRegistration {
         if r.labels.len() > 64 {
             return Err(InvalidInput::new("labels", "at most 64 labels"));
         }
+        if r.instance.len() > 64 || !r.instance.chars().all(|c| c.is_ascii_alphanumeric() || c == '-') {
+            return Err(InvalidInput::new(
+                "instance",
+                "at most 64 letters, digits and dashes",
+            ));
+        }
         Ok(NodeRegistration {
             id,
             address: r.address,
@@ -236,6 +247,7 @@ impl TryFrom<pb::RegisterNodeRequest> for NodeRegistration {
             capacity: r.capacity_bytes,
             free: r.free_bytes,
             used: r.used_bytes,
+            instance: r.instance,
         })
     }
 }

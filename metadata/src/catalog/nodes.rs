@@ -3,12 +3,37 @@
 use super::*;
 
 impl Catalog {
-    pub fn register_node(&self, reg: NodeRegistration) -> Result<()> {
+    /// Records a node's registration. A node id belongs to one process identity at a
+    /// time: another identity is refused (`Taken`) while the holder is up, and takes the
+    /// id over once it is down (a data dir replaced, a node reinstalled). Returns the
+    /// identity it replaced, if any.
+    pub fn register_node(&self, reg: NodeRegistration) -> Result<Option<String>> {
         let now = self.clock.now_ms();
         let key = reg.id.as_str().as_bytes();
+        let mut replaced = None;
         let (registered_at_ms, draining) = match self.store.get(Table::Nodes, key)? {
             Some(v) => {
                 let old = decode::<NodeRecord>(Table::Nodes, &v)?;
+                if !old.instance.is_empty() && old.instance != reg.instance {
+                    let timeout = self.config.liveness_timeout.as_millis() as i64;
+                    let seen = lock(&self.live)
+                        .get(reg.id.as_str())
+                        .map_or(self.started_ms, |l| l.last_seen_ms);
+                    let ago = (now - seen).max(0);
+                    if ago <= timeout {
+                        return Err(CatalogError::Taken(format!(
+                            "node id {id} is held by another running process (at {addr}, last heard {ago} ms \
+                             ago): two nodes were started with the same id — the default is the host \
+                             name, so give each node its own --id — or this node's data dir was \
+                             replaced while the old process still runs. Stop the other process, or \
+                             wait until it is declared down ({timeout} ms after it was last heard), \
+                             and this node takes the id over",
+                            id = reg.id,
+                            addr = old.address,
+                        )));
+                    }
+                    replaced = Some(old.instance.clone());
+                }
                 (old.registered_at_ms, old.draining)
             }
             None => (now, false),
@@ -21,6 +46,7 @@ impl Catalog {
             used_bytes: reg.used,
             registered_at_ms,
             draining,
+            instance: reg.instance.clone(),
         };
         let mut b = Batch::default();
         b.put(Table::Nodes, key, rec.encode_to_vec());
@@ -32,13 +58,42 @@ impl Catalog {
         l.last_seen_ms = now;
         l.stats.free = reg.free;
         l.stats.used = reg.used;
+        Ok(replaced)
+    }
+
+    /// A node stopping cleanly gives its id up: the next registration, whatever its
+    /// identity, is accepted. Only the holder can (another identity changes nothing).
+    pub fn release_node(&self, id: &NodeId, instance: &str) -> Result<()> {
+        let key = id.as_str().as_bytes();
+        let Some(v) = self.store.get(Table::Nodes, key)? else {
+            return Ok(());
+        };
+        let mut rec = decode::<NodeRecord>(Table::Nodes, &v)?;
+        if rec.instance.is_empty() || rec.instance != instance {
+            return Ok(());
+        }
+        rec.instance.clear();
+        let mut b = Batch::default();
+        b.put(Table::Nodes, key, rec.encode_to_vec());
+        self.store.write(b, true)?;
+        self.node_gen.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
         Ok(())
     }
 
-    pub fn heartbeat(&self, id: &NodeId, st: NodeStats) -> Result<()> {
-        if self.store.get(Table::Nodes, id.as_str().as_bytes())?.is_none() {
+    /// `instance`: the heartbeating process's identity (empty: not checked, for nodes that
+    /// predate identities).
+    pub fn heartbeat(&self, id: &NodeId, instance: &str, st: NodeStats) -> Result<()> {
+        let Some(v) = self.store.get(Table::Nodes, id.as_str().as_bytes())? else {
             return Err(CatalogError::NotFound(format!(
                 "node {id} is not registered; register before sending heartbeats"
+            )));
+        };
+        let rec = decode::<NodeRecord>(Table::Nodes, &v)?;
+        if !instance.is_empty() && !rec.instance.is_empty() && rec.instance != instance {
+            return Err(CatalogError::Precondition(format!(
+                "node id {id} was taken over by another process (now at {}) after this one was \
+                 declared down; this process must stop",
+                rec.address
             )));
         }
         lock(&self.live).insert(

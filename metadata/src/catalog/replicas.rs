@@ -70,7 +70,8 @@ impl Catalog {
     }
 
     /// Adds and removes replica nodes of one shard. Adding a node that already holds the
-    /// shard, or removing one that does not, changes nothing (repair may retry).
+    /// shard, or removing one that does not, changes nothing (repair may retry). A change
+    /// that would leave a shard with no replica is refused.
     pub fn update_replicas(
         &self,
         r: &DatasetRef,
@@ -114,6 +115,12 @@ impl Catalog {
                 );
                 *delta.entry(node.as_str()).or_default() += i128::from(s.bytes);
             }
+        }
+        if s.replicas.is_empty() && delta.values().any(|d| *d < 0) {
+            return Err(CatalogError::Precondition(format!(
+                "{}@{n} shard {shard}: that would remove its last replica; add another first",
+                r.name
+            )));
         }
         for (node, d) in delta {
             if d == 0 {

@@ -65,16 +65,21 @@ fn node(s: &str) -> NodeId {
     NodeId::try_from(s).unwrap()
 }
 
-fn register(cat: &Catalog, id: &str) {
-    cat.register_node(NodeRegistration {
+fn registration(id: &str, instance: &str) -> NodeRegistration {
+    NodeRegistration {
         id: node(id),
         address: format!("{id}:7500"),
         labels: HashMap::from([("zone".to_string(), "z1".to_string())]),
         capacity: 1 << 40,
         free: 1 << 39,
         used: 0,
-    })
-    .unwrap();
+        instance: instance.to_string(),
+    }
+}
+
+fn register(cat: &Catalog, id: &str) {
+    cat.register_node(registration(id, &format!("{id}-identity")))
+        .unwrap();
 }
 
 fn shard(id: u32, bytes: u64, files: u64, replicas: &[&str]) -> ShardSpec {
@@ -356,6 +361,7 @@ fn liveness_follows_heartbeats() {
     f.cat
         .heartbeat(
             &node("n1"),
+            "n1-identity",
             NodeStats {
                 free: 5,
                 used: 6,
@@ -370,9 +376,51 @@ fn liveness_follows_heartbeats() {
     assert_eq!(state("n2"), pb::NodeState::Down as i32);
     assert_eq!(nodes.iter().find(|n| n.id == "n1").unwrap().free_bytes, 5);
     assert!(matches!(
-        f.cat.heartbeat(&node("ghost"), NodeStats::default()),
+        f.cat.heartbeat(&node("ghost"), "", NodeStats::default()),
         Err(CatalogError::NotFound(_))
     ));
+}
+
+#[test]
+fn a_node_id_belongs_to_one_identity_while_it_is_up_and_passes_on_once_it_is_down() {
+    let f = fixture();
+    assert_eq!(f.cat.register_node(registration("n1", "first")).unwrap(), None);
+    // The same process again (a restart with its data dir): fine.
+    assert_eq!(f.cat.register_node(registration("n1", "first")).unwrap(), None);
+    // Another process claiming n1 while it is up: refused, saying what to do.
+    f.clock.advance_ms(9_000);
+    match f.cat.register_node(registration("n1", "second")) {
+        Err(CatalogError::Taken(why)) => {
+            assert!(why.contains("give each node its own --id"), "{why}");
+            assert!(why.contains("declared down"), "{why}");
+        }
+        other => panic!("expected Taken, got {other:?}"),
+    }
+    let addr = |cat: &Catalog| cat.list_nodes().unwrap()[0].address.clone();
+    assert_eq!(addr(&f.cat), "n1:7500");
+    // Once n1 is down (its disk replaced, say), the new identity takes the id over, and
+    // the old process, should it come back, is told to stop.
+    f.clock.advance_ms(2_000);
+    assert_eq!(
+        f.cat.register_node(registration("n1", "second")).unwrap(),
+        Some("first".to_string())
+    );
+    assert!(matches!(
+        f.cat.heartbeat(&node("n1"), "first", NodeStats::default()),
+        Err(CatalogError::Precondition(_))
+    ));
+    f.cat
+        .heartbeat(&node("n1"), "second", NodeStats::default())
+        .unwrap();
+    // A clean stop gives the id up at once (only its holder can): the same node on a new
+    // disk registers without waiting for it to be declared down.
+    f.cat.release_node(&node("n1"), "first").unwrap();
+    assert!(matches!(
+        f.cat.register_node(registration("n1", "third")),
+        Err(CatalogError::Taken(_))
+    ));
+    f.cat.release_node(&node("n1"), "second").unwrap();
+    assert_eq!(f.cat.register_node(registration("n1", "third")).unwrap(), None);
 }
 
 #[test]
