@@ -1423,3 +1423,77 @@ async fn node_address(m: &Metadata, id: &str) -> String {
     let mut c = m.client(m.opts.tokens.first().map(|_| "admin")).await;
     node_info(&mut c, id).await.address
 }
+
+/// Runs a small Python client as user nobody that connects to `sock`, sends the HTTP/2
+/// preface and reads: "refused" (connect not permitted), "closed" (the node hung up),
+/// or "answered".
+fn connect_as_nobody(sock: &Path) -> String {
+    let script = r#"
+import socket, sys
+s = socket.socket(socket.AF_UNIX)
+try:
+    s.connect(sys.argv[1])
+except PermissionError:
+    print("refused"); sys.exit(0)
+s.settimeout(5)
+try:
+    s.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0]))
+    print("answered" if s.recv(100) else "closed")
+except (ConnectionResetError, BrokenPipeError):
+    print("closed")
+"#;
+    let out = std::process::Command::new("setpriv")
+        // Debian's python: a per-user one (pyenv under /root) is not runnable by nobody.
+        .args([
+            "--reuid=65534",
+            "--regid=65534",
+            "--clear-groups",
+            "/usr/bin/python3",
+            "-c",
+            script,
+        ])
+        .arg(sock)
+        .output()
+        .expect("setpriv and python3");
+    assert!(out.status.success(), "{}", stderr(&out));
+    stdout(&out).trim().to_string()
+}
+
+/// The node's Unix socket: mode 0660, so another user cannot connect; with its mode
+/// loosened, the node still hangs up on a caller who is not root, its user or its group;
+/// and a permitted caller gets reads, not writes or fetches.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_local_socket_admits_only_its_users_and_serves_them_no_writes_or_fetches() {
+    use std::os::unix::fs::PermissionsExt;
+    let h = Harness::new("local-socket");
+    let (_m, nodes) = cluster(&h, 1, NodeOpts::host).await;
+    let sock = &nodes[0].socket;
+    let mode = std::fs::metadata(sock).unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode, 0o660, "{mode:o}");
+    assert_eq!(connect_as_nobody(sock), "refused");
+    std::fs::set_permissions(sock, std::fs::Permissions::from_mode(0o666)).unwrap();
+    assert_eq!(connect_as_nobody(sock), "closed");
+    let log = std::fs::read_to_string(&nodes[0].daemon.log).unwrap();
+    assert!(log.contains("refused a connection on the local socket"), "{log}");
+
+    let mut local = locus_proto::client::connect_local_node(sock);
+    let e = local
+        .write_blob(tokio_stream::iter(write_msgs(b"x".repeat(1000))))
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), tonic::Code::PermissionDenied, "{e:?}");
+    assert!(
+        e.message().contains("not served on the node's Unix socket"),
+        "{e:?}"
+    );
+    let e = local
+        .fetch_blobs(nodepb::FetchBlobsRequest::default())
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), tonic::Code::PermissionDenied, "{e:?}");
+    // What a mount needs still works.
+    local
+        .get_node_status(nodepb::GetNodeStatusRequest {})
+        .await
+        .expect("status over the socket");
+}

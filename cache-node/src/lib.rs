@@ -47,6 +47,9 @@ pub struct NodeConfig {
     /// address (which must then not be a wildcard).
     pub advertise: Option<String>,
     pub local_socket: Option<PathBuf>,
+    /// Group allowed on the Unix socket besides root and the node's own user (its mode is
+    /// 0660, owned by this group); None: the node's own group.
+    pub local_socket_gid: Option<u32>,
     pub store: StoreConfig,
     pub labels: HashMap<String, String>,
     pub heartbeat_interval: Duration,
@@ -222,6 +225,46 @@ fn bind(addr: SocketAddr) -> Result<tokio::net::TcpListener, NodeError> {
     })
 }
 
+/// Gives the Unix socket mode 0660 and group `gid` (default: this process's); the group
+/// in effect.
+fn restrict_socket(p: &std::path::Path, gid: Option<u32>) -> Result<u32, NodeError> {
+    use std::os::unix::fs::PermissionsExt;
+    let fail = |e: std::io::Error| NodeError::Bind {
+        addr: p.display().to_string(),
+        reason: e.to_string(),
+    };
+    // SAFETY: getegid cannot fail and touches no memory of ours.
+    #[allow(unsafe_code)]
+    let gid = gid.unwrap_or_else(|| unsafe { libc::getegid() });
+    std::os::unix::fs::chown(p, None, Some(gid)).map_err(fail)?;
+    std::fs::set_permissions(p, std::fs::Permissions::from_mode(0o660)).map_err(fail)?;
+    Ok(gid)
+}
+
+/// Root, this node's user and members of the socket's group (by primary group) may use
+/// the socket.
+fn peer_allowed(s: &tokio::net::UnixStream, gid: u32) -> bool {
+    // SAFETY: geteuid cannot fail and touches no memory of ours.
+    #[allow(unsafe_code)]
+    let me = unsafe { libc::geteuid() };
+    match s.peer_cred() {
+        Ok(c) if c.uid() == 0 || c.uid() == me || c.gid() == gid => true,
+        Ok(c) => {
+            tracing::warn!(
+                pid = ?c.pid(),
+                uid = c.uid(),
+                gid = c.gid(),
+                "refused a connection on the local socket: not root, not this node's user, not in its group"
+            );
+            false
+        }
+        Err(e) => {
+            tracing::warn!("refused a connection on the local socket: no peer credentials: {e}");
+            false
+        }
+    }
+}
+
 /// Runs a cache node until `shutdown` completes.
 pub async fn serve(
     cfg: NodeConfig,
@@ -308,13 +351,24 @@ pub async fn serve(
             addr: p.display().to_string(),
             reason: e.to_string(),
         })?;
+        let gid = restrict_socket(p, cfg.local_socket_gid)?;
         let local = NodeService {
             local: true,
             ..svc.clone()
         };
         let rx = stop_rx.clone();
         uds = Some(tokio::spawn(async move {
-            let incoming = tokio_stream::wrappers::UnixListenerStream::new(l);
+            // The file's mode already keeps others from connecting; the peer's credentials
+            // are checked as well, so a socket whose mode was loosened (or a path bind
+            // mounted into a container) still admits only the node's user, root and its
+            // group, and every refusal is logged with the caller's pid and uid.
+            let incoming = tokio_stream::StreamExt::filter(
+                tokio_stream::wrappers::UnixListenerStream::new(l),
+                move |c| match c {
+                    Ok(s) => peer_allowed(s, gid),
+                    Err(_) => true,
+                },
+            );
             if let Err(e) = tonic::transport::Server::builder()
                 .initial_stream_window_size(locus_proto::client::BLOB_STREAM_WINDOW)
                 .initial_connection_window_size(locus_proto::client::BLOB_CONNECTION_WINDOW)

@@ -110,6 +110,19 @@ impl NodeService {
         Ok(Response::new(resp))
     }
 
+    /// The Unix socket serves what a same-host mount needs (reads, EnsureLocal,
+    /// LocalPaths) and nothing that writes, fetches from an address, or sends to a URL:
+    /// whoever can reach the socket gets no more than a reader.
+    fn not_local(&self, method: &str) -> Result<(), Status> {
+        if self.local {
+            return Err(Status::permission_denied(format!(
+                "{method} is not served on the node's Unix socket (it serves reads, EnsureLocal \
+                 and LocalPaths to same-host mounts)"
+            )));
+        }
+        Ok(())
+    }
+
     /// `BlobStore::verified_path` off the async threads: it may hash a whole blob.
     async fn verified_path(&self, h: BlobHash) -> Result<Option<std::path::PathBuf>, Status> {
         let store = self.store.clone();
@@ -294,6 +307,7 @@ impl Node for NodeService {
         req: Request<Streaming<nodepb::WriteBlobMessage>>,
     ) -> Result<Response<nodepb::WriteBlobResponse>, Status> {
         use nodepb::write_blob_message::Msg;
+        self.not_local("WriteBlob")?;
         let mut stream = req.into_inner();
         let header = match next_within(&mut stream, self.peer_idle).await? {
             Some(nodepb::WriteBlobMessage {
@@ -356,6 +370,7 @@ impl Node for NodeService {
         &self,
         req: Request<nodepb::FetchBlobsRequest>,
     ) -> Result<Response<nodepb::FetchBlobsResponse>, Status> {
+        self.not_local("FetchBlobs")?;
         let q = req.into_inner();
         let blobs = blob_refs(&q.blobs)?;
         if q.source.is_empty() {
@@ -409,6 +424,7 @@ impl Node for NodeService {
         &self,
         req: Request<nodepb::FetchChunksRequest>,
     ) -> Result<Response<nodepb::FetchChunksResponse>, Status> {
+        self.not_local("FetchChunks")?;
         let q = req.into_inner();
         let h = hash(&q.hash)?;
         let chunks = q
@@ -572,12 +588,8 @@ impl Node for NodeService {
         &self,
         req: Request<nodepb::ImportObjectRequest>,
     ) -> Result<Response<nodepb::ImportObjectResponse>, Status> {
-        if self.local {
-            // The node's own credentials would read whatever a local caller names.
-            return Err(Status::permission_denied(
-                "ImportObject is not served on the node's Unix socket",
-            ));
-        }
+        // The node's own credentials would read whatever a local caller names.
+        self.not_local("ImportObject")?;
         let q = req.into_inner();
         if q.origin.is_empty() {
             return Err(Status::invalid_argument("origin: name the version's origin URL"));
@@ -607,6 +619,7 @@ impl Node for NodeService {
         &self,
         req: Request<nodepb::UploadBlobsRequest>,
     ) -> Result<Response<Self::UploadBlobsStream>, Status> {
+        self.not_local("UploadBlobs")?;
         let q = req.into_inner();
         let blobs = blob_refs(&q.blobs)?;
         let target = self.peers.target(&q.target)?;

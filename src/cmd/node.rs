@@ -68,9 +68,15 @@ pub struct ServeArgs {
     /// Address peers use to reach this node [default: the listen address].
     #[arg(long, env = "LOCUS_NODE_ADVERTISE", value_name = "HOST:PORT")]
     pub advertise: Option<String>,
-    /// Unix socket for same-host clients (the mount).
+    /// Unix socket for same-host clients (the mount). Created with mode 0660; root, the
+    /// node's user and the group below may connect. It serves reads, EnsureLocal and
+    /// LocalPaths, nothing that writes or fetches.
     #[arg(long, env = "LOCUS_NODE_SOCKET", value_name = "PATH")]
     pub local_socket: Option<PathBuf>,
+    /// Group (name or number) whose members may use the local socket, e.g. the group
+    /// training jobs run as [default: the node's own group].
+    #[arg(long, value_name = "GROUP")]
+    pub local_socket_group: Option<String>,
     #[arg(long, value_name = "DURATION", default_value = "2s")]
     pub heartbeat_interval: String,
     /// How often to re-read which blobs this node must hold.
@@ -121,6 +127,21 @@ pub async fn run(cmd: NodeCmd, cfg: &Resolved) -> anyhow::Result<()> {
     }
 }
 
+/// A group's id from its number or its name (/etc/group).
+fn group_id(g: &str) -> anyhow::Result<u32> {
+    if let Ok(n) = g.parse() {
+        return Ok(n);
+    }
+    let groups = std::fs::read_to_string("/etc/group").unwrap_or_default();
+    groups
+        .lines()
+        .find_map(|l| {
+            let mut f = l.split(':');
+            (f.next() == Some(g)).then(|| f.nth(1).and_then(|id| id.parse().ok()))?
+        })
+        .ok_or_else(|| anyhow::anyhow!("--local-socket-group {g}: no such group in /etc/group"))
+}
+
 pub fn hostname() -> String {
     std::fs::read_to_string("/proc/sys/kernel/hostname")
         .map(|s| s.trim().to_ascii_lowercase())
@@ -169,6 +190,7 @@ async fn serve(a: ServeArgs, cfg: &Resolved) -> anyhow::Result<()> {
         http_listen,
         advertise: a.advertise,
         local_socket: a.local_socket.map(crate::absolute),
+        local_socket_gid: a.local_socket_group.as_deref().map(group_id).transpose()?,
         store: locus_cache_node::store::StoreConfig {
             dirs: a.data_dir.into_iter().map(crate::absolute).collect(),
             capacity: size_arg("--capacity", &a.capacity)?,
