@@ -319,3 +319,35 @@ fn a_peer_timeout_that_is_not_a_duration_is_refused_before_anything_runs() {
         );
     }
 }
+
+/// The shipped systemd units pass `systemd-analyze verify` (with the binary path pointed
+/// at the one under test), and the backup unit, which runs as a dynamic user, gets the
+/// root-only config through a credential rather than reading /etc/locus itself.
+#[test]
+fn the_shipped_systemd_units_verify() {
+    let h = Harness::new("systemd-units");
+    let dir = h.path("units");
+    std::fs::create_dir_all(&dir).unwrap();
+    let units = ["locus-backup.service", "locus-backup.timer", "locus-node.service"];
+    for u in units {
+        let text = std::fs::read_to_string(
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+                .join("deploy/systemd")
+                .join(u),
+        )
+        .unwrap()
+        .replace("/usr/local/bin/locus", locus().to_str().unwrap());
+        std::fs::write(dir.join(u), text).unwrap();
+    }
+    let out = Command::new("systemd-analyze")
+        .arg("verify")
+        .args(units.map(|u| dir.join(u)))
+        .output()
+        .expect("systemd-analyze (scripts/setup-debian.sh installs systemd)");
+    assert!(out.status.success(), "{}{}", stdout(&out), stderr(&out));
+    assert!(stderr(&out).trim().is_empty(), "warnings: {}", stderr(&out));
+    let backup = std::fs::read_to_string(dir.join("locus-backup.service")).unwrap();
+    assert!(backup.contains("DynamicUser=yes"));
+    assert!(backup.contains("LoadCredential=locus.toml:/etc/locus/locus.toml"));
+    assert!(backup.contains("--config ${CREDENTIALS_DIRECTORY}/locus.toml"));
+}

@@ -758,3 +758,74 @@ async fn sixty_four_concurrent_remote_readers_keep_the_mount_within_its_memory_b
     );
     eprintln!("64 readers: the mount grew by {} MiB", grew >> 20);
 }
+
+/// The mount's runtime dir (status files, logs) has a predictable name: one planted by
+/// someone else — a symlink, a directory of another user's, one others may write in — is
+/// refused, nothing is written through it; and a token given on the command line does
+/// not reach the background mount's argv, which any user can read.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_planted_runtime_dir_is_refused_and_the_token_stays_out_of_the_process_list() {
+    use std::os::unix::fs::PermissionsExt;
+    let h = Harness::new("mount-hygiene");
+    let m = h
+        .start_metadata(
+            "meta",
+            MetadataOpts {
+                tokens: tokens(),
+                ..Default::default()
+            },
+        )
+        .await;
+    let node = h.start_node("n1", &m, NodeOpts::host(1)).await;
+    let src = h.path("src");
+    make_tree(&src, 10);
+    let out = import(&m, "ds", &src, &["--replicas", "1"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let reader = m.token("reader").unwrap();
+
+    let victim = h.path("victim");
+    std::fs::create_dir_all(&victim).unwrap();
+    let planted = h.path("planted");
+    std::os::unix::fs::symlink(&victim, &planted).unwrap();
+    let foreign = h.path("foreign");
+    std::fs::create_dir_all(&foreign).unwrap();
+    std::os::unix::fs::chown(&foreign, Some(65534), Some(65534)).unwrap();
+    let open = h.path("open");
+    std::fs::create_dir_all(&open).unwrap();
+    std::fs::set_permissions(&open, std::fs::Permissions::from_mode(0o777)).unwrap();
+    let mp = h.path("mp");
+    std::fs::create_dir_all(&mp).unwrap();
+    for (dir, why) in [
+        (&planted, "it is a symlink"),
+        (&foreign, "belongs to uid 65534"),
+        (&open, "others may write in it"),
+    ] {
+        let out = std::process::Command::new(locus())
+            .args(["mount", "ds@1"])
+            .arg(&mp)
+            .env("LOCUS_METADATA", m.url())
+            .env("LOCUS_TOKEN", &reader)
+            .env("LOCUS_RUNTIME_DIR", dir)
+            .output()
+            .unwrap();
+        assert!(!out.status.success(), "mounted with {}", dir.display());
+        assert!(stderr(&out).contains(why), "{}", stderr(&out));
+    }
+    assert_eq!(
+        std::fs::read_dir(&victim).unwrap().count(),
+        0,
+        "written through the symlink"
+    );
+
+    // A token on the command line: the background mount works, and its argv lacks it.
+    let mnt = m.mount("withflag", "ds@1", Some(&node), &["--token", &reader]);
+    assert_same_tree(&src, &mnt.path);
+    let pid = mnt.status()["pid"].as_u64().unwrap();
+    let argv = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap();
+    assert!(
+        !String::from_utf8_lossy(&argv).contains(&reader),
+        "the token is in the mount's argv"
+    );
+    let runtime = std::fs::metadata(&mnt.runtime_dir).unwrap().permissions().mode() & 0o777;
+    assert_eq!(runtime, 0o700, "{runtime:o}");
+}

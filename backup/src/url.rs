@@ -58,8 +58,24 @@ fn request_timeout() -> Result<Option<std::time::Duration>> {
     Ok(Some(d.max(std::time::Duration::from_millis(1))))
 }
 
-/// `bucket/prefix` → (bucket, prefix without surrounding '/').
+/// `bucket/prefix` → (bucket, prefix without surrounding '/'). A URL carrying
+/// credentials (`user:secret@bucket`, a `?`-signed query such as an Azure SAS) is refused
+/// without repeating it: it would be stored as a version's origin or a backup's address
+/// and shown to every reader; credentials come from the environment.
 fn split<'a>(url: &str, rest: &'a str) -> Result<(&'a str, String)> {
+    let scheme = &url[..url.find("://").map_or(0, |i| i + 3)];
+    if rest.contains('?')
+        || rest
+            .split('/')
+            .next()
+            .is_some_and(|b| b.contains('@') || b.contains(':'))
+    {
+        return Err(BackupError::Target(format!(
+            "a {scheme} URL with credentials in it (user:secret@ or a ?query) is refused: it would \
+             be stored and shown to readers; give credentials through the environment \
+             (AWS_*, GOOGLE_*, AZURE_STORAGE_*) instead"
+        )));
+    }
     let (bucket, prefix) = rest.split_once('/').unwrap_or((rest, ""));
     if bucket.is_empty() {
         return Err(BackupError::Target(format!("{url}: no bucket or container name")));
@@ -156,5 +172,17 @@ mod tests {
         let o = open(&format!("file://{}/sub/", d.path().display()), true).unwrap();
         assert_eq!(o.local_root.unwrap(), d.path().join("sub"));
         assert!(d.path().join("sub").is_dir(), "created");
+        for u in [
+            "s3://AKIAEXAMPLE:wJalrXUtnFEMI@bucket/prefix",
+            "az://container/prefix?sv=2024&sig=c2VjcmV0",
+            "gs://user@bucket/x",
+        ] {
+            let why = e(u);
+            assert!(why.contains("with credentials in it"), "{u}: {why}");
+            assert!(
+                !why.contains("wJalr") && !why.contains("c2VjcmV0"),
+                "the secret is repeated: {why}"
+            );
+        }
     }
 }

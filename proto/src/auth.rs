@@ -165,6 +165,25 @@ impl TokenSet {
             }
             tokens.push((hash, t.name, t.role));
         }
+        // Plain secrets in a file others can read are as good as published. Digests
+        // (`blake3 = …`) may be shared: they open nothing without the secret.
+        {
+            use std::os::unix::fs::PermissionsExt;
+            let mode = std::fs::metadata(path)
+                .map(|m| m.permissions().mode())
+                .unwrap_or(0);
+            let plain = toml::from_str::<TokenFile>(&text)
+                .map(|f| f.token.iter().any(|t| t.token.is_some()))
+                .unwrap_or(true);
+            if plain && mode & 0o077 != 0 {
+                return Err(invalid(format!(
+                    "holds plain tokens but other users may read it (mode {:o}): run chmod 600 {p} \
+                     (for a Kubernetes Secret, defaultMode: 0400), or list `blake3 = \"<digest>\"` \
+                     instead of `token = …`",
+                    mode & 0o777
+                )));
+            }
+        }
         Ok(TokenSet { tokens })
     }
 
@@ -352,8 +371,26 @@ mod tests {
             ),
         )
         .unwrap();
+        // Plain secrets that others may read: refused, saying how to fix it.
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o644)).unwrap();
+        let e = TokenSet::load(&p).unwrap_err().to_string();
+        assert!(
+            e.contains("other users may read it") && e.contains("chmod 600"),
+            "{e}"
+        );
+        std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o600)).unwrap();
         let set = TokenSet::load(&p).unwrap();
         assert_eq!(set.authenticate(b"reader-secret-0123456789").unwrap().name, "job");
+        // Digests only may be shared.
+        let digests = dir.join("digests.toml");
+        std::fs::write(
+            &digests,
+            format!("[[token]]\nname = \"job\"\nrole = \"reader\"\nblake3 = \"{digest}\"\n"),
+        )
+        .unwrap();
+        std::fs::set_permissions(&digests, std::fs::Permissions::from_mode(0o644)).unwrap();
+        assert!(TokenSet::load(&digests).is_ok());
         assert!(set.authenticate(b"reader-secret-012345678").is_none());
         std::fs::write(
             &p,

@@ -167,13 +167,70 @@ pub struct MountStatus {
     pub totals: locus_fuse::metrics::Totals,
 }
 
+/// Where mounts keep their status files and logs: LOCUS_RUNTIME_DIR, else
+/// $XDG_RUNTIME_DIR/locus, else /tmp/locus-<uid>. Only read here; see
+/// [`private_runtime_dir`] before writing into it.
 pub fn runtime_dir() -> PathBuf {
     if let Some(d) = std::env::var_os("LOCUS_RUNTIME_DIR") {
         return PathBuf::from(d);
     }
-    use std::os::unix::fs::MetadataExt;
-    let uid = std::fs::metadata("/proc/self").map(|m| m.uid()).unwrap_or(0);
-    std::env::temp_dir().join(format!("locus-{uid}"))
+    if let Some(d) = std::env::var_os("XDG_RUNTIME_DIR").filter(|d| !d.is_empty()) {
+        return PathBuf::from(d).join("locus");
+    }
+    std::env::temp_dir().join(format!("locus-{}", euid()))
+}
+
+fn euid() -> u32 {
+    // SAFETY: geteuid cannot fail and touches no memory of ours.
+    #[allow(unsafe_code)]
+    unsafe {
+        libc::geteuid()
+    }
+}
+
+/// The runtime dir and its `mounts/`, made (mode 0700) or checked before anything is
+/// written there: a name under /tmp is predictable, so another user could have made it
+/// first, or put a symlink there, to read our logs or have us write where they choose.
+/// Each must be a real directory (not a symlink), ours, and writable by no one else.
+pub fn private_runtime_dir() -> anyhow::Result<PathBuf> {
+    let root = runtime_dir();
+    for d in [root.clone(), root.join("mounts")] {
+        private_dir(&d)?;
+    }
+    Ok(root)
+}
+
+fn private_dir(d: &Path) -> anyhow::Result<()> {
+    use std::os::unix::fs::{DirBuilderExt, MetadataExt};
+    match std::fs::DirBuilder::new().mode(0o700).create(d) {
+        Ok(()) => return Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+        Err(e) => bail!("cannot create the runtime dir {}: {e}", d.display()),
+    }
+    let m = std::fs::symlink_metadata(d).with_context(|| format!("cannot inspect {}", d.display()))?;
+    let why = if m.file_type().is_symlink() {
+        Some("it is a symlink".to_string())
+    } else if !m.is_dir() {
+        Some("it is not a directory".to_string())
+    } else if m.uid() != euid() {
+        Some(format!(
+            "it belongs to uid {}, not to you (uid {})",
+            m.uid(),
+            euid()
+        ))
+    } else if m.mode() & 0o022 != 0 {
+        Some(format!("others may write in it (mode {:o})", m.mode() & 0o777))
+    } else {
+        None
+    };
+    match why {
+        Some(why) => bail!(
+            "refusing to use {} as the mount's runtime dir: {why}. Remove it, or set \
+             LOCUS_RUNTIME_DIR to a directory of your own",
+            d.display()
+        ),
+        None => Ok(()),
+    }
 }
 
 /// A file name for a mount's status and log: the mountpoint made readable, plus a short
@@ -264,12 +321,13 @@ pub async fn run(a: MountArgs, cfg: &Resolved) -> anyhow::Result<()> {
     if a.foreground || a.notify_ready {
         serve(a, mountpoint, cfg).await
     } else {
-        spawn_background(&a, &mountpoint)
+        spawn_background(&a, &mountpoint, cfg.token.as_deref())
     }
 }
 
 /// Runs the mount in a detached child and waits for its first word.
-fn spawn_background(a: &MountArgs, mountpoint: &Path) -> anyhow::Result<()> {
+fn spawn_background(a: &MountArgs, mountpoint: &Path, token: Option<&str>) -> anyhow::Result<()> {
+    private_runtime_dir()?;
     let log = match &a.log_file {
         Some(p) => crate::absolute(p.clone()),
         None => status_path(mountpoint).with_extension("log"),
@@ -284,10 +342,25 @@ fn spawn_background(a: &MountArgs, mountpoint: &Path) -> anyhow::Result<()> {
         .with_context(|| format!("cannot open log file {}", log.display()))?;
     let start_len = log_file.metadata().map(|m| m.len()).unwrap_or(0);
     let exe = std::env::current_exe().context("cannot find the locus executable")?;
-    let mut args: Vec<std::ffi::OsString> = std::env::args_os().skip(1).collect();
+    // The token goes to the child in its environment, never in its argv, which every
+    // user of the host can read in the process list.
+    let mut args: Vec<std::ffi::OsString> = Vec::new();
+    let mut given = std::env::args_os().skip(1);
+    while let Some(arg) = given.next() {
+        let a = arg.to_string_lossy();
+        if a == "--token" || a == "--token-file" {
+            given.next();
+        } else if !(a.starts_with("--token=") || a.starts_with("--token-file=")) {
+            args.push(arg);
+        }
+    }
     args.push("--notify-ready".into());
     use std::os::unix::process::CommandExt;
-    let mut child = Command::new(exe)
+    let mut cmd = Command::new(exe);
+    if let Some(t) = token {
+        cmd.env("LOCUS_TOKEN", t).env_remove("LOCUS_TOKEN_FILE");
+    }
+    let mut child = cmd
         .args(args)
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
@@ -318,6 +391,7 @@ fn spawn_background(a: &MountArgs, mountpoint: &Path) -> anyhow::Result<()> {
 
 async fn serve(a: MountArgs, mountpoint: PathBuf, cfg: &Resolved) -> anyhow::Result<()> {
     let (dataset, version) = parse_target(&a.target)?;
+    private_runtime_dir()?;
     let cache_bytes = size_arg("--cache-size", &a.cache_size)? as usize;
     let readahead = size_arg("--readahead", &a.readahead)?;
     let mut labels = crate::cmd::node::parse_labels(&a.labels)?;

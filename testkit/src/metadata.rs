@@ -83,6 +83,10 @@ impl Harness {
                 ));
             }
             std::fs::write(dir.join("tokens.toml"), t).unwrap();
+            // Plain tokens: the services refuse a file others may read.
+            use std::os::unix::fs::PermissionsExt;
+            std::fs::set_permissions(dir.join("tokens.toml"), std::fs::Permissions::from_mode(0o600))
+                .unwrap();
         }
         let log = self.path(&format!("{name}.log"));
         // With tokens, the repair loop presents the node token to cache nodes.
