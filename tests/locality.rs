@@ -572,3 +572,36 @@ async fn warm_reads_shards_no_live_node_holds_from_the_origin_within_its_budget(
     let mnt = m.mount("after", "ds@1", Some(&nodes[1]), &[]);
     assert_same_tree(&src, &mnt.path);
 }
+
+/// The extender takes no token, so its input is bounded: a pod naming 100,000 datasets is
+/// refused by the count alone (nothing is parsed or looked up), as is a /v1/locality
+/// question over the caps, and ordinary requests keep answering.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn oversized_extender_and_locality_requests_are_refused_by_their_size() {
+    let h = Harness::new("k8s-bounds");
+    let (m, _nodes, _src, _total) = imported(&h, 20, "1").await;
+    let post = |path: &'static str, body: String| {
+        let addr = m.http;
+        async move { http_request(addr, "POST", path, &[("Content-Type", "application/json")], &body).await }
+    };
+    let many: Vec<String> = (0..100_000).map(|i| format!("ds{i}@1")).collect();
+    let body = format!(
+        r#"{{"Pod":{{"metadata":{{"name":"p","annotations":{{"locus.io/dataset":"{}"}}}}}},"NodeNames":["n1"]}}"#,
+        many.join(",")
+    );
+    let normal = r#"{"Pod":{"metadata":{"name":"p","annotations":{"locus.io/dataset":"ds@1"}}},"NodeNames":["n1","n2"]}"#;
+    let (code, _) = post("/k8s/prioritize", normal.to_string()).await;
+    assert_eq!(code, 200);
+    let (code, text) = post("/k8s/prioritize", body).await;
+    assert_eq!(code, 400, "{text}");
+    assert!(text.contains("100000 datasets; at most 64"), "{text}");
+    let (code, text) = post(
+        "/v1/locality",
+        serde_json::json!({ "datasets": ["ds@1"], "shards": (0..100_001).collect::<Vec<u32>>() }).to_string(),
+    )
+    .await;
+    assert_eq!(code, 400, "{text}");
+    assert!(text.contains("100000 shards"), "{text}");
+    let (code, _) = post("/k8s/prioritize", normal.to_string()).await;
+    assert_eq!(code, 200);
+}

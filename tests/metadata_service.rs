@@ -777,3 +777,67 @@ async fn daemon_logs_are_plain_text_or_json_lines() {
         .iter()
         .any(|l| l["fields"]["message"] == "metadata service listening"));
 }
+
+/// Resident memory of a process, from /proc.
+fn rss_kib(pid: u32) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .unwrap()
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap()
+}
+
+/// A caller sending made-up method paths gets UNIMPLEMENTED each time, and neither the
+/// service's metrics nor its memory grow with the number of distinct paths.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ten_thousand_unknown_grpc_paths_leave_metrics_and_memory_flat() {
+    let h = Harness::new("unknown-paths");
+    let m = h.start_metadata("meta", MetadataOpts::default()).await;
+    let channel = tonic::transport::Endpoint::from_shared(m.url())
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let call = |i: usize| {
+        let mut g = tonic::client::Grpc::new(channel.clone());
+        async move {
+            g.ready().await.unwrap();
+            let path = http::uri::PathAndQuery::try_from(format!(
+                "/locus.metadata.v1.Metadata/Made{i:05}Up{}",
+                "x".repeat(i % 100)
+            ))
+            .unwrap();
+            g.unary::<(), (), _>(tonic::Request::new(()), path, tonic_prost::ProstCodec::default())
+                .await
+                .unwrap_err()
+                .code()
+        }
+    };
+    // Warm up, then measure.
+    for i in 0..500 {
+        assert_eq!(call(i).await, tonic::Code::Unimplemented);
+    }
+    let metrics_before = http_get(m.http, "/metrics").await.len();
+    let rss_before = rss_kib(m.pid());
+    let mut codes = futures_util::stream::iter((500..10_500).map(call)).buffer_unordered(32);
+    use futures_util::StreamExt;
+    while let Some(code) = codes.next().await {
+        assert_eq!(code, tonic::Code::Unimplemented);
+    }
+    let metrics_after = http_get(m.http, "/metrics").await;
+    assert!(
+        !metrics_after.contains("Made"),
+        "a made-up path became a metrics label"
+    );
+    assert!(
+        metrics_after.len() < metrics_before + 4096,
+        "metrics grew from {metrics_before} to {} bytes",
+        metrics_after.len()
+    );
+    let rss_after = rss_kib(m.pid());
+    assert!(
+        rss_after < rss_before + 16 * 1024,
+        "memory grew from {rss_before} to {rss_after} KiB over 10,000 unknown paths"
+    );
+}

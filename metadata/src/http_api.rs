@@ -103,8 +103,16 @@ pub async fn locality(
         Ok(q) => q,
         Err(e) => return error(StatusCode::BAD_REQUEST, format!("malformed request: {e}")),
     };
-    if q.datasets.is_empty() || q.datasets.len() > 64 {
-        return error(StatusCode::BAD_REQUEST, "datasets: name 1 to 64 dataset versions");
+    if q.datasets.is_empty() {
+        return error(
+            StatusCode::BAD_REQUEST,
+            "datasets: name at least one dataset version",
+        );
+    }
+    if let Err(e) =
+        crate::locality::check_request(q.datasets.len(), q.paths.len(), q.shards.len(), q.nodes.len())
+    {
+        return error(StatusCode::BAD_REQUEST, e);
     }
     let refs = match q
         .datasets

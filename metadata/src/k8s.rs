@@ -107,6 +107,13 @@ fn parse(body: &[u8]) -> Result<(Option<PodWants>, Candidates), String> {
             .collect::<Result<Vec<_>, _>>()?,
         (None, None) => Vec::new(),
     };
+    if names.len() > crate::locality::MAX_NODES {
+        return Err(format!(
+            "{} candidate nodes; at most {} per request",
+            names.len(),
+            crate::locality::MAX_NODES
+        ));
+    }
     let annotations = field(&v, "pod")
         .and_then(|p| field(p, "metadata"))
         .and_then(|m| field(m, "annotations"))
@@ -115,6 +122,14 @@ fn parse(body: &[u8]) -> Result<(Option<PodWants>, Candidates), String> {
     let wants = match get(DATASET_ANNOTATION).map(str::trim).filter(|s| !s.is_empty()) {
         None => None,
         Some(list) => {
+            // Counted before anything is parsed or looked up.
+            let asked = list.split(',').count();
+            if asked > crate::locality::MAX_REFS {
+                return Err(format!(
+                    "annotation {DATASET_ANNOTATION}: {asked} datasets; at most {} per pod",
+                    crate::locality::MAX_REFS
+                ));
+            }
             let refs = list
                 .split(',')
                 .map(|d| d.trim().parse::<DatasetRef>())

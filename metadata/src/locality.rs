@@ -21,6 +21,25 @@
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
 
+/// What one locality question may ask, the same over gRPC, `/v1/locality` and the
+/// Kubernetes extender: its cost is versions × shards × nodes on the shared blocking
+/// pool, and the extender and the HTTP API take no token.
+pub const MAX_REFS: usize = 64;
+pub const MAX_PATH_PREFIXES: usize = 1_000;
+pub const MAX_SHARDS: usize = 100_000;
+pub const MAX_NODES: usize = 100_000;
+
+/// Refuses a locality question over the caps, naming them.
+pub fn check_request(refs: usize, prefixes: usize, shards: usize, nodes: usize) -> Result<(), String> {
+    if refs > MAX_REFS || prefixes > MAX_PATH_PREFIXES || shards > MAX_SHARDS || nodes > MAX_NODES {
+        return Err(format!(
+            "at most {MAX_REFS} versions, {MAX_PATH_PREFIXES} path prefixes, {MAX_SHARDS} shards \
+             and {MAX_NODES} nodes per question (asked: {refs}, {prefixes}, {shards}, {nodes})"
+        ));
+    }
+    Ok(())
+}
+
 /// FNV-1a: node ids are short strings looked up once per replica per call, where
 /// SipHash's start-up cost dominates; nothing here is keyed by untrusted input that
 /// could be chosen to collide (ids come from registered nodes).

@@ -341,15 +341,8 @@ impl pb::metadata_server::Metadata for MetadataService {
 
     async fn locality(&self, req: Request<pb::LocalityRequest>) -> Res<pb::LocalityResponse> {
         let q = req.into_inner();
-        if q.refs.len() > 64
-            || q.path_prefixes.len() > 1_000
-            || q.shards.len() > 100_000
-            || q.nodes.len() > 100_000
-        {
-            return Err(Status::invalid_argument(
-                "at most 64 versions, 1,000 path prefixes, 100,000 shards and 100,000 nodes per call",
-            ));
-        }
+        crate::locality::check_request(q.refs.len(), q.path_prefixes.len(), q.shards.len(), q.nodes.len())
+            .map_err(Status::invalid_argument)?;
         let refs = q
             .refs
             .into_iter()

@@ -320,15 +320,23 @@ where
     fn call(&mut self, mut req: http::Request<Body>) -> Self::Future {
         let start = Instant::now();
         let path = req.uri().path().to_string();
-        let method = path.rsplit('/').next().unwrap_or_default().to_string();
         let access = path
             .strip_prefix(self.policy.prefix())
             .and_then(|m| self.policy.access(m));
+        // Metrics are labelled by method: a path this service does not know gets one
+        // shared label, so a caller sending endless made-up paths cannot grow the
+        // metrics (and the service's memory) without bound.
+        let method = match access {
+            Some(_) => path.rsplit('/').next().unwrap_or_default().to_string(),
+            None => "unknown".to_string(),
+        };
         let policy = self.policy.clone();
         let auth = req.headers().get("authorization").map(|v| v.as_bytes().to_vec());
         match check(self.tokens.as_deref(), &method, access, auth.as_deref()) {
             Err((status, reason)) => {
-                tracing::warn!(%path, reason, "refused call: {}", status.message());
+                // The path is the caller's: cut to a sane length before it is logged.
+                let shown: String = path.chars().take(200).collect();
+                tracing::warn!(path = %shown, reason, "refused call: {}", status.message());
                 policy.refused(reason);
                 policy.done(&method, status.code(), start.elapsed());
                 Box::pin(async move { Ok(status.into_http()) })
