@@ -1497,3 +1497,56 @@ async fn the_local_socket_admits_only_its_users_and_serves_them_no_writes_or_fet
         .await
         .expect("status over the socket");
 }
+
+/// A peer that streams without end, whatever it was asked for, is cut off as soon as it
+/// sends more than was asked — a chunk (FetchChunks) or a blob (FetchBlobs) — and the
+/// node keeps nothing from it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_streaming_endlessly_is_cut_off_at_what_was_asked() {
+    let h = Harness::new("endless-peer");
+    let (_m, nodes) = cluster(&h, 1, NodeOpts::host).await;
+    let peer = EndlessPeer::start().await;
+    let mut c = nodes[0].client().await;
+    let blob = blake3::hash(b"a blob the peer pretends to have")
+        .as_bytes()
+        .to_vec();
+    let size = 4u64 << 20;
+    let chunk = 1u32 << 20;
+    let e = c
+        .fetch_chunks(nodepb::FetchChunksRequest {
+            source: peer.addr.to_string(),
+            hash: blob.clone(),
+            size,
+            chunk_size: chunk,
+            chunk_hashes: (0..4u8).map(|i| blake3::hash(&[i]).as_bytes().to_vec()).collect(),
+            chunks: vec![0],
+            pin: false,
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), tonic::Code::DataLoss, "{e:?}");
+    assert!(
+        e.message()
+            .contains("sent more than the 1048576 bytes of chunk 0"),
+        "{e:?}"
+    );
+    let e = c
+        .fetch_blobs(nodepb::FetchBlobsRequest {
+            source: peer.addr.to_string(),
+            blobs: vec![nodepb::BlobRef {
+                hash: blob.clone(),
+                size,
+                ..Default::default()
+            }],
+            chunk_size: chunk,
+            ..Default::default()
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), tonic::Code::InvalidArgument, "{e:?}");
+    assert!(e.message().contains("more than the announced"), "{e:?}");
+    // A handful of 1 MiB messages in flight, not the endless stream.
+    let sent = peer.sent.load(std::sync::atomic::Ordering::SeqCst);
+    assert!(sent < 64, "the node kept taking: {sent} MiB");
+    assert!(nodes[0].blob_files().is_empty());
+}

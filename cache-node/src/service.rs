@@ -471,6 +471,14 @@ impl Node for NodeService {
             let mut s = open_read(&mut peer, req, self.peer_idle).await.map_err(from)?;
             let mut buf = Vec::with_capacity(cs as usize);
             while let Some(m) = next_within(&mut s, self.peer_idle).await.map_err(from)? {
+                // A peer that sends more than the chunk it was asked for is cut off
+                // here, before it can grow the buffer past one chunk.
+                if (buf.len() + m.data.len()) as u64 > cs {
+                    return Err(Status::data_loss(format!(
+                        "{} sent more than the {cs} bytes of chunk {c} of blob {h}",
+                        q.source
+                    )));
+                }
                 buf.extend_from_slice(&m.data);
             }
             let st = self.store.clone();

@@ -112,3 +112,128 @@ async fn pump(client: TcpStream, server: TcpStream, corrupt: Arc<AtomicBool>, fl
     };
     tokio::join!(up, down);
 }
+
+/// A node that answers every ReadBlob with 1 MiB messages, forever: a peer gone wrong (or
+/// hostile) that would fill its caller's memory if the caller kept taking. Every other
+/// call is UNIMPLEMENTED.
+pub struct EndlessPeer {
+    pub addr: SocketAddr,
+    /// Messages sent so far, over all streams.
+    pub sent: Arc<AtomicU64>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl EndlessPeer {
+    pub async fn start() -> EndlessPeer {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let sent = Arc::new(AtomicU64::new(0));
+        let svc = Endless { sent: sent.clone() };
+        let task = tokio::spawn(async move {
+            let _ = tonic::transport::Server::builder()
+                .add_service(locus_proto::nodepb::node_server::NodeServer::new(svc))
+                .serve_with_incoming(tonic::transport::server::TcpIncoming::from(listener))
+                .await;
+        });
+        EndlessPeer { addr, sent, task }
+    }
+}
+
+impl Drop for EndlessPeer {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+struct Endless {
+    sent: Arc<AtomicU64>,
+}
+
+type Res<T> = Result<tonic::Response<T>, tonic::Status>;
+
+fn unimplemented<T>() -> Res<T> {
+    Err(tonic::Status::unimplemented("an endless peer only streams"))
+}
+
+#[tonic::async_trait]
+impl locus_proto::nodepb::node_server::Node for Endless {
+    type ReadBlobStream =
+        tokio_stream::wrappers::ReceiverStream<Result<locus_proto::nodepb::BlobData, tonic::Status>>;
+    type UploadBlobsStream =
+        tokio_stream::wrappers::ReceiverStream<Result<locus_proto::nodepb::UploadProgress, tonic::Status>>;
+
+    async fn read_blob(
+        &self,
+        _r: tonic::Request<locus_proto::nodepb::ReadBlobRequest>,
+    ) -> Res<Self::ReadBlobStream> {
+        let (tx, rx) = tokio::sync::mpsc::channel(2);
+        let sent = self.sent.clone();
+        tokio::spawn(async move {
+            let piece = bytes::Bytes::from(vec![7u8; 1 << 20]);
+            loop {
+                let m = locus_proto::nodepb::BlobData { data: piece.clone() };
+                if tx.send(Ok(m)).await.is_err() {
+                    return;
+                }
+                sent.fetch_add(1, Ordering::SeqCst);
+            }
+        });
+        Ok(tonic::Response::new(tokio_stream::wrappers::ReceiverStream::new(
+            rx,
+        )))
+    }
+    async fn write_blob(
+        &self,
+        _r: tonic::Request<tonic::Streaming<locus_proto::nodepb::WriteBlobMessage>>,
+    ) -> Res<locus_proto::nodepb::WriteBlobResponse> {
+        unimplemented()
+    }
+    async fn have_blobs(
+        &self,
+        _r: tonic::Request<locus_proto::nodepb::HaveBlobsRequest>,
+    ) -> Res<locus_proto::nodepb::HaveBlobsResponse> {
+        unimplemented()
+    }
+    async fn fetch_blobs(
+        &self,
+        _r: tonic::Request<locus_proto::nodepb::FetchBlobsRequest>,
+    ) -> Res<locus_proto::nodepb::FetchBlobsResponse> {
+        unimplemented()
+    }
+    async fn fetch_chunks(
+        &self,
+        _r: tonic::Request<locus_proto::nodepb::FetchChunksRequest>,
+    ) -> Res<locus_proto::nodepb::FetchChunksResponse> {
+        unimplemented()
+    }
+    async fn ensure_local(
+        &self,
+        _r: tonic::Request<locus_proto::nodepb::EnsureLocalRequest>,
+    ) -> Res<locus_proto::nodepb::EnsureLocalResponse> {
+        unimplemented()
+    }
+    async fn local_paths(
+        &self,
+        _r: tonic::Request<locus_proto::nodepb::LocalPathsRequest>,
+    ) -> Res<locus_proto::nodepb::LocalPathsResponse> {
+        unimplemented()
+    }
+    async fn upload_blobs(
+        &self,
+        _r: tonic::Request<locus_proto::nodepb::UploadBlobsRequest>,
+    ) -> Res<Self::UploadBlobsStream> {
+        unimplemented()
+    }
+    async fn import_object(
+        &self,
+        _r: tonic::Request<locus_proto::nodepb::ImportObjectRequest>,
+    ) -> Res<locus_proto::nodepb::ImportObjectResponse> {
+        unimplemented()
+    }
+    async fn get_node_status(
+        &self,
+        _r: tonic::Request<locus_proto::nodepb::GetNodeStatusRequest>,
+    ) -> Res<locus_proto::nodepb::NodeStatus> {
+        unimplemented()
+    }
+}
