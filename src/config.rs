@@ -90,6 +90,11 @@ pub struct BackupFile {
     pub keep_last: Option<u32>,
     pub keep_daily: Option<u32>,
     pub keep_weekly: Option<u32>,
+    /// The Ed25519 key backup runs sign their snapshots with.
+    pub signing_key: Option<PathBuf>,
+    /// Public keys (hex, or files holding them) restore and verify trust.
+    #[serde(default)]
+    pub trusted_keys: Vec<String>,
 }
 
 #[derive(Debug, Default, Deserialize, Clone)]

@@ -192,7 +192,7 @@ async fn backups_to_a_directory_are_incremental_verified_and_collected() {
     assert!(stdout(&table).contains("alpha(2)"), "{}", stdout(&table));
 
     // verify: clean, then a damaged and a missing blob are both named.
-    let v = json(&m.cli(&["backup", "verify", "--to", &url, "--json"]));
+    let v = json(&m.cli(&["backup", "verify", "--allow-unsigned", "--to", &url, "--json"]));
     assert_eq!(u(&v, "blobs_checked"), u(&r3, "blobs"));
     assert_eq!(v["catalog_ok"], true);
     let (victim, gone) = {
@@ -206,7 +206,7 @@ async fn backups_to_a_directory_are_incremental_verified_and_collected() {
     bad[500] ^= 1;
     std::fs::write(&vp, bad).unwrap();
     std::fs::remove_file(&gp).unwrap();
-    let o = m.cli(&["backup", "verify", "--to", &url]);
+    let o = m.cli(&["backup", "verify", "--allow-unsigned", "--to", &url]);
     assert!(!o.status.success());
     assert!(
         stdout(&o).contains(&format!("corrupt  {victim}")),
@@ -215,11 +215,20 @@ async fn backups_to_a_directory_are_incremental_verified_and_collected() {
     );
     assert!(stdout(&o).contains(&format!("missing  {gone}")), "{}", stdout(&o));
     // A sample reads fewer blobs.
-    let o = m.cli(&["backup", "verify", "--to", &url, "--sample", "0.25", "--json"]);
+    let o = m.cli(&[
+        "backup",
+        "verify",
+        "--allow-unsigned",
+        "--to",
+        &url,
+        "--sample",
+        "0.25",
+        "--json",
+    ]);
     let sampled: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
     assert!(u(&sampled, "blobs_checked") < u(&r3, "blobs"), "{sampled}");
     // --repair has the nodes send both again; then everything verifies.
-    let o = m.cli(&["backup", "verify", "--to", &url, "--repair"]);
+    let o = m.cli(&["backup", "verify", "--allow-unsigned", "--to", &url, "--repair"]);
     assert!(o.status.success(), "{}{}", stdout(&o), stderr(&o));
     assert!(
         stdout(&o).contains(&format!("repaired {victim}")),
@@ -229,7 +238,7 @@ async fn backups_to_a_directory_are_incremental_verified_and_collected() {
     assert!(stdout(&o).contains(&format!("repaired {gone}")), "{}", stdout(&o));
     assert_eq!(std::fs::read(&vp).unwrap(), orig_v);
     assert_eq!(std::fs::read(&gp).unwrap(), orig_g);
-    let v = json(&m.cli(&["backup", "verify", "--to", &url, "--json"]));
+    let v = json(&m.cli(&["backup", "verify", "--allow-unsigned", "--to", &url, "--json"]));
     assert!(v["corrupt"].as_array().unwrap().is_empty() && v["missing"].as_array().unwrap().is_empty());
 
     // Retention: drop beta, back up, keep only the newest snapshot. What remains is
@@ -294,7 +303,7 @@ async fn backups_to_a_directory_are_incremental_verified_and_collected() {
     assert_eq!(ids, vec![newest.as_str(), running]);
     // The kept snapshot is still whole.
     std::fs::remove_dir_all(&running_dir).unwrap();
-    let v = json(&m.cli(&["backup", "verify", "--to", &url, "--json"]));
+    let v = json(&m.cli(&["backup", "verify", "--allow-unsigned", "--to", &url, "--json"]));
     assert_eq!(v["snapshot"], newest.as_str());
     assert!(v["missing"].as_array().unwrap().is_empty());
 
@@ -340,19 +349,28 @@ async fn backups_to_a_directory_are_incremental_verified_and_collected() {
     assert_eq!(r6["committed"], true);
     assert_eq!(u(&r6, "blobs_uploaded"), 1, "{r6}");
     assert!(vp.exists());
-    let v = json(&m.cli(&["backup", "verify", "--to", &url, "--json"]));
+    let v = json(&m.cli(&["backup", "verify", "--allow-unsigned", "--to", &url, "--json"]));
     assert!(v["missing"].as_array().unwrap().is_empty());
 
     // Bad input: a target that is not a URL, an unknown snapshot, no target at all.
     let o = m.cli(&["backup", "run", "--to", "/not/a/url"]);
     assert!(!o.status.success());
     assert!(stderr(&o).contains("not an object-store URL"), "{}", stderr(&o));
-    let o = m.cli(&["backup", "verify", "--to", &url, "--snapshot", "../etc"]);
+    let o = m.cli(&[
+        "backup",
+        "verify",
+        "--allow-unsigned",
+        "--to",
+        &url,
+        "--snapshot",
+        "../etc",
+    ]);
     assert!(!o.status.success());
     assert!(stderr(&o).contains("not a snapshot id"), "{}", stderr(&o));
     let o = m.cli(&[
         "backup",
         "verify",
+        "--allow-unsigned",
         "--to",
         &url,
         "--snapshot",
@@ -409,7 +427,15 @@ async fn restore_drill_brings_every_byte_back_from_the_backup() {
     // as its next version (numbers are never reused), identical to the original.
     let o = m.cli(&["dataset", "rm", "text", "--all-versions"]);
     assert!(o.status.success(), "{}", stderr(&o));
-    let o = m.cli(&["restore", "--from", &url, "--dataset", "text@1", "--json"]);
+    let o = m.cli(&[
+        "restore",
+        "--allow-unsigned",
+        "--from",
+        &url,
+        "--dataset",
+        "text@1",
+        "--json",
+    ]);
     let r = json(&o);
     assert_eq!(r["dataset"], "text");
     assert_eq!(r["version"], 2);
@@ -422,6 +448,7 @@ async fn restore_drill_brings_every_byte_back_from_the_backup() {
     // Under another name, and refusals: a version the snapshot lacks, both modes at once.
     let o = m.cli(&[
         "restore",
+        "--allow-unsigned",
         "--from",
         &url,
         "--dataset",
@@ -431,11 +458,19 @@ async fn restore_drill_brings_every_byte_back_from_the_backup() {
         "--json",
     ]);
     assert_eq!(json(&o)["version"], 1);
-    let o = m.cli(&["restore", "--from", &url, "--dataset", "text@7"]);
+    let o = m.cli(&[
+        "restore",
+        "--allow-unsigned",
+        "--from",
+        &url,
+        "--dataset",
+        "text@7",
+    ]);
     assert!(!o.status.success());
     assert!(stderr(&o).contains("does not hold text@7"), "{}", stderr(&o));
     let o = m.cli(&[
         "restore",
+        "--allow-unsigned",
         "--from",
         &url,
         "--dataset",
@@ -506,7 +541,7 @@ async fn backup_to_s3_survives_the_server_dying_resumes_and_restores() {
     );
     // The earlier snapshot is untouched and still verifies; the interrupted one is listed
     // as incomplete and cannot be used.
-    let v = json(&m.cli(&["backup", "verify", "--to", url, "--json"]));
+    let v = json(&m.cli(&["backup", "verify", "--allow-unsigned", "--to", url, "--json"]));
     assert_eq!(v["snapshot"], first.as_str());
     assert!(v["missing"].as_array().unwrap().is_empty() && v["corrupt"].as_array().unwrap().is_empty());
     let list = json(&m.cli(&["backup", "list", "--to", url, "--json"]));
@@ -522,7 +557,7 @@ async fn backup_to_s3_survives_the_server_dying_resumes_and_restores() {
         "{r2}"
     );
     assert_eq!(count(weed.bucket()).await as u64, u(&r2, "blobs"));
-    let v = json(&m.cli(&["backup", "verify", "--to", url, "--json"]));
+    let v = json(&m.cli(&["backup", "verify", "--allow-unsigned", "--to", url, "--json"]));
     assert_eq!(v["snapshot"], r2["snapshot"]);
     assert_eq!(u(&v, "blobs_checked"), u(&r2, "blobs"));
     assert!(v["missing"].as_array().unwrap().is_empty() && v["corrupt"].as_array().unwrap().is_empty());
@@ -554,7 +589,7 @@ async fn backup_to_s3_survives_the_server_dying_resumes_and_restores() {
         took < Duration::from_secs(60),
         "a frozen server took {took:?} to fail the run"
     );
-    let v = json(&m.cli(&["backup", "verify", "--to", url, "--json"]));
+    let v = json(&m.cli(&["backup", "verify", "--allow-unsigned", "--to", url, "--json"]));
     assert_eq!(v["snapshot"], r2["snapshot"]);
     assert!(v["missing"].as_array().unwrap().is_empty() && v["corrupt"].as_array().unwrap().is_empty());
 
@@ -608,7 +643,7 @@ async fn bad_copies_and_dead_nodes_do_not_stop_a_backup() {
     assert!(stderr(&o).contains("asking another replica"), "{}", stderr(&o));
     // What was stored is the original content, and n1 quarantined the bad copies it read.
     assert_eq!(stored_blobs(&target), want);
-    let v = json(&m.cli(&["backup", "verify", "--to", &url, "--json"]));
+    let v = json(&m.cli(&["backup", "verify", "--allow-unsigned", "--to", &url, "--json"]));
     assert!(v["corrupt"].as_array().unwrap().is_empty() && v["missing"].as_array().unwrap().is_empty());
     assert!(nodes[0].quarantined() > 0);
 
@@ -690,6 +725,7 @@ async fn drill(
     // restore refuses a data dir that is in use, and changes nothing there.
     let o = m.cli(&[
         "restore",
+        "--allow-unsigned",
         "--from",
         url,
         "--data-dir",
@@ -700,6 +736,7 @@ async fn drill(
     std::fs::remove_dir_all(&m.data_dir).unwrap();
     let o = m.cli(&[
         "restore",
+        "--allow-unsigned",
         "--from",
         url,
         "--data-dir",
@@ -866,7 +903,14 @@ async fn cloud_round_trip(h: &Harness, emu: &Emulator) {
     let backup_url = format!("{s}://backups/nightly");
     let r = backup(&m, &backup_url, &[]);
     assert_eq!(r["committed"], true, "{r}");
-    let v = json(&m.cli(&["backup", "verify", "--to", &backup_url, "--json"]));
+    let v = json(&m.cli(&[
+        "backup",
+        "verify",
+        "--allow-unsigned",
+        "--to",
+        &backup_url,
+        "--json",
+    ]));
     assert_eq!(v["blobs_checked"], v["blobs_total"], "{v}");
     assert!(v["missing"].as_array().unwrap().is_empty() && v["corrupt"].as_array().unwrap().is_empty());
     drill(
@@ -933,4 +977,139 @@ async fn a_shard_whose_every_replica_is_gone_is_repaired_from_the_backup() {
     assert!(from_backup, "no node logged a copy from the backup");
     let mnt = m.mount("after", "ds@1", Some(&nodes[1]), &[]);
     assert_eq!(tree(&mnt.path), tree(&src));
+}
+
+/// Snapshots signed with the operator's key: restore and verify accept them with the
+/// public key, and refuse a snapshot whose catalogue was swapped — here for an older
+/// snapshot's, with the manifest's catalogue size and hash rewritten to match, which the
+/// bucket alone cannot tell — as well as an unsigned one, unless told --allow-unsigned.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tampered_or_unsigned_snapshot_is_refused_by_restore_and_verify() {
+    let h = Harness::new("backup-signed");
+    let (m, _nodes) = cluster(&h, 2, NodeOpts::host).await;
+    let src = h.path("src");
+    make_tree(&src, 20);
+    assert!(import(&m, "old", &src, &["--replicas", "1"]).status.success());
+    let target = h.path("backup");
+    let url = format!("file://{}", target.display());
+    let key = h.path("signing.key");
+    let k = json(&m.cli(&["backup", "keygen", "--out", key.to_str().unwrap(), "--json"]));
+    let public = k["public_key"].as_str().unwrap().to_string();
+    let pub_file = format!("{}.pub", key.display());
+    let first = backup(&m, &url, &["--signing-key", key.to_str().unwrap()]);
+    assert_eq!(first["signed_by"], public.as_str(), "{first}");
+    assert!(import(&m, "new", &src, &["--replicas", "1"]).status.success());
+    let second = backup(&m, &url, &["--signing-key", key.to_str().unwrap()]);
+    let (s1, s2) = (
+        first["snapshot"].as_str().unwrap().to_string(),
+        second["snapshot"].as_str().unwrap().to_string(),
+    );
+
+    let v = json(&m.cli(&[
+        "backup",
+        "verify",
+        "--to",
+        &url,
+        "--trust-key",
+        &pub_file,
+        "--json",
+    ]));
+    assert_eq!(v["signature"]["Trusted"], public.as_str(), "{v}");
+    assert_eq!(v["catalog_ok"], true, "{v}");
+    // Signed, but by a key nobody said to trust.
+    let o = m.cli(&["backup", "verify", "--to", &url]);
+    assert!(!o.status.success());
+    assert!(
+        stderr(&o).contains("which is not a trusted key"),
+        "{}",
+        stderr(&o)
+    );
+
+    // Someone with write access to the bucket puts the first snapshot's catalogue in the
+    // second one and makes the manifest agree: the bytes and hash check out.
+    let snap = |id: &str| target.join("snapshots").join(id);
+    std::fs::copy(snap(&s1).join("catalog"), snap(&s2).join("catalog")).unwrap();
+    let m1: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(snap(&s1).join("manifest.json")).unwrap()).unwrap();
+    let mut m2: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(snap(&s2).join("manifest.json")).unwrap()).unwrap();
+    m2["catalog_bytes"] = m1["catalog_bytes"].clone();
+    m2["catalog_blake3"] = m1["catalog_blake3"].clone();
+    std::fs::write(snap(&s2).join("manifest.json"), serde_json::to_vec(&m2).unwrap()).unwrap();
+    let dir = h.path("restored");
+    for allow in [false, true] {
+        let mut args = vec![
+            "restore",
+            "--from",
+            &url,
+            "--snapshot",
+            &s2,
+            "--trust-key",
+            &public,
+        ];
+        args.extend(["--data-dir", dir.to_str().unwrap()]);
+        if allow {
+            args.push("--allow-unsigned");
+        }
+        let o = m.cli(&args);
+        assert!(!o.status.success(), "restored a tampered snapshot");
+        assert!(
+            stderr(&o).contains("changed after it was signed"),
+            "{}",
+            stderr(&o)
+        );
+        assert!(!dir.join("db").exists(), "something was written");
+    }
+    let o = m.cli(&[
+        "backup",
+        "verify",
+        "--to",
+        &url,
+        "--snapshot",
+        &s2,
+        "--trust-key",
+        &public,
+    ]);
+    assert!(!o.status.success());
+    assert!(
+        stderr(&o).contains("changed after it was signed"),
+        "{}",
+        stderr(&o)
+    );
+
+    // An unsigned snapshot: refused where a key is trusted, accepted with a warning when
+    // told so.
+    let third = backup(&m, &url, &[]);
+    assert_eq!(third["signed_by"], serde_json::Value::Null);
+    let s3 = third["snapshot"].as_str().unwrap();
+    let o = m.cli(&[
+        "backup",
+        "verify",
+        "--to",
+        &url,
+        "--snapshot",
+        s3,
+        "--trust-key",
+        &public,
+    ]);
+    assert!(!o.status.success());
+    assert!(stderr(&o).contains("it is not signed"), "{}", stderr(&o));
+    let o = m.cli(&[
+        "restore",
+        "--from",
+        &url,
+        "--snapshot",
+        s3,
+        "--trust-key",
+        &public,
+        "--allow-unsigned",
+        "--data-dir",
+        dir.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains("is unsigned; restoring it anyway"),
+        "{}",
+        stderr(&o)
+    );
 }

@@ -223,13 +223,21 @@ async fn import_backup_and_restore_cross_hosts_with_every_node_at_its_own_addres
     assert_eq!(r["committed"], true, "{r}");
     let sent: u64 = (0..3).map(|k| bed.link_bytes(k).0).sum::<u64>() - sent_before;
     assert!(sent > 0, "the nodes' backup traffic crossed their links");
-    let v = m.cli(&["backup", "verify", "--to", &url, "--json"]);
+    let v = m.cli(&["backup", "verify", "--allow-unsigned", "--to", &url, "--json"]);
     assert!(v.status.success(), "{}", stderr(&v));
     // The dataset deleted, then brought back from the backup into the running cluster,
     // and read through a mount on a host of the other rack.
     let o = m.cli(&["dataset", "rm", "ds", "--all-versions"]);
     assert!(o.status.success(), "{}", stderr(&o));
-    let o = m.cli(&["restore", "--from", &url, "--dataset", "ds@1", "--json"]);
+    let o = m.cli(&[
+        "restore",
+        "--allow-unsigned",
+        "--from",
+        &url,
+        "--dataset",
+        "ds@1",
+        "--json",
+    ]);
     assert!(o.status.success(), "{}", stderr(&o));
     let mnt = m.mount_on(&bed.hosts[2], "restored", "ds@2", None, &[]);
     assert_same_tree(&src, &mnt.path);

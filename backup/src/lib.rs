@@ -11,6 +11,7 @@
 //! snapshots/<id>/manifest.json    what the snapshot holds (written before any blob)
 //! snapshots/<id>/blobs            every blob the snapshot needs (hash, size), sorted
 //! snapshots/<id>/catalog          the metadata export (locus-metadata's catalog format)
+//! snapshots/<id>/SIGNATURE        the operator's Ed25519 signature of the manifest (`sign`)
 //! snapshots/<id>/COMMITTED        the run's report; written last, makes the snapshot valid
 //! gc/STATE                        the last garbage collection (id, running/done)
 //! ```
@@ -20,6 +21,7 @@ pub mod format;
 pub mod gc;
 pub mod origin;
 pub mod retention;
+pub mod sign;
 pub mod target;
 pub mod url;
 

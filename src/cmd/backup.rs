@@ -32,6 +32,39 @@ pub enum BackupCmd {
     Verify(VerifyArgs),
     /// Apply retention and delete blobs no kept snapshot needs. Safe while a backup runs.
     Gc(GcArgs),
+    /// Create an Ed25519 signing key for snapshots (PKCS#8, mode 0600, never overwrites)
+    /// and print its public key (also written to FILE.pub). Runs given the key sign their
+    /// snapshots; restore and verify trust the public key (`--trust-key`).
+    Keygen {
+        /// Where to write the private key.
+        #[arg(long, value_name = "FILE")]
+        out: PathBuf,
+    },
+}
+
+/// Which snapshots restore and verify accept.
+#[derive(Args, Debug, Default, Clone)]
+pub struct TrustArgs {
+    /// A public key (64 hex digits, or a file holding them) whose signature a snapshot
+    /// must carry; repeatable [default: `trusted_keys` in the config's [backup] section].
+    #[arg(long = "trust-key", value_name = "KEY|FILE")]
+    pub trust_keys: Vec<String>,
+    /// Use a snapshot that is unsigned or signed by a key not trusted here: its catalogue
+    /// then rests on the bucket's access control alone. A trusted key's signature that
+    /// does not match is refused regardless.
+    #[arg(long)]
+    pub allow_unsigned: bool,
+}
+
+impl TrustArgs {
+    fn trust(&self, cfg: &Resolved) -> anyhow::Result<locus_backup::sign::Trust> {
+        let keys = if self.trust_keys.is_empty() {
+            cfg.backup.trusted_keys.clone()
+        } else {
+            self.trust_keys.clone()
+        };
+        Ok(locus_backup::sign::Trust::from_args(&keys, self.allow_unsigned)?)
+    }
 }
 
 #[derive(Args, Debug)]
@@ -66,6 +99,10 @@ pub struct RunArgs {
     /// Uploads in flight per node.
     #[arg(long, default_value_t = 4)]
     pub parallel: u32,
+    /// Sign the snapshot with this Ed25519 key (`locus backup keygen`) [default:
+    /// `signing_key` in the config's [backup] section].
+    #[arg(long, value_name = "FILE")]
+    pub signing_key: Option<PathBuf>,
 }
 
 #[derive(Args, Debug)]
@@ -85,6 +122,8 @@ pub struct VerifyArgs {
     /// (needs the metadata service and an admin token). Exit status 0 if all were mended.
     #[arg(long)]
     pub repair: bool,
+    #[command(flatten)]
+    pub trust: TrustArgs,
 }
 
 #[derive(Args, Debug)]
@@ -131,6 +170,8 @@ pub struct RestoreArgs {
     /// With --dataset: replicas of every shard [default: as the version had].
     #[arg(long, value_name = "R", requires = "dataset")]
     pub replicas: Option<u32>,
+    #[command(flatten)]
+    pub trust: TrustArgs,
 }
 
 pub async fn run(cmd: BackupCmd, cfg: &Resolved) -> anyhow::Result<()> {
@@ -139,6 +180,23 @@ pub async fn run(cmd: BackupCmd, cfg: &Resolved) -> anyhow::Result<()> {
         BackupCmd::List(a) => list(&open_target(&a, cfg)?, cfg).await,
         BackupCmd::Verify(a) => verify(a, cfg).await,
         BackupCmd::Gc(a) => gc(a, cfg).await,
+        BackupCmd::Keygen { out } => {
+            let public = locus_backup::sign::SigningKey::generate(&out)?;
+            let pub_path = PathBuf::from(format!("{}.pub", out.display()));
+            std::fs::write(&pub_path, format!("{public}\n"))
+                .with_context(|| format!("cannot write {}", pub_path.display()))?;
+            if cfg.json {
+                output::json(&serde_json::json!({ "key": out, "public_key": public }))
+            } else {
+                println!(
+                    "signing key written to {} (keep it secret); public key {public} (also in {}): \
+                     give it to restore and verify as --trust-key",
+                    out.display(),
+                    pub_path.display()
+                );
+                Ok(())
+            }
+        }
     }
 }
 
@@ -167,11 +225,16 @@ async fn backup_run(a: RunArgs, cfg: &Resolved) -> anyhow::Result<()> {
         target: t.url.clone(),
         ..Default::default()
     };
+    let signing_key = match a.signing_key.clone().or_else(|| cfg.backup.signing_key.clone()) {
+        Some(p) => Some(std::sync::Arc::new(locus_backup::sign::SigningKey::load(&p)?)),
+        None => None,
+    };
     let o = RunOptions {
         id: id.clone(),
         started_ms,
         parallel: a.parallel,
         retention: policy(&a.retention, cfg),
+        signing_key,
     };
     let r = match cfg.connect().await {
         Ok(m) => ops::backup::run(
@@ -284,6 +347,7 @@ async fn verify(a: VerifyArgs, cfg: &Resolved) -> anyhow::Result<()> {
         sample: a.sample,
         parallel: a.parallel,
         repair: a.repair,
+        trust: a.trust.trust(cfg)?,
     };
     let cluster = if a.repair {
         Some(ops::cluster::GrpcCluster::new(
@@ -298,6 +362,13 @@ async fn verify(a: VerifyArgs, cfg: &Resolved) -> anyhow::Result<()> {
     if cfg.json {
         output::json(&report)?;
     } else {
+        match &report.signature {
+            Some(locus_backup::sign::Checked::Trusted(k)) => println!("signature: ok, by trusted key {k}"),
+            Some(locus_backup::sign::Checked::Unchecked(why)) => {
+                println!("signature: NOT CHECKED ({why}; --allow-unsigned)")
+            }
+            None => {}
+        }
         println!(
             "snapshot {}: catalogue {}; {} of {} blobs re-read ({}): {} missing, {} corrupt; {:.1}s",
             report.snapshot,
@@ -366,7 +437,12 @@ pub async fn restore(a: RestoreArgs, cfg: &Resolved) -> anyhow::Result<()> {
         }
     }
     let t = Target::open(&a.from)?;
+    let trust = a.trust.trust(cfg)?;
     let (snapshot, manifest, file) = ops::restore::fetch_catalog(&t, a.snapshot.as_deref()).await?;
+    // Before a single row is used: the catalogue is covered by the manifest's hash.
+    if let locus_backup::sign::Checked::Unchecked(why) = trust.check(&t, &snapshot, &manifest).await? {
+        eprintln!("warning: snapshot {snapshot} is {why}; restoring it anyway (--allow-unsigned)");
+    }
     let Some(dir) = dir else {
         return restore_version(&a, cfg, &t, &snapshot, file).await;
     };

@@ -190,7 +190,13 @@ pub async fn run(a: DemoArgs, cfg: &Resolved) -> anyhow::Result<()> {
     .await?;
     demo_mount(&dir, &url, &sample)?;
     let backup_url = format!("file://{}", dir.join("backup").display());
-    println!("\n$ locus backup run --to {backup_url}");
+    let key = dir.join("backup-signing.key");
+    println!("\n$ locus backup keygen --out {}", key.display());
+    super::backup::run(super::backup::BackupCmd::Keygen { out: key.clone() }, &demo_cfg).await?;
+    println!(
+        "\n$ locus backup run --to {backup_url} --signing-key {}",
+        key.display()
+    );
     let to = || super::backup::TargetArg {
         to: Some(backup_url.clone()),
     };
@@ -199,11 +205,13 @@ pub async fn run(a: DemoArgs, cfg: &Resolved) -> anyhow::Result<()> {
             target: to(),
             retention: Default::default(),
             parallel: 4,
+            signing_key: Some(key.clone()),
         }),
         &demo_cfg,
     )
     .await?;
-    println!("\n$ locus backup verify --to {backup_url}");
+    let public = format!("{}.pub", key.display());
+    println!("\n$ locus backup verify --to {backup_url} --trust-key {public}");
     super::backup::run(
         super::backup::BackupCmd::Verify(super::backup::VerifyArgs {
             target: to(),
@@ -211,6 +219,10 @@ pub async fn run(a: DemoArgs, cfg: &Resolved) -> anyhow::Result<()> {
             sample: 1.0,
             parallel: 8,
             repair: false,
+            trust: super::backup::TrustArgs {
+                trust_keys: vec![public.clone()],
+                allow_unsigned: false,
+            },
         }),
         &demo_cfg,
     )

@@ -75,6 +75,8 @@ pub struct RunOptions {
     pub parallel: u32,
     /// Applied after a committed run; an empty policy deletes nothing.
     pub retention: Policy,
+    /// Signs the snapshot's manifest (`snapshots/<id>/SIGNATURE`, before COMMITTED).
+    pub signing_key: Option<std::sync::Arc<locus_backup::sign::SigningKey>>,
 }
 
 /// The `--json` report of a run, also printed (with `errors`) when it fails.
@@ -94,6 +96,8 @@ pub struct RunReport {
     pub catalog_bytes: u64,
     pub duration_s: f64,
     pub gc: Option<locus_backup::gc::GcReport>,
+    /// The public key the snapshot was signed with, if it was.
+    pub signed_by: Option<String>,
     pub errors: Vec<String>,
 }
 
@@ -197,6 +201,11 @@ pub async fn run(
     };
     t.put_json(&t.snapshot_key(id, "manifest.json"), &manifest)
         .await?;
+    if let Some(k) = &o.signing_key {
+        t.put_json(&t.snapshot_key(id, "SIGNATURE"), &k.sign(&manifest))
+            .await?;
+        report.signed_by = Some(k.public_hex());
+    }
     t.put_bytes(&t.snapshot_key(id, "blobs"), list.encode()).await?;
 
     // 4. The catalogue, checked against the hash taken while it was exported.
@@ -437,11 +446,15 @@ pub struct VerifyOptions {
     pub parallel: usize,
     /// Have nodes upload missing or corrupt blobs again (needs the cluster).
     pub repair: bool,
+    /// Which signatures make the snapshot acceptable.
+    pub trust: locus_backup::sign::Trust,
 }
 
 #[derive(Debug, Default, Serialize)]
 pub struct VerifyReport {
     pub snapshot: String,
+    /// Whose signature was checked, or why none was.
+    pub signature: Option<locus_backup::sign::Checked>,
     pub catalog_ok: bool,
     pub blobs_total: u64,
     pub blobs_checked: u64,
@@ -487,6 +500,7 @@ pub async fn verify(
         .ok_or_else(|| BackupOpError::Invalid(format!("snapshot {} has no manifest.json", snap.id)))?;
     let mut report = VerifyReport {
         snapshot: snap.id.clone(),
+        signature: Some(o.trust.check(t, &snap.id, &manifest).await?),
         ..Default::default()
     };
     let cat =

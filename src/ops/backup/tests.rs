@@ -164,6 +164,7 @@ fn options(id: &str) -> RunOptions {
         started_ms: now_ms(),
         parallel: 2,
         retention: Policy::default(),
+        signing_key: None,
     }
 }
 
@@ -179,6 +180,10 @@ fn verify_all() -> VerifyOptions {
         sample: 1.0,
         parallel: 4,
         repair: false,
+        trust: locus_backup::sign::Trust {
+            keys: vec![],
+            allow_unsigned: true,
+        },
     }
 }
 
