@@ -773,11 +773,7 @@ async fn drill(
         drop(mnt);
     }
     // Every disk was wiped: the first copy of each blob can only have come from the backup.
-    let from_backup = nodes.iter().any(|n| {
-        std::fs::read_to_string(&n.daemon.log)
-            .unwrap()
-            .contains("copied a blob back from a backup")
-    });
+    let from_backup = nodes.iter().any(|n| n.logged("copied a blob back from a backup"));
     assert!(from_backup, "no node logged a copy from the backup");
     // The nodes refill their replicas from the backup on their own (pin sync).
     let mut c = m.client(None).await;
@@ -969,11 +965,9 @@ async fn a_shard_whose_every_replica_is_gone_is_repaired_from_the_backup() {
         },
     )
     .await;
-    let from_backup = nodes[1..].iter().any(|n| {
-        std::fs::read_to_string(&n.daemon.log)
-            .unwrap()
-            .contains("copied a blob back from a backup")
-    });
+    let from_backup = nodes[1..]
+        .iter()
+        .any(|n| n.logged("copied a blob back from a backup"));
     assert!(from_backup, "no node logged a copy from the backup");
     let mnt = m.mount("after", "ds@1", Some(&nodes[1]), &[]);
     assert_eq!(tree(&mnt.path), tree(&src));

@@ -603,9 +603,8 @@ async fn import_from_a_real_s3_server() {
         }
     })
     .await;
-    let log = std::fs::read_to_string(&nodes[2].daemon.log).unwrap();
-    assert!(log.contains("copied a blob from the version's origin"), "{log}");
-    assert!(!log.contains(S3_SECRET), "credentials are never logged");
+    assert!(nodes[2].logged("copied a blob from the version's origin"));
+    assert!(!nodes[2].logged(S3_SECRET), "credentials are never logged");
     let mnt = m.mount("after", "froms3@1", Some(&nodes[2]), &[]);
     for (rel, data) in &files {
         let got = std::fs::read(mnt.path.join(rel)).unwrap();
@@ -1310,11 +1309,9 @@ async fn a_shard_whose_every_replica_is_gone_is_repaired_from_the_origin_unless_
         },
     )
     .await;
-    let from_origin = nodes[1..].iter().any(|n| {
-        std::fs::read_to_string(&n.daemon.log)
-            .unwrap()
-            .contains("copied a blob from the version's origin")
-    });
+    let from_origin = nodes[1..]
+        .iter()
+        .any(|n| n.logged("copied a blob from the version's origin"));
     assert!(from_origin, "no node logged a copy from the origin");
 
     // Every other file reads back as imported; the changed one fails with EIO.
@@ -1500,13 +1497,37 @@ async fn the_local_socket_admits_only_its_users_and_serves_them_no_writes_or_fet
 
 /// A peer that streams without end, whatever it was asked for, is cut off as soon as it
 /// sends more than was asked — a chunk (FetchChunks) or a blob (FetchBlobs) — and the
-/// node keeps nothing from it.
+/// node keeps nothing from it. An address that is no registered node's is refused as a
+/// source outright.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_peer_streaming_endlessly_is_cut_off_at_what_was_asked() {
     let h = Harness::new("endless-peer");
-    let (_m, nodes) = cluster(&h, 1, NodeOpts::host).await;
+    let (m, nodes) = cluster(&h, 1, NodeOpts::host).await;
     let peer = EndlessPeer::start().await;
     let mut c = nodes[0].client().await;
+    // Only a registered node's address may be named as a source: the endless peer is
+    // registered first (as a broken node would be).
+    let e = c
+        .fetch_blobs(nodepb::FetchBlobsRequest {
+            source: peer.addr.to_string(),
+            blobs: vec![],
+            ..Default::default()
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), tonic::Code::PermissionDenied, "{e:?}");
+    assert!(e.message().contains("not a registered node's address"), "{e:?}");
+    m.client(None)
+        .await
+        .register_node(pb::RegisterNodeRequest {
+            id: "endless".into(),
+            address: peer.addr.to_string(),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    // The node re-reads the node list on a miss at most once a second.
+    tokio::time::sleep(Duration::from_millis(1100)).await;
     let blob = blake3::hash(b"a blob the peer pretends to have")
         .as_bytes()
         .to_vec();

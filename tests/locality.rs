@@ -565,8 +565,7 @@ async fn warm_reads_shards_no_live_node_holds_from_the_origin_within_its_budget(
         total,
         "n2 holds every byte"
     );
-    let log = std::fs::read_to_string(&nodes[1].daemon.log).unwrap();
-    assert!(log.contains("copied a blob from the version's origin"), "{log}");
+    assert!(nodes[1].logged("copied a blob from the version's origin"));
     let j = locality_json(&m, &["ds@1", "--nodes", "n2"]);
     assert_eq!(j["nodes"][0]["resident_fraction"], 1.0, "{j}");
     let mnt = m.mount("after", "ds@1", Some(&nodes[1]), &[]);

@@ -120,6 +120,8 @@ pub struct Peers {
     targets: std::sync::Mutex<HashMap<String, locus_backup::Target>>,
     /// Version origins opened so far, by URL.
     origins: std::sync::Mutex<HashMap<String, Arc<locus_backup::origin::Origin>>>,
+    /// Addresses of registered nodes, as last listed, and when.
+    registered: std::sync::Mutex<(std::collections::HashSet<String>, Option<std::time::Instant>)>,
 }
 
 /// Where a blob can be copied from: live replicas (id, address), then backups (URLs).
@@ -136,7 +138,42 @@ impl Peers {
             client: tokio::sync::Mutex::new(None),
             targets: std::sync::Mutex::new(HashMap::new()),
             origins: std::sync::Mutex::new(HashMap::new()),
+            registered: std::sync::Mutex::new((Default::default(), None)),
         }
+    }
+
+    /// Refuses a copy source that is not a registered node's address: a caller may name
+    /// where a node copies from only among the cluster's nodes, never an address of its
+    /// own choosing (the node would present its token there and store what it sends,
+    /// verified or not). The list is re-read when an address is not in it, at most once
+    /// a second.
+    pub async fn check_source(&self, addr: &str) -> Result<(), Status> {
+        let fresh_enough = {
+            let r = self.registered.lock().unwrap_or_else(|p| p.into_inner());
+            if r.0.contains(addr) {
+                return Ok(());
+            }
+            r.1.is_some_and(|at| at.elapsed() < Duration::from_secs(1))
+        };
+        if !fresh_enough {
+            let mut m = self.metadata().await?;
+            let nodes = tokio::time::timeout(LOCATE_TIMEOUT, m.list_nodes(pb::ListNodesRequest {}))
+                .await
+                .map_err(|_| Status::unavailable("the metadata service did not answer"))??
+                .into_inner()
+                .nodes;
+            let mut r = self.registered.lock().unwrap_or_else(|p| p.into_inner());
+            *r = (
+                nodes.into_iter().map(|n| n.address).collect(),
+                Some(std::time::Instant::now()),
+            );
+            if r.0.contains(addr) {
+                return Ok(());
+            }
+        }
+        Err(Status::permission_denied(format!(
+            "{addr} is not a registered node's address; copies come only from the cluster's nodes"
+        )))
     }
 
     /// The version origin at `url`, opened once.

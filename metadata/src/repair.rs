@@ -157,3 +157,53 @@ pub async fn repair_one(catalog: &Arc<Catalog>, t: &RepairTask, token: Option<&s
         .map_err(|e| e.to_string())?;
     Ok(())
 }
+
+/// Runs a warm-up's copies, four at a time, sending progress after each; stops starting
+/// new ones when the caller goes away.
+pub async fn warm(
+    catalog: Arc<Catalog>,
+    token: Option<String>,
+    plan: crate::catalog::WarmPlan,
+    tx: tokio::sync::mpsc::Sender<Result<locus_proto::pb::WarmProgress, tonic::Status>>,
+) {
+    let mut p = locus_proto::pb::WarmProgress {
+        version: plan.version,
+        copies_total: plan.tasks.len() as u32,
+        bytes_total: plan.tasks.iter().map(|t| t.bytes).sum(),
+        bytes_already: plan.bytes_already,
+        ..Default::default()
+    };
+    let _ = tx.send(Ok(p.clone())).await;
+    let mut set = tokio::task::JoinSet::new();
+    let mut tasks = plan.tasks.into_iter();
+    loop {
+        while set.len() < 4 {
+            let Some(t) = tasks.next() else { break };
+            let (c, token) = (catalog.clone(), token.clone());
+            set.spawn(async move {
+                let r = crate::repair::repair_one(&c, &t, token.as_deref()).await;
+                (t, r)
+            });
+        }
+        let Some(done) = set.join_next().await else { break };
+        let Ok((t, r)) = done else { continue };
+        p.message.clear();
+        match r {
+            Ok(()) => {
+                p.copies_done += 1;
+                p.bytes_done += t.bytes;
+            }
+            Err(e) => {
+                p.copies_failed += 1;
+                p.message = format!("shard {} to {}: {e}", t.shard, t.target.0);
+            }
+        }
+        if tx.send(Ok(p.clone())).await.is_err() {
+            // The caller went away; copies in flight finish, nothing new starts.
+            return;
+        }
+    }
+    p.message.clear();
+    p.finished = true;
+    let _ = tx.send(Ok(p)).await;
+}

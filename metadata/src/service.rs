@@ -13,39 +13,6 @@ use crate::auth::Principal;
 use crate::catalog::{Catalog, CatalogError, NodeRegistration, ShardSpec};
 use crate::metrics::Metrics;
 
-const CHUNK: usize = 1 << 20;
-
-/// A `Write` that sends what it is given down a gRPC stream in `CHUNK`-sized pieces.
-struct ChunkSender {
-    tx: tokio::sync::mpsc::Sender<Result<pb::CatalogChunk, Status>>,
-    buf: Vec<u8>,
-}
-
-impl ChunkSender {
-    fn flush_now(&mut self) -> std::io::Result<()> {
-        if self.buf.is_empty() {
-            return Ok(());
-        }
-        let data = std::mem::replace(&mut self.buf, Vec::with_capacity(CHUNK));
-        self.tx
-            .blocking_send(Ok(pb::CatalogChunk { data }))
-            .map_err(|_| std::io::Error::new(std::io::ErrorKind::BrokenPipe, "the caller went away"))
-    }
-}
-
-impl std::io::Write for ChunkSender {
-    fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
-        self.buf.extend_from_slice(b);
-        if self.buf.len() >= CHUNK {
-            self.flush_now()?;
-        }
-        Ok(b.len())
-    }
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
-}
-
 pub struct MetadataService {
     catalog: Arc<Catalog>,
     audit: Arc<AuditLog>,
@@ -412,48 +379,7 @@ impl pb::metadata_server::Metadata for MetadataService {
         let (tx, rx) = tokio::sync::mpsc::channel(64);
         let catalog = self.catalog.clone();
         let token = self.node_token.clone();
-        tokio::spawn(async move {
-            let mut p = pb::WarmProgress {
-                version: plan.version,
-                copies_total: plan.tasks.len() as u32,
-                bytes_total: plan.tasks.iter().map(|t| t.bytes).sum(),
-                bytes_already: plan.bytes_already,
-                ..Default::default()
-            };
-            let _ = tx.send(Ok(p.clone())).await;
-            let mut set = tokio::task::JoinSet::new();
-            let mut tasks = plan.tasks.into_iter();
-            loop {
-                while set.len() < 4 {
-                    let Some(t) = tasks.next() else { break };
-                    let (c, token) = (catalog.clone(), token.clone());
-                    set.spawn(async move {
-                        let r = crate::repair::repair_one(&c, &t, token.as_deref()).await;
-                        (t, r)
-                    });
-                }
-                let Some(done) = set.join_next().await else { break };
-                let Ok((t, r)) = done else { continue };
-                p.message.clear();
-                match r {
-                    Ok(()) => {
-                        p.copies_done += 1;
-                        p.bytes_done += t.bytes;
-                    }
-                    Err(e) => {
-                        p.copies_failed += 1;
-                        p.message = format!("shard {} to {}: {e}", t.shard, t.target.0);
-                    }
-                }
-                if tx.send(Ok(p.clone())).await.is_err() {
-                    // The caller went away; copies in flight finish, nothing new starts.
-                    return;
-                }
-            }
-            p.message.clear();
-            p.finished = true;
-            let _ = tx.send(Ok(p)).await;
-        });
+        tokio::spawn(crate::repair::warm(catalog, token, plan, tx));
         Ok(Response::new(Box::pin(
             tokio_stream::wrappers::ReceiverStream::new(rx),
         )))
@@ -470,10 +396,7 @@ impl pb::metadata_server::Metadata for MetadataService {
         // The export reads one store snapshot on a blocking thread and hands 1 MiB pieces
         // to the stream; a slow reader holds it back (bounded channel), never buffers it all.
         tokio::task::spawn_blocking(move || {
-            let mut w = ChunkSender {
-                tx: tx.clone(),
-                buf: Vec::with_capacity(CHUNK),
-            };
+            let mut w = crate::snapshot::ChunkSender::new(tx.clone());
             let r = catalog.export(&mut w).and_then(|st| {
                 w.flush_now()
                     .map_err(|e| CatalogError::Precondition(e.to_string()))

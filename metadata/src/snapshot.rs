@@ -483,6 +483,47 @@ pub fn version_from_export(input: impl Read, dataset: &str, number: Option<u64>)
     Ok(out)
 }
 
+/// Bytes per ExportCatalog message.
+const CHUNK: usize = 1 << 20;
+
+/// A `Write` that sends what it is given down a gRPC stream in `CHUNK`-sized pieces.
+pub struct ChunkSender {
+    tx: tokio::sync::mpsc::Sender<Result<locus_proto::pb::CatalogChunk, tonic::Status>>,
+    buf: Vec<u8>,
+}
+
+impl ChunkSender {
+    pub fn new(tx: tokio::sync::mpsc::Sender<Result<locus_proto::pb::CatalogChunk, tonic::Status>>) -> Self {
+        ChunkSender {
+            tx,
+            buf: Vec::with_capacity(CHUNK),
+        }
+    }
+
+    pub fn flush_now(&mut self) -> std::io::Result<()> {
+        if self.buf.is_empty() {
+            return Ok(());
+        }
+        let data = std::mem::replace(&mut self.buf, Vec::with_capacity(CHUNK));
+        self.tx
+            .blocking_send(Ok(locus_proto::pb::CatalogChunk { data }))
+            .map_err(|_| std::io::Error::new(std::io::ErrorKind::BrokenPipe, "the caller went away"))
+    }
+}
+
+impl std::io::Write for ChunkSender {
+    fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+        self.buf.extend_from_slice(b);
+        if self.buf.len() >= CHUNK {
+            self.flush_now()?;
+        }
+        Ok(b.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

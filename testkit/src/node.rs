@@ -331,6 +331,11 @@ impl Node {
         out
     }
 
+    /// Whether the node's log says `text` (its log file read whole).
+    pub fn logged(&self, text: &str) -> bool {
+        std::fs::read_to_string(&self.daemon.log).is_ok_and(|l| l.contains(text))
+    }
+
     pub fn quarantined(&self) -> usize {
         std::fs::read_dir(self.data_dir.join("quarantine")).map_or(0, |d| d.count())
     }
