@@ -144,10 +144,14 @@ pub async fn read_range(t: &Target, h: &BlobHash, offset: u64, len: u64) -> Resu
 
 /// Streams any object into `out` (if given) while hashing it: (bytes, BLAKE3). Large
 /// objects (a snapshot's catalogue) are never held in memory.
+/// Reads an object whole, hashing it, into `out` if given; stops with an error at more
+/// than `max` bytes (what the manifest says it is: a bigger object is not it, and must
+/// not fill the disk on its way to being refused).
 pub async fn download(
     t: &Target,
     key: &object_store::path::Path,
     mut out: Option<&mut std::fs::File>,
+    max: u64,
 ) -> Result<(u64, BlobHash)> {
     use std::io::Write;
     let what = || format!("cannot read {}", t.describe(key));
@@ -163,6 +167,12 @@ pub async fn download(
         let piece = piece.map_err(|e| BackupError::store(what(), e))?;
         hasher.update(&piece);
         n += piece.len() as u64;
+        if n > max {
+            return Err(BackupError::Corrupt(format!(
+                "{} is larger than the {max} bytes expected",
+                t.describe(key)
+            )));
+        }
         if let Some(f) = out.as_deref_mut() {
             f.write_all(&piece).map_err(|e| {
                 BackupError::Invalid(format!("writing a local copy of {}: {e}", t.describe(key)))

@@ -186,6 +186,12 @@ impl BlobList {
     }
 }
 
+/// Largest JSON object of the layout (manifest, COMMITTED, SIGNATURE, gc state): they
+/// are a few KB; a manifest lists datasets and version numbers.
+pub const JSON_MAX: u64 = 64 << 20;
+/// Largest blob list read without its manifest's count: 100 million blobs.
+pub const BLOB_LIST_MAX: u64 = 40 + 40 * 100_000_000;
+
 impl Target {
     pub async fn put_bytes(&self, key: &object_store::path::Path, data: Vec<u8>) -> Result<()> {
         self.store
@@ -195,14 +201,36 @@ impl Target {
             .map_err(|e| BackupError::store(format!("cannot write {}", self.describe(key)), e))
     }
 
-    pub async fn get_bytes(&self, key: &object_store::path::Path) -> Result<Bytes> {
+    /// Reads a whole object of at most `max` bytes: whoever can write the bucket must
+    /// not be able to make a list or a restore hold an object of any size in memory.
+    /// Counted as it streams in, whatever the object claims to be.
+    pub async fn get_bytes(&self, key: &object_store::path::Path, max: u64) -> Result<Bytes> {
+        use futures_util::StreamExt;
         let what = || format!("cannot read {}", self.describe(key));
         let r = self
             .store
             .get(key)
             .await
             .map_err(|e| BackupError::store(what(), e))?;
-        r.bytes().await.map_err(|e| BackupError::store(what(), e))
+        let too_big = |n: u64| {
+            BackupError::Corrupt(format!(
+                "{} is {n} bytes or more, larger than such an object may be ({max})",
+                self.describe(key)
+            ))
+        };
+        if r.meta.size > max {
+            return Err(too_big(r.meta.size));
+        }
+        let mut out = Vec::with_capacity(r.meta.size as usize);
+        let mut body = r.into_stream();
+        while let Some(piece) = body.next().await {
+            let piece = piece.map_err(|e| BackupError::store(what(), e))?;
+            if (out.len() + piece.len()) as u64 > max {
+                return Err(too_big((out.len() + piece.len()) as u64));
+            }
+            out.extend_from_slice(&piece);
+        }
+        Ok(Bytes::from(out))
     }
 
     pub async fn put_json<T: Serialize>(&self, key: &object_store::path::Path, v: &T) -> Result<()> {
@@ -211,7 +239,7 @@ impl Target {
     }
 
     pub async fn get_json<T: DeserializeOwned>(&self, key: &object_store::path::Path) -> Result<T> {
-        let b = self.get_bytes(key).await?;
+        let b = self.get_bytes(key, JSON_MAX).await?;
         serde_json::from_slice(&b).map_err(|e| BackupError::Corrupt(format!("{}: {e}", self.describe(key))))
     }
 
@@ -231,8 +259,14 @@ impl Target {
         self.get_json_opt(&self.key("gc/STATE")).await
     }
 
+    /// A snapshot's blob list; `blobs`, when its manifest is at hand, bounds its size.
+    pub async fn blob_list_of(&self, id: &str, blobs: Option<u64>) -> Result<BlobList> {
+        let max = blobs.map_or(BLOB_LIST_MAX, |n| 40 + 40 * n);
+        BlobList::decode(&self.get_bytes(&self.snapshot_key(id, "blobs"), max).await?)
+    }
+
     pub async fn blob_list(&self, id: &str) -> Result<BlobList> {
-        BlobList::decode(&self.get_bytes(&self.snapshot_key(id, "blobs")).await?)
+        self.blob_list_of(id, None).await
     }
 
     /// Every snapshot under the target, oldest first, with its state.
@@ -348,6 +382,27 @@ mod tests {
         e[10] ^= 1;
         assert!(BlobList::decode(&e).is_err());
         assert!(BlobList::decode(&e[..e.len() - 1]).is_err());
+    }
+
+    #[tokio::test]
+    async fn objects_larger_than_they_may_be_are_refused_not_read() {
+        let d = tempfile::tempdir().unwrap();
+        let t = Target::open(&format!("file://{}", d.path().display())).unwrap();
+        let l = BlobList::from_unsorted((0..3u8).map(|i| (BlobHash::of(&[i]), 1)).collect());
+        t.put_bytes(&t.snapshot_key("s", "blobs"), l.encode())
+            .await
+            .unwrap();
+        assert_eq!(t.blob_list_of("s", Some(3)).await.unwrap(), l);
+        // The manifest says one blob; the list holds three.
+        let e = t.blob_list_of("s", Some(1)).await.unwrap_err().to_string();
+        assert!(e.contains("larger than such an object may be"), "{e}");
+        // A JSON object of the layout over its cap.
+        let key = t.snapshot_key("s", "COMMITTED");
+        t.put_bytes(&key, vec![b' '; JSON_MAX as usize + 1])
+            .await
+            .unwrap();
+        let e = t.get_json::<Committed>(&key).await.unwrap_err().to_string();
+        assert!(e.contains("larger than such an object may be"), "{e}");
     }
 
     #[test]

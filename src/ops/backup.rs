@@ -153,7 +153,10 @@ pub async fn run(
         .rev()
         .find(|s| s.state == SnapshotState::Committed);
     let known = match &previous {
-        Some(p) => t.blob_list(&p.id).await?,
+        Some(p) => {
+            t.blob_list_of(&p.id, p.manifest.as_ref().map(|m| m.blobs))
+                .await?
+        }
         None => BlobList::default(),
     };
     let mut todo = Vec::new();
@@ -505,12 +508,20 @@ pub async fn verify(
     };
     let cat =
         BlobHash::from_hex(&manifest.catalog_blake3).map_err(|e| BackupOpError::Invalid(e.to_string()))?;
-    report.catalog_ok = match blob::download(t, &t.snapshot_key(&snap.id, "catalog"), None).await {
+    report.catalog_ok = match blob::download(
+        t,
+        &t.snapshot_key(&snap.id, "catalog"),
+        None,
+        manifest.catalog_bytes,
+    )
+    .await
+    {
         Ok((n, h)) => n == manifest.catalog_bytes && h == cat,
+        Err(locus_backup::BackupError::Corrupt(_)) => false,
         Err(e) if e.is_not_found() => false,
         Err(e) => return Err(e.into()),
     };
-    let list = t.blob_list(&snap.id).await?;
+    let list = t.blob_list_of(&snap.id, Some(manifest.blobs)).await?;
     report.blobs_total = list.0.len() as u64;
     // A different random sample each run: over many nights every blob gets read.
     let salt = blake3::hash(format!("{}{:?}", now_ms(), std::process::id()).as_bytes());

@@ -22,7 +22,18 @@ pub async fn fetch_catalog(
         .clone()
         .ok_or_else(|| BackupOpError::Invalid(format!("snapshot {} has no manifest.json", snap.id)))?;
     let mut file = tempfile::tempfile().map_err(io("cannot create a temp file for the catalogue"))?;
-    let (n, h) = blob::download(t, &t.snapshot_key(&snap.id, "catalog"), Some(&mut file)).await?;
+    let got = blob::download(
+        t,
+        &t.snapshot_key(&snap.id, "catalog"),
+        Some(&mut file),
+        manifest.catalog_bytes,
+    )
+    .await;
+    let (n, h) = match got {
+        Ok(x) => x,
+        Err(locus_backup::BackupError::Corrupt(_)) => (u64::MAX, locus_proto::BlobHash([0; 32])),
+        Err(e) => return Err(e.into()),
+    };
     if n != manifest.catalog_bytes || h.to_hex() != manifest.catalog_blake3 {
         return Err(BackupOpError::Invalid(format!(
             "the catalogue of snapshot {} does not match its manifest (damaged); try an older \
