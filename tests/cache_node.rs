@@ -1318,6 +1318,26 @@ async fn a_shard_whose_every_replica_is_gone_is_repaired_from_the_origin_unless_
     std::fs::write(&path, &before).unwrap();
     let want = files_of(&src);
     std::fs::write(&path, before.iter().map(|b| b ^ 0xff).collect::<Vec<_>>()).unwrap();
+    // A caller cannot point a node at an origin of its choosing: only the one the version
+    // recorded.
+    let e = nodes[1]
+        .client()
+        .await
+        .fetch_blobs(nodepb::FetchBlobsRequest {
+            blobs: vec![nodepb::BlobRef {
+                hash: blake3::hash(b"x").as_bytes().to_vec(),
+                size: 1,
+                origin_path: "passwd".into(),
+            }],
+            origin: "file:///etc".into(),
+            origin_dataset: "ds".into(),
+            origin_version: 1,
+            ..Default::default()
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), tonic::Code::PermissionDenied, "{e:?}");
+    assert!(e.message().contains("not the recorded origin of ds@1"), "{e:?}");
     let mnt = m.mount("after", "ds@1", None, &[]);
     for (rel, hash) in &want {
         let got = std::fs::read(mnt.path.join(rel));

@@ -142,6 +142,32 @@ impl Peers {
         }
     }
 
+    /// Refuses an origin URL that is not what version `dataset@version` recorded as its
+    /// origin: a caller may have a node read only origins an admin's import recorded,
+    /// never a URL of its own choosing with the node's credentials.
+    pub async fn check_origin(&self, url: &str, dataset: &str, version: u64) -> Result<(), Status> {
+        let mut m = self.metadata().await?;
+        let v = tokio::time::timeout(
+            LOCATE_TIMEOUT,
+            m.get_version(pb::GetVersionRequest {
+                r#ref: Some(pb::VersionRef {
+                    dataset: dataset.to_string(),
+                    version,
+                }),
+            }),
+        )
+        .await
+        .map_err(|_| Status::unavailable("the metadata service did not answer"))??
+        .into_inner();
+        if v.origin != url || version == 0 {
+            return Err(Status::permission_denied(format!(
+                "origin: not the recorded origin of {dataset}@{version}; a node reads only origins \
+                 an import recorded"
+            )));
+        }
+        Ok(())
+    }
+
     /// Refuses a copy source that is not a registered node's address: a caller may name
     /// where a node copies from only among the cluster's nodes, never an address of its
     /// own choosing (the node would present its token there and store what it sends,

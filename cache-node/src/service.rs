@@ -269,6 +269,11 @@ impl Node for NodeService {
         let q = req.into_inner();
         let blobs = blob_refs(&q.blobs)?;
         if q.source.is_empty() {
+            if !q.origin.is_empty() {
+                self.peers
+                    .check_origin(&q.origin, &q.origin_dataset, q.origin_version)
+                    .await?;
+            }
             let paths = q.blobs.iter().map(|b| b.origin_path.clone()).collect();
             return self
                 .fetch_from_anywhere(blobs, q.pin, q.chunk_size, &q.origin, paths)

@@ -139,6 +139,8 @@ pub async fn repair_one(catalog: &Arc<Catalog>, t: &RepairTask, token: Option<&s
         pin: true,
         chunk_size,
         origin: origin.as_ref().map(|o| o.0.clone()).unwrap_or_default(),
+        origin_dataset: t.dataset.clone(),
+        origin_version: t.version,
     });
     tokio::time::timeout(limit, call)
         .await
