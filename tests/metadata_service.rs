@@ -841,3 +841,46 @@ async fn ten_thousand_unknown_grpc_paths_leave_metrics_and_memory_flat() {
         "memory grew from {rss_before} to {rss_after} KiB over 10,000 unknown paths"
     );
 }
+
+/// The HTTP port takes no token (schedulers call it), so it holds a bounded number of
+/// connections and cuts off a client that does not finish its request's headers: forty
+/// connections trickling half a request neither keep /healthz from answering nor stay
+/// open.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slow_http_clients_are_cut_off_and_cannot_take_every_connection() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let h = Harness::new("slow-http");
+    let m = h
+        .start_metadata(
+            "meta",
+            MetadataOpts {
+                extra: vec![
+                    "--http-max-connections".into(),
+                    "8".into(),
+                    "--http-header-timeout".into(),
+                    "1s".into(),
+                ],
+                ..Default::default()
+            },
+        )
+        .await;
+    let mut slow = Vec::new();
+    for _ in 0..40 {
+        let mut s = tokio::net::TcpStream::connect(m.http).await.unwrap();
+        s.write_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\n")
+            .await
+            .unwrap();
+        slow.push(s);
+    }
+    assert_eq!(http_get(m.http, "/healthz").await.trim(), "ok");
+    for mut s in slow {
+        let mut buf = [0u8; 256];
+        let r = tokio::time::timeout(Duration::from_secs(30), s.read(&mut buf))
+            .await
+            .expect("a slow client's connection was still open after 30 s");
+        // Closed: end of stream, a reset, or a 408 before the close.
+        if let Ok(n) = r {
+            assert!(n == 0 || buf.starts_with(b"HTTP/1.1 408"), "{:?}", &buf[..n]);
+        }
+    }
+}

@@ -468,9 +468,7 @@ pub async fn serve(
             );
         let rx = stop_rx.clone();
         tokio::spawn(async move {
-            if let Err(e) = axum::serve(l, app).with_graceful_shutdown(stopped(rx)).await {
-                tracing::error!("HTTP server failed: {e}");
-            }
+            locus_proto::net::serve_http(l, app, Default::default(), stopped(rx)).await;
         });
     }
     if let Some(path) = &cfg.addr_file {

@@ -38,6 +38,8 @@ pub struct ServerConfig {
     pub audit_log: Option<PathBuf>,
     /// Token (role node or admin) the repair loop presents to cache nodes.
     pub node_token: Option<String>,
+    /// Connection cap and header deadline of the HTTP port (the scheduler's, tokenless).
+    pub http_limits: locus_proto::net::HttpLimits,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -168,11 +170,8 @@ pub async fn serve(
     let http = http_listener.map(|l| {
         let app = http_router(catalog.clone(), metrics.clone(), tokens.clone());
         let rx = stop_rx.clone();
-        tokio::spawn(async move {
-            if let Err(e) = axum::serve(l, app).with_graceful_shutdown(stopped(rx)).await {
-                tracing::error!("HTTP server failed: {e}");
-            }
-        })
+        let limits = config.http_limits;
+        tokio::spawn(locus_proto::net::serve_http(l, app, limits, stopped(rx)))
     });
 
     let incoming = tonic::transport::server::TcpIncoming::from(grpc_listener).with_nodelay(Some(true));

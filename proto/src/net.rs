@@ -121,3 +121,76 @@ mod tests {
         assert_eq!(until_idle(silent, &p, Duration::from_millis(500)).await, Err(()));
     }
 }
+
+/// Bounds for a daemon's HTTP port, which schedulers reach without a token.
+#[derive(Debug, Clone, Copy)]
+pub struct HttpLimits {
+    /// Connections served at once; more wait in the kernel's accept backlog, costing
+    /// this process nothing.
+    pub max_connections: usize,
+    /// A client must send a request's headers within this (a client that trickles them,
+    /// or opens a connection and says nothing, is cut off).
+    pub header_timeout: std::time::Duration,
+}
+
+impl Default for HttpLimits {
+    fn default() -> Self {
+        HttpLimits {
+            max_connections: 1024,
+            header_timeout: std::time::Duration::from_secs(10),
+        }
+    }
+}
+
+/// Serves HTTP/1.1 and HTTP/2 on `listener` within `limits` until `stop` completes
+/// (connections in flight then finish on their own).
+pub async fn serve_http<S, B>(
+    listener: tokio::net::TcpListener,
+    svc: S,
+    limits: HttpLimits,
+    stop: impl std::future::Future<Output = ()>,
+) where
+    S: tower::Service<http::Request<hyper::body::Incoming>, Response = http::Response<B>>
+        + Clone
+        + Send
+        + 'static,
+    S::Future: Send + 'static,
+    S::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+    B: http_body::Body + Send + 'static,
+    B::Data: Send,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
+    let slots = std::sync::Arc::new(tokio::sync::Semaphore::new(limits.max_connections.max(1)));
+    tokio::pin!(stop);
+    loop {
+        let permit = tokio::select! {
+            p = slots.clone().acquire_owned() => p.expect("the semaphore is never closed"),
+            _ = &mut stop => return,
+        };
+        let stream = tokio::select! {
+            r = listener.accept() => match r {
+                Ok((s, _)) => s,
+                Err(e) => {
+                    // Out of file descriptors, say: back off rather than spin.
+                    tracing::warn!("HTTP accept failed: {e}");
+                    tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+                    continue;
+                }
+            },
+            _ = &mut stop => return,
+        };
+        let svc = svc.clone();
+        tokio::spawn(async move {
+            let _slot = permit;
+            let mut b = hyper_util::server::conn::auto::Builder::new(hyper_util::rt::TokioExecutor::new());
+            b.http1()
+                .timer(hyper_util::rt::TokioTimer::new())
+                .header_read_timeout(limits.header_timeout);
+            let io = hyper_util::rt::TokioIo::new(stream);
+            let svc = hyper_util::service::TowerToHyperService::new(svc);
+            if let Err(e) = b.serve_connection_with_upgrades(io, svc).await {
+                tracing::debug!("HTTP connection ended: {e}");
+            }
+        });
+    }
+}

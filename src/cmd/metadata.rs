@@ -28,6 +28,13 @@ pub struct ServeArgs {
     /// HTTP address for /metrics and /healthz [default: 127.0.0.1:7401]; "off" disables.
     #[arg(long, env = "LOCUS_METADATA_HTTP_LISTEN", value_name = "ADDR")]
     pub http_listen: Option<String>,
+    /// Connections the HTTP port serves at once (the scheduler extender and
+    /// /v1/locality take no token); more wait in the kernel's backlog.
+    #[arg(long, value_name = "N", default_value_t = 1024)]
+    pub http_max_connections: usize,
+    /// An HTTP client must send a request's headers within this.
+    #[arg(long, value_name = "DURATION", default_value = "10s")]
+    pub http_header_timeout: String,
     /// TOML file of [[token]] entries (name, role = admin|node|reader, token or blake3).
     #[arg(long, env = "LOCUS_METADATA_TOKENS_FILE", value_name = "FILE")]
     pub tokens_file: Option<PathBuf>,
@@ -119,6 +126,10 @@ async fn serve(a: ServeArgs, cfg: &Resolved) -> anyhow::Result<()> {
         listen,
         http_listen,
         tokens_file: a.tokens_file.or(f.tokens_file),
+        http_limits: locus_proto::net::HttpLimits {
+            max_connections: a.http_max_connections,
+            header_timeout: flag_duration("--http-header-timeout", Some(a.http_header_timeout), "10s")?,
+        },
         tls,
         insecure: a.insecure || f.insecure.unwrap_or(false),
         catalog: locus_metadata::CatalogConfig {
