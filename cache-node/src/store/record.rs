@@ -31,6 +31,11 @@ pub(super) struct BlobRecord {
     /// read. Absent in records written before it existed.
     #[prost(message, optional, tag = "8")]
     pub(super) verified: Option<StampRecord>,
+    /// A partial blob asked to be pinned: it is pinned once complete. Until then it is
+    /// evictable like any unpinned blob, so a transfer that never finishes cannot hold
+    /// its reservation forever.
+    #[prost(bool, tag = "9")]
+    pub(super) pin_when_complete: bool,
 }
 
 #[derive(Clone, PartialEq, prost::Message)]
@@ -78,6 +83,7 @@ impl BlobRecord {
             partial: false,
             present: Vec::new(),
             verified: None,
+            pin_when_complete: false,
         }
     }
 

@@ -215,6 +215,24 @@ fn restart_reconciles_index_and_directory() {
 }
 
 #[test]
+fn a_partial_blob_asked_to_be_pinned_holds_no_space_it_cannot_give_back() {
+    let d = tempfile::tempdir().unwrap();
+    let s = open(d.path(), 300_000);
+    let data: Vec<u8> = (0..200_000u32).map(|i| (i % 239) as u8).collect();
+    let h = BlobHash::of(&data);
+    let chunks: Vec<BlobHash> = data.chunks(1 << 16).map(BlobHash::of).collect();
+    // A transfer that asks for a pin, stores one chunk, and never comes back.
+    s.begin_partial(h, 200_000, 1 << 16, &chunks, true).unwrap();
+    assert!(!s.write_chunk(&h, 0, &data[..1 << 16]).unwrap());
+    assert_eq!(s.stats().pinned, 0, "not pinned while incomplete");
+    // Space is needed: the abandoned partial is evicted instead of the write refused.
+    let other = put(&s, &vec![9u8; 200_000], true).unwrap();
+    assert!(s.contains(&other));
+    assert_eq!(s.missing_chunks(&h), None, "the partial is gone");
+    assert_eq!(s.stats().used, 200_000);
+}
+
+#[test]
 fn partial_blobs_fill_chunk_by_chunk_and_survive_restarts() {
     let d = tempfile::tempdir().unwrap();
     let data: Vec<u8> = (0..200_000u32).map(|i| (i % 241) as u8).collect();

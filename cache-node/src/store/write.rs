@@ -45,19 +45,20 @@ impl BlobStore {
         let rec = BlobRecord {
             size,
             dir,
-            pinned: pin,
+            pinned: false,
             chunk_size,
             chunks: chunks.iter().flat_map(|c| c.0).collect(),
             partial: true,
             present: vec![0u8; want.div_ceil(8) as usize],
             verified: None,
+            pin_when_complete: pin,
         };
         self.index
             .put(hash.0, rec.encode_to_vec())
             .map_err(|e| StoreError::Index(e.into_string()))?;
         let mut st = self.shard(&hash);
-        // The reservation becomes permanent use.
-        self.books().add(size, pin);
+        // The reservation becomes use, evictable until the blob is complete.
+        self.books().add(size, false);
         let m = Meta {
             rec,
             last_access: self.tick.fetch_add(1, Ordering::Relaxed),
@@ -131,10 +132,12 @@ impl BlobStore {
         fsync_dir(parent)?;
         // Just hashed whole (see `BlobWriter::finish`).
         let verified = stamp(&dest).ok();
+        let pin = rec.pin_when_complete;
         let done = BlobRecord {
             partial: false,
             present: Vec::new(),
             verified: verified.map(Into::into),
+            pin_when_complete: false,
             ..rec
         };
         self.index
@@ -146,6 +149,10 @@ impl BlobStore {
             if let Some(v) = verified {
                 st.verified.insert(*h, v);
             }
+        }
+        drop(st);
+        if pin {
+            self.set_pinned(h, true)?;
         }
         Ok(true)
     }
