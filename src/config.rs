@@ -51,9 +51,33 @@ pub struct GlobalArgs {
         conflicts_with = "token"
     )]
     pub token_file: Option<PathBuf>,
-    /// CA certificate (PEM) that signed the metadata service's TLS certificate.
+    /// The cluster CA (PEM; `locus tls ca`): the metadata service's and TLS nodes'
+    /// certificates must chain to it.
     #[arg(long, global = true, env = "LOCUS_CA_CERT", value_name = "FILE")]
     pub ca_cert: Option<PathBuf>,
+    /// Client certificate (PEM) presented to servers that demand one (mutual TLS); needs
+    /// --client-key. Daemons present their own --tls-cert unless this is given.
+    #[arg(
+        long,
+        global = true,
+        env = "LOCUS_CLIENT_CERT",
+        value_name = "FILE",
+        requires = "client_key"
+    )]
+    pub client_cert: Option<PathBuf>,
+    /// Key of --client-cert (PEM).
+    #[arg(
+        long,
+        global = true,
+        env = "LOCUS_CLIENT_KEY",
+        value_name = "FILE",
+        requires = "client_cert"
+    )]
+    pub client_key: Option<PathBuf>,
+    /// Accept what a trusted network makes safe: send tokens over plaintext to
+    /// non-loopback addresses, and (daemons) serve without tokens on them.
+    #[arg(long, global = true, env = "LOCUS_INSECURE")]
+    pub insecure: bool,
     /// Config file (TOML).
     #[arg(long, global = true, env = "LOCUS_CONFIG", value_name = "FILE")]
     pub config: Option<PathBuf>,
@@ -65,6 +89,47 @@ pub struct GlobalArgs {
     pub log_format: Option<String>,
 }
 
+/// A daemon's TLS, the same flags for the metadata service and the nodes.
+#[derive(Args, Debug, Clone, Default)]
+pub struct ServerTlsArgs {
+    /// Certificate chain (PEM) this daemon serves gRPC and HTTP with, signed by the
+    /// cluster CA (`locus tls cert`); needs --tls-key. A node with TLS registers its
+    /// address as https://HOST:PORT, so callers know to use TLS.
+    #[arg(long, env = "LOCUS_TLS_CERT", value_name = "FILE", requires = "tls_key")]
+    pub tls_cert: Option<PathBuf>,
+    /// Private key (PEM) of --tls-cert.
+    #[arg(long, env = "LOCUS_TLS_KEY", value_name = "FILE", requires = "tls_cert")]
+    pub tls_key: Option<PathBuf>,
+    /// Mutual TLS: every gRPC caller must present a client certificate signed by this CA
+    /// (usually the cluster CA). The HTTP port (schedulers, metrics) does not ask.
+    #[arg(long, env = "LOCUS_TLS_CLIENT_CA", value_name = "FILE", requires = "tls_cert")]
+    pub tls_client_ca: Option<PathBuf>,
+}
+
+impl ServerTlsArgs {
+    /// Loads the files named, the config file's settings filling in what no flag gave.
+    pub fn load(
+        &self,
+        file: Option<&MetadataServerFile>,
+    ) -> anyhow::Result<Option<locus_proto::tls::ServerTls>> {
+        let cert = self.tls_cert.clone().or(file.and_then(|f| f.tls_cert.clone()));
+        let key = self.tls_key.clone().or(file.and_then(|f| f.tls_key.clone()));
+        let ca = self
+            .tls_client_ca
+            .clone()
+            .or(file.and_then(|f| f.tls_client_ca.clone()));
+        match (cert, key) {
+            (Some(c), Some(k)) => Ok(Some(
+                locus_proto::tls::ServerTls::load(&c, &k, ca.as_deref())
+                    .map_err(|e| anyhow::anyhow!("TLS: {e}"))?,
+            )),
+            (None, None) if ca.is_some() => bail!("--tls-client-ca needs --tls-cert and --tls-key"),
+            (None, None) => Ok(None),
+            _ => bail!("TLS needs both a certificate and a key"),
+        }
+    }
+}
+
 /// The TOML config file.
 #[derive(Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -72,6 +137,9 @@ pub struct ConfigFile {
     pub metadata: Option<String>,
     pub token: Option<String>,
     pub ca_cert: Option<PathBuf>,
+    pub client_cert: Option<PathBuf>,
+    pub client_key: Option<PathBuf>,
+    pub insecure: Option<bool>,
     pub log_format: Option<String>,
     #[serde(default)]
     pub metadata_server: MetadataServerFile,
@@ -106,6 +174,7 @@ pub struct MetadataServerFile {
     pub tokens_file: Option<PathBuf>,
     pub tls_cert: Option<PathBuf>,
     pub tls_key: Option<PathBuf>,
+    pub tls_client_ca: Option<PathBuf>,
     pub insecure: Option<bool>,
     pub liveness_timeout: Option<String>,
     pub session_timeout: Option<String>,
@@ -129,6 +198,8 @@ pub struct Resolved {
     pub metadata_url: String,
     pub token: Option<String>,
     pub ca_cert: Option<PathBuf>,
+    pub client_cert: Option<(PathBuf, PathBuf)>,
+    pub insecure: bool,
     pub json: bool,
     pub log_format: LogFormat,
     pub server_file: MetadataServerFile,
@@ -172,11 +243,39 @@ impl Resolved {
                 .or(file.token)
                 .filter(|t| !t.is_empty()),
             ca_cert: args.ca_cert.clone().or(file.ca_cert),
+            client_cert: match (args.client_cert.clone(), args.client_key.clone()) {
+                (Some(c), Some(k)) => Some((c, k)),
+                _ => match (file.client_cert, file.client_key) {
+                    (Some(c), Some(k)) => Some((c, k)),
+                    (None, None) => None,
+                    _ => bail!("client_cert and client_key go together in the config file"),
+                },
+            },
+            insecure: args.insecure || file.insecure.unwrap_or(false),
             json: args.json,
             log_format,
             server_file: file.metadata_server,
             backup: file.backup,
         })
+    }
+
+    /// Sets this process's client TLS (`locus_proto::tls`): the cluster CA (else
+    /// `own_ca`, the CA a daemon demands of its callers: in one cluster the same), the
+    /// client certificate (else `own`, a daemon's serving certificate), and --insecure.
+    /// Called once, before the first connection.
+    pub fn init_client_tls(&self, own: Option<(&Path, &Path)>, own_ca: Option<&Path>) -> anyhow::Result<()> {
+        let read = |p: &Path| std::fs::read(p).with_context(|| format!("cannot read {}", p.display()));
+        let identity = match (&self.client_cert, own) {
+            (Some((c, k)), _) => Some((read(c)?, read(k)?)),
+            (None, Some((c, k))) => Some((read(c)?, read(k)?)),
+            (None, None) => None,
+        };
+        locus_proto::tls::set_client(locus_proto::tls::ClientTls {
+            ca_pem: self.ca_cert.as_deref().or(own_ca).map(read).transpose()?,
+            identity,
+            insecure: self.insecure,
+        });
+        Ok(())
     }
 
     /// Connects to the metadata service with the resolved URL, token and CA.

@@ -60,6 +60,9 @@ enum Command {
     Umount(cmd::mount::UmountArgs),
     /// One-screen summary of the cluster: service, nodes, capacity, datasets.
     Status,
+    /// Make the cluster CA and the certificates daemons serve with (TLS on every hop).
+    #[command(subcommand)]
+    Tls(cmd::tls::TlsCmd),
     /// Start a throwaway local cluster, commit a sample dataset through the real API and
     /// list it.
     Demo(cmd::demo::DemoArgs),
@@ -82,6 +85,7 @@ fn keep_large_buffers() {
 
 fn main() -> ExitCode {
     keep_large_buffers();
+    locus_proto::tls::install_provider();
     let cli = Cli::parse();
     let cfg = match config::Resolved::load(&cli.global) {
         Ok(c) => c,
@@ -93,6 +97,18 @@ fn main() -> ExitCode {
     if let Err(e) = locus_proto::net::peer_idle_setting() {
         eprintln!("error: {}: {}", e.field, e.reason);
         return ExitCode::from(2);
+    }
+    // The serving daemons set their client TLS themselves (they present their own
+    // certificate); every other command now.
+    let serves = matches!(
+        &cli.command,
+        Command::Metadata(cmd::metadata::MetadataCmd::Serve(_)) | Command::Node(cmd::node::NodeCmd::Serve(_))
+    );
+    if !serves {
+        if let Err(e) = cfg.init_client_tls(None, None) {
+            eprintln!("error: {e:#}");
+            return ExitCode::from(2);
+        }
     }
     let is_daemon = match &cli.command {
         Command::Metadata(cmd::metadata::MetadataCmd::Serve(_)) => true,
@@ -121,6 +137,7 @@ fn main() -> ExitCode {
             Command::Restore(a) => cmd::backup::restore(a, &cfg).await,
             Command::Mount(a) => cmd::mount::run(*a, &cfg).await,
             Command::Umount(a) => cmd::mount::umount(a).await,
+            Command::Tls(c) => cmd::tls::run(c, cfg.json),
             Command::Status => cmd::status::run(&cfg).await,
             Command::Demo(a) => cmd::demo::run(a, &cfg).await,
         }

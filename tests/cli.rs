@@ -301,6 +301,101 @@ fn help_explains_every_command() {
     assert_eq!(out.status.code(), Some(2));
 }
 
+/// A bearer token is never sent in clear across a network: a plaintext URL of a host that
+/// is not loopback is refused before any connection is made, unless --insecure says the
+/// network is trusted (then the command goes on and fails for its own reason: nothing
+/// listens at that TEST-NET address). `locus tls` makes a CA and certificates, and never
+/// overwrites a key.
+#[test]
+fn a_token_is_never_sent_in_clear_off_loopback_unless_insecure_and_tls_helps_make_certificates() {
+    let run = |extra: &[&str]| {
+        Command::new(locus())
+            .args(["--metadata", "http://192.0.2.1:7400", "dataset", "list"])
+            .args(extra)
+            .env("LOCUS_TOKEN", "a-token-that-must-stay-home")
+            .env_remove("LOCUS_CONFIG")
+            .env_remove("LOCUS_INSECURE")
+            .output()
+            .unwrap()
+    };
+    let t = std::time::Instant::now();
+    let o = run(&[]);
+    fails_with(&o, "refusing to send a token in clear to http://192.0.2.1:7400");
+    assert!(stderr(&o).contains("--insecure"), "{}", stderr(&o));
+    assert!(!stderr(&o).contains("a-token-that-must-stay-home"));
+    // Refused, not tried: a connection attempt to TEST-NET would take the 5 s timeout.
+    assert!(
+        t.elapsed() < std::time::Duration::from_secs(4),
+        "{:?}",
+        t.elapsed()
+    );
+    let o = run(&["--insecure"]);
+    assert!(!o.status.success());
+    assert!(!stderr(&o).contains("in clear"), "{}", stderr(&o));
+
+    let h = Harness::new("tls-helper");
+    let ca = h.path("ca");
+    let tls = |args: &[&str]| Command::new(locus()).arg("tls").args(args).output().unwrap();
+    let o = tls(&["ca", "--dir", ca.to_str().unwrap()]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let o = tls(&[
+        "cert",
+        "--ca-dir",
+        ca.to_str().unwrap(),
+        "--name",
+        "n1",
+        "--host",
+        "10.0.0.7,n1.example",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    use std::os::unix::fs::PermissionsExt;
+    for key in ["ca.key", "n1.key"] {
+        let mode = std::fs::metadata(ca.join(key)).unwrap().permissions().mode();
+        assert_eq!(mode & 0o777, 0o600, "{key}");
+    }
+    // The certificate chains to the CA and names the hosts asked for.
+    let v = Command::new("openssl")
+        .args(["verify", "-CAfile"])
+        .arg(ca.join("ca.pem"))
+        .arg(ca.join("n1.pem"))
+        .output();
+    if let Ok(v) = v {
+        assert!(stdout(&v).contains(": OK"), "{}{}", stdout(&v), stderr(&v));
+        let text = Command::new("openssl")
+            .args(["x509", "-noout", "-text", "-in"])
+            .arg(ca.join("n1.pem"))
+            .output()
+            .unwrap();
+        let text = stdout(&text);
+        assert!(
+            text.contains("IP Address:10.0.0.7") && text.contains("DNS:n1.example"),
+            "{text}"
+        );
+    }
+    let before = std::fs::read(ca.join("n1.key")).unwrap();
+    let o = tls(&[
+        "cert",
+        "--ca-dir",
+        ca.to_str().unwrap(),
+        "--name",
+        "n1",
+        "--host",
+        "10.0.0.8",
+    ]);
+    fails_with(&o, "not overwriting");
+    assert_eq!(std::fs::read(ca.join("n1.key")).unwrap(), before);
+    let o = tls(&[
+        "cert",
+        "--ca-dir",
+        ca.to_str().unwrap(),
+        "--name",
+        "../x",
+        "--host",
+        "h",
+    ]);
+    fails_with(&o, "--name");
+}
+
 #[test]
 fn a_peer_timeout_that_is_not_a_duration_is_refused_before_anything_runs() {
     for bad in ["soon", "0s"] {

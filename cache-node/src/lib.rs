@@ -61,6 +61,8 @@ pub struct NodeConfig {
     /// them the node only listens on loopback unless `insecure`.
     pub tokens: Option<Arc<locus_proto::auth::TokenSet>>,
     pub insecure: bool,
+    /// TLS for the node API and HTTP port. The node then registers `https://ADVERTISE`.
+    pub tls: Option<locus_proto::tls::ServerTls>,
     /// How long a peer may stay silent during a transfer before it is given up on.
     pub peer_idle: Duration,
     /// Refill copies at once.
@@ -365,6 +367,18 @@ pub async fn serve(
         }
         None => bound.to_string(),
     };
+    // The scheme is part of the registered address: it is how peers, the metadata
+    // service and mounts know to speak TLS to this node.
+    let advertise = match (&cfg.tls, advertise.strip_prefix("https://")) {
+        (Some(_), Some(_)) => advertise,
+        (Some(_), None) => format!("https://{advertise}"),
+        (None, Some(_)) => {
+            return Err(NodeError::Config(format!(
+                "--advertise {advertise} says https but this node has no --tls-cert"
+            )))
+        }
+        (None, None) => advertise,
+    };
     let identity = identity::Identity::load_or_create(&cfg.store.dirs[0])?;
     let peers = Arc::new(Peers::new(cfg.metadata.clone()));
     let metrics = Arc::new(metrics::Metrics::default());
@@ -445,6 +459,12 @@ pub async fn serve(
         }));
     }
     if let Some(l) = http_listener {
+        let http_tls = cfg
+            .tls
+            .as_ref()
+            .map(|t| t.http_acceptor())
+            .transpose()
+            .map_err(NodeError::Config)?;
         let st = store.clone();
         let m = metrics.clone();
         let rf = refill.clone();
@@ -468,7 +488,7 @@ pub async fn serve(
             );
         let rx = stop_rx.clone();
         tokio::spawn(async move {
-            locus_proto::net::serve_http(l, app, Default::default(), stopped(rx)).await;
+            locus_proto::net::serve_http(l, app, Default::default(), http_tls, stopped(rx)).await;
         });
     }
     if let Some(path) = &cfg.addr_file {
@@ -513,7 +533,13 @@ pub async fn serve(
     ));
 
     let incoming = tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
-    let server = tonic::transport::Server::builder()
+    let mut builder = tonic::transport::Server::builder();
+    if let Some(tls) = &cfg.tls {
+        builder = builder
+            .tls_config(tls.tonic())
+            .map_err(|e| NodeError::Config(format!("TLS: {}", locus_proto::client::error_chain(&e))))?;
+    }
+    let server = builder
         .initial_stream_window_size(locus_proto::client::BLOB_STREAM_WINDOW)
         .initial_connection_window_size(locus_proto::client::BLOB_CONNECTION_WINDOW)
         .max_frame_size(locus_proto::client::BLOB_MAX_FRAME)

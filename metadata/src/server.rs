@@ -26,8 +26,8 @@ pub struct ServerConfig {
     /// Metrics and health; None disables the HTTP port.
     pub http_listen: Option<SocketAddr>,
     pub tokens_file: Option<PathBuf>,
-    /// PEM certificate chain and key; both or neither.
-    pub tls: Option<(PathBuf, PathBuf)>,
+    /// TLS for the gRPC and HTTP ports (mutual TLS on gRPC when it names a client CA).
+    pub tls: Option<locus_proto::tls::ServerTls>,
     /// Allow serving without tokens on a non-loopback address.
     pub insecure: bool,
     pub catalog: CatalogConfig,
@@ -118,13 +118,12 @@ pub async fn serve(
     let mut server = tonic::transport::Server::builder()
         .http2_keepalive_interval(Some(Duration::from_secs(30)))
         .tcp_nodelay(true);
-    if let Some((cert, key)) = &config.tls {
-        let read =
-            |p: &PathBuf| std::fs::read(p).map_err(|e| ServerError::Tls(format!("{}: {e}", p.display())));
-        let identity = tonic::transport::Identity::from_pem(read(cert)?, read(key)?);
+    let mut http_tls = None;
+    if let Some(tls) = &config.tls {
         server = server
-            .tls_config(tonic::transport::ServerTlsConfig::new().identity(identity))
+            .tls_config(tls.tonic())
             .map_err(|e| ServerError::Tls(locus_proto::client::error_chain(&e)))?;
+        http_tls = Some(tls.http_acceptor().map_err(ServerError::Tls)?);
     }
     let svc = pb_server(
         MetadataService::new(catalog.clone(), audit, metrics.clone())
@@ -155,6 +154,7 @@ pub async fn serve(
         grpc = %grpc_addr,
         http = ?http_addr,
         tls = config.tls.is_some(),
+        mutual_tls = config.tls.as_ref().is_some_and(|t| t.client_ca_pem.is_some()),
         auth = tokens.is_some(),
         cluster = catalog.cluster_id(),
         "metadata service listening"
@@ -171,7 +171,13 @@ pub async fn serve(
         let app = http_router(catalog.clone(), metrics.clone(), tokens.clone());
         let rx = stop_rx.clone();
         let limits = config.http_limits;
-        tokio::spawn(locus_proto::net::serve_http(l, app, limits, stopped(rx)))
+        tokio::spawn(locus_proto::net::serve_http(
+            l,
+            app,
+            limits,
+            http_tls,
+            stopped(rx),
+        ))
     });
 
     let incoming = tonic::transport::server::TcpIncoming::from(grpc_listener).with_nodelay(Some(true));

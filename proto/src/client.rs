@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use prost::Message;
 use tonic::service::interceptor::InterceptedService;
-use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint};
+use tonic::transport::{Channel, Endpoint};
 
 use crate::pb;
 
@@ -57,6 +57,11 @@ pub enum ClientError {
     Connect { url: String, reason: String },
     #[error("cannot reach the cache node at {url}: {reason}")]
     ConnectNode { url: String, reason: String },
+    #[error(
+        "refusing to send a token in clear to {0}: use TLS (an https:// address and --ca-cert), \
+         or pass --insecure if this network is trusted"
+    )]
+    PlaintextToken(String),
 }
 
 /// Adds `authorization: Bearer <token>` to every request.
@@ -98,10 +103,11 @@ pub async fn connect(opts: &ClientOptions) -> Result<MetadataClient, ClientError
         .tcp_nodelay(true)
         .http2_keep_alive_interval(Duration::from_secs(30));
     if tls {
-        let ca = opts.ca_cert_pem.as_ref().ok_or(ClientError::MissingCa)?;
         ep = ep
-            .tls_config(ClientTlsConfig::new().ca_certificate(Certificate::from_pem(ca)))
+            .tls_config(crate::tls::client_config(opts.ca_cert_pem.as_deref())?)
             .map_err(|e| ClientError::Tls(error_chain(&e)))?;
+    } else {
+        crate::tls::check_plaintext(url, opts.token.is_some())?;
     }
     let channel = ep.connect().await.map_err(|e| ClientError::Connect {
         url: opts.url.clone(),
@@ -126,7 +132,8 @@ pub const BLOB_MAX_FRAME: u32 = 1 << 20;
 
 pub type NodeClient = crate::nodepb::node_client::NodeClient<InterceptedService<Channel, BearerToken>>;
 
-/// Connects to a cache node's API at `host:port`.
+/// Connects to a cache node's API at the address it registered: `HOST:PORT` (plaintext)
+/// or `https://HOST:PORT` (TLS, with this process's [`crate::tls`] settings).
 pub async fn connect_node(
     addr: &str,
     token: Option<&str>,
@@ -145,24 +152,53 @@ pub async fn connect_node(
         ),
         None => None,
     };
-    let channel = Endpoint::from_shared(url.clone())
+    let mut ep = Endpoint::from_shared(url.clone())
         .map_err(|_| ClientError::BadUrl(addr.to_string()))?
         .connect_timeout(timeout)
         .tcp_nodelay(true)
         .initial_stream_window_size(BLOB_STREAM_WINDOW)
         .initial_connection_window_size(BLOB_CONNECTION_WINDOW)
-        .max_frame_size(BLOB_MAX_FRAME)
-        .connect()
-        .await
-        .map_err(|e| ClientError::ConnectNode {
-            url,
-            reason: error_chain(&e),
-        })?;
+        .max_frame_size(BLOB_MAX_FRAME);
+    let tls = url.starts_with("https://");
+    if tls {
+        ep = ep
+            .tls_config(crate::tls::client_config(None)?)
+            .map_err(|e| ClientError::Tls(error_chain(&e)))?;
+    } else {
+        crate::tls::check_plaintext(&url, token.is_some())?;
+    }
+    let connected = if tls {
+        ep.connect_with_connector(tower::service_fn(buffered_tcp)).await
+    } else {
+        ep.connect().await
+    };
+    let channel = connected.map_err(|e| ClientError::ConnectNode {
+        url,
+        reason: error_chain(&e),
+    })?;
     Ok(
         crate::nodepb::node_client::NodeClient::with_interceptor(channel, BearerToken(token))
             .max_decoding_message_size(crate::MAX_MESSAGE_BYTES)
             .max_encoding_message_size(crate::MAX_MESSAGE_BYTES),
     )
+}
+
+/// A TCP connection whose reads go through a 256 KiB buffer, for TLS to a node: rustls
+/// asks its socket for at most 4 KiB at a time, so a blob stream read straight from the
+/// socket costs a system call per 4 KiB; from the buffer it costs a copy.
+async fn buffered_tcp(
+    uri: tonic::transport::Uri,
+) -> std::io::Result<hyper_util::rt::TokioIo<tokio::io::BufReader<tokio::net::TcpStream>>> {
+    let bad = || std::io::Error::new(std::io::ErrorKind::InvalidInput, format!("no host:port in {uri}"));
+    let host = uri.host().ok_or_else(bad)?;
+    let port = uri.port_u16().ok_or_else(bad)?;
+    let s =
+        tokio::net::TcpStream::connect((host.trim_start_matches('[').trim_end_matches(']'), port)).await?;
+    s.set_nodelay(true)?;
+    Ok(hyper_util::rt::TokioIo::new(tokio::io::BufReader::with_capacity(
+        256 << 10,
+        s,
+    )))
 }
 
 /// A client of a cache node's Unix socket (same-host clients: the mount). The socket's

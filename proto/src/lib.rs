@@ -14,6 +14,7 @@ pub mod human;
 pub mod manifest;
 pub mod names;
 pub mod net;
+pub mod tls;
 
 /// Generated protobuf and gRPC code of the metadata service.
 #[allow(clippy::all, missing_docs)]

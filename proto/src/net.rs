@@ -142,12 +142,13 @@ impl Default for HttpLimits {
     }
 }
 
-/// Serves HTTP/1.1 and HTTP/2 on `listener` within `limits` until `stop` completes
-/// (connections in flight then finish on their own).
+/// Serves HTTP/1.1 and HTTP/2 (over TLS when `tls` is given) on `listener` within
+/// `limits` until `stop` completes (connections in flight then finish on their own).
 pub async fn serve_http<S, B>(
     listener: tokio::net::TcpListener,
     svc: S,
     limits: HttpLimits,
+    tls: Option<tokio_rustls::TlsAcceptor>,
     stop: impl std::future::Future<Output = ()>,
 ) where
     S: tower::Service<http::Request<hyper::body::Incoming>, Response = http::Response<B>>
@@ -180,15 +181,37 @@ pub async fn serve_http<S, B>(
             _ = &mut stop => return,
         };
         let svc = svc.clone();
+        let tls = tls.clone();
         tokio::spawn(async move {
             let _slot = permit;
             let mut b = hyper_util::server::conn::auto::Builder::new(hyper_util::rt::TokioExecutor::new());
             b.http1()
                 .timer(hyper_util::rt::TokioTimer::new())
                 .header_read_timeout(limits.header_timeout);
-            let io = hyper_util::rt::TokioIo::new(stream);
             let svc = hyper_util::service::TowerToHyperService::new(svc);
-            if let Err(e) = b.serve_connection_with_upgrades(io, svc).await {
+            let served = match tls {
+                Some(acceptor) => {
+                    // The handshake gets the header deadline too: a client that opens a
+                    // connection and never finishes its hello is cut off like one that
+                    // never finishes its headers.
+                    let stream =
+                        match tokio::time::timeout(limits.header_timeout, acceptor.accept(stream)).await {
+                            Ok(Ok(s)) => s,
+                            Ok(Err(e)) => {
+                                tracing::debug!("TLS handshake failed on the HTTP port: {e}");
+                                return;
+                            }
+                            Err(_) => return,
+                        };
+                    let io = hyper_util::rt::TokioIo::new(stream);
+                    b.serve_connection_with_upgrades(io, svc).await
+                }
+                None => {
+                    let io = hyper_util::rt::TokioIo::new(stream);
+                    b.serve_connection_with_upgrades(io, svc).await
+                }
+            };
+            if let Err(e) = served {
                 tracing::debug!("HTTP connection ended: {e}");
             }
         });

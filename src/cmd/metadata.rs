@@ -3,7 +3,7 @@
 use std::net::SocketAddr;
 use std::path::PathBuf;
 
-use anyhow::{bail, Context};
+use anyhow::Context;
 use clap::{Args, Subcommand};
 
 use crate::config::{duration_arg, Resolved};
@@ -38,26 +38,8 @@ pub struct ServeArgs {
     /// TOML file of [[token]] entries (name, role = admin|node|reader, token or blake3).
     #[arg(long, env = "LOCUS_METADATA_TOKENS_FILE", value_name = "FILE")]
     pub tokens_file: Option<PathBuf>,
-    /// TLS certificate chain (PEM) for the gRPC endpoint; needs --tls-key.
-    #[arg(
-        long,
-        env = "LOCUS_METADATA_TLS_CERT",
-        value_name = "FILE",
-        requires = "tls_key"
-    )]
-    pub tls_cert: Option<PathBuf>,
-    /// TLS private key (PEM).
-    #[arg(
-        long,
-        env = "LOCUS_METADATA_TLS_KEY",
-        value_name = "FILE",
-        requires = "tls_cert"
-    )]
-    pub tls_key: Option<PathBuf>,
-    /// Serve without tokens on a non-loopback address. Anyone who can reach it can then
-    /// delete datasets.
-    #[arg(long)]
-    pub insecure: bool,
+    #[command(flatten)]
+    pub tls: crate::config::ServerTlsArgs,
     /// A node silent this long is down [default: 30s].
     #[arg(long, env = "LOCUS_LIVENESS_TIMEOUT", value_name = "DURATION")]
     pub liveness_timeout: Option<String>,
@@ -102,6 +84,13 @@ fn flag_duration(what: &str, v: Option<String>, default: &str) -> anyhow::Result
 
 async fn serve(a: ServeArgs, cfg: &Resolved) -> anyhow::Result<()> {
     let f = cfg.server_file.clone();
+    let tls = a.tls.load(Some(&f))?;
+    // As a client (the repair loop ordering nodes to copy), the service presents its own
+    // certificate to nodes that demand one.
+    let own = tls.as_ref().and(a.tls.tls_cert.clone().or(f.tls_cert.clone()));
+    let own_key = a.tls.tls_key.clone().or(f.tls_key.clone());
+    let own_ca = a.tls.tls_client_ca.clone().or(f.tls_client_ca.clone());
+    cfg.init_client_tls(own.as_deref().zip(own_key.as_deref()), own_ca.as_deref())?;
     let data_dir = crate::absolute(
         a.data_dir
             .or(f.data_dir)
@@ -109,17 +98,14 @@ async fn serve(a: ServeArgs, cfg: &Resolved) -> anyhow::Result<()> {
     );
     let listen = addr(
         "--listen",
-        &a.listen.or(f.listen).unwrap_or_else(|| "127.0.0.1:7400".into()),
+        &a.listen
+            .or(f.listen.clone())
+            .unwrap_or_else(|| "127.0.0.1:7400".into()),
     )?;
-    let http_listen = match a.http_listen.or(f.http_listen).as_deref() {
+    let http_listen = match a.http_listen.or(f.http_listen.clone()).as_deref() {
         Some("off") => None,
         Some(s) => Some(addr("--http-listen", s)?),
         None => Some(addr("--http-listen", "127.0.0.1:7401")?),
-    };
-    let tls = match (a.tls_cert.or(f.tls_cert), a.tls_key.or(f.tls_key)) {
-        (Some(c), Some(k)) => Some((c, k)),
-        (None, None) => None,
-        _ => bail!("TLS needs both a certificate and a key"),
     };
     let config = locus_metadata::ServerConfig {
         data_dir,
@@ -131,7 +117,7 @@ async fn serve(a: ServeArgs, cfg: &Resolved) -> anyhow::Result<()> {
             header_timeout: flag_duration("--http-header-timeout", Some(a.http_header_timeout), "10s")?,
         },
         tls,
-        insecure: a.insecure || f.insecure.unwrap_or(false),
+        insecure: cfg.insecure || f.insecure.unwrap_or(false),
         catalog: locus_metadata::CatalogConfig {
             liveness_timeout: flag_duration(
                 "--liveness-timeout",

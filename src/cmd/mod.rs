@@ -10,6 +10,7 @@ pub mod mount;
 pub mod node;
 pub mod slurm;
 pub mod status;
+pub mod tls;
 
 /// Resolves when the process is asked to stop (SIGTERM or SIGINT).
 pub async fn shutdown_signal() {

@@ -111,9 +111,8 @@ pub struct ServeArgs {
     /// node's API must present one of its tokens. The node presents LOCUS_TOKEN to peers.
     #[arg(long, env = "LOCUS_NODE_TOKENS_FILE", value_name = "FILE")]
     pub tokens_file: Option<PathBuf>,
-    /// Serve without tokens on a non-loopback address.
-    #[arg(long)]
-    pub insecure: bool,
+    #[command(flatten)]
+    pub tls: crate::config::ServerTlsArgs,
     /// Write the bound address (grpc=…) here once listening.
     #[arg(long, value_name = "FILE")]
     pub addr_file: Option<PathBuf>,
@@ -170,6 +169,13 @@ async fn serve(a: ServeArgs, cfg: &Resolved) -> anyhow::Result<()> {
         .listen
         .parse()
         .with_context(|| format!("--listen {:?} is not an address such as 127.0.0.1:7500", a.listen))?;
+    let tls = a.tls.load(None)?;
+    // To peers and the metadata service the node presents its own certificate (mutual
+    // TLS) unless --client-cert names another.
+    cfg.init_client_tls(
+        a.tls.tls_cert.as_deref().zip(a.tls.tls_key.as_deref()),
+        a.tls.tls_client_ca.as_deref(),
+    )?;
     let mut metadata =
         locus_proto::client::ClientOptions::new(&cfg.metadata_url).with_token(cfg.token.clone());
     if let Some(ca) = &cfg.ca_cert {
@@ -205,7 +211,8 @@ async fn serve(a: ServeArgs, cfg: &Resolved) -> anyhow::Result<()> {
             Some(p) => Some(std::sync::Arc::new(locus_proto::auth::TokenSet::load(p)?)),
             None => None,
         },
-        insecure: a.insecure,
+        insecure: cfg.insecure,
+        tls,
         peer_idle: duration_arg("--peer-timeout", &a.peer_timeout)?,
         refill_parallel: match a.refill_parallel {
             0 => anyhow::bail!("--refill-parallel must be at least 1"),

@@ -79,5 +79,21 @@ pub fn status_sentence(s: &tonic::Status) -> String {
         DeadlineExceeded => "timed out",
         _ => "metadata service error",
     };
+    // Under TLS 1.3 a server that demands a client certificate refuses one only after the
+    // client thinks the handshake is done: the call then just fails ("operation was
+    // canceled"), which says nothing about why.
+    let tls = locus_proto::tls::client();
+    let no_cert = tls.identity.is_none()
+        && tls.ca_pem.is_some()
+        && matches!(s.code(), Cancelled | Unknown | Unavailable)
+        && ["cancel", "certificate", "transport error"]
+            .iter()
+            .any(|w| s.message().contains(w));
+    if no_cert {
+        return format!(
+            "{what}: {} (if the server demands a client certificate, give --client-cert and --client-key)",
+            s.message()
+        );
+    }
     format!("{what}: {}", s.message())
 }

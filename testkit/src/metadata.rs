@@ -3,7 +3,7 @@
 use std::ffi::OsString;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
-use std::process::{Command, ExitStatus, Output, Stdio};
+use std::process::{Command, ExitStatus, Output};
 use std::time::Duration;
 
 use locus_proto::client::{ClientOptions, MetadataClient};
@@ -48,7 +48,10 @@ pub fn tokens() -> Vec<Token> {
 #[derive(Clone, Debug, Default)]
 pub struct MetadataOpts {
     pub tokens: Vec<Token>,
+    /// TLS on its gRPC and HTTP ports, with a cluster CA made by `locus tls` in its dir.
     pub tls: bool,
+    /// Mutual TLS: callers must present a certificate of that CA (implies `tls`).
+    pub mtls: bool,
     pub liveness_timeout: Option<&'static str>,
     pub session_timeout: Option<&'static str>,
     pub extra: Vec<String>,
@@ -66,6 +69,8 @@ pub struct Metadata {
     pub opts: MetadataOpts,
     pub ca_pem: Option<Vec<u8>>,
     pub dir: PathBuf,
+    /// The URL clients are given instead of its own (a proxy in front of it).
+    pub public_url: Option<String>,
 }
 
 impl Harness {
@@ -73,7 +78,25 @@ impl Harness {
     pub async fn start_metadata(&self, name: &str, opts: MetadataOpts) -> Metadata {
         let dir = self.path(name);
         std::fs::create_dir_all(&dir).unwrap();
-        let ca_pem = if opts.tls { Some(make_tls(&dir)) } else { None };
+        let mut opts = opts;
+        opts.tls |= opts.mtls;
+        let ca_pem = if opts.tls {
+            let ip = opts.ip.map(|i| i.to_string());
+            let pem = make_pki(&dir, ip.as_deref());
+            // This test process's own clients (of the service and of TLS nodes) trust the
+            // cluster CA and present the admin's certificate.
+            locus_proto::tls::set_client(locus_proto::tls::ClientTls {
+                ca_pem: Some(pem.clone()),
+                identity: Some((
+                    std::fs::read(dir.join("admin.pem")).unwrap(),
+                    std::fs::read(dir.join("admin.key")).unwrap(),
+                )),
+                insecure: false,
+            });
+            Some(pem)
+        } else {
+            None
+        };
         if !opts.tokens.is_empty() {
             let mut t = String::new();
             for tok in &opts.tokens {
@@ -107,6 +130,7 @@ impl Harness {
             opts,
             ca_pem,
             dir,
+            public_url: None,
         };
         m.start().await;
         m
@@ -134,6 +158,15 @@ impl Metadata {
             a.push(self.dir.join("server.pem").into());
             a.push("--tls-key".into());
             a.push(self.dir.join("server.key").into());
+        }
+        if self.opts.mtls {
+            a.push("--tls-client-ca".into());
+            a.push(self.dir.join("ca.pem").into());
+        }
+        if self.opts.tls {
+            // For its calls to TLS nodes (repair).
+            a.push("--ca-cert".into());
+            a.push(self.dir.join("ca.pem").into());
         }
         if let Some(t) = self.opts.liveness_timeout {
             a.push("--liveness-timeout".into());
@@ -166,8 +199,15 @@ impl Metadata {
     }
 
     pub fn url(&self) -> String {
+        if let Some(u) = &self.public_url {
+            return u.clone();
+        }
         if self.opts.tls {
-            format!("https://localhost:{}", self.grpc.port())
+            // The certificate names localhost and the address it listens on off loopback.
+            match self.opts.ip {
+                Some(ip) => format!("https://{ip}:{}", self.grpc.port()),
+                None => format!("https://localhost:{}", self.grpc.port()),
+            }
         } else {
             format!("http://{}", self.grpc)
         }
@@ -265,6 +305,10 @@ impl Metadata {
         if self.opts.tls {
             cmd.env("LOCUS_CA_CERT", self.dir.join("ca.pem"));
         }
+        if self.opts.mtls {
+            cmd.env("LOCUS_CLIENT_CERT", self.dir.join("admin.pem"))
+                .env("LOCUS_CLIENT_KEY", self.dir.join("admin.key"));
+        }
         cmd
     }
 
@@ -295,66 +339,55 @@ impl Metadata {
     }
 }
 
-/// A self-signed CA and a server certificate for `localhost`, made with openssl(1).
-pub fn make_tls(dir: &Path) -> Vec<u8> {
+/// A cluster CA in `dir` made with `locus tls ca`, the service's certificate
+/// (`server.pem`, for localhost, 127.0.0.1 and `ip`) and an admin client certificate
+/// (`admin.pem`); the CA's PEM.
+pub fn make_pki(dir: &Path, ip: Option<&str>) -> Vec<u8> {
     let run = |args: &[&str]| {
-        let st = Command::new("openssl")
-            .args(args)
-            .current_dir(dir)
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .status()
-            .expect("openssl is needed for the TLS test");
-        assert!(st.success(), "openssl {args:?} failed");
+        let out = Command::new(locus()).args(args).output().expect("run locus tls");
+        assert!(
+            out.status.success(),
+            "locus {args:?} failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
     };
+    let d = dir.to_str().unwrap();
+    run(&["tls", "ca", "--dir", d]);
+    let mut hosts = "localhost,127.0.0.1".to_string();
+    if let Some(ip) = ip {
+        hosts.push(',');
+        hosts.push_str(ip);
+    }
+    run(&["tls", "cert", "--ca-dir", d, "--name", "server", "--host", &hosts]);
     run(&[
-        "req",
-        "-x509",
-        "-newkey",
-        "ec",
-        "-pkeyopt",
-        "ec_paramgen_curve:prime256v1",
-        "-nodes",
-        "-keyout",
-        "ca.key",
-        "-out",
-        "ca.pem",
-        "-days",
-        "2",
-        "-subj",
-        "/CN=locus test CA",
-    ]);
-    run(&[
-        "req",
-        "-newkey",
-        "ec",
-        "-pkeyopt",
-        "ec_paramgen_curve:prime256v1",
-        "-nodes",
-        "-keyout",
-        "server.key",
-        "-out",
-        "server.csr",
-        "-subj",
-        "/CN=localhost",
-    ]);
-    std::fs::write(dir.join("ext.cnf"), "subjectAltName=DNS:localhost,IP:127.0.0.1\n").unwrap();
-    run(&[
-        "x509",
-        "-req",
-        "-in",
-        "server.csr",
-        "-CA",
-        "ca.pem",
-        "-CAkey",
-        "ca.key",
-        "-CAcreateserial",
-        "-out",
-        "server.pem",
-        "-days",
-        "2",
-        "-extfile",
-        "ext.cnf",
+        "tls",
+        "cert",
+        "--ca-dir",
+        d,
+        "--name",
+        "admin",
+        "--host",
+        "localhost",
     ]);
     std::fs::read(dir.join("ca.pem")).unwrap()
+}
+
+impl Metadata {
+    /// A certificate of the cluster CA for `name` and `hosts`, written to `out` (reused
+    /// when already there); its cert and key paths.
+    pub fn issue_cert(&self, name: &str, hosts: &str, out: &Path) -> (PathBuf, PathBuf) {
+        assert!(self.opts.tls, "the service has no CA: start it with tls");
+        let (c, k) = (out.join(format!("{name}.pem")), out.join(format!("{name}.key")));
+        if !c.exists() {
+            let st = Command::new(locus())
+                .args(["tls", "cert", "--ca-dir"])
+                .arg(&self.dir)
+                .args(["--name", name, "--host", hosts, "--out"])
+                .arg(out)
+                .output()
+                .expect("run locus tls cert");
+            assert!(st.status.success(), "{}", String::from_utf8_lossy(&st.stderr));
+        }
+        (c, k)
+    }
 }

@@ -87,6 +87,13 @@ impl Metadata {
             .env("LOCUS_RUNTIME_DIR", &runtime_dir)
             .env("RUST_LOG", "info")
             .env_remove("LOCUS_CONFIG");
+        if self.opts.tls {
+            cmd.env("LOCUS_CA_CERT", self.dir.join("ca.pem"));
+        }
+        if self.opts.mtls {
+            cmd.env("LOCUS_CLIENT_CERT", self.dir.join("admin.pem"))
+                .env("LOCUS_CLIENT_KEY", self.dir.join("admin.key"));
+        }
         match self.token("reader").or_else(|| self.token("admin")) {
             Some(t) => cmd.env("LOCUS_TOKEN", t),
             None => cmd.env_remove("LOCUS_TOKEN"),

@@ -26,6 +26,9 @@ pub struct NodeOpts {
     pub env: Vec<(String, String)>,
     /// The test-bed host it runs on (its own network namespace and address), or loopback.
     pub on: Option<Host>,
+    /// Serve TLS with a certificate of the metadata service's CA (which must have one);
+    /// mutual TLS when the service demands it.
+    pub tls: bool,
 }
 
 impl NodeOpts {
@@ -42,6 +45,7 @@ impl NodeOpts {
             extra: Vec::new(),
             env: Vec::new(),
             on: None,
+            tls: false,
         }
     }
 
@@ -92,6 +96,10 @@ pub struct Node {
     pub metadata_url: String,
     pub dir: PathBuf,
     pub tokens_file: Option<PathBuf>,
+    /// The cluster CA, when the metadata service has one.
+    pub ca_cert: Option<PathBuf>,
+    /// Its certificate and key, when it serves TLS; and the CA it demands of callers.
+    pub tls: Option<(PathBuf, PathBuf, Option<PathBuf>)>,
 }
 
 impl Harness {
@@ -123,6 +131,14 @@ impl Harness {
             );
         }
         let tokens_file = (!meta.opts.tokens.is_empty()).then(|| meta.dir.join("tokens.toml"));
+        let tls = opts.tls.then(|| {
+            let host = opts
+                .on
+                .as_ref()
+                .map_or("127.0.0.1".to_string(), |h| h.addr.to_string());
+            let (c, k) = meta.issue_cert(id, &host, &dir);
+            (c, k, meta.opts.mtls.then(|| meta.dir.join("ca.pem")))
+        });
         let mut daemon = Daemon::new(name, self.path(&format!("{name}.log")), dir.join("addr"), env);
         daemon.netns = opts.on.as_ref().map(|h| h.netns.clone());
         let mut n = Node {
@@ -136,6 +152,8 @@ impl Harness {
             opts,
             metadata_url: meta.url(),
             dir,
+            ca_cert: meta.opts.tls.then(|| meta.dir.join("ca.pem")),
+            tls,
         };
         n.start().await;
         meta.wait_node_up(id, &format!("node {id} to register")).await;
@@ -236,7 +254,24 @@ impl Node {
     pub fn args(&self) -> Vec<OsString> {
         let o = &self.opts;
         let mut a: Vec<OsString> = vec!["--metadata".into(), self.metadata_url.clone().into()];
-        a.extend(["node", "serve", "--id"].map(OsString::from));
+        if let Some(ca) = &self.ca_cert {
+            a.push("--ca-cert".into());
+            a.push(ca.clone().into());
+        }
+        a.extend(["node", "serve"].map(OsString::from));
+        if let Some((cert, key, client_ca)) = &self.tls {
+            a.extend([
+                "--tls-cert".into(),
+                cert.clone().into(),
+                "--tls-key".into(),
+                key.clone().into(),
+            ]);
+            if let Some(ca) = client_ca {
+                a.push("--tls-client-ca".into());
+                a.push(ca.clone().into());
+            }
+        }
+        a.push("--id".into());
         a.push(self.id.clone().into());
         a.push("--data-dir".into());
         a.push(self.data_dir.clone().into());
@@ -314,9 +349,17 @@ impl Node {
     }
 
     pub async fn client_with(&self, token: Option<&str>) -> locus_proto::client::NodeClient {
-        locus_proto::client::connect_node(&self.grpc.to_string(), token, Duration::from_secs(5))
+        locus_proto::client::connect_node(&self.address(), token, Duration::from_secs(5))
             .await
             .expect("connect to the node")
+    }
+
+    /// Its own listening address as a client dials it (`https://` when it serves TLS).
+    pub fn address(&self) -> String {
+        match self.tls {
+            Some(_) => format!("https://{}", self.grpc),
+            None => self.grpc.to_string(),
+        }
     }
 
     /// The blobs on disk: hash (from the file name) → path.

@@ -237,3 +237,135 @@ impl locus_proto::nodepb::node_server::Node for Endless {
         unimplemented()
     }
 }
+
+/// A TCP proxy that lets only TLS through and watches what crosses it: put one in front of
+/// each daemon (nodes `--advertise` it, clients get its URL) and every hop of a test
+/// cluster is on the record. A connection whose first bytes are not a TLS handshake record
+/// is refused (counted, closed, never forwarded), so a hop that would have gone in clear
+/// fails the operation; both directions of every forwarded connection are scanned for the
+/// cluster's token secrets and for HTTP/2's cleartext preface.
+pub struct WireTap {
+    pub addr: SocketAddr,
+    target: Arc<Mutex<Option<SocketAddr>>>,
+    pub stats: Arc<TapStats>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+#[derive(Default, Debug)]
+pub struct TapStats {
+    /// Connections that began with a TLS handshake and were forwarded.
+    pub tls_connections: AtomicU64,
+    /// Connections refused for not beginning with one.
+    pub plaintext_refused: AtomicU64,
+    /// Bytes forwarded, both directions.
+    pub bytes: AtomicU64,
+    /// Times a secret (or the cleartext HTTP/2 preface) was seen in forwarded bytes.
+    pub secrets_seen: AtomicU64,
+}
+
+/// What begins every cleartext HTTP/2 connection (gRPC without TLS).
+const H2_PREFACE: &[u8] = b"PRI * HTTP/2.0";
+
+impl WireTap {
+    /// Listens on a free loopback port; connections wait for `forward_to`.
+    pub async fn start(secrets: Vec<String>) -> WireTap {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let target: Arc<Mutex<Option<SocketAddr>>> = Arc::default();
+        let stats = Arc::new(TapStats::default());
+        let mut needles: Vec<Vec<u8>> = secrets.into_iter().map(String::into_bytes).collect();
+        needles.push(H2_PREFACE.to_vec());
+        let needles = Arc::new(needles);
+        let (t, st) = (target.clone(), stats.clone());
+        let task = tokio::spawn(async move {
+            while let Ok((client, _)) = listener.accept().await {
+                let Some(to) = *t.lock().unwrap() else {
+                    continue;
+                };
+                let (st, needles) = (st.clone(), needles.clone());
+                tokio::spawn(async move { tap(client, to, st, needles).await });
+            }
+        });
+        WireTap {
+            addr,
+            target,
+            stats,
+            task,
+        }
+    }
+
+    pub fn forward_to(&self, to: SocketAddr) {
+        *self.target.lock().unwrap() = Some(to);
+    }
+
+    pub fn get(&self, f: impl Fn(&TapStats) -> &AtomicU64) -> u64 {
+        f(&self.stats).load(Ordering::SeqCst)
+    }
+}
+
+impl Drop for WireTap {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// A TLS record carrying a handshake message: type 22, version 3.x.
+fn is_tls_hello(first: &[u8]) -> bool {
+    first.len() >= 3 && first[0] == 0x16 && first[1] == 0x03 && first[2] <= 0x04
+}
+
+async fn tap(mut client: TcpStream, to: SocketAddr, st: Arc<TapStats>, needles: Arc<Vec<Vec<u8>>>) {
+    let mut first = [0u8; 3];
+    if client.read_exact(&mut first).await.is_err() {
+        return;
+    }
+    if !is_tls_hello(&first) {
+        st.plaintext_refused.fetch_add(1, Ordering::SeqCst);
+        return;
+    }
+    let Ok(mut server) = TcpStream::connect(to).await else {
+        return;
+    };
+    let _ = client.set_nodelay(true);
+    let _ = server.set_nodelay(true);
+    if server.write_all(&first).await.is_err() {
+        return;
+    }
+    st.tls_connections.fetch_add(1, Ordering::SeqCst);
+    let (mut cr, mut cw) = client.into_split();
+    let (mut sr, mut sw) = server.into_split();
+    let up = scan_copy(&mut cr, &mut sw, &st, &needles);
+    let down = scan_copy(&mut sr, &mut cw, &st, &needles);
+    tokio::join!(up, down);
+}
+
+/// Copies until EOF, counting bytes and needle sightings, also across read boundaries.
+async fn scan_copy(
+    r: &mut tokio::net::tcp::OwnedReadHalf,
+    w: &mut tokio::net::tcp::OwnedWriteHalf,
+    st: &TapStats,
+    needles: &[Vec<u8>],
+) {
+    let keep = needles.iter().map(Vec::len).max().unwrap_or(1).saturating_sub(1);
+    let mut buf = vec![0u8; 64 << 10];
+    let mut window: Vec<u8> = Vec::new();
+    loop {
+        let n = match r.read(&mut buf).await {
+            Ok(0) | Err(_) => break,
+            Ok(n) => n,
+        };
+        st.bytes.fetch_add(n as u64, Ordering::SeqCst);
+        window.extend_from_slice(&buf[..n]);
+        for nd in needles {
+            if window.windows(nd.len()).any(|w| w == nd.as_slice()) {
+                st.secrets_seen.fetch_add(1, Ordering::SeqCst);
+            }
+        }
+        let cut = window.len().saturating_sub(keep);
+        window.drain(..cut);
+        if w.write_all(&buf[..n]).await.is_err() {
+            break;
+        }
+    }
+    let _ = w.shutdown().await;
+}

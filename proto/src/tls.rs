@@ -1,0 +1,199 @@
+//! TLS on every TCP hop: the server side of the gRPC and HTTP ports of both daemons, and
+//! the client side every process uses to reach the metadata service and the nodes.
+//!
+//! A cluster has one CA. Each daemon serves with a certificate it signed; with
+//! `--tls-client-ca` it also demands a client certificate signed by that CA (mutual TLS),
+//! so a stolen token alone no longer reaches the API from a machine without a
+//! certificate. A node serving TLS registers its address as `https://HOST:PORT`, which is
+//! how every caller knows to speak TLS to it; a plain node registers `HOST:PORT`.
+//!
+//! The client side is one setting per process ([`set_client`]), not a parameter of every
+//! connect: a node dials peers, the metadata service and object stores from a dozen
+//! places, and each must present the same certificate and trust the same CA. Bearer
+//! tokens are refused over plaintext to any address that is not loopback unless the
+//! process was told `--insecure` ([`check_plaintext`]): a token sent in clear across a
+//! network is a token given away.
+
+use std::path::Path;
+use std::sync::OnceLock;
+
+use tonic::transport::{Certificate, ClientTlsConfig, Identity, ServerTlsConfig};
+
+/// How this process connects as a client.
+#[derive(Debug, Clone, Default)]
+pub struct ClientTls {
+    /// The cluster CA (PEM): what `https://` servers' certificates must chain to.
+    pub ca_pem: Option<Vec<u8>>,
+    /// Certificate chain and key (PEM) presented to servers that ask (mutual TLS).
+    pub identity: Option<(Vec<u8>, Vec<u8>)>,
+    /// Bearer tokens may cross plaintext to non-loopback addresses.
+    pub insecure: bool,
+}
+
+static CLIENT: OnceLock<ClientTls> = OnceLock::new();
+
+/// aws-lc-rs with AES-128-GCM preferred over AES-256-GCM (rustls' default order puts
+/// 256 first). Bulk data is what TLS costs Locus: every blob byte is encrypted by one end
+/// and decrypted by the other, and AES-128 does that with 10 rounds instead of 14, at a
+/// security margin no one questions for session keys. Installed as the process default
+/// (`install_provider`) so tonic's own TLS configs use it too.
+pub fn provider() -> tokio_rustls::rustls::crypto::CryptoProvider {
+    use tokio_rustls::rustls::crypto::aws_lc_rs;
+    use tokio_rustls::rustls::CipherSuite;
+    let mut p = aws_lc_rs::default_provider();
+    let rank = |s: CipherSuite| match s {
+        CipherSuite::TLS13_AES_128_GCM_SHA256 => 0,
+        CipherSuite::TLS13_AES_256_GCM_SHA384 => 1,
+        _ => 2,
+    };
+    // Stable: the TLS 1.2 suites keep their order after the TLS 1.3 ones.
+    p.cipher_suites.sort_by_key(|s| rank(s.suite()));
+    p
+}
+
+/// Makes [`provider`] this process's default, before any TLS is set up. Idempotent.
+pub fn install_provider() {
+    let _ = provider().install_default();
+}
+
+/// Sets this process's client TLS, once, before the first connection. A second call is
+/// ignored (the first setting wins), so a library cannot change it under a running client.
+pub fn set_client(c: ClientTls) {
+    let _ = CLIENT.set(c);
+}
+
+/// This process's client TLS (empty until set).
+pub fn client() -> &'static ClientTls {
+    static EMPTY: OnceLock<ClientTls> = OnceLock::new();
+    CLIENT
+        .get()
+        .unwrap_or_else(|| EMPTY.get_or_init(ClientTls::default))
+}
+
+/// The tonic client config for an `https://` endpoint: the given CA, else the process's,
+/// and the process's client certificate when it has one.
+pub fn client_config(ca_pem: Option<&[u8]>) -> Result<ClientTlsConfig, crate::client::ClientError> {
+    let c = client();
+    let ca = ca_pem
+        .or(c.ca_pem.as_deref())
+        .ok_or(crate::client::ClientError::MissingCa)?;
+    let mut cfg = ClientTlsConfig::new().ca_certificate(Certificate::from_pem(ca));
+    if let Some((cert, key)) = &c.identity {
+        cfg = cfg.identity(Identity::from_pem(cert, key));
+    }
+    Ok(cfg)
+}
+
+/// Refuses to send a bearer token over plaintext (`http://` or a bare `HOST:PORT`) to a
+/// host that is not loopback, unless this process was told `--insecure`.
+pub fn check_plaintext(url: &str, has_token: bool) -> Result<(), crate::client::ClientError> {
+    if !has_token || client().insecure || url.starts_with("https://") {
+        return Ok(());
+    }
+    let rest = url.strip_prefix("http://").unwrap_or(url);
+    let authority = rest.split('/').next().unwrap_or(rest);
+    let host = match authority.rsplit_once(':') {
+        Some((h, p)) if p.parse::<u16>().is_ok() => h,
+        _ => authority,
+    };
+    let host = host.trim_start_matches('[').trim_end_matches(']');
+    let loopback = host.eq_ignore_ascii_case("localhost")
+        || host.parse::<std::net::IpAddr>().is_ok_and(|ip| ip.is_loopback());
+    if loopback {
+        return Ok(());
+    }
+    Err(crate::client::ClientError::PlaintextToken(url.to_string()))
+}
+
+/// A daemon's TLS: its certificate and key, and the CA client certificates must chain to
+/// when mutual TLS is on.
+#[derive(Debug, Clone)]
+pub struct ServerTls {
+    pub cert_pem: Vec<u8>,
+    pub key_pem: Vec<u8>,
+    pub client_ca_pem: Option<Vec<u8>>,
+}
+
+impl ServerTls {
+    /// Reads the PEM files; the error names the file.
+    pub fn load(cert: &Path, key: &Path, client_ca: Option<&Path>) -> Result<Self, String> {
+        let read = |p: &Path| std::fs::read(p).map_err(|e| format!("{}: {e}", p.display()));
+        let s = ServerTls {
+            cert_pem: read(cert)?,
+            key_pem: read(key)?,
+            client_ca_pem: client_ca.map(read).transpose()?,
+        };
+        // Parse now, so a wrong file is reported at start and by name, not at the first
+        // handshake.
+        s.rustls()
+            .map_err(|e| format!("{} / {}: {e}", cert.display(), key.display()))?;
+        Ok(s)
+    }
+
+    /// For the gRPC ports.
+    pub fn tonic(&self) -> ServerTlsConfig {
+        let mut c = ServerTlsConfig::new().identity(Identity::from_pem(&self.cert_pem, &self.key_pem));
+        if let Some(ca) = &self.client_ca_pem {
+            c = c.client_ca_root(Certificate::from_pem(ca));
+        }
+        c
+    }
+
+    /// For the HTTP ports (schedulers, Prometheus). These never ask for a client
+    /// certificate: kube-scheduler's extender client and most scrapers cannot present
+    /// one, and what they reach is read-only and bounded.
+    pub fn http_acceptor(&self) -> Result<tokio_rustls::TlsAcceptor, String> {
+        let mut cfg = self.rustls()?;
+        cfg.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
+        Ok(tokio_rustls::TlsAcceptor::from(std::sync::Arc::new(cfg)))
+    }
+
+    fn rustls(&self) -> Result<tokio_rustls::rustls::ServerConfig, String> {
+        use tokio_rustls::rustls;
+        use tokio_rustls::rustls::pki_types::pem::PemObject;
+        use tokio_rustls::rustls::pki_types::{CertificateDer, PrivateKeyDer};
+        let certs = CertificateDer::pem_slice_iter(&self.cert_pem)
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| format!("certificate: {e}"))?;
+        if certs.is_empty() {
+            return Err("no certificate in the certificate file".into());
+        }
+        let key = PrivateKeyDer::from_pem_slice(&self.key_pem).map_err(|e| format!("key: {e}"))?;
+        let provider = std::sync::Arc::new(provider());
+        rustls::ServerConfig::builder_with_provider(provider)
+            .with_safe_default_protocol_versions()
+            .map_err(|e| e.to_string())?
+            .with_no_client_auth()
+            .with_single_cert(certs, key)
+            .map_err(|e| e.to_string())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tokens_are_refused_over_plaintext_off_loopback_only() {
+        for ok in [
+            "http://127.0.0.1:7400",
+            "127.0.0.1:7500",
+            "http://localhost:7400",
+            "http://[::1]:7400",
+            "https://10.0.0.5:7400",
+            "https://meta.example:7400",
+        ] {
+            assert!(check_plaintext(ok, true).is_ok(), "{ok}");
+        }
+        for bad in [
+            "http://10.0.0.5:7400",
+            "10.251.0.11:7500",
+            "http://meta.example:7400",
+        ] {
+            let e = check_plaintext(bad, true).unwrap_err().to_string();
+            assert!(e.contains("--insecure") && e.contains(bad), "{e}");
+            // No token, nothing to give away.
+            assert!(check_plaintext(bad, false).is_ok());
+        }
+    }
+}
