@@ -144,7 +144,7 @@ impl BlobList {
     }
 
     pub fn bytes(&self) -> u64 {
-        self.0.iter().map(|(_, s)| s).sum()
+        self.0.iter().fold(0u64, |a, (_, s)| a.saturating_add(*s))
     }
 
     pub fn contains(&self, h: &BlobHash) -> bool {
@@ -181,7 +181,12 @@ impl BlobList {
                 s.copy_from_slice(&c[32..]);
                 (BlobHash(h), u64::from_be_bytes(s))
             })
-            .collect();
+            .collect::<Vec<_>>();
+        // `contains` (gc keeps what a snapshot lists) searches by halves: a list out of
+        // order would answer "not listed" for a blob it lists, and gc would delete it.
+        if v.windows(2).any(|w| w[0].0 .0 >= w[1].0 .0) {
+            return Err(bad("hashes out of order or repeated"));
+        }
         Ok(BlobList(v))
     }
 }
@@ -382,6 +387,21 @@ mod tests {
         e[10] ^= 1;
         assert!(BlobList::decode(&e).is_err());
         assert!(BlobList::decode(&e[..e.len() - 1]).is_err());
+    }
+
+    /// A list with a valid checksum but out of order (anyone can compute BLAKE3) would
+    /// make `contains` miss blobs it lists, and gc delete them; sizes that add past u64
+    /// must not panic.
+    #[test]
+    fn a_checksummed_blob_list_out_of_order_is_refused_and_huge_sizes_saturate() {
+        let sorted = BlobList::from_unsorted(vec![(BlobHash::of(b"a"), 1), (BlobHash::of(b"b"), 2)]);
+        let swapped = BlobList(vec![sorted.0[1], sorted.0[0]]);
+        let e = BlobList::decode(&swapped.encode()).unwrap_err().to_string();
+        assert!(e.contains("out of order"), "{e}");
+        let dup = BlobList(vec![sorted.0[0], sorted.0[0]]);
+        assert!(BlobList::decode(&dup.encode()).is_err());
+        let huge = BlobList(vec![(sorted.0[0].0, u64::MAX), (sorted.0[1].0, u64::MAX)]);
+        assert_eq!(BlobList::decode(&huge.encode()).unwrap().bytes(), u64::MAX);
     }
 
     #[tokio::test]

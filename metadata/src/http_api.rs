@@ -25,7 +25,7 @@ use crate::catalog::{Catalog, CatalogError};
 
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
-struct LocalityBody {
+pub struct LocalityBody {
     datasets: Vec<String>,
     #[serde(default)]
     paths: Vec<String>,
@@ -72,6 +72,34 @@ fn error(code: StatusCode, msg: impl Into<String>) -> Response {
 }
 
 /// `k=v,k=v` into a map.
+/// A checked `/v1/locality` body: the request, its dataset references and its selector.
+pub type LocalityQuestion = (LocalityBody, Vec<DatasetRef>, HashMap<String, String>);
+
+/// A `/v1/locality` body checked and bounded (the same caps as the gRPC call) before
+/// anything is looked up: the request, its dataset references and its label selector.
+/// Public for the fuzz target (`fuzz/`).
+pub fn parse_locality(body: &[u8]) -> Result<LocalityQuestion, String> {
+    let q: LocalityBody = serde_json::from_slice(body).map_err(|e| format!("malformed request: {e}"))?;
+    if q.datasets.is_empty() {
+        return Err("datasets: name at least one dataset version".into());
+    }
+    crate::locality::check_request(q.datasets.len(), q.paths.len(), q.shards.len(), q.nodes.len())?;
+    let refs = q
+        .datasets
+        .iter()
+        .map(|d| d.parse::<DatasetRef>())
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| format!("datasets: {e}"))?;
+    for p in &q.paths {
+        locus_proto::RelPath::check_dir(p.trim_end_matches('/')).map_err(|e| format!("paths: {e}"))?;
+    }
+    let selector = match q.selector.as_deref().map(parse_selector).transpose() {
+        Ok(s) => s.unwrap_or_default(),
+        Err(e) => return Err(format!("where: {e}")),
+    };
+    Ok((q, refs, selector))
+}
+
 pub fn parse_selector(s: &str) -> Result<HashMap<String, String>, String> {
     let mut out = HashMap::new();
     for kv in s.split(',').map(str::trim).filter(|x| !x.is_empty()) {
@@ -99,38 +127,9 @@ pub async fn locality(
         };
         return error(code, status.message());
     }
-    let q: LocalityBody = match serde_json::from_slice(&body) {
-        Ok(q) => q,
-        Err(e) => return error(StatusCode::BAD_REQUEST, format!("malformed request: {e}")),
-    };
-    if q.datasets.is_empty() {
-        return error(
-            StatusCode::BAD_REQUEST,
-            "datasets: name at least one dataset version",
-        );
-    }
-    if let Err(e) =
-        crate::locality::check_request(q.datasets.len(), q.paths.len(), q.shards.len(), q.nodes.len())
-    {
-        return error(StatusCode::BAD_REQUEST, e);
-    }
-    let refs = match q
-        .datasets
-        .iter()
-        .map(|d| d.parse::<DatasetRef>())
-        .collect::<Result<Vec<_>, _>>()
-    {
-        Ok(r) => r,
-        Err(e) => return error(StatusCode::BAD_REQUEST, format!("datasets: {e}")),
-    };
-    for p in &q.paths {
-        if let Err(e) = locus_proto::RelPath::check_dir(p.trim_end_matches('/')) {
-            return error(StatusCode::BAD_REQUEST, format!("paths: {e}"));
-        }
-    }
-    let selector = match q.selector.as_deref().map(parse_selector).transpose() {
-        Ok(s) => s.unwrap_or_default(),
-        Err(e) => return error(StatusCode::BAD_REQUEST, format!("where: {e}")),
+    let (q, refs, selector) = match parse_locality(&body) {
+        Ok(x) => x,
+        Err(e) => return error(StatusCode::BAD_REQUEST, e),
     };
     let shards: Option<HashSet<u32>> = (!q.shards.is_empty()).then(|| q.shards.iter().copied().collect());
     let (with_labels, limit) = (q.labels, q.limit.unwrap_or(usize::MAX));

@@ -50,13 +50,14 @@ fn field<'a>(v: &'a Value, name: &str) -> Option<&'a Value> {
 }
 
 /// The candidates as sent: names, and the node objects when the scheduler sent them.
-struct Candidates {
+pub struct Candidates {
     names: Vec<String>,
     /// Some when the request carried a NodeList (not nodeCacheCapable).
     objects: Option<Vec<Value>>,
 }
 
-struct PodWants {
+/// The datasets a pod's annotations ask for.
+pub struct PodWants {
     refs: Vec<DatasetRef>,
     required: bool,
     min_fraction: f64,
@@ -70,7 +71,9 @@ fn bad(msg: impl Into<String>) -> Response {
         .into_response()
 }
 
-fn parse(body: &[u8]) -> Result<(Option<PodWants>, Candidates), String> {
+/// An extender request (ExtenderArgs) checked and bounded before anything is looked up.
+/// Public for the fuzz target (`fuzz/`): it is what anyone who reaches the port controls.
+pub fn parse(body: &[u8]) -> Result<(Option<PodWants>, Candidates), String> {
     let v: Value = serde_json::from_slice(body).map_err(|e| format!("malformed extender request: {e}"))?;
     if !v.is_object() {
         return Err("malformed extender request: expected a JSON object (ExtenderArgs)".into());

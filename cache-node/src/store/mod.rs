@@ -307,8 +307,20 @@ impl BlobStore {
         let mut rep = Reconcile::default();
         for kv in self.index.iterator(rocksdb::IteratorMode::Start) {
             let (k, v) = kv.map_err(|e| StoreError::Index(e.into_string()))?;
-            let (Ok(h), Ok(rec)) = (<[u8; 32]>::try_from(&k[..]), BlobRecord::decode(&v[..])) else {
+            // Keys that are not a blob's hash are the store's own (the scrub cursor).
+            let Ok(h) = <[u8; 32]>::try_from(&k[..]) else {
                 continue;
+            };
+            let rec = match BlobRecord::decode_checked(&v[..]) {
+                Ok(r) => r,
+                Err(why) => {
+                    // Not a record this build can use: dropped, so the blob counts as
+                    // missing and pin sync fetches it again (its file, if any, is adopted
+                    // or removed as a stray).
+                    tracing::warn!(blob = %hex_lossy(&k), %why, "index record unusable; dropping it");
+                    let _ = self.index.delete(&k);
+                    continue;
+                }
             };
             let h = BlobHash(h);
             if rec.dir as usize >= self.cfg.dirs.len() {
@@ -595,6 +607,19 @@ impl BlobStore {
 /// The chunk size a blob is kept at: 0 means the default; anything else must be a power
 /// of two in the range versions allow. A tiny chunk size would make the index hold a hash
 /// per few bytes, so it is refused rather than trusted.
+/// What the store does with an index value when it opens: decode it, check it, and use
+/// its chunk list and presence bits. For the fuzz target (`fuzz/`), which feeds it any
+/// bytes: none may panic.
+pub fn check_index_record(v: &[u8]) -> Result<(u64, usize), String> {
+    let rec = BlobRecord::decode_checked(v)?;
+    let missing = rec.missing();
+    Ok((chunk_hashes(&rec.chunks).len() as u64, missing.len()))
+}
+
+fn hex_lossy(k: &[u8]) -> String {
+    k.iter().take(32).map(|b| format!("{b:02x}")).collect()
+}
+
 fn checked_chunk_size(hash: BlobHash, chunk_size: u32) -> Result<u32, StoreError> {
     if chunk_size == 0 {
         return Ok(locus_proto::DEFAULT_CHUNK_SIZE);

@@ -73,6 +73,37 @@ impl From<&StampRecord> for FileStamp {
 }
 
 impl BlobRecord {
+    /// An index value decoded and checked: a record whose chunk list is not whole hashes,
+    /// whose chunk size is not one the store writes, or whose chunk count does not match
+    /// its size (a damaged index, or one written by a broken build) is refused here, so
+    /// no later read divides by its chunk size or slices its hashes wrongly. The store
+    /// then treats the blob as missing: pin sync fetches it again.
+    pub(super) fn decode_checked(v: &[u8]) -> Result<Self, String> {
+        use prost::Message;
+        let r = BlobRecord::decode(v).map_err(|e| format!("not a record: {e}"))?;
+        if !r.chunks.len().is_multiple_of(32) {
+            return Err(format!(
+                "{} bytes of chunk hashes is not whole hashes",
+                r.chunks.len()
+            ));
+        }
+        if !r.chunk_size.is_power_of_two()
+            || !(locus_proto::MIN_CHUNK_SIZE..=locus_proto::MAX_CHUNK_SIZE).contains(&r.chunk_size)
+        {
+            return Err(format!("chunk size {} is not one the store writes", r.chunk_size));
+        }
+        let want = locus_proto::manifest::chunk_count(r.size, r.chunk_size);
+        if r.chunk_count() != want {
+            return Err(format!(
+                "{} chunk hashes for {} bytes in {}-byte chunks (want {want})",
+                r.chunk_count(),
+                r.size,
+                r.chunk_size
+            ));
+        }
+        Ok(r)
+    }
+
     pub(super) fn complete(size: u64, dir: u32, pinned: bool, chunk_size: u32, chunks: &[BlobHash]) -> Self {
         BlobRecord {
             size,
@@ -140,4 +171,40 @@ pub(super) fn chunk_hashes(b: &[u8]) -> Vec<BlobHash> {
     b.chunks(32)
         .map(|c| BlobHash(c.try_into().expect("index stores whole 32-byte hashes")))
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use prost::Message;
+
+    /// What the `index_record` fuzz target guards: a damaged record is refused, not used
+    /// (a chunk list of 33 bytes sliced into hashes panicked; a chunk size of 0 divided by
+    /// zero on the first read).
+    #[test]
+    fn damaged_index_records_are_refused_whole_ones_accepted() {
+        let h = BlobHash::of(b"x");
+        let good = BlobRecord::complete(100_000, 0, false, 1 << 16, &[h, h]);
+        assert!(BlobRecord::decode_checked(&good.encode_to_vec()).is_ok());
+        let damage: [fn(&mut BlobRecord); 4] = [
+            |r| r.chunks.push(7),
+            |r| r.chunk_size = 0,
+            |r| r.chunk_size = 3 << 16,
+            |r| r.size = 200_000,
+        ];
+        for (i, d) in damage.iter().enumerate() {
+            let mut r = good.clone();
+            d(&mut r);
+            assert!(
+                BlobRecord::decode_checked(&r.encode_to_vec()).is_err(),
+                "damage {i} accepted"
+            );
+        }
+        assert!(BlobRecord::decode_checked(b"\xff\xff").is_err());
+        let empty = BlobRecord::complete(0, 0, false, 1 << 16, &[]);
+        assert!(
+            BlobRecord::decode_checked(&empty.encode_to_vec()).is_ok(),
+            "an empty blob has no chunks"
+        );
+    }
 }
