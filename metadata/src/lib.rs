@@ -20,6 +20,7 @@ pub mod metrics;
 pub mod placement;
 pub mod records;
 pub mod repair;
+pub mod rows;
 pub mod server;
 pub mod service;
 pub mod snapshot;

@@ -278,6 +278,10 @@ pub fn restore(
     let mut size = 0usize;
     let mut rows = 0u64;
     while let Some((t, k, v)) = r.next_row()? {
+        // Every row is checked like the API input it once was before it is written; one
+        // that fails leaves the restore (and its fresh directory) to be thrown away.
+        crate::rows::check_row(t, &k, &v)
+            .map_err(|e| SnapshotError::Corrupt(format!("{} row {}: {e}", t.name(), rows + 1)))?;
         size += k.len() + v.len();
         batch.put(t, k, v);
         rows += 1;
@@ -286,11 +290,18 @@ pub fn restore(
             size = 0;
         }
     }
-    // Blobs no node holds any more are read back from this backup.
+    // Blobs no node holds any more are read back from this backup. A record like the
+    // ones backup runs write (raw snapshot-id bytes here once made ListBackups fail on a
+    // restored service).
+    let rec = crate::records::BackupRecord {
+        snapshot: snapshot.to_string(),
+        recorded_at_ms: crate::Clock::now_ms(&crate::SystemClock),
+        restored: true,
+    };
     batch.put(
         Table::Backups,
         backup_url.as_bytes().to_vec(),
-        snapshot.as_bytes().to_vec(),
+        rec.encode_to_vec(),
     );
     store.write(batch, true)?;
     Ok(RestoreStats { rows })
@@ -536,6 +547,7 @@ mod tests {
         let rec = VersionRecord {
             uid: 7,
             bytes: 300,
+            chunk_size: 4 << 20,
             ..Default::default()
         };
         b.put(Table::Versions, keys::version("ds", 1), rec.encode_to_vec());
@@ -558,6 +570,8 @@ mod tests {
         let file = crate::records::EntryRecord {
             kind: crate::records::KIND_FILE,
             size: 100,
+            blob: BlobHash::of(b"a").0.to_vec(),
+            chunks: BlobHash::of(b"a").0.to_vec(),
             ..Default::default()
         };
         b.put(Table::Entries, keys::entry(7, "a"), file.encode_to_vec());
@@ -588,10 +602,68 @@ mod tests {
         );
         assert!(fresh.get(Table::Entries, &keys::entry(9, "x")).unwrap().is_none());
         assert!(fresh.get(Table::Sessions, &keys::uid(9)).unwrap().is_none());
-        assert_eq!(
-            fresh.get(Table::Backups, b"file:///b").unwrap().unwrap(),
-            b"snap1"
-        );
+        let rec = crate::records::BackupRecord::decode(
+            &fresh.get(Table::Backups, b"file:///b").unwrap().unwrap()[..],
+        )
+        .expect("the restore source is recorded as a backup record");
+        assert_eq!((rec.snapshot.as_str(), rec.restored), ("snap1", true));
+    }
+
+    /// A row that would not pass the API (a path with `..`, a short hash, a bad node id)
+    /// is refused by restore, and so is a session row, which exports never carry.
+    #[test]
+    fn restored_rows_are_checked_like_api_input() {
+        let bad_rows: Vec<(Table, Vec<u8>, Vec<u8>)> = vec![
+            (Table::Entries, keys::entry(7, "../etc/passwd"), {
+                let f = crate::records::EntryRecord {
+                    kind: crate::records::KIND_FILE,
+                    size: 1,
+                    blob: vec![0; 32],
+                    ..Default::default()
+                };
+                f.encode_to_vec()
+            }),
+            (Table::Entries, keys::entry(7, "short-hash"), {
+                let f = crate::records::EntryRecord {
+                    kind: crate::records::KIND_FILE,
+                    size: 1,
+                    blob: vec![0; 31],
+                    ..Default::default()
+                };
+                f.encode_to_vec()
+            }),
+            (Table::Shards, keys::shard(7, 1), {
+                let s = ShardRecord {
+                    replicas: vec!["bad id!".into()],
+                    ..Default::default()
+                };
+                s.encode_to_vec()
+            }),
+            (Table::Versions, keys::version("ok", 1), {
+                let v = VersionRecord {
+                    chunk_size: 0,
+                    ..Default::default()
+                };
+                v.encode_to_vec()
+            }),
+        ];
+        for (i, (t, k, v)) in bad_rows.into_iter().enumerate() {
+            // In the store an export is made from, as a buggy build would have written it.
+            let s = sample();
+            let mut b = Batch::default();
+            b.put(t, k, v);
+            s.write(b, true).unwrap();
+            let mut planted = Vec::new();
+            export(&s, &mut planted).unwrap();
+            let fresh = MemStore::default();
+            let e = restore(&planted[..], &fresh, "file:///b", "snap1").unwrap_err();
+            assert!(matches!(e, SnapshotError::Corrupt(_)), "row {i}: {e}");
+        }
+        assert!(crate::rows::check_row(Table::Sessions, &keys::uid(9), b"s").is_err());
+        // The untouched export still restores.
+        let mut out = Vec::new();
+        export(&sample(), &mut out).unwrap();
+        restore(&out[..], &MemStore::default(), "file:///b", "snap1").unwrap();
     }
 
     #[test]
