@@ -1107,3 +1107,61 @@ async fn a_tampered_or_unsigned_snapshot_is_refused_by_restore_and_verify() {
         stderr(&o)
     );
 }
+
+/// A node's object-store credentials write only where the cluster's backups go: an
+/// upload to a target no backup run recorded is refused before anything is written, and
+/// `backup run` records its target before any node uploads, so the same call to that
+/// target is then accepted.
+#[tokio::test]
+async fn nodes_upload_only_to_targets_a_backup_run_recorded() {
+    let h = Harness::new("backup-target-recorded");
+    let (m, nodes) = cluster(&h, 1, NodeOpts::host).await;
+    let src = h.path("src");
+    std::fs::create_dir_all(&src).unwrap();
+    std::fs::write(src.join("a.bin"), pseudo_random(3, 300_000)).unwrap();
+    let o = import(&m, "ds", &src, &["--replicas", "1"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let blobs: Vec<locus_proto::nodepb::BlobRef> = nodes[0]
+        .blob_files()
+        .iter()
+        .map(|(hex, p)| locus_proto::nodepb::BlobRef {
+            hash: locus_proto::BlobHash::from_hex(hex).unwrap().0.to_vec(),
+            size: std::fs::metadata(p).unwrap().len(),
+            origin_path: String::new(),
+        })
+        .collect();
+    assert!(!blobs.is_empty());
+    let upload = |target: String| {
+        let blobs = blobs.clone();
+        let node = &nodes[0];
+        async move {
+            let mut c = node.client().await;
+            let mut s = c
+                .upload_blobs(locus_proto::nodepb::UploadBlobsRequest {
+                    target,
+                    blobs,
+                    skip_existing: false,
+                    parallel: 0,
+                })
+                .await?
+                .into_inner();
+            while s.message().await?.is_some() {}
+            Ok::<_, tonic::Status>(())
+        }
+    };
+
+    let elsewhere = h.path("elsewhere");
+    std::fs::create_dir_all(&elsewhere).unwrap();
+    let e = upload(format!("file://{}", elsewhere.display()))
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), tonic::Code::PermissionDenied, "{e}");
+    assert!(e.message().contains("not a backup target"), "{e}");
+    assert!(!elsewhere.join("blobs").exists(), "nothing was written there");
+
+    let target = h.path("backup");
+    let url = format!("file://{}", target.display());
+    let o = m.cli(&["backup", "run", "--to", &url]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    upload(url).await.expect("a recorded target takes uploads");
+}

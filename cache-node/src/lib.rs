@@ -114,6 +114,9 @@ pub enum NodeError {
     Identity(String),
 }
 
+/// Names the metadata service listed, and when (see `Peers::in_listing`).
+type Listing = std::sync::Mutex<(std::collections::HashSet<String>, Option<std::time::Instant>)>;
+
 /// The node's view of the rest of the cluster, through the metadata service.
 pub struct Peers {
     opts: ClientOptions,
@@ -123,7 +126,9 @@ pub struct Peers {
     /// Version origins opened so far, by URL.
     origins: std::sync::Mutex<HashMap<String, Arc<locus_backup::origin::Origin>>>,
     /// Addresses of registered nodes, as last listed, and when.
-    registered: std::sync::Mutex<(std::collections::HashSet<String>, Option<std::time::Instant>)>,
+    registered: Listing,
+    /// Backup targets the metadata service lists, and when they were read.
+    backup_targets: Listing,
 }
 
 /// Where a blob can be copied from: live replicas (id, address), then backups (URLs).
@@ -141,6 +146,7 @@ impl Peers {
             targets: std::sync::Mutex::new(HashMap::new()),
             origins: std::sync::Mutex::new(HashMap::new()),
             registered: std::sync::Mutex::new((Default::default(), None)),
+            backup_targets: std::sync::Mutex::new((Default::default(), None)),
         }
     }
 
@@ -176,31 +182,78 @@ impl Peers {
     /// verified or not). The list is re-read when an address is not in it, at most once
     /// a second.
     pub async fn check_source(&self, addr: &str) -> Result<(), Status> {
-        let fresh_enough = {
-            let r = self.registered.lock().unwrap_or_else(|p| p.into_inner());
-            if r.0.contains(addr) {
-                return Ok(());
-            }
-            r.1.is_some_and(|at| at.elapsed() < Duration::from_secs(1))
-        };
-        if !fresh_enough {
-            let mut m = self.metadata().await?;
-            let nodes = tokio::time::timeout(LOCATE_TIMEOUT, m.list_nodes(pb::ListNodesRequest {}))
-                .await
-                .map_err(|_| Status::unavailable("the metadata service did not answer"))??
-                .into_inner()
-                .nodes;
-            let mut r = self.registered.lock().unwrap_or_else(|p| p.into_inner());
-            *r = (
-                nodes.into_iter().map(|n| n.address).collect(),
-                Some(std::time::Instant::now()),
-            );
-            if r.0.contains(addr) {
-                return Ok(());
-            }
+        let listed = self
+            .in_listing(
+                &self.registered,
+                Duration::from_secs(1),
+                addr,
+                |mut m| async move {
+                    let nodes = m.list_nodes(pb::ListNodesRequest {}).await?.into_inner().nodes;
+                    Ok(nodes.into_iter().map(|n| n.address).collect())
+                },
+            )
+            .await?;
+        if listed {
+            return Ok(());
         }
         Err(Status::permission_denied(format!(
             "{addr} is not a registered node's address; copies come only from the cluster's nodes"
+        )))
+    }
+
+    /// Whether `key` is in a listing the metadata service gives (`fetch`), kept in
+    /// `cache` and re-read on a miss at most once per `every`: a flood of misses costs the
+    /// service one call per `every`, and something just listed is found within it.
+    async fn in_listing<F, Fut>(
+        &self,
+        cache: &Listing,
+        every: Duration,
+        key: &str,
+        fetch: F,
+    ) -> Result<bool, Status>
+    where
+        F: FnOnce(MetadataClient) -> Fut,
+        Fut: Future<Output = Result<std::collections::HashSet<String>, Status>>,
+    {
+        {
+            let r = cache.lock().unwrap_or_else(|p| p.into_inner());
+            if r.0.contains(key) {
+                return Ok(true);
+            }
+            if r.1.is_some_and(|at| at.elapsed() < every) {
+                return Ok(false);
+            }
+        }
+        let m = self.metadata().await?;
+        let fresh = tokio::time::timeout(LOCATE_TIMEOUT, fetch(m))
+            .await
+            .map_err(|_| Status::unavailable("the metadata service did not answer"))??;
+        let mut r = cache.lock().unwrap_or_else(|p| p.into_inner());
+        *r = (fresh, Some(std::time::Instant::now()));
+        Ok(r.0.contains(key))
+    }
+
+    /// Refuses an upload target the metadata service has not recorded as a backup target
+    /// (`locus backup run` records its target before any node uploads): the node's
+    /// object-store credentials write only where the cluster's own backups go.
+    pub async fn check_backup_target(&self, url: &str) -> Result<(), Status> {
+        let listed = self
+            // Re-read on every miss: a run records its target just before its first
+            // upload, and only admins may ask for uploads, so misses cannot flood.
+            .in_listing(&self.backup_targets, Duration::ZERO, url, |mut m| async move {
+                let b = m
+                    .list_backups(pb::ListBackupsRequest {})
+                    .await?
+                    .into_inner()
+                    .backups;
+                Ok(b.into_iter().map(|b| b.url).collect())
+            })
+            .await?;
+        if listed {
+            return Ok(());
+        }
+        Err(Status::permission_denied(format!(
+            "{url} is not a backup target of this cluster; nodes upload only where `locus backup run` records"
         )))
     }
 

@@ -532,6 +532,7 @@ impl Node for NodeService {
         self.not_local("UploadBlobs")?;
         let q = req.into_inner();
         let blobs = blob_refs(&q.blobs)?;
+        self.peers.check_backup_target(&q.target).await?;
         let target = self.peers.target(&q.target)?;
         let parallel = if q.parallel == 0 { 4 } else { q.parallel.min(64) } as usize;
         let (tx, rx) = mpsc::channel(16);

@@ -98,6 +98,15 @@ pub async fn run(cfg: &Resolved) -> anyhow::Result<()> {
         println!("backups    none recorded (locus backup run --to URL)");
     }
     for b in &backups {
+        if b.snapshot.is_empty() {
+            // Recorded when a run began; none has committed there yet.
+            println!(
+                "backup     {}: no committed snapshot yet (a run began {})",
+                b.url,
+                output::time(b.recorded_at_ms)
+            );
+            continue;
+        }
         println!(
             "backup     {}: {} snapshot {} at {}",
             b.url,

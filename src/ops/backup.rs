@@ -315,6 +315,17 @@ async fn send_blobs(
     send: SendMode,
     report: &mut RunReport,
 ) -> Result<()> {
+    // Nodes upload only to targets the metadata service has recorded: record this one as
+    // in use (a no-op once a run has committed there).
+    if !blobs.is_empty() {
+        c.record_backup(t.url.clone(), String::new()).await.map_err(|e| {
+            BackupOpError::Nodes(format!(
+                "cannot record {} as a backup target: {}",
+                t.url,
+                e.message()
+            ))
+        })?;
+    }
     let by_hash: HashMap<BlobHash, &locus_metadata::snapshot::PlannedBlob> =
         blobs.iter().map(|b| (b.hash, *b)).collect();
     let mut tried: HashMap<BlobHash, Vec<String>> = HashMap::new();

@@ -12,7 +12,12 @@ impl Catalog {
     }
 
     /// Remembers a committed backup (URL → snapshot id, when) as a source of last resort.
+    /// An empty `snapshot` says a run to `url` begins: the target is recorded (so nodes
+    /// accept uploads to it) without touching what a committed run recorded there.
     pub fn record_backup(&self, url: &str, snapshot: &str) -> Result<()> {
+        if snapshot.is_empty() && self.store.get(Table::Backups, url.as_bytes())?.is_some() {
+            return Ok(());
+        }
         let rec = BackupRecord {
             snapshot: snapshot.to_string(),
             recorded_at_ms: self.clock.now_ms(),
