@@ -9,7 +9,7 @@
 # Needs a nightly toolchain; installs cargo-fuzz when missing. Targets are built without
 # a sanitizer (`-s none`): the code under test is safe Rust (`unsafe_code = "deny"`), so
 # what the fuzzer hunts is panics — overflow, slicing, unwrap — and debug assertions are
-# on. A crash leaves its input in fuzz/artifacts/TARGET/ and fails the script; make it a
+# on (`-a`: overflow checks too). A crash leaves its input in fuzz/artifacts/TARGET/ and fails the script; make it a
 # regression test next to the code it broke. Per-target figures (executions, coverage)
 # go to fuzz/logs/TARGET.log and are summed up at the end.
 set -euo pipefail
@@ -26,14 +26,14 @@ targets=("$@")
 if [ ${#targets[@]} -eq 0 ]; then
   mapfile -t targets < <(cargo +nightly fuzz list)
 fi
-cargo +nightly fuzz build -s none -O
+cargo +nightly fuzz build -s none -O -a
 mkdir -p logs
 failed=()
 for t in "${targets[@]}"; do
   mkdir -p "corpus/$t"
   echo "== fuzz $t for ${secs}s"
   # -rss_limit_mb: a parser that allocates by what its input claims is a finding.
-  if ! cargo +nightly fuzz run -s none -O "$t" "corpus/$t" -- \
+  if ! cargo +nightly fuzz run -s none -O -a "$t" "corpus/$t" -- \
       -max_total_time="$secs" -rss_limit_mb=2048 -print_final_stats=1 >"logs/$t.log" 2>&1; then
     failed+=("$t")
     tail -40 "logs/$t.log"
