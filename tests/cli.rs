@@ -338,15 +338,18 @@ fn a_token_is_never_sent_in_clear_off_loopback_unless_insecure_and_tls_helps_mak
     let tls = |args: &[&str]| Command::new(locus()).arg("tls").args(args).output().unwrap();
     let o = tls(&["ca", "--dir", ca.to_str().unwrap()]);
     assert!(o.status.success(), "{}", stderr(&o));
-    let o = tls(&[
-        "cert",
-        "--ca-dir",
-        ca.to_str().unwrap(),
-        "--name",
-        "n1",
-        "--host",
-        "10.0.0.7,n1.example",
-    ]);
+    let cert = |name: &str, host: &str| {
+        tls(&[
+            "cert",
+            "--ca-dir",
+            ca.to_str().unwrap(),
+            "--name",
+            name,
+            "--host",
+            host,
+        ])
+    };
+    let o = cert("n1", "10.0.0.7,n1.example");
     assert!(o.status.success(), "{}", stderr(&o));
     use std::os::unix::fs::PermissionsExt;
     for key in ["ca.key", "n1.key"] {
@@ -373,26 +376,10 @@ fn a_token_is_never_sent_in_clear_off_loopback_unless_insecure_and_tls_helps_mak
         );
     }
     let before = std::fs::read(ca.join("n1.key")).unwrap();
-    let o = tls(&[
-        "cert",
-        "--ca-dir",
-        ca.to_str().unwrap(),
-        "--name",
-        "n1",
-        "--host",
-        "10.0.0.8",
-    ]);
+    let o = cert("n1", "10.0.0.8");
     fails_with(&o, "not overwriting");
     assert_eq!(std::fs::read(ca.join("n1.key")).unwrap(), before);
-    let o = tls(&[
-        "cert",
-        "--ca-dir",
-        ca.to_str().unwrap(),
-        "--name",
-        "../x",
-        "--host",
-        "h",
-    ]);
+    let o = cert("../x", "h");
     fails_with(&o, "--name");
 }
 

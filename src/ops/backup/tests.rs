@@ -204,10 +204,11 @@ async fn a_blob_one_replica_cannot_send_is_sent_by_the_next_and_the_snapshot_com
     let v = verify(&t, None, &verify_all(), &Quiet).await.unwrap();
     assert!(v.catalog_ok && !v.failed(), "{v:?}");
     assert_eq!(v.blobs_checked, 2);
+    let url = &t.url;
     assert_eq!(
-        c.recorded.lock().unwrap().len(),
-        1,
-        "the metadata service was told"
+        *c.recorded.lock().unwrap(),
+        [format!("{url} "), format!("{url} s1")],
+        "the target was recorded before any upload, the snapshot once committed"
     );
 }
 
@@ -227,7 +228,9 @@ async fn a_blob_no_replica_can_send_fails_the_run_naming_both_and_commits_nothin
         t.committed_snapshot(None).await.is_err(),
         "no snapshot is committed"
     );
-    assert!(c.recorded.lock().unwrap().is_empty());
+    // The target was recorded as in use (nodes upload only to recorded targets); no
+    // snapshot was.
+    assert_eq!(*c.recorded.lock().unwrap(), [format!("{} ", t.url)]);
 }
 
 #[tokio::test]
