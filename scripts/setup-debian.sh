@@ -4,7 +4,7 @@
 #   libclang-dev    bindgen for the RocksDB bindings
 #   protobuf-compiler  protoc for the gRPC code generation
 #   fuse3           fusermount3 for the FUSE mount
-#   curl            an HTTPS client for the TLS test (tests make their certificates with `locus tls`)
+#   openssl, curl   check what `locus tls` issues, and an HTTPS client for the TLS test
 #   iproute2, util-linux  `ip`, `tc` and `nsenter` for the multi-host test bed (namespaces),
 #                   `setpriv` to run a test client as another user
 #   python3         Debian's, which any user can run (a test client run as user nobody)
@@ -13,7 +13,7 @@
 # persistent S3-compatible server) for the backup tests; from npm, Azurite (Azure Blob
 # emulator) under /opt/locus-tools for the az:// tests.
 set -euo pipefail
-pkgs=(librocksdb-dev libclang-dev clang protobuf-compiler pkg-config fuse3 curl ca-certificates iproute2 util-linux python3 systemd)
+pkgs=(librocksdb-dev libclang-dev clang protobuf-compiler pkg-config fuse3 openssl curl ca-certificates iproute2 util-linux python3 systemd)
 missing=()
 for p in "${pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

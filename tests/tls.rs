@@ -7,43 +7,10 @@ use locus_testkit as support;
 
 use std::time::Duration;
 
-use locus_proto::pb;
 use support::*;
 
 fn secrets(m: &Metadata) -> Vec<String> {
     m.opts.tokens.iter().map(|t| t.secret.clone()).collect()
-}
-
-/// Replicas of every shard of `ds@1`, once each has `want`, none on `off`.
-async fn wait_replicas(m: &Metadata, ds: &str, want: usize, off: &str) {
-    let opts = m.client_options(m.token("admin"));
-    wait_until(
-        &format!("every shard of {ds} to have {want} replicas off {off}"),
-        Duration::from_secs(90),
-        || {
-            let opts = opts.clone();
-            async move {
-                let mut c = locus_proto::client::connect(&opts).await.ok()?;
-                let s = c
-                    .list_shards(pb::ListShardsRequest {
-                        r#ref: Some(pb::VersionRef {
-                            dataset: ds.into(),
-                            version: 1,
-                        }),
-                        start: 0,
-                        limit: 10_000,
-                    })
-                    .await
-                    .ok()?
-                    .into_inner()
-                    .shards;
-                s.iter()
-                    .all(|s| s.replicas.len() == want && !s.replicas.iter().any(|r| r == off))
-                    .then_some(())
-            }
-        },
-    )
-    .await;
 }
 
 // The taps run on this test's runtime while the CLI blocks a thread: several workers.
@@ -98,7 +65,7 @@ async fn with_tls_on_every_hop_no_token_crosses_a_tcp_connection_in_clear() {
     let k = nodes.iter().position(|n| n.id == holder).unwrap();
     nodes[k].daemon.kill9();
     wait_node_down(&m, &holder).await;
-    wait_replicas(&m, "ds", 2, &holder).await;
+    wait_moved_off(&m, "ds", &holder).await;
 
     // A mount with no local node reads every byte from the remaining nodes (mount → node).
     let mnt = m.mount("mnt", "ds@1", None, &[]);

@@ -119,7 +119,8 @@ pub async fn shards(c: &mut locus_proto::client::MetadataClient, ds: &str, v: u6
 /// Waits until every shard of `ds@1` has two replicas, none on `node` (after a drain or
 /// a kill and repair).
 pub async fn wait_moved_off(m: &Metadata, ds: &str, node: &str) {
-    let opts = m.client_options(None);
+    // The admin's token where the service has tokens (listing shards needs one).
+    let opts = m.client_options(m.token("admin"));
     wait_until(
         &format!("{node} to hold no replicas of {ds}"),
         Duration::from_secs(90),
