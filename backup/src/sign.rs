@@ -87,14 +87,14 @@ impl SigningKey {
     }
 
     pub fn public_hex(&self) -> String {
-        hex(self.0.public_key().as_ref())
+        locus_proto::hex::encode(self.0.public_key().as_ref())
     }
 
     pub fn sign(&self, m: &SnapshotManifest) -> Signature {
         Signature {
             alg: "ed25519".into(),
             key: self.public_hex(),
-            sig: hex(self.0.sign(&signed_bytes(m)).as_ref()),
+            sig: locus_proto::hex::encode(self.0.sign(&signed_bytes(m)).as_ref()),
         }
     }
 }
@@ -172,7 +172,10 @@ impl Trust {
                 sig.key
             )));
         }
-        let (Some(pk), Some(s)) = (unhex(&sig.key), unhex(&sig.sig)) else {
+        let (Some(pk), Some(s)) = (
+            locus_proto::hex::decode(&sig.key),
+            locus_proto::hex::decode(&sig.sig),
+        ) else {
             return Err(refuse("its signature is malformed".into()));
         };
         if sig.alg != "ed25519"
@@ -200,20 +203,6 @@ fn signed_bytes(m: &SnapshotManifest) -> Vec<u8> {
 
 fn is_public_key(s: &str) -> bool {
     s.len() == 64 && s.chars().all(|c| c.is_ascii_hexdigit())
-}
-
-fn hex(b: &[u8]) -> String {
-    b.iter().map(|x| format!("{x:02x}")).collect()
-}
-
-fn unhex(s: &str) -> Option<Vec<u8>> {
-    if !s.len().is_multiple_of(2) {
-        return None;
-    }
-    (0..s.len())
-        .step_by(2)
-        .map(|i| u8::from_str_radix(s.get(i..i + 2)?, 16).ok())
-        .collect()
 }
 
 #[cfg(test)]

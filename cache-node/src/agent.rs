@@ -122,6 +122,7 @@ impl Agent {
             .unwrap_or_else(|p| p.into_inner())
             .bind_cluster(&info.cluster_id)
             .map_err(|e| Refused::Fatal(e.to_string()))?;
+        self.peers.grants.set(&info.cluster_id, info.grant_keys);
         let s = self.store.stats();
         let r = m
             .register_node(pb::RegisterNodeRequest {

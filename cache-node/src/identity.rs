@@ -52,7 +52,7 @@ impl Identity {
                     .and_then(|mut f| f.read_exact(&mut raw))
                     .map_err(|e| bad(format!("cannot read /dev/urandom: {e}")))?;
                 let id = Identity {
-                    instance: raw.iter().map(|b| format!("{b:02x}")).collect(),
+                    instance: locus_proto::hex::encode(&raw),
                     cluster: None,
                     path,
                 };

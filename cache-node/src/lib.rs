@@ -77,13 +77,18 @@ pub fn required_access(method: &str) -> Option<locus_proto::auth::Access> {
     use locus_proto::auth::Access;
     Some(match method {
         "ReadBlob" | "HaveBlobs" | "GetNodeStatus" | "EnsureLocal" | "LocalPaths" => Access::Read,
-        "WriteBlob" | "FetchBlobs" | "FetchChunks" => Access::NodeOrAdmin,
-        "UploadBlobs" | "ImportObject" => Access::Admin,
+        // Importers come with an import grant, never their admin token (which would then
+        // reach every address a node registers).
+        "WriteBlob" | "FetchBlobs" => Access::NodeOrGrant,
+        "FetchChunks" => Access::Node,
+        "UploadBlobs" | "ImportObject" => Access::Grant,
         _ => return None,
     })
 }
 
-struct NodePolicy;
+/// The node's policy: the table above for tokens, the grant keys of the cluster (learnt
+/// at registration) for grants.
+struct NodePolicy(Arc<Peers>);
 
 impl locus_proto::auth::Policy for NodePolicy {
     fn prefix(&self) -> &'static str {
@@ -91,6 +96,26 @@ impl locus_proto::auth::Policy for NodePolicy {
     }
     fn access(&self, method: &str) -> Option<locus_proto::auth::Access> {
         required_access(method)
+    }
+    fn grant(
+        &self,
+        method: &str,
+        grant: &[u8],
+    ) -> Option<Result<locus_proto::auth::Principal, locus_proto::auth::Refusal>> {
+        use locus_proto::auth::{Principal, Role};
+        Some(
+            match self.0.grants.verify(grant, method, locus_proto::grant::now_ms()) {
+                Ok((_, g)) => Ok(Principal {
+                    name: format!("grant:{}", g.issued_to),
+                    role: Some(Role::Grant),
+                    grant: Some(Arc::new(g)),
+                }),
+                Err(e @ locus_proto::grant::GrantError::WrongMethod { .. }) => {
+                    Err((Status::permission_denied(e.to_string()), "denied"))
+                }
+                Err(e) => Err((Status::unauthenticated(e.to_string()), "bad_grant")),
+            },
+        )
     }
 }
 
@@ -120,6 +145,8 @@ type Listing = std::sync::Mutex<(std::collections::HashSet<String>, Option<std::
 /// The node's view of the rest of the cluster, through the metadata service.
 pub struct Peers {
     opts: ClientOptions,
+    /// The cluster's grant keys, set at each registration.
+    pub grants: locus_proto::grant::Verifier,
     client: tokio::sync::Mutex<Option<MetadataClient>>,
     /// Backup targets opened so far, by URL (opening one builds an HTTP client).
     targets: std::sync::Mutex<HashMap<String, locus_backup::Target>>,
@@ -139,8 +166,9 @@ pub struct Sources {
 }
 
 impl Peers {
-    pub fn new(opts: ClientOptions) -> Self {
+    pub fn new(opts: ClientOptions, node: &str) -> Self {
         Self {
+            grants: locus_proto::grant::Verifier::new(node),
             opts,
             client: tokio::sync::Mutex::new(None),
             targets: std::sync::Mutex::new(HashMap::new()),
@@ -433,7 +461,7 @@ pub async fn serve(
         (None, None) => advertise,
     };
     let identity = identity::Identity::load_or_create(&cfg.store.dirs[0])?;
-    let peers = Arc::new(Peers::new(cfg.metadata.clone()));
+    let peers = Arc::new(Peers::new(cfg.metadata.clone(), cfg.id.as_str()));
     let metrics = Arc::new(metrics::Metrics::default());
     let refill = refill::Refill::new(refill::RefillConfig {
         me: cfg.id.to_string(),
@@ -598,7 +626,7 @@ pub async fn serve(
         .max_frame_size(locus_proto::client::BLOB_MAX_FRAME)
         .layer(locus_proto::auth::AuthLayer::new(
             cfg.tokens.clone(),
-            Arc::new(NodePolicy),
+            Arc::new(NodePolicy(peers.clone())),
         ))
         .add_service(node_server(svc))
         .serve_with_incoming_shutdown(incoming, stopped(stop_rx.clone()));

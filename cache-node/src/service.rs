@@ -500,7 +500,9 @@ impl Node for NodeService {
     ) -> Result<Response<nodepb::ImportObjectResponse>, Status> {
         // The node's own credentials would read whatever a local caller names.
         self.not_local("ImportObject")?;
+        let grant = granted(&req);
         let q = req.into_inner();
+        check_grant_target(grant.as_deref(), "origin", &q.origin)?;
         if q.origin.is_empty() {
             return Err(Status::invalid_argument("origin: name the version's origin URL"));
         }
@@ -530,7 +532,9 @@ impl Node for NodeService {
         req: Request<nodepb::UploadBlobsRequest>,
     ) -> Result<Response<Self::UploadBlobsStream>, Status> {
         self.not_local("UploadBlobs")?;
+        let grant = granted(&req);
         let q = req.into_inner();
+        check_grant_target(grant.as_deref(), "target", &q.target)?;
         let blobs = blob_refs(&q.blobs)?;
         self.peers.check_backup_target(&q.target).await?;
         let target = self.peers.target(&q.target)?;
@@ -637,4 +641,34 @@ impl Node for NodeService {
             refill: Some(crate::metrics::refill_status(&self.refill.progress())),
         }))
     }
+}
+
+/// The grant a call came with, if it came with one.
+fn granted<T>(req: &Request<T>) -> Option<Arc<locus_proto::grant::GrantBody>> {
+    req.extensions()
+        .get::<locus_proto::auth::Principal>()
+        .and_then(|p| p.grant.clone())
+}
+
+/// A call under a grant acts only on the URL the grant names: an import grant for one
+/// origin reads no other, a backup grant for one target writes to no other.
+fn check_grant_target(
+    grant: Option<&locus_proto::grant::GrantBody>,
+    field: &str,
+    url: &str,
+) -> Result<(), Status> {
+    let Some(g) = grant else { return Ok(()) };
+    if g.target != url {
+        return Err(Status::permission_denied(format!(
+            "{field}: the grant (issued to {}) is for {:?}, not this URL",
+            g.issued_to, g.target
+        )));
+    }
+    tracing::info!(
+        issued_to = %g.issued_to,
+        operation = %g.operation,
+        url,
+        "granted call"
+    );
+    Ok(())
 }

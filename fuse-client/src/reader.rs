@@ -233,32 +233,44 @@ pub struct Located {
 }
 
 /// The cluster's replicas over gRPC: node connections kept per address, the metadata
-/// service for locations and topology.
+/// service for locations and topology. Nodes are sent a read grant (renewed while the
+/// mount lives), never the mount's token.
 pub struct GrpcReplicas {
     metadata: MetadataClient,
     version: pb::VersionRef,
-    token: Option<String>,
-    clients: tokio::sync::Mutex<HashMap<String, NodeClient>>,
+    grants: locus_proto::grant::Grants,
+    /// By address: the grant the connection presents, and it.
+    clients: tokio::sync::Mutex<HashMap<String, (Option<String>, NodeClient)>>,
 }
 
 impl GrpcReplicas {
     pub fn new(metadata: MetadataClient, version: pb::VersionRef, token: Option<String>) -> Self {
         GrpcReplicas {
+            grants: locus_proto::grant::Grants::new(metadata.clone(), token.as_deref()),
             metadata,
             version,
-            token,
             clients: Default::default(),
         }
     }
 
     async fn client(&self, addr: &str) -> Result<NodeClient, String> {
-        if let Some(c) = self.clients.lock().await.get(addr) {
-            return Ok(c.clone());
+        let grant = self
+            .grants
+            .get("*", locus_proto::grant::Op::Read, "")
+            .await
+            .map_err(|s| format!("no read grant: {}", s.message()))?;
+        if let Some((g, c)) = self.clients.lock().await.get(addr) {
+            if *g == grant {
+                return Ok(c.clone());
+            }
         }
-        let c = connect_node(addr, self.token.as_deref(), Duration::from_secs(3))
+        let c = connect_node(addr, grant.as_deref(), Duration::from_secs(3))
             .await
             .map_err(|e| e.to_string())?;
-        self.clients.lock().await.insert(addr.to_string(), c.clone());
+        self.clients
+            .lock()
+            .await
+            .insert(addr.to_string(), (grant, c.clone()));
         Ok(c)
     }
 

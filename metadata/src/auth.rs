@@ -16,6 +16,8 @@ const SERVICE_PREFIX: &str = "/locus.metadata.v1.Metadata/";
 pub fn required_access(method: &str) -> Option<Access> {
     Some(match method {
         "GetClusterInfo" => Access::Any,
+        // The handler checks the role the operation needs.
+        "IssueGrant" => Access::Read,
         "RegisterNode" | "Heartbeat" => Access::Node,
         "ListNodes" | "ListDatasets" | "GetDataset" | "GetVersion" | "ListEntries" | "ListShards"
         | "LocateBlobs" | "Locality" | "Assign" | "ListBackups" => Access::Read,
@@ -72,6 +74,7 @@ mod tests {
             method,
             required_access(method),
             auth.as_deref().map(str::as_bytes),
+            None,
         )
         .map_err(|(s, _)| s.code())
     }

@@ -119,7 +119,7 @@ pub async fn locality(
 ) -> Response {
     let auth = headers.get("authorization").map(|v| v.as_bytes());
     if let Err((status, _)) =
-        locus_proto::auth::check(tokens.as_deref(), "Locality", Some(Access::Read), auth)
+        locus_proto::auth::check(tokens.as_deref(), "Locality", Some(Access::Read), auth, None)
     {
         let code = match status.code() {
             tonic::Code::Unauthenticated => StatusCode::UNAUTHORIZED,

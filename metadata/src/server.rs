@@ -59,6 +59,8 @@ pub enum ServerError {
     Bind { addr: SocketAddr, reason: String },
     #[error("TLS: {0}")]
     Tls(String),
+    #[error(transparent)]
+    GrantKey(#[from] locus_proto::grant::KeyError),
     #[error("gRPC server failed: {0}")]
     Serve(String),
 }
@@ -102,6 +104,10 @@ pub async fn serve(
         .clone()
         .unwrap_or_else(|| config.data_dir.join("audit.log"));
     let audit = Arc::new(AuditLog::open(&audit_path).map_err(dd)?);
+    // Kept beside the store, never in it: a catalogue export (a backup) must not carry it.
+    let grant_key = Arc::new(locus_proto::grant::GrantKey::load_or_create(
+        &config.data_dir.join("grant.key"),
+    )?);
     let metrics = Arc::new(Metrics::default());
 
     let grpc_listener = bind(config.listen)?;
@@ -126,7 +132,7 @@ pub async fn serve(
         http_tls = Some(tls.http_acceptor().map_err(ServerError::Tls)?);
     }
     let svc = pb_server(
-        MetadataService::new(catalog.clone(), audit, metrics.clone())
+        MetadataService::new(catalog.clone(), audit, metrics.clone(), grant_key)
             .with_node_token(config.node_token.clone()),
     );
 

@@ -27,6 +27,9 @@ pub enum Role {
     Node,
     /// Mount, locality, listings.
     Reader,
+    /// A grant the metadata service signed (`crate::grant`): never in a token file.
+    #[serde(skip)]
+    Grant,
 }
 
 impl Role {
@@ -35,6 +38,7 @@ impl Role {
             Role::Admin => "admin",
             Role::Node => "node",
             Role::Reader => "reader",
+            Role::Grant => "grant",
         }
     }
 }
@@ -46,6 +50,8 @@ pub struct Principal {
     pub name: String,
     /// None when the service runs without tokens (every call is allowed).
     pub role: Option<Role>,
+    /// The grant the call came with (role `Grant`), for the scope checks of handlers.
+    pub grant: Option<std::sync::Arc<crate::grant::GrantBody>>,
 }
 
 impl Principal {
@@ -53,6 +59,7 @@ impl Principal {
         Principal {
             name: "anonymous".into(),
             role: None,
+            grant: None,
         }
     }
 
@@ -69,14 +76,22 @@ pub enum Access {
     Node,
     Admin,
     NodeOrAdmin,
+    /// A node's token, or a grant whose operation allows the method.
+    NodeOrGrant,
+    /// Only a grant whose operation allows the method: no token opens it, so an admin
+    /// token need never be sent to a node.
+    Grant,
 }
 
+/// Whether a token of `role` opens a method needing `access`. Grants are decided by the
+/// policy (`Policy::grant`), never here.
 pub fn allows(role: Role, access: Access) -> bool {
     match access {
-        Access::Any | Access::Read => true,
-        Access::Node => role == Role::Node,
+        Access::Any | Access::Read => role != Role::Grant,
+        Access::Node | Access::NodeOrGrant => role == Role::Node,
         Access::Admin => role == Role::Admin,
         Access::NodeOrAdmin => matches!(role, Role::Node | Role::Admin),
+        Access::Grant => false,
     }
 }
 
@@ -206,6 +221,7 @@ impl TokenSet {
                 found = Some(Principal {
                     name: name.clone(),
                     role: Some(*role),
+                    grant: None,
                 });
             }
         }
@@ -213,15 +229,23 @@ impl TokenSet {
     }
 }
 
+/// A refusal: the status for the caller and a short reason for metrics.
+pub type Refusal = (Status, &'static str);
+
+/// Checks a grant (the bearer token, `lg1.…`) for a method.
+pub type GrantCheck<'a> = &'a dyn Fn(&str, &[u8]) -> Result<Principal, Refusal>;
+
 /// Decides a request: the principal to run it as, or the status to refuse it with and a
 /// short reason for metrics. `access` is the policy's answer for the method (None: not a
-/// method this service allows).
+/// method this service allows). `grants` decides bearer tokens that are grants; without
+/// it they are refused.
 pub fn check(
     tokens: Option<&TokenSet>,
     method: &str,
     access: Option<Access>,
     authorization: Option<&[u8]>,
-) -> Result<Principal, (Status, &'static str)> {
+    grants: Option<GrantCheck<'_>>,
+) -> Result<Principal, Refusal> {
     let Some(tokens) = tokens else {
         return Ok(Principal::anonymous());
     };
@@ -243,10 +267,30 @@ pub fn check(
             ))
         }
     };
+    if secret.starts_with(crate::grant::PREFIX.as_bytes()) {
+        return match grants {
+            Some(g) => g(method, secret),
+            None => Err((
+                Status::unauthenticated("this service does not take grants; send a token"),
+                "bad_token",
+            )),
+        };
+    }
     let Some(p) = tokens.authenticate(secret) else {
         return Err((Status::unauthenticated("the token is not valid"), "bad_token"));
     };
     let role = p.role.expect("configured tokens always have a role");
+    if access == Access::Grant {
+        return Err((
+            Status::permission_denied(format!(
+                "{method} takes a grant from the metadata service, not a token ({} has role {}); \
+                 locus asks for one itself",
+                p.name,
+                role.as_str()
+            )),
+            "denied",
+        ));
+    }
     if !allows(role, access) {
         return Err((
             Status::permission_denied(format!(
@@ -266,6 +310,10 @@ pub trait Policy: Send + Sync + 'static {
     /// `/package.Service/`
     fn prefix(&self) -> &'static str;
     fn access(&self, method: &str) -> Option<Access>;
+    /// Decides a call that came with a grant; None: this service takes no grants.
+    fn grant(&self, _method: &str, _grant: &[u8]) -> Option<Result<Principal, Refusal>> {
+        None
+    }
     fn refused(&self, _reason: &str) {}
     fn done(&self, _method: &str, _code: tonic::Code, _took: Duration) {}
 }
@@ -332,7 +380,21 @@ where
         };
         let policy = self.policy.clone();
         let auth = req.headers().get("authorization").map(|v| v.as_bytes().to_vec());
-        match check(self.tokens.as_deref(), &method, access, auth.as_deref()) {
+        let grants = |m: &str, g: &[u8]| {
+            policy.grant(m, g).unwrap_or_else(|| {
+                Err((
+                    Status::unauthenticated("this service does not take grants; send a token"),
+                    "bad_token",
+                ))
+            })
+        };
+        match check(
+            self.tokens.as_deref(),
+            &method,
+            access,
+            auth.as_deref(),
+            Some(&grants),
+        ) {
             Err((status, reason)) => {
                 // The path is the caller's: cut to a sane length before it is logged.
                 let shown: String = path.chars().take(200).collect();
@@ -419,7 +481,7 @@ mod tests {
 
     #[test]
     fn no_tokens_means_anonymous() {
-        let p = check(None, "CommitVersion", Some(Access::Admin), None).unwrap();
+        let p = check(None, "CommitVersion", Some(Access::Admin), None, None).unwrap();
         assert_eq!(p.role_name(), "anonymous");
     }
 }

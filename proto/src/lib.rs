@@ -10,6 +10,8 @@
 
 pub mod auth;
 pub mod client;
+pub mod grant;
+pub mod hex;
 pub mod human;
 pub mod manifest;
 pub mod names;

@@ -107,8 +107,10 @@ pub struct ServeArgs {
     /// Background re-verification rate per second (0 disables).
     #[arg(long, value_name = "SIZE", default_value = "64MiB")]
     pub scrub_rate: String,
-    /// Token file (the cluster's, same format as the metadata service's): callers of this
-    /// node's API must present one of its tokens. The node presents LOCUS_TOKEN to peers.
+    /// Token file (same format as the metadata service's): the node and reader tokens
+    /// callers of this node's API may present; no admin token is needed (importers,
+    /// backups and mounts present grants the metadata service signs). The node presents
+    /// LOCUS_TOKEN to peers.
     #[arg(long, env = "LOCUS_NODE_TOKENS_FILE", value_name = "FILE")]
     pub tokens_file: Option<PathBuf>,
     #[command(flatten)]

@@ -10,6 +10,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use locus_proto::client::{MetadataClient, NodeClient};
+use locus_proto::grant::{Grants, Op};
 use locus_proto::manifest::FileHashes;
 use locus_proto::{nodepb, pb, BlobHash};
 
@@ -106,25 +107,31 @@ pub trait BackupCluster: Send + Sync {
     ) -> BoxFuture<'a, Result<nodepb::UploadProgress, String>>;
 }
 
-/// The cluster over gRPC: the metadata service, and node connections opened once each.
+/// The cluster over gRPC: the metadata service, and node connections opened once per
+/// node and grant. Nodes are never sent this client's token, only grants for the
+/// operation at hand (`locus_proto::grant`), renewed on long runs.
 pub struct GrpcCluster {
     meta: MetadataClient,
-    token: Option<String>,
+    grants: Grants,
     addresses: tokio::sync::OnceCell<HashMap<String, String>>,
-    nodes: tokio::sync::Mutex<HashMap<String, NodeClient>>,
+    /// By (node, operation, target): the grant the connection presents, and it.
+    nodes: tokio::sync::Mutex<HashMap<GrantScope, (Option<String>, NodeClient)>>,
 }
+
+/// (node, operation, target).
+type GrantScope = (String, Op, String);
 
 impl GrpcCluster {
     pub fn new(meta: MetadataClient, token: Option<String>) -> Self {
         GrpcCluster {
+            grants: Grants::new(meta.clone(), token.as_deref()),
             meta,
-            token,
             addresses: tokio::sync::OnceCell::new(),
             nodes: Default::default(),
         }
     }
 
-    async fn node(&self, node: &str) -> Result<(NodeClient, String), String> {
+    async fn address(&self, node: &str) -> Result<String, String> {
         let addresses = self
             .addresses
             .get_or_try_init(|| async {
@@ -138,17 +145,32 @@ impl GrpcCluster {
                 Ok::<_, String>(nodes.into_iter().map(|n| (n.id, n.address)).collect())
             })
             .await?;
-        let addr = addresses
+        addresses
             .get(node)
-            .ok_or_else(|| format!("node {node} has no address"))?
-            .clone();
-        if let Some(c) = self.nodes.lock().await.get(node) {
-            return Ok((c.clone(), addr));
+            .cloned()
+            .ok_or_else(|| format!("node {node} has no address"))
+    }
+
+    /// A connection to `node` that presents a grant for `op` on `target`; its address.
+    async fn node(&self, node: &str, op: Op, target: &str) -> Result<(NodeClient, String), String> {
+        let addr = self.address(node).await?;
+        let grant = self.grants.get(node, op, target).await.map_err(|s| {
+            format!(
+                "node {node}: no {} grant: {}",
+                op.as_str(),
+                super::status_sentence(&s)
+            )
+        })?;
+        let key = (node.to_string(), op, target.to_string());
+        if let Some((g, c)) = self.nodes.lock().await.get(&key) {
+            if *g == grant {
+                return Ok((c.clone(), addr));
+            }
         }
-        let c = locus_proto::client::connect_node(&addr, self.token.as_deref(), Duration::from_secs(5))
+        let c = locus_proto::client::connect_node(&addr, grant.as_deref(), Duration::from_secs(5))
             .await
             .map_err(|e| format!("node {node}: {e}"))?;
-        self.nodes.lock().await.insert(node.to_string(), c.clone());
+        self.nodes.lock().await.insert(key, (grant, c.clone()));
         Ok((c, addr))
     }
 
@@ -242,7 +264,7 @@ impl ImportCluster for GrpcCluster {
 
     fn have<'a>(&'a self, node: &'a str, blobs: Vec<BlobHash>) -> BoxFuture<'a, Result<Vec<bool>, String>> {
         Box::pin(async move {
-            let (mut c, addr) = self.node(node).await?;
+            let (mut c, addr) = self.node(node, Op::Import, "").await?;
             let idle = locus_proto::net::peer_idle();
             let mut out = Vec::with_capacity(blobs.len());
             for batch in blobs.chunks(50_000) {
@@ -272,7 +294,10 @@ impl ImportCluster for GrpcCluster {
         r: nodepb::ImportObjectRequest,
     ) -> BoxFuture<'a, Result<FileHashes, tonic::Status>> {
         Box::pin(async move {
-            let (mut c, _) = self.node(node).await.map_err(tonic::Status::unavailable)?;
+            let (mut c, _) = self
+                .node(node, Op::Import, &r.origin)
+                .await
+                .map_err(tonic::Status::unavailable)?;
             // A node gives up on a silent source after its own peer timeout; this bounds a
             // node that stops answering: a minute plus the bytes at a slow 20 MB/s.
             let limit = Duration::from_secs(60) + Duration::from_secs_f64(r.size as f64 / 20e6);
@@ -309,8 +334,8 @@ impl ImportCluster for GrpcCluster {
         chunk_size: u32,
     ) -> BoxFuture<'a, Result<(), String>> {
         Box::pin(async move {
-            let (mut c, _) = self.node(node).await?;
-            let (_, source) = self.node(from).await?;
+            let (mut c, _) = self.node(node, Op::Import, "").await?;
+            let source = self.address(from).await?;
             let limit = Duration::from_secs(60) + Duration::from_secs_f64(blob.size as f64 / 20e6);
             let call = c.fetch_blobs(nodepb::FetchBlobsRequest {
                 source,
@@ -329,7 +354,7 @@ impl ImportCluster for GrpcCluster {
 
     fn send<'a>(&'a self, node: &'a str, blob: Upload) -> BoxFuture<'a, Result<(), String>> {
         Box::pin(async move {
-            let (c, _) = self.node(node).await?;
+            let (c, _) = self.node(node, Op::Import, "").await?;
             send_blob(
                 c,
                 blob.store,
@@ -398,7 +423,7 @@ impl BackupCluster for GrpcCluster {
         Box::pin(async move {
             use futures_util::StreamExt;
             let (mut c, addr) = self
-                .node(node)
+                .node(node, Op::Backup, &r.target)
                 .await
                 .map_err(|e| format!("cannot reach it: {e}"))?;
             // A working node reports at least every 5 s (UploadBlobs); one silent for the

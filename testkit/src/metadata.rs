@@ -98,18 +98,21 @@ impl Harness {
             None
         };
         if !opts.tokens.is_empty() {
-            let mut t = String::new();
-            for tok in &opts.tokens {
-                t.push_str(&format!(
-                    "[[token]]\nname = \"{}\"\nrole = \"{}\"\ntoken = \"{}\"\n",
-                    tok.name, tok.role, tok.secret
-                ));
+            // Nodes get every token but the admin's: clients present grants to nodes, so
+            // a node needs no admin token, and every test with tokens shows it.
+            for (file, admin) in [("tokens.toml", true), ("node-tokens.toml", false)] {
+                let mut t = String::new();
+                for tok in opts.tokens.iter().filter(|t| admin || t.role != "admin") {
+                    t.push_str(&format!(
+                        "[[token]]\nname = \"{}\"\nrole = \"{}\"\ntoken = \"{}\"\n",
+                        tok.name, tok.role, tok.secret
+                    ));
+                }
+                std::fs::write(dir.join(file), t).unwrap();
+                // Plain tokens: the services refuse a file others may read.
+                use std::os::unix::fs::PermissionsExt;
+                std::fs::set_permissions(dir.join(file), std::fs::Permissions::from_mode(0o600)).unwrap();
             }
-            std::fs::write(dir.join("tokens.toml"), t).unwrap();
-            // Plain tokens: the services refuse a file others may read.
-            use std::os::unix::fs::PermissionsExt;
-            std::fs::set_permissions(dir.join("tokens.toml"), std::fs::Permissions::from_mode(0o600))
-                .unwrap();
         }
         let log = self.path(&format!("{name}.log"));
         // With tokens, the repair loop presents the node token to cache nodes.

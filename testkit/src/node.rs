@@ -130,7 +130,7 @@ impl Harness {
                 "this test needs to mount a tmpfs (root and mount(8)); it cannot run here"
             );
         }
-        let tokens_file = (!meta.opts.tokens.is_empty()).then(|| meta.dir.join("tokens.toml"));
+        let tokens_file = (!meta.opts.tokens.is_empty()).then(|| meta.dir.join("node-tokens.toml"));
         let tls = opts.tls.then(|| {
             let host = opts
                 .on
@@ -226,7 +226,7 @@ impl Harness {
         .stdout(std::fs::File::create(&log).unwrap())
         .stderr(std::fs::File::create(dir.join("stderr")).unwrap());
         if !meta.opts.tokens.is_empty() {
-            cmd.arg("--tokens-file").arg(meta.dir.join("tokens.toml"));
+            cmd.arg("--tokens-file").arg(meta.dir.join("node-tokens.toml"));
         }
         if let Some(t) = token {
             cmd.env("LOCUS_TOKEN", t);

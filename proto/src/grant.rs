@@ -1,0 +1,427 @@
+//! Grants: what a client presents to a node instead of its own token.
+//!
+//! Node addresses come from the metadata service's node list, so whoever can register a
+//! node (or intercept a connection to one) would receive every token sent there. An
+//! operator's admin token opens the whole cluster; a grant opens one operation on one
+//! node for a few minutes. The metadata service signs grants with its Ed25519 grant key
+//! (`IssueGrant`, checked against the caller's role); nodes learn the service's public
+//! keys from `GetClusterInfo` when they register and check every grant against them, the
+//! cluster id, their own id, the clock and the method called.
+//!
+//! Wire form: the bearer token `lg1.<hex body>.<hex signature>`, where the body is a
+//! protobuf `GrantBody` and the signature is over `"locus grant v1\n" + body`. The node
+//! verifies the bytes it received before decoding them, so no re-encoding is involved.
+
+use std::path::Path;
+use std::sync::RwLock;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use aws_lc_rs::signature::{Ed25519KeyPair, KeyPair, UnparsedPublicKey, ED25519};
+use prost::Message;
+
+pub use crate::nodepb::GrantBody;
+
+/// The bearer-token prefix that marks a grant.
+pub const PREFIX: &str = "lg1.";
+const DOMAIN: &[u8] = b"locus grant v1\n";
+/// A grant's default lifetime; clients renew before it ends.
+pub const DEFAULT_TTL: Duration = Duration::from_secs(600);
+pub const MAX_TTL: Duration = Duration::from_secs(3600);
+/// How far a node's clock may be behind the service's before a fresh grant looks early.
+const SKEW: Duration = Duration::from_secs(300);
+/// A grant larger than this is refused before any parsing (bodies are ~200 bytes).
+const MAX_LEN: usize = 8192;
+
+/// What a grant lets its holder ask of a node.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Op {
+    /// Store blobs (WriteBlob), copy them between nodes (FetchBlobs), read the origin
+    /// named as target (ImportObject).
+    Import,
+    /// Upload blobs to the backup target named as target.
+    Backup,
+    /// Read blobs.
+    Read,
+}
+
+impl Op {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Op::Import => "import",
+            Op::Backup => "backup",
+            Op::Read => "read",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<Op> {
+        Some(match s {
+            "import" => Op::Import,
+            "backup" => Op::Backup,
+            "read" => Op::Read,
+            _ => return None,
+        })
+    }
+
+    /// Whether a grant for this operation may call `method` of the node API.
+    pub fn allows(self, method: &str) -> bool {
+        match self {
+            Op::Import => matches!(
+                method,
+                "WriteBlob" | "HaveBlobs" | "FetchBlobs" | "ImportObject" | "GetNodeStatus"
+            ),
+            Op::Backup => matches!(method, "UploadBlobs" | "HaveBlobs" | "GetNodeStatus"),
+            Op::Read => matches!(method, "ReadBlob" | "HaveBlobs" | "GetNodeStatus"),
+        }
+    }
+}
+
+/// Milliseconds since the Unix epoch, now.
+pub fn now_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum KeyError {
+    #[error("grant key {path}: {reason}")]
+    File { path: String, reason: String },
+}
+
+/// The metadata service's signing key.
+pub struct GrantKey(Ed25519KeyPair);
+
+impl std::fmt::Debug for GrantKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "GrantKey({})", crate::hex::encode(self.public()))
+    }
+}
+
+impl GrantKey {
+    /// Reads the key at `path`, creating it (mode 0600) at first start.
+    pub fn load_or_create(path: &Path) -> Result<Self, KeyError> {
+        use std::io::Write;
+        use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
+        let bad = |reason: String| KeyError::File {
+            path: path.display().to_string(),
+            reason,
+        };
+        if !path.exists() {
+            let rng = aws_lc_rs::rand::SystemRandom::new();
+            let doc =
+                Ed25519KeyPair::generate_pkcs8(&rng).map_err(|_| bad("cannot generate a key".into()))?;
+            // A key of a concurrent first start wins; ours is dropped unwritten.
+            match std::fs::OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .mode(0o600)
+                .open(path)
+            {
+                Ok(mut f) => {
+                    f.write_all(doc.as_ref())
+                        .and_then(|()| f.sync_all())
+                        .map_err(|e| bad(e.to_string()))?;
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+                Err(e) => return Err(bad(e.to_string())),
+            }
+        }
+        let mode = std::fs::metadata(path)
+            .map_err(|e| bad(e.to_string()))?
+            .permissions()
+            .mode();
+        if mode & 0o077 != 0 {
+            return Err(bad(format!(
+                "other users may read it (mode {:o}); run chmod 600 {}",
+                mode & 0o777,
+                path.display()
+            )));
+        }
+        let der = std::fs::read(path).map_err(|e| bad(e.to_string()))?;
+        Ed25519KeyPair::from_pkcs8(&der)
+            .map(GrantKey)
+            .map_err(|e| bad(format!("not an Ed25519 PKCS#8 key ({e})")))
+    }
+
+    pub fn public(&self) -> &[u8] {
+        self.0.public_key().as_ref()
+    }
+
+    /// The bearer token for `body`.
+    pub fn sign(&self, body: &GrantBody) -> String {
+        let bytes = body.encode_to_vec();
+        let mut msg = DOMAIN.to_vec();
+        msg.extend_from_slice(&bytes);
+        let sig = self.0.sign(&msg);
+        format!(
+            "{PREFIX}{}.{}",
+            crate::hex::encode(&bytes),
+            crate::hex::encode(sig.as_ref())
+        )
+    }
+}
+
+/// Why a grant was refused. Each names what to do, for the log and the caller.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum GrantError {
+    #[error("the grant is malformed")]
+    Malformed,
+    #[error(
+        "this node does not know the cluster's grant keys yet (it has not registered with the \
+         metadata service)"
+    )]
+    NoKeys,
+    #[error("the grant's signature is not by a grant key of this cluster")]
+    BadSignature,
+    #[error("the grant is for cluster {0}, not this node's")]
+    WrongCluster(String),
+    #[error("the grant is for node {0}, not this one; ask the metadata service for one for this node")]
+    WrongNode(String),
+    #[error("the grant expired; ask the metadata service for a new one")]
+    Expired,
+    #[error("the grant is not valid yet (is this node's clock behind?)")]
+    NotYet,
+    #[error("a grant for {op} does not allow {method}")]
+    WrongMethod { op: String, method: String },
+}
+
+/// What a node checks grants against, set when it registers.
+#[derive(Debug)]
+pub struct Verifier {
+    node: String,
+    state: RwLock<(String, Vec<Vec<u8>>)>,
+}
+
+impl Verifier {
+    pub fn new(node: impl Into<String>) -> Self {
+        Verifier {
+            node: node.into(),
+            state: RwLock::new((String::new(), Vec::new())),
+        }
+    }
+
+    /// The cluster this node belongs to and the service's grant keys.
+    pub fn set(&self, cluster_id: &str, keys: Vec<Vec<u8>>) {
+        *self.state.write().unwrap_or_else(|p| p.into_inner()) = (cluster_id.to_string(), keys);
+    }
+
+    /// Checks `token` (the bearer token, `lg1.…`) for a call of `method` at `now_ms`.
+    pub fn verify(&self, token: &[u8], method: &str, now_ms: u64) -> Result<(Op, GrantBody), GrantError> {
+        if token.len() > MAX_LEN {
+            return Err(GrantError::Malformed);
+        }
+        let rest = token
+            .strip_prefix(PREFIX.as_bytes())
+            .ok_or(GrantError::Malformed)?;
+        let rest = std::str::from_utf8(rest).map_err(|_| GrantError::Malformed)?;
+        let (body_hex, sig_hex) = rest.split_once('.').ok_or(GrantError::Malformed)?;
+        let body = crate::hex::decode(body_hex).ok_or(GrantError::Malformed)?;
+        let sig = crate::hex::decode(sig_hex).ok_or(GrantError::Malformed)?;
+        let mut msg = DOMAIN.to_vec();
+        msg.extend_from_slice(&body);
+        {
+            let state = self.state.read().unwrap_or_else(|p| p.into_inner());
+            if state.1.is_empty() {
+                return Err(GrantError::NoKeys);
+            }
+            let signed = state
+                .1
+                .iter()
+                .any(|k| UnparsedPublicKey::new(&ED25519, k).verify(&msg, &sig).is_ok());
+            if !signed {
+                return Err(GrantError::BadSignature);
+            }
+            let g = GrantBody::decode(body.as_slice()).map_err(|_| GrantError::Malformed)?;
+            if g.cluster_id != state.0 {
+                return Err(GrantError::WrongCluster(g.cluster_id));
+            }
+            let op = Op::parse(&g.operation).ok_or(GrantError::Malformed)?;
+            if g.node != self.node && !(g.node == "*" && op == Op::Read) {
+                return Err(GrantError::WrongNode(g.node));
+            }
+            if now_ms >= g.expires_unix_ms {
+                return Err(GrantError::Expired);
+            }
+            if now_ms.saturating_add(SKEW.as_millis() as u64) < g.not_before_unix_ms {
+                return Err(GrantError::NotYet);
+            }
+            if !op.allows(method) {
+                return Err(GrantError::WrongMethod {
+                    op: g.operation,
+                    method: method.to_string(),
+                });
+            }
+            Ok((op, g))
+        }
+    }
+}
+
+/// The grants a client holds, by (node, operation, target), renewed a while before they
+/// end. A client without a token asks for none: its cluster runs without tokens.
+pub struct Grants {
+    meta: crate::client::MetadataClient,
+    enabled: bool,
+    held: tokio::sync::Mutex<std::collections::HashMap<GrantScope, (String, u64)>>,
+}
+
+/// (node, operation, target).
+type GrantScope = (String, Op, String);
+
+/// A grant is renewed once less than this is left of it, so a call never starts with one
+/// about to end (and clocks a little apart do not matter).
+const RENEW_BEFORE: Duration = Duration::from_secs(180);
+
+impl Grants {
+    pub fn new(meta: crate::client::MetadataClient, token: Option<&str>) -> Self {
+        Grants {
+            meta,
+            enabled: token.is_some(),
+            held: Default::default(),
+        }
+    }
+
+    /// What to present to `node` for `op` on `target`: a grant, the same one until it is
+    /// near its end; None when this client has no token to get one with.
+    pub async fn get(&self, node: &str, op: Op, target: &str) -> Result<Option<String>, tonic::Status> {
+        if !self.enabled {
+            return Ok(None);
+        }
+        let key = (node.to_string(), op, target.to_string());
+        let mut held = self.held.lock().await;
+        if let Some((g, exp)) = held.get(&key) {
+            if now_ms() + RENEW_BEFORE.as_millis() as u64 <= *exp {
+                return Ok(Some(g.clone()));
+            }
+        }
+        let r = self
+            .meta
+            .clone()
+            .issue_grant(crate::pb::IssueGrantRequest {
+                node: node.to_string(),
+                operation: op.as_str().to_string(),
+                target: target.to_string(),
+                ttl_ms: 0,
+            })
+            .await?
+            .into_inner();
+        held.insert(key, (r.grant.clone(), r.expires_unix_ms));
+        Ok(Some(r.grant))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn body(node: &str, op: &str) -> GrantBody {
+        GrantBody {
+            cluster_id: "c1".into(),
+            node: node.into(),
+            operation: op.into(),
+            target: "s3://b/backups".into(),
+            issued_to: "ops".into(),
+            not_before_unix_ms: 1_000_000,
+            expires_unix_ms: 1_600_000,
+        }
+    }
+
+    #[test]
+    fn a_grant_holds_only_for_its_cluster_node_time_and_operation() {
+        let d = tempfile_dir();
+        let key = GrantKey::load_or_create(&d.join("k")).unwrap();
+        // Loading again reads the same key.
+        assert_eq!(
+            GrantKey::load_or_create(&d.join("k")).unwrap().public(),
+            key.public()
+        );
+        let other = GrantKey::load_or_create(&d.join("other")).unwrap();
+        let v = Verifier::new("n1");
+        let t = key.sign(&body("n1", "backup"));
+        assert_eq!(
+            v.verify(t.as_bytes(), "UploadBlobs", 1_100_000),
+            Err(GrantError::NoKeys)
+        );
+        v.set("c1", vec![other.public().to_vec(), key.public().to_vec()]);
+        let (op, g) = v.verify(t.as_bytes(), "UploadBlobs", 1_100_000).unwrap();
+        assert_eq!((op, g.target.as_str()), (Op::Backup, "s3://b/backups"));
+        assert!(matches!(
+            v.verify(t.as_bytes(), "WriteBlob", 1_100_000),
+            Err(GrantError::WrongMethod { .. })
+        ));
+        assert_eq!(
+            v.verify(t.as_bytes(), "UploadBlobs", 1_600_000),
+            Err(GrantError::Expired)
+        );
+        assert_eq!(
+            v.verify(t.as_bytes(), "UploadBlobs", 600_000),
+            Err(GrantError::NotYet)
+        );
+        // Within the allowed skew, a fresh grant holds.
+        assert!(v.verify(t.as_bytes(), "UploadBlobs", 900_000).is_ok());
+        // Another node's grant, another cluster's, a stranger's key, a changed byte.
+        let t2 = key.sign(&body("n2", "backup"));
+        assert_eq!(
+            v.verify(t2.as_bytes(), "UploadBlobs", 1_100_000),
+            Err(GrantError::WrongNode("n2".into()))
+        );
+        let mut b = body("n1", "backup");
+        b.cluster_id = "c2".into();
+        assert_eq!(
+            v.verify(key.sign(&b).as_bytes(), "UploadBlobs", 1_100_000),
+            Err(GrantError::WrongCluster("c2".into()))
+        );
+        v.set("c1", vec![other.public().to_vec()]);
+        assert_eq!(
+            v.verify(t.as_bytes(), "UploadBlobs", 1_100_000),
+            Err(GrantError::BadSignature)
+        );
+        v.set("c1", vec![key.public().to_vec()]);
+        let mut tampered = t.clone().into_bytes();
+        let i = PREFIX.len() + 5;
+        tampered[i] = if tampered[i] == b'0' { b'1' } else { b'0' };
+        assert_eq!(
+            v.verify(&tampered, "UploadBlobs", 1_100_000),
+            Err(GrantError::BadSignature)
+        );
+        // "*" only for reads.
+        let any = key.sign(&body("*", "read"));
+        assert!(v.verify(any.as_bytes(), "ReadBlob", 1_100_000).is_ok());
+        let any_import = key.sign(&body("*", "import"));
+        assert_eq!(
+            v.verify(any_import.as_bytes(), "WriteBlob", 1_100_000),
+            Err(GrantError::WrongNode("*".into()))
+        );
+        for junk in ["", "lg1.", "lg1.zz.zz", "lg1.00", "Bearer x"] {
+            assert_eq!(
+                v.verify(junk.as_bytes(), "ReadBlob", 1),
+                Err(GrantError::Malformed),
+                "{junk}"
+            );
+        }
+        let _ = std::fs::remove_dir_all(&d);
+    }
+
+    #[test]
+    fn a_key_others_can_read_is_refused() {
+        use std::os::unix::fs::PermissionsExt;
+        let d = tempfile_dir();
+        let p = d.join("k");
+        GrantKey::load_or_create(&p).unwrap();
+        std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o644)).unwrap();
+        let e = GrantKey::load_or_create(&p).unwrap_err().to_string();
+        assert!(e.contains("chmod 600"), "{e}");
+        let _ = std::fs::remove_dir_all(&d);
+    }
+
+    fn tempfile_dir() -> std::path::PathBuf {
+        use std::sync::atomic::{AtomicU32, Ordering};
+        static N: AtomicU32 = AtomicU32::new(0);
+        let d = std::env::temp_dir().join(format!(
+            "locus-grant-{}-{}",
+            std::process::id(),
+            N.fetch_add(1, Ordering::Relaxed)
+        ));
+        std::fs::create_dir_all(&d).unwrap();
+        d
+    }
+}

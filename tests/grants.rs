@@ -1,0 +1,201 @@
+//! Grants, end to end: clients present to nodes a grant the metadata service signed for
+//! one operation on one node, never their own token. Nodes here (as in every test with
+//! tokens) hold no admin token at all, so an import and a backup that succeed show that
+//! none was needed; then each limit of a grant is tried against a real node over TLS.
+
+use locus_testkit as support;
+
+use std::time::Duration;
+
+use locus_proto::nodepb;
+use locus_proto::pb;
+use support::*;
+
+async fn grant(c: &mut locus_proto::client::MetadataClient, node: &str, op: &str, target: &str) -> String {
+    issue(c, node, op, target, 0).await.unwrap().grant
+}
+
+async fn issue(
+    c: &mut locus_proto::client::MetadataClient,
+    node: &str,
+    op: &str,
+    target: &str,
+    ttl_ms: u64,
+) -> Result<pb::IssueGrantResponse, tonic::Status> {
+    c.issue_grant(pb::IssueGrantRequest {
+        node: node.into(),
+        operation: op.into(),
+        target: target.into(),
+        ttl_ms,
+    })
+    .await
+    .map(|r| r.into_inner())
+}
+
+async fn have(n: &Node, credential: &str) -> Result<(), tonic::Status> {
+    n.client_with(Some(credential))
+        .await
+        .have_blobs(nodepb::HaveBlobsRequest { hashes: vec![] })
+        .await
+        .map(|_| ())
+}
+
+/// Starts an upload of nothing: the node checks the caller and the target, then finishes.
+async fn upload(n: &Node, credential: &str, target: &str) -> Result<(), tonic::Status> {
+    use futures_util::StreamExt;
+    let mut s = n
+        .client_with(Some(credential))
+        .await
+        .upload_blobs(nodepb::UploadBlobsRequest {
+            target: target.into(),
+            ..Default::default()
+        })
+        .await?
+        .into_inner();
+    while let Some(p) = s.next().await {
+        p?;
+    }
+    Ok(())
+}
+
+fn refused(r: Result<(), tonic::Status>, code: tonic::Code, says: &str) {
+    let e = r.expect_err("must be refused");
+    assert_eq!(e.code(), code, "{e:?}");
+    assert!(
+        e.message().contains(says),
+        "{:?} does not say {says:?}",
+        e.message()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_grant_opens_one_operation_on_one_node_for_a_while_and_nodes_need_no_admin_token() {
+    let h = Harness::new("grants");
+    let m = h
+        .start_metadata(
+            "meta",
+            MetadataOpts {
+                tokens: tokens(),
+                tls: true,
+                ..Default::default()
+            },
+        )
+        .await;
+    let mut nodes = Vec::new();
+    for i in 1..=2 {
+        let mut o = NodeOpts::host(i);
+        o.tls = true;
+        nodes.push(h.start_node(&format!("n{i}"), &m, o).await);
+    }
+    let node_tokens = std::fs::read_to_string(m.dir.join("node-tokens.toml")).unwrap();
+    let admin = m.token("admin").unwrap();
+    assert!(
+        !node_tokens.contains(&admin),
+        "the nodes must not know the admin token"
+    );
+
+    // An import and a backup with the admin token: the nodes never saw it, so they must
+    // have been sent grants.
+    let src = h.path("src");
+    make_tree(&src, 30);
+    let o = import(&m, "ds", &src, &["--replicas", "2"]);
+    assert!(o.status.success(), "import: {}", stderr(&o));
+    let url = format!("file://{}", h.path("backup").display());
+    let o = m.cli(&["backup", "run", "--to", &url]);
+    assert!(o.status.success(), "backup: {}", stderr(&o));
+    let audit = std::fs::read_to_string(m.data_dir.join("audit.log")).unwrap();
+    // Both nodes stored the import's replicas; one of them (whichever) uploaded.
+    let granted = |what: &str| {
+        audit
+            .lines()
+            .any(|l| l.contains("grant.issue") && l.contains(what) && l.contains("\"ops\""))
+    };
+    for want in ["n1/import", "n2/import"] {
+        assert!(granted(want), "no grant for {want} in the audit log:\n{audit}");
+    }
+    assert!(granted("/backup"), "no backup grant in the audit log:\n{audit}");
+
+    let mut c = m.client(Some("admin")).await;
+    let (n1, n2) = (&nodes[0], &nodes[1]);
+    let backup = grant(&mut c, "n1", "backup", &url).await;
+    // What it is for: uploads by n1 to that target.
+    upload(n1, &backup, &url)
+        .await
+        .expect("the grant's own operation");
+    have(n1, &backup).await.expect("a backup checks what a node has");
+    // Not another node, not another method, not another target.
+    refused(
+        have(n2, &backup).await,
+        tonic::Code::Unauthenticated,
+        "for node n1",
+    );
+    let write = n1
+        .client_with(Some(&backup))
+        .await
+        .write_blob(tokio_stream::iter(Vec::<nodepb::WriteBlobMessage>::new()))
+        .await
+        .map(|_| ());
+    refused(write, tonic::Code::PermissionDenied, "does not allow WriteBlob");
+    let elsewhere = format!("file://{}", h.path("elsewhere").display());
+    refused(
+        upload(n1, &backup, &elsewhere).await,
+        tonic::Code::PermissionDenied,
+        "not this URL",
+    );
+    // Changed by one hex digit of its body: the signature no longer holds.
+    let mut forged = backup.clone().into_bytes();
+    let i = locus_proto::grant::PREFIX.len() + 10;
+    forged[i] = if forged[i] == b'0' { b'1' } else { b'0' };
+    refused(
+        have(n1, std::str::from_utf8(&forged).unwrap()).await,
+        tonic::Code::Unauthenticated,
+        "signature",
+    );
+    // An import grant for a moment: it runs out.
+    let short = issue(&mut c, "n1", "import", "", 1000).await.unwrap();
+    have(n1, &short.grant).await.expect("a fresh grant");
+    tokio::time::sleep(Duration::from_millis(1300)).await;
+    refused(
+        have(n1, &short.grant).await,
+        tonic::Code::Unauthenticated,
+        "expired",
+    );
+
+    // The service issues backup grants only for targets a run recorded, and write
+    // grants only to admins; readers get read grants that any node takes.
+    refused(
+        issue(&mut c, "n1", "backup", &elsewhere, 0).await.map(|_| ()),
+        tonic::Code::FailedPrecondition,
+        "not a recorded backup target",
+    );
+    refused(
+        issue(&mut c, "n9", "import", "", 0).await.map(|_| ()),
+        tonic::Code::NotFound,
+        "no node n9",
+    );
+    let mut r = m.client(Some("reader")).await;
+    refused(
+        issue(&mut r, "n1", "import", "", 0).await.map(|_| ()),
+        tonic::Code::PermissionDenied,
+        "needs an admin token",
+    );
+    let read = grant(&mut r, "*", "read", "").await;
+    for n in &nodes {
+        have(n, &read).await.expect("a read grant for every node");
+    }
+    refused(
+        upload(n2, &read, &url).await,
+        tonic::Code::PermissionDenied,
+        "does not allow UploadBlobs",
+    );
+
+    // Uploads and origin reads take a grant only: not even a node's own token opens them.
+    let n1_token = m.node_token("n1").unwrap();
+    refused(
+        upload(n1, &n1_token, &url).await,
+        tonic::Code::PermissionDenied,
+        "takes a grant",
+    );
+    // And the admin token is no credential at a node at all.
+    refused(have(n1, &admin).await, tonic::Code::Unauthenticated, "not valid");
+}
