@@ -462,9 +462,20 @@ async fn each_role_is_refused_what_it_may_not_do() {
     );
 
     // The admin's actions and the registrations (the refused one too) are in the audit
-    // log, and nothing else.
+    // log, and the calls the auth layer refused, and nothing else.
     assert_eq!(code(admin.delete_version(del()).await.map(drop)), None);
-    let audit = m.audit_lines();
+    let (refused, audit): (Vec<_>, Vec<_>) = m
+        .audit_lines()
+        .into_iter()
+        .partition(|l| l["action"] == "refused");
+    let by_reason = |r: &str| refused.iter().filter(|l| l["reason"] == r).count();
+    // A tokenless and a forged caller, three calls each; the role denials above
+    // that the table decides (the rest are the handlers' own, node-id checks).
+    assert_eq!(
+        (by_reason("missing_token"), by_reason("bad_token"), refused.len()),
+        (3, 3, 16),
+        "{refused:?}"
+    );
     let actions: Vec<_> = audit
         .iter()
         .map(|l| l["action"].as_str().unwrap().to_string())

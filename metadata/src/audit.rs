@@ -1,5 +1,8 @@
-//! The audit log: one JSON line per admin action (import sessions, commits, deletions),
-//! with who, what, when and the result. Append-only; never rewritten by the service.
+//! The audit log: one JSON line per admin action (import sessions, commits, deletions,
+//! grants), node registration and refused call, with who, what, when and the result.
+//! Append-only; never rewritten by the service. Refused calls are written at most
+//! `REFUSED_PER_SECOND` a second — anyone who can connect can cause them — with a line
+//! counting those left out.
 
 use std::fs::{File, OpenOptions};
 use std::io::Write;
@@ -10,14 +13,53 @@ use crate::auth::Principal;
 
 pub struct AuditLog {
     file: Mutex<File>,
+    refusals: locus_proto::auth::Throttle,
 }
+
+pub const REFUSED_PER_SECOND: u32 = 50;
 
 impl AuditLog {
     pub fn open(path: &Path) -> std::io::Result<Self> {
         let file = OpenOptions::new().create(true).append(true).open(path)?;
         Ok(Self {
             file: Mutex::new(file),
+            refusals: locus_proto::auth::Throttle::new(REFUSED_PER_SECOND, std::time::Duration::from_secs(1)),
         })
+    }
+
+    /// Records a call the auth layer refused, unless too many were this second.
+    pub fn refused(&self, r: &locus_proto::auth::Refused<'_>) {
+        let Some(dropped) = self.refusals.admit() else {
+            return;
+        };
+        if dropped > 0 {
+            self.write(serde_json::json!({
+                "time": locus_proto::human::format_time_ms(crate::SystemClock.now_ms()),
+                "action": "refused.not-written",
+                "result": "refused",
+                "count": dropped,
+                "detail": format!("{dropped} refused calls not written (over {REFUSED_PER_SECOND} a second)"),
+            }));
+        }
+        // Who it was is in the message when the token was valid (denied); otherwise no
+        // one the service knows.
+        self.write(serde_json::json!({
+            "time": locus_proto::human::format_time_ms(crate::SystemClock.now_ms()),
+            "action": "refused",
+            "target": r.path,
+            "result": "refused",
+            "reason": r.reason,
+            "detail": r.message,
+        }));
+    }
+
+    fn write(&self, line: serde_json::Value) {
+        let mut f = self.file.lock().unwrap_or_else(|p| p.into_inner());
+        // An audit line that cannot be written is an operator problem, not a reason to
+        // fail the action that already happened; say so loudly.
+        if let Err(e) = writeln!(f, "{line}") {
+            tracing::error!("cannot write the audit log: {e}");
+        }
     }
 
     /// Records one action. `result` is `Ok(detail)` or `Err(message)`.
@@ -36,12 +78,7 @@ impl AuditLog {
             "result": if ok { "ok" } else { "error" },
             "detail": detail,
         });
-        let mut f = self.file.lock().unwrap_or_else(|p| p.into_inner());
-        // An audit line that cannot be written is an operator problem, not a reason to
-        // fail the action that already happened; say so loudly.
-        if let Err(e) = writeln!(f, "{line}") {
-            tracing::error!("cannot write the audit log: {e}");
-        }
+        self.write(line);
     }
 }
 

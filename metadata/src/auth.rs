@@ -31,8 +31,8 @@ pub fn required_access(method: &str) -> Option<Access> {
     })
 }
 
-/// The metadata service's policy, reporting to its metrics.
-pub struct MetadataPolicy(pub Arc<Metrics>);
+/// The metadata service's policy, reporting to its metrics and audit log.
+pub struct MetadataPolicy(pub Arc<Metrics>, pub Arc<crate::audit::AuditLog>);
 
 impl locus_proto::auth::Policy for MetadataPolicy {
     fn prefix(&self) -> &'static str {
@@ -41,8 +41,9 @@ impl locus_proto::auth::Policy for MetadataPolicy {
     fn access(&self, method: &str) -> Option<Access> {
         required_access(method)
     }
-    fn refused(&self, reason: &str) {
-        self.0.auth_failure(reason);
+    fn refused(&self, r: &locus_proto::auth::Refused<'_>) {
+        self.0.auth_failure(r.reason);
+        self.1.refused(r);
     }
     fn done(&self, method: &str, code: tonic::Code, took: Duration) {
         self.0.rpc_done(method, code, took);
@@ -50,8 +51,12 @@ impl locus_proto::auth::Policy for MetadataPolicy {
 }
 
 /// The auth layer for the metadata service.
-pub fn layer(tokens: Option<Arc<TokenSet>>, metrics: Arc<Metrics>) -> AuthLayer {
-    AuthLayer::new(tokens, Arc::new(MetadataPolicy(metrics)))
+pub fn layer(
+    tokens: Option<Arc<TokenSet>>,
+    metrics: Arc<Metrics>,
+    audit: Arc<crate::audit::AuditLog>,
+) -> AuthLayer {
+    AuthLayer::new(tokens, Arc::new(MetadataPolicy(metrics, audit)))
 }
 
 #[cfg(test)]

@@ -132,7 +132,7 @@ pub async fn serve(
         http_tls = Some(tls.http_acceptor().map_err(ServerError::Tls)?);
     }
     let svc = pb_server(
-        MetadataService::new(catalog.clone(), audit, metrics.clone(), grant_key)
+        MetadataService::new(catalog.clone(), audit.clone(), metrics.clone(), grant_key)
             .with_node_token(config.node_token.clone()),
     );
 
@@ -188,7 +188,7 @@ pub async fn serve(
 
     let incoming = tonic::transport::server::TcpIncoming::from(grpc_listener).with_nodelay(Some(true));
     let grpc = server
-        .layer(crate::auth::layer(tokens, metrics))
+        .layer(crate::auth::layer(tokens, metrics, audit.clone()))
         .add_service(svc)
         .serve_with_incoming_shutdown(incoming, stopped(stop_rx.clone()));
     // Once shutdown is asked for, in-flight calls get a bounded time to finish.

@@ -304,6 +304,54 @@ pub fn check(
     Ok(p)
 }
 
+/// A refused call, as the auth layer reports it.
+#[derive(Debug)]
+pub struct Refused<'a> {
+    /// The request path, cut to 200 characters (it is the caller's).
+    pub path: &'a str,
+    /// Short reason, as in metrics: `missing_token`, `bad_token`, `denied`, ...
+    pub reason: &'static str,
+    /// What the caller was told.
+    pub message: &'a str,
+}
+
+/// At most `max` events a `window`, counting the rest: for log lines anyone can cause
+/// (refused calls cost a caller nothing), so a flood of them cannot fill a disk or bury
+/// the lines that matter.
+#[derive(Debug)]
+pub struct Throttle {
+    window: Duration,
+    max: u32,
+    /// (window start, events admitted in it, events dropped since the last admitted).
+    state: std::sync::Mutex<(Instant, u32, u64)>,
+}
+
+impl Throttle {
+    pub fn new(max: u32, window: Duration) -> Self {
+        Throttle {
+            window,
+            max,
+            state: std::sync::Mutex::new((Instant::now(), 0, 0)),
+        }
+    }
+
+    /// Some(n) when this event may be logged, n being how many were dropped since the
+    /// last that was (log that too); None when it must be dropped.
+    pub fn admit(&self) -> Option<u64> {
+        let mut s = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        if s.0.elapsed() >= self.window {
+            s.0 = Instant::now();
+            s.1 = 0;
+        }
+        if s.1 >= self.max {
+            s.2 += 1;
+            return None;
+        }
+        s.1 += 1;
+        Some(std::mem::take(&mut s.2))
+    }
+}
+
 /// What a service tells the auth layer: its gRPC path prefix, its policy, and hooks for
 /// its metrics.
 pub trait Policy: Send + Sync + 'static {
@@ -314,7 +362,8 @@ pub trait Policy: Send + Sync + 'static {
     fn grant(&self, _method: &str, _grant: &[u8]) -> Option<Result<Principal, Refusal>> {
         None
     }
-    fn refused(&self, _reason: &str) {}
+    /// A call was refused (after the auth layer's own throttled log line).
+    fn refused(&self, _refused: &Refused<'_>) {}
     fn done(&self, _method: &str, _code: tonic::Code, _took: Duration) {}
 }
 
@@ -324,11 +373,16 @@ pub trait Policy: Send + Sync + 'static {
 pub struct AuthLayer {
     tokens: Option<Arc<TokenSet>>,
     policy: Arc<dyn Policy>,
+    log: Arc<Throttle>,
 }
 
 impl AuthLayer {
     pub fn new(tokens: Option<Arc<TokenSet>>, policy: Arc<dyn Policy>) -> Self {
-        Self { tokens, policy }
+        Self {
+            tokens,
+            policy,
+            log: Arc::new(Throttle::new(20, Duration::from_secs(1))),
+        }
     }
 }
 
@@ -339,6 +393,7 @@ impl<S> tower::Layer<S> for AuthLayer {
             inner,
             tokens: self.tokens.clone(),
             policy: self.policy.clone(),
+            log: self.log.clone(),
         }
     }
 }
@@ -348,6 +403,7 @@ pub struct AuthService<S> {
     inner: S,
     tokens: Option<Arc<TokenSet>>,
     policy: Arc<dyn Policy>,
+    log: Arc<Throttle>,
 }
 
 type BoxFuture<T> = std::pin::Pin<Box<dyn std::future::Future<Output = T> + Send>>;
@@ -398,8 +454,17 @@ where
             Err((status, reason)) => {
                 // The path is the caller's: cut to a sane length before it is logged.
                 let shown: String = path.chars().take(200).collect();
-                tracing::warn!(path = %shown, reason, "refused call: {}", status.message());
-                policy.refused(reason);
+                if let Some(dropped) = self.log.admit() {
+                    if dropped > 0 {
+                        tracing::warn!("{dropped} more refused calls were not logged (over 20 a second)");
+                    }
+                    tracing::warn!(path = %shown, reason, "refused call: {}", status.message());
+                }
+                policy.refused(&Refused {
+                    path: &shown,
+                    reason,
+                    message: status.message(),
+                });
                 policy.done(&method, status.code(), start.elapsed());
                 Box::pin(async move { Ok(status.into_http()) })
             }
@@ -426,6 +491,18 @@ where
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_throttle_admits_its_share_a_window_and_counts_the_rest() {
+        let t = Throttle::new(3, Duration::from_millis(200));
+        let first: Vec<_> = (0..10).map(|_| t.admit()).collect();
+        assert_eq!(&first[..3], &[Some(0), Some(0), Some(0)]);
+        assert!(first[3..].iter().all(Option::is_none));
+        std::thread::sleep(Duration::from_millis(250));
+        // The next window's first line carries what the last one dropped.
+        assert_eq!(t.admit(), Some(7));
+        assert_eq!(t.admit(), Some(0));
+    }
 
     #[test]
     fn token_file() {
