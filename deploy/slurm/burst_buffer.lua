@@ -20,11 +20,18 @@ local function dataset_of(job_script)
   return string.match(text, "#BB_LUA%s+locus_dataset=([%w%._%-@,]+)")
 end
 
+-- Runs a shell command: whether it exited 0, and its output. Lua 5.1 (what Slurm links)
+-- returns no exit status from a popen'd file's close(), so the shell prints it last.
 local function run(cmd)
-  local p = io.popen(cmd .. " 2>&1")
+  local p = io.popen("(" .. cmd .. ") 2>&1; echo \"locus-rc=$?\"")
+  if p == nil then
+    return false, "cannot start a shell"
+  end
   local out = p:read("*a")
-  local ok, _, code = p:close()
-  return ok and code == 0, out
+  p:close()
+  local code = string.match(out, "locus%-rc=(%d+)%s*$")
+  out = string.gsub(out, "locus%-rc=%d+%s*$", "")
+  return code == "0", out
 end
 
 -- Every hook the plugin calls; only pre_run does work.

@@ -112,23 +112,35 @@ pub fn hostlist(hosts: &[String]) -> String {
     parts.join(",")
 }
 
-/// A node's current features as scontrol reports them (None when unknown).
-fn current_features(node: &str) -> anyhow::Result<Option<(Vec<String>, Vec<String>)>> {
+/// What scontrol says of a node.
+enum SlurmNode {
+    /// Its (available, active) features.
+    Known(Vec<String>, Vec<String>),
+    /// Slurm has no node of that name (a Locus node on a host outside the cluster).
+    Unknown,
+    /// scontrol is not installed here.
+    NoScontrol,
+}
+
+/// A node's current features as scontrol reports them.
+fn current_features(node: &str) -> anyhow::Result<SlurmNode> {
     let out = match Command::new("scontrol")
         .args(["show", "node", node, "--oneliner"])
         .output()
     {
         Ok(o) => o,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(SlurmNode::NoScontrol),
         Err(e) => return Err(e).context("running scontrol"),
     };
-    if !out.status.success() {
-        bail!(
-            "scontrol show node {node}: {}",
-            String::from_utf8_lossy(&out.stderr).trim()
-        );
-    }
     let text = String::from_utf8_lossy(&out.stdout);
+    if !out.status.success() {
+        // scontrol says "Node X not found" on stdout, not stderr.
+        let said = format!("{} {}", text.trim(), String::from_utf8_lossy(&out.stderr).trim());
+        if said.contains("not found") {
+            return Ok(SlurmNode::Unknown);
+        }
+        bail!("scontrol show node {node}: {}", said.trim());
+    }
     let get = |key: &str| -> Vec<String> {
         text.split_whitespace()
             .find_map(|w| w.strip_prefix(key))
@@ -141,14 +153,19 @@ fn current_features(node: &str) -> anyhow::Result<Option<(Vec<String>, Vec<Strin
             })
             .unwrap_or_default()
     };
-    Ok(Some((get("AvailableFeatures="), get("ActiveFeatures="))))
+    Ok(SlurmNode::Known(
+        get("AvailableFeatures="),
+        get("ActiveFeatures="),
+    ))
 }
 
-/// Replaces the Locus features in `current` by `ours`, keeping every other feature.
+/// Replaces the Locus features in `current` by `ours`, keeping every other feature. A
+/// feature `""` is dropped: earlier versions of this command stored one (two quote
+/// characters, passed without a shell) when a node lost its last Locus feature.
 pub fn merge_features(current: &[String], ours: &BTreeSet<String>) -> Vec<String> {
     let mut out: Vec<String> = current
         .iter()
-        .filter(|f| !f.starts_with(FEATURE_PREFIX))
+        .filter(|f| !f.starts_with(FEATURE_PREFIX) && f.as_str() != "\"\"")
         .cloned()
         .collect();
     out.extend(ours.iter().cloned());
@@ -211,12 +228,17 @@ async fn features(a: FeaturesArgs, cfg: &Resolved) -> anyhow::Result<()> {
             want.entry(n.node.clone()).or_default().insert(feature.clone());
         }
     }
-    let mut failed = 0;
+    let (mut failed, mut unknown) = (0, Vec::new());
     for (node, ours) in &want {
         let current = current_features(node)?;
         let (avail, active) = match &current {
-            Some((av, ac)) => (merge_features(av, ours), merge_features(ac, ours)),
-            None => {
+            SlurmNode::Known(av, ac) => (merge_features(av, ours), merge_features(ac, ours)),
+            SlurmNode::Unknown => {
+                // One Locus node outside Slurm must not keep every other node stale.
+                unknown.push(node.clone());
+                continue;
+            }
+            SlurmNode::NoScontrol => {
                 if !a.dry_run {
                     bail!("scontrol was not found: run this on a host with the Slurm client tools, or use --dry-run");
                 }
@@ -224,18 +246,14 @@ async fn features(a: FeaturesArgs, cfg: &Resolved) -> anyhow::Result<()> {
                 (v.clone(), v)
             }
         };
-        if let Some((av, ac)) = &current {
+        if let SlurmNode::Known(av, ac) = &current {
             if av == &avail && ac == &active {
                 continue; // nothing to change
             }
         }
-        let list = |v: &[String]| {
-            if v.is_empty() {
-                "\"\"".to_string()
-            } else {
-                v.join(",")
-            }
-        };
+        // No features: an empty value, which scontrol takes as "none". (The command runs
+        // without a shell, so quotes would become part of the feature.)
+        let list = |v: &[String]| v.join(",");
         let args = [
             "update".to_string(),
             format!("NodeName={node}"),
@@ -266,6 +284,12 @@ async fn features(a: FeaturesArgs, cfg: &Resolved) -> anyhow::Result<()> {
                 String::from_utf8_lossy(&out.stderr).trim()
             );
         }
+    }
+    if !unknown.is_empty() {
+        eprintln!(
+            "warning: Slurm has no node named {}: skipped (a Locus node id must be its Slurm node name)",
+            unknown.join(", ")
+        );
     }
     if failed > 0 {
         bail!("{failed} node(s) could not be updated");
@@ -333,5 +357,8 @@ mod tests {
         let ours = BTreeSet::from(["locus_imagenet_3".to_string()]);
         assert_eq!(merge_features(&cur, &ours), ["h100", "ib", "locus_imagenet_3"]);
         assert_eq!(merge_features(&cur, &BTreeSet::new()), ["h100", "ib"]);
+        // The two-quote feature an earlier version stored is cleaned up.
+        let cur = vec!["\"\"".to_string(), "ib".to_string()];
+        assert_eq!(merge_features(&cur, &BTreeSet::new()), ["ib"]);
     }
 }

@@ -18,6 +18,7 @@ mod netbed;
 mod node;
 mod objstore;
 mod proxy;
+mod slurm;
 
 pub use cluster::*;
 pub use daemon::*;
@@ -30,6 +31,7 @@ pub use netbed::*;
 pub use node::*;
 pub use objstore::*;
 pub use proxy::*;
+pub use slurm::*;
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
