@@ -1,6 +1,7 @@
 //! Locus with a real Slurm (Debian's slurm-wlm: slurmctld, one slurmd per test-bed
-//! host): the feature sync, the cli_filter's `--prefer`, placement of a hinted job, and
-//! the burst-buffer hook warming a job's node before it starts.
+//! host): the feature sync, the cli_filter's `--prefer`, placement of a hinted job,
+//! `nodelist` → `sbatch -w`, hints across `scontrol reconfigure`, and the burst-buffer
+//! hook warming a job's node before it starts.
 
 use locus_testkit as support;
 
@@ -118,6 +119,34 @@ async fn with_a_real_slurm_hinted_jobs_land_on_their_data_and_the_burst_buffer_w
     // A hinted job runs where the data is.
     let job = submit(&s, &["--comment=dataset:ds@1", "--wrap", "true"]);
     assert_eq!(finished(&s, &job, Duration::from_secs(60)).await, "n2");
+
+    // `locus slurm nodelist` feeds `sbatch -w`.
+    let o = m.cli(&["slurm", "nodelist", "ds@1", "-N", "1"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let best = stdout(&o).trim().to_string();
+    assert_eq!(best, "n2");
+    let job = submit(&s, &["-w", &best, "--wrap", "true"]);
+    assert_eq!(finished(&s, &job, Duration::from_secs(60)).await, "n2");
+
+    // `scontrol reconfigure` drops the synced features: a hinted job still runs (with no
+    // preference) rather than being refused, and the next sync restores them.
+    let o = out(s.command("scontrol").arg("reconfigure"));
+    assert!(o.status.success(), "{}", stderr(&o));
+    wait_until(
+        "features dropped by reconfigure",
+        Duration::from_secs(30),
+        || async { (s.show("node", "n2", "AvailableFeatures").as_deref() == Some("(null)")).then_some(()) },
+    )
+    .await;
+    let job = submit(&s, &["--comment=dataset:ds@1", "--wrap", "true"]);
+    assert_eq!(prefer(&s, &job), "(null)");
+    finished(&s, &job, Duration::from_secs(60)).await;
+    let o = m.cli_env(&["slurm", "features"], &slurm_env);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert_eq!(
+        s.show("node", "n2", "AvailableFeatures").as_deref(),
+        Some("locus_ds_1")
+    );
 
     // The burst-buffer hook warms a job's node before the job starts.
     assert!(fraction_on(&m, "n1").await < 0.01, "n1 holds none of ds@1 yet");
