@@ -60,6 +60,10 @@ enum Command {
     Umount(cmd::mount::UmountArgs),
     /// One-screen summary of the cluster: service, nodes, capacity, datasets.
     Status,
+    /// Check this host (FUSE, passthrough, the node's socket and disks, limits,
+    /// certificates) and the cluster (reachable, clock, nodes, last backup); say what to
+    /// fix. Exits non-zero when a check fails.
+    Doctor(cmd::doctor::DoctorArgs),
     /// Make the cluster CA and the certificates daemons serve with (TLS on every hop).
     #[command(subcommand)]
     Tls(cmd::tls::TlsCmd),
@@ -139,6 +143,7 @@ fn main() -> ExitCode {
             Command::Umount(a) => cmd::mount::umount(a).await,
             Command::Tls(c) => cmd::tls::run(c, cfg.json),
             Command::Status => cmd::status::run(&cfg).await,
+            Command::Doctor(a) => cmd::doctor::run(a, &cfg).await,
             Command::Demo(a) => cmd::demo::run(a, &cfg).await,
         }
     });

@@ -148,6 +148,7 @@ impl pb::metadata_server::Metadata for MetadataService {
             caller_role: p.role_name().to_string(),
             caller_name: p.name,
             grant_keys: vec![self.grant_key.public().to_vec()],
+            now_unix_ms: locus_proto::grant::now_ms(),
         }))
     }
 

@@ -86,6 +86,18 @@ pub fn civil_from_days(days: i64) -> (i64, u32, u32) {
     (yoe + era * 400 + i64::from(m <= 2), m, d)
 }
 
+/// (year, month, day), proleptic Gregorian → days since 1970-01-01; the inverse of
+/// `civil_from_days`.
+pub fn days_from_civil(y: i64, m: u32, d: u32) -> i64 {
+    let y = if m <= 2 { y - 1 } else { y };
+    let era = y.div_euclid(400);
+    let yoe = y.rem_euclid(400);
+    let mp = i64::from(if m > 2 { m - 3 } else { m + 9 });
+    let doy = (153 * mp + 2) / 5 + i64::from(d) - 1;
+    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
+    era * 146_097 + doe - 719_468
+}
+
 /// Formats milliseconds since the Unix epoch as RFC 3339 in UTC:
 /// `2026-11-29T15:39:08.123Z`.
 pub fn format_time_ms(ms: i64) -> String {
@@ -105,6 +117,15 @@ pub fn format_time_ms(ms: i64) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn days_and_civil_dates_round_trip() {
+        for days in (-800_000..800_000).step_by(97) {
+            let (y, m, d) = civil_from_days(days);
+            assert_eq!(days_from_civil(y, m, d), days, "{y}-{m}-{d}");
+        }
+        assert_eq!(days_from_civil(2026, 11, 30), 20_422);
+    }
 
     #[test]
     fn durations() {

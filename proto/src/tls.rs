@@ -169,6 +169,73 @@ impl ServerTls {
     }
 }
 
+/// When each certificate in a PEM file stops being valid (its notAfter), as Unix
+/// seconds, in file order: for `locus doctor`, which warns before a daemon's or a
+/// client's certificate runs out.
+pub fn certificates_not_after(pem: &[u8]) -> Result<Vec<i64>, String> {
+    use tokio_rustls::rustls::pki_types::pem::PemObject;
+    use tokio_rustls::rustls::pki_types::CertificateDer;
+    let certs = CertificateDer::pem_slice_iter(pem)
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| format!("not PEM: {e}"))?;
+    if certs.is_empty() {
+        return Err("no certificate in it".into());
+    }
+    certs
+        .iter()
+        .map(|c| not_after(c.as_ref()).ok_or_else(|| "not an X.509 certificate".to_string()))
+        .collect()
+}
+
+/// One DER element at the start of `b`: (tag, contents, the rest).
+fn der(b: &[u8]) -> Option<(u8, &[u8], &[u8])> {
+    let (&tag, b) = b.split_first()?;
+    let (&l0, mut b) = b.split_first()?;
+    let len = if l0 < 0x80 {
+        l0 as usize
+    } else {
+        let n = (l0 & 0x7f) as usize;
+        if n == 0 || n > 4 || b.len() < n {
+            return None;
+        }
+        let len = b[..n].iter().fold(0usize, |a, &x| (a << 8) | x as usize);
+        b = &b[n..];
+        len
+    };
+    (b.len() >= len).then(|| (tag, &b[..len], &b[len..]))
+}
+
+/// Certificate → tbsCertificate → validity → notAfter (RFC 5280 4.1).
+fn not_after(cert: &[u8]) -> Option<i64> {
+    let (0x30, c, _) = der(cert)? else { return None };
+    let (0x30, mut tbs, _) = der(c)? else { return None };
+    // [0] version (optional), serial, signature algorithm, issuer, then validity.
+    if tbs.first() == Some(&0xa0) {
+        tbs = der(tbs)?.2;
+    }
+    for _ in 0..3 {
+        tbs = der(tbs)?.2;
+    }
+    let (0x30, validity, _) = der(tbs)? else {
+        return None;
+    };
+    let (_, _, rest) = der(validity)?;
+    let (tag, t, _) = der(rest)?;
+    let t = std::str::from_utf8(t).ok()?.strip_suffix('Z')?;
+    let (year, rest) = match tag {
+        0x17 if t.len() == 12 => {
+            // UTCTime: two-digit years mean 1950–2049.
+            let yy: i64 = t[..2].parse().ok()?;
+            (if yy < 50 { 2000 + yy } else { 1900 + yy }, &t[2..])
+        }
+        0x18 if t.len() == 14 => (t[..4].parse().ok()?, &t[4..]),
+        _ => return None,
+    };
+    let n = |i: usize| rest.get(i..i + 2)?.parse::<i64>().ok();
+    let days = crate::human::days_from_civil(year, n(0)? as u32, n(2)? as u32);
+    Some(days * 86_400 + n(4)? * 3600 + n(6)? * 60 + n(8)?)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -3,6 +3,7 @@
 pub mod backup;
 pub mod dataset;
 pub mod demo;
+pub mod doctor;
 pub mod import;
 pub mod locality;
 pub mod metadata;

@@ -1,0 +1,536 @@
+//! `locus doctor`: checks this host and the cluster and says what to fix.
+//!
+//! Each check gives pass, warn or fail, a line of what it found and, when not passing,
+//! what to do. Host checks need nothing running; cluster checks ask the metadata service
+//! (skipped with `--local`). Any failure makes the exit status non-zero, so the command
+//! can gate a node's start or a cron job's alert.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use anyhow::bail;
+use clap::Args;
+use locus_proto::pb;
+use serde::Serialize;
+
+use crate::config::Resolved;
+use crate::output;
+
+#[derive(Args, Debug)]
+pub struct DoctorArgs {
+    /// The cache node's Unix socket on this host [default: /run/locus/node.sock if it
+    /// exists].
+    #[arg(long, value_name = "PATH")]
+    pub node_socket: Option<PathBuf>,
+    /// The cache node's data dirs (as given to `locus node serve`): filesystem and free
+    /// space.
+    #[arg(long, value_delimiter = ',', value_name = "DIR,...")]
+    pub data_dir: Vec<PathBuf>,
+    /// More PEM certificates to check for expiry (a daemon's --tls-cert); the CLI's
+    /// --ca-cert and --client-cert are always checked.
+    #[arg(long = "cert", value_delimiter = ',', value_name = "FILE,...")]
+    pub certs: Vec<PathBuf>,
+    /// A certificate expiring within this warns.
+    #[arg(long, default_value = "14d")]
+    pub cert_warn: String,
+    /// The last committed backup older than this fails (nightly backups: 36 hours).
+    #[arg(long, default_value = "36h")]
+    pub backup_max_age: String,
+    /// Check this host only; do not contact the metadata service.
+    #[arg(long)]
+    pub local: bool,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Verdict {
+    Pass,
+    Warn,
+    Fail,
+}
+
+#[derive(Debug, Serialize)]
+pub struct Check {
+    pub name: String,
+    pub verdict: Verdict,
+    pub detail: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub fix: Option<String>,
+}
+
+fn check(name: impl Into<String>, verdict: Verdict, detail: impl Into<String>, fix: Option<&str>) -> Check {
+    Check {
+        name: name.into(),
+        verdict,
+        detail: detail.into(),
+        fix: fix.map(str::to_string),
+    }
+}
+
+pub async fn run(a: DoctorArgs, cfg: &Resolved) -> anyhow::Result<()> {
+    let cert_warn = locus_proto::human::parse_duration(&a.cert_warn)
+        .map_err(|e| anyhow::anyhow!("--cert-warn: {}", e.reason))?;
+    let backup_max_age = locus_proto::human::parse_duration(&a.backup_max_age)
+        .map_err(|e| anyhow::anyhow!("--backup-max-age: {}", e.reason))?;
+    let mut checks = vec![fuse_device(), fusermount(), passthrough(), open_files()];
+    checks.extend(node_socket(a.node_socket.as_deref()).await);
+    checks.extend(a.data_dir.iter().map(|d| data_dir(d)));
+    let mut certs: Vec<PathBuf> = cfg.ca_cert.iter().cloned().collect();
+    certs.extend(cfg.client_cert.iter().map(|(c, _)| c.clone()));
+    certs.extend(a.certs.iter().cloned());
+    checks.extend(certs.iter().map(|c| certificate(c, cert_warn)));
+    if !a.local {
+        checks.extend(cluster(cfg, backup_max_age).await);
+    }
+    let worst = checks.iter().map(|c| c.verdict).max().unwrap_or(Verdict::Pass);
+    let failed = checks.iter().filter(|c| c.verdict == Verdict::Fail).count();
+    if cfg.json {
+        output::json(&serde_json::json!({"verdict": worst, "checks": checks}))?;
+    } else {
+        for c in &checks {
+            let v = match c.verdict {
+                Verdict::Pass => "ok  ",
+                Verdict::Warn => "WARN",
+                Verdict::Fail => "FAIL",
+            };
+            println!("{v}  {:<22} {}", c.name, c.detail);
+            if let Some(f) = &c.fix {
+                println!("      {:<22} fix: {f}", "");
+            }
+        }
+    }
+    if failed > 0 {
+        bail!("{failed} check(s) failed");
+    }
+    Ok(())
+}
+
+fn fuse_device() -> Check {
+    use std::os::unix::fs::FileTypeExt;
+    const NAME: &str = "fuse device";
+    let fix = Some("load the module (modprobe fuse); in a container, pass --device /dev/fuse");
+    let md = match std::fs::metadata("/dev/fuse") {
+        Ok(m) => m,
+        Err(e) => return check(NAME, Verdict::Fail, format!("/dev/fuse: {e}"), fix),
+    };
+    use std::os::unix::fs::MetadataExt;
+    let rdev = md.rdev();
+    if !md.file_type().is_char_device() || libc::major(rdev) != 10 || libc::minor(rdev) != 229 {
+        return check(
+            NAME,
+            Verdict::Fail,
+            "/dev/fuse is not the FUSE device (char 10:229)",
+            fix,
+        );
+    }
+    match std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open("/dev/fuse")
+    {
+        Ok(_) => check(NAME, Verdict::Pass, "/dev/fuse opens read-write", None),
+        Err(e) => check(
+            NAME,
+            Verdict::Fail,
+            format!("cannot open /dev/fuse: {e}"),
+            Some("give this user access to /dev/fuse (mode 0666 is the default)"),
+        ),
+    }
+}
+
+fn on_path(program: &str) -> Option<PathBuf> {
+    let path = std::env::var_os("PATH")?;
+    std::env::split_paths(&path)
+        .map(|d| d.join(program))
+        .find(|p| p.is_file())
+}
+
+fn euid() -> u32 {
+    // SAFETY: geteuid has no preconditions.
+    #[allow(unsafe_code)]
+    unsafe {
+        libc::geteuid()
+    }
+}
+
+fn fusermount() -> Check {
+    const NAME: &str = "fusermount3";
+    match on_path("fusermount3") {
+        Some(p) => check(NAME, Verdict::Pass, p.display().to_string(), None),
+        None if euid() == 0 => check(
+            NAME,
+            Verdict::Warn,
+            "not on PATH (root mounts without it; other users cannot)",
+            Some("install fuse3"),
+        ),
+        None => check(
+            NAME,
+            Verdict::Fail,
+            "not on PATH: this user cannot mount",
+            Some("install fuse3"),
+        ),
+    }
+}
+
+/// The kernel's (major, minor) release.
+fn kernel() -> Option<(u32, u32)> {
+    let r = std::fs::read_to_string("/proc/sys/kernel/osrelease").ok()?;
+    let mut it = r.trim().split(['.', '-']);
+    Some((it.next()?.parse().ok()?, it.next()?.parse().ok()?))
+}
+
+/// Whether this process holds CAP_SYS_ADMIN (effective).
+fn cap_sys_admin() -> bool {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find_map(|l| l.strip_prefix("CapEff:"))
+                .and_then(|v| u64::from_str_radix(v.trim(), 16).ok())
+        })
+        .is_some_and(|caps| caps & (1 << 21) != 0)
+}
+
+fn passthrough() -> Check {
+    const NAME: &str = "fuse passthrough";
+    let k = kernel();
+    let detail = |why: &str| match k {
+        Some((a, b)) => format!("kernel {a}.{b}: {why}"),
+        None => why.to_string(),
+    };
+    if k.is_none_or(|v| v < (6, 9)) {
+        return check(
+            NAME,
+            Verdict::Warn,
+            detail("no FUSE passthrough before 6.9; local files are read through the mount"),
+            Some("a kernel of 6.9 or later reads local blobs at disk speed"),
+        );
+    }
+    if !cap_sys_admin() {
+        return check(
+            NAME,
+            Verdict::Warn,
+            detail("passthrough needs CAP_SYS_ADMIN in the mount process, which this one lacks"),
+            Some("run mounts as root or with CAP_SYS_ADMIN"),
+        );
+    }
+    check(NAME, Verdict::Pass, detail("available"), None)
+}
+
+fn open_files() -> Check {
+    const NAME: &str = "open files limit";
+    let mut r = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit writes into the struct we own.
+    #[allow(unsafe_code)]
+    let ok = unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut r) } == 0;
+    if !ok {
+        return check(NAME, Verdict::Warn, "cannot read RLIMIT_NOFILE", None);
+    }
+    let fix = Some("raise it (LimitNOFILE=1048576 in the unit, or ulimit -n)");
+    let d = format!("{} (hard {})", r.rlim_cur, r.rlim_max);
+    match r.rlim_cur {
+        n if n >= 65_536 => check(NAME, Verdict::Pass, d, None),
+        n if n >= 1024 => check(
+            NAME,
+            Verdict::Warn,
+            format!("{d}: a node or mount with many readers may run out"),
+            fix,
+        ),
+        _ => check(NAME, Verdict::Fail, format!("{d}: too low to serve"), fix),
+    }
+}
+
+async fn node_socket(given: Option<&Path>) -> Option<Check> {
+    use std::os::unix::fs::{FileTypeExt, PermissionsExt};
+    const NAME: &str = "node socket";
+    let default = Path::new("/run/locus/node.sock");
+    let path = match given {
+        Some(p) => p,
+        None if default.exists() => default,
+        None => {
+            return Some(check(
+                NAME,
+                Verdict::Warn,
+                "no node socket at /run/locus/node.sock: mounts here read from other hosts",
+                Some("run a cache node on this host, or give --node-socket"),
+            ))
+        }
+    };
+    let shown = path.display();
+    let md = match std::fs::metadata(path) {
+        Ok(m) => m,
+        Err(e) => {
+            return Some(check(
+                NAME,
+                Verdict::Fail,
+                format!("{shown}: {e}"),
+                Some("is the node running with --local-socket here?"),
+            ))
+        }
+    };
+    if !md.file_type().is_socket() {
+        return Some(check(
+            NAME,
+            Verdict::Fail,
+            format!("{shown} is not a socket"),
+            None,
+        ));
+    }
+    let mode = md.permissions().mode() & 0o777;
+    if mode & 0o002 != 0 {
+        return Some(check(
+            NAME,
+            Verdict::Fail,
+            format!("{shown} has mode {mode:o}: any user on this host can reach the node"),
+            Some("restart the node (it creates the socket 0660) and do not chmod it; grant access with --local-socket-group"),
+        ));
+    }
+    let mut c = locus_proto::client::connect_local_node(path);
+    let status = tokio::time::timeout(
+        Duration::from_secs(5),
+        c.get_node_status(locus_proto::nodepb::GetNodeStatusRequest {}),
+    )
+    .await;
+    Some(match status {
+        Ok(Ok(s)) => {
+            let s = s.into_inner();
+            check(
+                NAME,
+                Verdict::Pass,
+                format!(
+                    "{shown} (mode {mode:o}): node {}, {} of {} used",
+                    s.id,
+                    output::size(s.used_bytes),
+                    output::size(s.capacity_bytes)
+                ),
+                None,
+            )
+        }
+        Ok(Err(e)) => check(
+            NAME,
+            Verdict::Fail,
+            format!("{shown}: the node refused: {}", e.message()),
+            Some("run as root, the node's user, or a member of its --local-socket-group"),
+        ),
+        Err(_) => check(
+            NAME,
+            Verdict::Fail,
+            format!("{shown}: no answer within 5 s"),
+            None,
+        ),
+    })
+}
+
+/// A filesystem's type name from its statfs magic.
+fn fs_type(magic: i64) -> &'static str {
+    match magic {
+        0xEF53 => "ext4",
+        0x5846_5342 => "xfs",
+        0x9123_683E => "btrfs",
+        0x0102_1994 => "tmpfs",
+        0x794C_7630 => "overlay",
+        0x6969 => "nfs",
+        0x6573_5546 => "fuse",
+        _ => "other",
+    }
+}
+
+fn data_dir(dir: &Path) -> Check {
+    let name = format!("data dir {}", dir.display());
+    let c = match std::ffi::CString::new(dir.as_os_str().as_encoded_bytes()) {
+        Ok(c) => c,
+        Err(_) => return check(name, Verdict::Fail, "the path holds a NUL byte", None),
+    };
+    // SAFETY: both calls write into structs we own; the path is NUL-terminated.
+    #[allow(unsafe_code)]
+    let (vfs, fs) = unsafe {
+        let mut vfs: libc::statvfs = std::mem::zeroed();
+        let mut fs: libc::statfs = std::mem::zeroed();
+        if libc::statvfs(c.as_ptr(), &mut vfs) != 0 || libc::statfs(c.as_ptr(), &mut fs) != 0 {
+            let e = std::io::Error::last_os_error();
+            return check(
+                name,
+                Verdict::Fail,
+                e.to_string(),
+                Some("create it, or fix the path"),
+            );
+        }
+        (vfs, fs)
+    };
+    let total = vfs.f_blocks * vfs.f_frsize;
+    let free = vfs.f_bavail * vfs.f_frsize;
+    let kind = fs_type(fs.f_type);
+    let d = format!("{kind}, {} free of {}", output::size(free), output::size(total));
+    // A node stops taking blobs at its reserve; below 1% (or 64 MiB) it cannot even
+    // write its index.
+    if free < (64 << 20).max(total / 100) {
+        return check(
+            name,
+            Verdict::Fail,
+            format!("{d}: full"),
+            Some("free space, or lower --capacity so the node evicts"),
+        );
+    }
+    if matches!(kind, "tmpfs" | "overlay" | "nfs" | "fuse") {
+        return check(
+            name,
+            Verdict::Warn,
+            format!("{d}: not a local disk (blobs belong on local NVMe)"),
+            None,
+        );
+    }
+    if free < total / 10 {
+        return check(name, Verdict::Warn, format!("{d}: under 10% free"), None);
+    }
+    check(name, Verdict::Pass, d, None)
+}
+
+fn certificate(path: &Path, warn_within: Duration) -> Check {
+    let name = format!(
+        "certificate {}",
+        path.file_name().unwrap_or_default().to_string_lossy()
+    );
+    let shown = path.display();
+    let pem = match std::fs::read(path) {
+        Ok(p) => p,
+        Err(e) => return check(name, Verdict::Fail, format!("{shown}: {e}"), None),
+    };
+    let ends = match locus_proto::tls::certificates_not_after(&pem) {
+        Ok(e) => e,
+        Err(e) => return check(name, Verdict::Fail, format!("{shown}: {e}"), None),
+    };
+    let first = *ends.iter().min().expect("at least one certificate");
+    let now = (locus_proto::grant::now_ms() / 1000) as i64;
+    let when = locus_proto::human::format_time_ms(first * 1000);
+    let fix = Some("issue a new one (locus tls cert) and restart what serves it");
+    if first <= now {
+        check(name, Verdict::Fail, format!("{shown}: expired {when}"), fix)
+    } else if first - now < warn_within.as_secs() as i64 {
+        check(
+            name,
+            Verdict::Warn,
+            format!("{shown}: expires {when}, in {} days", (first - now) / 86_400),
+            fix,
+        )
+    } else {
+        check(name, Verdict::Pass, format!("{shown}: valid until {when}"), None)
+    }
+}
+
+async fn cluster(cfg: &Resolved, backup_max_age: Duration) -> Vec<Check> {
+    const NAME: &str = "metadata service";
+    let fix = Some("check --metadata / LOCUS_METADATA, the network, and that the service runs");
+    let asked = locus_proto::grant::now_ms();
+    let info = tokio::time::timeout(Duration::from_secs(5), async {
+        let mut c = cfg.connect().await?;
+        let info = c
+            .get_cluster_info(pb::GetClusterInfoRequest {})
+            .await
+            .map_err(|s| anyhow::anyhow!("{}", s.message()))?
+            .into_inner();
+        Ok::<_, anyhow::Error>((c, info))
+    })
+    .await;
+    let answered = locus_proto::grant::now_ms();
+    let (mut c, info) = match info {
+        Ok(Ok(x)) => x,
+        Ok(Err(e)) => {
+            return vec![check(
+                NAME,
+                Verdict::Fail,
+                format!("{}: {e:#}", cfg.metadata_url),
+                fix,
+            )]
+        }
+        Err(_) => {
+            return vec![check(
+                NAME,
+                Verdict::Fail,
+                format!("{}: no answer within 5 s", cfg.metadata_url),
+                fix,
+            )]
+        }
+    };
+    let mut out = vec![check(
+        NAME,
+        Verdict::Pass,
+        format!(
+            "{} (cluster {}, v{}, as {} ({}))",
+            cfg.metadata_url, info.cluster_id, info.server_version, info.caller_name, info.caller_role
+        ),
+        None,
+    )];
+    // The service's clock against the middle of the round trip.
+    if info.now_unix_ms > 0 {
+        let skew_ms = info.now_unix_ms as i64 - ((asked + answered) / 2) as i64;
+        let d = format!("{:+.3} s against the metadata service", skew_ms as f64 / 1000.0);
+        let fix = Some("run NTP (chrony or systemd-timesyncd) on every host");
+        out.push(match skew_ms.unsigned_abs() {
+            // Grants hold 10 minutes and tolerate a node 5 minutes behind.
+            n if n > 60_000 => check("clock", Verdict::Fail, d, fix),
+            n if n > 1_000 => check("clock", Verdict::Warn, d, fix),
+            _ => check("clock", Verdict::Pass, d, None),
+        });
+    }
+    match c.list_nodes(pb::ListNodesRequest {}).await {
+        Ok(r) => {
+            let nodes = r.into_inner().nodes;
+            let down: Vec<_> = nodes
+                .iter()
+                .filter(|n| n.state != pb::NodeState::Up as i32)
+                .map(|n| n.id.as_str())
+                .collect();
+            let d = format!("{} registered, {} down", nodes.len(), down.len());
+            out.push(if down.is_empty() {
+                check("nodes", Verdict::Pass, d, None)
+            } else {
+                check(
+                    "nodes",
+                    Verdict::Warn,
+                    format!("{d}: {}", down.join(", ")),
+                    Some("repair moves their replicas; `locus node list` shows when each was last heard"),
+                )
+            });
+        }
+        Err(s) => out.push(check("nodes", Verdict::Fail, s.message().to_string(), None)),
+    }
+    match c.list_backups(pb::ListBackupsRequest {}).await {
+        Ok(r) => {
+            let last = r
+                .into_inner()
+                .backups
+                .into_iter()
+                .filter(|b| !b.snapshot.is_empty() && !b.restored)
+                .max_by_key(|b| b.recorded_at_ms);
+            let fix = Some("run `locus backup run` (the locus-backup timer does it nightly)");
+            out.push(match last {
+                None => check("last backup", Verdict::Warn, "none committed", fix),
+                Some(b) => {
+                    let age = Duration::from_millis((answered as i64 - b.recorded_at_ms).max(0) as u64);
+                    let d = format!("{} at {} ({} ago)", b.snapshot, b.url, ago(age));
+                    if age > backup_max_age {
+                        check("last backup", Verdict::Fail, format!("{d}: stale"), fix)
+                    } else {
+                        check("last backup", Verdict::Pass, d, None)
+                    }
+                }
+            });
+        }
+        Err(s) => out.push(check("last backup", Verdict::Fail, s.message().to_string(), None)),
+    }
+    out
+}
+
+/// "2d 3h", "5h 12m", "40s": an age at a glance.
+fn ago(d: Duration) -> String {
+    let s = d.as_secs();
+    match s {
+        0..=59 => format!("{s}s"),
+        60..=3599 => format!("{}m {}s", s / 60, s % 60),
+        3600..=86_399 => format!("{}h {}m", s / 3600, s % 3600 / 60),
+        _ => format!("{}d {}h", s / 86_400, s % 86_400 / 3600),
+    }
+}
