@@ -4,6 +4,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let protos = [
         "proto/locus/metadata/v1/metadata.proto",
         "proto/locus/node/v1/node.proto",
+        "proto/csi/v1/csi.proto",
     ];
     for p in &protos {
         println!("cargo:rerun-if-changed={p}");

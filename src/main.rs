@@ -60,6 +60,9 @@ enum Command {
     Umount(cmd::mount::UmountArgs),
     /// One-screen summary of the cluster: service, nodes, capacity, datasets.
     Status,
+    /// Kubernetes CSI node plugin: dataset versions as read-only pod volumes, one shared
+    /// mount per version on each host.
+    Csi(cmd::csi::CsiArgs),
     /// Check this host (FUSE, passthrough, the node's socket and disks, limits,
     /// certificates) and the cluster (reachable, clock, nodes, last backup); say what to
     /// fix. Exits non-zero when a check fails.
@@ -115,7 +118,7 @@ fn main() -> ExitCode {
         }
     }
     let is_daemon = match &cli.command {
-        Command::Metadata(cmd::metadata::MetadataCmd::Serve(_)) => true,
+        Command::Metadata(cmd::metadata::MetadataCmd::Serve(_)) | Command::Csi(_) => true,
         Command::Mount(m) => m.foreground || m.notify_ready,
         _ => false,
     };
@@ -144,6 +147,7 @@ fn main() -> ExitCode {
             Command::Tls(c) => cmd::tls::run(c, cfg.json),
             Command::Status => cmd::status::run(&cfg).await,
             Command::Doctor(a) => cmd::doctor::run(a, &cfg).await,
+            Command::Csi(a) => cmd::csi::run(a, &cfg).await,
             Command::Demo(a) => cmd::demo::run(a, &cfg).await,
         }
     });

@@ -201,13 +201,12 @@ async fn buffered_tcp(
     )))
 }
 
-/// A client of a cache node's Unix socket (same-host clients: the mount). The socket's
-/// file permissions are its access control; no token is sent. The connection is made on
-/// first use and remade after the node restarts, so a client outlives its node.
-pub fn connect_local_node(path: &std::path::Path) -> NodeClient {
+/// A gRPC channel to a Unix socket, connected on first use and again after the server
+/// restarts (a node's local socket, a CSI endpoint).
+pub fn unix_channel(path: &std::path::Path) -> Channel {
     let path = path.to_path_buf();
     // The URI is required by the API but unused: every connection goes to the socket.
-    let channel = Endpoint::from_static("http://localhost")
+    Endpoint::from_static("http://localhost")
         .connect_timeout(Duration::from_secs(5))
         .initial_stream_window_size(BLOB_STREAM_WINDOW)
         .initial_connection_window_size(BLOB_CONNECTION_WINDOW)
@@ -219,7 +218,14 @@ pub fn connect_local_node(path: &std::path::Path) -> NodeClient {
                     tokio::net::UnixStream::connect(path).await?,
                 ))
             }
-        }));
+        }))
+}
+
+/// A client of a cache node's Unix socket (same-host clients: the mount). The socket's
+/// file permissions are its access control; no token is sent. The connection is made on
+/// first use and remade after the node restarts, so a client outlives its node.
+pub fn connect_local_node(path: &std::path::Path) -> NodeClient {
+    let channel = unix_channel(path);
     crate::nodepb::node_client::NodeClient::with_interceptor(channel, BearerToken(None))
         .max_decoding_message_size(crate::MAX_MESSAGE_BYTES)
         .max_encoding_message_size(crate::MAX_MESSAGE_BYTES)

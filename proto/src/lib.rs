@@ -24,6 +24,12 @@ pub mod pb {
     tonic::include_proto!("locus.metadata.v1");
 }
 
+/// Generated code of the Kubernetes CSI spec (v1), the part `locus csi` serves.
+#[allow(clippy::all, missing_docs)]
+pub mod csi {
+    tonic::include_proto!("csi.v1");
+}
+
 /// Generated protobuf and gRPC code of the cache node.
 #[allow(clippy::all, missing_docs)]
 pub mod nodepb {

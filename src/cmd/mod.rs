@@ -1,6 +1,7 @@
 //! One module per subcommand family.
 
 pub mod backup;
+pub mod csi;
 pub mod dataset;
 pub mod demo;
 pub mod doctor;
