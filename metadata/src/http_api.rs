@@ -111,21 +111,106 @@ pub fn parse_selector(s: &str) -> Result<HashMap<String, String>, String> {
     Ok(out)
 }
 
+/// A caller who may read, or the response refusing them.
+fn authorize(tokens: Option<&TokenSet>, headers: &HeaderMap, method: &str) -> Result<(), Box<Response>> {
+    let auth = headers.get("authorization").map(|v| v.as_bytes());
+    if let Err((status, _)) = locus_proto::auth::check(tokens, method, Some(Access::Read), auth, None) {
+        let code = match status.code() {
+            tonic::Code::Unauthenticated => StatusCode::UNAUTHORIZED,
+            _ => StatusCode::FORBIDDEN,
+        };
+        return Err(Box::new(error(code, status.message())));
+    }
+    Ok(())
+}
+
+/// `POST /v1/assign` body: which shards each rank of a job should read, for samplers.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AssignBody {
+    /// `DATASET@VERSION` (or `DATASET` for the latest).
+    dataset: String,
+    /// The node each rank runs on: rank i is `rank_nodes[i]`.
+    rank_nodes: Vec<String>,
+    /// Also list every shard's files (paths, in manifest order).
+    #[serde(default)]
+    files: bool,
+}
+
+/// `POST /v1/assign`: the `Assign` call over HTTP for data-loader samplers (the Python
+/// `locus_sampler`), which also want each shard's files to map them to sample indices:
+///
+/// ```json
+/// {"dataset": "imagenet@3", "rank_nodes": ["gpu17", "gpu17", "gpu18"], "files": true}
+/// → {"dataset": "imagenet@3", "total_bytes": …, "local_fraction": 0.98,
+///    "ranks": [{"rank": 0, "node": "gpu17", "shards": [4, 0], "bytes": …,
+///               "local_bytes": …, "local_fraction": 1.0}, …],
+///    "shards": [{"id": 0, "files": ["train/a.jpg", …]}, …]}
+/// ```
+pub async fn assign(
+    catalog: Arc<Catalog>,
+    tokens: Option<Arc<TokenSet>>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    if let Err(r) = authorize(tokens.as_deref(), &headers, "Assign") {
+        return *r;
+    }
+    let q: AssignBody = match serde_json::from_slice(&body) {
+        Ok(q) => q,
+        Err(e) => return error(StatusCode::BAD_REQUEST, format!("malformed request: {e}")),
+    };
+    let r: DatasetRef = match q.dataset.parse() {
+        Ok(r) => r,
+        Err(e) => return error(StatusCode::BAD_REQUEST, format!("dataset: {e}")),
+    };
+    let out = tokio::task::spawn_blocking(move || {
+        let a = catalog.assign(&r, &q.rank_nodes, false)?;
+        let version = a.r#ref.as_ref().map_or(0, |v| v.version);
+        let files = if q.files {
+            Some(catalog.files_by_shard(&r, version)?)
+        } else {
+            None
+        };
+        Ok::<_, CatalogError>((a, files))
+    })
+    .await;
+    let (a, files) = match out {
+        Ok(Ok(x)) => x,
+        Ok(Err(CatalogError::NotFound(m))) => return error(StatusCode::NOT_FOUND, m),
+        Ok(Err(CatalogError::Invalid(e))) => return error(StatusCode::BAD_REQUEST, e.to_string()),
+        Ok(Err(e)) => return error(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
+        Err(e) => return error(StatusCode::INTERNAL_SERVER_ERROR, format!("task failed: {e}")),
+    };
+    let v = a.r#ref.unwrap_or_default();
+    let mut shards: Vec<_> = files.unwrap_or_default().into_iter().collect();
+    shards.sort_by_key(|(id, _)| *id);
+    let answer = serde_json::json!({
+        "dataset": format!("{}@{}", v.dataset, v.version),
+        "total_bytes": a.total_bytes,
+        "local_fraction": a.local_fraction,
+        "ranks": a.ranks.iter().map(|r| serde_json::json!({
+            "rank": r.rank, "node": r.node, "shards": r.shards, "bytes": r.bytes,
+            "local_bytes": r.local_bytes, "local_fraction": r.local_fraction,
+        })).collect::<Vec<_>>(),
+        "shards": shards.into_iter().map(|(id, files)| serde_json::json!({"id": id, "files": files}))
+            .collect::<Vec<_>>(),
+    });
+    (
+        [(axum::http::header::CONTENT_TYPE, "application/json")],
+        answer.to_string(),
+    )
+        .into_response()
+}
+
 pub async fn locality(
     catalog: Arc<Catalog>,
     tokens: Option<Arc<TokenSet>>,
     headers: HeaderMap,
     body: Bytes,
 ) -> Response {
-    let auth = headers.get("authorization").map(|v| v.as_bytes());
-    if let Err((status, _)) =
-        locus_proto::auth::check(tokens.as_deref(), "Locality", Some(Access::Read), auth, None)
-    {
-        let code = match status.code() {
-            tonic::Code::Unauthenticated => StatusCode::UNAUTHORIZED,
-            _ => StatusCode::FORBIDDEN,
-        };
-        return error(code, status.message());
+    if let Err(r) = authorize(tokens.as_deref(), &headers, "Locality") {
+        return *r;
     }
     let (q, refs, selector) = match parse_locality(&body) {
         Ok(x) => x,

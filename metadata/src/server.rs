@@ -241,7 +241,8 @@ async fn reap_sessions(
 
 fn http_router(catalog: Arc<Catalog>, metrics: Arc<Metrics>, tokens: Option<Arc<TokenSet>>) -> axum::Router {
     use axum::routing::{get, post};
-    let api_catalog = catalog.clone();
+    let (api_catalog, assign_catalog) = (catalog.clone(), catalog.clone());
+    let locality_tokens = tokens.clone();
     let (k8s_p, k8s_f) = (catalog.clone(), catalog.clone());
     axum::Router::new()
         .route("/healthz", get(|| async { "ok\n" }))
@@ -256,7 +257,13 @@ fn http_router(catalog: Arc<Catalog>, metrics: Arc<Metrics>, tokens: Option<Arc<
         .route(
             "/v1/locality",
             post(move |headers: axum::http::HeaderMap, body: axum::body::Bytes| {
-                crate::http_api::locality(api_catalog.clone(), tokens.clone(), headers, body)
+                crate::http_api::locality(api_catalog.clone(), locality_tokens.clone(), headers, body)
+            }),
+        )
+        .route(
+            "/v1/assign",
+            post(move |headers: axum::http::HeaderMap, body: axum::body::Bytes| {
+                crate::http_api::assign(assign_catalog.clone(), tokens.clone(), headers, body)
             }),
         )
         .route(

@@ -238,22 +238,11 @@ impl Catalog {
             })
             .collect();
         let plans = crate::assign::assign(&input, rank_nodes);
-        let mut files: HashMap<u32, Vec<String>> = HashMap::new();
-        if with_files {
-            let mut pinned = r.clone();
-            pinned.version = VersionSel::Number(n);
-            let mut token = Vec::new();
-            loop {
-                let (_, page, next) = self.list_entries(&pinned, None, &token, 10_000, false)?;
-                for e in page.into_iter().filter(|e| e.kind == pb::EntryKind::File as i32) {
-                    files.entry(e.shard).or_default().push(e.path);
-                }
-                if next.is_empty() {
-                    break;
-                }
-                token = next;
-            }
-        }
+        let files = if with_files {
+            self.files_by_shard(r, n)?
+        } else {
+            HashMap::new()
+        };
         let total: u64 = input.iter().map(|s| s.bytes).sum();
         let local: u64 = plans.iter().map(|p| p.local_bytes).sum();
         Ok(pb::AssignResponse {
@@ -284,6 +273,38 @@ impl Catalog {
                 })
                 .collect(),
         })
+    }
+
+    /// Version `n` of `r`'s dataset: each shard's file paths, in manifest order; refused
+    /// for a version of more than `MAX_ASSIGN_FILES` files (one answer's worth).
+    pub fn files_by_shard(&self, r: &DatasetRef, n: u64) -> Result<HashMap<u32, Vec<String>>> {
+        let mut pinned = r.clone();
+        pinned.version = VersionSel::Number(n);
+        let (_, v) = self.resolve(&pinned)?;
+        if v.files > MAX_ASSIGN_FILES {
+            return Err(InvalidInput::new(
+                "files",
+                format!(
+                    "{}@{n} has {} files, more than one answer lists ({MAX_ASSIGN_FILES})",
+                    r.name.as_str(),
+                    v.files
+                ),
+            )
+            .into());
+        }
+        let mut files: HashMap<u32, Vec<String>> = HashMap::new();
+        let mut token = Vec::new();
+        loop {
+            let (_, page, next) = self.list_entries(&pinned, None, &token, 10_000, false)?;
+            for e in page.into_iter().filter(|e| e.kind == pb::EntryKind::File as i32) {
+                files.entry(e.shard).or_default().push(e.path);
+            }
+            if next.is_empty() {
+                break;
+            }
+            token = next;
+        }
+        Ok(files)
     }
 
     /// What warming `nodes` with a version takes: a copy task per (shard, node) the node
