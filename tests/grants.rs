@@ -199,3 +199,44 @@ async fn a_grant_opens_one_operation_on_one_node_for_a_while_and_nodes_need_no_a
     // And the admin token is no credential at a node at all.
     refused(have(n1, &admin).await, tonic::Code::Unauthenticated, "not valid");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_remote_mount_keeps_reading_on_its_grant_while_the_metadata_service_is_stopped() {
+    let h = Harness::new("grants-outage");
+    let m = h
+        .start_metadata(
+            "meta",
+            MetadataOpts {
+                tokens: tokens(),
+                ..Default::default()
+            },
+        )
+        .await;
+    let _n = h.start_node("n1", &m, NodeOpts::host(1)).await;
+    let src = h.path("src");
+    std::fs::create_dir_all(&src).unwrap();
+    for i in 0..4u64 {
+        std::fs::write(src.join(format!("f{i}.bin")), pseudo_random(i, 3 << 20)).unwrap();
+    }
+    let o = import(&m, "ds", &src, &["--replicas", "1"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    // No local node: every byte comes from n1, under a read grant.
+    let mnt = m.mount("mnt", "ds@1", None, &[]);
+    assert_eq!(
+        std::fs::read(mnt.path.join("f0.bin")).unwrap(),
+        std::fs::read(src.join("f0.bin")).unwrap()
+    );
+    // The service stops answering: files not read yet still come from the node, on the
+    // grant the mount holds.
+    m.daemon.sigstop();
+    for i in 1..4 {
+        let f = format!("f{i}.bin");
+        let got = std::fs::read(mnt.path.join(&f));
+        assert_eq!(
+            got.map_err(|e| e.to_string()),
+            Ok(std::fs::read(src.join(&f)).unwrap()),
+            "{f} with the metadata service stopped"
+        );
+    }
+    m.daemon.sigcont();
+}

@@ -258,18 +258,32 @@ impl Verifier {
 
 /// The grants a client holds, by (node, operation, target), renewed a while before they
 /// end. A client without a token asks for none: its cluster runs without tokens.
+///
+/// A grant in hand keeps being used while the metadata service cannot renew it (a
+/// mount's reads must not stop because the service restarts); renewal is retried at
+/// most every 10 s meanwhile. Read grants last the longest allowed (an hour), so a mount
+/// rides out that long an outage of the service.
 pub struct Grants {
     meta: crate::client::MetadataClient,
     enabled: bool,
-    held: tokio::sync::Mutex<std::collections::HashMap<GrantScope, (String, u64)>>,
+    held: tokio::sync::Mutex<std::collections::HashMap<GrantScope, Held>>,
 }
 
 /// (node, operation, target).
 type GrantScope = (String, Op, String);
 
+struct Held {
+    grant: String,
+    expires: u64,
+    /// No renewal is tried before this (the last try failed).
+    retry_after: u64,
+}
+
 /// A grant is renewed once less than this is left of it, so a call never starts with one
 /// about to end (and clocks a little apart do not matter).
 const RENEW_BEFORE: Duration = Duration::from_secs(180);
+const RENEW_TIMEOUT: Duration = Duration::from_secs(5);
+const RETRY_EVERY: Duration = Duration::from_secs(10);
 
 impl Grants {
     pub fn new(meta: crate::client::MetadataClient, token: Option<&str>) -> Self {
@@ -288,24 +302,56 @@ impl Grants {
         }
         let key = (node.to_string(), op, target.to_string());
         let mut held = self.held.lock().await;
-        if let Some((g, exp)) = held.get(&key) {
-            if now_ms() + RENEW_BEFORE.as_millis() as u64 <= *exp {
-                return Ok(Some(g.clone()));
+        let now = now_ms();
+        if let Some(h) = held.get(&key) {
+            let fresh = now + RENEW_BEFORE.as_millis() as u64 <= h.expires;
+            if fresh || (now < h.retry_after && now < h.expires) {
+                return Ok(Some(h.grant.clone()));
             }
         }
-        let r = self
-            .meta
-            .clone()
-            .issue_grant(crate::pb::IssueGrantRequest {
-                node: node.to_string(),
-                operation: op.as_str().to_string(),
-                target: target.to_string(),
-                ttl_ms: 0,
-            })
-            .await?
-            .into_inner();
-        held.insert(key, (r.grant.clone(), r.expires_unix_ms));
-        Ok(Some(r.grant))
+        let ttl = match op {
+            Op::Read => MAX_TTL,
+            _ => DEFAULT_TTL,
+        };
+        let mut meta = self.meta.clone();
+        let ask = meta.issue_grant(crate::pb::IssueGrantRequest {
+            node: node.to_string(),
+            operation: op.as_str().to_string(),
+            target: target.to_string(),
+            ttl_ms: ttl.as_millis() as u64,
+        });
+        let answer = match tokio::time::timeout(RENEW_TIMEOUT, ask).await {
+            Ok(Ok(r)) => Ok(r.into_inner()),
+            Ok(Err(s)) => Err(s),
+            Err(_) => Err(tonic::Status::unavailable(
+                "the metadata service did not answer within 5 s",
+            )),
+        };
+        match (answer, held.get_mut(&key)) {
+            (Ok(r), _) => {
+                held.insert(
+                    key,
+                    Held {
+                        grant: r.grant.clone(),
+                        expires: r.expires_unix_ms,
+                        retry_after: 0,
+                    },
+                );
+                Ok(Some(r.grant))
+            }
+            (Err(s), Some(h)) if now + 1000 < h.expires => {
+                tracing::warn!(
+                    node,
+                    "cannot renew a {} grant ({}); using the one held, valid {} s more",
+                    op.as_str(),
+                    s.message(),
+                    (h.expires - now) / 1000
+                );
+                h.retry_after = now + RETRY_EVERY.as_millis() as u64;
+                Ok(Some(h.grant.clone()))
+            }
+            (Err(s), _) => Err(s),
+        }
     }
 }
 
