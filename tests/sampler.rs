@@ -70,13 +70,17 @@ async fn the_sampler_reads_each_ranks_own_shards_and_every_sample_once() {
         assert_eq!(v[k]["equal"], true, "{k}: {v}");
     }
     let (locus, plain) = (
-        v["locus"]["local_share"].as_f64().unwrap(),
-        v["distributed"]["local_share"].as_f64().unwrap(),
+        v["locus"]["local_byte_share"].as_f64().unwrap(),
+        v["distributed"]["local_byte_share"].as_f64().unwrap(),
     );
-    // Two nodes: DistributedSampler reads about half locally.
-    assert!(locus >= 0.9, "the Locus sampler read {locus} locally: {v}");
+    // Two nodes: DistributedSampler reads about half the bytes locally; the Locus
+    // sampler all but what balancing the counts moves (the smallest samples).
+    assert!(
+        locus >= 0.95,
+        "the Locus sampler read {locus} of the bytes locally: {v}"
+    );
     assert!(
         plain < 0.7,
-        "DistributedSampler's order read {plain} locally: {v}"
+        "DistributedSampler's order read {plain} of the bytes locally: {v}"
     );
 }

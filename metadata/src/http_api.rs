@@ -145,7 +145,7 @@ pub struct AssignBody {
 /// → {"dataset": "imagenet@3", "total_bytes": …, "local_fraction": 0.98,
 ///    "ranks": [{"rank": 0, "node": "gpu17", "shards": [4, 0], "bytes": …,
 ///               "local_bytes": …, "local_fraction": 1.0}, …],
-///    "shards": [{"id": 0, "files": ["train/a.jpg", …]}, …]}
+///    "shards": [{"id": 0, "files": ["train/a.jpg", …], "sizes": [112640, …]}, …]}
 /// ```
 pub async fn assign(
     catalog: Arc<Catalog>,
@@ -193,8 +193,10 @@ pub async fn assign(
             "rank": r.rank, "node": r.node, "shards": r.shards, "bytes": r.bytes,
             "local_bytes": r.local_bytes, "local_fraction": r.local_fraction,
         })).collect::<Vec<_>>(),
-        "shards": shards.into_iter().map(|(id, files)| serde_json::json!({"id": id, "files": files}))
-            .collect::<Vec<_>>(),
+        "shards": shards.into_iter().map(|(id, files)| {
+            let (paths, sizes): (Vec<_>, Vec<_>) = files.into_iter().unzip();
+            serde_json::json!({"id": id, "files": paths, "sizes": sizes})
+        }).collect::<Vec<_>>(),
     });
     (
         [(axum::http::header::CONTENT_TYPE, "application/json")],

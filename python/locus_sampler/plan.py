@@ -10,8 +10,9 @@ plan from the same inputs and the properties are testable:
 * Two-level shuffle, deterministic for (seed, epoch): each rank's partitions in a
   shuffled order, then its samples shuffled within blocks of ``block`` consecutive
   samples, so reads stay within a few shards at a time (sequential on disk) yet mix.
-* Equal counts: ranks above the per-rank count hand their last samples to ranks below
-  it, in rank order; without ``drop_last`` the count is rounded up and the shortfall
+* Equal counts: ranks above the per-rank count hand samples to ranks below it, in
+  rank order — their smallest ones when sample sizes are known (``weight``), so the
+  fewest bytes leave the node that holds them, else their last ones; without ``drop_last`` the count is rounded up and the shortfall
   (< world size samples) is padded by repeating samples, like DistributedSampler;
   with ``drop_last`` it is rounded down and the surplus (< world size) dropped.
 * Resumption across a world-size change: ``exclude`` removes samples already consumed
@@ -60,6 +61,7 @@ def epoch_plan(
     shuffle: bool = True,
     block: int = 256,
     exclude: Optional[Set[int]] = None,
+    weight: Optional[Sequence[int]] = None,
 ) -> List[List[int]]:
     """Each rank's sample indices for ``epoch``, all of equal length."""
     if world < 1:
@@ -90,9 +92,16 @@ def epoch_plan(
     # Surplus from the ranks above the count, in rank order, each giving its last ones.
     pool: List[int] = []
     for s in ranks:
-        if len(s) > target:
+        excess = len(s) - target
+        if excess <= 0:
+            continue
+        if weight is None:
             pool.extend(s[target:])
             del s[target:]
+        else:
+            chosen = set(sorted(range(len(s)), key=lambda j: (weight[s[j]], s[j]))[:excess])
+            pool.extend(x for j, x in enumerate(s) if j in chosen)
+            s[:] = [x for j, x in enumerate(s) if j not in chosen]
     taken = 0
     for s in ranks:
         need = target - len(s)

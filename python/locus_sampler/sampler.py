@@ -84,6 +84,8 @@ class LocusSampler(_Base):  # type: ignore[misc]
             raise ValueError("rank_nodes must name one node per rank")
         self.partitions: Optional[List[List[int]]] = None
         self.owner: Optional[List[int]] = None
+        # Sample sizes, when Locus lists them: balancing then moves the smallest.
+        self.weight: Optional[List[int]] = None
         try:
             answer = assignment or client.assign(
                 url or os.environ.get("LOCUS_HTTP", "http://127.0.0.1:7401"),
@@ -108,9 +110,15 @@ class LocusSampler(_Base):  # type: ignore[misc]
             raise ValueError("files: a path is listed twice")
         shard_of: Dict[int, int] = {}
         partitions: List[List[int]] = []
+        weight = [0] * len(files)
         for s in sorted(answer["shards"], key=lambda s: s["id"]):
             shard_of[s["id"]] = len(partitions)
             partitions.append(sorted(index[f] for f in s["files"] if f in index))
+            for f, size in zip(s["files"], s.get("sizes", [])):
+                if f in index:
+                    weight[index[f]] = size
+        if any(s.get("sizes") for s in answer["shards"]):
+            self.weight = weight
         owner = [0] * len(partitions)
         for r in answer["ranks"]:
             for sid in r["shards"]:
@@ -145,6 +153,7 @@ class LocusSampler(_Base):  # type: ignore[misc]
             self.shuffle,
             self.block_size,
             self._exclude,
+            self.weight,
         )
 
     def _distributed_order(self) -> List[List[int]]:

@@ -32,11 +32,21 @@ for r in answer["ranks"]:
 node_of_sample = {index[f]: node_of_shard[s["id"]] for s in answer["shards"] for f in s["files"]}
 
 
+size = [os.path.getsize(os.path.join(src, f)) for f in files]
+
+
 def score(plans):
     total = sum(len(p) for p in plans)
     local = sum(1 for r, p in enumerate(plans) for i in p if node_of_sample[i] == nodes[r])
+    nbytes = sum(size[i] for p in plans for i in p)
+    local_bytes = sum(size[i] for r, p in enumerate(plans) for i in p if node_of_sample[i] == nodes[r])
     covered = set(i for p in plans for i in p) == set(range(len(files)))
-    return {"local_share": local / total, "covered": covered, "equal": len({len(p) for p in plans}) == 1}
+    return {
+        "local_share": local / total,
+        "local_byte_share": local_bytes / max(nbytes, 1),
+        "covered": covered,
+        "equal": len({len(p) for p in plans}) == 1,
+    }
 
 
 locus = [list(LocusSampler(files, dataset, url=url, num_replicas=world, rank=r, rank_nodes=nodes, seed=1))

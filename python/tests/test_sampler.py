@@ -61,10 +61,11 @@ def test_epochs_differ():
 
 
 @settings(max_examples=200, deadline=None)
-@given(layouts(), st.integers(0, 2**32))
-def test_ranks_read_their_own_partitions_but_for_the_balancing_moves(layout, seed):
+@given(layouts(), st.integers(0, 2**32), st.booleans())
+def test_ranks_read_their_own_partitions_but_for_the_balancing_moves(layout, seed, weighted):
     parts, owner, world, n = layout
-    plan = epoch_plan(parts, owner, world, seed, 0)
+    weight = [(i * 7919) % 101 for i in range(n)] if weighted else None
+    plan = epoch_plan(parts, owner, world, seed, 0, weight=weight)
     target = per_rank(n, world, False)
     owned = [sum(len(p) for p, o in zip(parts, owner) if o == r) for r in range(world)]
     of = {i: o for p, o in zip(parts, owner) for i in p}
@@ -74,6 +75,13 @@ def test_ranks_read_their_own_partitions_but_for_the_balancing_moves(layout, see
     need = sum(max(0, target - k) for k in owned)
     pads = world * target - n
     assert need - pads <= foreign <= need
+    if weighted and pads == 0:
+        # What a rank gave away is never heavier than what it kept.
+        for r in range(world):
+            kept = [weight[i] for i in plan[r] if of[i] == r]
+            gone = [weight[i] for q in range(world) if q != r for i in plan[q] if of[i] == r]
+            if kept and gone:
+                assert max(gone) <= min(kept)
 
 
 @settings(max_examples=200, deadline=None)

@@ -263,7 +263,7 @@ impl Catalog {
                     files: p
                         .shards
                         .iter()
-                        .flat_map(|s| files.get(s).into_iter().flatten().cloned())
+                        .flat_map(|s| files.get(s).into_iter().flatten().map(|(p, _)| p.clone()))
                         .collect(),
                     rank: p.rank,
                     node: p.node,
@@ -275,9 +275,9 @@ impl Catalog {
         })
     }
 
-    /// Version `n` of `r`'s dataset: each shard's file paths, in manifest order; refused
-    /// for a version of more than `MAX_ASSIGN_FILES` files (one answer's worth).
-    pub fn files_by_shard(&self, r: &DatasetRef, n: u64) -> Result<HashMap<u32, Vec<String>>> {
+    /// Version `n` of `r`'s dataset: each shard's files (path, size), in manifest order;
+    /// refused for a version of more than `MAX_ASSIGN_FILES` files (one answer's worth).
+    pub fn files_by_shard(&self, r: &DatasetRef, n: u64) -> Result<HashMap<u32, Vec<(String, u64)>>> {
         let mut pinned = r.clone();
         pinned.version = VersionSel::Number(n);
         let (_, v) = self.resolve(&pinned)?;
@@ -292,12 +292,12 @@ impl Catalog {
             )
             .into());
         }
-        let mut files: HashMap<u32, Vec<String>> = HashMap::new();
+        let mut files: HashMap<u32, Vec<(String, u64)>> = HashMap::new();
         let mut token = Vec::new();
         loop {
             let (_, page, next) = self.list_entries(&pinned, None, &token, 10_000, false)?;
             for e in page.into_iter().filter(|e| e.kind == pb::EntryKind::File as i32) {
-                files.entry(e.shard).or_default().push(e.path);
+                files.entry(e.shard).or_default().push((e.path, e.size));
             }
             if next.is_empty() {
                 break;
