@@ -56,7 +56,7 @@ fn mount_request(volume: &str, target: &Path, dataset: Option<&str>) -> csi::Nod
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn csi_publishes_shared_reference_counted_mounts_and_refuses_bad_volumes() {
+async fn csi_publishes_shared_counted_mounts_that_outlive_a_plugin_restart_and_refuses_bad_volumes() {
     let h = Harness::new("csi");
     let m = h
         .start_metadata(
@@ -81,24 +81,32 @@ async fn csi_publishes_shared_reference_counted_mounts_and_refuses_bad_volumes()
     let state = h.path("csi-state");
     std::fs::create_dir_all(kubelet.join("pods")).unwrap();
     let sock = h.path("csi/csi.sock");
-    let child = Command::new(locus())
-        .args(["csi", "--endpoint"])
-        .arg(format!("unix://{}", sock.display()))
-        .args(["--node-id", "n1", "--node-socket"])
-        .arg(&n.socket)
-        .arg("--state-dir")
-        .arg(&state)
-        .arg("--kubelet-dir")
-        .arg(&kubelet)
-        .env("LOCUS_METADATA", m.url())
-        .env("LOCUS_TOKEN", m.token("reader").unwrap())
-        .env("LOCUS_RUNTIME_DIR", h.path("runtime"))
-        .env_remove("LOCUS_CONFIG")
-        .stderr(std::fs::File::create(h.path("csi.log")).unwrap())
-        .spawn()
-        .unwrap();
-    let _plugin = Plugin {
-        child,
+    let spawn = || {
+        Command::new(locus())
+            .args(["csi", "--endpoint"])
+            .arg(format!("unix://{}", sock.display()))
+            .args(["--node-id", "n1", "--node-socket"])
+            .arg(&n.socket)
+            .arg("--state-dir")
+            .arg(&state)
+            .arg("--kubelet-dir")
+            .arg(&kubelet)
+            .env("LOCUS_METADATA", m.url())
+            .env("LOCUS_TOKEN", m.token("reader").unwrap())
+            .env("LOCUS_RUNTIME_DIR", h.path("runtime"))
+            .env_remove("LOCUS_CONFIG")
+            .stderr(
+                std::fs::OpenOptions::new()
+                    .create(true)
+                    .append(true)
+                    .open(h.path("csi.log"))
+                    .unwrap(),
+            )
+            .spawn()
+            .unwrap()
+    };
+    let mut plugin = Plugin {
+        child: spawn(),
         root: h.path(""),
     };
     wait_until("the CSI socket", Duration::from_secs(10), || async {
@@ -167,6 +175,20 @@ async fn csi_publishes_shared_reference_counted_mounts_and_refuses_bad_volumes()
     assert!(!target("p1").exists(), "the target is removed");
     assert_eq!(shared().len(), 2);
     assert_same_tree(&a, &target("p2"));
+
+    // The plugin dies and comes back: the pods' volumes stay readable meanwhile (the
+    // shared mounts are processes of their own), and the new plugin knows what is
+    // published from its state file.
+    plugin.child.kill().unwrap();
+    plugin.child.wait().unwrap();
+    assert_same_tree(&a, &target("p2"));
+    assert_same_tree(&b, &target("p3"));
+    plugin.child = spawn();
+    wait_until("the restarted plugin", Duration::from_secs(10), || {
+        let mut id = id.clone();
+        async move { id.probe(csi::ProbeRequest {}).await.ok().map(drop) }
+    })
+    .await;
     // The last removes it.
     for pod in ["p2", "p3"] {
         node.node_unpublish_volume(csi::NodeUnpublishVolumeRequest {
