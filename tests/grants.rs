@@ -71,7 +71,7 @@ fn refused(r: Result<(), tonic::Status>, code: tonic::Code, says: &str) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_grant_opens_one_operation_on_one_node_for_a_while_and_nodes_need_no_admin_token() {
     let h = Harness::new("grants");
-    let m = h
+    let mut m = h
         .start_metadata(
             "meta",
             MetadataOpts {
@@ -198,6 +198,18 @@ async fn a_grant_opens_one_operation_on_one_node_for_a_while_and_nodes_need_no_a
     );
     // And the admin token is no credential at a node at all.
     refused(have(n1, &admin).await, tonic::Code::Unauthenticated, "not valid");
+
+    // The service restarted keeps its grant key: the nodes, which learnt it before,
+    // take the grants of the next import.
+    m.kill9();
+    m.restart().await;
+    std::fs::write(src.join("new.bin"), pseudo_random(99, 300_000)).unwrap();
+    let o = import(&m, "ds", &src, &["--replicas", "2"]);
+    assert!(
+        o.status.success(),
+        "import after a restart of the service: {}",
+        stderr(&o)
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
