@@ -18,15 +18,7 @@ fn lines(m: &Metadata) -> Vec<serde_json::Value> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn refused_calls_are_audited_and_a_flood_of_them_is_counted_not_written() {
     let h = Harness::new("audit-refused");
-    let m = h
-        .start_metadata(
-            "meta",
-            MetadataOpts {
-                tokens: tokens(),
-                ..Default::default()
-            },
-        )
-        .await;
+    let m = h.start_metadata("meta", MetadataOpts::with_tokens()).await;
     let mut reader = m.client(Some("reader")).await;
     let e = reader
         .begin_version(pb::BeginVersionRequest {

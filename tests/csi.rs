@@ -58,15 +58,7 @@ fn mount_request(volume: &str, target: &Path, dataset: Option<&str>) -> csi::Nod
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn csi_publishes_shared_counted_mounts_that_outlive_a_plugin_restart_and_refuses_bad_volumes() {
     let h = Harness::new("csi");
-    let m = h
-        .start_metadata(
-            "meta",
-            MetadataOpts {
-                tokens: tokens(),
-                ..Default::default()
-            },
-        )
-        .await;
+    let m = h.start_metadata("meta", MetadataOpts::with_tokens()).await;
     let n = h.start_node("n1", &m, NodeOpts::host(1)).await;
     let (a, b) = (h.path("src-a"), h.path("src-b"));
     make_tree(&a, 20);

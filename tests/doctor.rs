@@ -43,15 +43,7 @@ fn verdict(v: &serde_json::Value, name: &str) -> String {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn doctor_fails_exactly_the_check_of_what_is_broken() {
     let h = Harness::new("doctor");
-    let m = h
-        .start_metadata(
-            "meta",
-            MetadataOpts {
-                tokens: tokens(),
-                ..Default::default()
-            },
-        )
-        .await;
+    let m = h.start_metadata("meta", MetadataOpts::with_tokens()).await;
     let n = h.start_node("n1", &m, NodeOpts::host(1)).await;
     let src = h.path("src");
     make_tree(&src, 10);

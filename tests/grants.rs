@@ -215,15 +215,7 @@ async fn a_grant_opens_one_operation_on_one_node_for_a_while_and_nodes_need_no_a
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_remote_mount_keeps_reading_on_its_grant_while_the_metadata_service_is_stopped() {
     let h = Harness::new("grants-outage");
-    let m = h
-        .start_metadata(
-            "meta",
-            MetadataOpts {
-                tokens: tokens(),
-                ..Default::default()
-            },
-        )
-        .await;
+    let m = h.start_metadata("meta", MetadataOpts::with_tokens()).await;
     let _n = h.start_node("n1", &m, NodeOpts::host(1)).await;
     let src = h.path("src");
     std::fs::create_dir_all(&src).unwrap();

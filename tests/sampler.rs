@@ -9,15 +9,7 @@ use support::*;
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_sampler_reads_each_ranks_own_shards_and_every_sample_once() {
     let h = Harness::new("sampler");
-    let m = h
-        .start_metadata(
-            "meta",
-            MetadataOpts {
-                tokens: tokens(),
-                ..Default::default()
-            },
-        )
-        .await;
+    let m = h.start_metadata("meta", MetadataOpts::with_tokens()).await;
     let _nodes = [
         h.start_node("n1", &m, NodeOpts::host(1)).await,
         h.start_node("n2", &m, NodeOpts::host(2)).await,

@@ -59,15 +59,7 @@ async fn fraction_on(m: &Metadata, node: &str) -> f64 {
 async fn with_a_real_slurm_hinted_jobs_land_on_their_data_and_the_burst_buffer_warms_the_rest() {
     let bed = Netbed::new(&[2]).expect("the test bed");
     let h = Harness::new("slurm-real");
-    let m = h
-        .start_metadata(
-            "meta",
-            MetadataOpts {
-                tokens: tokens(),
-                ..Default::default()
-            },
-        )
-        .await;
+    let m = h.start_metadata("meta", MetadataOpts::with_tokens()).await;
     // Only n2 is up for the import, so it holds all of ds@1; n1 and n3 join after. n3
     // is a Locus node on a host Slurm does not know.
     let mut nodes = vec![h.start_node("n2", &m, NodeOpts::host(2)).await];

@@ -47,42 +47,18 @@ impl std::fmt::Debug for SigningKey {
 
 impl SigningKey {
     pub fn load(path: &Path) -> Result<Self> {
-        use std::os::unix::fs::PermissionsExt;
-        let bad = |why: String| BackupError::Invalid(format!("signing key {}: {why}", path.display()));
-        let mode = std::fs::metadata(path)
-            .map_err(|e| bad(e.to_string()))?
-            .permissions()
-            .mode();
-        if mode & 0o077 != 0 {
-            return Err(bad(format!(
-                "other users may read it (mode {:o}); run chmod 600 {}",
-                mode & 0o777,
-                path.display()
-            )));
-        }
-        let der = std::fs::read(path).map_err(|e| bad(e.to_string()))?;
-        Ed25519KeyPair::from_pkcs8(&der)
+        locus_proto::keyfile::read_ed25519(path)
             .map(SigningKey)
-            .map_err(|e| bad(format!("not an Ed25519 PKCS#8 key ({e})")))
+            .map_err(|why| BackupError::Invalid(format!("signing key {}: {why}", path.display())))
     }
 
     /// Creates a new key at `path` (mode 0600; an existing file is never overwritten)
     /// and returns its public key, hex.
     pub fn generate(path: &Path) -> Result<String> {
-        use std::io::Write;
-        use std::os::unix::fs::OpenOptionsExt;
-        let rng = aws_lc_rs::rand::SystemRandom::new();
-        let doc = Ed25519KeyPair::generate_pkcs8(&rng)
-            .map_err(|_| BackupError::Invalid("cannot generate a key".into()))?;
-        let mut f = std::fs::OpenOptions::new()
-            .write(true)
-            .create_new(true)
-            .mode(0o600)
-            .open(path)
-            .map_err(|e| BackupError::Invalid(format!("{}: {e}", path.display())))?;
-        f.write_all(doc.as_ref())
-            .and_then(|_| f.sync_all())
-            .map_err(|e| BackupError::Invalid(format!("{}: {e}", path.display())))?;
+        let bad = |why: String| BackupError::Invalid(format!("{}: {why}", path.display()));
+        if !locus_proto::keyfile::create_ed25519(path).map_err(bad)? {
+            return Err(bad("exists already; a key is never overwritten".into()));
+        }
         Ok(SigningKey::load(path)?.public_hex())
     }
 

@@ -100,47 +100,12 @@ impl std::fmt::Debug for GrantKey {
 impl GrantKey {
     /// Reads the key at `path`, creating it (mode 0600) at first start.
     pub fn load_or_create(path: &Path) -> Result<Self, KeyError> {
-        use std::io::Write;
-        use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
         let bad = |reason: String| KeyError::File {
             path: path.display().to_string(),
             reason,
         };
-        if !path.exists() {
-            let rng = aws_lc_rs::rand::SystemRandom::new();
-            let doc =
-                Ed25519KeyPair::generate_pkcs8(&rng).map_err(|_| bad("cannot generate a key".into()))?;
-            // A key of a concurrent first start wins; ours is dropped unwritten.
-            match std::fs::OpenOptions::new()
-                .write(true)
-                .create_new(true)
-                .mode(0o600)
-                .open(path)
-            {
-                Ok(mut f) => {
-                    f.write_all(doc.as_ref())
-                        .and_then(|()| f.sync_all())
-                        .map_err(|e| bad(e.to_string()))?;
-                }
-                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
-                Err(e) => return Err(bad(e.to_string())),
-            }
-        }
-        let mode = std::fs::metadata(path)
-            .map_err(|e| bad(e.to_string()))?
-            .permissions()
-            .mode();
-        if mode & 0o077 != 0 {
-            return Err(bad(format!(
-                "other users may read it (mode {:o}); run chmod 600 {}",
-                mode & 0o777,
-                path.display()
-            )));
-        }
-        let der = std::fs::read(path).map_err(|e| bad(e.to_string()))?;
-        Ed25519KeyPair::from_pkcs8(&der)
-            .map(GrantKey)
-            .map_err(|e| bad(format!("not an Ed25519 PKCS#8 key ({e})")))
+        crate::keyfile::create_ed25519(path).map_err(bad)?;
+        crate::keyfile::read_ed25519(path).map(GrantKey).map_err(bad)
     }
 
     pub fn public(&self) -> &[u8] {

@@ -13,6 +13,7 @@ pub mod client;
 pub mod grant;
 pub mod hex;
 pub mod human;
+pub mod keyfile;
 pub mod manifest;
 pub mod names;
 pub mod net;

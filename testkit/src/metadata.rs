@@ -59,6 +59,16 @@ pub struct MetadataOpts {
     pub ip: Option<std::net::Ipv4Addr>,
 }
 
+impl MetadataOpts {
+    /// The usual secured service: `tokens()`, nothing else changed.
+    pub fn with_tokens() -> Self {
+        MetadataOpts {
+            tokens: tokens(),
+            ..Default::default()
+        }
+    }
+}
+
 /// A running (or stopped) `locus metadata serve`.
 pub struct Metadata {
     pub daemon: Daemon,

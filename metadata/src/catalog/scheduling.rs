@@ -210,18 +210,9 @@ impl Catalog {
         if let Some(bad) = rank_nodes.iter().find(|n| NodeId::try_from(n.as_str()).is_err()) {
             return Err(InvalidInput::new("rank_nodes", format!("{bad:?} is not a node id")).into());
         }
-        let (n, v) = self.resolve(r)?;
-        if with_files && v.files > MAX_ASSIGN_FILES {
-            return Err(InvalidInput::new(
-                "with_files",
-                format!(
-                    "{}@{n} has {} files, more than one answer lists ({MAX_ASSIGN_FILES}); ask for shards and list their files separately",
-                    r.name.as_str(),
-                    v.files
-                ),
-            )
-            .into());
-        }
+        let (n, _) = self.resolve(r)?;
+        // A version too large to list in one answer is refused by `files_by_shard`
+        // before anything is listed.
         let live: HashSet<String> = self
             .list_nodes()?
             .into_iter()
@@ -285,7 +276,8 @@ impl Catalog {
             return Err(InvalidInput::new(
                 "files",
                 format!(
-                    "{}@{n} has {} files, more than one answer lists ({MAX_ASSIGN_FILES})",
+                    "{}@{n} has {} files, more than one answer lists ({MAX_ASSIGN_FILES}); ask \
+                     for shards and list their files separately",
                     r.name.as_str(),
                     v.files
                 ),
