@@ -13,6 +13,8 @@ use crate::auth::Principal;
 use crate::catalog::{Catalog, CatalogError, NodeRegistration, ShardSpec};
 use crate::metrics::Metrics;
 
+mod grants;
+
 pub struct MetadataService {
     catalog: Arc<Catalog>,
     audit: Arc<AuditLog>,
@@ -153,87 +155,8 @@ impl pb::metadata_server::Metadata for MetadataService {
     }
 
     async fn issue_grant(&self, req: Request<pb::IssueGrantRequest>) -> Res<pb::IssueGrantResponse> {
-        use locus_proto::grant::{now_ms, GrantBody, Op, DEFAULT_TTL, MAX_TTL};
         let p = principal(&req);
-        let q = req.into_inner();
-        let op = Op::parse(&q.operation)
-            .ok_or_else(|| Status::invalid_argument("operation: one of import, backup, read"))?;
-        // A grant opens on a node what the operation's own calls need here.
-        if op != Op::Read && p.role.is_some() && p.role != Some(crate::auth::Role::Admin) {
-            return Err(Status::permission_denied(format!(
-                "{} (role {}) may not be granted {} on a node; it needs an admin token",
-                p.name,
-                p.role_name(),
-                op.as_str()
-            )));
-        }
-        if q.target.len() > 1024 || q.target.contains('\0') || q.target.contains('@') {
-            return Err(Status::invalid_argument(
-                "target: a URL of at most 1 KiB, without credentials",
-            ));
-        }
-        match op {
-            Op::Read if !q.target.is_empty() => {
-                return Err(Status::invalid_argument("target: a read grant names none"))
-            }
-            Op::Backup => {
-                let url = q.target.clone();
-                let known = self
-                    .run(move |c| Ok(c.list_backups()?.iter().any(|(u, _)| *u == url)))
-                    .await
-                    .map_err(to_status)?;
-                if !known {
-                    return Err(Status::failed_precondition(format!(
-                        "{} is not a recorded backup target (a backup run records its target \
-                         before any node uploads)",
-                        q.target
-                    )));
-                }
-            }
-            _ => {}
-        }
-        if q.node == "*" {
-            if op != Op::Read {
-                return Err(Status::invalid_argument(
-                    "node: only a read grant may be for every node",
-                ));
-            }
-        } else {
-            let id = NodeId::try_from(q.node.clone())?;
-            let registered = self
-                .run(move |c| Ok(c.list_nodes()?.iter().any(|n| n.id == id.as_str())))
-                .await
-                .map_err(to_status)?;
-            if !registered {
-                return Err(Status::not_found(format!("no node {} is registered", q.node)));
-            }
-        }
-        let ttl = match q.ttl_ms {
-            0 => DEFAULT_TTL,
-            ms => std::time::Duration::from_millis(ms).clamp(std::time::Duration::from_secs(1), MAX_TTL),
-        };
-        let now = now_ms();
-        let body = GrantBody {
-            cluster_id: self.catalog.cluster_id().to_string(),
-            node: q.node,
-            operation: op.as_str().to_string(),
-            target: q.target,
-            issued_to: p.name.clone(),
-            not_before_unix_ms: now,
-            expires_unix_ms: now + ttl.as_millis() as u64,
-        };
-        if op != Op::Read {
-            self.audit.record(
-                &p,
-                "grant.issue",
-                &format!("{}/{}", body.node, body.operation),
-                Ok(format!("target {:?}, {} s", body.target, ttl.as_secs())),
-            );
-        }
-        Ok(Response::new(pb::IssueGrantResponse {
-            grant: self.grant_key.sign(&body),
-            expires_unix_ms: body.expires_unix_ms,
-        }))
+        self.grant(p, req.into_inner()).await.map(Response::new)
     }
 
     async fn register_node(&self, req: Request<pb::RegisterNodeRequest>) -> Res<pb::RegisterNodeResponse> {
