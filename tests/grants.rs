@@ -244,3 +244,44 @@ async fn a_remote_mount_keeps_reading_on_its_grant_while_the_metadata_service_is
     }
     m.daemon.sigcont();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_grant_is_renewed_in_the_background_and_the_one_in_hand_serves_until_it_ends() {
+    use locus_proto::grant::{Grants, Op};
+    let h = Harness::new("grants-renew");
+    let m = h.start_metadata("meta", MetadataOpts::with_tokens()).await;
+    let n = h.start_node("n1", &m, NodeOpts::host(1)).await;
+    // Four-second grants: always within the renewal window, so every call after the
+    // first (once the retry interval allows) starts a renewal in the background.
+    let grants = Grants::new(m.client(Some("admin")).await, m.token("admin").as_deref())
+        .with_ttl(std::time::Duration::from_secs(4));
+    let first = grants.get("n1", Op::Import, "").await.unwrap().unwrap();
+    have(&n, &first).await.expect("the grant works");
+    // The service stops: the grant in hand is still handed out (no error, no renewal
+    // waited for), and still works at the node.
+    m.daemon.sigstop();
+    let held = grants.get("n1", Op::Import, "").await.unwrap().unwrap();
+    assert_eq!(held, first);
+    have(&n, &held)
+        .await
+        .expect("the held grant works while the service is stopped");
+    // Once it has ended, a call has to wait for the service and fails without it.
+    tokio::time::sleep(std::time::Duration::from_millis(4200)).await;
+    let e = grants.get("n1", Op::Import, "").await.unwrap_err();
+    assert_eq!(e.code(), tonic::Code::Unavailable, "{e:?}");
+    // The service back: a fresh grant, and the next renewal replaces it in the
+    // background.
+    m.daemon.sigcont();
+    let fresh = grants.get("n1", Op::Import, "").await.unwrap().unwrap();
+    assert_ne!(fresh, first);
+    let renewed = wait_until(
+        "a background renewal",
+        std::time::Duration::from_secs(30),
+        || async {
+            let g = grants.get("n1", Op::Import, "").await.ok()??;
+            (g != fresh).then_some(g)
+        },
+    )
+    .await;
+    have(&n, &renewed).await.expect("the renewed grant works");
+}

@@ -224,14 +224,17 @@ impl Verifier {
 /// The grants a client holds, by (node, operation, target), renewed a while before they
 /// end. A client without a token asks for none: its cluster runs without tokens.
 ///
-/// A grant in hand keeps being used while the metadata service cannot renew it (a
-/// mount's reads must not stop because the service restarts); renewal is retried at
-/// most every 10 s meanwhile. Read grants last the longest allowed (an hour), so a mount
-/// rides out that long an outage of the service.
+/// Only a call with no valid grant in hand waits for the metadata service. A grant near
+/// its end is renewed in the background while it is still used, and when renewal fails
+/// the grant in hand stays in use until it ends (renewal retried every 10 s), so a
+/// mount's reads never stall on a slow or stopped service. Read grants last the longest
+/// allowed (an hour): a mount rides out that long an outage.
 pub struct Grants {
     meta: crate::client::MetadataClient,
     enabled: bool,
-    held: tokio::sync::Mutex<std::collections::HashMap<GrantScope, Held>>,
+    /// Every grant's lifetime, instead of the defaults (`with_ttl`).
+    ttl: Option<Duration>,
+    held: std::sync::Arc<tokio::sync::Mutex<std::collections::HashMap<GrantScope, Held>>>,
 }
 
 /// (node, operation, target).
@@ -240,7 +243,7 @@ type GrantScope = (String, Op, String);
 struct Held {
     grant: String,
     expires: u64,
-    /// No renewal is tried before this (the last try failed).
+    /// No renewal is started before this (one runs, or the last one failed).
     retry_after: u64,
 }
 
@@ -255,8 +258,15 @@ impl Grants {
         Grants {
             meta,
             enabled: token.is_some(),
+            ttl: None,
             held: Default::default(),
         }
+    }
+
+    /// Grants of this lifetime (1 s to 1 h) rather than 10 minutes (an hour for reads).
+    pub fn with_ttl(mut self, ttl: Duration) -> Self {
+        self.ttl = Some(ttl);
+        self
     }
 
     /// What to present to `node` for `op` on `target`: a grant, the same one until it is
@@ -266,56 +276,67 @@ impl Grants {
             return Ok(None);
         }
         let key = (node.to_string(), op, target.to_string());
-        let mut held = self.held.lock().await;
         let now = now_ms();
-        if let Some(h) = held.get(&key) {
-            let fresh = now + RENEW_BEFORE.as_millis() as u64 <= h.expires;
-            if fresh || (now < h.retry_after && now < h.expires) {
-                return Ok(Some(h.grant.clone()));
+        {
+            let mut held = self.held.lock().await;
+            if let Some(h) = held.get_mut(&key) {
+                if now + 1000 < h.expires {
+                    if now + RENEW_BEFORE.as_millis() as u64 > h.expires && now >= h.retry_after {
+                        h.retry_after = now + RETRY_EVERY.as_millis() as u64;
+                        let (meta, held, key) = (self.meta.clone(), self.held.clone(), key.clone());
+                        let ttl = self.ttl;
+                        tokio::spawn(async move {
+                            if let Ok(fresh) = issue(meta, &key, ttl).await {
+                                held.lock().await.insert(key, fresh);
+                            }
+                        });
+                    }
+                    return Ok(Some(h.grant.clone()));
+                }
             }
         }
-        let ttl = match op {
-            Op::Read => MAX_TTL,
-            _ => DEFAULT_TTL,
-        };
-        let mut meta = self.meta.clone();
-        let ask = meta.issue_grant(crate::pb::IssueGrantRequest {
-            node: node.to_string(),
-            operation: op.as_str().to_string(),
-            target: target.to_string(),
-            ttl_ms: ttl.as_millis() as u64,
-        });
-        let answer = match tokio::time::timeout(RENEW_TIMEOUT, ask).await {
-            Ok(Ok(r)) => Ok(r.into_inner()),
-            Ok(Err(s)) => Err(s),
-            Err(_) => Err(tonic::Status::unavailable(
+        let fresh = issue(self.meta.clone(), &key, self.ttl).await?;
+        let grant = fresh.grant.clone();
+        self.held.lock().await.insert(key, fresh);
+        Ok(Some(grant))
+    }
+}
+
+/// One `IssueGrant` call, bounded in time.
+async fn issue(
+    mut meta: crate::client::MetadataClient,
+    key: &GrantScope,
+    ttl: Option<Duration>,
+) -> Result<Held, tonic::Status> {
+    let (node, op, target) = key;
+    let ttl = ttl.unwrap_or(match op {
+        Op::Read => MAX_TTL,
+        _ => DEFAULT_TTL,
+    });
+    let ask = meta.issue_grant(crate::pb::IssueGrantRequest {
+        node: node.clone(),
+        operation: op.as_str().to_string(),
+        target: target.clone(),
+        ttl_ms: ttl.as_millis() as u64,
+    });
+    match tokio::time::timeout(RENEW_TIMEOUT, ask).await {
+        Ok(Ok(r)) => {
+            let r = r.into_inner();
+            Ok(Held {
+                grant: r.grant,
+                expires: r.expires_unix_ms,
+                retry_after: 0,
+            })
+        }
+        Ok(Err(s)) => {
+            tracing::warn!(node, "cannot get a {} grant: {}", op.as_str(), s.message());
+            Err(s)
+        }
+        Err(_) => {
+            tracing::warn!(node, "cannot get a {} grant: no answer within 5 s", op.as_str());
+            Err(tonic::Status::unavailable(
                 "the metadata service did not answer within 5 s",
-            )),
-        };
-        match (answer, held.get_mut(&key)) {
-            (Ok(r), _) => {
-                held.insert(
-                    key,
-                    Held {
-                        grant: r.grant.clone(),
-                        expires: r.expires_unix_ms,
-                        retry_after: 0,
-                    },
-                );
-                Ok(Some(r.grant))
-            }
-            (Err(s), Some(h)) if now + 1000 < h.expires => {
-                tracing::warn!(
-                    node,
-                    "cannot renew a {} grant ({}); using the one held, valid {} s more",
-                    op.as_str(),
-                    s.message(),
-                    (h.expires - now) / 1000
-                );
-                h.retry_after = now + RETRY_EVERY.as_millis() as u64;
-                Ok(Some(h.grant.clone()))
-            }
-            (Err(s), _) => Err(s),
+            ))
         }
     }
 }
