@@ -410,7 +410,13 @@ fn the_shipped_systemd_units_verify() {
     let h = Harness::new("systemd-units");
     let dir = h.path("units");
     std::fs::create_dir_all(&dir).unwrap();
-    let units = ["locus-backup.service", "locus-backup.timer", "locus-node.service"];
+    let units = [
+        "locus-backup.service",
+        "locus-backup.timer",
+        "locus-node.service",
+        "locus-slurm-features.service",
+        "locus-slurm-features.timer",
+    ];
     for u in units {
         let text = std::fs::read_to_string(
             std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
