@@ -264,4 +264,21 @@ async fn csi_publishes_shared_counted_mounts_that_outlive_a_plugin_restart_and_r
         .await,
     );
     assert_eq!(e.code(), tonic::Code::InvalidArgument, "{e:?}");
+
+    // An endpoint path holding anything but a socket is left alone, and said so.
+    let precious = h.path("precious.txt");
+    std::fs::write(&precious, b"keep me").unwrap();
+    let o = Command::new(locus())
+        .args(["csi", "--node-id", "n1", "--endpoint"])
+        .arg(format!("unix://{}", precious.display()))
+        .arg("--state-dir")
+        .arg(h.path("state-2"))
+        .arg("--kubelet-dir")
+        .arg(&kubelet)
+        .env("LOCUS_METADATA", m.url())
+        .output()
+        .unwrap();
+    assert!(!o.status.success());
+    assert!(stderr(&o).contains("is not a socket"), "{}", stderr(&o));
+    assert_eq!(std::fs::read(&precious).unwrap(), b"keep me");
 }

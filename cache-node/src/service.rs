@@ -664,7 +664,8 @@ fn check_grant_target(
             g.issued_to, g.target
         )));
     }
-    tracing::info!(
+    // Debug: an import reads its origin with one call per file.
+    tracing::debug!(
         issued_to = %g.issued_to,
         operation = %g.operation,
         url,

@@ -75,11 +75,17 @@ class LocusSampler(_Base):  # type: ignore[misc]
         self.local_fraction: Optional[float] = None
         if rank_nodes is None:
             here = node or os.environ.get("LOCUS_NODE") or socket.gethostname()
-            rank_nodes = (
-                _gather_nodes(here, self.num_replicas)
-                if num_replicas is None
-                else [here] * self.num_replicas
-            )
+            if world > 1 and self.num_replicas == world:
+                rank_nodes = _gather_nodes(here, world)
+            elif self.num_replicas == 1:
+                rank_nodes = [here]
+            else:
+                # Guessing would place every rank on this node and the plan would be
+                # wrong for all the others.
+                raise ValueError(
+                    "rank_nodes is required when the ranks' nodes cannot be gathered "
+                    "(torch.distributed not initialized, or num_replicas differs from it)"
+                )
         if len(rank_nodes) != self.num_replicas:
             raise ValueError("rank_nodes must name one node per rank")
         self.partitions: Optional[List[List[int]]] = None

@@ -174,3 +174,11 @@ def test_unreachable_locus_falls_back_to_distributed_order_with_a_warning():
     assert list(s) == plans[1]
     assert {len(p) for p in plans} == {4}
     assert set(i for p in plans for i in p) == set(range(10))
+
+
+def test_a_world_without_the_ranks_nodes_is_refused_not_guessed():
+    import pytest
+
+    with pytest.raises(ValueError, match="rank_nodes is required"):
+        LocusSampler(["a"], "ds@1", num_replicas=2, rank=0, assignment=answer(["a"], 2))
+

@@ -79,23 +79,34 @@ pub async fn run(a: CsiArgs, cfg: &Resolved) -> anyhow::Result<()> {
         None => crate::cmd::node::hostname(),
     };
     std::fs::create_dir_all(a.state_dir.join("mounts"))?;
+    // Absolute and resolved: shared mounts are found by their path in the mount table.
+    let state_dir = std::fs::canonicalize(&a.state_dir)
+        .map_err(|e| anyhow::anyhow!("--state-dir {}: {e}", a.state_dir.display()))?;
     let kubelet_dir = std::fs::canonicalize(&a.kubelet_dir)
         .map_err(|e| anyhow::anyhow!("--kubelet-dir {}: {e}", a.kubelet_dir.display()))?;
-    let published = match std::fs::read(a.state_dir.join("volumes.json")) {
+    let published = match std::fs::read(state_dir.join("volumes.json")) {
         Ok(b) => serde_json::from_slice(&b)
-            .map_err(|e| anyhow::anyhow!("{}: {e}", a.state_dir.join("volumes.json").display()))?,
+            .map_err(|e| anyhow::anyhow!("{}: {e}", state_dir.join("volumes.json").display()))?,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Published::default(),
         Err(e) => return Err(e.into()),
     };
     let plugin = Arc::new(Plugin {
         node_id,
         node_socket: a.node_socket,
-        state_dir: a.state_dir,
+        state_dir,
         kubelet_dir,
         cfg: cfg.clone(),
         published: tokio::sync::Mutex::new(published),
     });
-    let _ = std::fs::remove_file(path);
+    // A socket left by an earlier run is replaced; anything else at the path is not ours.
+    {
+        use std::os::unix::fs::FileTypeExt;
+        match std::fs::symlink_metadata(path) {
+            Ok(m) if m.file_type().is_socket() => std::fs::remove_file(path)?,
+            Ok(_) => anyhow::bail!("--endpoint {path} exists and is not a socket; refusing to replace it"),
+            Err(_) => {}
+        }
+    }
     if let Some(dir) = Path::new(path).parent() {
         std::fs::create_dir_all(dir)?;
     }
@@ -353,8 +364,7 @@ impl Plugin {
     }
 }
 
-/// Whether `p` is a mount point (its device differs from its parent's, or it is listed
-/// in this process's mount table).
+/// Whether `p` (absolute, resolved) is a mount point in this process's mount table.
 fn is_mountpoint(p: &Path) -> bool {
     let Ok(text) = std::fs::read_to_string("/proc/self/mountinfo") else {
         return false;

@@ -98,7 +98,13 @@ impl Slurm {
             .unwrap()
             .trim()
             .to_string();
-        let (ctld_port, d_port) = (free_low_port(), free_low_port());
+        let ctld_port = free_low_port();
+        let d_port = loop {
+            let p = free_low_port();
+            if p != ctld_port {
+                break p;
+            }
+        };
         let d = dir.display();
         let mut conf = format!(
             "ClusterName=locustest\nSlurmctldHost={host}({gw})\nSlurmctldPort={ctld_port}\n\
