@@ -55,6 +55,12 @@ enum Command {
     /// empty data dir), or one dataset version into the running cluster.
     Restore(cmd::backup::RestoreArgs),
     /// Mount a dataset version as a read-only file tree (returns once it is readable).
+    ///
+    /// A mount is two processes: its holder keeps the FUSE connection and restarts the
+    /// server that answers the kernel if it dies (a crash, an OOM kill, kill -9); readers
+    /// pause for a moment and see no error. `locus status` shows both pids. Signals to the
+    /// holder: TERM unmounts; HUP restarts the server from the executable now at the same
+    /// path, to upgrade under live readers.
     Mount(Box<cmd::mount::MountArgs>),
     /// Unmount a Locus mount.
     Umount(cmd::mount::UmountArgs),
@@ -119,7 +125,7 @@ fn main() -> ExitCode {
     }
     let is_daemon = match &cli.command {
         Command::Metadata(cmd::metadata::MetadataCmd::Serve(_)) | Command::Csi(_) => true,
-        Command::Mount(m) => m.foreground || m.notify_ready,
+        Command::Mount(m) => m.foreground || m.notify_ready || m.serve,
         _ => false,
     };
     config::init_logging(&cfg, is_daemon);

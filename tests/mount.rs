@@ -94,9 +94,10 @@ async fn every_file_reads_back_identical_with_and_without_a_local_node() {
     assert!(text.contains(&format!("at {}", remote.path.display())), "{text}");
     assert!(
         text.contains(&format!(
-            "at {} (pid {}): opened by the kernel",
+            "at {} (pid {}, server {}): opened by the kernel",
             kernel.path.display(),
-            kernel.pid()
+            kernel.pid(),
+            kernel.server_pid()
         )),
         "{text}"
     );

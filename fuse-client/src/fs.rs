@@ -102,6 +102,23 @@ pub struct Mount {
     handles: Mutex<HashMap<u64, Arc<Handle>>>,
     /// The kernel wants one backing file per inode while any handle of it is open.
     backing: Mutex<HashMap<u64, (Arc<BackingId>, usize)>>,
+    /// Backing ids a previous process of this mount registered, by inode: files it opened
+    /// may still be open, and the kernel refuses a second backing file for their inode.
+    inherited: Mutex<HashMap<u64, u32>>,
+    /// Told of every backing id registered (`Some`) or closed (`None`), before the kernel
+    /// hears of it: the holder of the connection keeps the list for the next process.
+    backing_observer: Option<BackingObserver>,
+}
+
+/// See `Mount::backing_observer`: (inode, backing id or `None` when closed).
+pub type BackingObserver = Arc<dyn Fn(u64, Option<u32>) + Send + Sync>;
+
+/// What init negotiated with the kernel, which a process taking over a live connection
+/// must restore (the kernel sends INIT once per connection).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct Negotiated {
+    pub passthrough: bool,
+    pub kernel_opens: bool,
 }
 
 impl std::ops::Deref for Mount {
@@ -148,8 +165,35 @@ impl LocusFs {
                 next_fh: AtomicU64::new(1),
                 handles: Mutex::new(HashMap::new()),
                 backing: Mutex::new(HashMap::new()),
+                inherited: Mutex::new(HashMap::new()),
+                backing_observer: None,
             }),
         }
+    }
+
+    /// Reports backing ids to `f` (see `Mount::backing_observer`). Call before mounting.
+    pub fn with_backing_observer(mut self, f: BackingObserver) -> Self {
+        Arc::get_mut(&mut self.mount)
+            .expect("set before the filesystem is shared")
+            .backing_observer = Some(f);
+        self
+    }
+
+    /// What init negotiated (meaningful once the session is initialized).
+    pub fn negotiated(&self) -> Negotiated {
+        Negotiated {
+            passthrough: self.passthrough.load(Ordering::Relaxed),
+            kernel_opens: self.kernel_opens.load(Ordering::Relaxed),
+        }
+    }
+
+    /// Takes over a connection another process of this mount initialized: what it
+    /// negotiated, and the backing ids it registered (kept for the life of this process,
+    /// since files opened with them may stay open; a few dozen ids at most).
+    pub fn restore(&self, n: Negotiated, inherited: HashMap<u64, u32>) {
+        self.passthrough.store(n.passthrough, Ordering::Relaxed);
+        self.kernel_opens.store(n.kernel_opens, Ordering::Relaxed);
+        *self.inherited.lock().unwrap() = inherited;
     }
 
     /// Whether passthrough is in use; readable after the filesystem moved into its
@@ -207,13 +251,33 @@ impl Mount {
                     *n += 1;
                     Some(id.clone())
                 }
+                None if self.inherited.lock().unwrap().contains_key(&ino) => {
+                    let raw = self.inherited.lock().unwrap()[&ino];
+                    // SAFETY: the id was registered on this connection by the previous
+                    // process and never closed (the holder hears of every close); it is
+                    // wrapped once, and kept (count never reaching 0) while we live.
+                    #[allow(unsafe_code)]
+                    let id = Arc::new(unsafe { reply.wrap_backing(raw) });
+                    backing.insert(ino, (id.clone(), usize::MAX / 2));
+                    Some(id)
+                }
                 None => match reply.open_backing(&file.file) {
                     Ok(id) => {
                         let id = Arc::new(id);
+                        // The holder must know of the id before the kernel can use it.
+                        if let Some(f) = &self.backing_observer {
+                            f(ino, Some(id.raw()));
+                        }
                         if backing.len() >= 2 * self.recent_max {
                             // Closed files keep their backing id only while recent.
                             let recent = self.recent.lock().unwrap();
-                            backing.retain(|ino, (_, n)| *n > 0 || recent.contains_key(ino));
+                            backing.retain(|ino, (_, n)| {
+                                let keep = *n > 0 || recent.contains_key(ino);
+                                if let (false, Some(f)) = (keep, &self.backing_observer) {
+                                    f(*ino, None);
+                                }
+                                keep
+                            });
                         }
                         backing.insert(ino, (id.clone(), 1));
                         Some(id)
@@ -469,7 +533,9 @@ impl Filesystem for LocusFs {
             return self.mount.read_inode(ino.0, offset, size, started, reply);
         }
         let Some(h) = self.handles.lock().unwrap().get(&fh.0).cloned() else {
-            return reply.error(Errno::EBADF);
+            // Opened by a previous process of this mount (which was restarted): the
+            // inode says everything a read needs.
+            return self.mount.read_inode(ino.0, offset, size, started, reply);
         };
         match &*h {
             Handle::Passthrough { _file: file, .. } | Handle::Local { file } => {
@@ -528,6 +594,9 @@ impl Filesystem for LocusFs {
                     };
                     if *n == 0 && !fresh() {
                         backing.remove(ino);
+                        if let Some(f) = &self.backing_observer {
+                            f(*ino, None);
+                        }
                     }
                 }
             }

@@ -129,7 +129,10 @@ pub fn session_config(source: &str, allow_other: bool, threads: usize) -> fuser:
         c.acl = fuser::SessionACL::All;
     }
     c.n_threads = Some(threads.max(1));
-    c.clone_fd = true;
+    // One descriptor read by every thread: a cloned one would be closed with a dying
+    // server, failing the requests it held, while the shared one stays open in the
+    // holder and its lost requests can be resent (see `locus mount`'s holder).
+    c.clone_fd = false;
     c
 }
 

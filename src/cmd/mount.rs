@@ -5,6 +5,10 @@
 //! command returns only once the tree can be read, and its exit status says whether it
 //! can. The child logs to a file next to its status file.
 //!
+//! The process that stays is the mount's holder (`holder`): it keeps the FUSE connection
+//! and runs the server (`--serve`, the `serve` function here), restarting it on the same
+//! live connection when it dies.
+//!
 //! The status file (`<runtime dir>/mounts/<name>.json`, rewritten every two seconds)
 //! carries the mount's totals for `locus status`; the runtime dir is `$LOCUS_RUNTIME_DIR`,
 //! else `/tmp/locus-<uid>`.
@@ -34,7 +38,10 @@ pub struct MountArgs {
     /// the node fails, bytes come from remote replicas.
     #[arg(long, env = "LOCUS_NODE_SOCKET", value_name = "PATH")]
     pub node_socket: Option<PathBuf>,
-    /// Stay in the foreground (for systemd, containers and debugging).
+    /// Stay in the foreground (for systemd, containers and debugging). This process is
+    /// the mount's holder: it stays while the mount does, restarts the server process if
+    /// it dies, unmounts on SIGTERM and restarts the server from the executable at the
+    /// same path on SIGHUP (an upgrade; `ExecReload=kill -HUP $MAINPID` under systemd).
     #[arg(long)]
     pub foreground: bool,
     /// Let other users read the mount (needs user_allow_other in /etc/fuse.conf unless
@@ -87,6 +94,9 @@ pub struct MountArgs {
     /// Internal: print one line on stdout when ready (used by the non-foreground parent).
     #[arg(long, hide = true)]
     pub notify_ready: bool,
+    /// Internal: be the server the mount's holder process starts (see `holder`).
+    #[arg(long, hide = true)]
+    pub serve: bool,
 }
 
 /// The mount keeps recently verified local files open, up to a quarter of its open-file
@@ -155,7 +165,13 @@ pub struct MountStatus {
     pub mountpoint: PathBuf,
     pub dataset: String,
     pub version: u64,
+    /// The process that keeps the mount (the holder): TERM unmounts, HUP restarts the
+    /// server.
     pub pid: u32,
+    /// The process serving the kernel's requests now; it may be restarted under a live
+    /// mount (0 in status files older than restartable mounts).
+    #[serde(default)]
+    pub server_pid: u32,
     pub files: u64,
     pub bytes: u64,
     pub passthrough: bool,
@@ -167,6 +183,7 @@ pub struct MountStatus {
     pub totals: locus_fuse::metrics::Totals,
 }
 
+mod holder;
 mod runtime;
 use runtime::{private_runtime_dir, status_path};
 
@@ -220,9 +237,15 @@ fn check_mountpoint(p: &Path) -> anyhow::Result<()> {
 pub async fn run(a: MountArgs, cfg: &Resolved) -> anyhow::Result<()> {
     let mountpoint = crate::absolute(a.mountpoint.clone());
     parse_target(&a.target)?;
+    if a.serve {
+        // Started by the holder, which checked the mountpoint (mounted already, when this
+        // server replaces one that died).
+        return serve(a, mountpoint, cfg).await;
+    }
     check_mountpoint(&mountpoint)?;
     if a.foreground || a.notify_ready {
-        serve(a, mountpoint, cfg).await
+        private_runtime_dir()?;
+        holder::run(&mountpoint, a.notify_ready, cfg.token.as_deref()).await
     } else {
         spawn_background(&a, &mountpoint, cfg.token.as_deref())
     }
@@ -384,11 +407,57 @@ async fn serve(a: MountArgs, mountpoint: PathBuf, cfg: &Resolved) -> anyhow::Res
     let source = format!("{}{dataset}@{}", locus_fuse::SOURCE_PREFIX, v.version);
     let threads = a.threads.unwrap_or_else(default_threads);
     let config = locus_fuse::session_config(&source, a.allow_other, threads);
+    let holder = holder::Channel::from_env().map(Arc::new);
+    let reattach = holder::Reattach::from_env()?;
+    let fs = match &holder {
+        Some(h) => {
+            let h = h.clone();
+            fs.with_backing_observer(Arc::new(move |ino, id| h.backing(ino, id)))
+        }
+        None => fs,
+    };
+    let reattached = reattach.is_some();
     let mp = mountpoint.clone();
-    let session =
-        tokio::task::spawn_blocking(move || fuser::Session::new(fs, &mp, &config).and_then(|s| s.spawn()))
-            .await?
-            .map_err(|e| mount_error(&mountpoint, e))?;
+    let h = holder.clone();
+    let (pt, ko) = (passthrough.clone(), kernel_opened.clone());
+    let session = tokio::task::spawn_blocking(move || -> std::io::Result<fuser::BackgroundSession> {
+        use std::os::fd::AsFd;
+        let Some(r) = reattach else {
+            let s = fuser::Session::new(fs, &mp, &config)?;
+            if let Some(h) = &h {
+                let v = s.proto_version().unwrap_or(fuser::Version(7, 0));
+                let state = holder::SessionState {
+                    proto_major: v.0,
+                    proto_minor: v.1,
+                    negotiated: locus_fuse::fs::Negotiated {
+                        // Set by init, during the handshake `Session::new` ran.
+                        passthrough: pt.load(Ordering::Relaxed),
+                        kernel_opens: ko.load(Ordering::Relaxed),
+                    },
+                    backing: Default::default(),
+                };
+                h.session(s.as_fd(), &state)?;
+            }
+            return s.spawn();
+        };
+        fs.restore(r.state.negotiated, r.state.backing.clone().into_iter().collect());
+        let acl = config.acl;
+        let v = fuser::Version(r.state.proto_major, r.state.proto_minor);
+        let s = fuser::Session::from_initialized_fd(fs, r.fuse, acl, config, v);
+        let fd = s.as_fd().try_clone_to_owned()?;
+        let bg = s.spawn()?;
+        if let Err(e) = holder::resend_lost_requests(fd.as_fd()) {
+            tracing::warn!(
+                "this kernel cannot resend requests the previous server read ({e}; Linux 6.9+): their readers wait until unmount"
+            );
+        }
+        Ok(bg)
+    })
+    .await?
+    .map_err(|e| mount_error(&mountpoint, e))?;
+    if reattached {
+        tracing::info!("took over the live mount at {}", mountpoint.display());
+    }
 
     raise_readahead(&mountpoint, readahead);
     if let Some(addr) = &a.metrics_listen {
@@ -405,7 +474,12 @@ async fn serve(a: MountArgs, mountpoint: PathBuf, cfg: &Resolved) -> anyhow::Res
             mountpoint: mountpoint.clone(),
             dataset: dataset.clone(),
             version: v.version,
-            pid: std::process::id(),
+            pid: if holder.is_some() {
+                std::os::unix::process::parent_id()
+            } else {
+                std::process::id()
+            },
+            server_pid: std::process::id(),
             files: v.files,
             bytes: v.bytes,
             passthrough: false,
@@ -458,12 +532,9 @@ async fn serve(a: MountArgs, mountpoint: PathBuf, cfg: &Resolved) -> anyhow::Res
             (false, false, _) => "remote replicas".to_string(),
         }
     );
-    if a.notify_ready {
-        print!("ready {msg}");
-        use std::io::Write;
-        let _ = std::io::stdout().flush();
-    } else {
-        eprint!("{msg}");
+    match &holder {
+        Some(h) => h.ready(&msg)?,
+        None => eprint!("{msg}"),
     }
 
     let mut tick = tokio::time::interval(Duration::from_secs(2));
@@ -474,6 +545,10 @@ async fn serve(a: MountArgs, mountpoint: PathBuf, cfg: &Resolved) -> anyhow::Res
         tokio::select! {
             _ = &mut shutdown => {
                 tracing::info!("unmounting {}", mountpoint.display());
+                if reattached {
+                    // Only the server that mounted holds fuser's unmount handle.
+                    holder::lazy_unmount(&mountpoint);
+                }
                 let r = tokio::task::spawn_blocking(move || session.umount_and_join()).await?;
                 if let Err(e) = r {
                     tracing::warn!("unmount: {e}");

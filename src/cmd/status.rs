@@ -135,12 +135,17 @@ pub async fn run(cfg: &Resolved) -> anyhow::Result<()> {
             )
         };
         println!(
-            "mount      {}@{} at {} (pid {}): {opens}; \
+            "mount      {}@{} at {} (pid {}{}): {opens}; \
              read {} local, {} remote, {} from origin, {} from memory; {} read errors{}",
             m.dataset,
             m.version,
             m.mountpoint.display(),
             m.pid,
+            if m.server_pid != 0 && m.server_pid != m.pid {
+                format!(", server {}", m.server_pid)
+            } else {
+                String::new()
+            },
             output::size(t.bytes_local),
             output::size(t.bytes_remote),
             output::size(t.bytes_origin),

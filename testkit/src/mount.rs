@@ -145,8 +145,14 @@ impl Mount {
         .await
     }
 
+    /// The process that keeps the mount (its holder).
     pub fn pid(&self) -> u32 {
         self.status()["pid"].as_u64().unwrap() as u32
+    }
+
+    /// The process serving the kernel's requests now (restartable under the mount).
+    pub fn server_pid(&self) -> u32 {
+        self.status()["server_pid"].as_u64().unwrap() as u32
     }
 
     pub fn umount(&self) -> Output {

@@ -1,0 +1,444 @@
+//! Mounts that survive their process: the holder of a mount's FUSE connection.
+//!
+//! `locus mount` runs as two processes. The **holder** (the process `locus mount` starts,
+//! or runs in the foreground) does no filesystem work: it starts the **server** (itself
+//! again, with `--serve`), keeps a copy of the server's `/dev/fuse` descriptor, and when
+//! the server dies — a crash, an OOM kill, `kill -9` — starts another on the same live
+//! connection. Readers see a pause, never "Transport endpoint is not connected":
+//!
+//! - requests the kernel had not handed out yet wait in its queue;
+//! - requests the dead server had read but not answered sit on the connection's
+//!   processing list; the new server asks the kernel to queue them again
+//!   (`FUSE_NOTIFY_RESEND`, Linux 6.9+);
+//! - the kernel sends INIT once per connection, so the holder keeps what the first server
+//!   negotiated and the next one restores it (`Session::from_initialized_fd`, vendored);
+//! - inode numbers come from the manifest, the same in every server; a file handle from
+//!   the dead server is unknown to the next, which then reads by inode;
+//! - passthrough backing ids belong to the connection: the server reports each one
+//!   registered or closed before the kernel sees it, and the next server reuses them
+//!   (the kernel refuses a second backing file for an inode whose file is still open).
+//!
+//! The server talks to the holder over a Unix datagram socket pair (`LOCUS_MOUNT_CHANNEL`,
+//! inherited): the descriptor and the negotiated state (with the descriptor attached),
+//! the ready line, and backing ids. The holder hands a restarted server the descriptor
+//! (`LOCUS_MOUNT_FUSE_FD`) and a state file (`LOCUS_MOUNT_SESSION`).
+//!
+//! Signals to the holder: TERM/INT unmount and stop (forwarded to the server, which
+//! unmounts); HUP restarts the server from the executable now at the path the holder was
+//! started from — an upgrade in place, under the readers' feet.
+
+use std::collections::BTreeMap;
+use std::ffi::OsString;
+use std::io::IoSlice;
+use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use nix::sys::socket::{self, ControlMessage, ControlMessageOwned, MsgFlags};
+
+use super::runtime::status_path;
+
+const CHANNEL_ENV: &str = "LOCUS_MOUNT_CHANNEL";
+const FUSE_FD_ENV: &str = "LOCUS_MOUNT_FUSE_FD";
+const SESSION_ENV: &str = "LOCUS_MOUNT_SESSION";
+
+/// What a server taking over a live connection must know about it.
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
+pub struct SessionState {
+    pub proto_major: u32,
+    pub proto_minor: u32,
+    pub negotiated: locus_fuse::fs::Negotiated,
+    /// Backing ids registered on the connection and not closed, by inode.
+    #[serde(default)]
+    pub backing: BTreeMap<u64, u32>,
+}
+
+/// A message from the server.
+enum Msg {
+    Session(OwnedFd, SessionState),
+    Ready(String),
+    Backing(u64, Option<u32>),
+}
+
+// ---------------------------------------------------------------------------------------
+// The server's side.
+
+/// The server's end of the channel to its holder (`None`: not started by a holder).
+pub struct Channel(OwnedFd);
+
+impl Channel {
+    pub fn from_env() -> Option<Channel> {
+        let fd: RawFd = std::env::var(CHANNEL_ENV).ok()?.parse().ok()?;
+        std::env::remove_var(CHANNEL_ENV);
+        set_cloexec(fd);
+        // SAFETY: the holder passed this descriptor to us open and names it in the
+        // environment; nothing else in this process owns it.
+        #[allow(unsafe_code)]
+        Some(Channel(unsafe { OwnedFd::from_raw_fd(fd) }))
+    }
+
+    fn send(&self, data: &[u8], fd: Option<BorrowedFd<'_>>) -> std::io::Result<()> {
+        let iov = [IoSlice::new(data)];
+        let fds = fd.map(|f| [f.as_raw_fd()]);
+        let cmsg: Vec<ControlMessage> = fds.iter().map(|f| ControlMessage::ScmRights(f)).collect();
+        socket::sendmsg::<()>(self.0.as_raw_fd(), &iov, &cmsg, MsgFlags::empty(), None)?;
+        Ok(())
+    }
+
+    /// Hands the holder a copy of the connection and what was negotiated on it.
+    pub fn session(&self, fuse: BorrowedFd<'_>, s: &SessionState) -> std::io::Result<()> {
+        let mut m = b"session ".to_vec();
+        m.extend(serde_json::to_vec(s).map_err(std::io::Error::other)?);
+        self.send(&m, Some(fuse))
+    }
+
+    pub fn ready(&self, msg: &str) -> std::io::Result<()> {
+        self.send(format!("ready {msg}").as_bytes(), None)
+    }
+
+    /// Reports a backing id registered (`Some`) or closed (`None`). Failure is logged,
+    /// not fatal: a holder that is gone cannot restart us anyway.
+    pub fn backing(&self, ino: u64, id: Option<u32>) {
+        let m = match id {
+            Some(id) => format!("backing {ino} {id}"),
+            None => format!("unbacking {ino}"),
+        };
+        if let Err(e) = self.send(m.as_bytes(), None) {
+            tracing::debug!("cannot tell the holder of a backing id: {e}");
+        }
+    }
+}
+
+/// A live connection a restarted server takes over.
+pub struct Reattach {
+    pub fuse: OwnedFd,
+    pub state: SessionState,
+}
+
+impl Reattach {
+    pub fn from_env() -> anyhow::Result<Option<Reattach>> {
+        let Ok(fd) = std::env::var(FUSE_FD_ENV) else {
+            return Ok(None);
+        };
+        let fd: RawFd = fd.parse().context("LOCUS_MOUNT_FUSE_FD")?;
+        let path = std::env::var(SESSION_ENV).context("LOCUS_MOUNT_SESSION")?;
+        std::env::remove_var(FUSE_FD_ENV);
+        std::env::remove_var(SESSION_ENV);
+        set_cloexec(fd);
+        // SAFETY: as for the channel: passed open by the holder, owned by nobody else.
+        #[allow(unsafe_code)]
+        let fuse = unsafe { OwnedFd::from_raw_fd(fd) };
+        let state = serde_json::from_slice(&std::fs::read(&path).with_context(|| path.clone())?)
+            .with_context(|| format!("{path}: not a mount session"))?;
+        Ok(Some(Reattach { fuse, state }))
+    }
+}
+
+/// Asks the kernel to queue again every request a server read and never answered
+/// (FUSE_NOTIFY_RESEND, Linux 6.9+): a header with the notify code, no body.
+pub fn resend_lost_requests(fuse: BorrowedFd<'_>) -> std::io::Result<()> {
+    const FUSE_NOTIFY_RESEND: i32 = 7;
+    let mut h = [0u8; 16];
+    h[0..4].copy_from_slice(&16u32.to_ne_bytes());
+    h[4..8].copy_from_slice(&FUSE_NOTIFY_RESEND.to_ne_bytes());
+    nix::unistd::write(fuse, &h)?;
+    Ok(())
+}
+
+/// Detaches the mount at `mp` (lazily: open files keep working until closed).
+pub fn lazy_unmount(mp: &Path) {
+    let ok = std::process::Command::new("fusermount3")
+        .arg("-u")
+        .arg("-z")
+        .arg(mp)
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success());
+    if !ok {
+        let _ = std::process::Command::new("umount")
+            .arg("-l")
+            .arg(mp)
+            .stderr(Stdio::null())
+            .status();
+    }
+}
+
+fn set_cloexec(fd: RawFd) {
+    use nix::fcntl::{fcntl, FcntlArg, FdFlag};
+    // SAFETY: fcntl on a descriptor number; a wrong one fails harmlessly.
+    #[allow(unsafe_code)]
+    let b = unsafe { BorrowedFd::borrow_raw(fd) };
+    let _ = fcntl(b, FcntlArg::F_SETFD(FdFlag::FD_CLOEXEC));
+}
+
+// ---------------------------------------------------------------------------------------
+// The holder's side.
+
+/// Runs the holder until the mount ends. `notify_ready`: print "ready ..." on stdout for
+/// the parent that started us in the background.
+/// `token`: the resolved token, given to the server in its environment, never its argv.
+pub async fn run(mountpoint: &Path, notify_ready: bool, token: Option<&str>) -> anyhow::Result<()> {
+    use tokio::signal::unix::{signal, SignalKind};
+    // Resolved once: a restarted server runs whatever executable is at this path then.
+    let exe = std::env::current_exe().context("cannot find the locus executable")?;
+    let mut args: Vec<OsString> = Vec::new();
+    let mut given = std::env::args_os().skip(1);
+    while let Some(arg) = given.next() {
+        let s = arg.to_string_lossy();
+        if s == "--token" || s == "--token-file" {
+            given.next();
+        } else if !(s.starts_with("--token=")
+            || s.starts_with("--token-file=")
+            || s == "--notify-ready"
+            || s == "--foreground")
+        {
+            args.push(arg);
+        }
+    }
+    args.push("--serve".into());
+    let session_file = status_path(mountpoint).with_extension("session.json");
+    let mut term = signal(SignalKind::terminate())?;
+    let mut int = signal(SignalKind::interrupt())?;
+    let mut hup = signal(SignalKind::hangup())?;
+
+    let mut fuse: Option<OwnedFd> = None;
+    let mut state: Option<SessionState> = None;
+    let mut ready = false;
+    let mut stopping = false;
+    let mut quick_deaths = 0u32;
+    let code = loop {
+        let (ours, theirs) = socket::socketpair(
+            socket::AddressFamily::Unix,
+            socket::SockType::SeqPacket,
+            None,
+            socket::SockFlag::SOCK_CLOEXEC,
+        )
+        .context("socketpair")?;
+        let mut cmd = tokio::process::Command::new(&exe);
+        cmd.args(&args)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .env(CHANNEL_ENV, theirs.as_raw_fd().to_string());
+        if let Some(t) = token {
+            cmd.env("LOCUS_TOKEN", t).env_remove("LOCUS_TOKEN_FILE");
+        }
+        let mut pass = vec![theirs.as_raw_fd()];
+        if let (Some(fd), Some(s)) = (&fuse, &state) {
+            write_private(&session_file, &serde_json::to_vec(s)?)?;
+            cmd.env(FUSE_FD_ENV, fd.as_raw_fd().to_string())
+                .env(SESSION_ENV, &session_file);
+            pass.push(fd.as_raw_fd());
+        }
+        // SAFETY: between fork and exec only fcntl(2), which is async-signal-safe, runs.
+        #[allow(unsafe_code)]
+        unsafe {
+            cmd.pre_exec(move || {
+                for &fd in &pass {
+                    if libc::fcntl(fd, libc::F_SETFD, 0) != 0 {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                }
+                Ok(())
+            });
+        }
+        let mut child = cmd.spawn().context("cannot start the mount server")?;
+        drop(theirs);
+        let started = Instant::now();
+        let mut rx = receive(ours);
+        let mut killed_for_restart = false;
+        let status = loop {
+            tokio::select! {
+                Some(m) = rx.recv() => apply(m, &mut fuse, &mut state, &mut ready, notify_ready),
+                st = child.wait() => break st?,
+                _ = term.recv() => { stopping = true; signal_child(&child, libc::SIGTERM) }
+                _ = int.recv() => { stopping = true; signal_child(&child, libc::SIGTERM) }
+                _ = hup.recv() => {
+                    if fuse.is_some() && !stopping {
+                        tracing::info!("SIGHUP: restarting the mount server from {}", exe.display());
+                        killed_for_restart = true;
+                        signal_child(&child, libc::SIGKILL);
+                    }
+                }
+            }
+        };
+        // What the server sent just before it ended (a backing id, above all).
+        while let Some(m) = rx.recv().await {
+            apply(m, &mut fuse, &mut state, &mut ready, notify_ready);
+        }
+        if stopping || status.success() {
+            break status.code().unwrap_or(0);
+        }
+        if fuse.is_none() || state.is_none() {
+            // It never mounted: its error is in the log already.
+            break status.code().unwrap_or(1);
+        }
+        if !locus_fuse::is_locus_mount(mountpoint) {
+            tracing::info!("{} was unmounted while its server was down", mountpoint.display());
+            break 0;
+        }
+        if !killed_for_restart {
+            tracing::warn!("the mount server died ({status}); starting another on the same connection");
+        }
+        // A server that keeps dying at once (a bad binary, no memory) is retried more
+        // slowly, up to every 5 s; readers wait meanwhile, they do not fail.
+        quick_deaths = if started.elapsed() < Duration::from_secs(10) {
+            quick_deaths + 1
+        } else {
+            0
+        };
+        let pause = Duration::from_millis(50 << quick_deaths.min(7)).min(Duration::from_secs(5));
+        tokio::time::sleep(pause).await;
+    };
+    if fuse.is_some() && locus_fuse::is_locus_mount(mountpoint) {
+        lazy_unmount(mountpoint);
+    }
+    let _ = std::fs::remove_file(&session_file);
+    let _ = std::fs::remove_file(status_path(mountpoint));
+    if code != 0 {
+        std::process::exit(code);
+    }
+    Ok(())
+}
+
+fn apply(
+    m: Msg,
+    fuse: &mut Option<OwnedFd>,
+    state: &mut Option<SessionState>,
+    ready: &mut bool,
+    notify_ready: bool,
+) {
+    match m {
+        Msg::Session(fd, s) => {
+            *fuse = Some(fd);
+            *state = Some(s);
+        }
+        Msg::Ready(msg) if !*ready => {
+            *ready = true;
+            if notify_ready {
+                use std::io::Write;
+                print!("ready {msg}");
+                let _ = std::io::stdout().flush();
+            } else {
+                eprint!("{msg}");
+            }
+        }
+        Msg::Ready(_) => tracing::info!("the restarted mount server is serving"),
+        Msg::Backing(ino, id) => {
+            if let Some(s) = state {
+                match id {
+                    Some(id) => s.backing.insert(ino, id),
+                    None => s.backing.remove(&ino),
+                };
+            }
+        }
+    }
+}
+
+fn signal_child(child: &tokio::process::Child, sig: i32) {
+    if let Some(pid) = child.id() {
+        // SAFETY: kill(2) on our own child's pid.
+        #[allow(unsafe_code)]
+        unsafe {
+            libc::kill(pid as i32, sig);
+        }
+    }
+}
+
+/// Reads the server's messages on a thread of their own until it closes its end.
+fn receive(sock: OwnedFd) -> tokio::sync::mpsc::UnboundedReceiver<Msg> {
+    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+    std::thread::spawn(move || {
+        let mut buf = vec![0u8; 64 * 1024];
+        loop {
+            let mut cmsg = nix::cmsg_space!([RawFd; 1]);
+            let mut iov = [std::io::IoSliceMut::new(&mut buf)];
+            let r = socket::recvmsg::<()>(
+                sock.as_raw_fd(),
+                &mut iov,
+                Some(&mut cmsg),
+                MsgFlags::MSG_CMSG_CLOEXEC,
+            );
+            let (n, fd) = match r {
+                Ok(r) if r.bytes == 0 => return,
+                Ok(r) => {
+                    let fd = r.cmsgs().ok().into_iter().flatten().find_map(|c| match c {
+                        ControlMessageOwned::ScmRights(fds) => fds.first().copied(),
+                        _ => None,
+                    });
+                    (r.bytes, fd)
+                }
+                Err(nix::errno::Errno::EINTR) => continue,
+                Err(_) => return,
+            };
+            // SAFETY: the kernel just installed this descriptor in our table for us.
+            #[allow(unsafe_code)]
+            let fd = fd.map(|f| unsafe { OwnedFd::from_raw_fd(f) });
+            if let Some(m) = parse(&buf[..n], fd) {
+                if tx.send(m).is_err() {
+                    return;
+                }
+            }
+        }
+    });
+    rx
+}
+
+fn parse(m: &[u8], fd: Option<OwnedFd>) -> Option<Msg> {
+    let text = std::str::from_utf8(m).ok()?;
+    let (kind, rest) = text.split_once(' ').unwrap_or((text, ""));
+    match kind {
+        "session" => Some(Msg::Session(fd?, serde_json::from_str(rest).ok()?)),
+        "ready" => Some(Msg::Ready(rest.to_string())),
+        "backing" => {
+            let (ino, id) = rest.split_once(' ')?;
+            Some(Msg::Backing(ino.parse().ok()?, Some(id.parse().ok()?)))
+        }
+        "unbacking" => Some(Msg::Backing(rest.parse().ok()?, None)),
+        _ => {
+            tracing::warn!("unknown message from the mount server: {text:?}");
+            None
+        }
+    }
+}
+
+/// Writes `data` readable by us alone (the runtime dir is private too).
+fn write_private(path: &PathBuf, data: &[u8]) -> anyhow::Result<()> {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    let tmp = path.with_extension("tmp");
+    let mut f = std::fs::OpenOptions::new()
+        .create(true)
+        .write(true)
+        .truncate(true)
+        .mode(0o600)
+        .open(&tmp)
+        .with_context(|| format!("cannot write {}", tmp.display()))?;
+    f.write_all(data)?;
+    std::fs::rename(&tmp, path)?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn messages_parse_and_junk_is_dropped() {
+        assert!(matches!(parse(b"ready mounted x\n", None), Some(Msg::Ready(m)) if m == "mounted x\n"));
+        assert!(matches!(
+            parse(b"backing 12 3", None),
+            Some(Msg::Backing(12, Some(3)))
+        ));
+        assert!(matches!(
+            parse(b"unbacking 12", None),
+            Some(Msg::Backing(12, None))
+        ));
+        // A session without its descriptor is no session.
+        assert!(parse(br#"session {"proto_major":7,"proto_minor":41,"negotiated":{"passthrough":true,"kernel_opens":false}}"#, None).is_none());
+        assert!(parse(b"backing x 3", None).is_none());
+        assert!(parse(b"\xff\xfe", None).is_none());
+        assert!(parse(b"nonsense 1", None).is_none());
+    }
+}

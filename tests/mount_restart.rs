@@ -1,0 +1,250 @@
+//! Mounts that survive their process: the server of a mount is killed (`kill -9`) or
+//! restarted in place (SIGHUP to the holder) under readers, who see a pause and no error.
+
+use locus_testkit as support;
+
+use std::io::Read;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use support::*;
+
+fn signal(pid: u32, sig: &str) {
+    let st = std::process::Command::new("kill")
+        .args([sig, &pid.to_string()])
+        .status()
+        .unwrap();
+    assert!(st.success(), "kill {sig} {pid}");
+}
+
+fn alive(pid: u32) -> bool {
+    Path::new(&format!("/proc/{pid}")).exists()
+}
+
+/// Reads `p` in 64 KiB pieces, pausing between them, so its handle and some of its reads
+/// are in the air whenever the server dies.
+fn read_slowly(p: &Path, pause: Duration) -> std::io::Result<Vec<u8>> {
+    let mut f = std::fs::File::open(p)?;
+    let mut out = Vec::new();
+    let mut buf = vec![0u8; 64 << 10];
+    loop {
+        let n = f.read(&mut buf)?;
+        if n == 0 {
+            return Ok(out);
+        }
+        out.extend_from_slice(&buf[..n]);
+        std::thread::sleep(pause);
+    }
+}
+
+/// Reads `p` with O_DIRECT: each read is one synchronous request whose error reaches the
+/// reader (a failed read-ahead would be retried by the kernel and hide it).
+fn read_direct(p: &Path) -> std::io::Result<Vec<u8>> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let mut f = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_DIRECT)
+        .open(p)?;
+    let mut out = Vec::new();
+    f.read_to_end(&mut out)?;
+    Ok(out)
+}
+
+/// Waits until the mount has a live server other than `old`, and returns it.
+async fn new_server(m: &Mount, old: u32) -> u32 {
+    wait_until("a new mount server", Duration::from_secs(20), || {
+        let now = std::panic::catch_unwind(|| m.server_pid()).unwrap_or(old);
+        async move { (now != old && alive(now)).then_some(now) }
+    })
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn readers_see_no_error_when_the_mount_server_is_killed_or_upgraded() {
+    let h = Harness::new("mount-restart");
+    let m = h.start_metadata("meta", MetadataOpts::default()).await;
+    let n1 = h.start_node("n1", &m, NodeOpts::host(1)).await;
+    let _n2 = h.start_node("n2", &m, NodeOpts::host(2)).await;
+    let src = h.path("src");
+    make_tree(&src, 200);
+    std::fs::write(src.join("big-a.bin"), pseudo_random(7, 24 << 20)).unwrap();
+    std::fs::write(src.join("big-b.bin"), pseudo_random(8, 24 << 20)).unwrap();
+    let out = import(&m, "ds", &src, &["--replicas", "2"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+
+    // Every way a mount reads: the kernel opening files itself, the mount passing local
+    // files through to the kernel, and remote replicas with no local node.
+    let mounts = [
+        m.mount("kernel", "ds@1", Some(&n1), &["--opens", "kernel"]),
+        m.mount(
+            "passthrough",
+            "ds@1",
+            Some(&n1),
+            &["--opens", "mount", "--passthrough-min-size", "0"],
+        ),
+        m.mount("remote", "ds@1", None, &["--cache-size", "256KiB"]),
+    ];
+    let roots: Vec<PathBuf> = mounts.iter().map(|m| m.path.clone()).collect();
+    let files = Arc::new(nonempty_files(&src));
+    let stop = Arc::new(AtomicBool::new(false));
+    let reads = Arc::new(AtomicU64::new(0));
+    let mut readers = Vec::new();
+    for r in 0..8usize {
+        let root = roots[r % 3].clone();
+        let (files, stop, reads) = (files.clone(), stop.clone(), reads.clone());
+        readers.push(std::thread::spawn(move || -> Result<u64, String> {
+            let mut i = r * 37;
+            let mut done = 0;
+            while !stop.load(Ordering::Relaxed) {
+                // Two readers stay on the big files, slowly: their handles outlive servers.
+                let (rel, want) = if r < 2 {
+                    files
+                        .iter()
+                        .find(|(p, _)| p.ends_with(["big-a.bin", "big-b.bin"][i % 2]))
+                        .unwrap()
+                } else {
+                    &files[i % files.len()]
+                };
+                let p = root.join(rel);
+                drop_page_cache(&p);
+                let pause = Duration::from_millis(if r < 2 { 2 } else { 0 });
+                let data = read_slowly(&p, pause).map_err(|e| format!("{}: {e}", p.display()))?;
+                if blake3::hash(&data).to_hex().as_str() != want {
+                    return Err(format!("{}: wrong bytes", p.display()));
+                }
+                reads.fetch_add(1, Ordering::Relaxed);
+                done += 1;
+                i += 1;
+            }
+            Ok(done)
+        }));
+    }
+    let reads_past = |n: u64| {
+        let reads = reads.clone();
+        move || {
+            let reads = reads.clone();
+            async move { (reads.load(Ordering::Relaxed) > n).then_some(()) }
+        }
+    };
+    wait_until("readers to get going", Duration::from_secs(30), reads_past(100)).await;
+
+    // kill -9 of every server, one mount after another, while all readers run.
+    let holders: Vec<u32> = mounts.iter().map(|m| m.pid()).collect();
+    for mnt in &mounts {
+        let old = mnt.server_pid();
+        assert_ne!(old, mnt.pid(), "the server is not its own holder");
+        signal(old, "-KILL");
+        let now = new_server(mnt, old).await;
+        assert!(!alive(old));
+        let at = reads.load(Ordering::Relaxed);
+        wait_until(
+            "readers to go on after the kill",
+            Duration::from_secs(60),
+            reads_past(at + 60),
+        )
+        .await;
+        assert_ne!(now, old);
+    }
+    // An upgrade in place: SIGHUP makes the holder start the server again from the
+    // executable at its path.
+    let pt = &mounts[1];
+    let old = pt.server_pid();
+    signal(pt.pid(), "-HUP");
+    new_server(pt, old).await;
+    let at = reads.load(Ordering::Relaxed);
+    wait_until(
+        "readers to go on after the upgrade",
+        Duration::from_secs(60),
+        reads_past(at + 60),
+    )
+    .await;
+
+    stop.store(true, Ordering::Relaxed);
+    // A request lost with a dead server would leave its reader blocked for good.
+    wait_until("every reader to finish", Duration::from_secs(60), || async {
+        readers.iter().all(|r| r.is_finished()).then_some(())
+    })
+    .await;
+    for (i, r) in readers.into_iter().enumerate() {
+        let n = r
+            .join()
+            .unwrap()
+            .unwrap_or_else(|e| panic!("reader {i} failed: {e}"));
+        assert!(n > 0, "reader {i} read nothing");
+    }
+    // The holders never changed, and every mount still reads the version exactly.
+    for (mnt, holder) in mounts.iter().zip(&holders) {
+        assert_eq!(mnt.pid(), *holder);
+        assert!(mnt.is_mounted());
+        assert_same_tree(&src, &mnt.path);
+        let log = std::fs::read_to_string(&mnt.log).unwrap();
+        assert!(log.contains("took over the live mount"), "{log}");
+        let st = mnt.status();
+        assert_eq!(st["totals"]["read_errors"], 0, "{st}");
+    }
+    // The passthrough mount kept passing files through after taking over.
+    assert_eq!(pt.status()["passthrough"], true);
+
+    // Requests the server has read and not answered when it dies: with both nodes
+    // stopped, reads through the remote mount wait inside the server; it is killed; the
+    // next server gets those requests again from the kernel and answers them once the
+    // nodes are back.
+    let remote = &mounts[2];
+    n1.daemon.sigstop();
+    _n2.daemon.sigstop();
+    let stuck: Vec<_> = files
+        .iter()
+        .filter(|(p, _)| std::fs::metadata(src.join(p)).unwrap().len() > 100_000)
+        .take(4)
+        .map(|(rel, want)| {
+            let (p, want) = (remote.path.join(rel), want.clone());
+            drop_page_cache(&p);
+            std::thread::spawn(move || -> Result<(), String> {
+                let data = read_direct(&p).map_err(|e| format!("{}: {e}", p.display()))?;
+                if blake3::hash(&data).to_hex().as_str() == want {
+                    Ok(())
+                } else {
+                    Err(format!("{}: wrong bytes", p.display()))
+                }
+            })
+        })
+        .collect();
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let waiting = stuck.iter().filter(|r| !r.is_finished()).count();
+    assert!(waiting >= 2, "only {waiting} reads waited on the stopped nodes");
+    let old = remote.server_pid();
+    signal(old, "-KILL");
+    new_server(remote, old).await;
+    n1.daemon.sigcont();
+    _n2.daemon.sigcont();
+    wait_until(
+        "the reads in flight at the kill to finish",
+        Duration::from_secs(60),
+        || async { stuck.iter().all(|r| r.is_finished()).then_some(()) },
+    )
+    .await;
+    for r in stuck {
+        r.join().unwrap().unwrap();
+    }
+
+    // SIGTERM to the holder still unmounts, and both processes end.
+    let (holder, server) = (mounts[0].pid(), mounts[0].server_pid());
+    signal(holder, "-TERM");
+    wait_until("SIGTERM to unmount", Duration::from_secs(10), || async {
+        (!mounts[0].is_mounted() && !alive(holder) && !alive(server)).then_some(())
+    })
+    .await;
+    // `locus umount` of a mount whose server was replaced (it holds no unmount handle of
+    // its own): unmounted, and both processes end.
+    let (holder, server) = (mounts[2].pid(), mounts[2].server_pid());
+    let u = mounts[2].umount();
+    assert!(u.status.success(), "{}", stderr(&u));
+    wait_until(
+        "umount to end both processes",
+        Duration::from_secs(10),
+        || async { (!mounts[2].is_mounted() && !alive(holder) && !alive(server)).then_some(()) },
+    )
+    .await;
+}
