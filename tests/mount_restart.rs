@@ -130,6 +130,18 @@ async fn readers_see_no_error_when_the_mount_server_is_killed_or_upgraded() {
     };
     wait_until("readers to get going", Duration::from_secs(30), reads_past(100)).await;
 
+    // A passthrough file held open across the restarts: its backing id must be the one
+    // the next server uses for that file (the kernel refuses a second one while it is open).
+    let want_a = files
+        .iter()
+        .find(|(p, _)| p.ends_with("big-a.bin"))
+        .unwrap()
+        .1
+        .clone();
+    let mut held = std::fs::File::open(mounts[1].path.join("big-a.bin")).unwrap();
+    let mut held_bytes = vec![0u8; 1 << 20];
+    held.read_exact(&mut held_bytes).unwrap();
+
     // kill -9 of every server, one mount after another, while all readers run.
     let holders: Vec<u32> = mounts.iter().map(|m| m.pid()).collect();
     for mnt in &mounts {
@@ -147,6 +159,12 @@ async fn readers_see_no_error_when_the_mount_server_is_killed_or_upgraded() {
         .await;
         assert_ne!(now, old);
     }
+    let again =
+        std::fs::read(mounts[1].path.join("big-a.bin")).expect("reopen a file held open across the restart");
+    assert_eq!(blake3::hash(&again).to_hex().as_str(), want_a);
+    held.read_to_end(&mut held_bytes).unwrap();
+    assert_eq!(blake3::hash(&held_bytes).to_hex().as_str(), want_a);
+
     // An upgrade in place: SIGHUP makes the holder start the server again from the
     // executable at its path.
     let pt = &mounts[1];
