@@ -77,7 +77,8 @@ async fn readers_see_no_error_when_the_mount_server_is_killed_or_upgraded() {
     // Every way a mount reads: the kernel opening files itself, the mount passing local
     // files through to the kernel, and remote replicas with no local node.
     let mounts = [
-        m.mount("kernel", "ds@1", Some(&n1), &["--opens", "kernel"]),
+        // "latest" when mounted: a restarted server must still serve version 1.
+        m.mount("kernel", "ds", Some(&n1), &["--opens", "kernel"]),
         m.mount(
             "passthrough",
             "ds@1",
@@ -129,6 +130,16 @@ async fn readers_see_no_error_when_the_mount_server_is_killed_or_upgraded() {
         }
     };
     wait_until("readers to get going", Duration::from_secs(30), reads_past(100)).await;
+
+    // A version 2 in which every file differs, committed before the servers restart.
+    let src2 = h.path("src2");
+    make_tree(&src2, 200);
+    for (i, (rel, _)) in nonempty_files(&src2).into_iter().enumerate() {
+        let len = std::fs::metadata(src2.join(&rel)).unwrap().len() as usize;
+        std::fs::write(src2.join(&rel), pseudo_random(10_000 + i as u64, len)).unwrap();
+    }
+    let out = import(&m, "ds", &src2, &["--replicas", "1"]);
+    assert!(out.status.success(), "{}", stderr(&out));
 
     // A passthrough file held open across the restarts: its backing id must be the one
     // the next server uses for that file (the kernel refuses a second one while it is open).

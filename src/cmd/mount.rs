@@ -316,7 +316,13 @@ fn spawn_background(a: &MountArgs, mountpoint: &Path, token: Option<&str>) -> an
 }
 
 async fn serve(a: MountArgs, mountpoint: PathBuf, cfg: &Resolved) -> anyhow::Result<()> {
-    let (dataset, version) = parse_target(&a.target)?;
+    let (dataset, mut version) = parse_target(&a.target)?;
+    // A server taking over a live mount must serve the version the kernel has been
+    // shown, never a newer one that `DATASET@latest` would now name.
+    let reattach = holder::Reattach::from_env()?;
+    if let Some(r) = &reattach {
+        version = r.state.version;
+    }
     private_runtime_dir()?;
     let cache_bytes = size_arg("--cache-size", &a.cache_size)? as usize;
     let readahead = size_arg("--readahead", &a.readahead)?;
@@ -408,7 +414,6 @@ async fn serve(a: MountArgs, mountpoint: PathBuf, cfg: &Resolved) -> anyhow::Res
     let threads = a.threads.unwrap_or_else(default_threads);
     let config = locus_fuse::session_config(&source, a.allow_other, threads);
     let holder = holder::Channel::from_env().map(Arc::new);
-    let reattach = holder::Reattach::from_env()?;
     let fs = match &holder {
         Some(h) => {
             let h = h.clone();
@@ -420,6 +425,7 @@ async fn serve(a: MountArgs, mountpoint: PathBuf, cfg: &Resolved) -> anyhow::Res
     let mp = mountpoint.clone();
     let h = holder.clone();
     let (pt, ko) = (passthrough.clone(), kernel_opened.clone());
+    let mounted_version = v.version;
     let session = tokio::task::spawn_blocking(move || -> std::io::Result<fuser::BackgroundSession> {
         use std::os::fd::AsFd;
         let Some(r) = reattach else {
@@ -427,6 +433,7 @@ async fn serve(a: MountArgs, mountpoint: PathBuf, cfg: &Resolved) -> anyhow::Res
             if let Some(h) = &h {
                 let v = s.proto_version().unwrap_or(fuser::Version(7, 0));
                 let state = holder::SessionState {
+                    version: mounted_version,
                     proto_major: v.0,
                     proto_minor: v.1,
                     negotiated: locus_fuse::fs::Negotiated {

@@ -47,6 +47,8 @@ const SESSION_ENV: &str = "LOCUS_MOUNT_SESSION";
 /// What a server taking over a live connection must know about it.
 #[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
 pub struct SessionState {
+    /// The version mounted: a restarted server loads this one, whatever "latest" is now.
+    pub version: u64,
     pub proto_major: u32,
     pub proto_minor: u32,
     pub negotiated: locus_fuse::fs::Negotiated,
@@ -436,7 +438,7 @@ mod tests {
             Some(Msg::Backing(12, None))
         ));
         // A session without its descriptor is no session.
-        assert!(parse(br#"session {"proto_major":7,"proto_minor":41,"negotiated":{"passthrough":true,"kernel_opens":false}}"#, None).is_none());
+        assert!(parse(br#"session {"version":1,"proto_major":7,"proto_minor":41,"negotiated":{"passthrough":true,"kernel_opens":false}}"#, None).is_none());
         assert!(parse(b"backing x 3", None).is_none());
         assert!(parse(b"\xff\xfe", None).is_none());
         assert!(parse(b"nonsense 1", None).is_none());
