@@ -128,12 +128,23 @@ pub fn signal(child: &Child, sig: i32) {
 /// up), where no port-0 bind or outgoing connection of another test can take it, and below
 /// the range `free_port_pair` uses for SeaweedFS. For daemons that restart on their port.
 pub fn free_low_port() -> u16 {
+    free_low_port_on(std::net::Ipv4Addr::LOCALHOST, &[])
+}
+
+/// Like `free_low_port`, free on `ip` (the address the daemon will listen on: a port free
+/// on loopback may be taken on a test bed's bridge address) and not one of `taken` (ports
+/// chosen for the same daemon, not yet bound).
+pub fn free_low_port_on(ip: std::net::Ipv4Addr, taken: &[u16]) -> u16 {
     use std::hash::{BuildHasher, Hasher};
     let mut h = std::collections::hash_map::RandomState::new().build_hasher();
     loop {
         h.write_u32(std::process::id());
         let p = 5_000 + (h.finish() % 7_000) as u16;
-        if std::net::TcpListener::bind(("127.0.0.1", p)).is_ok() {
+        if taken.contains(&p) {
+            continue;
+        }
+        let free = |ip: std::net::Ipv4Addr| std::net::TcpListener::bind((ip, p)).is_ok();
+        if free(ip) && (ip.is_loopback() || free(std::net::Ipv4Addr::LOCALHOST)) {
             return p;
         }
     }

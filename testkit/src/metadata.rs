@@ -132,14 +132,16 @@ impl Harness {
             .find(|t| t.role == "node")
             .map(|t| vec![("LOCUS_METADATA_NODE_TOKEN".to_string(), t.secret.clone())])
             .unwrap_or_default();
+        let ip = opts.ip.unwrap_or(std::net::Ipv4Addr::LOCALHOST);
+        let grpc_port = free_low_port_on(ip, &[]);
         let mut m = Metadata {
             daemon: Daemon::new(name, log.clone(), dir.join("addr"), env),
             data_dir: dir.join("data"),
             log,
             // Below the kernel's ephemeral range: a restart on the same ports (nodes and
             // clients hold the URL) cannot find one taken by another test's connection.
-            grpc: SocketAddr::from((opts.ip.unwrap_or(std::net::Ipv4Addr::LOCALHOST), free_low_port())),
-            http: SocketAddr::from((opts.ip.unwrap_or(std::net::Ipv4Addr::LOCALHOST), free_low_port())),
+            grpc: SocketAddr::from((ip, grpc_port)),
+            http: SocketAddr::from((ip, free_low_port_on(ip, &[grpc_port]))),
             opts,
             ca_pem,
             dir,
