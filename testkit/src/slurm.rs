@@ -98,13 +98,10 @@ impl Slurm {
             .unwrap()
             .trim()
             .to_string();
-        let ctld_port = free_low_port();
-        let d_port = loop {
-            let p = free_low_port();
-            if p != ctld_port {
-                break p;
-            }
-        };
+        // slurmctld listens on the bed's gateway address, slurmd in each host's namespace.
+        let gw_ip = bed.gateway();
+        let ctld_port = free_low_port_on(gw_ip, &[]);
+        let d_port = free_low_port_on(std::net::Ipv4Addr::LOCALHOST, &[ctld_port]);
         let d = dir.display();
         let mut conf = format!(
             "ClusterName=locustest\nSlurmctldHost={host}({gw})\nSlurmctldPort={ctld_port}\n\
