@@ -47,6 +47,9 @@ use crate::metrics::Metrics;
 use crate::namespace::{Attr, Kind, Namespace};
 use crate::reader::Remote;
 
+mod takeover;
+pub use takeover::{BackingObserver, Negotiated};
+
 /// The one place a core error becomes what the kernel sees.
 fn errno(e: &FsError) -> Errno {
     match e {
@@ -110,17 +113,6 @@ pub struct Mount {
     backing_observer: Option<BackingObserver>,
 }
 
-/// See `Mount::backing_observer`: (inode, backing id or `None` when closed).
-pub type BackingObserver = Arc<dyn Fn(u64, Option<u32>) + Send + Sync>;
-
-/// What init negotiated with the kernel, which a process taking over a live connection
-/// must restore (the kernel sends INIT once per connection).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-pub struct Negotiated {
-    pub passthrough: bool,
-    pub kernel_opens: bool,
-}
-
 impl std::ops::Deref for Mount {
     type Target = Core;
     fn deref(&self) -> &Core {
@@ -169,31 +161,6 @@ impl LocusFs {
                 backing_observer: None,
             }),
         }
-    }
-
-    /// Reports backing ids to `f` (see `Mount::backing_observer`). Call before mounting.
-    pub fn with_backing_observer(mut self, f: BackingObserver) -> Self {
-        Arc::get_mut(&mut self.mount)
-            .expect("set before the filesystem is shared")
-            .backing_observer = Some(f);
-        self
-    }
-
-    /// What init negotiated (meaningful once the session is initialized).
-    pub fn negotiated(&self) -> Negotiated {
-        Negotiated {
-            passthrough: self.passthrough.load(Ordering::Relaxed),
-            kernel_opens: self.kernel_opens.load(Ordering::Relaxed),
-        }
-    }
-
-    /// Takes over a connection another process of this mount initialized: what it
-    /// negotiated, and the backing ids it registered (kept for the life of this process,
-    /// since files opened with them may stay open; a few dozen ids at most).
-    pub fn restore(&self, n: Negotiated, inherited: HashMap<u64, u32>) {
-        self.passthrough.store(n.passthrough, Ordering::Relaxed);
-        self.kernel_opens.store(n.kernel_opens, Ordering::Relaxed);
-        *self.inherited.lock().unwrap() = inherited;
     }
 
     /// Whether passthrough is in use; readable after the filesystem moved into its
