@@ -321,7 +321,9 @@ fn read_config(path: &Path) -> anyhow::Result<ConfigFile> {
 
 /// Logs go to stderr. Daemons log at info, commands at warn, unless RUST_LOG says more.
 pub fn init_logging(cfg: &Resolved, daemon: bool) {
-    let default = if daemon { "info" } else { "warn" };
+    // openraft narrates every vote and append at info; its warnings are what an operator
+    // needs (a member unreachable, an election lost).
+    let default = if daemon { "info,openraft=warn" } else { "warn" };
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default));
     // Colour only for a person at a terminal; log files and journald get plain text.

@@ -25,7 +25,7 @@ pub fn required_access(method: &str) -> Option<Access> {
         | "AbortVersion" | "PlaceShards" | "DrainNode" | "Warm" | "ExportCatalog" | "RecordBackup"
         // Only the service's own repair changes replicas in normal operation; a node token
         // must not be able to rewrite where other nodes' data is.
-        | "UpdateReplicas" => Access::Admin,
+        | "UpdateReplicas" | "ChangeMembers" => Access::Admin,
         "ListNodeBlobs" => Access::NodeOrAdmin,
         _ => return None,
     })

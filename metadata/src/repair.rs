@@ -32,6 +32,10 @@ pub async fn run(
             _ = tokio::time::sleep(every) => {}
             _ = stop.wait_for(|s| *s) => return,
         }
+        // In a group only the leader repairs.
+        if !catalog.acting() {
+            continue;
+        }
         let c = catalog.clone();
         let (tasks, lost) = match tokio::task::spawn_blocking(move || c.repair_plan(64)).await {
             Ok(Ok(p)) => p,

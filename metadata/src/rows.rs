@@ -17,6 +17,8 @@ use crate::store::Table;
 /// Checks one exported row; the reason names what is wrong, not the row's bytes.
 pub fn check_row(t: Table, k: &[u8], v: &[u8]) -> Result<(), String> {
     match t {
+        // A group's own state is never exported, so a backup carrying it was not made here.
+        Table::Raft => Err("a metadata group's own state does not belong in a backup".into()),
         Table::Meta => match k {
             keys::META_CLUSTER_ID => {
                 let ok = !v.is_empty() && v.len() <= 64 && v.iter().all(u8::is_ascii_alphanumeric);

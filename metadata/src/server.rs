@@ -40,6 +40,8 @@ pub struct ServerConfig {
     pub node_token: Option<String>,
     /// Connection cap and header deadline of the HTTP port (the scheduler's, tokenless).
     pub http_limits: locus_proto::net::HttpLimits,
+    /// Run as a member of a replicated group; None: a single service.
+    pub group: Option<crate::group::GroupConfig>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -63,6 +65,8 @@ pub enum ServerError {
     GrantKey(#[from] locus_proto::grant::KeyError),
     #[error("gRPC server failed: {0}")]
     Serve(String),
+    #[error("metadata group: {0}")]
+    Group(#[from] crate::group::GroupError),
 }
 
 fn bind(addr: SocketAddr) -> Result<TcpListener, ServerError> {
@@ -93,21 +97,13 @@ pub async fn serve(
         reason: e.to_string(),
     };
     std::fs::create_dir_all(&config.data_dir).map_err(dd)?;
-    let store = RocksStore::open(&config.data_dir.join("db")).map_err(crate::catalog::CatalogError::from)?;
-    let catalog = Arc::new(Catalog::open(
-        Arc::new(store),
-        Arc::new(SystemClock),
-        config.catalog.clone(),
-    )?);
+    let rocks =
+        Arc::new(RocksStore::open(&config.data_dir.join("db")).map_err(crate::catalog::CatalogError::from)?);
     let audit_path = config
         .audit_log
         .clone()
         .unwrap_or_else(|| config.data_dir.join("audit.log"));
     let audit = Arc::new(AuditLog::open(&audit_path).map_err(dd)?);
-    // Kept beside the store, never in it: a catalogue export (a backup) must not carry it.
-    let grant_key = Arc::new(locus_proto::grant::GrantKey::load_or_create(
-        &config.data_dir.join("grant.key"),
-    )?);
     let metrics = Arc::new(Metrics::default());
 
     let grpc_listener = bind(config.listen)?;
@@ -121,6 +117,48 @@ pub async fn serve(
     };
     let http_addr = http_listener.as_ref().and_then(|l| l.local_addr().ok());
 
+    // One shutdown signal fanned out to every task.
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    tokio::spawn(async move {
+        shutdown.await;
+        let _ = stop_tx.send(true);
+    });
+    let stopped = |mut rx: tokio::sync::watch::Receiver<bool>| async move {
+        let _ = rx.wait_for(|s| *s).await;
+    };
+
+    let (store, group, raft_addr, raft_server): (Arc<dyn crate::store::KvStore>, _, _, _) =
+        match &config.group {
+            None => (rocks as Arc<dyn crate::store::KvStore>, None, None, None),
+            Some(g) => {
+                let (group, raft_addr, task) =
+                    start_group(g, &config, rocks, grpc_addr, tokens.clone(), stop_rx.clone()).await?;
+                (group.store(), Some(group), Some(raft_addr), Some(task))
+            }
+        };
+    let catalog = {
+        let (store, config) = (store.clone(), config.catalog.clone());
+        Arc::new(
+            tokio::task::spawn_blocking(move || Catalog::open(store, Arc::new(SystemClock), config))
+                .await
+                .map_err(|e| ServerError::Serve(e.to_string()))??,
+        )
+    };
+    // Kept beside the store, never in it: a catalogue export (a backup) must not carry it.
+    // A group shares one key, replicated in its own state (also never exported).
+    let grant_key = Arc::new(match &group {
+        None => locus_proto::grant::GrantKey::load_or_create(&config.data_dir.join("grant.key"))?,
+        Some(g) => {
+            let g = g.clone();
+            tokio::task::spawn_blocking(move || g.grant_key())
+                .await
+                .map_err(|e| ServerError::Serve(e.to_string()))??
+        }
+    });
+    if let Some(g) = &group {
+        tokio::spawn(follow_leadership(g.clone(), catalog.clone(), stop_rx.clone()));
+    }
+
     let mut server = tonic::transport::Server::builder()
         .http2_keepalive_interval(Some(Duration::from_secs(30)))
         .tcp_nodelay(true);
@@ -133,23 +171,17 @@ pub async fn serve(
     }
     let svc = pb_server(
         MetadataService::new(catalog.clone(), audit.clone(), metrics.clone(), grant_key)
-            .with_node_token(config.node_token.clone()),
+            .with_node_token(config.node_token.clone())
+            .with_group(group.clone()),
     );
-
-    // One shutdown signal fanned out to every task.
-    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
-    tokio::spawn(async move {
-        shutdown.await;
-        let _ = stop_tx.send(true);
-    });
-    let stopped = |mut rx: tokio::sync::watch::Receiver<bool>| async move {
-        let _ = rx.wait_for(|s| *s).await;
-    };
 
     if let Some(path) = &config.addr_file {
         let mut s = format!("grpc={grpc_addr}\n");
         if let Some(h) = http_addr {
             s.push_str(&format!("http={h}\n"));
+        }
+        if let Some(r) = raft_addr {
+            s.push_str(&format!("raft={r}\n"));
         }
         let tmp = path.with_extension("tmp");
         std::fs::write(&tmp, s)
@@ -187,10 +219,12 @@ pub async fn serve(
     });
 
     let incoming = tonic::transport::server::TcpIncoming::from(grpc_listener).with_nodelay(Some(true));
-    let grpc = server
-        .layer(crate::auth::layer(tokens, metrics, audit.clone()))
-        .add_service(svc)
-        .serve_with_incoming_shutdown(incoming, stopped(stop_rx.clone()));
+    let mut router = server.layer(crate::auth::layer(tokens, metrics, audit.clone()));
+    let router = match &group {
+        None => router.add_service(svc),
+        Some(g) => router.add_service(crate::group::forward::Forward::new(svc, g.clone())),
+    };
+    let grpc = router.serve_with_incoming_shutdown(incoming, stopped(stop_rx.clone()));
     // Once shutdown is asked for, in-flight calls get a bounded time to finish.
     match locus_proto::net::serve_with_grace(grpc, stop_rx.clone(), Duration::from_secs(10)).await {
         Some(r) => r.map_err(|e| ServerError::Serve(locus_proto::client::error_chain(&e)))?,
@@ -198,6 +232,13 @@ pub async fn serve(
     }
     reaper.abort();
     repairer.abort();
+    if let Some(g) = &group {
+        // Leaves the group's log and state consistent on disk; the others elect anew.
+        let _ = tokio::time::timeout(Duration::from_secs(5), g.raft().shutdown()).await;
+    }
+    if let Some(t) = raft_server {
+        t.abort();
+    }
     if let Some(h) = http {
         let _ = tokio::time::timeout(Duration::from_secs(5), h).await;
     }
@@ -206,6 +247,122 @@ pub async fn serve(
     drop(catalog);
     tracing::info!("metadata service stopped");
     Ok(())
+}
+
+/// Starts this member's Raft (and its Raft port) and waits until the catalogue can be
+/// opened: the schema has reached this member, or it leads a new group and writes it.
+async fn start_group(
+    g: &crate::group::GroupConfig,
+    config: &ServerConfig,
+    rocks: Arc<RocksStore>,
+    grpc_addr: SocketAddr,
+    tokens: Option<Arc<TokenSet>>,
+    stop: tokio::sync::watch::Receiver<bool>,
+) -> Result<(Arc<crate::group::Group>, SocketAddr, tokio::task::JoinHandle<()>), ServerError> {
+    use crate::group::{Group, GroupError, RaftService};
+    let me = g.members.iter().find(|m| m.name == g.me);
+    let raft_listen = match (g.raft_listen, me) {
+        (Some(a), _) => a,
+        (None, Some(m)) => tokio::net::lookup_host(&m.addr)
+            .await
+            .ok()
+            .and_then(|mut a| a.next())
+            .ok_or_else(|| GroupError::Config(format!("cannot resolve this member's address {}", m.addr)))?,
+        (None, None) => {
+            return Err(GroupError::Config(format!(
+                "--id {} is not among the --cluster members; give its raft address there",
+                g.me
+            ))
+            .into())
+        }
+    };
+    if tokens.is_none() && !raft_listen.ip().is_loopback() && !config.insecure {
+        return Err(ServerError::InsecureBind(raft_listen));
+    }
+    let raft_listener = bind(raft_listen)?;
+    let raft_addr = raft_listener.local_addr().map_err(|e| ServerError::Bind {
+        addr: raft_listen,
+        reason: e.to_string(),
+    })?;
+    // What followers forward to: this member's own Metadata port, by the host the others
+    // reach its raft port at when it listens on every address.
+    let host = if grpc_addr.ip().is_unspecified() {
+        me.and_then(|m| m.addr.rsplit_once(':').map(|(h, _)| h.to_string()))
+            .unwrap_or_else(|| raft_addr.ip().to_string())
+    } else {
+        grpc_addr.ip().to_string()
+    };
+    let scheme = if config.tls.is_some() { "https" } else { "http" };
+    let api_url = format!("{scheme}://{host}:{}", grpc_addr.port());
+
+    let group = Group::start(g, &config.data_dir, rocks).await?;
+    let svc = RaftService::new(group.raft().clone(), g.me.clone(), api_url).server();
+    let auth = locus_proto::auth::AuthLayer::new(tokens, Arc::new(crate::group::RaftPolicy));
+    let incoming = tonic::transport::server::TcpIncoming::from(raft_listener).with_nodelay(Some(true));
+    let mut stop2 = stop.clone();
+    let task = tokio::spawn(async move {
+        let r = tonic::transport::Server::builder()
+            .layer(auth)
+            .add_service(svc)
+            .serve_with_incoming_shutdown(incoming, async move {
+                let _ = stop2.wait_for(|s| *s).await;
+            })
+            .await;
+        if let Err(e) = r {
+            tracing::error!("the raft port failed: {}", locus_proto::client::error_chain(&e));
+        }
+    });
+    tracing::info!(member = %g.me, raft = %raft_addr, "metadata group member started; waiting for the catalogue");
+    let mut waited = 0u64;
+    loop {
+        if group.has_schema() {
+            break;
+        }
+        // A new group: its first leader writes the schema, once it has applied
+        // everything committed before it (an earlier leader may have written it already).
+        if group.is_leader() && group.linearize().await.is_ok() && !group.has_schema() {
+            break;
+        }
+        if *stop.borrow() {
+            return Err(ServerError::Serve(
+                "stopped while waiting for the metadata group".into(),
+            ));
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        waited += 1;
+        if waited.is_multiple_of(100) {
+            tracing::warn!(
+                "still waiting for the metadata group ({} s): is a majority of --cluster members running?",
+                waited / 10
+            );
+        }
+    }
+    Ok((group, raft_addr, task))
+}
+
+/// Keeps the catalogue's acting flag equal to this member's leadership.
+async fn follow_leadership(
+    group: Arc<crate::group::Group>,
+    catalog: Arc<Catalog>,
+    mut stop: tokio::sync::watch::Receiver<bool>,
+) {
+    let mut metrics = group.raft().metrics();
+    loop {
+        let leading = group.is_leader();
+        if leading != catalog.acting() {
+            tracing::info!(
+                member = group.name(),
+                leading,
+                "metadata group leadership changed"
+            );
+            let c = catalog.clone();
+            let _ = tokio::task::spawn_blocking(move || c.set_acting(leading)).await;
+        }
+        tokio::select! {
+            r = metrics.changed() => if r.is_err() { return },
+            _ = stop.wait_for(|s| *s) => return,
+        }
+    }
 }
 
 fn pb_server(svc: MetadataService) -> locus_proto::pb::metadata_server::MetadataServer<MetadataService> {
@@ -225,6 +382,10 @@ async fn reap_sessions(
         tokio::select! {
             _ = tokio::time::sleep(every) => {}
             _ = stop.wait_for(|s| *s) => return,
+        }
+        // In a group only the leader reaps.
+        if !catalog.acting() {
+            continue;
         }
         let c = catalog.clone();
         match tokio::task::spawn_blocking(move || c.reap_sessions()).await {

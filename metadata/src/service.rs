@@ -23,9 +23,16 @@ pub struct MetadataService {
     node_token: Option<String>,
     /// Signs the grants clients present to nodes instead of their tokens.
     grant_key: Arc<locus_proto::grant::GrantKey>,
+    /// The replicated group this service is a member of, if any.
+    group: Option<Arc<crate::group::Group>>,
 }
 
 impl MetadataService {
+    pub fn with_group(mut self, group: Option<Arc<crate::group::Group>>) -> Self {
+        self.group = group;
+        self
+    }
+
     /// The token presented to cache nodes when the service orders copies.
     pub fn with_node_token(mut self, token: Option<String>) -> Self {
         self.node_token = token;
@@ -44,6 +51,7 @@ impl MetadataService {
             metrics,
             node_token: None,
             grant_key,
+            group: None,
         }
     }
 
@@ -141,7 +149,12 @@ impl pb::metadata_server::Metadata for MetadataService {
     async fn get_cluster_info(&self, req: Request<pb::GetClusterInfoRequest>) -> Res<pb::ClusterInfo> {
         let p = principal(&req);
         let open_sessions = self.run(|c| c.open_sessions()).await.map_err(to_status)?;
+        let (members, leader, member) = self.group.as_ref().map(|g| g.info()).unwrap_or_default();
         Ok(Response::new(pb::ClusterInfo {
+            members,
+            leader,
+            member,
+            applied_index: self.group.as_ref().map_or(0, |g| g.applied_index()),
             cluster_id: self.catalog.cluster_id().to_string(),
             server_version: env!("CARGO_PKG_VERSION").to_string(),
             schema_version: crate::records::SCHEMA_VERSION,
@@ -638,6 +651,31 @@ impl pb::metadata_server::Metadata for MetadataService {
         });
         r.map_err(to_status)?;
         Ok(Response::new(pb::AbortVersionResponse {}))
+    }
+
+    async fn change_members(&self, req: Request<pb::ChangeMembersRequest>) -> Res<pb::ClusterInfo> {
+        let p = principal(&req);
+        let Some(group) = self.group.clone() else {
+            return Err(Status::failed_precondition(
+                "this metadata service is not a replicated group: start its members with --id and \
+                 --cluster to make one",
+            ));
+        };
+        let r = req.into_inner();
+        let target = format!("{} {}", r.op, r.names.join(","));
+        let result = group.change_members(r).await;
+        self.audit.record(
+            &p,
+            "change-members",
+            &target,
+            result
+                .as_ref()
+                .map(|_| "committed".to_string())
+                .map_err(|s| s.message().to_string()),
+        );
+        result?;
+        self.get_cluster_info(Request::new(pb::GetClusterInfoRequest {}))
+            .await
     }
 
     async fn update_replicas(

@@ -49,9 +49,13 @@ pub type Result<T, E = SnapshotError> = std::result::Result<T, E>;
 /// One exported row: (table, key, value).
 pub type Row = (Table, Vec<u8>, Vec<u8>);
 
-/// The tables a snapshot carries, in export order: all but `sessions`.
+/// The tables a snapshot carries, in export order: all but `sessions` and a group's own
+/// `raft` state.
 pub fn exported() -> Vec<Table> {
-    Table::ALL.into_iter().filter(|t| *t != Table::Sessions).collect()
+    Table::ALL
+        .into_iter()
+        .filter(|t| !matches!(t, Table::Sessions | Table::Raft))
+        .collect()
 }
 
 fn table_named(name: &str) -> Option<Table> {

@@ -68,6 +68,12 @@ pub enum ClientError {
 #[derive(Clone)]
 pub struct BearerToken(Option<tonic::metadata::AsciiMetadataValue>);
 
+impl BearerToken {
+    pub fn new(header: Option<tonic::metadata::AsciiMetadataValue>) -> Self {
+        Self(header)
+    }
+}
+
 impl tonic::service::Interceptor for BearerToken {
     fn call(&mut self, mut req: tonic::Request<()>) -> Result<tonic::Request<()>, tonic::Status> {
         if let Some(v) = &self.0 {
@@ -80,6 +86,10 @@ impl tonic::service::Interceptor for BearerToken {
 pub type MetadataClient = pb::metadata_client::MetadataClient<InterceptedService<Channel, BearerToken>>;
 
 /// Connects now, so that an unreachable service is reported at once and clearly.
+///
+/// `opts.url` may list several members of a replicated metadata group, comma-separated:
+/// calls then go to whichever members answer (each forwards what only the leader serves),
+/// and a member that dies takes no later calls. At least one must answer now.
 pub async fn connect(opts: &ClientOptions) -> Result<MetadataClient, ClientError> {
     let token = match &opts.token {
         Some(t) => Some(
@@ -89,16 +99,63 @@ pub async fn connect(opts: &ClientOptions) -> Result<MetadataClient, ClientError
         ),
         None => None,
     };
-    let url = opts.url.trim_end_matches('/');
+    let urls: Vec<&str> = opts
+        .url
+        .split(',')
+        .map(|u| u.trim().trim_end_matches('/'))
+        .filter(|u| !u.is_empty())
+        .collect();
+    if urls.is_empty() {
+        return Err(ClientError::BadUrl(opts.url.clone()));
+    }
+    let mut endpoints = Vec::with_capacity(urls.len());
+    for url in &urls {
+        endpoints.push(endpoint(url, opts)?);
+    }
+    let channel = if endpoints.len() == 1 {
+        endpoints[0].connect().await.map_err(|e| ClientError::Connect {
+            url: opts.url.clone(),
+            reason: error_chain(&e),
+        })?
+    } else {
+        // Reported at once when no member answers; otherwise the balanced channel keeps
+        // (re)connecting to every member in the background.
+        let mut last = None;
+        let mut any = false;
+        for (url, ep) in urls.iter().zip(&endpoints) {
+            match ep.connect().await {
+                Ok(_) => {
+                    any = true;
+                    break;
+                }
+                Err(e) => last = Some(format!("{url}: {}", error_chain(&e))),
+            }
+        }
+        if !any {
+            return Err(ClientError::Connect {
+                url: opts.url.clone(),
+                reason: last.unwrap_or_default(),
+            });
+        }
+        Channel::balance_list(endpoints.into_iter())
+    };
+    Ok(
+        pb::metadata_client::MetadataClient::with_interceptor(channel, BearerToken(token))
+            .max_decoding_message_size(crate::MAX_MESSAGE_BYTES)
+            .max_encoding_message_size(crate::MAX_MESSAGE_BYTES),
+    )
+}
+
+fn endpoint(url: &str, opts: &ClientOptions) -> Result<Endpoint, ClientError> {
     let tls = if url.starts_with("https://") {
         true
     } else if url.starts_with("http://") {
         false
     } else {
-        return Err(ClientError::BadUrl(opts.url.clone()));
+        return Err(ClientError::BadUrl(url.to_string()));
     };
     let mut ep = Endpoint::from_shared(url.to_string())
-        .map_err(|_| ClientError::BadUrl(opts.url.clone()))?
+        .map_err(|_| ClientError::BadUrl(url.to_string()))?
         .connect_timeout(opts.connect_timeout)
         .tcp_nodelay(true)
         .http2_keep_alive_interval(Duration::from_secs(30));
@@ -109,15 +166,7 @@ pub async fn connect(opts: &ClientOptions) -> Result<MetadataClient, ClientError
     } else {
         crate::tls::check_plaintext(url, opts.token.is_some())?;
     }
-    let channel = ep.connect().await.map_err(|e| ClientError::Connect {
-        url: opts.url.clone(),
-        reason: error_chain(&e),
-    })?;
-    Ok(
-        pb::metadata_client::MetadataClient::with_interceptor(channel, BearerToken(token))
-            .max_decoding_message_size(crate::MAX_MESSAGE_BYTES)
-            .max_encoding_message_size(crate::MAX_MESSAGE_BYTES),
-    )
+    Ok(ep)
 }
 
 /// HTTP/2 flow-control windows for blob streams. The defaults (64 KiB) stall a stream

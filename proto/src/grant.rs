@@ -112,6 +112,20 @@ impl GrantKey {
         self.0.public_key().as_ref()
     }
 
+    /// A new key as PKCS#8 DER (for a replicated group, which keeps it in its own state).
+    pub fn generate_pkcs8() -> Result<Vec<u8>, String> {
+        let rng = aws_lc_rs::rand::SystemRandom::new();
+        Ed25519KeyPair::generate_pkcs8(&rng)
+            .map(|d| d.as_ref().to_vec())
+            .map_err(|_| "cannot generate a key".to_string())
+    }
+
+    pub fn from_pkcs8(der: &[u8]) -> Result<Self, String> {
+        Ed25519KeyPair::from_pkcs8(der)
+            .map(GrantKey)
+            .map_err(|e| format!("not an Ed25519 PKCS#8 key ({e})"))
+    }
+
     /// The bearer token for `body`.
     pub fn sign(&self, body: &GrantBody) -> String {
         let bytes = body.encode_to_vec();

@@ -1,4 +1,4 @@
-//! `locus metadata serve`.
+//! `locus metadata serve` and `locus metadata members`.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -14,7 +14,40 @@ pub enum MetadataCmd {
     ///
     /// Without --tokens-file every caller may do everything, so the service then only
     /// listens on loopback addresses unless --insecure is given.
-    Serve(ServeArgs),
+    Serve(Box<ServeArgs>),
+    /// List or change the members of a replicated metadata group (admin).
+    ///
+    /// To grow a group: start the new member with --id NEW and --cluster listing the
+    /// existing members and itself, `add-learner NEW HOST:PORT` (it catches up from a
+    /// snapshot and the log), then `promote NEW` (it votes from then on).
+    #[command(subcommand)]
+    Members(MembersCmd),
+}
+
+#[derive(Subcommand, Debug)]
+pub enum MembersCmd {
+    /// The members, their roles and the leader, as the member asked sees them.
+    List {
+        #[arg(long)]
+        json: bool,
+    },
+    /// Adds a member that receives the log but does not vote yet; answers once it has
+    /// caught up.
+    AddLearner {
+        name: String,
+        /// Its raft address (HOST:PORT), as in --cluster.
+        raft_address: String,
+    },
+    /// Makes learners voters.
+    Promote {
+        #[arg(required = true)]
+        names: Vec<String>,
+    },
+    /// Removes members (stop them first; the leader cannot remove itself).
+    Remove {
+        #[arg(required = true)]
+        names: Vec<String>,
+    },
 }
 
 #[derive(Args, Debug)]
@@ -65,12 +98,97 @@ pub struct ServeArgs {
     /// port 0.
     #[arg(long, value_name = "FILE")]
     pub addr_file: Option<PathBuf>,
+    /// This member's name in a replicated group (with --cluster).
+    #[arg(long, env = "LOCUS_METADATA_ID", value_name = "NAME", requires = "cluster")]
+    pub id: Option<String>,
+    /// Run as a member of a replicated group: every member's name and raft address,
+    /// NAME=HOST:PORT,... (the same list on every member; 3 or 5 members survive the loss
+    /// of 1 or 2). Clients may then be given every member's gRPC URL, comma-separated.
+    /// Without it the service runs alone.
+    #[arg(long, env = "LOCUS_METADATA_CLUSTER", value_name = "MEMBERS", requires = "id")]
+    pub cluster: Option<String>,
+    /// Token (role admin) this member presents on the other members' raft ports when
+    /// they check tokens. Prefer the environment variable.
+    #[arg(
+        long,
+        env = "LOCUS_METADATA_MEMBER_TOKEN",
+        hide_env_values = true,
+        value_name = "TOKEN"
+    )]
+    pub member_token: Option<String>,
+    /// A group member without a heartbeat from the leader for this long (randomised up
+    /// to twice it) starts an election.
+    #[arg(long, value_name = "DURATION", default_value = "1s")]
+    pub election_timeout: String,
 }
 
 pub async fn run(cmd: MetadataCmd, cfg: &Resolved) -> anyhow::Result<()> {
     match cmd {
-        MetadataCmd::Serve(a) => serve(a, cfg).await,
+        MetadataCmd::Serve(a) => serve(*a, cfg).await,
+        MetadataCmd::Members(m) => members(m, cfg).await,
     }
+}
+
+async fn members(cmd: MembersCmd, cfg: &Resolved) -> anyhow::Result<()> {
+    use crate::output::StatusExt;
+    use locus_proto::pb;
+    let mut c = cfg.connect().await?;
+    let (req, json) = match cmd {
+        MembersCmd::List { json } => (None, json || cfg.json),
+        MembersCmd::AddLearner { name, raft_address } => (
+            Some(pb::ChangeMembersRequest {
+                op: "add-learner".into(),
+                names: vec![name],
+                raft_address,
+            }),
+            cfg.json,
+        ),
+        MembersCmd::Promote { names } => (
+            Some(pb::ChangeMembersRequest {
+                op: "promote".into(),
+                names,
+                ..Default::default()
+            }),
+            cfg.json,
+        ),
+        MembersCmd::Remove { names } => (
+            Some(pb::ChangeMembersRequest {
+                op: "remove".into(),
+                names,
+                ..Default::default()
+            }),
+            cfg.json,
+        ),
+    };
+    let info = match req {
+        None => c.get_cluster_info(pb::GetClusterInfoRequest {}).await.or_status()?,
+        Some(r) => c.change_members(r).await.or_status()?,
+    };
+    if info.members.is_empty() {
+        anyhow::bail!(
+            "the metadata service at {} runs alone, not as a group (start members with --id and --cluster)",
+            cfg.metadata_url
+        );
+    }
+    if json {
+        return crate::output::json(&serde_json::json!({
+            "leader": (!info.leader.is_empty()).then_some(&info.leader),
+            "answered_by": info.member,
+            "members": info.members.iter().map(|m| serde_json::json!({
+                "name": m.name, "raft_address": m.raft_address, "role": m.role,
+                "leader": m.name == info.leader,
+            })).collect::<Vec<_>>(),
+        }));
+    }
+    println!("{:<16} {:<24} {:<8} LEADER", "NAME", "RAFT ADDRESS", "ROLE");
+    for m in &info.members {
+        let l = if m.name == info.leader { "yes" } else { "" };
+        println!("{:<16} {:<24} {:<8} {l}", m.name, m.raft_address, m.role);
+    }
+    if info.leader.is_empty() {
+        println!("(no leader right now: is a majority of the members running?)");
+    }
+    Ok(())
 }
 
 fn addr(what: &str, s: &str) -> anyhow::Result<SocketAddr> {
@@ -144,6 +262,17 @@ async fn serve(a: ServeArgs, cfg: &Resolved) -> anyhow::Result<()> {
         addr_file: a.addr_file,
         audit_log: a.audit_log.or(f.audit_log),
         node_token: a.node_token,
+        group: match (a.id, a.cluster) {
+            (Some(me), Some(cluster)) => Some(locus_metadata::group::GroupConfig {
+                me,
+                members: locus_metadata::group::parse_cluster(&cluster)
+                    .map_err(|e| anyhow::anyhow!("--cluster: {e}"))?,
+                raft_listen: None,
+                token: a.member_token,
+                election_timeout: flag_duration("--election-timeout", Some(a.election_timeout), "1s")?,
+            }),
+            _ => None,
+        },
     };
     locus_metadata::serve(config, super::shutdown_signal()).await?;
     Ok(())

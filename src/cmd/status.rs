@@ -41,6 +41,16 @@ pub async fn run(cfg: &Resolved) -> anyhow::Result<()> {
                 "uptime_ms": info.uptime_ms,
                 "open_import_sessions": info.open_sessions,
                 "caller": {"name": info.caller_name, "role": info.caller_role},
+                // A replicated group as the member that answered sees it; absent for a
+                // single service.
+                "group": (!info.members.is_empty()).then(|| serde_json::json!({
+                    "answered_by": info.member,
+                    "leader": (!info.leader.is_empty()).then_some(&info.leader),
+                    "members": info.members.iter().map(|m| serde_json::json!({
+                        "name": m.name, "raft_address": m.raft_address, "role": m.role,
+                        "leader": m.name == info.leader,
+                    })).collect::<Vec<_>>(),
+                })),
             },
             "nodes": {"total": nodes.len(), "up": up.len(), "down": nodes.len() - up.len(),
                       "capacity_bytes": capacity, "free_bytes": free,
@@ -63,6 +73,32 @@ pub async fn run(cfg: &Resolved) -> anyhow::Result<()> {
         info.server_version,
         info.uptime_ms as f64 / 1000.0
     );
+    if !info.members.is_empty() {
+        let members: Vec<String> = info
+            .members
+            .iter()
+            .map(|m| {
+                let mut s = format!("{} {}", m.name, m.raft_address);
+                if m.name == info.leader {
+                    s.push_str(" leader");
+                } else if m.role == "learner" {
+                    s.push_str(" learner");
+                }
+                s
+            })
+            .collect();
+        let leader = if info.leader.is_empty() {
+            "no leader right now".to_string()
+        } else {
+            format!("leader {}", info.leader)
+        };
+        println!(
+            "group      {} members, {leader} (answered by {}): {}",
+            info.members.len(),
+            info.member,
+            members.join(", ")
+        );
+    }
     println!("you        {} (role {})", info.caller_name, info.caller_role);
     println!(
         "nodes      {} up, {} down; {} free of {} on live nodes",

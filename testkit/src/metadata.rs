@@ -86,6 +86,55 @@ pub struct Metadata {
 impl Harness {
     /// Starts a metadata service on free loopback ports and waits until it answers.
     pub async fn start_metadata(&self, name: &str, opts: MetadataOpts) -> Metadata {
+        let mut m = self.prepare_metadata(name, opts, &[]);
+        m.start().await;
+        m
+    }
+
+    /// A replicated metadata group of `n` members (`NAME-m1`…, member names m1…) on
+    /// loopback, started together (a member's port opens only once a majority is up).
+    /// Every member's `url()` is the whole group's comma-separated list, so clients, nodes
+    /// and the CLI started against any of them reach whichever members are alive.
+    pub async fn start_group(&self, name: &str, n: usize, opts: MetadataOpts) -> Vec<Metadata> {
+        let mut taken = Vec::new();
+        let mut raft = Vec::new();
+        for _ in 0..n {
+            let p = free_low_port_on(std::net::Ipv4Addr::LOCALHOST, &taken);
+            taken.push(p);
+            raft.push(p);
+        }
+        let cluster: Vec<String> = raft
+            .iter()
+            .enumerate()
+            .map(|(i, p)| format!("m{}=127.0.0.1:{p}", i + 1))
+            .collect();
+        let mut members = Vec::new();
+        for i in 0..n {
+            let mut o = opts.clone();
+            o.extra.extend([
+                "--id".to_string(),
+                format!("m{}", i + 1),
+                "--cluster".to_string(),
+                cluster.join(","),
+            ]);
+            let m = self.prepare_metadata(&format!("{name}-m{}", i + 1), o, &taken);
+            taken.extend([m.grpc.port(), m.http.port()]);
+            members.push(m);
+        }
+        for m in members.iter_mut() {
+            m.spawn();
+        }
+        for m in members.iter_mut() {
+            m.wait_ready().await;
+        }
+        let urls: Vec<String> = members.iter().map(|m| m.url()).collect();
+        for m in members.iter_mut() {
+            m.public_url = Some(urls.join(","));
+        }
+        members
+    }
+
+    fn prepare_metadata(&self, name: &str, opts: MetadataOpts, taken: &[u16]) -> Metadata {
         let dir = self.path(name);
         std::fs::create_dir_all(&dir).unwrap();
         let mut opts = opts;
@@ -126,29 +175,34 @@ impl Harness {
         }
         let log = self.path(&format!("{name}.log"));
         // With tokens, the repair loop presents the node token to cache nodes.
-        let env = opts
+        let mut env = opts
             .tokens
             .iter()
             .find(|t| t.role == "node")
             .map(|t| vec![("LOCUS_METADATA_NODE_TOKEN".to_string(), t.secret.clone())])
             .unwrap_or_default();
+        // Group members present the admin token on each other's raft ports.
+        if let Some(t) = opts.tokens.iter().find(|t| t.role == "admin") {
+            env.push(("LOCUS_METADATA_MEMBER_TOKEN".to_string(), t.secret.clone()));
+        }
+        env.push(("RUST_LOG".to_string(), "info,openraft=warn".to_string()));
         let ip = opts.ip.unwrap_or(std::net::Ipv4Addr::LOCALHOST);
-        let grpc_port = free_low_port_on(ip, &[]);
-        let mut m = Metadata {
+        let grpc_port = free_low_port_on(ip, taken);
+        let mut with_grpc = taken.to_vec();
+        with_grpc.push(grpc_port);
+        Metadata {
             daemon: Daemon::new(name, log.clone(), dir.join("addr"), env),
             data_dir: dir.join("data"),
             log,
             // Below the kernel's ephemeral range: a restart on the same ports (nodes and
             // clients hold the URL) cannot find one taken by another test's connection.
             grpc: SocketAddr::from((ip, grpc_port)),
-            http: SocketAddr::from((ip, free_low_port_on(ip, &[grpc_port]))),
+            http: SocketAddr::from((ip, free_low_port_on(ip, &with_grpc))),
             opts,
             ca_pem,
             dir,
             public_url: None,
-        };
-        m.start().await;
-        m
+        }
     }
 }
 
@@ -196,13 +250,23 @@ impl Metadata {
     }
 
     pub async fn start(&mut self) {
+        self.spawn();
+        self.wait_ready().await;
+    }
+
+    pub fn spawn(&mut self) {
         let args = self.args();
         self.daemon.spawn(&args);
+    }
+
+    /// Waits until its port is open and it answers (its own answer, not a group's).
+    pub async fn wait_ready(&mut self) {
         let addrs = self.daemon.wait_addrs().await;
         self.grpc = addr_of(&addrs, "grpc");
         self.http = addr_of(&addrs, "http");
         let token = self.opts.tokens.first().map(|t| t.secret.clone());
-        let opts = self.client_options(token);
+        let mut opts = self.client_options(token);
+        opts.url = self.own_url();
         wait_until("the metadata service to answer", Duration::from_secs(30), || {
             let opts = opts.clone();
             async move {
@@ -217,6 +281,11 @@ impl Metadata {
         if let Some(u) = &self.public_url {
             return u.clone();
         }
+        self.own_url()
+    }
+
+    /// This process's own gRPC URL, whatever clients are given.
+    pub fn own_url(&self) -> String {
         if self.opts.tls {
             // The certificate names localhost and the address it listens on off loopback.
             match self.opts.ip {

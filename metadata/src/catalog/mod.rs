@@ -269,6 +269,9 @@ pub struct Catalog {
     /// Node records (they change only at registration and drain), same scheme.
     node_cache: Mutex<Option<(u64, NodeRecords)>>,
     node_gen: std::sync::atomic::AtomicU64,
+    /// Whether this process runs the cluster's background duties (repair, reaping) and
+    /// judges liveness: always for a single service, only the leader in a group.
+    acting: std::sync::atomic::AtomicBool,
 }
 
 fn decode<M: Message + Default>(table: Table, bytes: &[u8]) -> Result<M> {
@@ -336,25 +339,45 @@ impl Catalog {
             replica_gen: std::sync::atomic::AtomicU64::new(0),
             node_cache: Mutex::new(None),
             node_gen: std::sync::atomic::AtomicU64::new(0),
+            acting: std::sync::atomic::AtomicBool::new(true),
         };
-        // Grace period: every known node counts as seen at startup.
-        let nodes = cat.node_records()?;
-        let mut live = lock(&cat.live);
-        for (id, rec) in nodes.iter() {
-            live.insert(
-                id.clone(),
-                Live {
-                    last_seen_ms: started_ms,
-                    stats: NodeStats {
-                        free: rec.free_bytes,
-                        used: rec.used_bytes,
-                        ..Default::default()
-                    },
-                },
-            );
-        }
-        drop(live);
+        cat.grace()?;
         Ok(cat)
+    }
+
+    /// Grace period: every known node counts as seen now (at startup, and when a group
+    /// member becomes leader: heartbeats went to the old leader until then).
+    fn grace(&self) -> Result<()> {
+        let now = self.clock.now_ms();
+        let nodes = self.node_records()?;
+        let mut live = lock(&self.live);
+        for (id, rec) in nodes.iter() {
+            let e = live.entry(id.clone()).or_insert_with(|| Live {
+                last_seen_ms: now,
+                stats: NodeStats {
+                    free: rec.free_bytes,
+                    used: rec.used_bytes,
+                    ..Default::default()
+                },
+            });
+            e.last_seen_ms = e.last_seen_ms.max(now);
+        }
+        Ok(())
+    }
+
+    /// Makes this process the one that acts (a group member that became leader) or not.
+    /// Taking over grants every node a liveness timeout of grace, so nodes are not
+    /// declared down for heartbeats the previous leader received.
+    pub fn set_acting(&self, on: bool) -> Result<()> {
+        let was = self.acting.swap(on, std::sync::atomic::Ordering::SeqCst);
+        if on && !was {
+            self.grace()?;
+        }
+        Ok(())
+    }
+
+    pub fn acting(&self) -> bool {
+        self.acting.load(std::sync::atomic::Ordering::SeqCst)
     }
 
     pub fn cluster_id(&self) -> &str {

@@ -135,7 +135,7 @@ impl Catalog {
     }
 
     pub(super) fn node_records(&self) -> Result<NodeRecords> {
-        let gen = self.node_gen.load(std::sync::atomic::Ordering::SeqCst);
+        let gen = self.node_gen.load(std::sync::atomic::Ordering::SeqCst) + self.store.outside_writes();
         if let Some((g, v)) = lock(&self.node_cache).as_ref() {
             if *g == gen {
                 return Ok(v.clone());

@@ -84,7 +84,7 @@ impl Catalog {
 
     /// A version's shards (id, bytes, replicas), from the cache when still valid.
     pub(super) fn cached_shards(&self, uid: u64) -> Result<VersionShards> {
-        let gen = self.replica_gen.load(std::sync::atomic::Ordering::SeqCst);
+        let gen = self.replica_gen.load(std::sync::atomic::Ordering::SeqCst) + self.store.outside_writes();
         if let Some((g, v)) = lock(&self.shard_cache).get(&uid) {
             if *g == gen {
                 return Ok(v.clone());

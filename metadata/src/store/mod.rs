@@ -12,8 +12,9 @@ pub use mem::MemStore;
 pub use rocks::RocksStore;
 
 /// The tables (RocksDB column families) of the catalogue. The names are the on-disk
-/// column-family names and must never change.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+/// column-family names and must never change; neither may the order of the variants, which
+/// a replicated group's log entries encode.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize)]
 pub enum Table {
     Meta,
     Nodes,
@@ -27,10 +28,13 @@ pub enum Table {
     Backups,
     ShardBlobs,
     BlobShards,
+    /// A replicated group's own state (the last applied log entry, the membership, the
+    /// group's grant key): never in a backup, never read by the catalogue.
+    Raft,
 }
 
 impl Table {
-    pub const ALL: [Table; 12] = [
+    pub const ALL: [Table; 13] = [
         Table::Meta,
         Table::Nodes,
         Table::Datasets,
@@ -43,6 +47,7 @@ impl Table {
         Table::Backups,
         Table::ShardBlobs,
         Table::BlobShards,
+        Table::Raft,
     ];
 
     pub fn name(self) -> &'static str {
@@ -59,6 +64,7 @@ impl Table {
             Table::Backups => "backups",
             Table::ShardBlobs => "shard_blobs",
             Table::BlobShards => "blob_shards",
+            Table::Raft => "raft",
         }
     }
 }
@@ -69,10 +75,14 @@ pub enum StoreError {
     Open { path: String, reason: String },
     #[error("metadata store I/O failed: {0}")]
     Io(String),
+    /// A replicated store cannot take writes here now (not the leader, no quorum); the
+    /// caller may retry, elsewhere or later.
+    #[error("{0}")]
+    Unavailable(String),
 }
 
 /// One change inside a batch.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 pub enum Op {
     Put(Table, Vec<u8>, Vec<u8>),
     Delete(Table, Vec<u8>),
@@ -81,7 +91,7 @@ pub enum Op {
 }
 
 /// Changes applied together or not at all.
-#[derive(Debug, Default, Clone)]
+#[derive(Debug, Default, Clone, serde::Serialize, serde::Deserialize)]
 pub struct Batch {
     pub ops: Vec<Op>,
 }
@@ -117,6 +127,12 @@ pub trait KvStore: Send + Sync + 'static {
     /// Visits every row of `tables` as of one instant (writes that land meanwhile are not
     /// seen), table by table in the order given, keys ascending. For backups.
     fn export(&self, tables: &[Table], visit: &mut ExportVisitor<'_>) -> Result<(), StoreError>;
+    /// Counts batches that reached the store without passing through this process's
+    /// `write` (a replicated group applying its log): caches of what the store holds are
+    /// valid only while it is unchanged.
+    fn outside_writes(&self) -> u64 {
+        0
+    }
 }
 
 /// Called with (table, key, value) for each exported row; an error stops the export.

@@ -53,6 +53,11 @@ impl RocksStore {
         })
     }
 
+    /// Makes every write so far durable (writes made without sync included).
+    pub fn sync_wal(&self) -> Result<(), StoreError> {
+        self.db.flush_wal(true).map_err(io)
+    }
+
     fn cf(&self, t: Table) -> &rocksdb::ColumnFamily {
         self.db
             .cf_handle(t.name())

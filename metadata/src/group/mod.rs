@@ -1,0 +1,489 @@
+//! A replicated metadata group: three (or five) `locus metadata serve` processes that keep
+//! one catalogue through Raft, so the loss of a machine loses neither the service nor a
+//! committed write.
+//!
+//! The consensus is openraft (pinned, see docs/architecture.md) behind this module; the
+//! rest of the service sees only:
+//! - a `KvStore` (`ReplicatedStore`) whose `write` is a log entry: the catalogue's batches
+//!   go through the log unchanged and each applies on every member as one RocksDB
+//!   `WriteBatch`, together with the index of the entry, so a batch is applied exactly
+//!   once even across crashes. Large uploads stay small entries: a manifest page is one
+//!   batch (under `ENTRY_PAGE_BYTES` of rows), and the commit that publishes a version is a
+//!   small batch of its own, as on a single service;
+//! - whether this member may act (`acting`): the leader serves every call (after
+//!   confirming with a quorum that it still leads) and runs the repair loop and the
+//!   reaper; followers forward every call to it (`forward`);
+//! - the group's view for `GetClusterInfo` and membership changes.
+//!
+//! Files: `log` (the Raft log, its own RocksDB), `state` (the state machine: applying
+//! entries to the catalogue's RocksDB, snapshots), `network` (the members' Raft RPCs over
+//! gRPC, client and server), `forward` (followers passing calls to the leader).
+
+pub mod forward;
+mod log;
+mod network;
+mod state;
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::net::SocketAddr;
+use std::path::Path;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use locus_proto::pb;
+use openraft::{ChangeMembers, ServerState};
+use tonic::Status;
+
+use crate::store::{Batch, KvStore, RocksStore, ScanIter, StoreError, Table};
+
+pub use network::{RaftPolicy, RaftService};
+
+openraft::declare_raft_types!(
+    /// The group's Raft types: a log entry carries one catalogue batch.
+    pub TypeConfig:
+        D = Batch,
+        R = (),
+        NodeId = u64,
+        Node = Member,
+        SnapshotData = tokio::fs::File,
+);
+
+pub type Raft = openraft::Raft<TypeConfig>;
+
+/// A member as the group records it: its name and where the others reach its Raft port.
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct Member {
+    pub name: String,
+    pub addr: String,
+}
+
+impl std::fmt::Display for Member {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}@{}", self.name, self.addr)
+    }
+}
+
+/// The Raft id of a member: derived from its name, so every member computes the same id
+/// for a name without agreeing on anything first.
+pub fn member_id(name: &str) -> u64 {
+    let h = blake3::hash(name.as_bytes());
+    u64::from_be_bytes(h.as_bytes()[..8].try_into().expect("8 bytes"))
+}
+
+/// Parses `--cluster m1=HOST:PORT,m2=HOST:PORT,...`.
+pub fn parse_cluster(s: &str) -> Result<Vec<Member>, String> {
+    let mut out: Vec<Member> = Vec::new();
+    for part in s.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+        let (name, addr) = part
+            .split_once('=')
+            .ok_or_else(|| format!("{part:?} is not NAME=HOST:PORT"))?;
+        check_member_name(name)?;
+        let port_ok = addr
+            .rsplit_once(':')
+            .is_some_and(|(h, p)| !h.is_empty() && p.parse::<u16>().is_ok_and(|p| p != 0));
+        if !port_ok {
+            return Err(format!("{addr:?} (member {name}) is not HOST:PORT"));
+        }
+        if out.iter().any(|m| m.name == name) {
+            return Err(format!("member {name} is listed twice"));
+        }
+        if out.iter().any(|m| member_id(&m.name) == member_id(name)) {
+            return Err(format!("member names {name} and another hash alike; rename one"));
+        }
+        out.push(Member {
+            name: name.to_string(),
+            addr: addr.to_string(),
+        });
+    }
+    if out.is_empty() {
+        return Err("no members given".into());
+    }
+    Ok(out)
+}
+
+pub fn check_member_name(name: &str) -> Result<(), String> {
+    let ok = !name.is_empty()
+        && name.len() <= 63
+        && name
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_');
+    if ok {
+        Ok(())
+    } else {
+        Err(format!(
+            "member name {name:?}: 1 to 63 letters, digits, '-' or '_'"
+        ))
+    }
+}
+
+/// How a member of a group is run.
+#[derive(Debug, Clone)]
+pub struct GroupConfig {
+    /// This member's name; it must be one of `members` when the group is new.
+    pub me: String,
+    /// The members a new group starts with (all of them: every member is given the same
+    /// list). Ignored once this member holds a log: membership then changes only through
+    /// `ChangeMembers`.
+    pub members: Vec<Member>,
+    /// Where this member's Raft port listens (default: its own entry's address).
+    pub raft_listen: Option<SocketAddr>,
+    /// Token (role admin) presented on the other members' Raft ports.
+    pub token: Option<String>,
+    /// Raft timing: followers start an election after this long without a heartbeat
+    /// (randomised up to twice it); heartbeats go out at a fifth of it.
+    pub election_timeout: Duration,
+}
+
+/// A running member.
+pub struct Group {
+    raft: Raft,
+    id: u64,
+    name: String,
+    state: Arc<RocksStore>,
+    outside: Arc<std::sync::atomic::AtomicU64>,
+    /// Each member's API URL by Raft id, learnt from its Raft port's `Hello`.
+    api_urls: Mutex<HashMap<u64, String>>,
+    token: Option<String>,
+    handle: tokio::runtime::Handle,
+}
+
+impl std::fmt::Debug for Group {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Group({})", self.name)
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum GroupError {
+    #[error("{0}")]
+    Config(String),
+    #[error("cannot open the Raft log at {path}: {reason}")]
+    Log { path: String, reason: String },
+    #[error("{0}")]
+    State(String),
+    #[error("Raft failed to start: {0}")]
+    Raft(String),
+}
+
+impl Group {
+    /// Opens the log and the state machine under `data_dir` (the catalogue's store is
+    /// `state`), starts Raft, and initialises a new group when this member holds no log yet.
+    /// The Raft port is served by the caller (`RaftService`).
+    pub async fn start(
+        cfg: &GroupConfig,
+        data_dir: &Path,
+        state: Arc<RocksStore>,
+    ) -> Result<Arc<Group>, GroupError> {
+        check_member_name(&cfg.me).map_err(GroupError::Config)?;
+        let id = member_id(&cfg.me);
+        let log = log::LogStore::open(&data_dir.join("raft-log"))?;
+        let outside = Arc::new(std::sync::atomic::AtomicU64::new(0));
+        let sm = state::StateMachine::open(state.clone(), &data_dir.join("raft-snapshots"), outside.clone())?;
+        let t = cfg.election_timeout.as_millis().max(50) as u64;
+        let config = openraft::Config {
+            cluster_name: "locus-metadata".into(),
+            election_timeout_min: t,
+            election_timeout_max: 2 * t,
+            heartbeat_interval: (t / 5).max(10),
+            // A manifest page is up to a few MiB: a handful of entries per message keeps
+            // every AppendEntries well under the Raft port's message limit.
+            max_payload_entries: 8,
+            snapshot_policy: openraft::SnapshotPolicy::LogsSinceLast(5000),
+            max_in_snapshot_log_to_keep: 1000,
+            snapshot_max_chunk_size: 4 << 20,
+            install_snapshot_timeout: 10_000,
+            ..Default::default()
+        }
+        .validate()
+        .map_err(|e| GroupError::Config(e.to_string()))?;
+        let network = network::Network::new(cfg.token.clone());
+        let raft = Raft::new(id, Arc::new(config), network, log.clone(), sm)
+            .await
+            .map_err(|e| GroupError::Raft(e.to_string()))?;
+        let fresh = log.is_empty()?;
+        if fresh {
+            if !cfg.members.iter().any(|m| m.name == cfg.me) {
+                return Err(GroupError::Config(format!(
+                    "--id {} is not among the --cluster members ({})",
+                    cfg.me,
+                    cfg.members
+                        .iter()
+                        .map(|m| m.name.as_str())
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                )));
+            }
+            let members: BTreeMap<u64, Member> = cfg
+                .members
+                .iter()
+                .map(|m| (member_id(&m.name), m.clone()))
+                .collect();
+            // Every member of a new group proposes the same first membership; Raft lets
+            // all of them do so (the entries are identical), so no member is special.
+            if let Err(e) = raft.initialize(members).await {
+                tracing::info!("group already initialised elsewhere: {e}");
+            }
+        }
+        Ok(Arc::new(Group {
+            raft,
+            id,
+            name: cfg.me.clone(),
+            state,
+            outside,
+            api_urls: Mutex::new(HashMap::new()),
+            token: cfg.token.clone(),
+            handle: tokio::runtime::Handle::current(),
+        }))
+    }
+
+    pub fn raft(&self) -> &Raft {
+        &self.raft
+    }
+
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The catalogue's store on this member: reads are local, writes go through the log.
+    pub fn store(self: &Arc<Self>) -> Arc<dyn KvStore> {
+        Arc::new(ReplicatedStore(self.clone()))
+    }
+
+    /// Whether this member believes it leads (a quorum may already have moved on:
+    /// `linearize` confirms).
+    pub fn is_leader(&self) -> bool {
+        let m = self.raft.metrics();
+        let m = m.borrow();
+        m.state == ServerState::Leader && m.current_leader == Some(self.id)
+    }
+
+    /// The current leader as this member knows it.
+    pub fn leader(&self) -> Option<(u64, Member)> {
+        let m = self.raft.metrics();
+        let m = m.borrow();
+        let id = m.current_leader?;
+        let node = m.membership_config.membership().get_node(&id)?.clone();
+        Some((id, node))
+    }
+
+    /// Waits until this member is confirmed leader by a quorum and has applied every entry
+    /// committed before now: what it then reads is at least as new as any acknowledged
+    /// write.
+    pub async fn linearize(&self) -> Result<(), Status> {
+        match tokio::time::timeout(Duration::from_secs(5), self.raft.ensure_linearizable()).await {
+            Ok(Ok(_)) => Ok(()),
+            Ok(Err(e)) => Err(Status::unavailable(format!(
+                "metadata member {} cannot serve this now: {e}",
+                self.name
+            ))),
+            Err(_) => Err(Status::unavailable(format!(
+                "metadata member {} could not reach a quorum within 5 s",
+                self.name
+            ))),
+        }
+    }
+
+    /// Whether the catalogue's schema has reached this member (the first leader writes it).
+    pub fn has_schema(&self) -> bool {
+        self.state
+            .get(Table::Meta, crate::keys::META_SCHEMA)
+            .ok()
+            .flatten()
+            .is_some()
+    }
+
+    /// The index of the last entry this member applied.
+    pub fn applied_index(&self) -> u64 {
+        self.raft.metrics().borrow().last_applied.map_or(0, |l| l.index)
+    }
+
+    /// The members, their roles, the leader's name and this member's name.
+    pub fn info(&self) -> (Vec<pb::GroupMember>, String, String) {
+        let m = self.raft.metrics();
+        let m = m.borrow();
+        let membership = m.membership_config.membership();
+        let voters: BTreeSet<u64> = membership.voter_ids().collect();
+        let mut members: Vec<pb::GroupMember> = membership
+            .nodes()
+            .map(|(id, node)| pb::GroupMember {
+                name: node.name.clone(),
+                raft_address: node.addr.clone(),
+                role: if voters.contains(id) { "voter" } else { "learner" }.into(),
+            })
+            .collect();
+        members.sort_by(|a, b| a.name.cmp(&b.name));
+        let leader = m
+            .current_leader
+            .and_then(|id| membership.get_node(&id))
+            .map(|n| n.name.clone())
+            .unwrap_or_default();
+        (members, leader, self.name.clone())
+    }
+
+    /// Applies a `ChangeMembers` request (on the leader).
+    pub async fn change_members(&self, req: pb::ChangeMembersRequest) -> Result<(), Status> {
+        let current: BTreeMap<u64, Member> = {
+            let m = self.raft.metrics();
+            let m = m.borrow();
+            m.membership_config
+                .membership()
+                .nodes()
+                .map(|(id, n)| (*id, n.clone()))
+                .collect()
+        };
+        let known = |name: &str| -> Result<u64, Status> {
+            let id = member_id(name);
+            if current.contains_key(&id) {
+                Ok(id)
+            } else {
+                Err(Status::not_found(format!(
+                    "{name:?} is not a member of this group"
+                )))
+            }
+        };
+        let fail = |e: String| Status::failed_precondition(format!("membership change refused: {e}"));
+        match req.op.as_str() {
+            "add-learner" => {
+                let [name] = req.names.as_slice() else {
+                    return Err(Status::invalid_argument("add-learner takes one name"));
+                };
+                check_member_name(name).map_err(Status::invalid_argument)?;
+                let addr = &req.raft_address;
+                parse_cluster(&format!("{name}={addr}")).map_err(Status::invalid_argument)?;
+                if let Some((id, _)) = current
+                    .iter()
+                    .find(|(id, n)| n.name != *name && **id == member_id(name))
+                {
+                    return Err(Status::invalid_argument(format!(
+                        "{name:?} hashes like member {id}; rename it"
+                    )));
+                }
+                let node = Member {
+                    name: name.clone(),
+                    addr: addr.clone(),
+                };
+                // Blocking: answers once the learner has caught up (a snapshot plus the log).
+                self.raft
+                    .add_learner(member_id(name), node, true)
+                    .await
+                    .map_err(|e| fail(e.to_string()))?;
+            }
+            "promote" | "remove" => {
+                if req.names.is_empty() {
+                    return Err(Status::invalid_argument(format!("{} needs member names", req.op)));
+                }
+                let ids: BTreeSet<u64> = req.names.iter().map(|n| known(n)).collect::<Result<_, _>>()?;
+                let change = if req.op == "promote" {
+                    ChangeMembers::AddVoterIds(ids.clone())
+                } else {
+                    if ids.contains(&self.id) {
+                        return Err(Status::failed_precondition(
+                            "the leader cannot remove itself; remove it from another member after \
+                             stopping it, or ask while another member leads",
+                        ));
+                    }
+                    ChangeMembers::RemoveVoters(ids.clone())
+                };
+                self.raft
+                    .change_membership(change, false)
+                    .await
+                    .map_err(|e| fail(e.to_string()))?;
+                if req.op == "remove" {
+                    self.raft
+                        .change_membership(ChangeMembers::RemoveNodes(ids), false)
+                        .await
+                        .map_err(|e| fail(e.to_string()))?;
+                }
+            }
+            other => {
+                return Err(Status::invalid_argument(format!(
+                    "op {other:?}: expected add-learner, promote or remove"
+                )))
+            }
+        }
+        Ok(())
+    }
+
+    /// The URL of member `id`'s Metadata service (asked of its Raft port once, then kept).
+    pub async fn api_url(&self, id: u64, member: &Member) -> Result<String, Status> {
+        if let Some(u) = self.api_urls.lock().unwrap_or_else(|p| p.into_inner()).get(&id) {
+            return Ok(u.clone());
+        }
+        let hello = network::hello(&member.addr, self.token.as_deref()).await?;
+        if hello.name != member.name {
+            return Err(Status::unavailable(format!(
+                "{} answers as member {:?}, not {}",
+                member.addr, hello.name, member.name
+            )));
+        }
+        self.api_urls
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(id, hello.api_url.clone());
+        Ok(hello.api_url)
+    }
+
+    /// The group's grant key: made by the first leader, replicated to every member, so a
+    /// grant signed before a failover is still accepted after it.
+    pub fn grant_key(self: &Arc<Self>) -> Result<locus_proto::grant::GrantKey, GroupError> {
+        const KEY: &[u8] = b"grant_key";
+        let bad = |e: String| GroupError::State(format!("the group's grant key: {e}"));
+        loop {
+            if let Some(pkcs8) = self.state.get(Table::Raft, KEY).map_err(|e| bad(e.to_string()))? {
+                return locus_proto::grant::GrantKey::from_pkcs8(&pkcs8).map_err(bad);
+            }
+            if self.is_leader() {
+                let pkcs8 = locus_proto::grant::GrantKey::generate_pkcs8().map_err(bad)?;
+                let mut b = Batch::default();
+                b.put(Table::Raft, KEY, pkcs8);
+                match ReplicatedStore(self.clone()).write(b, true) {
+                    Ok(()) => continue,
+                    Err(e) => tracing::warn!("writing the group's grant key: {e}; retrying"),
+                }
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+}
+
+/// The catalogue's store on a member: reads from the local state machine, writes proposed
+/// to the group and returned once committed and applied here.
+struct ReplicatedStore(Arc<Group>);
+
+impl KvStore for ReplicatedStore {
+    fn get(&self, t: Table, key: &[u8]) -> Result<Option<Vec<u8>>, StoreError> {
+        self.0.state.get(t, key)
+    }
+    fn scan<'a>(&'a self, t: Table, from: &[u8], to: Option<&[u8]>) -> ScanIter<'a> {
+        self.0.state.scan(t, from, to)
+    }
+    fn write(&self, batch: Batch, _sync: bool) -> Result<(), StoreError> {
+        // Durability is the log's: an entry is committed once a quorum has it on disk.
+        let raft = self.0.raft.clone();
+        let r = self.0.handle.block_on(async move {
+            tokio::time::timeout(Duration::from_secs(30), raft.client_write(batch)).await
+        });
+        match r {
+            Ok(Ok(_)) => Ok(()),
+            Ok(Err(e)) => Err(StoreError::Unavailable(format!(
+                "the metadata group did not commit the change: {e}"
+            ))),
+            Err(_) => Err(StoreError::Unavailable(
+                "the metadata group did not commit the change within 30 s (no quorum?)".into(),
+            )),
+        }
+    }
+    fn size_on_disk(&self) -> u64 {
+        self.0.state.size_on_disk()
+    }
+    fn export(
+        &self,
+        tables: &[Table],
+        visit: &mut crate::store::ExportVisitor<'_>,
+    ) -> Result<(), StoreError> {
+        self.0.state.export(tables, visit)
+    }
+    fn outside_writes(&self) -> u64 {
+        self.0.outside.load(std::sync::atomic::Ordering::SeqCst)
+    }
+}

@@ -1,0 +1,362 @@
+//! The state machine of a member: the catalogue's RocksDB. Each log entry applies as one
+//! `WriteBatch` that also records the entry's id (`raft` table, `applied`), so after a
+//! crash the store says exactly which entries it holds and the log replays the rest; the
+//! store's own writes therefore need no sync (the log's do).
+//!
+//! Snapshots are the whole store read at one RocksDB instant (the same reader backups
+//! use), written to a file (`DATA_DIR/raft-snapshots/`) that openraft sends to a lagging or
+//! new member in 4 MiB pieces. A member installing one replaces every table's rows; the
+//! `installing` mark brackets that, and a member that finds it at start refuses to serve
+//! half a catalogue (the operator wipes it and it rejoins from a fresh snapshot).
+
+// openraft's StorageError is what its storage traits return; helpers return it too.
+#![allow(clippy::result_large_err)]
+
+use std::io::{BufReader, BufWriter, Read, Write};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use openraft::storage::{RaftStateMachine, Snapshot, SnapshotMeta};
+use openraft::{
+    AnyError, Entry, EntryPayload, LogId, RaftSnapshotBuilder, StorageError, StorageIOError, StoredMembership,
+};
+
+use super::{GroupError, Member, TypeConfig};
+use crate::store::{Batch, KvStore, RocksStore, Table};
+
+type SErr = StorageError<u64>;
+/// The last applied entry and the membership as of it.
+type Applied = (Option<LogId<u64>>, StoredMembership<u64, Member>);
+
+const APPLIED: &[u8] = b"applied";
+const MEMBERSHIP: &[u8] = b"membership";
+const INSTALLING: &[u8] = b"installing";
+const MAGIC: &[u8] = b"locus-raft-snapshot-1\n";
+/// Rows per batch while a snapshot is installed.
+const INSTALL_BATCH_BYTES: usize = 8 << 20;
+
+fn sm_err(e: impl std::fmt::Display) -> SErr {
+    StorageIOError::write_state_machine(AnyError::error(e)).into()
+}
+fn snap_err(e: impl std::fmt::Display) -> SErr {
+    StorageIOError::write_snapshot(None, AnyError::error(e)).into()
+}
+
+pub struct StateMachine {
+    store: Arc<RocksStore>,
+    dir: PathBuf,
+    outside: Arc<AtomicU64>,
+}
+
+impl StateMachine {
+    pub fn open(store: Arc<RocksStore>, dir: &Path, outside: Arc<AtomicU64>) -> Result<Self, GroupError> {
+        std::fs::create_dir_all(dir)
+            .map_err(|e| GroupError::State(format!("cannot create {}: {e}", dir.display())))?;
+        if store
+            .get(Table::Raft, INSTALLING)
+            .map_err(|e| GroupError::State(e.to_string()))?
+            .is_some()
+        {
+            return Err(GroupError::State(
+                "this member stopped while installing a snapshot, so its catalogue is incomplete; \
+                 move its data directory away and start it again: it rejoins the group and \
+                 receives a fresh snapshot"
+                    .into(),
+            ));
+        }
+        Ok(Self {
+            store,
+            dir: dir.to_path_buf(),
+            outside,
+        })
+    }
+
+    fn read_state(&self) -> Result<Applied, SErr> {
+        let get = |k: &[u8]| self.store.get(Table::Raft, k).map_err(sm_err);
+        let applied = match get(APPLIED)? {
+            Some(v) => bincode::deserialize(&v).map_err(sm_err)?,
+            None => None,
+        };
+        let membership = match get(MEMBERSHIP)? {
+            Some(v) => bincode::deserialize(&v).map_err(sm_err)?,
+            None => StoredMembership::default(),
+        };
+        Ok((applied, membership))
+    }
+
+    /// The newest snapshot this member built or received: its meta and data file.
+    fn current(&self) -> Option<(SnapshotMeta<u64, Member>, PathBuf)> {
+        let meta = std::fs::read(self.dir.join("current.meta")).ok()?;
+        let meta: SnapshotMeta<u64, Member> = bincode::deserialize(&meta).ok()?;
+        let data = self.dir.join(format!("{}.snap", meta.snapshot_id));
+        data.exists().then_some((meta, data))
+    }
+
+    fn set_current(&self, meta: &SnapshotMeta<u64, Member>) -> Result<(), SErr> {
+        let bytes = bincode::serialize(meta).map_err(snap_err)?;
+        let tmp = self.dir.join("current.meta.tmp");
+        std::fs::write(&tmp, bytes)
+            .and_then(|_| std::fs::File::open(&tmp)?.sync_all())
+            .and_then(|_| std::fs::rename(&tmp, self.dir.join("current.meta")))
+            .map_err(snap_err)?;
+        // Older snapshot files are superseded.
+        if let Ok(rd) = std::fs::read_dir(&self.dir) {
+            let keep = format!("{}.snap", meta.snapshot_id);
+            for e in rd.flatten() {
+                let n = e.file_name().to_string_lossy().to_string();
+                if n.ends_with(".snap") && n != keep {
+                    let _ = std::fs::remove_file(e.path());
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+impl RaftStateMachine<TypeConfig> for StateMachine {
+    type SnapshotBuilder = Builder;
+
+    async fn applied_state(&mut self) -> Result<Applied, SErr> {
+        self.read_state()
+    }
+
+    async fn apply<I>(&mut self, entries: I) -> Result<Vec<()>, SErr>
+    where
+        I: IntoIterator<Item = Entry<TypeConfig>> + Send,
+        I::IntoIter: Send,
+    {
+        let mut out = Vec::new();
+        for e in entries {
+            let mut batch = match e.payload {
+                EntryPayload::Normal(b) => {
+                    if b.ops.iter().any(touches_group_state) && !is_grant_key_only(&b) {
+                        // Only this module writes the raft table; a catalogue batch never does.
+                        return Err(sm_err(format!("entry {} writes the group's own state", e.log_id)));
+                    }
+                    b
+                }
+                EntryPayload::Blank => Batch::default(),
+                EntryPayload::Membership(m) => {
+                    let mut b = Batch::default();
+                    let stored = StoredMembership::new(Some(e.log_id), m);
+                    b.put(
+                        Table::Raft,
+                        MEMBERSHIP,
+                        bincode::serialize(&stored).map_err(sm_err)?,
+                    );
+                    b
+                }
+            };
+            batch.put(
+                Table::Raft,
+                APPLIED,
+                bincode::serialize(&Some(e.log_id)).map_err(sm_err)?,
+            );
+            self.store.write(batch, false).map_err(sm_err)?;
+            self.outside.fetch_add(1, Ordering::SeqCst);
+            out.push(());
+        }
+        Ok(out)
+    }
+
+    async fn get_snapshot_builder(&mut self) -> Builder {
+        Builder {
+            store: self.store.clone(),
+            dir: self.dir.clone(),
+        }
+    }
+
+    async fn begin_receiving_snapshot(&mut self) -> Result<Box<tokio::fs::File>, SErr> {
+        let path = self.dir.join("receiving.snap");
+        let f = tokio::fs::OpenOptions::new()
+            .create(true)
+            .truncate(true)
+            .read(true)
+            .write(true)
+            .open(&path)
+            .await
+            .map_err(snap_err)?;
+        Ok(Box::new(f))
+    }
+
+    async fn install_snapshot(
+        &mut self,
+        meta: &SnapshotMeta<u64, Member>,
+        snapshot: Box<tokio::fs::File>,
+    ) -> Result<(), SErr> {
+        snapshot.sync_all().await.map_err(snap_err)?;
+        drop(snapshot);
+        let data = self.dir.join(format!("{}.snap", meta.snapshot_id));
+        std::fs::rename(self.dir.join("receiving.snap"), &data).map_err(snap_err)?;
+        let mut mark = Batch::default();
+        mark.put(Table::Raft, INSTALLING, b"1".to_vec());
+        self.store.write(mark, true).map_err(sm_err)?;
+        // Every row goes: the snapshot holds the whole state, the raft table included.
+        for t in Table::ALL {
+            let mut b = Batch::default();
+            for kv in self.store.scan(t, b"", None) {
+                let (k, _) = kv.map_err(sm_err)?;
+                if t == Table::Raft && &*k == INSTALLING {
+                    continue;
+                }
+                b.delete(t, k.to_vec());
+                if b.len() >= 10_000 {
+                    self.store.write(std::mem::take(&mut b), false).map_err(sm_err)?;
+                }
+            }
+            self.store.write(b, false).map_err(sm_err)?;
+        }
+        let mut r = BufReader::new(std::fs::File::open(&data).map_err(snap_err)?);
+        let mut magic = vec![0u8; MAGIC.len()];
+        r.read_exact(&mut magic).map_err(snap_err)?;
+        if magic != MAGIC {
+            return Err(snap_err("the received snapshot is not a Locus snapshot"));
+        }
+        let mut b = Batch::default();
+        let mut bytes = 0usize;
+        while let Some((t, k, v)) = read_row(&mut r).map_err(snap_err)? {
+            bytes += k.len() + v.len();
+            b.put(t, k, v);
+            if bytes >= INSTALL_BATCH_BYTES {
+                self.store.write(std::mem::take(&mut b), false).map_err(sm_err)?;
+                bytes = 0;
+            }
+        }
+        // The snapshot's own `applied` and `membership` rows came with it; the mark goes
+        // in the same, synced, batch as the last rows.
+        b.delete(Table::Raft, INSTALLING);
+        self.store.write(b, true).map_err(sm_err)?;
+        self.outside.fetch_add(1, Ordering::SeqCst);
+        self.set_current(meta)?;
+        Ok(())
+    }
+
+    async fn get_current_snapshot(&mut self) -> Result<Option<Snapshot<TypeConfig>>, SErr> {
+        let Some((meta, path)) = self.current() else {
+            return Ok(None);
+        };
+        let f = tokio::fs::File::open(&path).await.map_err(snap_err)?;
+        Ok(Some(Snapshot {
+            meta,
+            snapshot: Box::new(f),
+        }))
+    }
+}
+
+fn touches_group_state(op: &crate::store::Op) -> bool {
+    use crate::store::Op;
+    matches!(
+        op,
+        Op::Put(Table::Raft, ..) | Op::Delete(Table::Raft, ..) | Op::DeleteRange(Table::Raft, ..)
+    )
+}
+
+/// The one write of the group's own state that goes through the log as a batch: the
+/// group's grant key, made by the first leader.
+fn is_grant_key_only(b: &Batch) -> bool {
+    use crate::store::Op;
+    b.ops.len() == 1 && matches!(&b.ops[0], Op::Put(Table::Raft, k, _) if k == b"grant_key")
+}
+
+pub struct Builder {
+    store: Arc<RocksStore>,
+    dir: PathBuf,
+}
+
+impl RaftSnapshotBuilder<TypeConfig> for Builder {
+    async fn build_snapshot(&mut self) -> Result<Snapshot<TypeConfig>, SErr> {
+        // What was applied without sync must be on disk before the log that produced it
+        // can be purged up to this snapshot.
+        self.store.sync_wal().map_err(snap_err)?;
+        let tmp = self.dir.join("building.snap");
+        let mut w = BufWriter::new(std::fs::File::create(&tmp).map_err(snap_err)?);
+        w.write_all(MAGIC).map_err(snap_err)?;
+        let mut applied: Option<LogId<u64>> = None;
+        let mut membership = StoredMembership::<u64, Member>::default();
+        // One RocksDB instant for every table: the rows, `applied` and `membership` agree.
+        self.store
+            .export(&Table::ALL, &mut |t, k, v| {
+                if t == Table::Raft {
+                    let io = |e: bincode::Error| crate::store::StoreError::Io(e.to_string());
+                    if k == APPLIED {
+                        applied = bincode::deserialize(v).map_err(io)?;
+                    } else if k == MEMBERSHIP {
+                        membership = bincode::deserialize(v).map_err(io)?;
+                    }
+                }
+                write_row(&mut w, t, k, v).map_err(|e| crate::store::StoreError::Io(e.to_string()))
+            })
+            .map_err(snap_err)?;
+        w.write_all(&[0xff]).map_err(snap_err)?;
+        let f = w.into_inner().map_err(|e| snap_err(e.error()))?;
+        f.sync_all().map_err(snap_err)?;
+        drop(f);
+        let id = format!(
+            "{}-{}",
+            applied.map_or(0, |l| l.index),
+            locus_proto::grant::now_ms()
+        );
+        let data = self.dir.join(format!("{id}.snap"));
+        std::fs::rename(&tmp, &data).map_err(snap_err)?;
+        let meta = SnapshotMeta {
+            last_log_id: applied,
+            last_membership: membership,
+            snapshot_id: id,
+        };
+        let sm = StateMachine {
+            store: self.store.clone(),
+            dir: self.dir.clone(),
+            outside: Arc::new(AtomicU64::new(0)),
+        };
+        sm.set_current(&meta)?;
+        let f = tokio::fs::File::open(&data).await.map_err(snap_err)?;
+        Ok(Snapshot {
+            meta,
+            snapshot: Box::new(f),
+        })
+    }
+}
+
+fn table_index(t: Table) -> u8 {
+    Table::ALL
+        .iter()
+        .position(|x| *x == t)
+        .expect("every table is in ALL") as u8
+}
+
+fn write_row(w: &mut impl Write, t: Table, k: &[u8], v: &[u8]) -> std::io::Result<()> {
+    w.write_all(&[table_index(t)])?;
+    w.write_all(&(k.len() as u32).to_be_bytes())?;
+    w.write_all(k)?;
+    w.write_all(&(v.len() as u32).to_be_bytes())?;
+    w.write_all(v)
+}
+
+type SnapRow = (Table, Vec<u8>, Vec<u8>);
+
+fn read_row(r: &mut impl Read) -> std::io::Result<Option<SnapRow>> {
+    let bad = |m: &str| std::io::Error::new(std::io::ErrorKind::InvalidData, m.to_string());
+    let mut t = [0u8; 1];
+    r.read_exact(&mut t)?;
+    if t[0] == 0xff {
+        return Ok(None);
+    }
+    let table = *Table::ALL
+        .get(t[0] as usize)
+        .ok_or_else(|| bad("unknown table in snapshot"))?;
+    let read_bytes = |r: &mut dyn Read| -> std::io::Result<Vec<u8>> {
+        let mut n = [0u8; 4];
+        r.read_exact(&mut n)?;
+        let n = u32::from_be_bytes(n) as usize;
+        if n > 1 << 30 {
+            return Err(bad("row larger than 1 GiB in snapshot"));
+        }
+        let mut v = vec![0u8; n];
+        r.read_exact(&mut v)?;
+        Ok(v)
+    };
+    let k = read_bytes(r)?;
+    let v = read_bytes(r)?;
+    Ok(Some((table, k, v)))
+}

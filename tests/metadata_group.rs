@@ -1,0 +1,265 @@
+//! A replicated metadata group of three real `locus metadata serve` processes: what a
+//! client acknowledged survives the leader's `kill -9`, numbering stays exact, a minority
+//! refuses writes, and followers forward what they cannot answer.
+
+use std::collections::BTreeSet;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use locus_proto::pb;
+use locus_testkit::*;
+
+/// The leader's index in `ms`, as the members that answer agree on it.
+async fn leader(ms: &[Metadata]) -> usize {
+    wait_until("the group to have a leader", Duration::from_secs(30), || async {
+        for m in ms.iter().filter(|m| m.daemon.is_running()) {
+            let mut o = m.client_options(m.token("admin"));
+            o.url = m.own_url();
+            let Ok(mut c) = locus_proto::client::connect(&o).await else {
+                continue;
+            };
+            if let Ok(i) = c.get_cluster_info(pb::GetClusterInfoRequest {}).await {
+                let l = i.into_inner().leader;
+                if let Some(idx) = ms
+                    .iter()
+                    .position(|m| m.data_dir.to_string_lossy().contains(&format!("-{l}/")))
+                {
+                    if ms[idx].daemon.is_running() {
+                        return Some(idx);
+                    }
+                }
+            }
+        }
+        None
+    })
+    .await
+}
+
+async fn own_client(m: &Metadata) -> locus_proto::client::MetadataClient {
+    let mut o = m.client_options(m.token("admin"));
+    o.url = m.own_url();
+    locus_proto::client::connect(&o)
+        .await
+        .expect("connect to one member")
+}
+
+async fn versions(c: &mut locus_proto::client::MetadataClient, ds: &str) -> Vec<u64> {
+    c.get_dataset(pb::GetDatasetRequest { name: ds.into() })
+        .await
+        .map(|d| d.into_inner().versions.iter().map(|v| v.version).collect())
+        .unwrap_or_default()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_acknowledged_commit_survives_kill9_of_the_leader_and_numbers_stay_consecutive() {
+    let h = Harness::new("group-kill");
+    let mut ms = h.start_group("meta", 3, MetadataOpts::with_tokens()).await;
+
+    // A session begun and filled but never committed: it must never become a version.
+    let mut c = ms[0].client(Some("admin")).await;
+    let (orphan, _) = synthetic_manifest("orphan", 30, 10, 10, 1 << 16);
+    let s = c
+        .begin_version(pb::BeginVersionRequest {
+            dataset: "shared".into(),
+            replication: 1,
+            chunk_size: 1 << 16,
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    locus_proto::client::put_entries_paged(&mut c, s.session_id, orphan)
+        .await
+        .unwrap();
+
+    // Two writers commit in a loop through the whole group's URL list, keeping what was
+    // acknowledged; a failed call (the leader died under it) is retried with a new session.
+    let stop = Arc::new(AtomicBool::new(false));
+    let mut writers = Vec::new();
+    for w in 0..2 {
+        let m_url = ms[0].client_options(ms[0].token("admin"));
+        let stop = stop.clone();
+        writers.push(tokio::spawn(async move {
+            let mut acked: Vec<(u64, Vec<pb::Entry>)> = Vec::new();
+            let mut failures = 0u32;
+            let mut round = 0;
+            while !stop.load(Ordering::SeqCst) {
+                round += 1;
+                let Ok(mut c) = locus_proto::client::connect(&m_url).await else {
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    continue;
+                };
+                let (e, s) = synthetic_manifest(&format!("w{w}r{round}"), 20 + round % 7, 10, 10, 1 << 16);
+                match commit(&mut c, "shared", 1 << 16, e.clone(), s).await {
+                    Ok(v) => acked.push((v.version, e)),
+                    Err(_) => {
+                        failures += 1;
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                    }
+                }
+            }
+            (acked, failures)
+        }));
+    }
+    let c0 = ms[0].client(Some("admin")).await;
+    wait_until("six commits before the kill", Duration::from_secs(60), || {
+        let mut c = c0.clone();
+        async move { (versions(&mut c, "shared").await.len() >= 6).then_some(()) }
+    })
+    .await;
+    let old = leader(&ms).await;
+    let killed_at = Instant::now();
+    ms[old].kill9();
+    let survivor = (old + 1) % 3;
+    let before = {
+        let c = own_client(&ms[survivor]).await;
+        wait_until("a commit after the kill", Duration::from_secs(30), || {
+            let mut c = c.clone();
+            async move {
+                let n = versions(&mut c, "shared").await.len();
+                (n > 0).then_some(n)
+            }
+        })
+        .await
+    };
+    let c = own_client(&ms[survivor]).await;
+    wait_until("six more commits after failover", Duration::from_secs(60), || {
+        let mut c = c.clone();
+        async move { (versions(&mut c, "shared").await.len() >= before + 6).then_some(()) }
+    })
+    .await;
+    let failover = killed_at.elapsed();
+    stop.store(true, Ordering::SeqCst);
+    let mut acked = Vec::new();
+    for w in writers {
+        let (a, _failures) = w.await.unwrap();
+        acked.extend(a);
+    }
+    // The killed member comes back and catches up from the log.
+    ms[old].restart().await;
+    let new = leader(&ms).await;
+    assert_ne!(new, old, "a new leader was elected while the old one was dead");
+
+    let mut c = ms[0].client(Some("admin")).await;
+    let listed = versions(&mut c, "shared").await;
+    let n = listed.len() as u64;
+    assert_eq!(
+        listed,
+        (1..=n).collect::<Vec<_>>(),
+        "version numbers are consecutive from 1 with no gap or duplicate"
+    );
+    let numbers: BTreeSet<u64> = acked.iter().map(|(v, _)| *v).collect();
+    assert_eq!(numbers.len(), acked.len(), "no number was acknowledged twice");
+    for (v, entries) in &acked {
+        assert!(
+            listed.contains(v),
+            "acknowledged version {v} is present after failover"
+        );
+        assert_eq!(
+            all_entries(&mut c, "shared", *v).await,
+            sorted(entries.clone()),
+            "version {v} holds the manifest that was acknowledged for it"
+        );
+    }
+    for v in &listed {
+        let names: Vec<String> = all_entries(&mut c, "shared", *v)
+            .await
+            .into_iter()
+            .map(|e| e.path)
+            .collect();
+        assert!(
+            !names.iter().any(|p| p.contains("orphan-")),
+            "the uncommitted session's entries never became version {v}"
+        );
+    }
+    // Every member, the restarted one included, applies the same log: the same last
+    // applied entry on all three (reads are the leader's, so the members' own state is
+    // compared by what they report applying).
+    wait_until(
+        "every member to apply the same log",
+        Duration::from_secs(30),
+        || {
+            let ms = &ms;
+            async move {
+                let mut applied = BTreeSet::new();
+                for m in ms.iter() {
+                    let mut c = own_client(m).await;
+                    let info = c
+                        .get_cluster_info(pb::GetClusterInfoRequest {})
+                        .await
+                        .ok()?
+                        .into_inner();
+                    if info.members.len() != 3 || info.leader.is_empty() {
+                        return None;
+                    }
+                    applied.insert(info.applied_index);
+                }
+                (applied.len() == 1).then_some(())
+            }
+        },
+    )
+    .await;
+    eprintln!(
+        "acknowledged {} commits, {} versions in all; leader killed to six commits after it: {failover:?}",
+        acked.len(),
+        n
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_minority_refuses_writes_and_the_majority_goes_on() {
+    let h = Harness::new("group-minority");
+    let ms = h.start_group("meta", 3, MetadataOpts::default()).await;
+    let l = leader(&ms).await;
+    let followers: Vec<usize> = (0..3).filter(|i| *i != l).collect();
+    // Freeze the two followers: the leader is a minority of one.
+    for &f in &followers {
+        ms[f].daemon.sigstop();
+    }
+    let mut c = own_client(&ms[l]).await;
+    let (e, s) = synthetic_manifest("alone", 10, 10, 10, 1 << 16);
+    let started = Instant::now();
+    let r = tokio::time::timeout(Duration::from_secs(40), commit(&mut c, "ds", 1 << 16, e, s)).await;
+    match r {
+        Ok(Ok(v)) => panic!("a minority committed version {}", v.version),
+        Ok(Err(status)) => assert_eq!(
+            status.code(),
+            tonic::Code::Unavailable,
+            "refused as unavailable, not as bad input: {status:?}"
+        ),
+        Err(_) => panic!("the minority neither committed nor refused within 40 s"),
+    }
+    eprintln!("minority refused after {:?}", started.elapsed());
+    // The leader alone is frozen now, the two others resume and elect one of themselves.
+    ms[l].daemon.sigstop();
+    for &f in &followers {
+        ms[f].daemon.sigcont();
+    }
+    let c = own_client(&ms[followers[0]]).await;
+    let (e, s) = synthetic_manifest("majority", 10, 10, 10, 1 << 16);
+    let v = wait_until("the majority to commit", Duration::from_secs(30), || {
+        let (mut c, e, s) = (c.clone(), e.clone(), s.clone());
+        async move { commit(&mut c, "ds", 1 << 16, e, s).await.ok() }
+    })
+    .await;
+    assert_eq!(v.version, 1, "the refused commit left no version behind");
+    // Healing: the old leader resumes, steps down and learns the version.
+    ms[l].daemon.sigcont();
+    let mut c = own_client(&ms[l]).await;
+    wait_until(
+        "the old leader to serve the majority's version",
+        Duration::from_secs(30),
+        || {
+            let mut c = c.clone();
+            async move { (versions(&mut c, "ds").await == vec![1]).then_some(()) }
+        },
+    )
+    .await;
+    let info = c
+        .get_cluster_info(pb::GetClusterInfoRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    assert_ne!(info.leader, info.member, "the healed old leader stepped down");
+}
