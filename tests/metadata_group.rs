@@ -263,3 +263,103 @@ async fn a_minority_refuses_writes_and_the_majority_goes_on() {
         .into_inner();
     assert_ne!(info.leader, info.member, "the healed old leader stepped down");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wiped_member_rejoins_from_a_snapshot_and_holds_the_whole_catalogue() {
+    let h = Harness::new("group-rejoin");
+    let opts = MetadataOpts {
+        extra: vec!["--snapshot-every".into(), "8".into()],
+        ..Default::default()
+    };
+    let mut ms = h.start_group("meta", 3, opts).await;
+    let mut c = ms[0].client(None).await;
+    // A large manifest (its pages are many log entries) and a few small versions.
+    let (big, big_shards) = synthetic_manifest("big", 200_000, 1000, 1000, 1 << 20);
+    let started = Instant::now();
+    commit(&mut c, "big", 1 << 20, big.clone(), big_shards)
+        .await
+        .unwrap();
+    eprintln!(
+        "200,000-entry manifest committed on the group in {:?}",
+        started.elapsed()
+    );
+    let mut small = Vec::new();
+    for i in 0..10 {
+        let (e, s) = synthetic_manifest(&format!("s{i}"), 20, 10, 10, 1 << 16);
+        commit(&mut c, "small", 1 << 16, e.clone(), s).await.unwrap();
+        small.push(e);
+    }
+    // The member that is not leading is stopped and loses everything it had.
+    let l = leader(&ms).await;
+    let w = (l + 1) % 3;
+    ms[w].terminate().await;
+    std::fs::remove_dir_all(&ms[w].data_dir).unwrap();
+    // More writes while it is away: the log it missed is long gone behind a snapshot.
+    for i in 10..20 {
+        let (e, s) = synthetic_manifest(&format!("s{i}"), 20, 10, 10, 1 << 16);
+        commit(&mut c, "small", 1 << 16, e.clone(), s).await.unwrap();
+        small.push(e);
+    }
+    // Started as before, it refuses: it holds nothing while the others hold the group's log.
+    ms[w].spawn();
+    let refused = ms[w]
+        .daemon
+        .try_wait_addrs()
+        .await
+        .expect_err("the wiped member exits instead of serving");
+    assert!(
+        refused.contains("its data was lost") && refused.contains("--join"),
+        "the refusal says why and how to rejoin: {refused}"
+    );
+    ms[w].daemon.reap();
+    ms[w].opts.extra.push("--join".into());
+    let started = Instant::now();
+    ms[w].restart().await;
+    wait_until("the wiped member to catch up", Duration::from_secs(120), || {
+        let ms = &ms;
+        async move {
+            let mut applied = BTreeSet::new();
+            for m in ms.iter() {
+                let mut c = own_client(m).await;
+                applied.insert(
+                    c.get_cluster_info(pb::GetClusterInfoRequest {})
+                        .await
+                        .ok()?
+                        .into_inner()
+                        .applied_index,
+                );
+            }
+            (applied.len() == 1).then_some(())
+        }
+    })
+    .await;
+    eprintln!("wiped member caught up in {:?}", started.elapsed());
+    assert!(
+        ms[w].data_dir.join("raft-snapshots/current.meta").exists(),
+        "the wiped member caught up by installing a snapshot"
+    );
+    // Its own store, read alone (the group stopped, the member's data dir served as a
+    // single service), holds every version with its whole manifest.
+    for m in ms.iter_mut() {
+        m.terminate().await;
+    }
+    let m = &mut ms[w];
+    m.opts.extra.clear();
+    m.public_url = None;
+    m.restart().await;
+    let mut c = m.client(None).await;
+    assert_eq!(
+        all_entries(&mut c, "big", 1).await,
+        sorted(big),
+        "the large manifest arrived whole"
+    );
+    assert_eq!(versions(&mut c, "small").await, (1..=20).collect::<Vec<_>>());
+    for (i, e) in small.into_iter().enumerate() {
+        assert_eq!(
+            all_entries(&mut c, "small", i as u64 + 1).await,
+            sorted(e),
+            "small version {}",
+            i + 1
+        );
+    }
+}

@@ -83,7 +83,84 @@ impl tonic::service::Interceptor for BearerToken {
     }
 }
 
-pub type MetadataClient = pb::metadata_client::MetadataClient<InterceptedService<Channel, BearerToken>>;
+pub type MetadataClient = pb::metadata_client::MetadataClient<InterceptedService<MetaChannel, BearerToken>>;
+
+/// The connection under a metadata client: one service, or the members of a replicated
+/// group, tried in turn.
+///
+/// With several members a call goes to the member that answered last; if it cannot be
+/// connected to (dead, restarting), the call is sent to the next member, so a client keeps
+/// working through the loss of any minority without seeing an error. Only calls that were
+/// never delivered are resent: a connection that fails after the request went out is
+/// reported, as the member may have acted on it. Request bodies are kept to be resent,
+/// which is bounded because every Metadata call sends one message (none streams requests).
+#[derive(Clone)]
+pub struct MetaChannel {
+    members: std::sync::Arc<Vec<(String, Channel)>>,
+    current: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+}
+
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+type BoxFuture<T> = std::pin::Pin<Box<dyn std::future::Future<Output = T> + Send>>;
+
+/// Whether a channel error means the request never reached the member.
+fn not_delivered(e: &tonic::transport::Error) -> bool {
+    let chain = error_chain(e).to_ascii_lowercase();
+    chain.contains("connect error") || chain.contains("connection refused")
+}
+
+impl tower::Service<http::Request<tonic::body::Body>> for MetaChannel {
+    type Response = http::Response<tonic::body::Body>;
+    type Error = BoxError;
+    type Future = BoxFuture<Result<Self::Response, BoxError>>;
+
+    fn poll_ready(&mut self, _cx: &mut std::task::Context<'_>) -> std::task::Poll<Result<(), BoxError>> {
+        // Each call readies the member channel it uses.
+        std::task::Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, req: http::Request<tonic::body::Body>) -> Self::Future {
+        use tower::ServiceExt;
+        let members = self.members.clone();
+        let current = self.current.clone();
+        Box::pin(async move {
+            if members.len() == 1 {
+                let mut ch = members[0].1.clone();
+                ch.ready().await?;
+                return Ok(tower::Service::call(&mut ch, req).await?);
+            }
+            let (parts, body) = req.into_parts();
+            let body = http_body_util::BodyExt::collect(body).await?.to_bytes();
+            let start = current.load(std::sync::atomic::Ordering::Relaxed);
+            let mut last: Option<BoxError> = None;
+            for i in 0..members.len() {
+                let idx = (start + i) % members.len();
+                let mut r =
+                    http::Request::new(tonic::body::Body::new(http_body_util::Full::new(body.clone())));
+                *r.method_mut() = parts.method.clone();
+                *r.uri_mut() = parts.uri.clone();
+                *r.version_mut() = parts.version;
+                *r.headers_mut() = parts.headers.clone();
+                let mut ch = members[idx].1.clone();
+                let res = match ch.ready().await {
+                    Ok(_) => tower::Service::call(&mut ch, r).await,
+                    Err(e) => Err(e),
+                };
+                match res {
+                    Ok(resp) => {
+                        current.store(idx, std::sync::atomic::Ordering::Relaxed);
+                        return Ok(resp);
+                    }
+                    Err(e) if not_delivered(&e) => {
+                        last = Some(format!("{}: {}", members[idx].0, error_chain(&e)).into());
+                    }
+                    Err(e) => return Err(e.into()),
+                }
+            }
+            Err(last.unwrap_or_else(|| "no metadata member to call".into()))
+        })
+    }
+}
 
 /// Connects now, so that an unreachable service is reported at once and clearly.
 ///
@@ -113,31 +190,42 @@ pub async fn connect(opts: &ClientOptions) -> Result<MetadataClient, ClientError
         endpoints.push(endpoint(url, opts)?);
     }
     let channel = if endpoints.len() == 1 {
-        endpoints[0].connect().await.map_err(|e| ClientError::Connect {
+        let ch = endpoints[0].connect().await.map_err(|e| ClientError::Connect {
             url: opts.url.clone(),
             reason: error_chain(&e),
-        })?
+        })?;
+        MetaChannel {
+            members: std::sync::Arc::new(vec![(urls[0].to_string(), ch)]),
+            current: Default::default(),
+        }
     } else {
-        // Reported at once when no member answers; otherwise the balanced channel keeps
-        // (re)connecting to every member in the background.
+        // Reported at once when no member answers; calls start at the first that did.
         let mut last = None;
-        let mut any = false;
-        for (url, ep) in urls.iter().zip(&endpoints) {
+        let mut first = None;
+        for (i, (url, ep)) in urls.iter().zip(&endpoints).enumerate() {
             match ep.connect().await {
                 Ok(_) => {
-                    any = true;
+                    first = Some(i);
                     break;
                 }
                 Err(e) => last = Some(format!("{url}: {}", error_chain(&e))),
             }
         }
-        if !any {
+        let Some(first) = first else {
             return Err(ClientError::Connect {
                 url: opts.url.clone(),
                 reason: last.unwrap_or_default(),
             });
+        };
+        MetaChannel {
+            members: std::sync::Arc::new(
+                urls.iter()
+                    .zip(endpoints)
+                    .map(|(u, ep)| (u.to_string(), ep.connect_lazy()))
+                    .collect(),
+            ),
+            current: std::sync::Arc::new(first.into()),
         }
-        Channel::balance_list(endpoints.into_iter())
     };
     Ok(
         pb::metadata_client::MetadataClient::with_interceptor(channel, BearerToken(token))

@@ -120,6 +120,15 @@ pub struct ServeArgs {
     /// to twice it) starts an election.
     #[arg(long, value_name = "DURATION", default_value = "1s")]
     pub election_timeout: String,
+    /// A group member snapshots its catalogue after this many log entries; a member that
+    /// falls further behind (or is new, or was wiped) catches up from a snapshot.
+    #[arg(long, value_name = "ENTRIES", default_value_t = 5000)]
+    pub snapshot_every: u64,
+    /// This member's data is gone (a replaced disk, a new machine) and it rejoins a
+    /// running group: the leader sends it a snapshot and the log. Without it, a member
+    /// with no data refuses to start while other members hold the group's log.
+    #[arg(long, requires = "cluster")]
+    pub join: bool,
 }
 
 pub async fn run(cmd: MetadataCmd, cfg: &Resolved) -> anyhow::Result<()> {
@@ -161,7 +170,10 @@ async fn members(cmd: MembersCmd, cfg: &Resolved) -> anyhow::Result<()> {
         ),
     };
     let info = match req {
-        None => c.get_cluster_info(pb::GetClusterInfoRequest {}).await.or_status()?,
+        None => c
+            .get_cluster_info(pb::GetClusterInfoRequest {})
+            .await
+            .or_status()?,
         Some(r) => c.change_members(r).await.or_status()?,
     };
     if info.members.is_empty() {
@@ -270,6 +282,8 @@ async fn serve(a: ServeArgs, cfg: &Resolved) -> anyhow::Result<()> {
                 raft_listen: None,
                 token: a.member_token,
                 election_timeout: flag_duration("--election-timeout", Some(a.election_timeout), "1s")?,
+                snapshot_every: a.snapshot_every,
+                join: a.join,
             }),
             _ => None,
         },

@@ -126,6 +126,13 @@ impl Daemon {
         }
     }
 
+    /// Forgets a process that exited by itself, so it can be started again.
+    pub fn reap(&mut self) {
+        if self.exited() {
+            self.child = None;
+        }
+    }
+
     pub fn is_running(&self) -> bool {
         self.child.is_some()
     }

@@ -79,9 +79,7 @@ impl LogStore {
         let bytes = bincode::serialize(v).map_err(write_err)?;
         let mut wo = WriteOptions::default();
         wo.set_sync(true);
-        self.db
-            .put_cf_opt(self.cf("meta"), key, bytes, &wo)
-            .map_err(write_err)
+        super::blocking(|| self.db.put_cf_opt(self.cf("meta"), key, bytes, &wo)).map_err(write_err)
     }
 
     fn last_entry_id(&self) -> Result<Option<LogId<u64>>, SErr> {
@@ -167,7 +165,7 @@ impl RaftLogStorage<TypeConfig> for LogStore {
         }
         let mut wo = WriteOptions::default();
         wo.set_sync(true);
-        let r = self.db.write_opt(wb, &wo);
+        let r = super::blocking(|| self.db.write_opt(wb, &wo));
         let done = r
             .as_ref()
             .map(|_| ())
@@ -183,7 +181,7 @@ impl RaftLogStorage<TypeConfig> for LogStore {
         wb.delete_cf(self.cf("log"), u64::MAX.to_be_bytes());
         let mut wo = WriteOptions::default();
         wo.set_sync(true);
-        self.db.write_opt(wb, &wo).map_err(write_err)
+        super::blocking(|| self.db.write_opt(wb, &wo)).map_err(write_err)
     }
 
     async fn purge(&mut self, log_id: LogId<u64>) -> Result<(), SErr> {

@@ -50,6 +50,18 @@ openraft::declare_raft_types!(
 
 pub type Raft = openraft::Raft<TypeConfig>;
 
+/// Runs storage I/O (fsyncs, RocksDB batches of megabytes) from Raft's tasks without
+/// holding up the runtime's other tasks on this worker: heartbeats must go out on time
+/// while a manifest page is written, or followers start needless elections.
+pub(crate) fn blocking<T>(f: impl FnOnce() -> T) -> T {
+    match tokio::runtime::Handle::try_current() {
+        Ok(h) if h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread => {
+            tokio::task::block_in_place(f)
+        }
+        _ => f(),
+    }
+}
+
 /// A member as the group records it: its name and where the others reach its Raft port.
 #[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct Member {
@@ -132,6 +144,12 @@ pub struct GroupConfig {
     /// Raft timing: followers start an election after this long without a heartbeat
     /// (randomised up to twice it); heartbeats go out at a fifth of it.
     pub election_timeout: Duration,
+    /// A snapshot is taken after this many log entries, and the log kept behind it is at
+    /// most this long (at most 1000): a member further behind catches up from a snapshot.
+    pub snapshot_every: u64,
+    /// This member lost its data (a replaced disk) and rejoins an existing group: it
+    /// waits for the leader to send it a snapshot and the log instead of starting a group.
+    pub join: bool,
 }
 
 /// A running member.
@@ -188,8 +206,8 @@ impl Group {
             // A manifest page is up to a few MiB: a handful of entries per message keeps
             // every AppendEntries well under the Raft port's message limit.
             max_payload_entries: 8,
-            snapshot_policy: openraft::SnapshotPolicy::LogsSinceLast(5000),
-            max_in_snapshot_log_to_keep: 1000,
+            snapshot_policy: openraft::SnapshotPolicy::LogsSinceLast(cfg.snapshot_every.max(1)),
+            max_in_snapshot_log_to_keep: cfg.snapshot_every.clamp(1, 1000),
             snapshot_max_chunk_size: 4 << 20,
             install_snapshot_timeout: 10_000,
             ..Default::default()
@@ -201,7 +219,26 @@ impl Group {
             .await
             .map_err(|e| GroupError::Raft(e.to_string()))?;
         let fresh = log.is_empty()?;
-        if fresh {
+        if fresh && !cfg.join {
+            // An empty member among members that hold a log was wiped: starting a new
+            // group here would split the cluster's history. The operator says --join.
+            for m in cfg.members.iter().filter(|m| m.name != cfg.me) {
+                if let Ok(h) = network::hello(&m.addr, cfg.token.as_deref(), &cfg.me).await {
+                    if h.asker_had_data {
+                        return Err(GroupError::Config(format!(
+                            "this member holds no data but the group's leader {} has had log entries \
+                             from it: its data was lost. Start it with --join to have the leader send \
+                             it a snapshot and the log (or, safest, `locus metadata members remove \
+                             {me}`, start it with --join, then `members add-learner {me} ADDR` and \
+                             `members promote {me}`)",
+                            m.name,
+                            me = cfg.me
+                        )));
+                    }
+                }
+            }
+        }
+        if fresh && !cfg.join {
             if !cfg.members.iter().any(|m| m.name == cfg.me) {
                 return Err(GroupError::Config(format!(
                     "--id {} is not among the --cluster members ({})",
@@ -409,7 +446,7 @@ impl Group {
         if let Some(u) = self.api_urls.lock().unwrap_or_else(|p| p.into_inner()).get(&id) {
             return Ok(u.clone());
         }
-        let hello = network::hello(&member.addr, self.token.as_deref()).await?;
+        let hello = network::hello(&member.addr, self.token.as_deref(), &self.name).await?;
         if hello.name != member.name {
             return Err(Status::unavailable(format!(
                 "{} answers as member {:?}, not {}",

@@ -47,10 +47,11 @@ fn client(addr: &str, token: Option<&str>) -> Result<Client, Status> {
     )
 }
 
-/// Asks the member at `addr` its name and API URL.
-pub async fn hello(addr: &str, token: Option<&str>) -> Result<pb::RaftHello, Status> {
+/// Asks the member at `addr` its name and API URL (`asker`: this member's name).
+pub async fn hello(addr: &str, token: Option<&str>, asker: &str) -> Result<pb::RaftHello, Status> {
     let mut c = client(addr, token)?;
-    let r = tokio::time::timeout(Duration::from_secs(3), c.hello(pb::RaftHelloRequest {}))
+    let req = pb::RaftHelloRequest { asker: asker.into() };
+    let r = tokio::time::timeout(Duration::from_secs(3), c.hello(req))
         .await
         .map_err(|_| Status::unavailable(format!("member at {addr} did not answer within 3 s")))??;
     Ok(r.into_inner())
@@ -203,10 +204,20 @@ impl pb::raft_server::Raft for RaftService {
         encode(&self.raft.install_snapshot(rpc).await)
     }
 
-    async fn hello(&self, _req: Request<pb::RaftHelloRequest>) -> Result<Response<pb::RaftHello>, Status> {
+    async fn hello(&self, req: Request<pb::RaftHelloRequest>) -> Result<Response<pb::RaftHello>, Status> {
+        let asker = req.into_inner().asker;
+        let asker_had_data = !asker.is_empty() && {
+            let m = self.raft.metrics();
+            let m = m.borrow();
+            m.replication
+                .as_ref()
+                .and_then(|r| r.get(&super::member_id(&asker)))
+                .is_some_and(|matched| matched.is_some_and(|l| l.index > 0))
+        };
         Ok(Response::new(pb::RaftHello {
             name: self.name.clone(),
             api_url: self.api_url.clone(),
+            asker_had_data,
         }))
     }
 }

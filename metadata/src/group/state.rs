@@ -153,7 +153,7 @@ impl RaftStateMachine<TypeConfig> for StateMachine {
                 APPLIED,
                 bincode::serialize(&Some(e.log_id)).map_err(sm_err)?,
             );
-            self.store.write(batch, false).map_err(sm_err)?;
+            super::blocking(|| self.store.write(batch, false)).map_err(sm_err)?;
             self.outside.fetch_add(1, Ordering::SeqCst);
             out.push(());
         }
@@ -187,6 +187,24 @@ impl RaftStateMachine<TypeConfig> for StateMachine {
     ) -> Result<(), SErr> {
         snapshot.sync_all().await.map_err(snap_err)?;
         drop(snapshot);
+        super::blocking(|| self.install(meta))
+    }
+
+    async fn get_current_snapshot(&mut self) -> Result<Option<Snapshot<TypeConfig>>, SErr> {
+        let Some((meta, path)) = self.current() else {
+            return Ok(None);
+        };
+        let f = tokio::fs::File::open(&path).await.map_err(snap_err)?;
+        Ok(Some(Snapshot {
+            meta,
+            snapshot: Box::new(f),
+        }))
+    }
+}
+
+impl StateMachine {
+    /// Replaces the whole store with the received snapshot's rows.
+    fn install(&self, meta: &SnapshotMeta<u64, Member>) -> Result<(), SErr> {
         let data = self.dir.join(format!("{}.snap", meta.snapshot_id));
         std::fs::rename(self.dir.join("receiving.snap"), &data).map_err(snap_err)?;
         let mut mark = Batch::default();
@@ -231,17 +249,6 @@ impl RaftStateMachine<TypeConfig> for StateMachine {
         self.set_current(meta)?;
         Ok(())
     }
-
-    async fn get_current_snapshot(&mut self) -> Result<Option<Snapshot<TypeConfig>>, SErr> {
-        let Some((meta, path)) = self.current() else {
-            return Ok(None);
-        };
-        let f = tokio::fs::File::open(&path).await.map_err(snap_err)?;
-        Ok(Some(Snapshot {
-            meta,
-            snapshot: Box::new(f),
-        }))
-    }
 }
 
 fn touches_group_state(op: &crate::store::Op) -> bool {
@@ -266,6 +273,18 @@ pub struct Builder {
 
 impl RaftSnapshotBuilder<TypeConfig> for Builder {
     async fn build_snapshot(&mut self) -> Result<Snapshot<TypeConfig>, SErr> {
+        let (meta, data) = super::blocking(|| self.build())?;
+        let f = tokio::fs::File::open(&data).await.map_err(snap_err)?;
+        Ok(Snapshot {
+            meta,
+            snapshot: Box::new(f),
+        })
+    }
+}
+
+impl Builder {
+    /// Writes the snapshot file and makes it the current one: its meta and path.
+    fn build(&self) -> Result<(SnapshotMeta<u64, Member>, PathBuf), SErr> {
         // What was applied without sync must be on disk before the log that produced it
         // can be purged up to this snapshot.
         self.store.sync_wal().map_err(snap_err)?;
@@ -310,11 +329,7 @@ impl RaftSnapshotBuilder<TypeConfig> for Builder {
             outside: Arc::new(AtomicU64::new(0)),
         };
         sm.set_current(&meta)?;
-        let f = tokio::fs::File::open(&data).await.map_err(snap_err)?;
-        Ok(Snapshot {
-            meta,
-            snapshot: Box::new(f),
-        })
+        Ok((meta, data))
     }
 }
 
