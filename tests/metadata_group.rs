@@ -363,3 +363,321 @@ async fn a_wiped_member_rejoins_from_a_snapshot_and_holds_the_whole_catalogue() 
         );
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mounts_nodes_and_locality_carry_on_through_a_leader_failover() {
+    let h = Harness::new("group-failover");
+    let opts = MetadataOpts {
+        liveness_timeout: Some("3s"),
+        extra: vec!["--repair-interval".into(), "500ms".into()],
+        ..Default::default()
+    };
+    let mut ms = h.start_group("meta", 3, opts).await;
+    let mut nodes = Vec::new();
+    for i in 1..=3 {
+        nodes.push(h.start_node(&format!("n{i}"), &ms[0], NodeOpts::host(i)).await);
+    }
+    let src = h.path("src");
+    make_tree(&src, 200);
+    let out = import(
+        &ms[0],
+        "mixed",
+        &src,
+        &["--replicas", "2", "--shard-size", "1MiB"],
+    );
+    assert!(out.status.success(), "{}", stderr(&out));
+    let local = ms[0].mount(
+        "local",
+        "mixed@1",
+        Some(&nodes[0]),
+        &["--opens", "mount", "--no-passthrough"],
+    );
+    let remote = ms[0].mount("remote", "mixed@1", None, &["--cache-size", "256KiB"]);
+    let files = Arc::new(files_of(&src));
+    let stop = Arc::new(AtomicBool::new(false));
+    let reads = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let mut readers = Vec::new();
+    for r in 0..4 {
+        let root = if r % 2 == 0 {
+            local.path.clone()
+        } else {
+            remote.path.clone()
+        };
+        let (files, stop, reads) = (files.clone(), stop.clone(), reads.clone());
+        readers.push(std::thread::spawn(move || -> Result<(), String> {
+            let mut i = r * 37;
+            while !stop.load(Ordering::Relaxed) {
+                let (rel, want) = &files[i % files.len()];
+                let p = root.join(rel);
+                drop_page_cache(&p);
+                let data = std::fs::read(&p).map_err(|e| format!("{}: {e}", p.display()))?;
+                if blake3::hash(&data).to_hex().as_str() != want {
+                    return Err(format!("{}: wrong bytes", p.display()));
+                }
+                reads.fetch_add(1, Ordering::Relaxed);
+                i += 1;
+            }
+            Ok(())
+        }));
+    }
+    wait_until("readers to get going", Duration::from_secs(30), || async {
+        (reads.load(Ordering::Relaxed) > 100).then_some(())
+    })
+    .await;
+
+    // A follower answers locality itself from the leader's liveness view, which it pulls:
+    // with the leader frozen it still answers at once, counting every node (its own
+    // start-up grace has run out by now, so without the pulled view they would be down).
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    let l0 = leader(&ms).await;
+    let mut fc = own_client(&ms[(l0 + 1) % 3]).await;
+    ms[l0].daemon.sigstop();
+    let asked = fc.locality(pb::LocalityRequest {
+        refs: vec![pb::VersionRef {
+            dataset: "mixed".into(),
+            version: 1,
+        }],
+        ..Default::default()
+    });
+    let answered = tokio::time::timeout(Duration::from_secs(1), asked).await;
+    ms[l0].daemon.sigcont();
+    let answered = answered
+        .expect("a follower answers locality without the leader")
+        .expect("locality from a follower")
+        .into_inner();
+    assert_eq!(
+        answered.nodes.len(),
+        3,
+        "every node counts as up at the follower: {answered:?}"
+    );
+
+    let old = leader(&ms).await;
+    let survivor = (old + 1) % 3;
+    let killed = Instant::now();
+    ms[old].kill9();
+    let at_kill = reads.load(Ordering::Relaxed);
+    // Locality answers again through a surviving member once a leader is elected.
+    let mut c = own_client(&ms[survivor]).await;
+    let locality = wait_until(
+        "locality to answer after the kill",
+        Duration::from_secs(30),
+        || {
+            let mut c = c.clone();
+            async move {
+                let r = c
+                    .locality(pb::LocalityRequest {
+                        refs: vec![pb::VersionRef {
+                            dataset: "mixed".into(),
+                            version: 1,
+                        }],
+                        ..Default::default()
+                    })
+                    .await
+                    .ok()?
+                    .into_inner();
+                (r.total_bytes > 0).then_some(r)
+            }
+        },
+    )
+    .await;
+    let resumed = killed.elapsed();
+    assert_eq!(
+        locality.nodes.len(),
+        3,
+        "every node is still a candidate: {locality:?}"
+    );
+    // The new leader serves (a node listing is linearizable: only a leader answers it).
+    wait_until("a new leader to answer", Duration::from_secs(30), || {
+        let mut c = c.clone();
+        async move { c.list_nodes(pb::ListNodesRequest {}).await.ok() }
+    })
+    .await;
+    let served = killed.elapsed();
+    // For two liveness timeouts after the new leader took over, no node is ever down:
+    // they heartbeat to it through the surviving members.
+    let watch_until = Instant::now() + Duration::from_secs(6);
+    while Instant::now() < watch_until {
+        let listed = c
+            .list_nodes(pb::ListNodesRequest {})
+            .await
+            .unwrap()
+            .into_inner()
+            .nodes;
+        for n in &listed {
+            assert_eq!(
+                n.state,
+                pb::NodeState::Up as i32,
+                "node {} went down across the failover",
+                n.id
+            );
+        }
+        assert_eq!(listed.len(), 3);
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+    wait_until(
+        "readers to continue after the failover",
+        Duration::from_secs(60),
+        || async { (reads.load(Ordering::Relaxed) > at_kill + 300).then_some(()) },
+    )
+    .await;
+    stop.store(true, Ordering::Relaxed);
+    for r in readers {
+        r.join().unwrap().unwrap();
+    }
+    for m in [&local, &remote] {
+        let s = m.status_when("the mount's counters", |_| true).await;
+        assert_eq!(s["totals"]["read_errors"], 0, "{s}");
+    }
+    eprintln!(
+        "leader killed; locality answered again after {resumed:?}, the new leader served after {served:?}"
+    );
+}
+
+/// Acknowledged commits, their manifests, from writers that run until told to stop.
+type Acked = Vec<(u64, Vec<pb::Entry>)>;
+
+fn spawn_writers(m: &Metadata, n: usize, stop: Arc<AtomicBool>) -> Vec<tokio::task::JoinHandle<Acked>> {
+    (0..n)
+        .map(|w| {
+            let opts = m.client_options(m.token("admin"));
+            let stop = stop.clone();
+            tokio::spawn(async move {
+                let mut acked = Vec::new();
+                let mut round = 0;
+                while !stop.load(Ordering::SeqCst) {
+                    round += 1;
+                    let Ok(mut c) = locus_proto::client::connect(&opts).await else {
+                        tokio::time::sleep(Duration::from_millis(100)).await;
+                        continue;
+                    };
+                    let (e, s) =
+                        synthetic_manifest(&format!("w{w}r{round}"), 10 + round % 5, 10, 10, 1 << 16);
+                    // A call stuck on a frozen member is given up on like a failed one.
+                    match tokio::time::timeout(
+                        Duration::from_secs(10),
+                        commit(&mut c, "shared", 1 << 16, e.clone(), s),
+                    )
+                    .await
+                    {
+                        Ok(Ok(v)) => acked.push((v.version, e)),
+                        _ => tokio::time::sleep(Duration::from_millis(50)).await,
+                    }
+                }
+                acked
+            })
+        })
+        .collect()
+}
+
+/// The history check: versions numbered 1..=n with no gap or duplicate, every
+/// acknowledged commit present with the manifest acknowledged for it.
+async fn check_history(c: &mut locus_proto::client::MetadataClient, acked: &Acked) -> u64 {
+    let listed = versions(c, "shared").await;
+    let n = listed.len() as u64;
+    assert_eq!(
+        listed,
+        (1..=n).collect::<Vec<_>>(),
+        "consecutive from 1, no gap or duplicate"
+    );
+    let numbers: BTreeSet<u64> = acked.iter().map(|(v, _)| *v).collect();
+    assert_eq!(numbers.len(), acked.len(), "no number acknowledged twice");
+    for (v, entries) in acked {
+        assert!(listed.contains(v), "acknowledged version {v} is present");
+        assert_eq!(
+            all_entries(c, "shared", *v).await,
+            sorted(entries.clone()),
+            "version {v}'s manifest"
+        );
+    }
+    n
+}
+
+/// Kills, freezes and restarts members at random (never more than one out at a time, so a
+/// majority stays) while two clients commit; then checks the acknowledged history. Rounds:
+/// `LOCUS_FAULT_ROUNDS` (default 6); seed: `LOCUS_FAULT_SEED` (printed).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn randomized_kills_freezes_and_restarts_keep_the_acknowledged_history_exact() {
+    let rounds: u32 = std::env::var("LOCUS_FAULT_ROUNDS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(6);
+    let seed: u64 = std::env::var("LOCUS_FAULT_SEED")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| {
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .unwrap()
+                .as_nanos() as u64
+        });
+    eprintln!("fault test: {rounds} rounds, LOCUS_FAULT_SEED={seed}");
+    let mut rng = seed | 1;
+    let mut next = move |n: u64| {
+        // xorshift64
+        rng ^= rng << 13;
+        rng ^= rng >> 7;
+        rng ^= rng << 17;
+        rng % n
+    };
+    let h = Harness::new("group-faults");
+    let mut ms = h.start_group("meta", 3, MetadataOpts::with_tokens()).await;
+    let stop = Arc::new(AtomicBool::new(false));
+    let writers = spawn_writers(&ms[0], 2, stop.clone());
+    let mut down: Option<usize> = None;
+    let mut actions = Vec::new();
+    for _ in 0..rounds {
+        match down {
+            Some(d) => {
+                ms[d].restart().await;
+                actions.push(format!("restart m{}", d + 1));
+                down = None;
+            }
+            None => {
+                let target = if next(2) == 0 {
+                    leader(&ms).await
+                } else {
+                    next(3) as usize
+                };
+                if next(2) == 0 {
+                    ms[target].kill9();
+                    actions.push(format!("kill -9 m{}", target + 1));
+                    down = Some(target);
+                } else {
+                    ms[target].daemon.sigstop();
+                    tokio::time::sleep(Duration::from_millis(500 + next(1500))).await;
+                    ms[target].daemon.sigcont();
+                    actions.push(format!("freeze m{}", target + 1));
+                }
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(1000 + next(1000))).await;
+    }
+    if let Some(d) = down {
+        ms[d].restart().await;
+    }
+    // Commits still go through once every member is back.
+    let mut c = own_client(&ms[0]).await;
+    let before = versions(&mut c, "shared").await.len();
+    wait_until("commits after the faults", Duration::from_secs(60), || {
+        let mut c = c.clone();
+        async move { (versions(&mut c, "shared").await.len() >= before + 2).then_some(()) }
+    })
+    .await;
+    stop.store(true, Ordering::SeqCst);
+    let mut acked = Vec::new();
+    for w in writers {
+        acked.extend(w.await.unwrap());
+    }
+    let mut c = ms[0].client(Some("admin")).await;
+    let n = check_history(&mut c, &acked).await;
+    assert!(
+        acked.len() >= 4,
+        "the writers made progress through the faults: {}",
+        acked.len()
+    );
+    eprintln!(
+        "fault test passed: {rounds} rounds ({}), {} acknowledged commits, {n} versions",
+        actions.join(", "),
+        acked.len()
+    );
+}

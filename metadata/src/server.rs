@@ -127,12 +127,21 @@ pub async fn serve(
         let _ = rx.wait_for(|s| *s).await;
     };
 
+    let catalog_slot: Arc<std::sync::OnceLock<Arc<Catalog>>> = Default::default();
     let (store, group, raft_addr, raft_server): (Arc<dyn crate::store::KvStore>, _, _, _) =
         match &config.group {
             None => (rocks as Arc<dyn crate::store::KvStore>, None, None, None),
             Some(g) => {
-                let (group, raft_addr, task) =
-                    start_group(g, &config, rocks, grpc_addr, tokens.clone(), stop_rx.clone()).await?;
+                let (group, raft_addr, task) = start_group(
+                    g,
+                    &config,
+                    rocks,
+                    grpc_addr,
+                    tokens.clone(),
+                    stop_rx.clone(),
+                    catalog_slot.clone(),
+                )
+                .await?;
                 (group.store(), Some(group), Some(raft_addr), Some(task))
             }
         };
@@ -156,7 +165,9 @@ pub async fn serve(
         }
     });
     if let Some(g) = &group {
+        let _ = catalog_slot.set(catalog.clone());
         tokio::spawn(follow_leadership(g.clone(), catalog.clone(), stop_rx.clone()));
+        tokio::spawn(g.clone().follow_liveness(catalog.clone(), stop_rx.clone()));
     }
 
     let mut server = tonic::transport::Server::builder()
@@ -258,6 +269,7 @@ async fn start_group(
     grpc_addr: SocketAddr,
     tokens: Option<Arc<TokenSet>>,
     stop: tokio::sync::watch::Receiver<bool>,
+    catalog_slot: Arc<std::sync::OnceLock<Arc<Catalog>>>,
 ) -> Result<(Arc<crate::group::Group>, SocketAddr, tokio::task::JoinHandle<()>), ServerError> {
     use crate::group::{Group, GroupError, RaftService};
     let me = g.members.iter().find(|m| m.name == g.me);
@@ -296,7 +308,7 @@ async fn start_group(
     let api_url = format!("{scheme}://{host}:{}", grpc_addr.port());
 
     let group = Group::start(g, &config.data_dir, rocks).await?;
-    let svc = RaftService::new(group.raft().clone(), g.me.clone(), api_url).server();
+    let svc = RaftService::new(group.raft().clone(), g.me.clone(), api_url, catalog_slot).server();
     let auth = locus_proto::auth::AuthLayer::new(tokens, Arc::new(crate::group::RaftPolicy));
     let incoming = tonic::transport::server::TcpIncoming::from(raft_listener).with_nodelay(Some(true));
     let mut stop2 = stop.clone();

@@ -118,7 +118,7 @@ pub struct ServeArgs {
     pub member_token: Option<String>,
     /// A group member without a heartbeat from the leader for this long (randomised up
     /// to twice it) starts an election.
-    #[arg(long, value_name = "DURATION", default_value = "1s")]
+    #[arg(long, value_name = "DURATION", default_value = "500ms")]
     pub election_timeout: String,
     /// A group member snapshots its catalogue after this many log entries; a member that
     /// falls further behind (or is new, or was wiped) catches up from a snapshot.
@@ -281,7 +281,7 @@ async fn serve(a: ServeArgs, cfg: &Resolved) -> anyhow::Result<()> {
                     .map_err(|e| anyhow::anyhow!("--cluster: {e}"))?,
                 raft_listen: None,
                 token: a.member_token,
-                election_timeout: flag_duration("--election-timeout", Some(a.election_timeout), "1s")?,
+                election_timeout: flag_duration("--election-timeout", Some(a.election_timeout), "500ms")?,
                 snapshot_every: a.snapshot_every,
                 join: a.join,
             }),

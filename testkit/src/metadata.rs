@@ -111,6 +111,12 @@ impl Harness {
         let mut members = Vec::new();
         for i in 0..n {
             let mut o = opts.clone();
+            // Tests share two cores with everything else they run: a longer election
+            // timeout than the default keeps a busy moment from looking like a dead leader.
+            if !o.extra.iter().any(|a| a == "--election-timeout") {
+                o.extra
+                    .extend(["--election-timeout".to_string(), "1s".to_string()]);
+            }
             o.extra.extend([
                 "--id".to_string(),
                 format!("m{}", i + 1),

@@ -123,7 +123,7 @@ struct Live {
 }
 
 /// What a node reports with each heartbeat.
-#[derive(Debug, Clone, Copy, Default)]
+#[derive(Debug, Clone, Copy, Default, serde::Serialize, serde::Deserialize)]
 pub struct NodeStats {
     pub free: u64,
     pub used: u64,
@@ -378,6 +378,32 @@ impl Catalog {
 
     pub fn acting(&self) -> bool {
         self.acting.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    /// What this process knows of each node's liveness: (node, ms since last heard, the
+    /// figures it last reported). A group's leader hands this to its followers.
+    pub fn liveness(&self) -> Vec<(String, u64, NodeStats)> {
+        let now = self.clock.now_ms();
+        lock(&self.live)
+            .iter()
+            .map(|(id, l)| (id.clone(), (now - l.last_seen_ms).max(0) as u64, l.stats))
+            .collect()
+    }
+
+    /// Takes over the leader's view of node liveness (a follower, every half second), so
+    /// its locality answers count the same nodes as up.
+    pub fn adopt_liveness(&self, rows: Vec<(String, u64, NodeStats)>) {
+        let now = self.clock.now_ms();
+        let mut live = lock(&self.live);
+        for (id, ago, stats) in rows {
+            live.insert(
+                id,
+                Live {
+                    last_seen_ms: now - ago as i64,
+                    stats,
+                },
+            );
+        }
     }
 
     pub fn cluster_id(&self) -> &str {

@@ -35,6 +35,13 @@ fn answered_locally(method: &str) -> bool {
     method == "GetClusterInfo"
 }
 
+/// Methods that tolerate a bounded staleness: a follower with a fresh liveness view answers
+/// them from its own catalogue (replication lag plus at most 2 s of liveness age), which
+/// keeps a scheduler's questions off the leader and one hop shorter.
+fn stale_ok(method: &str) -> bool {
+    matches!(method, "Locality" | "Assign")
+}
+
 #[derive(Clone)]
 pub struct Forward<S> {
     inner: S,
@@ -110,6 +117,9 @@ where
         }
         let group = self.group.clone();
         let channels = self.channels.clone();
+        if stale_ok(&method) && !group.is_leader() && group.may_answer_stale_reads() {
+            return Box::pin(inner.call(req));
+        }
         Box::pin(async move {
             if group.is_leader() {
                 if let Err(s) = group.linearize().await {

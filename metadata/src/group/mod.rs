@@ -163,6 +163,8 @@ pub struct Group {
     api_urls: Mutex<HashMap<u64, String>>,
     token: Option<String>,
     handle: tokio::runtime::Handle,
+    /// When a follower last took the leader's liveness view.
+    liveness_at: Mutex<Option<std::time::Instant>>,
 }
 
 impl std::fmt::Debug for Group {
@@ -202,10 +204,14 @@ impl Group {
             cluster_name: "locus-metadata".into(),
             election_timeout_min: t,
             election_timeout_max: 2 * t,
-            heartbeat_interval: (t / 5).max(10),
-            // A manifest page is up to a few MiB: a handful of entries per message keeps
-            // every AppendEntries well under the Raft port's message limit.
-            max_payload_entries: 8,
+            // openraft gives every AppendEntries one heartbeat interval to complete, and a
+            // manifest page is an entry of up to 4 MiB: one entry per message, and a third
+            // of the election timeout, so a page is sent, decoded and fsynced in time even
+            // on a busy machine. (At a fifth with 8 entries per message, a follower that fell
+            // behind during a 1,000,000-entry upload was never caught up again: every
+            // message timed out and the group stalled.)
+            heartbeat_interval: (t / 3).max(10),
+            max_payload_entries: 1,
             snapshot_policy: openraft::SnapshotPolicy::LogsSinceLast(cfg.snapshot_every.max(1)),
             max_in_snapshot_log_to_keep: cfg.snapshot_every.clamp(1, 1000),
             snapshot_max_chunk_size: 4 << 20,
@@ -270,6 +276,7 @@ impl Group {
             api_urls: Mutex::new(HashMap::new()),
             token: cfg.token.clone(),
             handle: tokio::runtime::Handle::current(),
+            liveness_at: Mutex::new(None),
         }))
     }
 
@@ -439,6 +446,46 @@ impl Group {
             }
         }
         Ok(())
+    }
+
+    /// On a follower: pulls the leader's view of node liveness every half second into
+    /// `catalog`, so locality is answered here. Records when it last succeeded.
+    pub async fn follow_liveness(
+        self: Arc<Self>,
+        catalog: Arc<crate::Catalog>,
+        mut stop: tokio::sync::watch::Receiver<bool>,
+    ) {
+        loop {
+            tokio::select! {
+                _ = tokio::time::sleep(Duration::from_millis(500)) => {}
+                _ = stop.wait_for(|s| *s) => return,
+            }
+            if self.is_leader() {
+                continue;
+            }
+            let Some((_, leader)) = self.leader() else {
+                continue;
+            };
+            match network::liveness(&leader.addr, self.token.as_deref()).await {
+                Ok(rows) => {
+                    catalog.adopt_liveness(rows);
+                    *self.liveness_at.lock().unwrap_or_else(|p| p.into_inner()) =
+                        Some(std::time::Instant::now());
+                }
+                Err(e) => tracing::debug!("liveness from the leader {}: {}", leader.name, e.message()),
+            }
+        }
+    }
+
+    /// Whether this member may answer stale-tolerant reads (locality, assignment) from its
+    /// own catalogue: it leads, or it took the leader's liveness view within the last 2 s.
+    pub fn may_answer_stale_reads(&self) -> bool {
+        self.is_leader()
+            || self
+                .liveness_at
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .is_some_and(|t| t.elapsed() < Duration::from_secs(2))
     }
 
     /// The URL of member `id`'s Metadata service (asked of its Raft port once, then kept).

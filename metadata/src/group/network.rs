@@ -14,15 +14,17 @@ use openraft::raft::{
     AppendEntriesRequest, AppendEntriesResponse, InstallSnapshotRequest, InstallSnapshotResponse,
     VoteRequest, VoteResponse,
 };
+use std::sync::{Arc, OnceLock};
 use tonic::service::interceptor::InterceptedService;
 use tonic::transport::{Channel, Endpoint};
+
 use tonic::{Request, Response, Status};
 
 use super::{Member, Raft, TypeConfig};
 
-/// Largest Raft message: `max_payload_entries` (8) manifest pages of at most the API's
-/// message size each, with room to spare.
-pub const MAX_RAFT_MESSAGE: usize = 9 * locus_proto::MAX_MESSAGE_BYTES;
+/// Largest Raft message: one entry per message (`max_payload_entries`), a manifest page of
+/// at most the API's message size, or a 4 MiB snapshot piece; with room to spare.
+pub const MAX_RAFT_MESSAGE: usize = 2 * locus_proto::MAX_MESSAGE_BYTES;
 
 type Client = RaftClient<InterceptedService<Channel, BearerToken>>;
 
@@ -45,6 +47,21 @@ fn client(addr: &str, token: Option<&str>) -> Result<Client, Status> {
             .max_decoding_message_size(MAX_RAFT_MESSAGE)
             .max_encoding_message_size(MAX_RAFT_MESSAGE),
     )
+}
+
+/// The leader's liveness rows, from its raft port.
+pub async fn liveness(
+    addr: &str,
+    token: Option<&str>,
+) -> Result<Vec<(String, u64, crate::catalog::NodeStats)>, Status> {
+    let mut c = client(addr, token)?;
+    let r = tokio::time::timeout(
+        Duration::from_secs(2),
+        c.liveness(pb::RaftHelloRequest::default()),
+    )
+    .await
+    .map_err(|_| Status::unavailable(format!("member at {addr} did not answer within 2 s")))??;
+    decode(r.into_inner())
 }
 
 /// Asks the member at `addr` its name and API URL (`asker`: this member's name).
@@ -160,11 +177,23 @@ pub struct RaftService {
     raft: Raft,
     name: String,
     api_url: String,
+    /// The catalogue, once open (for `Liveness`).
+    catalog: Arc<OnceLock<Arc<crate::Catalog>>>,
 }
 
 impl RaftService {
-    pub fn new(raft: Raft, name: String, api_url: String) -> Self {
-        Self { raft, name, api_url }
+    pub fn new(
+        raft: Raft,
+        name: String,
+        api_url: String,
+        catalog: Arc<OnceLock<Arc<crate::Catalog>>>,
+    ) -> Self {
+        Self {
+            raft,
+            name,
+            api_url,
+            catalog,
+        }
     }
 
     pub fn server(self) -> pb::raft_server::RaftServer<RaftService> {
@@ -204,6 +233,22 @@ impl pb::raft_server::Raft for RaftService {
         encode(&self.raft.install_snapshot(rpc).await)
     }
 
+    async fn liveness(
+        &self,
+        _req: Request<pb::RaftHelloRequest>,
+    ) -> Result<Response<pb::RaftMessage>, Status> {
+        let rows = match self.catalog.get() {
+            Some(c) if c.acting() => c.liveness(),
+            _ => {
+                return Err(Status::failed_precondition(format!(
+                    "member {} is not leading",
+                    self.name
+                )))
+            }
+        };
+        encode(&rows)
+    }
+
     async fn hello(&self, req: Request<pb::RaftHelloRequest>) -> Result<Response<pb::RaftHello>, Status> {
         let asker = req.into_inner().asker;
         let asker_had_data = !asker.is_empty() && {
@@ -230,7 +275,10 @@ impl locus_proto::auth::Policy for RaftPolicy {
         "/locus.metadata.v1.Raft/"
     }
     fn access(&self, method: &str) -> Option<locus_proto::auth::Access> {
-        matches!(method, "Append" | "Vote" | "InstallSnapshot" | "Hello")
-            .then_some(locus_proto::auth::Access::Admin)
+        matches!(
+            method,
+            "Append" | "Vote" | "InstallSnapshot" | "Hello" | "Liveness"
+        )
+        .then_some(locus_proto::auth::Access::Admin)
     }
 }

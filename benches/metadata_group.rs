@@ -1,0 +1,248 @@
+//! The replicated metadata group against a single service, measured in one run on one
+//! machine (every member a real `locus metadata serve` process on loopback, release build):
+//!
+//! - failover: the leader is killed (`kill -9`) and a client commits through the other
+//!   members' URLs in a loop; the time from the kill to the first acknowledged commit, over
+//!   `LOCUS_FAILOVER_TRIALS` trials (default 20; the killed member is restarted and caught
+//!   up between trials). Target: p50 and p99 ≤ 3 s.
+//! - a `LOCUS_SCALE_FILES`-entry manifest (default 1,000,000) uploaded and committed on a
+//!   single service and on the group, the same manifest. Target: group ≤ 2× single.
+//! - locality p50/p99 over 500 calls on that version: single service, the group's leader,
+//!   and a follower (which answers from its own catalogue and the leader's liveness view).
+//!
+//! Run:
+//!
+//!     cargo bench --bench metadata_group
+//!     LOCUS_SCALE_FILES=200000 LOCUS_FAILOVER_TRIALS=5 cargo bench --bench metadata_group
+
+use locus_testkit as support;
+
+use std::time::{Duration, Instant};
+
+use locus_proto::pb;
+use support::*;
+
+fn pct(v: &mut [Duration], p: f64) -> Duration {
+    v.sort();
+    let i = ((v.len() as f64 - 1.0) * p).round() as usize;
+    v[i]
+}
+
+async fn own(m: &Metadata) -> locus_proto::client::MetadataClient {
+    let mut o = m.client_options(None);
+    o.url = m.own_url();
+    locus_proto::client::connect(&o).await.unwrap()
+}
+
+async fn leader_of(ms: &[Metadata]) -> usize {
+    wait_until("a leader", Duration::from_secs(30), || async {
+        for m in ms.iter().filter(|m| m.daemon.is_running()) {
+            let Ok(mut c) = locus_proto::client::connect(&{
+                let mut o = m.client_options(None);
+                o.url = m.own_url();
+                o
+            })
+            .await
+            else {
+                continue;
+            };
+            let Ok(i) = c.get_cluster_info(pb::GetClusterInfoRequest {}).await else {
+                continue;
+            };
+            let l = i.into_inner().leader;
+            if let Some(idx) = ms
+                .iter()
+                .position(|m| m.data_dir.to_string_lossy().contains(&format!("-{l}/")))
+            {
+                if ms[idx].daemon.is_running() {
+                    return Some(idx);
+                }
+            }
+        }
+        None
+    })
+    .await
+}
+
+/// Waits until every member reports the same applied log index.
+async fn settled(ms: &[Metadata]) {
+    wait_until(
+        "the members to apply the same log",
+        Duration::from_secs(60),
+        || async {
+            let mut seen = std::collections::BTreeSet::new();
+            for m in ms {
+                let mut c = own(m).await;
+                let i = c
+                    .get_cluster_info(pb::GetClusterInfoRequest {})
+                    .await
+                    .ok()?
+                    .into_inner();
+                if i.leader.is_empty() {
+                    return None;
+                }
+                seen.insert(i.applied_index);
+            }
+            (seen.len() == 1).then_some(())
+        },
+    )
+    .await;
+}
+
+async fn upload_and_commit(
+    c: &mut locus_proto::client::MetadataClient,
+    files: usize,
+) -> (Duration, Duration) {
+    let (entries, shards) = synthetic_manifest("b", files, 1000, 10_000, 1 << 22);
+    let t = Instant::now();
+    let s = c
+        .begin_version(pb::BeginVersionRequest {
+            dataset: "big".into(),
+            chunk_size: 1 << 22,
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    locus_proto::client::put_entries_paged(c, s.session_id, entries)
+        .await
+        .unwrap();
+    locus_proto::client::put_shards_paged(c, s.session_id, shards)
+        .await
+        .unwrap();
+    let upload = t.elapsed();
+    let t = Instant::now();
+    c.commit_version(pb::CommitVersionRequest {
+        session_id: s.session_id,
+    })
+    .await
+    .unwrap();
+    (upload, t.elapsed())
+}
+
+async fn locality_latency(c: &mut locus_proto::client::MetadataClient) -> (Duration, Duration) {
+    let mut v = Vec::new();
+    for _ in 0..500 {
+        let t = Instant::now();
+        c.locality(pb::LocalityRequest {
+            refs: vec![pb::VersionRef {
+                dataset: "big".into(),
+                version: 1,
+            }],
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+        v.push(t.elapsed());
+    }
+    (pct(&mut v, 0.5), pct(&mut v, 0.99))
+}
+
+#[tokio::main(flavor = "multi_thread", worker_threads = 2)]
+async fn main() {
+    if std::env::args().any(|a| a == "--list") {
+        println!("metadata_group: bench");
+        return;
+    }
+    let env = |k: &str, d: usize| std::env::var(k).ok().and_then(|v| v.parse().ok()).unwrap_or(d);
+    let files = env("LOCUS_SCALE_FILES", 1_000_000);
+    let trials = env("LOCUS_FAILOVER_TRIALS", 20);
+    let h = Harness::new("bench-group");
+
+    // The single service first, alone on the machine.
+    let mut single = h.start_metadata("single", MetadataOpts::default()).await;
+    let mut c = single.client(None).await;
+    let (s_up, s_commit) = upload_and_commit(&mut c, files).await;
+    let (s_p50, s_p99) = locality_latency(&mut c).await;
+    single.terminate().await;
+
+    // The default election timeout (the harness sets a longer one for tests).
+    let timeout = std::env::var("LOCUS_ELECTION_TIMEOUT").unwrap_or_else(|_| "500ms".into());
+    let opts = MetadataOpts {
+        extra: vec!["--election-timeout".into(), timeout.clone()],
+        ..Default::default()
+    };
+    let mut ms = h.start_group("meta", 3, opts).await;
+    let mut c = ms[0].client(None).await;
+    let (g_up, g_commit) = upload_and_commit(&mut c, files).await;
+    settled(&ms).await;
+    let l = leader_of(&ms).await;
+    let f = (l + 1) % 3;
+    let (l_p50, l_p99) = locality_latency(&mut own(&ms[l]).await).await;
+    let (f_p50, f_p99) = locality_latency(&mut own(&ms[f]).await).await;
+
+    // Failover trials.
+    let mut times = Vec::new();
+    for trial in 0..trials {
+        settled(&ms).await;
+        let l = leader_of(&ms).await;
+        let mut c = ms[0].client(None).await;
+        // The client is warm (it has committed through the group) before the kill.
+        let (e, s) = synthetic_manifest(&format!("pre{trial}"), 5, 5, 5, 1 << 16);
+        commit(&mut c, "small", 1 << 16, e, s).await.unwrap();
+        let t = Instant::now();
+        ms[l].kill9();
+        let mut attempt = 0;
+        loop {
+            attempt += 1;
+            let (e, s) = synthetic_manifest(&format!("t{trial}a{attempt}"), 5, 5, 5, 1 << 16);
+            if commit(&mut c, "small", 1 << 16, e, s).await.is_ok() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let took = t.elapsed();
+        eprintln!(
+            "trial {trial}: leader {} killed, first commit after {took:?}",
+            l + 1
+        );
+        times.push(took);
+        ms[l].restart().await;
+    }
+    let mut sorted = times.clone();
+    let (p50, p99, max) = (
+        pct(&mut sorted, 0.5),
+        pct(&mut sorted, 0.99),
+        *sorted.last().unwrap(),
+    );
+
+    println!();
+    println!("| measure | single service | 3-member group | ratio |");
+    println!("|---|---|---|---|");
+    println!(
+        "| upload of {files} entries (paged) | {:.2} s | {:.2} s | {:.2}× |",
+        s_up.as_secs_f64(),
+        g_up.as_secs_f64(),
+        g_up.as_secs_f64() / s_up.as_secs_f64()
+    );
+    println!(
+        "| commit | {:.2} s | {:.2} s | {:.2}× |",
+        s_commit.as_secs_f64(),
+        g_commit.as_secs_f64(),
+        g_commit.as_secs_f64() / s_commit.as_secs_f64()
+    );
+    let (s_all, g_all) = ((s_up + s_commit).as_secs_f64(), (g_up + g_commit).as_secs_f64());
+    println!(
+        "| upload + commit | {s_all:.2} s | {g_all:.2} s | {:.2}× |",
+        g_all / s_all
+    );
+    println!(
+        "| locality p50 / p99 (500 calls) | {:.2} / {:.2} ms | leader {:.2} / {:.2} ms; follower {:.2} / {:.2} ms | |",
+        ms_f(s_p50),
+        ms_f(s_p99),
+        ms_f(l_p50),
+        ms_f(l_p99),
+        ms_f(f_p50),
+        ms_f(f_p99)
+    );
+    println!(
+        "| failover, leader kill -9 → first acknowledged commit ({trials} trials, election timeout {timeout}) | | p50 {:.2} s, p99 {:.2} s, max {:.2} s | |",
+        p50.as_secs_f64(),
+        p99.as_secs_f64(),
+        max.as_secs_f64()
+    );
+}
+
+fn ms_f(d: Duration) -> f64 {
+    d.as_secs_f64() * 1000.0
+}
