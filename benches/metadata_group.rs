@@ -7,6 +7,9 @@
 //!   up between trials). Target: p50 and p99 ≤ 3 s.
 //! - a `LOCUS_SCALE_FILES`-entry manifest (default 1,000,000) uploaded and committed on a
 //!   single service and on the group, the same manifest. Target: group ≤ 2× single.
+//! - a follower wiped and rejoined with `--join` while that manifest is in the state: the
+//!   time until it has applied what the others have (snapshot sent, installed, log
+//!   replayed; the group snapshots every 1000 entries here).
 //! - locality p50/p99 over 500 calls on that version: single service, the group's leader,
 //!   and a follower (which answers from its own catalogue and the leader's liveness view).
 //!
@@ -159,7 +162,12 @@ async fn main() {
     // The default election timeout (the harness sets a longer one for tests).
     let timeout = std::env::var("LOCUS_ELECTION_TIMEOUT").unwrap_or_else(|_| "500ms".into());
     let opts = MetadataOpts {
-        extra: vec!["--election-timeout".into(), timeout.clone()],
+        extra: vec![
+            "--election-timeout".into(),
+            timeout.clone(),
+            "--snapshot-every".into(),
+            "1000".into(),
+        ],
         ..Default::default()
     };
     let mut ms = h.start_group("meta", 3, opts).await;
@@ -199,6 +207,24 @@ async fn main() {
         times.push(took);
         ms[l].restart().await;
     }
+    // A follower loses its disk and rejoins: it receives a snapshot holding the manifest.
+    settled(&ms).await;
+    let l = leader_of(&ms).await;
+    let w = (l + 1) % 3;
+    ms[w].terminate().await;
+    std::fs::remove_dir_all(&ms[w].data_dir).unwrap();
+    // Enough entries after the wipe that the log the member had is behind a snapshot.
+    let mut c = ms[l].client(None).await;
+    for i in 0..1100 {
+        let (e, s) = synthetic_manifest(&format!("after{i}"), 1, 1, 1, 1 << 16);
+        commit(&mut c, "filler", 1 << 16, e, s).await.unwrap();
+    }
+    ms[w].opts.extra.push("--join".into());
+    let t = Instant::now();
+    ms[w].restart().await;
+    settled(&ms).await;
+    let rejoin = t.elapsed();
+    let snap = dir_bytes(&ms[w].data_dir.join("raft-snapshots"));
     let mut sorted = times.clone();
     let (p50, p99, max) = (
         pct(&mut sorted, 0.5),
@@ -236,11 +262,26 @@ async fn main() {
         ms_f(f_p99)
     );
     println!(
+        "| a wiped follower rejoins (--join) with the {files}-entry manifest in the state | | {:.2} s (snapshot {:.1} MiB) | |",
+        rejoin.as_secs_f64(),
+        snap as f64 / (1 << 20) as f64
+    );
+    println!(
         "| failover, leader kill -9 → first acknowledged commit ({trials} trials, election timeout {timeout}) | | p50 {:.2} s, p99 {:.2} s, max {:.2} s | |",
         p50.as_secs_f64(),
         p99.as_secs_f64(),
         max.as_secs_f64()
     );
+}
+
+fn dir_bytes(p: &std::path::Path) -> u64 {
+    std::fs::read_dir(p)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|e| e.metadata().ok())
+        .map(|m| m.len())
+        .sum()
 }
 
 fn ms_f(d: Duration) -> f64 {
