@@ -221,7 +221,15 @@ async fn main() {
     }
     ms[w].opts.extra.push("--join".into());
     let t = Instant::now();
-    ms[w].restart().await;
+    // Its API port opens (the address file is written) once the snapshot is installed.
+    ms[w].spawn();
+    let addr_file = ms[w].daemon.addr_file.clone();
+    wait_until("the rejoining member to open its port", Duration::from_secs(900), || {
+        let f = addr_file.clone();
+        async move { f.exists().then_some(()) }
+    })
+    .await;
+    ms[w].wait_ready().await;
     settled(&ms).await;
     let rejoin = t.elapsed();
     let snap = dir_bytes(&ms[w].data_dir.join("raft-snapshots"));
