@@ -31,67 +31,6 @@ fn pct(v: &mut [Duration], p: f64) -> Duration {
     v[i]
 }
 
-async fn own(m: &Metadata) -> locus_proto::client::MetadataClient {
-    let mut o = m.client_options(None);
-    o.url = m.own_url();
-    locus_proto::client::connect(&o).await.unwrap()
-}
-
-async fn leader_of(ms: &[Metadata]) -> usize {
-    wait_until("a leader", Duration::from_secs(30), || async {
-        for m in ms.iter().filter(|m| m.daemon.is_running()) {
-            let Ok(mut c) = locus_proto::client::connect(&{
-                let mut o = m.client_options(None);
-                o.url = m.own_url();
-                o
-            })
-            .await
-            else {
-                continue;
-            };
-            let Ok(i) = c.get_cluster_info(pb::GetClusterInfoRequest {}).await else {
-                continue;
-            };
-            let l = i.into_inner().leader;
-            if let Some(idx) = ms
-                .iter()
-                .position(|m| m.data_dir.to_string_lossy().contains(&format!("-{l}/")))
-            {
-                if ms[idx].daemon.is_running() {
-                    return Some(idx);
-                }
-            }
-        }
-        None
-    })
-    .await
-}
-
-/// Waits until every member reports the same applied log index.
-async fn settled(ms: &[Metadata]) {
-    wait_until(
-        "the members to apply the same log",
-        Duration::from_secs(60),
-        || async {
-            let mut seen = std::collections::BTreeSet::new();
-            for m in ms {
-                let mut c = own(m).await;
-                let i = c
-                    .get_cluster_info(pb::GetClusterInfoRequest {})
-                    .await
-                    .ok()?
-                    .into_inner();
-                if i.leader.is_empty() {
-                    return None;
-                }
-                seen.insert(i.applied_index);
-            }
-            (seen.len() == 1).then_some(())
-        },
-    )
-    .await;
-}
-
 async fn upload_and_commit(
     c: &mut locus_proto::client::MetadataClient,
     files: usize,
@@ -173,17 +112,17 @@ async fn main() {
     let mut ms = h.start_group("meta", 3, opts).await;
     let mut c = ms[0].client(None).await;
     let (g_up, g_commit) = upload_and_commit(&mut c, files).await;
-    settled(&ms).await;
-    let l = leader_of(&ms).await;
+    group_settled(&ms, Duration::from_secs(900)).await;
+    let l = group_leader(&ms).await;
     let f = (l + 1) % 3;
-    let (l_p50, l_p99) = locality_latency(&mut own(&ms[l]).await).await;
-    let (f_p50, f_p99) = locality_latency(&mut own(&ms[f]).await).await;
+    let (l_p50, l_p99) = locality_latency(&mut ms[l].own_client().await).await;
+    let (f_p50, f_p99) = locality_latency(&mut ms[f].own_client().await).await;
 
     // Failover trials.
     let mut times = Vec::new();
     for trial in 0..trials {
-        settled(&ms).await;
-        let l = leader_of(&ms).await;
+        group_settled(&ms, Duration::from_secs(900)).await;
+        let l = group_leader(&ms).await;
         let mut c = ms[0].client(None).await;
         // The client is warm (it has committed through the group) before the kill.
         let (e, s) = synthetic_manifest(&format!("pre{trial}"), 5, 5, 5, 1 << 16);
@@ -208,8 +147,8 @@ async fn main() {
         ms[l].restart().await;
     }
     // A follower loses its disk and rejoins: it receives a snapshot holding the manifest.
-    settled(&ms).await;
-    let l = leader_of(&ms).await;
+    group_settled(&ms, Duration::from_secs(900)).await;
+    let l = group_leader(&ms).await;
     let w = (l + 1) % 3;
     ms[w].terminate().await;
     std::fs::remove_dir_all(&ms[w].data_dir).unwrap();
@@ -224,13 +163,17 @@ async fn main() {
     // Its API port opens (the address file is written) once the snapshot is installed.
     ms[w].spawn();
     let addr_file = ms[w].daemon.addr_file.clone();
-    wait_until("the rejoining member to open its port", Duration::from_secs(900), || {
-        let f = addr_file.clone();
-        async move { f.exists().then_some(()) }
-    })
+    wait_until(
+        "the rejoining member to open its port",
+        Duration::from_secs(900),
+        || {
+            let f = addr_file.clone();
+            async move { f.exists().then_some(()) }
+        },
+    )
     .await;
     ms[w].wait_ready().await;
-    settled(&ms).await;
+    group_settled(&ms, Duration::from_secs(900)).await;
     let rejoin = t.elapsed();
     let snap = dir_bytes(&ms[w].data_dir.join("raft-snapshots"));
     let mut sorted = times.clone();

@@ -10,40 +10,6 @@ use std::time::{Duration, Instant};
 use locus_proto::pb;
 use locus_testkit::*;
 
-/// The leader's index in `ms`, as the members that answer agree on it.
-async fn leader(ms: &[Metadata]) -> usize {
-    wait_until("the group to have a leader", Duration::from_secs(30), || async {
-        for m in ms.iter().filter(|m| m.daemon.is_running()) {
-            let mut o = m.client_options(m.token("admin"));
-            o.url = m.own_url();
-            let Ok(mut c) = locus_proto::client::connect(&o).await else {
-                continue;
-            };
-            if let Ok(i) = c.get_cluster_info(pb::GetClusterInfoRequest {}).await {
-                let l = i.into_inner().leader;
-                if let Some(idx) = ms
-                    .iter()
-                    .position(|m| m.data_dir.to_string_lossy().contains(&format!("-{l}/")))
-                {
-                    if ms[idx].daemon.is_running() {
-                        return Some(idx);
-                    }
-                }
-            }
-        }
-        None
-    })
-    .await
-}
-
-async fn own_client(m: &Metadata) -> locus_proto::client::MetadataClient {
-    let mut o = m.client_options(m.token("admin"));
-    o.url = m.own_url();
-    locus_proto::client::connect(&o)
-        .await
-        .expect("connect to one member")
-}
-
 async fn versions(c: &mut locus_proto::client::MetadataClient, ds: &str) -> Vec<u64> {
     c.get_dataset(pb::GetDatasetRequest { name: ds.into() })
         .await
@@ -108,12 +74,12 @@ async fn every_acknowledged_commit_survives_kill9_of_the_leader_and_numbers_stay
         async move { (versions(&mut c, "shared").await.len() >= 6).then_some(()) }
     })
     .await;
-    let old = leader(&ms).await;
+    let old = group_leader(&ms).await;
     let killed_at = Instant::now();
     ms[old].kill9();
     let survivor = (old + 1) % 3;
     let before = {
-        let c = own_client(&ms[survivor]).await;
+        let c = ms[survivor].own_client().await;
         wait_until("a commit after the kill", Duration::from_secs(30), || {
             let mut c = c.clone();
             async move {
@@ -123,7 +89,7 @@ async fn every_acknowledged_commit_survives_kill9_of_the_leader_and_numbers_stay
         })
         .await
     };
-    let c = own_client(&ms[survivor]).await;
+    let c = ms[survivor].own_client().await;
     wait_until("six more commits after failover", Duration::from_secs(60), || {
         let mut c = c.clone();
         async move { (versions(&mut c, "shared").await.len() >= before + 6).then_some(()) }
@@ -138,7 +104,7 @@ async fn every_acknowledged_commit_survives_kill9_of_the_leader_and_numbers_stay
     }
     // The killed member comes back and catches up from the log.
     ms[old].restart().await;
-    let new = leader(&ms).await;
+    let new = group_leader(&ms).await;
     assert_ne!(new, old, "a new leader was elected while the old one was dead");
 
     let mut c = ms[0].client(Some("admin")).await;
@@ -176,30 +142,7 @@ async fn every_acknowledged_commit_survives_kill9_of_the_leader_and_numbers_stay
     // Every member, the restarted one included, applies the same log: the same last
     // applied entry on all three (reads are the leader's, so the members' own state is
     // compared by what they report applying).
-    wait_until(
-        "every member to apply the same log",
-        Duration::from_secs(30),
-        || {
-            let ms = &ms;
-            async move {
-                let mut applied = BTreeSet::new();
-                for m in ms.iter() {
-                    let mut c = own_client(m).await;
-                    let info = c
-                        .get_cluster_info(pb::GetClusterInfoRequest {})
-                        .await
-                        .ok()?
-                        .into_inner();
-                    if info.members.len() != 3 || info.leader.is_empty() {
-                        return None;
-                    }
-                    applied.insert(info.applied_index);
-                }
-                (applied.len() == 1).then_some(())
-            }
-        },
-    )
-    .await;
+    group_settled(&ms, Duration::from_secs(30)).await;
     eprintln!(
         "acknowledged {} commits, {} versions in all; leader killed to six commits after it: {failover:?}",
         acked.len(),
@@ -211,13 +154,13 @@ async fn every_acknowledged_commit_survives_kill9_of_the_leader_and_numbers_stay
 async fn a_minority_refuses_writes_and_the_majority_goes_on() {
     let h = Harness::new("group-minority");
     let ms = h.start_group("meta", 3, MetadataOpts::default()).await;
-    let l = leader(&ms).await;
+    let l = group_leader(&ms).await;
     let followers: Vec<usize> = (0..3).filter(|i| *i != l).collect();
     // Freeze the two followers: the leader is a minority of one.
     for &f in &followers {
         ms[f].daemon.sigstop();
     }
-    let mut c = own_client(&ms[l]).await;
+    let mut c = ms[l].own_client().await;
     let (e, s) = synthetic_manifest("alone", 10, 10, 10, 1 << 16);
     let started = Instant::now();
     let r = tokio::time::timeout(Duration::from_secs(40), commit(&mut c, "ds", 1 << 16, e, s)).await;
@@ -236,7 +179,7 @@ async fn a_minority_refuses_writes_and_the_majority_goes_on() {
     for &f in &followers {
         ms[f].daemon.sigcont();
     }
-    let c = own_client(&ms[followers[0]]).await;
+    let c = ms[followers[0]].own_client().await;
     let (e, s) = synthetic_manifest("majority", 10, 10, 10, 1 << 16);
     let v = wait_until("the majority to commit", Duration::from_secs(30), || {
         let (mut c, e, s) = (c.clone(), e.clone(), s.clone());
@@ -246,7 +189,7 @@ async fn a_minority_refuses_writes_and_the_majority_goes_on() {
     assert_eq!(v.version, 1, "the refused commit left no version behind");
     // Healing: the old leader resumes, steps down and learns the version.
     ms[l].daemon.sigcont();
-    let mut c = own_client(&ms[l]).await;
+    let mut c = ms[l].own_client().await;
     wait_until(
         "the old leader to serve the majority's version",
         Duration::from_secs(30),
@@ -290,7 +233,7 @@ async fn a_wiped_member_rejoins_from_a_snapshot_and_holds_the_whole_catalogue() 
         small.push(e);
     }
     // The member that is not leading is stopped and loses everything it had.
-    let l = leader(&ms).await;
+    let l = group_leader(&ms).await;
     let w = (l + 1) % 3;
     ms[w].terminate().await;
     std::fs::remove_dir_all(&ms[w].data_dir).unwrap();
@@ -315,24 +258,7 @@ async fn a_wiped_member_rejoins_from_a_snapshot_and_holds_the_whole_catalogue() 
     ms[w].opts.extra.push("--join".into());
     let started = Instant::now();
     ms[w].restart().await;
-    wait_until("the wiped member to catch up", Duration::from_secs(120), || {
-        let ms = &ms;
-        async move {
-            let mut applied = BTreeSet::new();
-            for m in ms.iter() {
-                let mut c = own_client(m).await;
-                applied.insert(
-                    c.get_cluster_info(pb::GetClusterInfoRequest {})
-                        .await
-                        .ok()?
-                        .into_inner()
-                        .applied_index,
-                );
-            }
-            (applied.len() == 1).then_some(())
-        }
-    })
-    .await;
+    group_settled(&ms, Duration::from_secs(120)).await;
     eprintln!("wiped member caught up in {:?}", started.elapsed());
     assert!(
         ms[w].data_dir.join("raft-snapshots/current.meta").exists(),
@@ -396,30 +322,8 @@ async fn mounts_nodes_and_locality_carry_on_through_a_leader_failover() {
     let files = Arc::new(files_of(&src));
     let stop = Arc::new(AtomicBool::new(false));
     let reads = Arc::new(std::sync::atomic::AtomicU64::new(0));
-    let mut readers = Vec::new();
-    for r in 0..4 {
-        let root = if r % 2 == 0 {
-            local.path.clone()
-        } else {
-            remote.path.clone()
-        };
-        let (files, stop, reads) = (files.clone(), stop.clone(), reads.clone());
-        readers.push(std::thread::spawn(move || -> Result<(), String> {
-            let mut i = r * 37;
-            while !stop.load(Ordering::Relaxed) {
-                let (rel, want) = &files[i % files.len()];
-                let p = root.join(rel);
-                drop_page_cache(&p);
-                let data = std::fs::read(&p).map_err(|e| format!("{}: {e}", p.display()))?;
-                if blake3::hash(&data).to_hex().as_str() != want {
-                    return Err(format!("{}: wrong bytes", p.display()));
-                }
-                reads.fetch_add(1, Ordering::Relaxed);
-                i += 1;
-            }
-            Ok(())
-        }));
-    }
+    let roots = [local.path.clone(), remote.path.clone()];
+    let readers = spawn_verifying_readers(&roots, files.clone(), 4, stop.clone(), reads.clone());
     wait_until("readers to get going", Duration::from_secs(30), || async {
         (reads.load(Ordering::Relaxed) > 100).then_some(())
     })
@@ -429,8 +333,8 @@ async fn mounts_nodes_and_locality_carry_on_through_a_leader_failover() {
     // with the leader frozen it still answers at once, counting every node (its own
     // start-up grace has run out by now, so without the pulled view they would be down).
     tokio::time::sleep(Duration::from_secs(4)).await;
-    let l0 = leader(&ms).await;
-    let mut fc = own_client(&ms[(l0 + 1) % 3]).await;
+    let l0 = group_leader(&ms).await;
+    let mut fc = ms[(l0 + 1) % 3].own_client().await;
     ms[l0].daemon.sigstop();
     let asked = fc.locality(pb::LocalityRequest {
         refs: vec![pb::VersionRef {
@@ -451,13 +355,13 @@ async fn mounts_nodes_and_locality_carry_on_through_a_leader_failover() {
         "every node counts as up at the follower: {answered:?}"
     );
 
-    let old = leader(&ms).await;
+    let old = group_leader(&ms).await;
     let survivor = (old + 1) % 3;
     let killed = Instant::now();
     ms[old].kill9();
     let at_kill = reads.load(Ordering::Relaxed);
     // Locality answers again through a surviving member once a leader is elected.
-    let mut c = own_client(&ms[survivor]).await;
+    let mut c = ms[survivor].own_client().await;
     let locality = wait_until(
         "locality to answer after the kill",
         Duration::from_secs(30),
@@ -634,7 +538,7 @@ async fn randomized_kills_freezes_and_restarts_keep_the_acknowledged_history_exa
             }
             None => {
                 let target = if next(2) == 0 {
-                    leader(&ms).await
+                    group_leader(&ms).await
                 } else {
                     next(3) as usize
                 };
@@ -656,7 +560,7 @@ async fn randomized_kills_freezes_and_restarts_keep_the_acknowledged_history_exa
         ms[d].restart().await;
     }
     // Commits still go through once every member is back.
-    let mut c = own_client(&ms[0]).await;
+    let mut c = ms[0].own_client().await;
     let before = versions(&mut c, "shared").await.len();
     wait_until("commits after the faults", Duration::from_secs(60), || {
         let mut c = c.clone();

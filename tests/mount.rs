@@ -212,31 +212,13 @@ async fn readers_see_no_error_when_the_node_serving_them_is_killed() {
 
     let stop = Arc::new(AtomicBool::new(false));
     let reads = Arc::new(AtomicU64::new(0));
-    let mut readers = Vec::new();
-    for r in 0..8 {
-        let root = match r % 4 {
-            0 => local.path.clone(),
-            2 => kernel.path.clone(),
-            _ => remote.path.clone(),
-        };
-        let (files, stop, reads) = (files.clone(), stop.clone(), reads.clone());
-        readers.push(std::thread::spawn(move || -> Result<(), String> {
-            let mut i = r * 37;
-            while !stop.load(Ordering::Relaxed) {
-                let (rel, want) = &files[i % files.len()];
-                let p = root.join(rel);
-                // Forget cached pages so every pass really reads through the mount.
-                drop_page_cache(&p);
-                let data = std::fs::read(&p).map_err(|e| format!("{}: {e}", p.display()))?;
-                if blake3::hash(&data).to_hex().as_str() != want {
-                    return Err(format!("{}: wrong bytes", p.display()));
-                }
-                reads.fetch_add(1, Ordering::Relaxed);
-                i += 1;
-            }
-            Ok(())
-        }));
-    }
+    let roots = [
+        local.path.clone(),
+        remote.path.clone(),
+        kernel.path.clone(),
+        remote.path.clone(),
+    ];
+    let readers = spawn_verifying_readers(&roots, files.clone(), 8, stop.clone(), reads.clone());
     wait_until("readers to get going", Duration::from_secs(30), || async {
         (reads.load(Ordering::Relaxed) > 200).then_some(())
     })

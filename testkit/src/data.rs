@@ -143,3 +143,39 @@ pub fn files_of(root: &Path) -> Vec<(PathBuf, String)> {
         .map(|(k, v)| (PathBuf::from(k), v.4))
         .collect()
 }
+
+/// Readers that go round `files` (relative path, BLAKE3) under `roots` (reader `r` reads
+/// under `roots[r % roots.len()]`), each read cold (its pages dropped first) and checked,
+/// counting good reads in `reads` until `stop`. A reader stops at its first error or wrong
+/// byte and returns it.
+pub fn spawn_verifying_readers(
+    roots: &[PathBuf],
+    files: std::sync::Arc<Vec<(PathBuf, String)>>,
+    readers: usize,
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    reads: std::sync::Arc<std::sync::atomic::AtomicU64>,
+) -> Vec<std::thread::JoinHandle<Result<(), String>>> {
+    use std::sync::atomic::Ordering;
+    (0..readers)
+        .map(|r| {
+            let root = roots[r % roots.len()].clone();
+            let (files, stop, reads) = (files.clone(), stop.clone(), reads.clone());
+            std::thread::spawn(move || -> Result<(), String> {
+                let mut i = r * 37;
+                while !stop.load(Ordering::Relaxed) {
+                    let (rel, want) = &files[i % files.len()];
+                    let p = root.join(rel);
+                    // Forget cached pages so every pass really reads through the mount.
+                    drop_page_cache(&p);
+                    let data = std::fs::read(&p).map_err(|e| format!("{}: {e}", p.display()))?;
+                    if blake3::hash(&data).to_hex().as_str() != want {
+                        return Err(format!("{}: wrong bytes", p.display()));
+                    }
+                    reads.fetch_add(1, Ordering::Relaxed);
+                    i += 1;
+                }
+                Ok(())
+            })
+        })
+        .collect()
+}

@@ -481,3 +481,62 @@ impl Metadata {
         (c, k)
     }
 }
+
+impl Metadata {
+    /// A client of this process alone (not the group's URL list), with the admin token if
+    /// the service has tokens.
+    pub async fn own_client(&self) -> MetadataClient {
+        let mut o = self.client_options(self.token("admin"));
+        o.url = self.own_url();
+        locus_proto::client::connect(&o)
+            .await
+            .expect("connect to one member")
+    }
+}
+
+/// The index in `ms` (a group from `start_group`) of the leader, as the running members
+/// report it; waits up to 30 s for one.
+pub async fn group_leader(ms: &[Metadata]) -> usize {
+    wait_until("the group to have a leader", Duration::from_secs(30), || async {
+        for m in ms.iter().filter(|m| m.daemon.is_running()) {
+            let mut o = m.client_options(m.token("admin"));
+            o.url = m.own_url();
+            let Ok(mut c) = locus_proto::client::connect(&o).await else {
+                continue;
+            };
+            let Ok(i) = c.get_cluster_info(pb::GetClusterInfoRequest {}).await else {
+                continue;
+            };
+            let l = i.into_inner().leader;
+            let idx = ms
+                .iter()
+                .position(|m| m.data_dir.to_string_lossy().contains(&format!("-{l}/")));
+            if let Some(idx) = idx.filter(|i| ms[*i].daemon.is_running()) {
+                return Some(idx);
+            }
+        }
+        None
+    })
+    .await
+}
+
+/// Waits until every member of `ms` reports a leader and the same applied log index.
+pub async fn group_settled(ms: &[Metadata], within: Duration) {
+    wait_until("the members to apply the same log", within, || async {
+        let mut applied = std::collections::BTreeSet::new();
+        for m in ms {
+            let mut c = m.own_client().await;
+            let i = c
+                .get_cluster_info(pb::GetClusterInfoRequest {})
+                .await
+                .ok()?
+                .into_inner();
+            if i.leader.is_empty() {
+                return None;
+            }
+            applied.insert(i.applied_index);
+        }
+        (applied.len() == 1).then_some(())
+    })
+    .await;
+}
