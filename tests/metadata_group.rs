@@ -585,3 +585,140 @@ async fn randomized_kills_freezes_and_restarts_keep_the_acknowledged_history_exa
         acked.len()
     );
 }
+
+fn json(o: &std::process::Output) -> serde_json::Value {
+    assert!(o.status.success(), "{}", stderr(o));
+    serde_json::from_slice(&o.stdout).unwrap_or_else(|e| panic!("{e}: {}", stdout(o)))
+}
+
+/// A group is backed up like a single service; its restore starts a group of one, which
+/// grows with `members add-learner` and `promote`: the new member receives the restored
+/// catalogue as a snapshot (no log entry holds it). Status and `members` show the group.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_group_backup_restores_into_a_member_that_others_join() {
+    let h = Harness::new("group-restore");
+    let ms = h.start_group("meta", 3, MetadataOpts::default()).await;
+    let st = json(&ms[1].cli(&["status", "--json"]));
+    let g = &st["metadata"]["group"];
+    assert_eq!(g["members"].as_array().map(Vec::len), Some(3), "{st}");
+    assert!(g["leader"].as_str().is_some_and(|l| l.starts_with('m')), "{st}");
+    let node = h.start_node("n1", &ms[0], NodeOpts::host(1)).await;
+    let src = h.path("src");
+    make_tree(&src, 40);
+    let o = import(&ms[0], "ds", &src, &["--replicas", "1"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let url = format!("file://{}", h.path("backup").display());
+    let r = json(&ms[0].cli(&["backup", "run", "--to", &url, "--json"]));
+    assert_eq!(r["committed"], true, "{r}");
+    drop(node);
+
+    // The restore: a new data dir, started as a group of one.
+    let mut r1 = h.prepare_metadata("restored", MetadataOpts::default(), &[]);
+    let o = ms[0].cli(&[
+        "restore",
+        "--allow-unsigned",
+        "--from",
+        &url,
+        "--data-dir",
+        r1.data_dir.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let taken = [r1.grpc.port(), r1.http.port()];
+    let p1 = free_low_port_on(std::net::Ipv4Addr::LOCALHOST, &taken);
+    let p2 = free_low_port_on(std::net::Ipv4Addr::LOCALHOST, &[taken[0], taken[1], p1]);
+    // Started over a catalogue with more than itself in --cluster, it refuses.
+    r1.opts.extra = vec![
+        "--id".into(),
+        "r1".into(),
+        "--cluster".into(),
+        format!("r1=127.0.0.1:{p1},r2=127.0.0.1:{p2}"),
+    ];
+    r1.spawn();
+    let refused = r1
+        .daemon
+        .try_wait_addrs()
+        .await
+        .expect_err("a group of two over a restored catalogue");
+    assert!(refused.contains("group of one"), "{refused}");
+    r1.daemon.reap();
+    r1.opts.extra = vec![
+        "--id".into(),
+        "r1".into(),
+        "--cluster".into(),
+        format!("r1=127.0.0.1:{p1}"),
+    ];
+    r1.start().await;
+    let mut c = r1.own_client().await;
+    assert_eq!(
+        versions(&mut c, "ds").await,
+        vec![1],
+        "the restored member serves the backup's catalogue"
+    );
+    let want = all_entries(&mut c, "ds", 1).await;
+    assert!(want.len() > 40);
+
+    // r2 joins empty; the leader sends it the restored catalogue.
+    let mut r2 = h.prepare_metadata("joined", MetadataOpts::default(), &[taken[0], taken[1], p1, p2]);
+    r2.opts.extra = vec![
+        "--id".into(),
+        "r2".into(),
+        "--cluster".into(),
+        format!("r1=127.0.0.1:{p1},r2=127.0.0.1:{p2}"),
+        "--join".into(),
+    ];
+    r2.spawn();
+    let list = json(&r1.cli(&[
+        "metadata",
+        "members",
+        "add-learner",
+        "r2",
+        &format!("127.0.0.1:{p2}"),
+        "--json",
+    ]));
+    let roles: Vec<(String, String)> = list["members"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| {
+            (
+                m["name"].as_str().unwrap().to_string(),
+                m["role"].as_str().unwrap().to_string(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        roles,
+        vec![("r1".into(), "voter".into()), ("r2".into(), "learner".into())]
+    );
+    r2.wait_ready().await;
+    let list = json(&r1.cli(&["metadata", "members", "promote", "r2", "--json"]));
+    assert!(
+        list["members"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|m| m["role"] == "voter"),
+        "{list}"
+    );
+    let o = r1.cli(&["metadata", "members", "promote", "nobody"]);
+    assert!(
+        !o.status.success() && stderr(&o).contains("not a member"),
+        "{}",
+        stderr(&o)
+    );
+    let pair = [r1, r2];
+    group_settled(&pair, Duration::from_secs(60)).await;
+    // r2's own store holds the restored version: stopped, its data dir served alone.
+    let [mut r1, mut r2] = pair;
+    r1.terminate().await;
+    r2.terminate().await;
+    r2.opts.extra.clear();
+    r2.start().await;
+    let mut c = r2.own_client().await;
+    assert_eq!(
+        versions(&mut c, "ds").await,
+        vec![1],
+        "the joined member received the restored catalogue"
+    );
+    assert_eq!(all_entries(&mut c, "ds", 1).await, want, "the whole manifest");
+}

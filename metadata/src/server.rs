@@ -349,6 +349,7 @@ async fn start_group(
             );
         }
     }
+    group.seal_preexisting().await?;
     Ok((group, raft_addr, task))
 }
 

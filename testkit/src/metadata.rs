@@ -140,7 +140,8 @@ impl Harness {
         members
     }
 
-    fn prepare_metadata(&self, name: &str, opts: MetadataOpts, taken: &[u16]) -> Metadata {
+    /// A metadata service ready to `spawn` or `start` (ports chosen, files written), not running.
+    pub fn prepare_metadata(&self, name: &str, opts: MetadataOpts, taken: &[u16]) -> Metadata {
         let dir = self.path(name);
         std::fs::create_dir_all(&dir).unwrap();
         let mut opts = opts;

@@ -165,6 +165,8 @@ pub struct Group {
     handle: tokio::runtime::Handle,
     /// When a follower last took the leader's liveness view.
     liveness_at: Mutex<Option<std::time::Instant>>,
+    /// The catalogue predates the log (see `seal_preexisting`).
+    preexisting: bool,
 }
 
 impl std::fmt::Debug for Group {
@@ -225,6 +227,22 @@ impl Group {
             .await
             .map_err(|e| GroupError::Raft(e.to_string()))?;
         let fresh = log.is_empty()?;
+        // A catalogue that is here before any log (a restored backup, a single service
+        // becoming a group) is in no log entry: members that join must get it as a snapshot.
+        let preexisting = fresh
+            && !cfg.join
+            && state
+                .get(Table::Meta, crate::keys::META_SCHEMA)
+                .map_err(|e| GroupError::State(e.to_string()))?
+                .is_some();
+        if preexisting && cfg.members.len() > 1 {
+            return Err(GroupError::Config(
+                "this data dir already holds a catalogue, so it can only start a group of one: \
+                 give --cluster only this member, then add the others with `locus metadata \
+                 members add-learner` and `promote` (they receive the catalogue as a snapshot)"
+                    .into(),
+            ));
+        }
         if fresh && !cfg.join {
             // An empty member among members that hold a log was wiped: starting a new
             // group here would split the cluster's history. The operator says --join.
@@ -277,6 +295,7 @@ impl Group {
             token: cfg.token.clone(),
             handle: tokio::runtime::Handle::current(),
             liveness_at: Mutex::new(None),
+            preexisting,
         }))
     }
 
@@ -445,6 +464,55 @@ impl Group {
                 )))
             }
         }
+        Ok(())
+    }
+
+    /// When the group was started over a catalogue that no log entry holds: snapshots it and
+    /// purges the log up to the snapshot, so a member that joins later catches up from the
+    /// snapshot (which holds that catalogue) instead of replaying a log that lacks it.
+    pub async fn seal_preexisting(&self) -> Result<(), GroupError> {
+        if !self.preexisting {
+            return Ok(());
+        }
+        let fail =
+            |e: String| GroupError::Raft(format!("snapshotting the catalogue this group started with: {e}"));
+        // A group of one: it leads once its first entries are applied.
+        let deadline = std::time::Instant::now() + Duration::from_secs(60);
+        while self.linearize().await.is_err() || self.applied_index() == 0 {
+            if std::time::Instant::now() > deadline {
+                return Err(fail("this member did not become leader within 60 s".into()));
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        let applied = self.applied_index();
+        self.raft
+            .trigger()
+            .snapshot()
+            .await
+            .map_err(|e| fail(e.to_string()))?;
+        let mut m = self.raft.metrics();
+        let snap = tokio::time::timeout(Duration::from_secs(600), async {
+            loop {
+                if let Some(s) = m.borrow().snapshot.filter(|s| s.index >= applied) {
+                    return Ok(s.index);
+                }
+                if m.changed().await.is_err() {
+                    return Err("Raft stopped".to_string());
+                }
+            }
+        })
+        .await
+        .map_err(|_| fail("no snapshot within 10 minutes".into()))?
+        .map_err(fail)?;
+        self.raft
+            .trigger()
+            .purge_log(snap)
+            .await
+            .map_err(|e| fail(e.to_string()))?;
+        tracing::info!(
+            index = snap,
+            "the catalogue this group started with is in a snapshot; joining members receive it"
+        );
         Ok(())
     }
 
