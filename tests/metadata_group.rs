@@ -722,3 +722,63 @@ async fn a_group_backup_restores_into_a_member_that_others_join() {
     );
     assert_eq!(all_entries(&mut c, "ds", 1).await, want, "the whole manifest");
 }
+
+/// The same on the multi-host test bed with a real partition: each member on a host of its
+/// own, the leader's link taken down. Asked on its own host, the cut-off leader refuses a
+/// write; the majority elects a leader and commits; once the link is back, the old leader
+/// follows and serves the majority's history (its refused write never happened).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_partitioned_leader_refuses_writes_while_the_majority_commits_and_healing_converges() {
+    if let Some(why) = Netbed::unavailable() {
+        eprintln!("skipped: no multi-host test bed here ({why})");
+        return;
+    }
+    let bed = Netbed::new(&[3]).unwrap_or_else(|e| panic!("building the test bed: {e}"));
+    let h = Harness::new("group-partition");
+    let ms = h.start_group_on(&bed, "meta", MetadataOpts::default()).await;
+    let mut c = ms[0].client(None).await;
+    let (e, s) = synthetic_manifest("before", 10, 10, 10, 1 << 16);
+    assert_eq!(commit(&mut c, "ds", 1 << 16, e, s).await.unwrap().version, 1);
+    let l = group_leader(&ms).await;
+    let majority: Vec<usize> = (0..3).filter(|i| *i != l).collect();
+
+    bed.set_link(l, false).unwrap();
+    let out = bed.hosts[l]
+        .command(locus())
+        .args(["--metadata", &ms[l].own_url(), "dataset", "rm", "ds@1"])
+        .env_remove("LOCUS_TOKEN")
+        .env_remove("LOCUS_CONFIG")
+        .env("HOME", h.path("home"))
+        .output()
+        .unwrap();
+    let err = stderr(&out);
+    assert!(!out.status.success(), "the cut-off leader deleted a version");
+    assert!(
+        err.contains("unavailable") && (err.contains("quorum") || err.contains("leader")),
+        "refused for want of a quorum: {err}"
+    );
+
+    let c = ms[majority[0]].own_client().await;
+    let (e, s) = synthetic_manifest("majority", 10, 10, 10, 1 << 16);
+    let v = wait_until("the majority to commit", Duration::from_secs(30), || {
+        let (mut c, e, s) = (c.clone(), e.clone(), s.clone());
+        async move { commit(&mut c, "ds", 1 << 16, e, s).await.ok() }
+    })
+    .await;
+    assert_eq!(v.version, 2);
+
+    bed.set_link(l, true).unwrap();
+    group_settled(&ms, Duration::from_secs(60)).await;
+    let mut c = ms[l].own_client().await;
+    assert_eq!(
+        versions(&mut c, "ds").await,
+        vec![1, 2],
+        "the old leader serves the majority's history"
+    );
+    let info = c
+        .get_cluster_info(pb::GetClusterInfoRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    assert_ne!(info.leader, info.member, "the old leader follows");
+}

@@ -287,6 +287,53 @@ impl Harness {
     }
 }
 
+impl Harness {
+    /// A replicated metadata group with member `mI` on bed host `I-1` (its own namespace
+    /// and address), so taking a host's link down partitions that member from the others
+    /// and from this test. Every member's `url()` is the group's list, as in `start_group`.
+    pub async fn start_group_on(&self, bed: &Netbed, name: &str, opts: MetadataOpts) -> Vec<Metadata> {
+        // Each host is a namespace of its own: the same port numbers are free on all.
+        let (grpc, http, raft) = (7400u16, 7401u16, 7410u16);
+        let cluster: Vec<String> = bed
+            .hosts
+            .iter()
+            .enumerate()
+            .map(|(i, h)| format!("m{}={}:{raft}", i + 1, h.addr))
+            .collect();
+        let mut members = Vec::new();
+        for (i, host) in bed.hosts.iter().enumerate() {
+            let mut o = opts.clone();
+            if !o.extra.iter().any(|a| a == "--election-timeout") {
+                o.extra
+                    .extend(["--election-timeout".to_string(), "1s".to_string()]);
+            }
+            o.extra.extend([
+                "--id".to_string(),
+                format!("m{}", i + 1),
+                "--cluster".to_string(),
+                cluster.join(","),
+            ]);
+            let mut m = self.prepare_metadata(&format!("{name}-m{}", i + 1), o, &[]);
+            m.opts.ip = Some(host.addr);
+            m.grpc = std::net::SocketAddr::from((host.addr, grpc));
+            m.http = std::net::SocketAddr::from((host.addr, http));
+            m.daemon.netns = Some(host.netns.clone());
+            members.push(m);
+        }
+        for m in members.iter_mut() {
+            m.spawn();
+        }
+        for m in members.iter_mut() {
+            m.wait_ready().await;
+        }
+        let urls: Vec<String> = members.iter().map(|m| m.url()).collect();
+        for m in members.iter_mut() {
+            m.public_url = Some(urls.join(","));
+        }
+        members
+    }
+}
+
 impl Netbed {
     /// Bytes that crossed rack `r`'s uplink, both directions together.
     pub fn uplink_bytes(&self, r: usize) -> u64 {
