@@ -14,6 +14,7 @@ use crate::catalog::{Catalog, CatalogError, NodeRegistration, ShardSpec};
 use crate::metrics::Metrics;
 
 mod grants;
+mod members;
 
 pub struct MetadataService {
     catalog: Arc<Catalog>,
@@ -654,28 +655,7 @@ impl pb::metadata_server::Metadata for MetadataService {
     }
 
     async fn change_members(&self, req: Request<pb::ChangeMembersRequest>) -> Res<pb::ClusterInfo> {
-        let p = principal(&req);
-        let Some(group) = self.group.clone() else {
-            return Err(Status::failed_precondition(
-                "this metadata service is not a replicated group: start its members with --id and \
-                 --cluster to make one",
-            ));
-        };
-        let r = req.into_inner();
-        let target = format!("{} {}", r.op, r.names.join(","));
-        let result = group.change_members(r).await;
-        self.audit.record(
-            &p,
-            "change-members",
-            &target,
-            result
-                .as_ref()
-                .map(|_| "committed".to_string())
-                .map_err(|s| s.message().to_string()),
-        );
-        result?;
-        self.get_cluster_info(Request::new(pb::GetClusterInfoRequest {}))
-            .await
+        self.members(req).await
     }
 
     async fn update_replicas(

@@ -110,34 +110,12 @@ impl Harness {
             .collect();
         let mut members = Vec::new();
         for i in 0..n {
-            let mut o = opts.clone();
-            // Tests share two cores with everything else they run: a longer election
-            // timeout than the default keeps a busy moment from looking like a dead leader.
-            if !o.extra.iter().any(|a| a == "--election-timeout") {
-                o.extra
-                    .extend(["--election-timeout".to_string(), "1s".to_string()]);
-            }
-            o.extra.extend([
-                "--id".to_string(),
-                format!("m{}", i + 1),
-                "--cluster".to_string(),
-                cluster.join(","),
-            ]);
+            let o = as_member(&opts, i, &cluster);
             let m = self.prepare_metadata(&format!("{name}-m{}", i + 1), o, &taken);
             taken.extend([m.grpc.port(), m.http.port()]);
             members.push(m);
         }
-        for m in members.iter_mut() {
-            m.spawn();
-        }
-        for m in members.iter_mut() {
-            m.wait_ready().await;
-        }
-        let urls: Vec<String> = members.iter().map(|m| m.url()).collect();
-        for m in members.iter_mut() {
-            m.public_url = Some(urls.join(","));
-        }
-        members
+        launch_group(members).await
     }
 
     /// A metadata service ready to `spawn` or `start` (ports chosen, files written), not running.
@@ -540,4 +518,39 @@ pub async fn group_settled(ms: &[Metadata], within: Duration) {
         (applied.len() == 1).then_some(())
     })
     .await;
+}
+
+/// A group member's options: `opts` with its `--id mI` and the group's `--cluster`, and the
+/// harness's election timeout unless `opts` names one. Tests share two cores with
+/// everything they start: a longer timeout than the default keeps a busy moment from
+/// looking like a dead leader.
+pub(crate) fn as_member(opts: &MetadataOpts, i: usize, cluster: &[String]) -> MetadataOpts {
+    let mut o = opts.clone();
+    if !o.extra.iter().any(|a| a == "--election-timeout") {
+        o.extra
+            .extend(["--election-timeout".to_string(), "1s".to_string()]);
+    }
+    o.extra.extend([
+        "--id".to_string(),
+        format!("m{}", i + 1),
+        "--cluster".to_string(),
+        cluster.join(","),
+    ]);
+    o
+}
+
+/// Starts prepared members together (a member's port opens only once a majority is up),
+/// waits for each, and gives each the group's URL list.
+pub(crate) async fn launch_group(mut members: Vec<Metadata>) -> Vec<Metadata> {
+    for m in members.iter_mut() {
+        m.spawn();
+    }
+    for m in members.iter_mut() {
+        m.wait_ready().await;
+    }
+    let urls: Vec<String> = members.iter().map(|m| m.url()).collect();
+    for m in members.iter_mut() {
+        m.public_url = Some(urls.join(","));
+    }
+    members
 }

@@ -302,17 +302,7 @@ impl Harness {
             .collect();
         let mut members = Vec::new();
         for (i, host) in bed.hosts.iter().enumerate() {
-            let mut o = opts.clone();
-            if !o.extra.iter().any(|a| a == "--election-timeout") {
-                o.extra
-                    .extend(["--election-timeout".to_string(), "1s".to_string()]);
-            }
-            o.extra.extend([
-                "--id".to_string(),
-                format!("m{}", i + 1),
-                "--cluster".to_string(),
-                cluster.join(","),
-            ]);
+            let o = super::metadata::as_member(&opts, i, &cluster);
             let mut m = self.prepare_metadata(&format!("{name}-m{}", i + 1), o, &[]);
             m.opts.ip = Some(host.addr);
             m.grpc = std::net::SocketAddr::from((host.addr, grpc));
@@ -320,17 +310,7 @@ impl Harness {
             m.daemon.netns = Some(host.netns.clone());
             members.push(m);
         }
-        for m in members.iter_mut() {
-            m.spawn();
-        }
-        for m in members.iter_mut() {
-            m.wait_ready().await;
-        }
-        let urls: Vec<String> = members.iter().map(|m| m.url()).collect();
-        for m in members.iter_mut() {
-            m.public_url = Some(urls.join(","));
-        }
-        members
+        super::metadata::launch_group(members).await
     }
 }
 
