@@ -782,3 +782,64 @@ async fn a_partitioned_leader_refuses_writes_while_the_majority_commits_and_heal
         .into_inner();
     assert_ne!(info.leader, info.member, "the old leader follows");
 }
+
+/// With TLS and tokens the raft ports speak TLS too and take only an admin token: members
+/// replicate and forward over TLS, and a caller without TLS, or with TLS and no token, is
+/// refused on a raft port.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_tls_and_tokens_members_talk_tls_and_raft_ports_refuse_others() {
+    let h = Harness::new("group-tls");
+    let ms = h
+        .start_group(
+            "meta",
+            3,
+            MetadataOpts {
+                tls: true,
+                ..MetadataOpts::with_tokens()
+            },
+        )
+        .await;
+    let l = group_leader(&ms).await;
+    let f = (l + 1) % 3;
+    // Through a follower: forwarded to the leader over TLS, replicated over TLS.
+    let mut c = ms[f].own_client().await;
+    let (e, s) = synthetic_manifest("tls", 10, 10, 10, 1 << 16);
+    assert_eq!(commit(&mut c, "ds", 1 << 16, e, s).await.unwrap().version, 1);
+    group_settled(&ms, Duration::from_secs(30)).await;
+
+    let raft = ms[f].raft.expect("a member's raft port");
+    let ask = |ep: tonic::transport::Endpoint, token: Option<String>| async move {
+        let ch = ep
+            .connect()
+            .await
+            .map_err(|e| tonic::Status::unavailable(e.to_string()))?;
+        let mut c = locus_proto::pb::raft_client::RaftClient::new(ch);
+        let mut req = tonic::Request::new(pb::RaftHelloRequest::default());
+        if let Some(t) = token {
+            req.metadata_mut()
+                .insert("authorization", format!("Bearer {t}").parse().unwrap());
+        }
+        c.hello(req).await.map(|r| r.into_inner().name)
+    };
+    let plain = tonic::transport::Endpoint::from_shared(format!("http://{raft}")).unwrap();
+    assert!(
+        ask(plain, ms[f].token("admin")).await.is_err(),
+        "plaintext on a TLS raft port"
+    );
+    let tls = tonic::transport::Endpoint::from_shared(format!("https://localhost:{}", raft.port()))
+        .unwrap()
+        .tls_config(locus_proto::tls::client_config(ms[f].ca_pem.as_deref()).unwrap())
+        .unwrap();
+    let err = ask(tls.clone(), None)
+        .await
+        .expect_err("a raft call without a token");
+    assert_eq!(err.code(), tonic::Code::Unauthenticated, "{err:?}");
+    let err = ask(tls.clone(), ms[f].token("reader"))
+        .await
+        .expect_err("a raft call with a reader token");
+    assert_eq!(err.code(), tonic::Code::PermissionDenied, "{err:?}");
+    assert_eq!(
+        ask(tls, ms[f].token("admin")).await.unwrap(),
+        format!("m{}", f + 1)
+    );
+}

@@ -307,13 +307,24 @@ async fn start_group(
     let scheme = if config.tls.is_some() { "https" } else { "http" };
     let api_url = format!("{scheme}://{host}:{}", grpc_addr.port());
 
+    let mut g = g.clone();
+    g.tls = config.tls.is_some();
+    let g = &g;
     let group = Group::start(g, &config.data_dir, rocks).await?;
     let svc = RaftService::new(group.raft().clone(), g.me.clone(), api_url, catalog_slot).server();
     let auth = locus_proto::auth::AuthLayer::new(tokens, Arc::new(crate::group::RaftPolicy));
     let incoming = tonic::transport::server::TcpIncoming::from(raft_listener).with_nodelay(Some(true));
     let mut stop2 = stop.clone();
+    // The raft port speaks TLS whenever the Metadata port does (the same certificate and,
+    // with mutual TLS, the same client CA).
+    let mut builder = tonic::transport::Server::builder();
+    if let Some(tls) = &config.tls {
+        builder = builder
+            .tls_config(tls.tonic())
+            .map_err(|e| ServerError::Tls(locus_proto::client::error_chain(&e)))?;
+    }
     let task = tokio::spawn(async move {
-        let r = tonic::transport::Server::builder()
+        let r = builder
             .layer(auth)
             .add_service(svc)
             .serve_with_incoming_shutdown(incoming, async move {

@@ -284,6 +284,8 @@ async fn serve(a: ServeArgs, cfg: &Resolved) -> anyhow::Result<()> {
                 election_timeout: flag_duration("--election-timeout", Some(a.election_timeout), "500ms")?,
                 snapshot_every: a.snapshot_every,
                 join: a.join,
+                // Set by the service from its own TLS.
+                tls: false,
             }),
             _ => None,
         },

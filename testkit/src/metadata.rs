@@ -81,6 +81,8 @@ pub struct Metadata {
     pub dir: PathBuf,
     /// The URL clients are given instead of its own (a proxy in front of it).
     pub public_url: Option<String>,
+    /// A group member's raft port, once it listens.
+    pub raft: Option<SocketAddr>,
 }
 
 impl Harness {
@@ -108,11 +110,20 @@ impl Harness {
             .enumerate()
             .map(|(i, p)| format!("m{}=127.0.0.1:{p}", i + 1))
             .collect();
-        let mut members = Vec::new();
+        let mut members: Vec<Metadata> = Vec::new();
         for i in 0..n {
             let o = as_member(&opts, i, &cluster);
-            let m = self.prepare_metadata(&format!("{name}-m{}", i + 1), o, &taken);
+            let mut m = self.prepare_metadata(&format!("{name}-m{}", i + 1), o, &taken);
             taken.extend([m.grpc.port(), m.http.port()]);
+            if let Some(first) = members.first() {
+                if m.opts.tls {
+                    // One cluster CA for the whole group: members verify each other with it.
+                    for f in ["ca.pem", "server.pem", "server.key", "admin.pem", "admin.key"] {
+                        std::fs::copy(first.dir.join(f), m.dir.join(f)).unwrap();
+                    }
+                    m.ca_pem = first.ca_pem.clone();
+                }
+            }
             members.push(m);
         }
         launch_group(members).await
@@ -187,6 +198,7 @@ impl Harness {
             ca_pem,
             dir,
             public_url: None,
+            raft: None,
         }
     }
 }
@@ -249,6 +261,7 @@ impl Metadata {
         let addrs = self.daemon.wait_addrs().await;
         self.grpc = addr_of(&addrs, "grpc");
         self.http = addr_of(&addrs, "http");
+        self.raft = addrs.iter().find(|(k, _)| k == "raft").map(|(_, a)| *a);
         let token = self.opts.tokens.first().map(|t| t.secret.clone());
         let mut opts = self.client_options(token);
         opts.url = self.own_url();

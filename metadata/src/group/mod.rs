@@ -150,6 +150,10 @@ pub struct GroupConfig {
     /// This member lost its data (a replaced disk) and rejoins an existing group: it
     /// waits for the leader to send it a snapshot and the log instead of starting a group.
     pub join: bool,
+    /// The raft ports speak TLS (set from the service's own TLS: a service with TLS never
+    /// lets its members talk in clear). Members then verify each other with the process's
+    /// client TLS (`--ca-cert`, and its own certificate where peers demand one).
+    pub tls: bool,
 }
 
 /// A running member.
@@ -167,6 +171,7 @@ pub struct Group {
     liveness_at: Mutex<Option<std::time::Instant>>,
     /// The catalogue predates the log (see `seal_preexisting`).
     preexisting: bool,
+    tls: bool,
 }
 
 impl std::fmt::Debug for Group {
@@ -222,7 +227,7 @@ impl Group {
         }
         .validate()
         .map_err(|e| GroupError::Config(e.to_string()))?;
-        let network = network::Network::new(cfg.token.clone());
+        let network = network::Network::new(cfg.token.clone(), cfg.tls);
         let raft = Raft::new(id, Arc::new(config), network, log.clone(), sm)
             .await
             .map_err(|e| GroupError::Raft(e.to_string()))?;
@@ -247,7 +252,7 @@ impl Group {
             // An empty member among members that hold a log was wiped: starting a new
             // group here would split the cluster's history. The operator says --join.
             for m in cfg.members.iter().filter(|m| m.name != cfg.me) {
-                if let Ok(h) = network::hello(&m.addr, cfg.token.as_deref(), &cfg.me).await {
+                if let Ok(h) = network::hello(&m.addr, cfg.token.as_deref(), cfg.tls, &cfg.me).await {
                     if h.asker_had_data {
                         return Err(GroupError::Config(format!(
                             "this member holds no data but the group's leader {} has had log entries \
@@ -296,6 +301,7 @@ impl Group {
             handle: tokio::runtime::Handle::current(),
             liveness_at: Mutex::new(None),
             preexisting,
+            tls: cfg.tls,
         }))
     }
 
@@ -534,7 +540,7 @@ impl Group {
             let Some((_, leader)) = self.leader() else {
                 continue;
             };
-            match network::liveness(&leader.addr, self.token.as_deref()).await {
+            match network::liveness(&leader.addr, self.token.as_deref(), self.tls).await {
                 Ok(rows) => {
                     catalog.adopt_liveness(rows);
                     *self.liveness_at.lock().unwrap_or_else(|p| p.into_inner()) =
@@ -561,7 +567,7 @@ impl Group {
         if let Some(u) = self.api_urls.lock().unwrap_or_else(|p| p.into_inner()).get(&id) {
             return Ok(u.clone());
         }
-        let hello = network::hello(&member.addr, self.token.as_deref(), &self.name).await?;
+        let hello = network::hello(&member.addr, self.token.as_deref(), self.tls, &self.name).await?;
         if hello.name != member.name {
             return Err(Status::unavailable(format!(
                 "{} answers as member {:?}, not {}",

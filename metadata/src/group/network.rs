@@ -28,12 +28,20 @@ pub const MAX_RAFT_MESSAGE: usize = 2 * locus_proto::MAX_MESSAGE_BYTES;
 
 type Client = RaftClient<InterceptedService<Channel, BearerToken>>;
 
-fn client(addr: &str, token: Option<&str>) -> Result<Client, Status> {
-    let ep = Endpoint::from_shared(format!("http://{addr}"))
+fn client(addr: &str, token: Option<&str>, tls: bool) -> Result<Client, Status> {
+    let scheme = if tls { "https" } else { "http" };
+    let mut ep = Endpoint::from_shared(format!("{scheme}://{addr}"))
         .map_err(|e| Status::invalid_argument(format!("member address {addr:?}: {e}")))?
         .connect_timeout(Duration::from_secs(1))
         .tcp_nodelay(true)
         .http2_keep_alive_interval(Duration::from_secs(5));
+    if tls {
+        let cfg = locus_proto::tls::client_config(None)
+            .map_err(|e| Status::failed_precondition(format!("TLS to member {addr}: {e}")))?;
+        ep = ep
+            .tls_config(cfg)
+            .map_err(|e| Status::failed_precondition(format!("TLS to member {addr}: {e}")))?;
+    }
     let token = match token {
         Some(t) => Some(
             format!("Bearer {t}")
@@ -53,8 +61,9 @@ fn client(addr: &str, token: Option<&str>) -> Result<Client, Status> {
 pub async fn liveness(
     addr: &str,
     token: Option<&str>,
+    tls: bool,
 ) -> Result<Vec<(String, u64, crate::catalog::NodeStats)>, Status> {
-    let mut c = client(addr, token)?;
+    let mut c = client(addr, token, tls)?;
     let r = tokio::time::timeout(
         Duration::from_secs(2),
         c.liveness(pb::RaftHelloRequest::default()),
@@ -65,8 +74,8 @@ pub async fn liveness(
 }
 
 /// Asks the member at `addr` its name and API URL (`asker`: this member's name).
-pub async fn hello(addr: &str, token: Option<&str>, asker: &str) -> Result<pb::RaftHello, Status> {
-    let mut c = client(addr, token)?;
+pub async fn hello(addr: &str, token: Option<&str>, tls: bool, asker: &str) -> Result<pb::RaftHello, Status> {
+    let mut c = client(addr, token, tls)?;
     let req = pb::RaftHelloRequest { asker: asker.into() };
     let r = tokio::time::timeout(Duration::from_secs(3), c.hello(req))
         .await
@@ -77,11 +86,12 @@ pub async fn hello(addr: &str, token: Option<&str>, asker: &str) -> Result<pb::R
 /// Makes a `Peer` per member the leader replicates to.
 pub struct Network {
     token: Option<String>,
+    tls: bool,
 }
 
 impl Network {
-    pub fn new(token: Option<String>) -> Self {
-        Self { token }
+    pub fn new(token: Option<String>, tls: bool) -> Self {
+        Self { token, tls }
     }
 }
 
@@ -91,7 +101,7 @@ impl RaftNetworkFactory<TypeConfig> for Network {
     async fn new_client(&mut self, target: u64, node: &Member) -> Peer {
         Peer {
             target,
-            client: client(&node.addr, self.token.as_deref()),
+            client: client(&node.addr, self.token.as_deref(), self.tls),
         }
     }
 }
