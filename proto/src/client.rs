@@ -101,6 +101,12 @@ pub struct MetaChannel {
 }
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// How long a group member may take to start answering a call (its response headers)
+/// before the client gives up on that call and moves on. The slowest legitimate answer is
+/// a write waiting for a quorum (the service gives up on those at 30 s, but says so early
+/// when it has no leader); streams answer their headers at once.
+pub const MEMBER_ANSWER_TIMEOUT: Duration = Duration::from_secs(15);
 type BoxFuture<T> = std::pin::Pin<Box<dyn std::future::Future<Output = T> + Send>>;
 
 /// Whether a channel error means the request never reached the member.
@@ -142,9 +148,24 @@ impl tower::Service<http::Request<tonic::body::Body>> for MetaChannel {
                 *r.version_mut() = parts.version;
                 *r.headers_mut() = parts.headers.clone();
                 let mut ch = members[idx].1.clone();
-                let res = match ch.ready().await {
-                    Ok(_) => tower::Service::call(&mut ch, r).await,
-                    Err(e) => Err(e),
+                let attempt = async {
+                    ch.ready().await?;
+                    tower::Service::call(&mut ch, r).await
+                };
+                // A member that accepts connections but does not answer (frozen, or cut
+                // off behind a half-open connection) costs this call, not every later one.
+                let next = (idx + 1) % members.len();
+                let res = match tokio::time::timeout(MEMBER_ANSWER_TIMEOUT, attempt).await {
+                    Ok(r) => r,
+                    Err(_) => {
+                        current.store(next, std::sync::atomic::Ordering::Relaxed);
+                        return Err(format!(
+                            "metadata member {} did not answer within {} s; later calls go to another member",
+                            members[idx].0,
+                            MEMBER_ANSWER_TIMEOUT.as_secs()
+                        )
+                        .into());
+                    }
                 };
                 match res {
                     Ok(resp) => {
@@ -154,7 +175,10 @@ impl tower::Service<http::Request<tonic::body::Body>> for MetaChannel {
                     Err(e) if not_delivered(&e) => {
                         last = Some(format!("{}: {}", members[idx].0, error_chain(&e)).into());
                     }
-                    Err(e) => return Err(e.into()),
+                    Err(e) => {
+                        current.store(next, std::sync::atomic::Ordering::Relaxed);
+                        return Err(e.into());
+                    }
                 }
             }
             Err(last.unwrap_or_else(|| "no metadata member to call".into()))

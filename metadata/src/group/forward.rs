@@ -28,6 +28,9 @@ use tonic::Status;
 use super::Group;
 
 const FORWARDED: &str = "x-locus-forwarded";
+/// How long a forwarded call may wait for the leader to start answering: under the
+/// clients' own `MEMBER_ANSWER_TIMEOUT`, so the caller hears why rather than a timeout.
+const LEADER_ANSWER_TIMEOUT: Duration = Duration::from_secs(10);
 const PREFIX: &str = "/locus.metadata.v1.Metadata/";
 
 /// Methods any member answers itself.
@@ -178,12 +181,21 @@ where
                     .into_http())
                 }
             }
-            match tower::Service::call(&mut ch, req).await {
-                Ok(resp) => Ok(resp),
-                Err(e) => Ok(Status::unavailable(format!(
+            // A leader that stopped answering (frozen, cut off) must not hold the follower's
+            // callers for longer than their client would wait.
+            let answer = tokio::time::timeout(LEADER_ANSWER_TIMEOUT, tower::Service::call(&mut ch, req));
+            match answer.await {
+                Ok(Ok(resp)) => Ok(resp),
+                Ok(Err(e)) => Ok(Status::unavailable(format!(
                     "the metadata leader {} at {url} failed: {}",
                     member.name,
                     locus_proto::client::error_chain(&e)
+                ))
+                .into_http()),
+                Err(_) => Ok(Status::unavailable(format!(
+                    "the metadata leader {} at {url} did not answer within {} s",
+                    member.name,
+                    LEADER_ANSWER_TIMEOUT.as_secs()
                 ))
                 .into_http()),
             }
