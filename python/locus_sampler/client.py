@@ -23,7 +23,32 @@ def assign(
 ) -> Dict[str, Any]:
     """Which shards each rank should read, with every shard's files.
 
-    ``url`` is the metadata service's HTTP address (``http://meta:7401``)."""
+    ``url`` is the metadata service's HTTP address (``http://meta:7401``), or the HTTP
+    addresses of a replicated group's members, comma-separated: they are asked in turn
+    until one answers (a member that is down or answers 502/503/504 is passed over)."""
+    urls = [u.strip() for u in url.split(",") if u.strip()]
+    if not urls:
+        raise LocusUnavailable(f"{url!r}: no metadata URL")
+    failures = []
+    for u in urls:
+        try:
+            return _assign_one(u, dataset, rank_nodes, token, timeout)
+        except _TryNext as e:
+            failures.append(str(e))
+    raise LocusUnavailable("; ".join(failures))
+
+
+class _TryNext(LocusUnavailable):
+    """This member could not answer; another may."""
+
+
+def _assign_one(
+    url: str,
+    dataset: str,
+    rank_nodes: List[str],
+    token: Optional[str],
+    timeout: float,
+) -> Dict[str, Any]:
     body = json.dumps({"dataset": dataset, "rank_nodes": rank_nodes, "files": True}).encode()
     req = urllib.request.Request(
         url.rstrip("/") + "/v1/assign",
@@ -42,8 +67,11 @@ def assign(
             why = json.load(e).get("error", "")
         except Exception:  # noqa: BLE001 - the status alone is reason enough
             why = ""
-        raise LocusUnavailable(f"{url}: HTTP {e.code} {why}".strip()) from e
-    except (urllib.error.URLError, OSError, ValueError) as e:
+        error = _TryNext if e.code in (502, 503, 504) else LocusUnavailable
+        raise error(f"{url}: HTTP {e.code} {why}".strip()) from e
+    except (urllib.error.URLError, OSError) as e:
+        raise _TryNext(f"{url}: {e}") from e
+    except ValueError as e:
         raise LocusUnavailable(f"{url}: {e}") from e
     if not isinstance(answer, dict) or "ranks" not in answer or "shards" not in answer:
         raise LocusUnavailable(f"{url}: not an assign answer")

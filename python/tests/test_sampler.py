@@ -182,3 +182,46 @@ def test_a_world_without_the_ranks_nodes_is_refused_not_guessed():
     with pytest.raises(ValueError, match="rank_nodes is required"):
         LocusSampler(["a"], "ds@1", num_replicas=2, rank=0, assignment=answer(["a"], 2))
 
+
+
+def test_assign_asks_the_next_group_member_when_one_is_down_or_unavailable():
+    import http.server
+    import socket
+    import threading
+
+    import pytest
+
+    from locus_sampler.client import LocusUnavailable, assign
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        status = 200
+
+        def do_POST(self):  # noqa: N802 - the stdlib's name
+            self.rfile.read(int(self.headers["content-length"]))
+            body = b'{"ranks": [], "shards": []}' if self.status == 200 else b'{"error": "no leader"}'
+            self.send_response(self.status)
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    class Busy(Handler):
+        status = 503
+
+    servers = [http.server.HTTPServer(("127.0.0.1", 0), h) for h in (Handler, Busy)]
+    for s in servers:
+        threading.Thread(target=s.serve_forever, daemon=True).start()
+    live, busy = (f"http://127.0.0.1:{s.server_address[1]}" for s in servers)
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{s.getsockname()[1]}"
+    try:
+        assert assign(f"{dead},{busy},{live}", "ds", ["n1"], token="") == {"ranks": [], "shards": []}
+        with pytest.raises(LocusUnavailable) as e:
+            assign(f"{dead},{busy}", "ds", ["n1"], token="")
+        assert dead in str(e.value) and "503" in str(e.value)
+    finally:
+        for s in servers:
+            s.shutdown()
