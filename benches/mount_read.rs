@@ -5,6 +5,12 @@
 //!     cargo bench --bench mount_read
 //!     LOCUS_BENCH_LARGE_MIB=256 LOCUS_BENCH_SMALL_FILES=2000 cargo bench --bench mount_read
 //!     LOCUS_BENCH_MOUNT_ARGS="--threads 8" cargo bench --bench mount_read
+//!     LOCUS_BENCH_ONLY=small LOCUS_BENCH_SYSTEMS="locus (local node)" cargo bench --bench mount_read
+//!
+//! `LOCUS_BENCH_ONLY` (comma-separated: large, mixed, small) and `LOCUS_BENCH_SYSTEMS`
+//! (comma-separated names, matched as prefixes; the local directory is always read) run
+//! part of the table; `LOCUS_BENCH_PERF=DIR` records a system-wide profile of each cold
+//! read into `DIR`.
 //!
 //! Workloads, each its own dataset (as training data comes): large files read
 //! sequentially one after another (1 MiB reads); a version of mixed sizes (4 KiB to
@@ -94,6 +100,26 @@ fn warm_sample(root: &Path, files: &[PathBuf], threads: usize) -> (usize, u64, f
         secs += s;
     }
     (passes, bytes, secs)
+}
+
+/// User plus system CPU time of a process so far, in clock ticks.
+fn cpu_ticks(pid: u64) -> Option<u64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // Fields after the command name, which is in parentheses and may hold spaces.
+    let rest = &stat[stat.rfind(')')? + 2..];
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    Some(f.get(11)?.parse::<u64>().ok()? + f.get(12)?.parse::<u64>().ok()?)
+}
+
+fn ticks_per_second() -> f64 {
+    // SAFETY: sysconf has no preconditions.
+    #[allow(unsafe_code)]
+    let t = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
+    if t > 0 {
+        t as f64
+    } else {
+        100.0
+    }
 }
 
 /// GB/s for the large and the mixed files (workloads 0 and 1), files/s for the small ones.
@@ -362,6 +388,14 @@ async fn main() {
             }),
         ));
     }
+    let only_s = std::env::var("LOCUS_BENCH_ONLY").unwrap_or_else(|_| "large,mixed,small".into());
+    let only: Vec<&str> = only_s.split(',').map(str::trim).collect();
+    let systems_s = std::env::var("LOCUS_BENCH_SYSTEMS").unwrap_or_default();
+    let chosen = |name: &str| {
+        name == "local directory"
+            || systems_s.is_empty()
+            || systems_s.split(',').any(|p| name.starts_with(p.trim()))
+    };
     let mut notes = Vec::new();
     if have("rclone") {
         systems.push((
@@ -387,6 +421,7 @@ async fn main() {
     let mut rows: Vec<(String, [String; 6])> = Vec::new();
     let mut raw: [f64; 6] = [0.0; 6];
     let mut passthrough = Vec::new();
+    systems.retain(|(name, _)| chosen(name));
     for (si, (name, mount)) in systems.iter().enumerate() {
         let mut cells: [String; 6] = Default::default();
         let mut engaged = Vec::new();
@@ -398,7 +433,20 @@ async fn main() {
                 let (b, t) = read_all(Path::new("/"), &blob_lists[wi], *threads);
                 rate((1, b, t), wi, files.len())
             };
+            if !only.contains(dir) {
+                cells[wi * 2] = "-".into();
+                cells[wi * 2 + 1] = "-".into();
+                continue;
+            }
             let blobs_before = (can_drop && name.starts_with("locus")).then(|| blobs_cold(files));
+            // The local directory read cold just before this system's cold read: the host's
+            // cache drifts over a run, so the one cold sample of the first row is not the
+            // state later rows read in.
+            let raw_before = (can_drop && si > 0).then(|| {
+                drop_caches();
+                let (b, t) = read_all(&raw_root, files, *threads);
+                rate((1, b, t), wi, files.len())
+            });
             if can_drop {
                 drop_caches();
             }
@@ -406,7 +454,22 @@ async fn main() {
                 cells[wi * 2] = "mount failed".into();
                 continue;
             };
+            // The mount's CPU time over its cold read (the server process does all its
+            // work): what each file cost it, independent of how busy the host was.
+            let server = guard
+                .downcast_ref::<Mount>()
+                .and_then(|m| m.status()["server_pid"].as_u64());
+            let cpu_before = server.and_then(cpu_ticks);
+            let perf = profile(&format!("cold-{counter}-{dir}"));
             let (cold_bytes, cold_secs) = read_all(&root, files, *threads);
+            stop_profile(perf);
+            let cold_cpu = match (cpu_before, server.and_then(cpu_ticks)) {
+                (Some(a), Some(b)) => format!(
+                    ", mount CPU {:.0} µs/file",
+                    (b - a) as f64 * 1e6 / ticks_per_second() / files.len() as f64
+                ),
+                _ => String::new(),
+            };
             let cold = (1, cold_bytes, cold_secs);
             // Warm: the median of three samples (page-cache state makes single ones noisy).
             // Each is taken right after a sample of the local directory, and the warm
@@ -457,15 +520,20 @@ async fn main() {
                     }
                 };
                 let shown = show(value);
+                let raw_cold = raw_before.unwrap_or(raw[wi * 2]);
                 cells[wi * 2 + k] = match (paired_raw.get(1), blobs) {
                     (Some(&r), _) if k == 1 => format!("{shown} {unit} ({:.2}× raw {})", value / r, show(r)),
                     (_, Some((before, after))) => format!(
-                        "{shown} {unit} ({:.2}× raw; {:.2}× blobs {}, {} before)",
-                        value / raw[wi * 2 + k],
+                        "{shown} {unit} ({:.2}× raw {}; {:.2}× blobs {}, {} before{cold_cpu})",
+                        value / raw_cold,
+                        show(raw_cold),
                         value / after,
                         show(after),
                         show(before)
                     ),
+                    _ if k == 0 => {
+                        format!("{shown} {unit} ({:.2}× raw {})", value / raw_cold, show(raw_cold))
+                    }
                     _ => format!("{shown} {unit} ({:.2}× raw)", value / raw[wi * 2 + k]),
                 };
             }
@@ -475,6 +543,7 @@ async fn main() {
         }
         rows.push((name.to_string(), cells));
     }
+    notes.push("cold \"× raw N\": against the local directory read cold just before that system's cold read (N); \"mount CPU\": the mount server's user+system CPU time over its cold read, per file");
     notes.push("cold \"× blobs N, M before\": against the node's blob files of that dataset read cold after the system's warm samples (N) and just before its mount (M)");
     notes.push("warm \"× raw N\": against the local directory sampled in turn with that system (N: the median of those samples)");
     if !can_drop {

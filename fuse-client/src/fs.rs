@@ -332,7 +332,9 @@ impl Mount {
         }
         let core = self.clone();
         self.rt.spawn_blocking(move || {
-            let r = core.pread_local(ino, &file, offset, size, want);
+            // Not direct: the cached read above has started the kernel's read-ahead into
+            // the page cache, which this read then finds (a direct read would read twice).
+            let r = core.pread_local(ino, &file, offset, size, want, false);
             core.finish_read("local", r, started, reply)
         });
     }

@@ -497,3 +497,44 @@ fn the_first_open_in_a_shard_learns_its_siblings_paths_and_a_changed_sibling_is_
     drop(core);
     rt.shutdown_background();
 }
+
+#[test]
+fn a_read_that_ends_the_file_is_read_direct_with_the_same_bytes() {
+    use std::os::unix::fs::OpenOptionsExt;
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("blob");
+    let data: Vec<u8> = (0..3 * 4096 + 1234u32)
+        .map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8)
+        .collect();
+    std::fs::write(&path, &data).unwrap();
+    let file = File::open(&path).unwrap();
+    // Whether this filesystem takes O_DIRECT at all (tmpfs does not): then the direct
+    // read must engage, else it must step aside for the ordinary one.
+    let takes_direct = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_DIRECT)
+        .open(&path)
+        .is_ok();
+    for off in [0usize, 4096, 8192, 12288] {
+        match pread_direct(&file, off as u64, data.len() - off) {
+            Some(r) => assert_eq!(&r.unwrap()[..], &data[off..], "at {off}"),
+            None => assert!(
+                !takes_direct,
+                "O_DIRECT works here, so the read at {off} must be direct"
+            ),
+        }
+    }
+    // Direct reads need aligned offsets; an unaligned one is left to the ordinary read.
+    assert!(pread_direct(&file, 100, data.len() - 100).is_none());
+    // A file that shrank after its check reads short, for the caller to refuse.
+    if takes_direct {
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(&path)
+            .unwrap()
+            .set_len(5000)
+            .unwrap();
+        let r = pread_direct(&file, 4096, data.len() - 4096).unwrap().unwrap();
+        assert_eq!(&r[..], &data[4096..5000]);
+    }
+}
