@@ -8,7 +8,8 @@
 //!     LOCUS_BENCH_ONLY=small LOCUS_BENCH_SYSTEMS="locus (local node)" cargo bench --bench mount_read
 //!
 //! `LOCUS_BENCH_ONLY` (comma-separated: large, mixed, small) and `LOCUS_BENCH_SYSTEMS`
-//! (comma-separated names, matched as prefixes; the local directory is always read) run
+//! (names separated by `;`, as names hold commas; matched as prefixes; the local
+//! directory is always read) run
 //! part of the table; `LOCUS_BENCH_PERF=DIR` records a system-wide profile of each cold
 //! read into `DIR`.
 //!
@@ -394,7 +395,7 @@ async fn main() {
     let chosen = |name: &str| {
         name == "local directory"
             || systems_s.is_empty()
-            || systems_s.split(',').any(|p| name.starts_with(p.trim()))
+            || systems_s.split(';').any(|p| name.starts_with(p.trim()))
     };
     let mut notes = Vec::new();
     if have("rclone") {
@@ -464,10 +465,18 @@ async fn main() {
             let (cold_bytes, cold_secs) = read_all(&root, files, *threads);
             stop_profile(perf);
             let cold_cpu = match (cpu_before, server.and_then(cpu_ticks)) {
-                (Some(a), Some(b)) => format!(
-                    ", mount CPU {:.0} µs/file",
-                    (b - a) as f64 * 1e6 / ticks_per_second() / files.len() as f64
-                ),
+                // Per file for the small files, per MiB for the others.
+                (Some(a), Some(b)) => {
+                    let us = (b - a) as f64 * 1e6 / ticks_per_second();
+                    if wi == 2 {
+                        format!(", mount CPU {:.0} µs/file", us / files.len() as f64)
+                    } else {
+                        format!(
+                            ", mount CPU {:.0} µs/MiB",
+                            us / (cold_bytes as f64 / (1 << 20) as f64)
+                        )
+                    }
+                }
                 _ => String::new(),
             };
             let cold = (1, cold_bytes, cold_secs);
@@ -543,7 +552,7 @@ async fn main() {
         }
         rows.push((name.to_string(), cells));
     }
-    notes.push("cold \"× raw N\": against the local directory read cold just before that system's cold read (N); \"mount CPU\": the mount server's user+system CPU time over its cold read, per file");
+    notes.push("cold \"× raw N\": against the local directory read cold just before that system's cold read (N); \"mount CPU\": the mount server's user+system CPU time over its cold read, per file (128 KiB) or per MiB read (the others)");
     notes.push("cold \"× blobs N, M before\": against the node's blob files of that dataset read cold after the system's warm samples (N) and just before its mount (M)");
     notes.push("warm \"× raw N\": against the local directory sampled in turn with that system (N: the median of those samples)");
     if !can_drop {
