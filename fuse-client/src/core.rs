@@ -391,7 +391,8 @@ impl Core {
     ) -> Result<Bytes, FsError> {
         // A read that ends the blob has nothing to read ahead for: read it straight into
         // the reply's buffer (no page-cache pages to allocate, fill, copy and drop again;
-        // a third less CPU per cold small file). Other reads keep the kernel's read-ahead.
+        // a quarter less mount CPU per cold small file). Other reads keep the kernel's
+        // read-ahead.
         let direct = direct && file.seen.is_some_and(|(_, len, ..)| offset + want == len);
         let read = match direct
             .then(|| pread_direct(&file.file, offset, want as usize))
