@@ -895,3 +895,20 @@ async fn slow_http_clients_are_cut_off_and_cannot_take_every_connection() {
         }
     }
 }
+
+/// The harness's own promise, which every end-to-end test leans on: a port chosen free
+/// and then taken by someone else before the service binds it costs a retry on new
+/// ports, not the test.
+#[tokio::test]
+async fn a_service_whose_chosen_port_is_taken_before_it_listens_starts_on_new_ports() {
+    let h = Harness::new("port-taken");
+    let mut m = h.prepare_metadata("meta", MetadataOpts::default(), &[]);
+    let taken = m.grpc;
+    let _squatter = std::net::TcpListener::bind(taken).expect("the chosen port is free");
+    m.start_on_free_ports().await;
+    assert_ne!(m.grpc.port(), taken.port(), "it moved off the taken port");
+    let mut c = m.client(None).await;
+    c.get_cluster_info(pb::GetClusterInfoRequest {})
+        .await
+        .expect("it answers on its new port");
+}

@@ -89,7 +89,7 @@ impl Harness {
     /// Starts a metadata service on free loopback ports and waits until it answers.
     pub async fn start_metadata(&self, name: &str, opts: MetadataOpts) -> Metadata {
         let mut m = self.prepare_metadata(name, opts, &[]);
-        m.start().await;
+        m.start_on_free_ports().await;
         m
     }
 
@@ -256,9 +256,42 @@ impl Metadata {
         self.daemon.spawn(&args);
     }
 
+    /// A first start. The ports were chosen free, but another test running alongside
+    /// may bind one before the service does; a start that finds its port taken moves to
+    /// new free ports (a few times) instead of failing the test. Restarts keep their
+    /// ports: nodes and clients hold the URL.
+    pub async fn start_on_free_ports(&mut self) {
+        for attempt in 0.. {
+            self.spawn();
+            match self.daemon.try_wait_addrs().await {
+                Ok(addrs) => return self.ready_at(addrs).await,
+                Err(why) if attempt < 5 && why.contains("Address already in use") => {
+                    self.daemon.reap();
+                    let std::net::IpAddr::V4(ip) = self.grpc.ip() else {
+                        panic!("{why}")
+                    };
+                    let old = [self.grpc.port(), self.http.port()];
+                    let grpc = free_low_port_on(ip, &old);
+                    let http = free_low_port_on(ip, &[old[0], old[1], grpc]);
+                    eprintln!(
+                        "{}: a port was taken before it listened; ports {grpc} and {http} now",
+                        self.daemon.name
+                    );
+                    self.grpc.set_port(grpc);
+                    self.http.set_port(http);
+                }
+                Err(why) => panic!("{why}"),
+            }
+        }
+    }
+
     /// Waits until its port is open and it answers (its own answer, not a group's).
     pub async fn wait_ready(&mut self) {
         let addrs = self.daemon.wait_addrs().await;
+        self.ready_at(addrs).await
+    }
+
+    async fn ready_at(&mut self, addrs: Vec<(String, SocketAddr)>) {
         self.grpc = addr_of(&addrs, "grpc");
         self.http = addr_of(&addrs, "http");
         self.raft = addrs.iter().find(|(k, _)| k == "raft").map(|(_, a)| *a);
