@@ -9,9 +9,8 @@
 //!
 //! `LOCUS_BENCH_ONLY` (comma-separated: large, mixed, small) and `LOCUS_BENCH_SYSTEMS`
 //! (names separated by `;`, as names hold commas; matched as prefixes; the local
-//! directory is always read) run
-//! part of the table; `LOCUS_BENCH_PERF=DIR` records a system-wide profile of each cold
-//! read into `DIR`.
+//! directory is always read) run part of the table; `LOCUS_BENCH_PERF=DIR` records a
+//! system-wide profile of each cold read into `DIR`.
 //!
 //! Workloads, each its own dataset (as training data comes): large files read
 //! sequentially one after another (1 MiB reads); a version of mixed sizes (4 KiB to
@@ -272,6 +271,11 @@ async fn main() {
         println!("mount_read: bench");
         return;
     }
+    let only_s = std::env::var("LOCUS_BENCH_ONLY").unwrap_or_else(|_| "large,mixed,small".into());
+    let only: Vec<&str> = only_s.split(',').map(str::trim).collect();
+    if let Some(bad) = only.iter().find(|w| !["large", "mixed", "small"].contains(w)) {
+        panic!("LOCUS_BENCH_ONLY: unknown workload {bad:?} (large, mixed, small)");
+    }
     let large_mib = env_usize("LOCUS_BENCH_LARGE_MIB", 256);
     let large_n = env_usize("LOCUS_BENCH_LARGE_FILES", 4);
     let small_n = env_usize("LOCUS_BENCH_SMALL_FILES", 2000);
@@ -389,8 +393,6 @@ async fn main() {
             }),
         ));
     }
-    let only_s = std::env::var("LOCUS_BENCH_ONLY").unwrap_or_else(|_| "large,mixed,small".into());
-    let only: Vec<&str> = only_s.split(',').map(str::trim).collect();
     let systems_s = std::env::var("LOCUS_BENCH_SYSTEMS").unwrap_or_default();
     let chosen = |name: &str| {
         name == "local directory"
@@ -423,6 +425,10 @@ async fn main() {
     let mut raw: [f64; 6] = [0.0; 6];
     let mut passthrough = Vec::new();
     systems.retain(|(name, _)| chosen(name));
+    assert!(
+        systems_s.is_empty() || systems.len() > 1,
+        "LOCUS_BENCH_SYSTEMS={systems_s:?} names no system (prefixes of the row names, separated by ';')"
+    );
     for (si, (name, mount)) in systems.iter().enumerate() {
         let mut cells: [String; 6] = Default::default();
         let mut engaged = Vec::new();
