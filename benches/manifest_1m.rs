@@ -171,7 +171,7 @@ async fn main() {
     let t = Instant::now();
     {
         let store = locus_metadata::store::RocksStore::open(&restore_dir).unwrap();
-        locus_metadata::snapshot::restore(&export[..], &store, "file:///bench", "bench").unwrap();
+        locus_metadata::snapshot::restore(&export[..], &store, "file:///bench", "bench", None).unwrap();
     }
     let restore_time = t.elapsed();
 

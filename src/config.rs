@@ -6,7 +6,7 @@
 //!
 //! ```toml
 //! metadata = "https://meta.example:7400"
-//! token = "..."               # keep this file mode 0600
+//! token = "..."               # the file must then be mode 0600
 //! ca_cert = "/etc/locus/ca.pem"
 //!
 //! [metadata_server]
@@ -26,30 +26,19 @@ use serde::Deserialize;
 
 pub const DEFAULT_METADATA_URL: &str = "http://127.0.0.1:7400";
 
-#[derive(Args, Debug, Clone)]
+#[derive(Args, Clone)]
 pub struct GlobalArgs {
     /// Metadata service URL (http://HOST:PORT, or https:// with TLS).
     #[arg(long, global = true, env = "LOCUS_METADATA", value_name = "URL")]
     pub metadata: Option<String>,
-    /// Bearer token for the metadata service. Prefer LOCUS_TOKEN or the config file: a
-    /// flag is visible to other users in the process list.
-    #[arg(
-        long,
-        global = true,
-        env = "LOCUS_TOKEN",
-        hide_env_values = true,
-        value_name = "TOKEN"
-    )]
+    /// Refused: a secret on the command line is visible to every user in the process
+    /// list. The token comes from LOCUS_TOKEN, --token-file or the config file.
+    #[arg(long, global = true, hide = true, value_name = "TOKEN")]
     pub token: Option<String>,
-    /// Read the bearer token from this file (its first line): a Kubernetes Secret mounted
-    /// as files, one per node, or a file only its service account can read.
-    #[arg(
-        long,
-        global = true,
-        env = "LOCUS_TOKEN_FILE",
-        value_name = "FILE",
-        conflicts_with = "token"
-    )]
+    /// Read the bearer token from this file (the whole file, one line; mode 0600 or
+    /// stricter): a Kubernetes Secret mounted as files (defaultMode: 0400), or a file only
+    /// its service account can read. The environment's LOCUS_TOKEN is the other way.
+    #[arg(long, global = true, env = "LOCUS_TOKEN_FILE", value_name = "FILE")]
     pub token_file: Option<PathBuf>,
     /// The cluster CA (PEM; `locus tls ca`): the metadata service's and TLS nodes'
     /// certificates must chain to it.
@@ -87,6 +76,25 @@ pub struct GlobalArgs {
     /// Log format of daemons: text or json.
     #[arg(long, global = true, env = "LOCUS_LOG_FORMAT", value_name = "FORMAT")]
     pub log_format: Option<String>,
+}
+
+impl std::fmt::Debug for GlobalArgs {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // Never the token: Debug output ends up in logs and panics.
+        f.debug_struct("GlobalArgs")
+            .field("metadata", &self.metadata)
+            .field("token", &self.token.as_ref().map(|_| "<redacted>"))
+            .field("token_file", &self.token_file)
+            .field("ca_cert", &self.ca_cert)
+            .field("insecure", &self.insecure)
+            .field("config", &self.config)
+            .finish_non_exhaustive()
+    }
+}
+
+/// A secret read from a file named by a flag or variable: `what` names it in errors.
+pub fn secret_file(what: &str, p: &Path) -> anyhow::Result<String> {
+    locus_proto::keyfile::read_secret(p).map_err(|e| anyhow::anyhow!("{what} {}: {e}", p.display()))
 }
 
 /// A daemon's TLS, the same flags for the metadata service and the nodes.
@@ -193,7 +201,7 @@ pub enum LogFormat {
 }
 
 /// Settings after precedence has been applied.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct Resolved {
     pub metadata_url: String,
     pub token: Option<String>,
@@ -206,8 +214,26 @@ pub struct Resolved {
     pub backup: BackupFile,
 }
 
+impl std::fmt::Debug for Resolved {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Resolved")
+            .field("metadata_url", &self.metadata_url)
+            .field("token", &self.token.as_ref().map(|_| "<redacted>"))
+            .field("ca_cert", &self.ca_cert)
+            .field("insecure", &self.insecure)
+            .finish_non_exhaustive()
+    }
+}
+
 impl Resolved {
     pub fn load(args: &GlobalArgs) -> anyhow::Result<Self> {
+        if args.token.is_some() {
+            bail!(
+                "--token is not accepted: a secret on the command line is visible to every user \
+                 of this host in the process list. Put it in LOCUS_TOKEN, or in a file only you \
+                 can read (chmod 600) given as --token-file"
+            );
+        }
         let file = match &args.config {
             Some(p) => read_config(p)?,
             None => match default_config_path() {
@@ -221,27 +247,20 @@ impl Resolved {
             Some(other) => bail!("log format {other:?} is neither text nor json"),
         };
         let from_file = match &args.token_file {
-            Some(p) => {
-                let text = std::fs::read_to_string(p)
-                    .map_err(|e| anyhow::anyhow!("--token-file {}: {e}", p.display()))?;
-                let t = text.lines().next().unwrap_or("").trim().to_string();
-                if t.is_empty() {
-                    bail!("--token-file {}: the file is empty", p.display());
-                }
-                Some(t)
-            }
+            Some(p) => Some(secret_file("--token-file", p)?),
             None => None,
         };
+        let from_env = std::env::var("LOCUS_TOKEN").ok().filter(|t| !t.trim().is_empty());
+        if from_file.is_some() && from_env.is_some() {
+            bail!("both LOCUS_TOKEN and --token-file (LOCUS_TOKEN_FILE) give a token; give one");
+        }
         Ok(Resolved {
             metadata_url: args
                 .metadata
                 .clone()
                 .or(file.metadata)
                 .unwrap_or_else(|| DEFAULT_METADATA_URL.to_string()),
-            token: from_file
-                .or_else(|| args.token.clone())
-                .or(file.token)
-                .filter(|t| !t.is_empty()),
+            token: from_file.or(from_env).or(file.token).filter(|t| !t.is_empty()),
             ca_cert: args.ca_cert.clone().or(file.ca_cert),
             client_cert: match (args.client_cert.clone(), args.client_key.clone()) {
                 (Some(c), Some(k)) => Some((c, k)),
@@ -305,16 +324,8 @@ fn read_config(path: &Path) -> anyhow::Result<ConfigFile> {
     let file: ConfigFile = toml::from_str(&text)
         .map_err(|e| anyhow::anyhow!("config file {}: {}", path.display(), e.message()))?;
     if file.token.is_some() {
-        use std::os::unix::fs::PermissionsExt;
-        if let Ok(m) = std::fs::metadata(path) {
-            if m.permissions().mode() & 0o077 != 0 {
-                eprintln!(
-                    "warning: {} holds a token but other users can read it; run: chmod 600 {}",
-                    path.display(),
-                    path.display()
-                );
-            }
-        }
+        locus_proto::keyfile::check_private(path)
+            .map_err(|e| anyhow::anyhow!("config file {} holds a token, but {e}", path.display()))?;
     }
     Ok(file)
 }

@@ -96,7 +96,30 @@ fn keep_large_buffers() {
     }
 }
 
+/// A reader that stops reading (`| head`, quitting `less`, `grep -m1`) is a normal end of
+/// a command's output, as for any Unix tool: the print that finds stdout closed ends the
+/// process quietly with status 0, instead of a panic message and status 101. Every
+/// print of every command goes through `print!`/`println!`, which panic on a closed pipe
+/// (Rust ignores SIGPIPE, so the write fails with EPIPE): this hook is the one place
+/// that turns that end into an exit.
+fn quiet_on_closed_stdout() {
+    let default = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        let p = info.payload();
+        let msg = p
+            .downcast_ref::<String>()
+            .map(String::as_str)
+            .or_else(|| p.downcast_ref::<&str>().copied())
+            .unwrap_or_default();
+        if msg.starts_with("failed printing to stdout") && msg.contains("Broken pipe") {
+            std::process::exit(0);
+        }
+        default(info)
+    }));
+}
+
 fn main() -> ExitCode {
+    quiet_on_closed_stdout();
     keep_large_buffers();
     locus_proto::tls::install_provider();
     let cli = Cli::parse();

@@ -1165,3 +1165,117 @@ async fn nodes_upload_only_to_targets_a_backup_run_recorded() {
     assert!(o.status.success(), "{}", stderr(&o));
     upload(url).await.expect("a recorded target takes uploads");
 }
+
+/// A signed snapshot is bound to where it is read from: copied under a newer id (so that
+/// it would be taken for the newest), it is refused. Its signature is checked before its
+/// catalogue is read at all: a catalogue that never ends (a FIFO here) is never opened
+/// for an unsigned snapshot. The guards hold for a library caller of `ops::restore`, and
+/// a version restored into the running cluster does not make the backup look fresh.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_snapshot_is_bound_to_its_id_and_nothing_large_is_read_before_its_signature() {
+    let h = Harness::new("backup-bound");
+    let (m, _nodes) = cluster(&h, 2, NodeOpts::host).await;
+    let src = h.path("src");
+    make_tree(&src, 10);
+    assert!(import(&m, "ds", &src, &["--replicas", "1"]).status.success());
+    let target = h.path("backup");
+    let url = format!("file://{}", target.display());
+    let key = h.path("signing.key");
+    let k = json(&m.cli(&["backup", "keygen", "--out", key.to_str().unwrap(), "--json"]));
+    let public = k["public_key"].as_str().unwrap().to_string();
+    let first = backup(&m, &url, &["--signing-key", key.to_str().unwrap()]);
+    let s1 = first["snapshot"].as_str().unwrap().to_string();
+    let snap = |id: &str| target.join("snapshots").join(id);
+    let dir = h.path("restored");
+    fn restore<'a>(url: &'a str, public: &'a str, extra: &[&'a str]) -> Vec<&'a str> {
+        let mut args = vec!["restore", "--from", url, "--trust-key", public];
+        args.extend_from_slice(extra);
+        args
+    }
+
+    // The old signed snapshot, copied under an id that sorts after every other.
+    let later = format!("2099{}", &s1[4..]);
+    std::fs::create_dir_all(snap(&later)).unwrap();
+    for f in ["manifest.json", "SIGNATURE", "catalog", "blobs", "COMMITTED"] {
+        std::fs::copy(snap(&s1).join(f), snap(&later).join(f)).unwrap();
+    }
+    let o = m.cli(&restore(&url, &public, &["--data-dir", dir.to_str().unwrap()]));
+    assert!(!o.status.success(), "an old snapshot was restored as the newest");
+    assert!(
+        stderr(&o).contains("copied or moved under another id"),
+        "{}",
+        stderr(&o)
+    );
+    assert!(!dir.exists(), "something was written");
+    std::fs::remove_dir_all(snap(&later)).unwrap();
+
+    // A newest snapshot, unsigned, whose catalogue never ends.
+    let endless = format!("2100{}", &s1[4..]);
+    std::fs::create_dir_all(snap(&endless)).unwrap();
+    let mut man: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(snap(&s1).join("manifest.json")).unwrap()).unwrap();
+    man["id"] = endless.clone().into();
+    man["catalog_bytes"] = (1u64 << 30).into();
+    std::fs::write(
+        snap(&endless).join("manifest.json"),
+        serde_json::to_vec(&man).unwrap(),
+    )
+    .unwrap();
+    std::fs::copy(snap(&s1).join("COMMITTED"), snap(&endless).join("COMMITTED")).unwrap();
+    let st = std::process::Command::new("mkfifo")
+        .arg(snap(&endless).join("catalog"))
+        .status()
+        .unwrap();
+    assert!(st.success());
+    let o = m
+        .cli_within(
+            Duration::from_secs(30),
+            &restore(&url, &public, &["--data-dir", dir.to_str().unwrap()]),
+            &[],
+        )
+        .await;
+    assert!(!o.status.success());
+    assert!(stderr(&o).contains("it is not signed"), "{}", stderr(&o));
+    std::fs::remove_dir_all(snap(&endless)).unwrap();
+
+    // A library caller gets the same rules: a non-empty data dir is refused, untouched.
+    let t = locus_backup::Target::open(&url).unwrap();
+    let trust = locus_backup::sign::Trust::from_args(std::slice::from_ref(&public), false).unwrap();
+    let fetched = locus::ops::restore::fetch_catalog(&t, None, &trust)
+        .await
+        .unwrap();
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(dir.join("keep.txt"), b"mine").unwrap();
+    let e = locus::ops::restore::restore_catalog(fetched, &dir, &url)
+        .await
+        .expect_err("a restore into a non-empty dir")
+        .to_string();
+    assert!(e.contains("not empty"), "{e}");
+    assert_eq!(std::fs::read(dir.join("keep.txt")).unwrap(), b"mine");
+    assert_eq!(std::fs::read_dir(&dir).unwrap().count(), 1);
+
+    // restore --dataset: the backup becomes a source, not a newer backup.
+    let last = |m: &Metadata| {
+        let s = json(&m.cli(&["status", "--json"]));
+        s["backups"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|b| b["url"] == url.as_str())
+            .map(|b| b["recorded_at_ms"].as_i64().unwrap())
+            .unwrap()
+    };
+    let before = last(&m);
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    let o = m.cli(&restore(
+        &url,
+        &public,
+        &["--dataset", "ds@1", "--as", "again", "--json"],
+    ));
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert_eq!(
+        last(&m),
+        before,
+        "restore --dataset made the last backup look newer"
+    );
+}

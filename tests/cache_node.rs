@@ -654,21 +654,7 @@ fn write_msgs(data: Vec<u8>) -> Vec<nodepb::WriteBlobMessage> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn with_tokens_nodes_check_callers_and_repair_still_works() {
     let h = Harness::new("node-auth");
-    let m = h
-        .start_metadata(
-            "meta",
-            MetadataOpts {
-                tokens: tokens(),
-                liveness_timeout: Some("2s"),
-                extra: vec!["--repair-interval".into(), "500ms".into()],
-                ..Default::default()
-            },
-        )
-        .await;
-    let mut nodes = Vec::new();
-    for i in 1..=3 {
-        nodes.push(h.start_node(&format!("n{i}"), &m, NodeOpts::host(i)).await);
-    }
+    let (m, mut nodes) = cluster_with(&h, MetadataOpts::with_tokens(), 3, NodeOpts::host).await;
     let src = h.path("src");
     make_tree(&src, 100);
     let out = import(&m, "ds", &src, &["--replicas", "2", "--shard-size", "256KiB"]);
@@ -678,18 +664,30 @@ async fn with_tokens_nodes_check_callers_and_repair_still_works() {
         stderr(&out)
     );
 
-    // Readers may read from nodes but not write; no token gets nothing.
-    let reader = m.token("reader").unwrap();
-    let mut as_reader = nodes[0].client_with(Some(&reader)).await;
-    let e = as_reader
-        .write_blob(tokio_stream::iter(write_msgs(vec![1u8; 1000])))
-        .await
-        .unwrap_err();
-    assert_eq!(e.code(), tonic::Code::PermissionDenied, "{e:?}");
-    assert!(as_reader
-        .get_node_status(nodepb::GetNodeStatusRequest {})
-        .await
-        .is_ok());
+    // No token opens a node, whatever its role — a reader's, the node's own, a peer's:
+    // a token sent to a node reaches whoever registered its address. Only grants do.
+    let refused = |who: &str, e: tonic::Status| {
+        assert!(
+            matches!(
+                e.code(),
+                tonic::Code::PermissionDenied | tonic::Code::Unauthenticated
+            ),
+            "{who}: {e:?}"
+        );
+    };
+    for (who, t) in [
+        ("reader", m.token("reader").unwrap()),
+        ("the node's own", m.node_token("n1").unwrap()),
+        ("a peer's", m.node_token("n2").unwrap()),
+    ] {
+        let mut c = nodes[0].client_with(Some(&t)).await;
+        let have = c.have_blobs(nodepb::HaveBlobsRequest { hashes: vec![] }).await;
+        refused(who, have.expect_err(who));
+        let write = c
+            .write_blob(tokio_stream::iter(write_msgs(vec![1u8; 1000])))
+            .await;
+        refused(who, write.expect_err(who));
+    }
     let mut anonymous = nodes[0].client().await;
     let e = anonymous
         .have_blobs(nodepb::HaveBlobsRequest { hashes: vec![] })
@@ -697,8 +695,8 @@ async fn with_tokens_nodes_check_callers_and_repair_still_works() {
         .unwrap_err();
     assert_eq!(e.code(), tonic::Code::Unauthenticated);
 
-    // Repair between nodes that check tokens: the metadata service and the nodes present
-    // theirs.
+    // Repair between nodes that check grants: the metadata service signs the target's
+    // copy order itself, and the target reads its source under a read grant.
     let mut c = m.client(Some("admin")).await;
     let victim = shards(&mut c, "ds", 1).await[0].replicas[0].clone();
     let vi = nodes.iter().position(|n| n.id == victim).unwrap();
@@ -752,7 +750,7 @@ async fn read_all(c: &mut locus_proto::client::NodeClient, hash: &[u8]) -> Resul
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_blob_can_arrive_chunk_by_chunk_and_serves_only_what_is_there() {
     let h = Harness::new("partial");
-    let (_m, nodes) = cluster(&h, 2, NodeOpts::host).await;
+    let (m, nodes) = cluster(&h, 2, NodeOpts::host).await;
     let data: Vec<u8> = (0..(9u32 << 20) + 12345).map(|i| (i % 251) as u8).collect();
     let hash = blake3::hash(&data);
     let cs = 4u64 << 20;
@@ -760,6 +758,18 @@ async fn a_blob_can_arrive_chunk_by_chunk_and_serves_only_what_is_there() {
         .chunks(cs as usize)
         .map(|c| blake3::hash(c).as_bytes().to_vec())
         .collect();
+    // A node takes a partial blob's size from a committed manifest only.
+    let mut c = m.client(None).await;
+    commit_blob(
+        &mut c,
+        "partial",
+        hash.as_bytes(),
+        data.len() as u64,
+        cs as u32,
+        chunk_hashes.clone(),
+    )
+    .await
+    .unwrap();
     let mut n1 = nodes[0].client().await;
     n1.write_blob(tokio_stream::iter(write_msgs(data.clone())))
         .await
@@ -795,12 +805,18 @@ async fn a_blob_can_arrive_chunk_by_chunk_and_serves_only_what_is_there() {
     assert_eq!(have, vec![false]);
     assert!(nodes[1].blob_files().is_empty());
 
-    // A chunk list that does not match the blob is refused.
+    // A chunk list that does not match the blob is refused; so is a size the manifest
+    // does not give it, and a blob no committed version holds.
     let mut bad = req(vec![]);
     bad.chunk_hashes.pop();
     bad.hash = blake3::hash(b"another blob").as_bytes().to_vec();
     let e = n2.fetch_chunks(bad).await.unwrap_err();
+    assert_eq!(e.code(), tonic::Code::NotFound, "{e:?}");
+    let mut bigger = req(vec![]);
+    bigger.size = 1 << 40;
+    let e = n2.fetch_chunks(bigger).await.unwrap_err();
     assert_eq!(e.code(), tonic::Code::InvalidArgument, "{e:?}");
+    assert!(e.message().contains("the manifest says"), "{e:?}");
 
     // The rest completes it: whole, verified, visible.
     let r = n2.fetch_chunks(req(vec![])).await.unwrap().into_inner();
@@ -1268,8 +1284,15 @@ async fn an_import_to_a_hung_node_gives_up_after_the_peer_timeout_and_commits_no
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_shard_whose_every_replica_is_gone_is_repaired_from_the_origin_unless_the_file_changed() {
     let h = Harness::new("repair-from-origin");
-    let (m, mut nodes) = cluster(&h, 3, NodeOpts::host).await;
     let src = h.path("src");
+    // The nodes may read the directory the version came from (and nothing else local).
+    let root = src.display().to_string();
+    let (m, mut nodes) = cluster(&h, 3, |i| {
+        let mut o = NodeOpts::host(i);
+        o.extra = vec!["--origin-root".into(), root.clone()];
+        o
+    })
+    .await;
     make_tree(&src, 60);
     let o = import(&m, "ds", &src, &["--replicas", "1", "--shard-size", "128KiB"]);
     assert!(o.status.success(), "{}", stderr(&o));
@@ -1553,6 +1576,10 @@ async fn a_peer_streaming_endlessly_is_cut_off_at_what_was_asked() {
         .to_vec();
     let size = 4u64 << 20;
     let chunk = 1u32 << 20;
+    let chunks: Vec<Vec<u8>> = (0..4u8).map(|i| blake3::hash(&[i]).as_bytes().to_vec()).collect();
+    commit_blob(&mut m.client(None).await, "pretend", &blob, size, chunk, chunks)
+        .await
+        .unwrap();
     let e = c
         .fetch_chunks(nodepb::FetchChunksRequest {
             source: peer.addr.to_string(),
@@ -1585,7 +1612,7 @@ async fn a_peer_streaming_endlessly_is_cut_off_at_what_was_asked() {
         .await
         .unwrap_err();
     assert_eq!(e.code(), tonic::Code::InvalidArgument, "{e:?}");
-    assert!(e.message().contains("more than the announced"), "{e:?}");
+    assert!(e.message().contains("more bytes than announced"), "{e:?}");
     // A handful of 1 MiB messages in flight, not the endless stream.
     let sent = peer.sent.load(std::sync::atomic::Ordering::SeqCst);
     assert!(sent < 64, "the node kept taking: {sent} MiB");

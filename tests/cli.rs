@@ -183,10 +183,29 @@ async fn tokens_and_config_precedence() {
     );
     assert_eq!(json(&out)["metadata"]["caller"]["name"], "trainer");
 
-    // A token from a file (its first line), as a mounted Secret gives it; an empty
-    // file is an error, not an anonymous call.
+    // A token on the command line is refused: every user of the host reads argv.
+    let out = run(&["--metadata", &url, "--token", &reader, "status"], &[]);
+    assert!(!out.status.success());
+    assert!(
+        stderr(&out).contains("process list") && stderr(&out).contains("LOCUS_TOKEN"),
+        "{}",
+        stderr(&out)
+    );
+
+    // A token from a file (the whole file, one line), as a mounted Secret gives it: a file
+    // others may read is refused, saying how to fix it; an empty file is an error, not an
+    // anonymous call.
+    use std::os::unix::fs::PermissionsExt;
     let tf = h.path("token");
     std::fs::write(&tf, format!("{reader}\n")).unwrap();
+    std::fs::set_permissions(&tf, std::fs::Permissions::from_mode(0o644)).unwrap();
+    let out = run(
+        &["--metadata", &url, "--token-file", tf.to_str().unwrap(), "status"],
+        &[],
+    );
+    assert!(!out.status.success());
+    assert!(stderr(&out).contains("chmod 600"), "{}", stderr(&out));
+    std::fs::set_permissions(&tf, std::fs::Permissions::from_mode(0o600)).unwrap();
     let out = run(
         &[
             "--metadata",
@@ -208,15 +227,17 @@ async fn tokens_and_config_precedence() {
     assert!(stderr(&out).contains("the file is empty"), "{}", stderr(&out));
 
     // The config file supplies what flags and environment leave out; they win over it.
+    // One that holds a token and others may read is refused, not used with a warning.
     let cfg = h.path("locus.toml");
     std::fs::write(&cfg, format!("metadata = \"{url}\"\ntoken = \"{reader}\"\n")).unwrap();
+    std::fs::set_permissions(&cfg, std::fs::Permissions::from_mode(0o644)).unwrap();
     let cfg_s = cfg.to_str().unwrap();
     let out = run(&["--config", cfg_s, "status", "--json"], &[]);
+    assert!(!out.status.success(), "a world-readable token was used");
+    assert!(stderr(&out).contains("chmod 600"), "{}", stderr(&out));
+    std::fs::set_permissions(&cfg, std::fs::Permissions::from_mode(0o600)).unwrap();
+    let out = run(&["--config", cfg_s, "status", "--json"], &[]);
     assert_eq!(json(&out)["metadata"]["caller"]["role"], "reader");
-    assert!(
-        stderr(&out).contains("chmod 600"),
-        "warns about a readable token file"
-    );
     let out = run(
         &["--config", cfg_s, "status"],
         &[("LOCUS_METADATA", "http://127.0.0.1:1")],
@@ -438,4 +459,42 @@ fn the_shipped_systemd_units_verify() {
     assert!(backup.contains("DynamicUser=yes"));
     assert!(backup.contains("LoadCredential=locus.toml:/etc/locus/locus.toml"));
     assert!(backup.contains("--config ${CREDENTIALS_DIRECTORY}/locus.toml"));
+}
+
+/// Piping a listing into a reader that stops early (`| head -1`, quitting `less`) is a
+/// normal end: every listing command exits 0 without a panic when its stdout closes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_listing_piped_into_a_reader_that_stops_early_exits_quietly() {
+    let h = Harness::new("cli-pipe");
+    let (m, _nodes) = cluster(&h, 1, NodeOpts::host).await;
+    let src = h.path("src");
+    make_tree(&src, 30);
+    assert!(import(&m, "ds", &src, &["--replicas", "1"]).status.success());
+    let listings: &[&[&str]] = &[
+        &["dataset", "list"],
+        &["dataset", "show", "ds"],
+        &["dataset", "show", "ds@1"],
+        &["dataset", "ls", "ds@1", "--recursive"],
+        &["dataset", "ls", "ds@1", "--recursive", "--json"],
+        &["node", "list"],
+        &["status"],
+        &["status", "--json"],
+        &["locality", "ds@1"],
+        &["assign", "ds@1", "--nodes", "n1", "--json"],
+        &["metadata", "grant-keys", "list"],
+    ];
+    for args in listings {
+        let mut child = m
+            .cli_command(args, &[])
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        // The reader goes away before the command prints a byte.
+        drop(child.stdout.take());
+        let out = child.wait_with_output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!err.contains("panicked"), "{args:?}: {err}");
+        assert_eq!(out.status.code(), Some(0), "{args:?}: {err}");
+    }
 }

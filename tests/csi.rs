@@ -55,6 +55,35 @@ fn mount_request(volume: &str, target: &Path, dataset: Option<&str>) -> csi::Nod
     }
 }
 
+/// `locus csi` for node `n`, as kubelet runs it: socket `csi/csi.sock`, state in
+/// `csi-state`, kubelet's dir `kubelet` (all under the harness), a reader's token.
+fn spawn_plugin(h: &Harness, m: &Metadata, n: &Node) -> Child {
+    let kubelet = h.path("kubelet");
+    std::fs::create_dir_all(kubelet.join("pods")).unwrap();
+    Command::new(locus())
+        .args(["csi", "--endpoint"])
+        .arg(format!("unix://{}", h.path("csi/csi.sock").display()))
+        .args(["--node-id", "n1", "--node-socket"])
+        .arg(&n.socket)
+        .arg("--state-dir")
+        .arg(h.path("csi-state"))
+        .arg("--kubelet-dir")
+        .arg(&kubelet)
+        .env("LOCUS_METADATA", m.url())
+        .env("LOCUS_TOKEN", m.token("reader").unwrap())
+        .env("LOCUS_RUNTIME_DIR", h.path("runtime"))
+        .env_remove("LOCUS_CONFIG")
+        .stderr(
+            std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(h.path("csi.log"))
+                .unwrap(),
+        )
+        .spawn()
+        .unwrap()
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn csi_publishes_shared_counted_mounts_that_outlive_a_plugin_restart_and_refuses_bad_volumes() {
     let h = Harness::new("csi");
@@ -71,32 +100,8 @@ async fn csi_publishes_shared_counted_mounts_that_outlive_a_plugin_restart_and_r
 
     let kubelet = h.path("kubelet");
     let state = h.path("csi-state");
-    std::fs::create_dir_all(kubelet.join("pods")).unwrap();
     let sock = h.path("csi/csi.sock");
-    let spawn = || {
-        Command::new(locus())
-            .args(["csi", "--endpoint"])
-            .arg(format!("unix://{}", sock.display()))
-            .args(["--node-id", "n1", "--node-socket"])
-            .arg(&n.socket)
-            .arg("--state-dir")
-            .arg(&state)
-            .arg("--kubelet-dir")
-            .arg(&kubelet)
-            .env("LOCUS_METADATA", m.url())
-            .env("LOCUS_TOKEN", m.token("reader").unwrap())
-            .env("LOCUS_RUNTIME_DIR", h.path("runtime"))
-            .env_remove("LOCUS_CONFIG")
-            .stderr(
-                std::fs::OpenOptions::new()
-                    .create(true)
-                    .append(true)
-                    .open(h.path("csi.log"))
-                    .unwrap(),
-            )
-            .spawn()
-            .unwrap()
-    };
+    let spawn = || spawn_plugin(&h, &m, &n);
     let mut plugin = Plugin {
         child: spawn(),
         root: h.path(""),
@@ -281,4 +286,84 @@ async fn csi_publishes_shared_counted_mounts_that_outlive_a_plugin_restart_and_r
     assert!(!o.status.success());
     assert!(stderr(&o).contains("is not a socket"), "{}", stderr(&o));
     assert_eq!(std::fs::read(&precious).unwrap(), b"keep me");
+}
+
+/// A dataset holding a setuid-root binary and a device node (anyone who can put files
+/// into a directory an operator imports could plant them), published to a pod: the
+/// pod's view is nosuid and nodev, the binary runs without its owner's rights, and the
+/// device is not there at all.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pods_volume_never_runs_a_setuid_binary_as_root_and_holds_no_device_file() {
+    use std::os::unix::fs::PermissionsExt;
+    let h = Harness::new("csi-setuid");
+    let m = h.start_metadata("meta", MetadataOpts::with_tokens()).await;
+    let n = h.start_node("n1", &m, NodeOpts::host(1)).await;
+    let src = h.path("src");
+    std::fs::create_dir_all(&src).unwrap();
+    std::fs::copy("/usr/bin/id", src.join("id")).unwrap();
+    std::fs::set_permissions(src.join("id"), std::fs::Permissions::from_mode(0o4755)).unwrap();
+    let st = Command::new("mknod")
+        .arg(src.join("null"))
+        .args(["c", "1", "3"])
+        .status()
+        .unwrap();
+    assert!(st.success(), "mknod");
+    std::fs::write(src.join("plain.txt"), b"data").unwrap();
+    let o = import(&m, "ds", &src, &["--replicas", "1"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+
+    let _plugin = Plugin {
+        child: spawn_plugin(&h, &m, &n),
+        root: h.path(""),
+    };
+    let sock = h.path("csi/csi.sock");
+    wait_until("the CSI socket", Duration::from_secs(10), || async {
+        sock.exists().then_some(())
+    })
+    .await;
+    let mut node = csi::node_client::NodeClient::new(locus_proto::client::unix_channel(&sock));
+    let target = h.path("kubelet/pods/p1/volumes/kubernetes.io~csi/data/mount");
+    node.node_publish_volume(mount_request("vol-p1", &target, Some("ds@1")))
+        .await
+        .unwrap_or_else(|e| {
+            panic!(
+                "publish: {e:?}; {}",
+                std::fs::read_to_string(h.path("csi.log")).unwrap_or_default()
+            )
+        });
+    // The pod's mount: nosuid and nodev (a bind remount that names neither drops them).
+    let info = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
+    let want = target.display().to_string();
+    let line = info
+        .lines()
+        .find(|l| l.split(' ').nth(4) == Some(want.as_str()))
+        .unwrap_or_else(|| panic!("{want} is not mounted"));
+    let opts = line.split(' ').nth(5).unwrap();
+    for o in ["ro", "nosuid", "nodev"] {
+        assert!(
+            opts.split(',').any(|x| x == o),
+            "the pod's view lacks {o}: {line}"
+        );
+    }
+    // The binary runs as whoever runs it, not as root.
+    let out = Command::new("setpriv")
+        .args(["--reuid=65534", "--regid=65534", "--clear-groups"])
+        .arg(target.join("id"))
+        .arg("-u")
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert_eq!(
+        stdout(&out).trim(),
+        "65534",
+        "the setuid binary ran as uid {}",
+        stdout(&out).trim()
+    );
+    let mode = std::fs::metadata(target.join("id")).unwrap().permissions().mode();
+    assert_eq!(mode & 0o6000, 0, "setuid/setgid bits shown: {mode:o}");
+    assert!(
+        !target.join("null").exists(),
+        "a device file is in the pod's view"
+    );
+    assert_eq!(std::fs::read(target.join("plain.txt")).unwrap(), b"data");
 }

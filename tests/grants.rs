@@ -196,13 +196,26 @@ async fn a_grant_opens_one_operation_on_one_node_for_a_while_and_nodes_need_no_a
         tonic::Code::PermissionDenied,
         "takes a grant",
     );
-    // And the admin token is no credential at a node at all.
-    refused(have(n1, &admin).await, tonic::Code::Unauthenticated, "not valid");
+    // And no token at all is a credential at a node: not the admin's, not a node's.
+    refused(
+        have(n1, &admin).await,
+        tonic::Code::PermissionDenied,
+        "takes a grant",
+    );
+    refused(
+        have(n1, &n1_token).await,
+        tonic::Code::PermissionDenied,
+        "takes a grant",
+    );
 
     // The service restarted keeps its grant key: the nodes, which learnt it before,
-    // take the grants of the next import.
+    // take the grants of the next import (once they are heard from again: nodes not
+    // heard since a restart take no new replica).
     m.kill9();
     m.restart().await;
+    for n in ["n1", "n2"] {
+        m.wait_node_up(n, "after the service restarted").await;
+    }
     std::fs::write(src.join("new.bin"), pseudo_random(99, 300_000)).unwrap();
     let o = import(&m, "ds", &src, &["--replicas", "2"]);
     assert!(
@@ -284,4 +297,100 @@ async fn a_grant_is_renewed_in_the_background_and_the_one_in_hand_serves_until_i
     )
     .await;
     have(&n, &renewed).await.expect("the renewed grant works");
+}
+
+/// Grant keys rotate without a refused call: the new key reaches the nodes (heartbeat
+/// answers carry the keys) before it signs, and the old key's grants hold until they end;
+/// a revoking rotation (a key that leaked) makes the old key's grants worthless at once.
+/// The ring survives a restart of the service.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn grant_keys_rotate_without_refusing_a_grant_and_a_revoked_key_opens_nothing() {
+    let h = Harness::new("grant-rotation");
+    let mut m = h.start_metadata("meta", MetadataOpts::with_tokens()).await;
+    let n1 = h.start_node("n1", &m, NodeOpts::host(1)).await;
+    let mut c = m.client(Some("admin")).await;
+    let old = grant(&mut c, "*", "read", "").await;
+    have(&n1, &old).await.expect("a grant of the first key");
+    let keys = |c: &mut locus_proto::client::MetadataClient, op: &str, delay: u64, revoke: bool| {
+        let mut c = c.clone();
+        let op = op.to_string();
+        async move {
+            c.grant_keys(pb::GrantKeysRequest {
+                op,
+                publish_delay_ms: delay,
+                revoke,
+            })
+            .await
+            .unwrap()
+            .into_inner()
+            .keys
+        }
+    };
+    let states = |k: &[pb::GrantKey]| k.iter().map(|k| k.state.clone()).collect::<Vec<_>>();
+    let r = keys(&mut c, "rotate", 1500, false).await;
+    assert_eq!(states(&r), ["signing", "next"]);
+    // Until the delay is over the old key signs; then the new one, which the node already
+    // took from its heartbeats.
+    let cluster = c
+        .get_cluster_info(pb::GetClusterInfoRequest {})
+        .await
+        .unwrap()
+        .into_inner()
+        .cluster_id;
+    let signed_by = |g: &str, key: &[u8]| {
+        let v = locus_proto::grant::Verifier::new("n1");
+        v.set(&cluster, vec![key.to_vec()]);
+        v.verify(g.as_bytes(), "ReadBlob", locus_proto::grant::now_ms())
+            .is_ok()
+    };
+    let during = grant(&mut c, "*", "read", "").await;
+    assert!(
+        signed_by(&during, &r[0].public_key),
+        "the next key signed before its time"
+    );
+    tokio::time::sleep(Duration::from_millis(1700)).await;
+    let k = keys(&mut c, "list", 0, false).await;
+    assert_eq!(states(&k), ["verifying", "signing"]);
+    let new = grant(&mut c, "*", "read", "").await;
+    assert!(signed_by(&new, &r[1].public_key), "the new key does not sign");
+    have(&n1, &new).await.expect("a grant of the new key");
+    have(&n1, &old).await.expect("the old key's grant still holds");
+    // The CLI says the same.
+    let o = m.cli(&["metadata", "grant-keys", "list", "--json"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let listed: serde_json::Value = serde_json::from_str(&stdout(&o)).unwrap();
+    assert_eq!(listed.as_array().unwrap().len(), 2, "{listed}");
+
+    // A leak: rotate and revoke. Once the node heard (a heartbeat), nothing signed before
+    // opens it; a fresh grant does.
+    let o = m.cli(&["metadata", "grant-keys", "rotate", "--revoke"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    wait_until(
+        "the node to drop the revoked keys",
+        Duration::from_secs(10),
+        || async { have(&n1, &new).await.is_err().then_some(()) },
+    )
+    .await;
+    refused(have(&n1, &old).await, tonic::Code::Unauthenticated, "signature");
+    refused(have(&n1, &new).await, tonic::Code::Unauthenticated, "signature");
+    let fresh = grant(&mut c, "*", "read", "").await;
+    have(&n1, &fresh)
+        .await
+        .expect("a grant of the key that replaced them");
+    let audit = std::fs::read_to_string(m.data_dir.join("audit.log")).unwrap();
+    assert!(audit.contains("grant-keys.rotate"), "rotations are audited");
+
+    // The ring is kept: after a restart the same key signs.
+    let before = keys(&mut c, "list", 0, false).await;
+    m.kill9();
+    m.restart().await;
+    let mut c = m.client(Some("admin")).await;
+    let after = keys(&mut c, "list", 0, false).await;
+    assert_eq!(
+        before.iter().map(|k| k.public_key.clone()).collect::<Vec<_>>(),
+        after.iter().map(|k| k.public_key.clone()).collect::<Vec<_>>()
+    );
+    have(&n1, &grant(&mut c, "*", "read", "").await)
+        .await
+        .expect("a grant after the restart");
 }

@@ -510,11 +510,14 @@ async fn warm_reads_shards_no_live_node_holds_from_the_origin_within_its_budget(
             },
         )
         .await;
+    let src = h.path("src");
     let mut nodes = Vec::new();
     for i in 1..=2 {
-        nodes.push(h.start_node(&format!("n{i}"), &m, NodeOpts::host(i)).await);
+        // The nodes may read the version's origin, the directory it came from.
+        let mut o = NodeOpts::host(i);
+        o.extra = vec!["--origin-root".into(), src.display().to_string()];
+        nodes.push(h.start_node(&format!("n{i}"), &m, o).await);
     }
-    let src = h.path("src");
     unique_tree(&src, 40);
     let out = import(&m, "ds", &src, &["--replicas", "1", "--shard-size", "256KiB"]);
     assert!(out.status.success(), "{}", stderr(&out));

@@ -800,8 +800,21 @@ async fn a_planted_runtime_dir_is_refused_and_the_token_stays_out_of_the_process
         "written through the symlink"
     );
 
-    // A token on the command line: the background mount works, and its argv lacks it.
-    let mnt = m.mount("withflag", "ds@1", Some(&node), &["--token", &reader]);
+    // A token on the command line is refused before anything starts (argv is
+    // world-readable); from a private file the background mount works, and its argv
+    // lacks the token.
+    let (_, out) = m.try_mount("withflag", "ds@1", Some(&node), &["--token", &reader]);
+    assert!(!out.status.success(), "a token in argv was accepted");
+    assert!(stderr(&out).contains("process list"), "{}", stderr(&out));
+    let tf = h.path("reader-token");
+    std::fs::write(&tf, &reader).unwrap();
+    std::fs::set_permissions(&tf, std::fs::Permissions::from_mode(0o600)).unwrap();
+    let mnt = m.mount(
+        "withfile",
+        "ds@1",
+        Some(&node),
+        &["--token-file", tf.to_str().unwrap()],
+    );
     assert_same_tree(&src, &mnt.path);
     let pid = mnt.status()["pid"].as_u64().unwrap();
     let argv = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap();

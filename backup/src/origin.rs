@@ -71,6 +71,43 @@ impl Origin {
         }))
     }
 
+    /// Refuses to read `rel` of a local-directory origin unless the file, symlinks
+    /// resolved, lies under one of `roots` (a cache node reads only the directories its
+    /// operator named: its own privileges must not read whatever a caller's origin URL
+    /// points at, `/etc` or `/proc/self`). Object-store origins are not affected.
+    pub fn check_within(&self, rel: &str, roots: &[PathBuf]) -> Result<(), String> {
+        let Origin::Dir(root) = self else {
+            return Ok(());
+        };
+        let file = root.join(rel);
+        let real = std::fs::canonicalize(&file).map_err(|e| format!("{}: {e}", file.display()))?;
+        let inside = roots.iter().any(|r| {
+            std::fs::canonicalize(r)
+                .map(|r| real.starts_with(r))
+                .unwrap_or(false)
+        });
+        if inside {
+            return Ok(());
+        }
+        Err(if roots.is_empty() {
+            format!(
+                "{}: this node reads no local directories (a file:// origin); give the node \
+                 --origin-root DIR for the directories it may import or repair from",
+                root.display()
+            )
+        } else {
+            format!(
+                "{}: not under this node's --origin-root directories ({})",
+                root.display(),
+                roots
+                    .iter()
+                    .map(|r| r.display().to_string())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            )
+        })
+    }
+
     pub fn describe(&self) -> String {
         match self {
             Origin::Dir(p) => format!("file://{}", p.display()),

@@ -119,10 +119,30 @@ impl Trust {
         })
     }
 
-    /// Checks snapshot `id`'s signature over `m`.
+    /// Checks snapshot `id`'s signature over `m`, and that `m` is the manifest of the
+    /// snapshot it was read from: a signed manifest copied under another (newer) id is
+    /// refused, signed or not, so an old snapshot cannot pass for the newest.
     pub async fn check(&self, t: &Target, id: &str, m: &SnapshotManifest) -> Result<Checked> {
         let key = t.snapshot_key(id, "SIGNATURE");
-        let sig = t.get_json_opt::<Signature>(&key).await;
+        let sig = t.get_json_opt::<Signature>(&key).await.map_err(|e| e.to_string());
+        self.judge(id, m, sig)
+    }
+
+    /// The decision of `check`, on a signature already read (None: there is none; Err:
+    /// it could not be read or parsed). Pure, so it can be fuzzed.
+    pub fn judge(
+        &self,
+        id: &str,
+        m: &SnapshotManifest,
+        sig: std::result::Result<Option<Signature>, String>,
+    ) -> Result<Checked> {
+        if m.id != id {
+            return Err(BackupError::Invalid(format!(
+                "snapshot {id}: its manifest is snapshot {:?}'s (copied or moved under another \
+                 id); refusing it",
+                m.id
+            )));
+        }
         let refuse = |why: String| {
             BackupError::Invalid(format!(
                 "snapshot {id}: {why}; refusing it (give --trust-key with the operator's public \
@@ -229,13 +249,23 @@ mod tests {
         let stranger = Trust::from_args(&["00".repeat(32)], false).unwrap();
         let e = stranger.check(&t, "s1", &m).await.unwrap_err().to_string();
         assert!(e.contains("not a trusted key"), "{e}");
-        let e = trust.check(&t, "s2", &m).await.unwrap_err().to_string();
+        let mut m2 = m.clone();
+        m2.id = "s2".into();
+        let e = trust.check(&t, "s2", &m2).await.unwrap_err().to_string();
         assert!(e.contains("not signed"), "{e}");
         let lax = Trust::from_args(&[], true).unwrap();
         assert!(matches!(
-            lax.check(&t, "s2", &m).await.unwrap(),
+            lax.check(&t, "s2", &m2).await.unwrap(),
             Checked::Unchecked(_)
         ));
+        // A signed manifest under another snapshot's directory: refused, whatever trust.
+        t.put_json(&t.snapshot_key("s9", "SIGNATURE"), &key.sign(&m))
+            .await
+            .unwrap();
+        for tr in [&trust, &lax] {
+            let e = tr.check(&t, "s9", &m).await.unwrap_err().to_string();
+            assert!(e.contains("copied or moved under another id"), "{e}");
+        }
         // A key file others can read is refused.
         use std::os::unix::fs::PermissionsExt;
         std::fs::set_permissions(&key_path, std::fs::Permissions::from_mode(0o644)).unwrap();

@@ -18,6 +18,13 @@
 //!
 //! Credentials never appear in a URL and are never printed. Every store gets the same
 //! bounded retries and the optional per-request timeout `LOCUS_OBJECT_STORE_TIMEOUT`.
+//!
+//! Credentials are the ones an operator configured, never ones found: a process whose
+//! environment names none for a store is refused at once, without a connection, instead
+//! of falling back to the cloud's instance-metadata service (169.254.169.254), which
+//! would hand a cache node or a mount the machine's own role — a confused deputy reading
+//! with rights nobody gave Locus. `LOCUS_INSTANCE_CREDENTIALS=true` allows that fallback
+//! where the machine's role is meant for it.
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -83,6 +90,56 @@ fn split<'a>(url: &str, rest: &'a str) -> Result<(&'a str, String)> {
     Ok((bucket, prefix.trim_matches('/').to_string()))
 }
 
+/// Whether this process may take credentials from the machine (instance metadata).
+fn instance_credentials_allowed() -> bool {
+    std::env::var("LOCUS_INSTANCE_CREDENTIALS").is_ok_and(|v| matches!(v.as_str(), "1" | "true" | "yes"))
+}
+
+fn env_set(name: &str) -> bool {
+    std::env::var_os(name).is_some_and(|v| !v.is_empty())
+}
+
+/// What a store without configured credentials signs with: nothing. Every request fails
+/// with `why` before anything is sent, so a process that was given no credentials for a
+/// store says so instead of asking the machine for some. The URL itself still opens
+/// (parsing, naming a target), so the error comes where the store is used.
+#[derive(Debug)]
+struct NoCredentials<C> {
+    why: String,
+    _c: std::marker::PhantomData<fn() -> C>,
+}
+
+#[async_trait::async_trait]
+impl<C: Send + Sync + std::fmt::Debug + 'static> object_store::CredentialProvider for NoCredentials<C> {
+    type Credential = C;
+    async fn get_credential(&self) -> object_store::Result<Arc<C>> {
+        Err(object_store::Error::Generic {
+            store: "credentials",
+            source: self.why.clone().into(),
+        })
+    }
+}
+
+/// None when the store may be used as configured; else the provider that refuses every
+/// request, saying what would do.
+fn refuse_unless<C: Send + Sync + std::fmt::Debug + 'static>(
+    url: &str,
+    configured: bool,
+    how: &str,
+) -> Option<Arc<NoCredentials<C>>> {
+    if configured || instance_credentials_allowed() {
+        return None;
+    }
+    Some(Arc::new(NoCredentials {
+        why: format!(
+            "no credentials for {url} in this process's environment: set {how}, or \
+             LOCUS_INSTANCE_CREDENTIALS=true to use this machine's own cloud role (nothing was \
+             asked of the instance-metadata service)"
+        ),
+        _c: std::marker::PhantomData,
+    }))
+}
+
 /// Opens `url`. With `create`, a missing `file://` directory is created; without, it
 /// must exist.
 pub fn open(url: &str, create: bool) -> Result<Opened> {
@@ -121,6 +178,25 @@ pub fn open(url: &str, create: bool) -> Result<Opened> {
         let mut b = object_store::aws::AmazonS3Builder::from_env()
             .with_bucket_name(bucket)
             .with_retry(retry());
+        {
+            use object_store::aws::AmazonS3ConfigKey as K;
+            let has = |k: K| b.get_config_value(&k).is_some_and(|v| !v.is_empty());
+            let configured = has(K::AccessKeyId)
+                || (has(K::WebIdentityTokenFile) || env_set("AWS_WEB_IDENTITY_TOKEN_FILE"))
+                || has(K::ContainerCredentialsRelativeUri)
+                || has(K::ContainerCredentialsFullUri)
+                || env_set("AWS_CONTAINER_CREDENTIALS_RELATIVE_URI")
+                || env_set("AWS_CONTAINER_CREDENTIALS_FULL_URI")
+                || b.get_config_value(&K::SkipSignature).is_some_and(|v| v == "true");
+            if let Some(none) = refuse_unless::<object_store::aws::AwsCredential>(
+                url,
+                configured,
+                "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_WEB_IDENTITY_TOKEN_FILE with \
+                 AWS_ROLE_ARN, or AWS_SKIP_SIGNATURE=true for a public bucket)",
+            ) {
+                b = b.with_credentials(none);
+            }
+        }
         if let Some(t) = &timeout {
             b = b.with_config(object_store::aws::AmazonS3ConfigKey::Client(Timeout), t);
         }
@@ -130,6 +206,30 @@ pub fn open(url: &str, create: bool) -> Result<Opened> {
         let mut b = object_store::gcp::GoogleCloudStorageBuilder::from_env()
             .with_bucket_name(bucket)
             .with_retry(retry());
+        {
+            use object_store::gcp::GoogleConfigKey as K;
+            let has = |k: K| b.get_config_value(&k).is_some_and(|v| !v.is_empty());
+            // The gcloud default credentials file is the operator's configuration too.
+            let adc = std::env::var_os("HOME").is_some_and(|h| {
+                PathBuf::from(h)
+                    .join(".config/gcloud/application_default_credentials.json")
+                    .is_file()
+            });
+            let configured = has(K::ServiceAccount)
+                || has(K::ServiceAccountKey)
+                || has(K::ApplicationCredentials)
+                || has(K::BearerToken)
+                || env_set("GOOGLE_APPLICATION_CREDENTIALS")
+                || adc
+                || b.get_config_value(&K::SkipSignature).is_some_and(|v| v == "true");
+            if let Some(none) = refuse_unless::<object_store::gcp::GcpCredential>(
+                url,
+                configured,
+                "GOOGLE_SERVICE_ACCOUNT (a key file) or GOOGLE_APPLICATION_CREDENTIALS",
+            ) {
+                b = b.with_credentials(none);
+            }
+        }
         if let Some(t) = &timeout {
             b = b.with_config(object_store::gcp::GoogleConfigKey::Client(Timeout), t);
         }
@@ -139,6 +239,26 @@ pub fn open(url: &str, create: bool) -> Result<Opened> {
         let mut b = object_store::azure::MicrosoftAzureBuilder::from_env()
             .with_container_name(container)
             .with_retry(retry());
+        {
+            use object_store::azure::AzureConfigKey as K;
+            let has = |k: K| b.get_config_value(&k).is_some_and(|v| !v.is_empty());
+            let yes = |k: K| b.get_config_value(&k).is_some_and(|v| v == "true");
+            let configured = has(K::AccessKey)
+                || has(K::SasKey)
+                || has(K::Token)
+                || (has(K::ClientId) && (has(K::ClientSecret) || has(K::FederatedTokenFile)))
+                || yes(K::UseEmulator)
+                || yes(K::UseAzureCli)
+                || yes(K::SkipSignature);
+            if let Some(none) = refuse_unless::<object_store::azure::AzureCredential>(
+                url,
+                configured,
+                "AZURE_STORAGE_ACCOUNT_KEY (or a SAS, a bearer token, or a client id with its \
+                 secret or federated token file)",
+            ) {
+                b = b.with_credentials(none);
+            }
+        }
         if let Some(t) = &timeout {
             b = b.with_config(object_store::azure::AzureConfigKey::Client(Timeout), t);
         }

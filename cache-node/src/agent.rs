@@ -136,7 +136,10 @@ impl Agent {
             })
             .await;
         match r {
-            Ok(_) => Ok(()),
+            Ok(r) => {
+                self.peers.grants.set_keys(r.into_inner().grant_keys);
+                Ok(())
+            }
             Err(s) if s.code() == tonic::Code::AlreadyExists => {
                 let ms = s
                     .metadata()
@@ -242,7 +245,8 @@ impl Agent {
                         .await
                 };
                 match bounded("heartbeat", hb).await {
-                    Ok(_) => {}
+                    // A rotation of the grant keys reaches this node here.
+                    Ok(r) => self.peers.grants.set_keys(r.into_inner().grant_keys),
                     Err(s) if s.code() == tonic::Code::NotFound => {
                         self.registered.send_replace(false);
                     }

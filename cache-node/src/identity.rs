@@ -8,7 +8,9 @@
 //! down is told to stop. A data dir that belongs to another cluster is refused outright:
 //! its blobs and pins mean nothing to this one.
 //!
-//! File format, one `key=value` per line: `instance=<32 hex>`, `cluster=<id>`.
+//! File format, one `key=value` per line: `instance=<32 hex>`, `cluster=<id>`. Mode 0600:
+//! the instance is what a heartbeat proves itself with beside the node's token, so no
+//! other user of the host may read it (an older, wider file is narrowed at start).
 
 use std::io::Read;
 use std::path::{Path, PathBuf};
@@ -30,6 +32,14 @@ impl Identity {
         let bad = |why: String| NodeError::Config(format!("{}: {why}", path.display()));
         match std::fs::read_to_string(&path) {
             Ok(text) => {
+                use std::os::unix::fs::PermissionsExt;
+                if let Ok(m) = std::fs::metadata(&path) {
+                    if m.permissions().mode() & 0o077 != 0 {
+                        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600))
+                            .map_err(|e| bad(format!("cannot make it private (chmod 600): {e}")))?;
+                        tracing::warn!(path = %path.display(), "the node identity was readable by others; made it private");
+                    }
+                }
                 let mut instance = None;
                 let mut cluster = None;
                 for line in text.lines().filter(|l| !l.trim().is_empty()) {
@@ -92,7 +102,13 @@ impl Identity {
         let tmp = self.path.with_extension("tmp");
         let write = || -> std::io::Result<()> {
             use std::io::Write;
-            let mut f = std::fs::File::create(&tmp)?;
+            use std::os::unix::fs::OpenOptionsExt;
+            let _ = std::fs::remove_file(&tmp);
+            let mut f = std::fs::OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .mode(0o600)
+                .open(&tmp)?;
             f.write_all(text.as_bytes())?;
             f.sync_all()?;
             std::fs::rename(&tmp, &self.path)
@@ -115,6 +131,13 @@ mod tests {
         let mut a = Identity::load_or_create(d.path()).unwrap();
         assert_eq!(a.instance.len(), 32);
         assert_eq!(a.cluster, None);
+        use std::os::unix::fs::PermissionsExt;
+        let mode = |p: &Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
+        let file = d.path().join("identity");
+        assert_eq!(mode(&file), 0o600, "only the node's user may read its identity");
+        std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o644)).unwrap();
+        Identity::load_or_create(d.path()).unwrap();
+        assert_eq!(mode(&file), 0o600, "a wider old file is narrowed");
         a.bind_cluster("c1").unwrap();
         let mut b = Identity::load_or_create(d.path()).unwrap();
         assert_eq!(b.instance, a.instance, "the same data dir, the same identity");

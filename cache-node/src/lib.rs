@@ -57,9 +57,10 @@ pub struct NodeConfig {
     /// Scrub rate in bytes per second; 0 disables scrubbing.
     pub scrub_rate: u64,
     pub addr_file: Option<PathBuf>,
-    /// Tokens callers of the TCP API must present (the cluster's token file). Without
-    /// them the node only listens on loopback unless `insecure`.
-    pub tokens: Option<Arc<locus_proto::auth::TokenSet>>,
+    /// Callers of the TCP API must present grants: set when the cluster runs with tokens
+    /// (this node has a token of its own, or was given a tokens file). Without it the
+    /// node only listens on loopback unless `insecure`.
+    pub require_grants: bool,
     pub insecure: bool,
     /// TLS for the node API and HTTP port. The node then registers `https://ADVERTISE`.
     pub tls: Option<locus_proto::tls::ServerTls>,
@@ -69,21 +70,24 @@ pub struct NodeConfig {
     pub refill_parallel: usize,
     /// Bytes per second for all refill copies together; 0 = unlimited.
     pub refill_rate: u64,
+    /// The local directories this node may read as `file://` origins (imports it reads
+    /// itself, repairs from an origin); none: no local origin at all.
+    pub origin_roots: Vec<PathBuf>,
 }
 
-/// Who may call what on the node's TCP API. The Unix socket is for same-host clients and
-/// is protected by its file permissions instead.
+/// Who may call what on the node's TCP API: grants only, each for its operation
+/// (`locus_proto::grant::Op::allows`). No token opens a node: node addresses come from
+/// registrations, so a token sent to one reaches whoever registered it — a node that
+/// collected its peers' tokens could act for every one of them. Importers, backups,
+/// mounts, peers and the metadata service's copy orders all present grants. The Unix
+/// socket is for same-host clients and is protected by its file permissions instead.
 pub fn required_access(method: &str) -> Option<locus_proto::auth::Access> {
     use locus_proto::auth::Access;
-    Some(match method {
-        "ReadBlob" | "HaveBlobs" | "GetNodeStatus" | "EnsureLocal" | "LocalPaths" => Access::Read,
-        // Importers come with an import grant, never their admin token (which would then
-        // reach every address a node registers).
-        "WriteBlob" | "FetchBlobs" => Access::NodeOrGrant,
-        "FetchChunks" => Access::Node,
-        "UploadBlobs" | "ImportObject" => Access::Grant,
-        _ => return None,
-    })
+    match method {
+        "ReadBlob" | "HaveBlobs" | "GetNodeStatus" | "EnsureLocal" | "LocalPaths" | "WriteBlob"
+        | "FetchBlobs" | "FetchChunks" | "UploadBlobs" | "ImportObject" => Some(Access::Grant),
+        _ => None,
+    }
 }
 
 /// The node's policy: the table above for tokens, the grant keys of the cluster (learnt
@@ -145,9 +149,11 @@ type Listing = std::sync::Mutex<(std::collections::HashSet<String>, Option<std::
 /// The node's view of the rest of the cluster, through the metadata service.
 pub struct Peers {
     opts: ClientOptions,
-    /// The cluster's grant keys, set at each registration.
+    /// The cluster's grant keys, set at each registration and heartbeat.
     pub grants: locus_proto::grant::Verifier,
     client: tokio::sync::Mutex<Option<MetadataClient>>,
+    /// Connections to peers, each presenting a read grant (never this node's token).
+    links: tokio::sync::OnceCell<locus_proto::grant::NodeLinks>,
     /// Backup targets opened so far, by URL (opening one builds an HTTP client).
     targets: std::sync::Mutex<HashMap<String, locus_backup::Target>>,
     /// Version origins opened so far, by URL.
@@ -156,6 +162,8 @@ pub struct Peers {
     registered: Listing,
     /// Backup targets the metadata service lists, and when they were read.
     backup_targets: Listing,
+    /// Where `file://` origins may be read (`NodeConfig::origin_roots`).
+    origin_roots: Vec<PathBuf>,
 }
 
 /// Where a blob can be copied from: live replicas (id, address), then backups (URLs).
@@ -163,14 +171,23 @@ pub struct Peers {
 pub struct Sources {
     pub nodes: Vec<(String, String)>,
     pub backups: Vec<String>,
+    /// (size, chunk size) as a committed manifest records the blob; None: no committed
+    /// version holds it.
+    pub size: Option<(u64, u32)>,
 }
 
 impl Peers {
     pub fn new(opts: ClientOptions, node: &str) -> Self {
+        Self::with_origin_roots(opts, node, Vec::new())
+    }
+
+    pub fn with_origin_roots(opts: ClientOptions, node: &str, origin_roots: Vec<PathBuf>) -> Self {
         Self {
+            origin_roots,
             grants: locus_proto::grant::Verifier::new(node),
             opts,
             client: tokio::sync::Mutex::new(None),
+            links: tokio::sync::OnceCell::new(),
             targets: std::sync::Mutex::new(HashMap::new()),
             origins: std::sync::Mutex::new(HashMap::new()),
             registered: std::sync::Mutex::new((Default::default(), None)),
@@ -285,8 +302,19 @@ impl Peers {
         )))
     }
 
+    /// The version origin at `url`, opened once, for reading `rel`: a local directory
+    /// only under this node's origin roots.
+    pub fn origin_for(&self, url: &str, rel: &str) -> Result<Arc<locus_backup::origin::Origin>, Status> {
+        let o = self.origin(url)?;
+        o.check_within(rel, &self.origin_roots).map_err(|e| {
+            tracing::warn!("refused to read an origin: {e}");
+            Status::permission_denied(e)
+        })?;
+        Ok(o)
+    }
+
     /// The version origin at `url`, opened once.
-    pub fn origin(&self, url: &str) -> Result<Arc<locus_backup::origin::Origin>, Status> {
+    fn origin(&self, url: &str) -> Result<Arc<locus_backup::origin::Origin>, Status> {
         let mut o = self.origins.lock().unwrap_or_else(|p| p.into_inner());
         if let Some(x) = o.get(url) {
             return Ok(x.clone());
@@ -309,6 +337,36 @@ impl Peers {
         let x = locus_backup::Target::open(url).map_err(|e| Status::failed_precondition(e.to_string()))?;
         t.insert(url.to_string(), x.clone());
         Ok(x)
+    }
+
+    /// A connection to the peer at `addr` for reading its blobs, under a read grant the
+    /// metadata service issued to this node.
+    pub async fn peer(
+        &self,
+        addr: &str,
+        connect_timeout: Duration,
+    ) -> Result<locus_proto::client::NodeClient, Status> {
+        let links = self
+            .links
+            .get_or_try_init(|| async {
+                let m = self.metadata().await?;
+                Ok::<_, Status>(locus_proto::grant::NodeLinks::new(
+                    locus_proto::grant::Grants::new(m, self.opts.token.as_deref()),
+                ))
+            })
+            .await?;
+        links
+            .get("*", addr, locus_proto::grant::Op::Read, "", connect_timeout)
+            .await
+            .map_err(Status::unavailable)
+    }
+
+    /// The peer at `addr` refused the grant this node presented: the next `peer` call
+    /// asks for a fresh one.
+    pub async fn peer_refused(&self, addr: &str) {
+        if let Some(l) = self.links.get() {
+            l.refused("*", addr, locus_proto::grant::Op::Read, "").await;
+        }
     }
 
     pub async fn metadata(&self) -> Result<MetadataClient, Status> {
@@ -351,6 +409,7 @@ impl Peers {
                 out.push((
                     *h,
                     Sources {
+                        size: b.known.then_some((b.size, b.chunk_size)),
                         nodes: b.nodes.into_iter().zip(b.addresses).collect(),
                         backups: r.backups.clone(),
                     },
@@ -416,7 +475,7 @@ pub async fn serve(
     cfg: NodeConfig,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), NodeError> {
-    if cfg.tokens.is_none() && !cfg.listen.ip().is_loopback() && !cfg.insecure {
+    if !cfg.require_grants && !cfg.listen.ip().is_loopback() && !cfg.insecure {
         return Err(NodeError::InsecureBind(cfg.listen));
     }
     let (store, rep) = BlobStore::open(cfg.store.clone())?;
@@ -461,11 +520,14 @@ pub async fn serve(
         (None, None) => advertise,
     };
     let identity = identity::Identity::load_or_create(&cfg.store.dirs[0])?;
-    let peers = Arc::new(Peers::new(cfg.metadata.clone(), cfg.id.as_str()));
+    let peers = Arc::new(Peers::with_origin_roots(
+        cfg.metadata.clone(),
+        cfg.id.as_str(),
+        cfg.origin_roots.clone(),
+    ));
     let metrics = Arc::new(metrics::Metrics::default());
     let refill = refill::Refill::new(refill::RefillConfig {
         me: cfg.id.to_string(),
-        token: cfg.metadata.token.clone(),
         parallel: cfg.refill_parallel,
         rate: cfg.refill_rate,
         idle: cfg.peer_idle,
@@ -474,7 +536,6 @@ pub async fn serve(
         refill: refill.clone(),
         store: store.clone(),
         peers: peers.clone(),
-        token: cfg.metadata.token.clone(),
         peer_idle: cfg.peer_idle,
         id: cfg.id.to_string(),
         local: false,
@@ -625,7 +686,10 @@ pub async fn serve(
         .initial_connection_window_size(locus_proto::client::BLOB_CONNECTION_WINDOW)
         .max_frame_size(locus_proto::client::BLOB_MAX_FRAME)
         .layer(locus_proto::auth::AuthLayer::new(
-            cfg.tokens.clone(),
+            // No token is accepted (every method takes a grant); an empty set turns the
+            // check on.
+            cfg.require_grants
+                .then(|| Arc::new(locus_proto::auth::TokenSet::from_pairs([]))),
             Arc::new(NodePolicy(peers.clone())),
         ))
         .add_service(node_server(svc))

@@ -34,7 +34,6 @@ const MAX_BACKOFF: Duration = Duration::from_secs(300);
 #[derive(Debug, Clone)]
 pub struct RefillConfig {
     pub me: String,
-    pub token: Option<String>,
     /// Copies at once.
     pub parallel: usize,
     /// Bytes per second for all refill copies together; 0 = unlimited.
@@ -342,7 +341,6 @@ impl Refill {
             };
             let opts = CopyOptions {
                 me: &self.cfg.me,
-                token: self.cfg.token.as_deref(),
                 pin: true,
                 idle: self.cfg.idle,
                 limit: Some(&self.limit),
@@ -409,7 +407,6 @@ mod tests {
     fn refill() -> Arc<Refill> {
         Refill::new(RefillConfig {
             me: "a".into(),
-            token: None,
             parallel: 2,
             rate: 0,
             idle: Duration::from_secs(1),

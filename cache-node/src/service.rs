@@ -46,8 +46,6 @@ pub struct NodeService {
     pub id: String,
     /// True for the instance serving the Unix socket.
     pub local: bool,
-    /// The token this node presents to its peers.
-    pub token: Option<String>,
     /// How long a peer may stay silent during a transfer before it is given up on.
     pub peer_idle: Duration,
     pub metrics: Arc<crate::metrics::Metrics>,
@@ -69,7 +67,6 @@ impl NodeService {
     ) -> Result<Response<nodepb::FetchBlobsResponse>, Status> {
         let opts = crate::transfer::CopyOptions {
             me: &self.id,
-            token: self.token.as_deref(),
             pin,
             idle: self.peer_idle,
             limit: None,
@@ -280,10 +277,7 @@ impl Node for NodeService {
                 .await;
         }
         self.peers.check_source(&q.source).await?;
-        let peer =
-            locus_proto::client::connect_node(&q.source, self.token.as_deref(), Duration::from_secs(5))
-                .await
-                .map_err(|e| Status::unavailable(e.to_string()))?;
+        let peer = self.peers.peer(&q.source, Duration::from_secs(5)).await?;
         let mut resp = nodepb::FetchBlobsResponse::default();
         // A few transfers at once keep the link busy without unbounded memory.
         let mut set = tokio::task::JoinSet::new();
@@ -335,6 +329,22 @@ impl Node for NodeService {
             .enumerate()
             .map(|(i, c)| BlobHash::from_slice(&format!("chunk_hashes[{i}]"), c))
             .collect::<Result<Vec<_>, _>>()?;
+        // The sparse file holds the blob's whole size from the start: a size only the
+        // manifest may decide, never the caller.
+        match self.peers.locate(&h).await?.size {
+            Some((size, cs)) if size == q.size && (cs == q.chunk_size || q.chunk_size == 0) => {}
+            Some((size, cs)) => {
+                return Err(Status::invalid_argument(format!(
+                    "size {} / chunk size {}: the manifest says {size} / {cs} for blob {h}",
+                    q.size, q.chunk_size
+                )))
+            }
+            None => {
+                return Err(Status::not_found(format!(
+                    "blob {h} is in no committed version of this cluster"
+                )))
+            }
+        }
         let st = self.store.clone();
         let (size, cs, pin) = (q.size, q.chunk_size, q.pin);
         tokio::task::spawn_blocking(move || st.begin_partial(h, size, cs, &chunks, pin))
@@ -358,10 +368,7 @@ impl Node for NodeService {
                 .collect()
         };
         let cs = self.store.chunk_size_of(&h).unwrap_or(1);
-        let mut peer =
-            locus_proto::client::connect_node(&q.source, self.token.as_deref(), Duration::from_secs(5))
-                .await
-                .map_err(|e| Status::unavailable(e.to_string()))?;
+        let mut peer = self.peers.peer(&q.source, Duration::from_secs(5)).await?;
         let mut fetched = 0;
         for c in want {
             let from = |s: Status| Status::new(s.code(), format!("from {}: {}", q.source, s.message()));
@@ -461,9 +468,16 @@ impl Node for NodeService {
                 path: p.display().to_string(),
             }));
         }
+        // Whoever can reach the socket names the blob, never its size: that would decide
+        // how much of this node's cache is evicted for it. The size is the manifest's.
+        let sources = self.peers.locate(&h).await?;
+        let Some((size, chunk_size)) = sources.size else {
+            return Err(Status::not_found(format!(
+                "blob {h} is in no committed version of this cluster"
+            )));
+        };
         let opts = crate::transfer::CopyOptions {
             me: &self.id,
-            token: self.token.as_deref(),
             pin: false,
             idle: self.peer_idle,
             limit: None,
@@ -473,14 +487,14 @@ impl Node for NodeService {
             &self.store,
             &self.peers,
             h,
-            q.size,
-            q.chunk_size,
+            size,
+            chunk_size,
             opts,
-            None,
+            Some(sources),
         )
         .await?;
         if let Some(kind) = src.kind() {
-            self.metrics.wrote(kind, q.size)
+            self.metrics.wrote(kind, size)
         }
         match self.verified_path(h).await? {
             Some(p) => Ok(Response::new(nodepb::EnsureLocalResponse {

@@ -283,8 +283,6 @@ impl Source {
 pub struct CopyOptions<'a> {
     /// This node's id: never a source.
     pub me: &'a str,
-    /// The token this node presents to peers.
-    pub token: Option<&'a str>,
     pub pin: bool,
     pub idle: Duration,
     pub limit: Option<&'a RateLimit>,
@@ -325,7 +323,7 @@ pub async fn copy_from_anywhere(
         if id == o.me {
             continue;
         }
-        let mut peer = match locus_proto::client::connect_node(&addr, o.token, o.idle.min(CONNECT)).await {
+        let mut peer = match peers.peer(&addr, o.idle.min(CONNECT)).await {
             Ok(p) => p,
             Err(e) => {
                 tracing::warn!(blob = %h, peer = %id, "cannot connect, trying another source: {e}");
@@ -337,6 +335,9 @@ pub async fn copy_from_anywhere(
             Ok(true) => return Ok(Source::Peer(id)),
             Ok(false) => return Ok(Source::Here),
             Err(s) => {
+                if s.code() == tonic::Code::Unauthenticated {
+                    peers.peer_refused(&addr).await;
+                }
                 tracing::warn!(blob = %h, peer = %id, "copy failed, trying another source: {}", s.message());
                 last = Status::new(s.code(), format!("{id}: {}", s.message()));
             }
@@ -400,7 +401,7 @@ pub async fn import_from_origin(
 ) -> Result<crate::store::Stored, Status> {
     let rel = locus_proto::RelPath::try_from(path.to_string())
         .map_err(|e| Status::invalid_argument(format!("path: {e}")))?;
-    let origin = peers.origin(url)?;
+    let origin = peers.origin_for(url, rel.as_str())?;
     let st = store.clone();
     let writer = tokio::task::spawn_blocking(move || st.begin_unnamed_write(size, chunk_size, pin))
         .await
@@ -459,7 +460,7 @@ pub async fn fetch_from_origin(
 ) -> Result<bool, Status> {
     let rel = locus_proto::RelPath::try_from(path.to_string())
         .map_err(|e| Status::invalid_argument(format!("origin_path: {e}")))?;
-    let origin = peers.origin(url)?;
+    let origin = peers.origin_for(url, rel.as_str())?;
     let Some(writer) = begin_write(store, h, size, chunk_size, pin).await? else {
         return Ok(false);
     };

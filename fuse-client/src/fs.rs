@@ -191,7 +191,10 @@ impl Mount {
             ctime: t,
             crtime: t,
             kind: file_type(a.kind),
-            perm: a.mode,
+            // Never setuid or setgid, whatever the source had: the mount is nosuid, but a
+            // bind of it elsewhere (a container's view) may not be, and the bits would
+            // make a dataset's file run with the mounting user's (root's) rights.
+            perm: a.mode & !0o6000,
             nlink: a.nlink,
             uid: self.uid,
             gid: self.gid,

@@ -24,7 +24,7 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 
 pub use crate::pieces::Pieces;
-use locus_proto::client::{connect_node, MetadataClient, NodeClient};
+use locus_proto::client::{MetadataClient, NodeClient};
 use locus_proto::{nodepb, pb, BlobHash};
 use tokio::sync::OnceCell;
 
@@ -181,6 +181,13 @@ impl ChunkCache {
         self.inner.lock().unwrap().cells.entry(k).or_default().clone()
     }
 
+    /// Whether a chunk is cached or being fetched. Looks without inserting: an empty cell
+    /// left by a look would sit outside the FIFO (only filled cells enter it), never
+    /// evicted.
+    fn known(&self, k: &Key) -> bool {
+        self.inner.lock().unwrap().cells.contains_key(k)
+    }
+
     fn filled(&self, k: Key, len: usize) {
         let mut c = self.inner.lock().unwrap();
         c.order.push_back(k);
@@ -238,40 +245,32 @@ pub struct Located {
 pub struct GrpcReplicas {
     metadata: MetadataClient,
     version: pb::VersionRef,
-    grants: locus_proto::grant::Grants,
-    /// By address: the grant the connection presents, and it.
-    clients: tokio::sync::Mutex<HashMap<String, (Option<String>, NodeClient)>>,
+    /// Node connections, each presenting a read grant every node accepts.
+    links: locus_proto::grant::NodeLinks,
 }
 
 impl GrpcReplicas {
     pub fn new(metadata: MetadataClient, version: pb::VersionRef, token: Option<String>) -> Self {
         GrpcReplicas {
-            grants: locus_proto::grant::Grants::new(metadata.clone(), token.as_deref()),
+            links: locus_proto::grant::NodeLinks::new(locus_proto::grant::Grants::new(
+                metadata.clone(),
+                token.as_deref(),
+            )),
             metadata,
             version,
-            clients: Default::default(),
         }
     }
 
     async fn client(&self, addr: &str) -> Result<NodeClient, String> {
-        let grant = self
-            .grants
-            .get("*", locus_proto::grant::Op::Read, "")
+        self.links
+            .get(
+                "*",
+                addr,
+                locus_proto::grant::Op::Read,
+                "",
+                Duration::from_secs(3),
+            )
             .await
-            .map_err(|s| format!("no read grant: {}", s.message()))?;
-        if let Some((g, c)) = self.clients.lock().await.get(addr) {
-            if *g == grant {
-                return Ok(c.clone());
-            }
-        }
-        let c = connect_node(addr, grant.as_deref(), Duration::from_secs(3))
-            .await
-            .map_err(|e| e.to_string())?;
-        self.clients
-            .lock()
-            .await
-            .insert(addr.to_string(), (grant, c.clone()));
-        Ok(c)
     }
 
     async fn read_from(&self, addr: &str, c: ChunkRef, idle: Duration) -> Result<Pieces, String> {
@@ -317,9 +316,8 @@ impl Replicas for GrpcReplicas {
     }
 
     fn forget<'a>(&'a self, addr: &'a str) -> BoxFuture<'a, ()> {
-        Box::pin(async move {
-            self.clients.lock().await.remove(addr);
-        })
+        // The grant too: a node that refused it (a revoked key) must see a fresh one.
+        Box::pin(self.links.refused("*", addr, locus_proto::grant::Op::Read, ""))
     }
 
     fn locate<'a>(&'a self, blob: BlobHash, timeout: Duration) -> BoxFuture<'a, Result<Located, String>> {
@@ -476,7 +474,7 @@ impl Remote {
     /// reader that actually needs the chunk.
     pub fn prefetch(self: &Arc<Self>, chunks: Vec<ChunkRef>) {
         for c in chunks {
-            if self.cache.cell((c.blob, c.index)).initialized() {
+            if self.cache.known(&(c.blob, c.index)) {
                 continue;
             }
             let kib = u32::try_from(c.len.div_ceil(1024)).unwrap_or(u32::MAX);
@@ -665,5 +663,38 @@ impl Remote {
             return Err("bytes do not match the chunk's hash".into());
         }
         Ok(buf)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Looking whether a chunk is there (read-ahead does, for every chunk it considers)
+    /// must leave nothing behind: a cell that no fill ever enters into the FIFO would
+    /// never be evicted, and a long read with its budget full would grow the map forever.
+    #[test]
+    fn a_look_at_the_cache_leaves_no_cell_behind() {
+        let cache = ChunkCache {
+            budget: 10,
+            inner: Mutex::default(),
+        };
+        let k = |i: u32| (BlobHash([1; 32]), i);
+        for i in 0..1000 {
+            assert!(!cache.known(&k(i)));
+        }
+        assert!(cache.inner.lock().unwrap().cells.is_empty());
+        // A cell being filled is known, and once the fills pass the budget the oldest go.
+        let c = cache.cell(k(0));
+        assert!(cache.known(&k(0)));
+        c.set(Pieces::from(vec![bytes::Bytes::from(vec![0u8; 8])]))
+            .unwrap();
+        cache.filled(k(0), 8);
+        let c = cache.cell(k(1));
+        c.set(Pieces::from(vec![bytes::Bytes::from(vec![0u8; 8])]))
+            .unwrap();
+        cache.filled(k(1), 8);
+        assert!(!cache.known(&k(0)), "the oldest was evicted");
+        assert!(cache.known(&k(1)));
     }
 }

@@ -10,5 +10,5 @@ fuzz_target!(|data: &[u8]| {
     let _ = snapshot::plan(data);
     let _ = snapshot::version_from_export(data, "ds", None);
     let _ = snapshot::version_from_export(data, "ds", Some(1));
-    let _ = snapshot::restore(data, &MemStore::default(), "file:///fuzz", "snap");
+    let _ = snapshot::restore(data, &MemStore::default(), "file:///fuzz", "snap", None);
 });

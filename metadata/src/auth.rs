@@ -25,7 +25,7 @@ pub fn required_access(method: &str) -> Option<Access> {
         | "AbortVersion" | "PlaceShards" | "DrainNode" | "Warm" | "ExportCatalog" | "RecordBackup"
         // Only the service's own repair changes replicas in normal operation; a node token
         // must not be able to rewrite where other nodes' data is.
-        | "UpdateReplicas" | "ChangeMembers" => Access::Admin,
+        | "UpdateReplicas" | "ChangeMembers" | "GrantKeys" => Access::Admin,
         "ListNodeBlobs" => Access::NodeOrAdmin,
         _ => return None,
     })
@@ -59,10 +59,64 @@ pub fn layer(
     AuthLayer::new(tokens, Arc::new(MetadataPolicy(metrics, audit)))
 }
 
+/// The `rpc` names of `service NAME` in a .proto file's text.
+#[cfg(test)]
+pub(crate) fn rpcs_of(proto: &str, service: &str) -> Vec<String> {
+    let start = proto
+        .find(&format!("service {service} {{"))
+        .unwrap_or_else(|| panic!("no service {service}"));
+    let body = &proto[start..];
+    let body = &body[..body.find("\n}").expect("the service block ends")];
+    body.lines()
+        .filter_map(|l| l.trim().strip_prefix("rpc "))
+        .map(|l| l.split('(').next().unwrap_or_default().trim().to_string())
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use locus_proto::auth::check;
+
+    const PROTO: &str = include_str!("../../proto/proto/locus/metadata/v1/metadata.proto");
+
+    /// A call added to the proto without a policy line is refused to everyone; this
+    /// catches it before a user does, and pins who may call the group's raft port.
+    #[test]
+    fn every_rpc_in_the_proto_files_has_an_access_rule() {
+        let api = rpcs_of(PROTO, "Metadata");
+        assert!(api.len() > 25, "{api:?}");
+        for m in &api {
+            assert!(required_access(m).is_some(), "Metadata/{m} has no access rule");
+        }
+        use locus_proto::auth::Policy;
+        let raft = rpcs_of(PROTO, "Raft");
+        assert!(raft.len() >= 5, "{raft:?}");
+        for m in &raft {
+            assert!(
+                crate::group::RaftPolicy.access(m).is_some(),
+                "Raft/{m} has no access rule"
+            );
+        }
+    }
+
+    /// A member token opens the raft port and nothing of the API; no other role opens
+    /// the raft port.
+    #[test]
+    fn member_tokens_are_for_the_raft_port_only() {
+        use locus_proto::auth::{allows, Policy};
+        for m in rpcs_of(PROTO, "Metadata") {
+            let a = required_access(&m).unwrap();
+            assert!(!allows(Role::Member, a), "a member token opens Metadata/{m}");
+        }
+        for m in ["Append", "Vote", "InstallSnapshot", "Liveness"] {
+            let a = crate::group::RaftPolicy.access(m).unwrap();
+            assert!(allows(Role::Member, a), "{m}");
+            for r in [Role::Admin, Role::Node, Role::Reader, Role::Grant] {
+                assert!(!allows(r, a), "role {r:?} opens Raft/{m}");
+            }
+        }
+    }
 
     fn set() -> TokenSet {
         TokenSet::from_pairs([

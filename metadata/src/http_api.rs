@@ -111,6 +111,38 @@ pub fn parse_selector(s: &str) -> Result<HashMap<String, String>, String> {
     Ok(out)
 }
 
+/// The scheduler extender's caller: with tokens configured, a reader (or stronger) token
+/// as `Authorization: Bearer …` or as the URL's path segment (`/k8s/TOKEN/prioritize`:
+/// kube-scheduler's extender config can name a URL but not a header). Without one the
+/// scores would tell anyone which datasets exist and which nodes hold them.
+pub fn authorize_extender(
+    tokens: Option<&TokenSet>,
+    headers: &HeaderMap,
+    path_token: Option<&str>,
+) -> Result<(), Box<Response>> {
+    match path_token {
+        Some(t) if headers.get("authorization").is_none() => {
+            let bearer = format!("Bearer {t}");
+            let auth = Some(bearer.as_bytes());
+            match locus_proto::auth::check(tokens, "Extender", Some(Access::Read), auth, None) {
+                Ok(_) => Ok(()),
+                Err((status, _)) => Err(Box::new(error(StatusCode::FORBIDDEN, status.message()))),
+            }
+        }
+        _ => authorize(tokens, headers, "Extender").map_err(|r| {
+            if tokens.is_some() && headers.get("authorization").is_none() {
+                Box::new(error(
+                    StatusCode::UNAUTHORIZED,
+                    "this service has tokens: give the scheduler extender a reader token in its \
+                     URL (urlPrefix: https://HOST:PORT/k8s/TOKEN) or an Authorization header",
+                ))
+            } else {
+                r
+            }
+        }),
+    }
+}
+
 /// A caller who may read, or the response refusing them.
 fn authorize(tokens: Option<&TokenSet>, headers: &HeaderMap, method: &str) -> Result<(), Box<Response>> {
     let auth = headers.get("authorization").map(|v| v.as_bytes());

@@ -18,8 +18,11 @@
 //! FailedAndUnresolvableNodes, Error}`. Kubernetes node names are matched to Locus
 //! nodes by node id, else by the `host` label; nodes Locus does not know hold nothing.
 //!
-//! These endpoints take no token: kube-scheduler cannot send one, and they reveal only
-//! scores. Put the HTTP port where only the scheduler reaches it.
+//! With tokens configured, the scheduler presents a reader token: kube-scheduler's
+//! extender config names a URL but cannot add a header, so the token may be the URL's
+//! path segment (`urlPrefix: https://meta:7401/k8s/TOKEN`, over TLS so it does not cross
+//! the network in clear; `http_api::authorize_extender`). Scores name which nodes hold a
+//! dataset's bytes, so nobody without a token gets them.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;

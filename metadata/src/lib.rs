@@ -12,6 +12,7 @@ pub mod assign;
 pub mod audit;
 pub mod auth;
 pub mod catalog;
+pub mod grant_keys;
 pub mod group;
 pub mod http_api;
 pub mod k8s;

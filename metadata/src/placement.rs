@@ -104,9 +104,17 @@ pub fn place(requests: &[Request], nodes: &mut [Candidate]) -> Vec<(u32, Outcome
                 r.shard,
                 Outcome::Unplaced(format!(
                     "needs {need} more replica(s) of {} bytes on distinct hosts; only {} host(s) qualify \
-                     ({fit} node(s) with enough free space)",
+                     ({fit} node(s) with enough free space){}",
                     r.bytes,
-                    chosen.len()
+                    chosen.len(),
+                    if fit > chosen.len() {
+                        // More nodes fit than hosts: several share a host label.
+                        "; replicas go to distinct hosts (the `host` label, else the node id): give \
+                         nodes on different machines their own host=NAME in --labels, or ask for \
+                         fewer --replicas"
+                    } else {
+                        ""
+                    }
                 )),
             ));
             continue;

@@ -19,10 +19,37 @@ use crate::metrics::{Metrics, ReasonLabel};
 /// Shards repaired at once.
 const PARALLEL: usize = 4;
 
+/// What the service presents to a node it orders to copy: a grant it signs itself, for
+/// that node and that copy only. Nodes are never sent a token (one that reached a node
+/// could be replayed by it to act for others); None: the cluster runs without tokens.
+#[derive(Clone)]
+pub struct CopyOrders {
+    pub keys: Option<Arc<crate::grant_keys::GrantKeys>>,
+    pub cluster_id: String,
+}
+
+impl CopyOrders {
+    /// An import grant for `node` (FetchBlobs and nothing wider) lasting `ttl`.
+    pub fn grant(&self, node: &str, who: &str, ttl: Duration) -> Option<String> {
+        let keys = self.keys.as_ref()?;
+        let now = locus_proto::grant::now_ms();
+        let ttl = ttl.min(locus_proto::grant::MAX_TTL);
+        Some(keys.sign(&locus_proto::grant::GrantBody {
+            cluster_id: self.cluster_id.clone(),
+            node: node.to_string(),
+            operation: locus_proto::grant::Op::Import.as_str().into(),
+            target: String::new(),
+            issued_to: who.to_string(),
+            not_before_unix_ms: now,
+            expires_unix_ms: now + ttl.as_millis() as u64,
+        }))
+    }
+}
+
 pub async fn run(
     catalog: Arc<Catalog>,
     metrics: Arc<Metrics>,
-    node_token: Option<String>,
+    orders: CopyOrders,
     mut stop: tokio::sync::watch::Receiver<bool>,
 ) {
     let every = catalog.config().repair_interval;
@@ -62,9 +89,9 @@ pub async fn run(
             }
             let c = catalog.clone();
             let m = metrics.clone();
-            let token = node_token.clone();
+            let orders = orders.clone();
             set.spawn(async move {
-                let label = match repair_one(&c, &t, token.as_deref()).await {
+                let label = match repair_one(&c, &t, &orders, "repair").await {
                     Ok(()) => {
                         m.repair_bytes.inc_by(t.bytes);
                         tracing::info!(
@@ -94,7 +121,12 @@ pub async fn run(
 
 /// Copies one shard to its target peer to peer (verified, pinned) and records the new
 /// replica; also what `Warm` runs for each of its copies.
-pub async fn repair_one(catalog: &Arc<Catalog>, t: &RepairTask, token: Option<&str>) -> Result<(), String> {
+pub async fn repair_one(
+    catalog: &Arc<Catalog>,
+    t: &RepairTask,
+    orders: &CopyOrders,
+    who: &str,
+) -> Result<(), String> {
     let r = DatasetRef {
         name: t.dataset.as_str().try_into().map_err(|e| format!("{e}"))?,
         version: VersionSel::Number(t.version),
@@ -119,13 +151,14 @@ pub async fn repair_one(catalog: &Arc<Catalog>, t: &RepairTask, token: Option<&s
                 .map_err(|e| e.to_string())?
         }
     };
-    let mut node = locus_proto::client::connect_node(&t.target.1, token, Duration::from_secs(5))
-        .await
-        .map_err(|e| e.to_string())?;
     // A copy gets a minute plus time for its bytes at a slow 20 MB/s; a target or source
     // that hangs must not hold a repair slot forever.
     let bytes: u64 = blobs.iter().map(|b| b.1).sum();
     let limit = Duration::from_secs(60) + Duration::from_secs_f64(bytes as f64 / 20e6);
+    let grant = orders.grant(&t.target.0, who, limit + Duration::from_secs(60));
+    let mut node = locus_proto::client::connect_node(&t.target.1, grant.as_deref(), Duration::from_secs(5))
+        .await
+        .map_err(|e| e.to_string())?;
     let call = node.fetch_blobs(nodepb::FetchBlobsRequest {
         // No live replica: the target finds each blob itself (a backup, the origin).
         source: t.source.as_ref().map(|s| s.1.clone()).unwrap_or_default(),
@@ -168,7 +201,8 @@ pub async fn repair_one(catalog: &Arc<Catalog>, t: &RepairTask, token: Option<&s
 /// new ones when the caller goes away.
 pub async fn warm(
     catalog: Arc<Catalog>,
-    token: Option<String>,
+    orders: CopyOrders,
+    who: String,
     plan: crate::catalog::WarmPlan,
     tx: tokio::sync::mpsc::Sender<Result<locus_proto::pb::WarmProgress, tonic::Status>>,
 ) {
@@ -185,9 +219,9 @@ pub async fn warm(
     loop {
         while set.len() < 4 {
             let Some(t) = tasks.next() else { break };
-            let (c, token) = (catalog.clone(), token.clone());
+            let (c, orders, who) = (catalog.clone(), orders.clone(), format!("warm:{who}"));
             set.spawn(async move {
-                let r = crate::repair::repair_one(&c, &t, token.as_deref()).await;
+                let r = crate::repair::repair_one(&c, &t, &orders, &who).await;
                 (t, r)
             });
         }

@@ -36,8 +36,6 @@ pub struct ServerConfig {
     pub addr_file: Option<PathBuf>,
     /// Default: DATA_DIR/audit.log.
     pub audit_log: Option<PathBuf>,
-    /// Token (role node or admin) the repair loop presents to cache nodes.
-    pub node_token: Option<String>,
     /// Connection cap and header deadline of the HTTP port (the scheduler's, tokenless).
     pub http_limits: locus_proto::net::HttpLimits,
     /// Run as a member of a replicated group; None: a single service.
@@ -62,7 +60,7 @@ pub enum ServerError {
     #[error("TLS: {0}")]
     Tls(String),
     #[error(transparent)]
-    GrantKey(#[from] locus_proto::grant::KeyError),
+    GrantKeys(#[from] crate::grant_keys::KeyRingError),
     #[error("gRPC server failed: {0}")]
     Serve(String),
     #[error("metadata group: {0}")]
@@ -97,6 +95,12 @@ pub async fn serve(
         reason: e.to_string(),
     };
     std::fs::create_dir_all(&config.data_dir).map_err(dd)?;
+    // The catalogue, the grant keys, the raft log and the audit log are this service's
+    // alone (set again at every start: an older, wider directory is narrowed).
+    {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&config.data_dir, std::fs::Permissions::from_mode(0o700)).map_err(dd)?;
+    }
     let rocks =
         Arc::new(RocksStore::open(&config.data_dir.join("db")).map_err(crate::catalog::CatalogError::from)?);
     let audit_path = config
@@ -155,13 +159,14 @@ pub async fn serve(
     };
     // Kept beside the store, never in it: a catalogue export (a backup) must not carry it.
     // A group shares one key, replicated in its own state (also never exported).
-    let grant_key = Arc::new(match &group {
-        None => locus_proto::grant::GrantKey::load_or_create(&config.data_dir.join("grant.key"))?,
+    let grant_keys = Arc::new(match &group {
+        None => {
+            let (store, ring) = crate::grant_keys::FileRing::open(&config.data_dir)?;
+            crate::grant_keys::GrantKeys::new(Arc::new(store), ring)
+        }
         Some(g) => {
-            let g = g.clone();
-            tokio::task::spawn_blocking(move || g.grant_key())
-                .await
-                .map_err(|e| ServerError::Serve(e.to_string()))??
+            let ring = g.grant_keys(stop_rx.clone()).await?;
+            crate::grant_keys::GrantKeys::new(Arc::new(crate::group::GroupRing(g.clone())), ring)
         }
     });
     if let Some(g) = &group {
@@ -170,6 +175,11 @@ pub async fn serve(
         tokio::spawn(g.clone().follow_liveness(catalog.clone(), stop_rx.clone()));
     }
 
+    // Copy orders (repair, warm) carry grants this service signs; without tokens, none.
+    let orders = crate::repair::CopyOrders {
+        keys: tokens.is_some().then(|| grant_keys.clone()),
+        cluster_id: catalog.cluster_id().to_string(),
+    };
     let mut server = tonic::transport::Server::builder()
         .http2_keepalive_interval(Some(Duration::from_secs(30)))
         .tcp_nodelay(true);
@@ -181,9 +191,14 @@ pub async fn serve(
         http_tls = Some(tls.http_acceptor().map_err(ServerError::Tls)?);
     }
     let svc = pb_server(
-        MetadataService::new(catalog.clone(), audit.clone(), metrics.clone(), grant_key)
-            .with_node_token(config.node_token.clone())
-            .with_group(group.clone()),
+        MetadataService::new(
+            catalog.clone(),
+            audit.clone(),
+            metrics.clone(),
+            grant_keys.clone(),
+        )
+        .with_copy_orders(orders.clone())
+        .with_group(group.clone()),
     );
 
     if let Some(path) = &config.addr_file {
@@ -210,10 +225,23 @@ pub async fn serve(
     );
 
     let reaper = tokio::spawn(reap_sessions(catalog.clone(), metrics.clone(), stop_rx.clone()));
+    // The service's own heartbeat: a gap in it is a pause of the service, not of the
+    // nodes (`Catalog::tick`).
+    let ticker = {
+        let (catalog, mut stop) = (catalog.clone(), stop_rx.clone());
+        tokio::spawn(async move {
+            loop {
+                tokio::select! {
+                    _ = tokio::time::sleep(crate::catalog::TICK_EVERY) => catalog.tick(),
+                    _ = stop.wait_for(|s| *s) => return,
+                }
+            }
+        })
+    };
     let repairer = tokio::spawn(crate::repair::run(
         catalog.clone(),
         metrics.clone(),
-        config.node_token.clone(),
+        orders,
         stop_rx.clone(),
     ));
     let http = http_listener.map(|l| {
@@ -243,6 +271,7 @@ pub async fn serve(
     }
     reaper.abort();
     repairer.abort();
+    ticker.abort();
     if let Some(g) = &group {
         // Leaves the group's log and state consistent on disk; the others elect anew.
         let _ = tokio::time::timeout(Duration::from_secs(5), g.raft().shutdown()).await;
@@ -309,9 +338,47 @@ async fn start_group(
 
     let mut g = g.clone();
     g.tls = config.tls.is_some();
+    g.insecure = config.insecure;
+    // The raft port opens only to the member role: the secret this member presents must
+    // be one, or the others (holding the same tokens file) would refuse it.
+    if let Some(t) = &tokens {
+        let role = g
+            .token
+            .as_deref()
+            .and_then(|s| t.authenticate(s.as_bytes()))
+            .and_then(|p| p.role);
+        match role {
+            Some(crate::auth::Role::Member) => {}
+            None => {
+                return Err(GroupError::Config(
+                    "a group whose members check tokens needs a member secret: add a [[token]] with \
+                     role = \"member\" to every member's tokens file (the same one everywhere) and \
+                     give its secret as LOCUS_METADATA_MEMBER_TOKEN or --member-token-file"
+                        .into(),
+                )
+                .into())
+            }
+            Some(other) => {
+                return Err(GroupError::Config(format!(
+                    "the member secret is a token of role {} in the tokens file; members present \
+                     a token of role \"member\", which opens the raft ports and nothing else (an \
+                     admin token there would hand every peer admin rights)",
+                    other.as_str()
+                ))
+                .into())
+            }
+        }
+    }
     let g = &g;
     let group = Group::start(g, &config.data_dir, rocks).await?;
-    let svc = RaftService::new(group.raft().clone(), g.me.clone(), api_url, catalog_slot).server();
+    let svc = RaftService::new(
+        group.raft().clone(),
+        g.me.clone(),
+        api_url,
+        g.token.clone(),
+        catalog_slot,
+    )
+    .server();
     let auth = locus_proto::auth::AuthLayer::new(tokens, Arc::new(crate::group::RaftPolicy));
     let incoming = tonic::transport::server::TcpIncoming::from(raft_listener).with_nodelay(Some(true));
     let mut stop2 = stop.clone();
@@ -428,17 +495,35 @@ fn http_router(catalog: Arc<Catalog>, metrics: Arc<Metrics>, tokens: Option<Arc<
     use axum::routing::{get, post};
     let (api_catalog, assign_catalog) = (catalog.clone(), catalog.clone());
     let locality_tokens = tokens.clone();
-    let (k8s_p, k8s_f) = (catalog.clone(), catalog.clone());
+    // The extender's routes, with its token in a header or in the path.
+    let extender = |filter: bool| {
+        let (catalog, tokens) = (catalog.clone(), tokens.clone());
+        move |path: Option<axum::extract::Path<String>>,
+              headers: axum::http::HeaderMap,
+              body: axum::body::Bytes| {
+            let (catalog, tokens) = (catalog.clone(), tokens.clone());
+            async move {
+                use axum::response::IntoResponse;
+                let t = path.map(|p| p.0);
+                if let Err(r) = crate::http_api::authorize_extender(tokens.as_deref(), &headers, t.as_deref())
+                {
+                    return *r;
+                }
+                if filter {
+                    crate::k8s::filter(catalog, body).await
+                } else {
+                    crate::k8s::prioritize(catalog, body).await
+                }
+                .into_response()
+            }
+        }
+    };
     axum::Router::new()
         .route("/healthz", get(|| async { "ok\n" }))
-        .route(
-            "/k8s/prioritize",
-            post(move |body: axum::body::Bytes| crate::k8s::prioritize(k8s_p.clone(), body)),
-        )
-        .route(
-            "/k8s/filter",
-            post(move |body: axum::body::Bytes| crate::k8s::filter(k8s_f.clone(), body)),
-        )
+        .route("/k8s/prioritize", post(extender(false)))
+        .route("/k8s/filter", post(extender(true)))
+        .route("/k8s/{token}/prioritize", post(extender(false)))
+        .route("/k8s/{token}/filter", post(extender(true)))
         .route(
             "/v1/locality",
             post(move |headers: axum::http::HeaderMap, body: axum::body::Bytes| {

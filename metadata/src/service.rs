@@ -21,9 +21,9 @@ pub struct MetadataService {
     audit: Arc<AuditLog>,
     metrics: Arc<Metrics>,
     /// What the service presents to cache nodes when it orders copies (warm-up).
-    node_token: Option<String>,
-    /// Signs the grants clients present to nodes instead of their tokens.
-    grant_key: Arc<locus_proto::grant::GrantKey>,
+    orders: crate::repair::CopyOrders,
+    /// Sign the grants clients present to nodes instead of their tokens.
+    grant_keys: Arc<crate::grant_keys::GrantKeys>,
     /// The replicated group this service is a member of, if any.
     group: Option<Arc<crate::group::Group>>,
 }
@@ -34,9 +34,9 @@ impl MetadataService {
         self
     }
 
-    /// The token presented to cache nodes when the service orders copies.
-    pub fn with_node_token(mut self, token: Option<String>) -> Self {
-        self.node_token = token;
+    /// What is presented to cache nodes when the service orders copies.
+    pub fn with_copy_orders(mut self, orders: crate::repair::CopyOrders) -> Self {
+        self.orders = orders;
         self
     }
 
@@ -44,14 +44,17 @@ impl MetadataService {
         catalog: Arc<Catalog>,
         audit: Arc<AuditLog>,
         metrics: Arc<Metrics>,
-        grant_key: Arc<locus_proto::grant::GrantKey>,
+        grant_keys: Arc<crate::grant_keys::GrantKeys>,
     ) -> Self {
         Self {
+            orders: crate::repair::CopyOrders {
+                keys: None,
+                cluster_id: catalog.cluster_id().to_string(),
+            },
             catalog,
             audit,
             metrics,
-            node_token: None,
-            grant_key,
+            grant_keys,
             group: None,
         }
     }
@@ -65,7 +68,9 @@ impl MetadataService {
         let cat = self.catalog.clone();
         match tokio::task::spawn_blocking(move || f(&cat)).await {
             Ok(r) => r,
-            Err(e) => Err(CatalogError::Precondition(format!("internal task failed: {e}"))),
+            // A panic is the service's fault: INTERNAL, never a precondition the caller
+            // could fix.
+            Err(e) => Err(CatalogError::Internal(format!("internal task failed: {e}"))),
         }
     }
 
@@ -101,20 +106,21 @@ pub fn to_status(e: CatalogError) -> Status {
             tracing::error!(table, "corrupt metadata record: {reason}");
             Status::data_loss(format!("corrupt metadata record in {table}: {reason}"))
         }
+        CatalogError::Internal(m) => {
+            tracing::error!("{m}");
+            Status::internal(m)
+        }
     }
 }
 
-fn principal<T>(req: &Request<T>) -> Principal {
-    // The auth layer puts a principal on every request it lets through; a request that
-    // arrives without one was not authenticated, so it gets the least trust.
-    req.extensions()
-        .get::<Principal>()
-        .cloned()
-        .unwrap_or_else(|| Principal {
-            name: "unauthenticated".into(),
-            role: Some(crate::auth::Role::Reader),
-            grant: None,
-        })
+fn principal<T>(req: &Request<T>) -> Result<Principal, Status> {
+    // The auth layer puts a principal on every request it lets through. A request without
+    // one reached a handler around it (a wiring mistake): it is refused, never served
+    // with some default trust.
+    req.extensions().get::<Principal>().cloned().ok_or_else(|| {
+        tracing::error!("a call reached the service without passing the auth layer; refused");
+        Status::internal("this call was not authenticated (a server wiring fault); refused")
+    })
 }
 
 /// A node-role caller acts only for the node its token is named after: a token leaked
@@ -148,7 +154,7 @@ type Res<T> = Result<Response<T>, Status>;
 #[tonic::async_trait]
 impl pb::metadata_server::Metadata for MetadataService {
     async fn get_cluster_info(&self, req: Request<pb::GetClusterInfoRequest>) -> Res<pb::ClusterInfo> {
-        let p = principal(&req);
+        let p = principal(&req)?;
         let open_sessions = self.run(|c| c.open_sessions()).await.map_err(to_status)?;
         let (members, leader, member) = self.group.as_ref().map(|g| g.info()).unwrap_or_default();
         Ok(Response::new(pb::ClusterInfo {
@@ -163,18 +169,18 @@ impl pb::metadata_server::Metadata for MetadataService {
             open_sessions,
             caller_role: p.role_name().to_string(),
             caller_name: p.name,
-            grant_keys: vec![self.grant_key.public().to_vec()],
+            grant_keys: self.grant_keys.verifying(),
             now_unix_ms: locus_proto::grant::now_ms(),
         }))
     }
 
     async fn issue_grant(&self, req: Request<pb::IssueGrantRequest>) -> Res<pb::IssueGrantResponse> {
-        let p = principal(&req);
+        let p = principal(&req)?;
         self.grant(p, req.into_inner()).await.map(Response::new)
     }
 
     async fn register_node(&self, req: Request<pb::RegisterNodeRequest>) -> Res<pb::RegisterNodeResponse> {
-        let p = principal(&req);
+        let p = principal(&req)?;
         let reg = NodeRegistration::try_from(req.into_inner())?;
         let id = reg.id.clone();
         let target = format!("{id} at {}", reg.address);
@@ -210,11 +216,12 @@ impl pb::metadata_server::Metadata for MetadataService {
         tracing::info!(node = %id, "node registered");
         Ok(Response::new(pb::RegisterNodeResponse {
             liveness_timeout_ms: self.catalog.config().liveness_timeout.as_millis() as u64,
+            grant_keys: self.grant_keys.verifying(),
         }))
     }
 
     async fn heartbeat(&self, req: Request<pb::HeartbeatRequest>) -> Res<pb::HeartbeatResponse> {
-        let p = principal(&req);
+        let p = principal(&req)?;
         let r = req.into_inner();
         let id = NodeId::try_from(r.id)?;
         check_node_caller(&p, &id)?;
@@ -223,7 +230,7 @@ impl pb::metadata_server::Metadata for MetadataService {
             self.run(move |c| c.release_node(&id, &instance))
                 .await
                 .map_err(to_status)?;
-            return Ok(Response::new(pb::HeartbeatResponse {}));
+            return Ok(Response::new(pb::HeartbeatResponse::default()));
         }
         let st = crate::catalog::NodeStats {
             free: r.free_bytes,
@@ -240,7 +247,9 @@ impl pb::metadata_server::Metadata for MetadataService {
         self.run(move |c| c.heartbeat(&id, &instance, st))
             .await
             .map_err(to_status)?;
-        Ok(Response::new(pb::HeartbeatResponse {}))
+        Ok(Response::new(pb::HeartbeatResponse {
+            grant_keys: self.grant_keys.verifying(),
+        }))
     }
 
     async fn list_nodes(&self, _req: Request<pb::ListNodesRequest>) -> Res<pb::ListNodesResponse> {
@@ -249,7 +258,7 @@ impl pb::metadata_server::Metadata for MetadataService {
     }
 
     async fn drain_node(&self, req: Request<pb::DrainNodeRequest>) -> Res<pb::DrainNodeResponse> {
-        let p = principal(&req);
+        let p = principal(&req)?;
         let q = req.into_inner();
         let id = NodeId::try_from(q.id)?;
         let target = id.to_string();
@@ -266,7 +275,7 @@ impl pb::metadata_server::Metadata for MetadataService {
         &self,
         req: Request<pb::ListNodeBlobsRequest>,
     ) -> Res<pb::ListNodeBlobsResponse> {
-        let p = principal(&req);
+        let p = principal(&req)?;
         let q = req.into_inner();
         let id = NodeId::try_from(q.node)?;
         check_node_caller(&p, &id)?;
@@ -329,10 +338,13 @@ impl pb::metadata_server::Metadata for MetadataService {
                 .hashes
                 .into_iter()
                 .zip(found)
-                .map(|(hash, (nodes, addresses))| pb::BlobLocation {
+                .map(|(hash, (nodes, addresses, size))| pb::BlobLocation {
                     hash,
                     nodes,
                     addresses,
+                    size: size.map_or(0, |s| s.0),
+                    chunk_size: size.map_or(0, |s| s.1),
+                    known: size.is_some(),
                 })
                 .collect(),
         }))
@@ -373,7 +385,7 @@ impl pb::metadata_server::Metadata for MetadataService {
         std::pin::Pin<Box<dyn tokio_stream::Stream<Item = Result<pb::WarmProgress, Status>> + Send>>;
 
     async fn warm(&self, req: Request<pb::WarmRequest>) -> Res<Self::WarmStream> {
-        let who = principal(&req);
+        let who = principal(&req)?;
         let q = req.into_inner();
         let r = version_ref(q.r#ref)?;
         for n in &q.nodes {
@@ -410,8 +422,13 @@ impl pb::metadata_server::Metadata for MetadataService {
         }
         let (tx, rx) = tokio::sync::mpsc::channel(64);
         let catalog = self.catalog.clone();
-        let token = self.node_token.clone();
-        tokio::spawn(crate::repair::warm(catalog, token, plan, tx));
+        tokio::spawn(crate::repair::warm(
+            catalog,
+            self.orders.clone(),
+            who.name.clone(),
+            plan,
+            tx,
+        ));
         Ok(Response::new(Box::pin(
             tokio_stream::wrappers::ReceiverStream::new(rx),
         )))
@@ -421,7 +438,7 @@ impl pb::metadata_server::Metadata for MetadataService {
         std::pin::Pin<Box<dyn tokio_stream::Stream<Item = Result<pb::CatalogChunk, Status>> + Send>>;
 
     async fn export_catalog(&self, req: Request<pb::ExportCatalogRequest>) -> Res<Self::ExportCatalogStream> {
-        let who = principal(&req);
+        let who = principal(&req)?;
         let (tx, rx) = tokio::sync::mpsc::channel::<Result<pb::CatalogChunk, Status>>(4);
         let catalog = self.catalog.clone();
         let audit = self.audit.clone();
@@ -453,15 +470,15 @@ impl pb::metadata_server::Metadata for MetadataService {
     }
 
     async fn record_backup(&self, req: Request<pb::RecordBackupRequest>) -> Res<pb::RecordBackupResponse> {
-        let who = principal(&req);
+        let who = principal(&req)?;
         let q = req.into_inner();
         if q.url.is_empty() || q.url.len() > 1024 || q.url.contains('@') || q.url.contains('\0') {
             return Err(Status::invalid_argument(
                 "url: an object-store URL of at most 1 KiB, without credentials",
             ));
         }
-        let (url, snap) = (q.url.clone(), q.snapshot.clone());
-        let r = self.run(move |c| c.record_backup(&url, &snap)).await;
+        let (url, snap, restored) = (q.url.clone(), q.snapshot.clone(), q.restored);
+        let r = self.run(move |c| c.record_backup(&url, &snap, restored)).await;
         self.audit(&who, "record-backup", &q.url, &r, |_| {
             format!("snapshot {}", q.snapshot)
         });
@@ -540,7 +557,7 @@ impl pb::metadata_server::Metadata for MetadataService {
     }
 
     async fn delete_version(&self, req: Request<pb::DeleteVersionRequest>) -> Res<pb::DeleteVersionResponse> {
-        let p = principal(&req);
+        let p = principal(&req)?;
         let q = req.into_inner();
         let name = DatasetName::try_from(q.dataset)?;
         if q.version == 0 {
@@ -557,7 +574,7 @@ impl pb::metadata_server::Metadata for MetadataService {
     }
 
     async fn delete_dataset(&self, req: Request<pb::DeleteDatasetRequest>) -> Res<pb::DeleteDatasetResponse> {
-        let p = principal(&req);
+        let p = principal(&req)?;
         let name = DatasetName::try_from(req.into_inner().name)?;
         let target = name.to_string();
         let r = self.run(move |c| c.delete_dataset(&name)).await;
@@ -570,7 +587,7 @@ impl pb::metadata_server::Metadata for MetadataService {
     }
 
     async fn begin_version(&self, req: Request<pb::BeginVersionRequest>) -> Res<pb::BeginVersionResponse> {
-        let p = principal(&req);
+        let p = principal(&req)?;
         let q = req.into_inner();
         let name = DatasetName::try_from(q.dataset)?;
         let target = name.to_string();
@@ -621,7 +638,7 @@ impl pb::metadata_server::Metadata for MetadataService {
     }
 
     async fn commit_version(&self, req: Request<pb::CommitVersionRequest>) -> Res<pb::CommitVersionResponse> {
-        let p = principal(&req);
+        let p = principal(&req)?;
         let session = req.into_inner().session_id;
         let who = p.name.clone();
         let r = self.run(move |c| c.commit(session, &who)).await;
@@ -644,7 +661,7 @@ impl pb::metadata_server::Metadata for MetadataService {
     }
 
     async fn abort_version(&self, req: Request<pb::AbortVersionRequest>) -> Res<pb::AbortVersionResponse> {
-        let p = principal(&req);
+        let p = principal(&req)?;
         let session = req.into_inner().session_id;
         let r = self.run(move |c| c.abort(session)).await;
         self.audit(&p, "version.abort", &format!("session {session}"), &r, |_| {
@@ -658,11 +675,16 @@ impl pb::metadata_server::Metadata for MetadataService {
         self.members(req).await
     }
 
+    async fn grant_keys(&self, req: Request<pb::GrantKeysRequest>) -> Res<pb::GrantKeysResponse> {
+        let p = principal(&req)?;
+        self.keys(p, req.into_inner()).await.map(Response::new)
+    }
+
     async fn update_replicas(
         &self,
         req: Request<pb::UpdateReplicasRequest>,
     ) -> Res<pb::UpdateReplicasResponse> {
-        let p = principal(&req);
+        let p = principal(&req)?;
         let q = req.into_inner();
         let r = version_ref(q.r#ref)?;
         if r.version == VersionSel::Latest {

@@ -276,12 +276,22 @@ pub fn restore(
     store: &dyn KvStore,
     backup_url: &str,
     snapshot: &str,
+    cluster_id: Option<&str>,
 ) -> Result<RestoreStats> {
     let mut r = Reader::new(std::io::BufReader::with_capacity(1 << 20, input))?;
     let mut batch = Batch::default();
     let mut size = 0usize;
     let mut rows = 0u64;
     while let Some((t, k, v)) = r.next_row()? {
+        // The catalogue must be of the cluster its (signed) manifest names.
+        if let (Table::Meta, Some(want)) = (t, cluster_id) {
+            if k == keys::META_CLUSTER_ID && v != want.as_bytes() {
+                return Err(SnapshotError::Corrupt(format!(
+                    "the catalogue is cluster {}'s but its manifest names cluster {want}",
+                    String::from_utf8_lossy(&v)
+                )));
+            }
+        }
         // Every row is checked like the API input it once was before it is written; one
         // that fails leaves the restore (and its fresh directory) to be thrown away.
         crate::rows::check_row(t, &k, &v)
@@ -390,6 +400,8 @@ pub fn plan(input: impl Read) -> Result<Plan> {
 /// (its blobs read from the backup, or found on nodes that still hold them).
 #[derive(Debug, Clone, Default)]
 pub struct ExportedVersion {
+    /// The cluster whose catalogue it was exported from.
+    pub cluster_id: String,
     pub dataset: String,
     pub number: u64,
     pub origin: String,
@@ -428,6 +440,9 @@ pub fn version_from_export(input: impl Read, dataset: &str, number: Option<u64>)
             }
         }
         match t {
+            Table::Meta if k == keys::META_CLUSTER_ID => {
+                out.cluster_id = String::from_utf8_lossy(&v).into_owned();
+            }
             Table::Versions if k.starts_with(&prefix) && k.len() == prefix.len() + 8 => {
                 let n = keys::version_number(&k).unwrap_or(0);
                 if number.is_none_or(|want| want == n) && found.as_ref().is_none_or(|(m, _)| n > *m) {

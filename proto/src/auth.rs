@@ -27,6 +27,11 @@ pub enum Role {
     Node,
     /// Mount, locality, listings.
     Reader,
+    /// A member of a replicated metadata group, on the other members' raft ports and
+    /// nowhere else: it opens no call of the Metadata API, and no other role opens the
+    /// raft port, so a member token that leaks grants no admin, and an admin token that
+    /// leaks cannot feed a member log entries.
+    Member,
     /// A grant the metadata service signed (`crate::grant`): never in a token file.
     #[serde(skip)]
     Grant,
@@ -38,6 +43,7 @@ impl Role {
             Role::Admin => "admin",
             Role::Node => "node",
             Role::Reader => "reader",
+            Role::Member => "member",
             Role::Grant => "grant",
         }
     }
@@ -81,17 +87,27 @@ pub enum Access {
     /// Only a grant whose operation allows the method: no token opens it, so an admin
     /// token need never be sent to a node.
     Grant,
+    /// Only a metadata group member's token (the raft port).
+    Member,
+    /// No credential at all, even where tokens are configured: for the one call a peer
+    /// must answer before it is sent any (a group member's Hello, which proves the
+    /// answerer is a member before the asker presents its token). Such a call must
+    /// reveal nothing a stranger may not know and change nothing.
+    Open,
 }
 
 /// Whether a token of `role` opens a method needing `access`. Grants are decided by the
 /// policy (`Policy::grant`), never here.
 pub fn allows(role: Role, access: Access) -> bool {
     match access {
-        Access::Any | Access::Read => role != Role::Grant,
+        // A member token is for the raft port only; a grant for the node API only.
+        Access::Any | Access::Read => matches!(role, Role::Admin | Role::Node | Role::Reader),
         Access::Node | Access::NodeOrGrant => role == Role::Node,
         Access::Admin => role == Role::Admin,
         Access::NodeOrAdmin => matches!(role, Role::Node | Role::Admin),
         Access::Grant => false,
+        Access::Member => role == Role::Member,
+        Access::Open => true,
     }
 }
 
@@ -255,6 +271,13 @@ pub fn check(
             "unknown_method",
         ));
     };
+    if access == Access::Open {
+        return Ok(Principal {
+            name: "unauthenticated".into(),
+            role: None,
+            grant: None,
+        });
+    }
     let secret = match authorization.and_then(|h| h.strip_prefix(b"Bearer ")) {
         Some(s) => s,
         None => {
@@ -276,21 +299,21 @@ pub fn check(
             )),
         };
     }
-    let Some(p) = tokens.authenticate(secret) else {
-        return Err((Status::unauthenticated("the token is not valid"), "bad_token"));
-    };
-    let role = p.role.expect("configured tokens always have a role");
     if access == Access::Grant {
+        // Said before any token is looked at: a node has no tokens to compare with, and
+        // the caller learns nothing about the token it sent.
         return Err((
             Status::permission_denied(format!(
-                "{method} takes a grant from the metadata service, not a token ({} has role {}); \
-                 locus asks for one itself",
-                p.name,
-                role.as_str()
+                "{method} takes a grant from the metadata service, not a token; locus asks for \
+                 one itself"
             )),
             "denied",
         ));
     }
+    let Some(p) = tokens.authenticate(secret) else {
+        return Err((Status::unauthenticated("the token is not valid"), "bad_token"));
+    };
+    let role = p.role.expect("configured tokens always have a role");
     if !allows(role, access) {
         return Err((
             Status::permission_denied(format!(

@@ -17,7 +17,7 @@ pub const ENTRY_PAGE_BYTES: usize = 4 * 1024 * 1024;
 pub const SHARD_PAGE_LEN: usize = 10_000;
 
 /// How to reach the metadata service.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct ClientOptions {
     /// `http://host:port` or `https://host:port`.
     pub url: String,
@@ -25,6 +25,18 @@ pub struct ClientOptions {
     /// PEM of the CA that signed the server's certificate, for `https://` URLs.
     pub ca_cert_pem: Option<Vec<u8>>,
     pub connect_timeout: Duration,
+}
+
+impl std::fmt::Debug for ClientOptions {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // Never the token: Debug output ends up in logs and panic messages.
+        f.debug_struct("ClientOptions")
+            .field("url", &self.url)
+            .field("token", &self.token.as_ref().map(|_| "<redacted>"))
+            .field("ca_cert_pem", &self.ca_cert_pem.as_ref().map(|p| p.len()))
+            .field("connect_timeout", &self.connect_timeout)
+            .finish()
+    }
 }
 
 impl ClientOptions {
@@ -109,6 +121,24 @@ type BoxError = Box<dyn std::error::Error + Send + Sync>;
 pub const MEMBER_ANSWER_TIMEOUT: Duration = Duration::from_secs(15);
 type BoxFuture<T> = std::pin::Pin<Box<dyn std::future::Future<Output = T> + Send>>;
 
+/// How often a client pings the metadata service, and how long a ping may go unanswered.
+pub const PING_EVERY: Duration = Duration::from_secs(2);
+pub const PING_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// A call that failed because the service stopped answering, said as such.
+fn not_answering(url: &str, e: tonic::transport::Error) -> BoxError {
+    let chain = error_chain(&e);
+    if chain.contains("keep-alive timed out") || chain.contains("ping timeout") {
+        // A Status, so callers see UNAVAILABLE (retryable), not UNKNOWN.
+        return Box::new(tonic::Status::unavailable(format!(
+            "the metadata service at {url} is not answering: the connection is open but nothing \
+             came back for {} s (the process is stopped, frozen or its host is overloaded)",
+            (PING_EVERY + PING_TIMEOUT).as_secs()
+        )));
+    }
+    e.into()
+}
+
 /// Whether a channel error means the request never reached the member.
 fn not_delivered(e: &tonic::transport::Error) -> bool {
     let chain = error_chain(e).to_ascii_lowercase();
@@ -131,9 +161,11 @@ impl tower::Service<http::Request<tonic::body::Body>> for MetaChannel {
         let current = self.current.clone();
         Box::pin(async move {
             if members.len() == 1 {
-                let mut ch = members[0].1.clone();
-                ch.ready().await?;
-                return Ok(tower::Service::call(&mut ch, req).await?);
+                let (url, mut ch) = (members[0].0.clone(), members[0].1.clone());
+                ch.ready().await.map_err(|e| not_answering(&url, e))?;
+                return tower::Service::call(&mut ch, req)
+                    .await
+                    .map_err(|e| not_answering(&url, e));
             }
             let (parts, body) = req.into_parts();
             let body = http_body_util::BodyExt::collect(body).await?.to_bytes();
@@ -177,7 +209,7 @@ impl tower::Service<http::Request<tonic::body::Body>> for MetaChannel {
                     }
                     Err(e) => {
                         current.store(next, std::sync::atomic::Ordering::Relaxed);
-                        return Err(e.into());
+                        return Err(not_answering(&members[idx].0, e));
                     }
                 }
             }
@@ -270,7 +302,15 @@ fn endpoint(url: &str, opts: &ClientOptions) -> Result<Endpoint, ClientError> {
         .map_err(|_| ClientError::BadUrl(url.to_string()))?
         .connect_timeout(opts.connect_timeout)
         .tcp_nodelay(true)
-        .http2_keep_alive_interval(Duration::from_secs(30));
+        // A service that stopped answering (SIGSTOP, a frozen VM, a hung host) keeps its
+        // connections open, so only pings tell: unanswered for PING_TIMEOUT after one
+        // sent every PING_EVERY, the connection is given up and the call fails with a
+        // sentence (`not_answering`), in seconds rather than HTTP/2's default 50. A
+        // service that is merely busy answers pings from its connection task while a long
+        // call runs, so slow work is never cut.
+        .http2_keep_alive_interval(PING_EVERY)
+        .keep_alive_timeout(PING_TIMEOUT)
+        .keep_alive_while_idle(true);
     if tls {
         ep = ep
             .tls_config(crate::tls::client_config(opts.ca_cert_pem.as_deref())?)
@@ -497,5 +537,29 @@ pub async fn list_all_entries(
             return Ok((resp.version, out));
         }
         token = resp.next_page_token;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Debug output goes to logs and panic messages: it must never carry a secret.
+    #[test]
+    fn debug_output_never_shows_a_secret() {
+        let o = ClientOptions::new("http://x:1").with_token(Some("a-secret-token-value".into()));
+        assert!(!format!("{o:?}").contains("a-secret-token-value"));
+        let t = crate::tls::ServerTls {
+            cert_pem: b"CERT".to_vec(),
+            key_pem: b"PRIVATE-KEY-BYTES".to_vec(),
+            client_ca_pem: None,
+        };
+        assert!(!format!("{t:?}").contains("PRIVATE-KEY-BYTES"));
+        let c = crate::tls::ClientTls {
+            ca_pem: None,
+            identity: Some((b"CERT".to_vec(), b"PRIVATE-KEY-BYTES".to_vec())),
+            insecure: false,
+        };
+        assert!(!format!("{c:?}").contains("PRIVATE-KEY-BYTES"));
     }
 }

@@ -75,6 +75,13 @@ impl Op {
     }
 }
 
+/// Bytes from the system's cryptographic random source (challenges, nonces).
+pub fn random_bytes<const N: usize>() -> [u8; N] {
+    let mut b = [0u8; N];
+    aws_lc_rs::rand::fill(&mut b).expect("the system's random source works");
+    b
+}
+
 /// Milliseconds since the Unix epoch, now.
 pub fn now_ms() -> u64 {
     SystemTime::now()
@@ -182,6 +189,19 @@ impl Verifier {
     /// The cluster this node belongs to and the service's grant keys.
     pub fn set(&self, cluster_id: &str, keys: Vec<Vec<u8>>) {
         *self.state.write().unwrap_or_else(|p| p.into_inner()) = (cluster_id.to_string(), keys);
+    }
+
+    /// New grant keys for the cluster already set (a rotation, as heartbeat answers carry
+    /// it). An empty list (a service that sends none) changes nothing.
+    pub fn set_keys(&self, keys: Vec<Vec<u8>>) {
+        if keys.is_empty() {
+            return;
+        }
+        let mut st = self.state.write().unwrap_or_else(|p| p.into_inner());
+        if st.1 != keys {
+            tracing::info!(keys = keys.len(), "grant keys changed");
+            st.1 = keys;
+        }
     }
 
     /// Checks `token` (the bearer token, `lg1.…`) for a call of `method` at `now_ms`.
@@ -313,6 +333,79 @@ impl Grants {
         let grant = fresh.grant.clone();
         self.held.lock().await.insert(key, fresh);
         Ok(Some(grant))
+    }
+}
+
+impl Grants {
+    /// Forgets the grant held for (`node`, `op`, `target`): the next `get` asks for a new
+    /// one (a node refused the one in hand: its key was revoked, or the node's clock is
+    /// off).
+    pub async fn forget(&self, node: &str, op: Op, target: &str) {
+        self.held
+            .lock()
+            .await
+            .remove(&(node.to_string(), op, target.to_string()));
+    }
+}
+
+/// Node connections, one per (address, operation, target), each presenting the grant for
+/// its scope and made anew when that grant is renewed: what every client of nodes (an
+/// import, a backup, a mount's remote reads, a node copying from a peer) keeps, so none
+/// ever sends a node its own token.
+pub struct NodeLinks {
+    grants: Grants,
+    /// By (address, operation, target): the grant the connection presents, and it.
+    links:
+        tokio::sync::Mutex<std::collections::HashMap<LinkScope, (Option<String>, crate::client::NodeClient)>>,
+}
+
+/// (address, operation, target).
+type LinkScope = (String, Op, String);
+
+impl NodeLinks {
+    pub fn new(grants: Grants) -> Self {
+        NodeLinks {
+            grants,
+            links: Default::default(),
+        }
+    }
+
+    /// A connection to the node at `addr` presenting a grant for `op` on `target`, issued
+    /// for node id `node` ("*": a read grant every node accepts).
+    pub async fn get(
+        &self,
+        node: &str,
+        addr: &str,
+        op: Op,
+        target: &str,
+        connect_timeout: Duration,
+    ) -> Result<crate::client::NodeClient, String> {
+        let grant = self
+            .grants
+            .get(node, op, target)
+            .await
+            .map_err(|s| format!("no {} grant for node {node}: {}", op.as_str(), s.message()))?;
+        let key = (addr.to_string(), op, target.to_string());
+        if let Some((g, c)) = self.links.lock().await.get(&key) {
+            if *g == grant {
+                return Ok(c.clone());
+            }
+        }
+        let c = crate::client::connect_node(addr, grant.as_deref(), connect_timeout)
+            .await
+            .map_err(|e| e.to_string())?;
+        self.links.lock().await.insert(key, (grant, c.clone()));
+        Ok(c)
+    }
+
+    /// After a node refused the grant (UNAUTHENTICATED): drops it and its connection, so
+    /// the next `get` presents a fresh one.
+    pub async fn refused(&self, node: &str, addr: &str, op: Op, target: &str) {
+        self.grants.forget(node, op, target).await;
+        self.links
+            .lock()
+            .await
+            .remove(&(addr.to_string(), op, target.to_string()));
     }
 }
 

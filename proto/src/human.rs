@@ -31,8 +31,14 @@ pub fn parse_size(s: &str) -> Result<u64, InvalidInput> {
         _ => return Err(bad()),
     };
     let v = n * mult as f64;
-    if !v.is_finite() || v < 0.0 || v > u64::MAX as f64 {
+    if !v.is_finite() || v < 0.0 {
         return Err(bad());
+    }
+    if v > u64::MAX as f64 {
+        return Err(InvalidInput::new(
+            "size",
+            format!("{s:?} is too large (at most 16 EiB)"),
+        ));
     }
     Ok(v.round() as u64)
 }
@@ -52,23 +58,40 @@ pub fn format_size(bytes: u64) -> String {
     format!("{v:.1} {}", UNITS[i])
 }
 
-/// Parses a duration: `250ms`, `30s`, `5m`, `2h`, `1d`; a bare number is seconds.
+/// Parses a duration: `250ms`, `30s`, `5m`, `2h`, `1d`, or several summed (`1h30m`,
+/// `2m30s`); a bare number is seconds.
 pub fn parse_duration(s: &str) -> Result<std::time::Duration, InvalidInput> {
-    let t = s.trim();
-    let split = t
-        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
-        .unwrap_or(t.len());
-    let (num, unit) = t.split_at(split);
-    let bad = || InvalidInput::new("duration", format!("{s:?} is not a duration such as 30s or 5m"));
-    let n: f64 = num.parse().map_err(|_| bad())?;
-    let secs = match unit.trim() {
-        "ms" => n / 1000.0,
-        "" | "s" => n,
-        "m" | "min" => n * 60.0,
-        "h" => n * 3600.0,
-        "d" => n * 86400.0,
-        _ => return Err(bad()),
+    let bad = || {
+        InvalidInput::new(
+            "duration",
+            format!("{s:?} is not a duration such as 30s, 5m or 1h30m"),
+        )
     };
+    let mut rest = s.trim();
+    if rest.is_empty() {
+        return Err(bad());
+    }
+    let mut secs = 0.0f64;
+    while !rest.is_empty() {
+        let split = rest
+            .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+            .unwrap_or(rest.len());
+        let (num, after) = rest.split_at(split);
+        let n: f64 = num.parse().map_err(|_| bad())?;
+        let unit_len = after
+            .find(|c: char| c.is_ascii_digit() || c == '.')
+            .unwrap_or(after.len());
+        let (unit, next) = after.split_at(unit_len);
+        secs += match unit.trim() {
+            "ms" => n / 1000.0,
+            "" | "s" => n,
+            "m" | "min" => n * 60.0,
+            "h" => n * 3600.0,
+            "d" => n * 86400.0,
+            _ => return Err(bad()),
+        };
+        rest = next.trim_start();
+    }
     std::time::Duration::try_from_secs_f64(secs).map_err(|_| bad())
 }
 
@@ -136,6 +159,13 @@ mod tests {
         assert_eq!(parse_duration("1.5h").unwrap(), Duration::from_secs(5400));
         assert!(parse_duration("soon").is_err());
         assert!(parse_duration("5 fortnights").is_err());
+        // Several units summed, as people write them.
+        assert_eq!(parse_duration("1h30m").unwrap(), Duration::from_secs(5400));
+        assert_eq!(parse_duration("2m 30s").unwrap(), Duration::from_secs(150));
+        assert_eq!(parse_duration("1s500ms").unwrap(), Duration::from_millis(1500));
+        assert!(parse_duration("").is_err());
+        assert!(parse_duration("1h30x").is_err());
+        assert!(parse_duration("h").is_err());
     }
 
     #[test]
@@ -164,7 +194,8 @@ mod tests {
         // 16 EiB is one byte past u64 and is read as u64::MAX (what `format_size` prints
         // for it); anything larger is refused.
         assert_eq!(parse_size("16EiB").unwrap(), u64::MAX);
-        assert!(parse_size("17EiB").is_err(), "past u64");
+        let e = parse_size("17EiB").unwrap_err();
+        assert!(e.reason.contains("too large"), "past u64: {e:?}");
     }
 
     #[test]

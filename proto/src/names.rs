@@ -152,6 +152,9 @@ impl FromStr for DatasetRef {
                 (name, VersionSel::Number(n))
             }
         };
+        if name.is_empty() {
+            return Err(InvalidInput::new("name", "no dataset name before '@'"));
+        }
         Ok(DatasetRef {
             name: DatasetName::try_from(name)?,
             version,

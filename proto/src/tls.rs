@@ -20,7 +20,7 @@ use std::sync::OnceLock;
 use tonic::transport::{Certificate, ClientTlsConfig, Identity, ServerTlsConfig};
 
 /// How this process connects as a client.
-#[derive(Debug, Clone, Default)]
+#[derive(Clone, Default)]
 pub struct ClientTls {
     /// The cluster CA (PEM): what `https://` servers' certificates must chain to.
     pub ca_pem: Option<Vec<u8>>,
@@ -105,13 +105,37 @@ pub fn check_plaintext(url: &str, has_token: bool) -> Result<(), crate::client::
     Err(crate::client::ClientError::PlaintextToken(url.to_string()))
 }
 
+impl std::fmt::Debug for ClientTls {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ClientTls")
+            .field("ca_pem_bytes", &self.ca_pem.as_ref().map(|p| p.len()))
+            .field(
+                "identity",
+                &self.identity.as_ref().map(|_| "<certificate and redacted key>"),
+            )
+            .field("insecure", &self.insecure)
+            .finish()
+    }
+}
+
 /// A daemon's TLS: its certificate and key, and the CA client certificates must chain to
 /// when mutual TLS is on.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct ServerTls {
     pub cert_pem: Vec<u8>,
     pub key_pem: Vec<u8>,
     pub client_ca_pem: Option<Vec<u8>>,
+}
+
+impl std::fmt::Debug for ServerTls {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // The private key never: Debug output ends up in logs.
+        f.debug_struct("ServerTls")
+            .field("cert_pem_bytes", &self.cert_pem.len())
+            .field("key_pem", &"<redacted>")
+            .field("mutual", &self.client_ca_pem.is_some())
+            .finish()
+    }
 }
 
 impl ServerTls {

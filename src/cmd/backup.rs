@@ -170,6 +170,10 @@ pub struct RestoreArgs {
     /// With --dataset: replicas of every shard [default: as the version had].
     #[arg(long, value_name = "R", requires = "dataset")]
     pub replicas: Option<u32>,
+    /// With --dataset: the snapshot may be of another cluster (bringing a version over
+    /// on purpose); without it such a snapshot is refused.
+    #[arg(long, requires = "dataset")]
+    pub from_other_cluster: bool,
     #[command(flatten)]
     pub trust: TrustArgs,
 }
@@ -427,28 +431,31 @@ async fn gc(a: GcArgs, cfg: &Resolved) -> anyhow::Result<()> {
 pub async fn restore(a: RestoreArgs, cfg: &Resolved) -> anyhow::Result<()> {
     let dir = a.data_dir.clone().map(crate::absolute);
     if let Some(dir) = &dir {
-        if let Ok(mut rd) = std::fs::read_dir(dir) {
-            if rd.next().is_some() {
-                bail!(
-                    "{} is not empty: restore only into a new or empty data dir (nothing was changed)",
-                    dir.display()
-                );
-            }
+        // Said before anything is downloaded (ops::restore checks it again, for every
+        // caller).
+        if std::fs::read_dir(dir).is_ok_and(|mut rd| rd.next().is_some()) {
+            bail!(
+                "{} is not empty: restore only into a new or empty data dir (nothing was changed)",
+                dir.display()
+            );
         }
     }
     let t = Target::open(&a.from)?;
     let trust = a.trust.trust(cfg)?;
-    let (snapshot, manifest, file) = ops::restore::fetch_catalog(&t, a.snapshot.as_deref()).await?;
-    // Before a single row is used: the catalogue is covered by the manifest's hash.
-    if let locus_backup::sign::Checked::Unchecked(why) = trust.check(&t, &snapshot, &manifest).await? {
-        eprintln!("warning: snapshot {snapshot} is {why}; restoring it anyway (--allow-unsigned)");
+    let fetched = ops::restore::fetch_catalog(&t, a.snapshot.as_deref(), &trust).await?;
+    if let locus_backup::sign::Checked::Unchecked(why) = &fetched.checked {
+        eprintln!(
+            "warning: snapshot {} is {why}; restoring it anyway (--allow-unsigned)",
+            fetched.id
+        );
     }
     let Some(dir) = dir else {
-        return restore_version(&a, cfg, &t, &snapshot, file).await;
+        return restore_version(&a, cfg, &t, fetched).await;
     };
-    let st = ops::restore::restore_catalog(file, &dir, &t.url, &snapshot)
+    let (snapshot, manifest) = (fetched.id.clone(), fetched.manifest.clone());
+    let st = ops::restore::restore_catalog(fetched, &dir, &t.url)
         .await
-        .context("restore failed; the data dir was left empty")?;
+        .context("restore failed; the data dir was left as it was")?;
     let versions: usize = manifest.datasets.iter().map(|d| d.versions.len()).sum();
     if cfg.json {
         return output::json(&serde_json::json!({
@@ -484,8 +491,7 @@ async fn restore_version(
     a: &RestoreArgs,
     cfg: &Resolved,
     t: &Target,
-    snapshot: &str,
-    file: std::fs::File,
+    fetched: ops::restore::Fetched,
 ) -> anyhow::Result<()> {
     let started = Instant::now();
     let want = a.dataset.clone().unwrap_or_default();
@@ -497,7 +503,17 @@ async fn restore_version(
         locus_proto::VersionSel::Latest => None,
         locus_proto::VersionSel::Number(n) => Some(n),
     };
-    let (v, scanned) = ops::restore::read_version(t, file, &name, number).await?;
+    let snapshot = fetched.id.clone();
+    let snapshot = snapshot.as_str();
+    let mut m = cfg.connect().await?;
+    let cluster_id = m
+        .get_cluster_info(pb::GetClusterInfoRequest {})
+        .await
+        .map_err(|s| anyhow::anyhow!("{}", ops::status_sentence(&s)))?
+        .into_inner()
+        .cluster_id;
+    let (v, scanned) =
+        ops::restore::read_version(t, fetched, &name, number, &cluster_id, a.from_other_cluster).await?;
     let o = ops::import::ImportOptions {
         name: a.as_name.clone().unwrap_or_else(|| name.clone()),
         source: t.url.clone(),
@@ -520,7 +536,6 @@ async fn restore_version(
             v.dataset, v.number, o.name
         );
     }
-    let m = cfg.connect().await?;
     let cluster: std::sync::Arc<dyn ops::cluster::ImportCluster> =
         std::sync::Arc::new(ops::cluster::GrpcCluster::new(m.clone(), cfg.token.clone()));
     let report = ops::import::commit_scanned(
@@ -535,13 +550,9 @@ async fn restore_version(
     )
     .await?;
     super::import::print_report(&report, cfg)?;
-    // The backup is now a source for this version's blobs too.
-    let _ = m
-        .clone()
-        .record_backup(pb::RecordBackupRequest {
-            url: t.url.clone(),
-            snapshot: snapshot.to_string(),
-        })
-        .await;
+    // The backup is now a source for this version's blobs too (not a fresh backup).
+    if let Err(e) = ops::restore::record_source(&mut m, &t.url, snapshot).await {
+        eprintln!("warning: could not record {} as a source of blobs: {e}", t.url);
+    }
     Ok(())
 }

@@ -388,7 +388,7 @@ fn cstr(p: &Path) -> std::io::Result<std::ffi::CString> {
         .map_err(|_| std::io::Error::other("a path with a NUL byte"))
 }
 
-/// Bind-mounts `src` on `dst`, then makes that bind read-only.
+/// Bind-mounts `src` on `dst`, then makes that bind read-only, nosuid and nodev.
 #[allow(unsafe_code)]
 fn bind_read_only(src: &Path, dst: &Path) -> std::io::Result<()> {
     let (s, d) = (cstr(src)?, cstr(dst)?);
@@ -404,7 +404,11 @@ fn bind_read_only(src: &Path, dst: &Path) -> std::io::Result<()> {
         {
             return Err(std::io::Error::last_os_error());
         }
-        let flags = libc::MS_BIND | libc::MS_REMOUNT | libc::MS_RDONLY;
+        // A remount of a bind sets the flags given and clears the rest: without NOSUID
+        // and NODEV here the pod's view would honour setuid bits and device files the
+        // shared mount refuses (a setuid-root binary in a dataset would make whoever
+        // runs it in the pod root).
+        let flags = libc::MS_BIND | libc::MS_REMOUNT | libc::MS_RDONLY | libc::MS_NOSUID | libc::MS_NODEV;
         if libc::mount(
             std::ptr::null(),
             d.as_ptr(),

@@ -21,8 +21,8 @@ pub struct ImportArgs {
     /// GOOGLE_SERVICE_ACCOUNT / GOOGLE_APPLICATION_CREDENTIALS, AZURE_STORAGE_ACCOUNT_NAME
     /// and AZURE_STORAGE_ACCOUNT_KEY (AZURE_STORAGE_USE_EMULATOR for Azurite).
     pub source: String,
-    /// Replicas of every shard, on distinct hosts.
-    #[arg(long, default_value_t = 2)]
+    /// Replicas of every shard, on distinct hosts (1 to 16).
+    #[arg(long, default_value_t = 2, allow_negative_numbers = true, value_parser = clap::value_parser!(u32).range(1..=16))]
     pub replicas: u32,
     /// Target shard size: files are grouped in path order into shards of about this many
     /// bytes; a larger file is a shard of its own.

@@ -22,6 +22,31 @@ pub enum MetadataCmd {
     /// snapshot and the log), then `promote NEW` (it votes from then on).
     #[command(subcommand)]
     Members(MembersCmd),
+    /// List or rotate the keys grants are signed with (admin).
+    ///
+    /// A rotated key is published to every node at once (heartbeat answers carry the
+    /// keys) and signs after --publish-delay; the old key keeps verifying until the
+    /// grants it signed have expired (at most an hour). If a key may have leaked, rotate
+    /// with --revoke: older keys stop verifying at once (clients get new grants).
+    ///
+    /// Example: locus metadata grant-keys rotate --publish-delay 2m
+    #[command(subcommand)]
+    GrantKeys(GrantKeysCmd),
+}
+
+#[derive(Subcommand, Debug)]
+pub enum GrantKeysCmd {
+    /// The keys, their state (signing, next, verifying) and when they sign from.
+    List,
+    /// Makes a new key; see `grant-keys --help`.
+    Rotate {
+        /// How long the new key is published before it signs.
+        #[arg(long, value_name = "DURATION", default_value = "60s")]
+        publish_delay: String,
+        /// Older keys stop verifying now (a key that leaked).
+        #[arg(long)]
+        revoke: bool,
+    },
 }
 
 #[derive(Subcommand, Debug)]
@@ -82,15 +107,6 @@ pub struct ServeArgs {
     /// How often under-replicated shards are looked for and repaired [default: 10s].
     #[arg(long, env = "LOCUS_REPAIR_INTERVAL", value_name = "DURATION")]
     pub repair_interval: Option<String>,
-    /// Token (role node or admin) the repair loop presents to cache nodes that check
-    /// tokens. Prefer the environment variable.
-    #[arg(
-        long,
-        env = "LOCUS_METADATA_NODE_TOKEN",
-        hide_env_values = true,
-        value_name = "TOKEN"
-    )]
-    pub node_token: Option<String>,
     /// Audit log file [default: DATA_DIR/audit.log].
     #[arg(long, env = "LOCUS_METADATA_AUDIT_LOG", value_name = "FILE")]
     pub audit_log: Option<PathBuf>,
@@ -107,15 +123,12 @@ pub struct ServeArgs {
     /// Without it the service runs alone.
     #[arg(long, env = "LOCUS_METADATA_CLUSTER", value_name = "MEMBERS", requires = "id")]
     pub cluster: Option<String>,
-    /// Token (role admin) this member presents on the other members' raft ports when
-    /// they check tokens. Prefer the environment variable.
-    #[arg(
-        long,
-        env = "LOCUS_METADATA_MEMBER_TOKEN",
-        hide_env_values = true,
-        value_name = "TOKEN"
-    )]
-    pub member_token: Option<String>,
+    /// File holding the group's member secret (mode 0600): a token of role "member" in
+    /// the tokens file, the same on every member. Members present it on each other's raft
+    /// ports, only after the other proved it holds it too; it opens nothing else. Or give
+    /// it in LOCUS_METADATA_MEMBER_TOKEN.
+    #[arg(long, env = "LOCUS_METADATA_MEMBER_TOKEN_FILE", value_name = "FILE")]
+    pub member_token_file: Option<PathBuf>,
     /// A group member without a heartbeat from the leader for this long (randomised up
     /// to twice it) starts an election.
     #[arg(long, value_name = "DURATION", default_value = "500ms")]
@@ -135,7 +148,51 @@ pub async fn run(cmd: MetadataCmd, cfg: &Resolved) -> anyhow::Result<()> {
     match cmd {
         MetadataCmd::Serve(a) => serve(*a, cfg).await,
         MetadataCmd::Members(m) => members(m, cfg).await,
+        MetadataCmd::GrantKeys(k) => grant_keys(k, cfg).await,
     }
+}
+
+async fn grant_keys(cmd: GrantKeysCmd, cfg: &Resolved) -> anyhow::Result<()> {
+    use crate::output::StatusExt;
+    use locus_proto::pb;
+    let mut c = cfg.connect().await?;
+    let req = match cmd {
+        GrantKeysCmd::List => pb::GrantKeysRequest {
+            op: "list".into(),
+            ..Default::default()
+        },
+        GrantKeysCmd::Rotate {
+            publish_delay,
+            revoke,
+        } => pb::GrantKeysRequest {
+            op: "rotate".into(),
+            publish_delay_ms: duration_arg("--publish-delay", &publish_delay)?.as_millis() as u64,
+            revoke,
+        },
+    };
+    let keys = c.grant_keys(req).await.or_status()?.keys;
+    if cfg.json {
+        return crate::output::json(&serde_json::json!(keys
+            .iter()
+            .map(|k| serde_json::json!({
+                "public_key": locus_proto::hex::encode(&k.public_key),
+                "state": k.state,
+                "created_unix_ms": k.created_unix_ms,
+                "signs_from_unix_ms": k.signs_from_unix_ms,
+                "retired_unix_ms": k.retired_unix_ms,
+            }))
+            .collect::<Vec<_>>()));
+    }
+    println!("{:<66} {:<10} SIGNS FROM", "PUBLIC KEY", "STATE");
+    for k in &keys {
+        println!(
+            "{:<66} {:<10} {}",
+            locus_proto::hex::encode(&k.public_key),
+            k.state,
+            crate::output::time(k.signs_from_unix_ms as i64)
+        );
+    }
+    Ok(())
 }
 
 async fn members(cmd: MembersCmd, cfg: &Resolved) -> anyhow::Result<()> {
@@ -201,6 +258,20 @@ async fn members(cmd: MembersCmd, cfg: &Resolved) -> anyhow::Result<()> {
         println!("(no leader right now: is a majority of the members running?)");
     }
     Ok(())
+}
+
+/// The member secret: from its file, else LOCUS_METADATA_MEMBER_TOKEN (never a flag).
+fn member_secret(file: Option<&std::path::Path>) -> anyhow::Result<Option<String>> {
+    let env = std::env::var("LOCUS_METADATA_MEMBER_TOKEN")
+        .ok()
+        .filter(|t| !t.trim().is_empty());
+    match (file, env) {
+        (Some(_), Some(_)) => anyhow::bail!(
+            "both --member-token-file and LOCUS_METADATA_MEMBER_TOKEN give the member secret; give one"
+        ),
+        (Some(p), None) => Ok(Some(crate::config::secret_file("--member-token-file", p)?)),
+        (None, env) => Ok(env),
+    }
 }
 
 fn addr(what: &str, s: &str) -> anyhow::Result<SocketAddr> {
@@ -273,14 +344,14 @@ async fn serve(a: ServeArgs, cfg: &Resolved) -> anyhow::Result<()> {
         },
         addr_file: a.addr_file,
         audit_log: a.audit_log.or(f.audit_log),
-        node_token: a.node_token,
         group: match (a.id, a.cluster) {
             (Some(me), Some(cluster)) => Some(locus_metadata::group::GroupConfig {
                 me,
                 members: locus_metadata::group::parse_cluster(&cluster)
                     .map_err(|e| anyhow::anyhow!("--cluster: {e}"))?,
                 raft_listen: None,
-                token: a.member_token,
+                token: member_secret(a.member_token_file.as_deref())?,
+                insecure: false,
                 election_timeout: flag_duration("--election-timeout", Some(a.election_timeout), "500ms")?,
                 snapshot_every: a.snapshot_every,
                 join: a.join,

@@ -48,6 +48,9 @@ pub struct MountArgs {
     /// run as root).
     #[arg(long)]
     pub allow_other: bool,
+    /// Mount even over a directory that has files in it (hidden while mounted).
+    #[arg(long)]
+    pub nonempty: bool,
     /// Who opens files. kernel: the kernel opens them by itself, with no round trip to
     /// the mount per open or close (the fastest for many small files); their pages are
     /// cached by the mount and nothing is passed through. mount: every open asks the
@@ -181,6 +184,10 @@ pub struct MountStatus {
     pub local_node: bool,
     pub started_unix_ms: u64,
     pub totals: locus_fuse::metrics::Totals,
+    /// The cluster the mount reads from ("" in older status files): `locus status` shows
+    /// only its own cluster's mounts.
+    #[serde(default)]
+    pub cluster_id: String,
 }
 
 mod holder;
@@ -234,6 +241,45 @@ fn check_mountpoint(p: &Path) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// A mountpoint with files in it would have them hidden for as long as the mount lasts.
+fn check_empty(p: &Path, nonempty: bool) -> anyhow::Result<()> {
+    let has = std::fs::read_dir(p)
+        .map(|mut d| d.next().is_some())
+        .unwrap_or(false);
+    if has && !nonempty {
+        bail!(
+            "mountpoint {} is not empty: the mount would hide its files until unmounted. Use an \
+             empty directory, or pass --nonempty to mount over them anyway",
+            p.display()
+        );
+    }
+    Ok(())
+}
+
+/// The local node's socket, asked for by name: it must be there and answer, or every read
+/// would silently go to remote replicas while the mount claimed to be local.
+fn check_node_socket(p: &Path) -> anyhow::Result<()> {
+    use std::os::unix::fs::FileTypeExt;
+    let md = std::fs::metadata(p).map_err(|e| {
+        anyhow::anyhow!(
+            "--node-socket {}: {e} (is the cache node running, with --local-socket {}?)",
+            p.display(),
+            p.display()
+        )
+    })?;
+    if !md.file_type().is_socket() {
+        bail!("--node-socket {} is not a socket", p.display());
+    }
+    std::os::unix::net::UnixStream::connect(p).map_err(|e| {
+        anyhow::anyhow!(
+            "--node-socket {}: nobody answers there ({e}); is the cache node running? \
+             (without --node-socket the mount reads from remote replicas only)",
+            p.display()
+        )
+    })?;
+    Ok(())
+}
+
 pub async fn run(a: MountArgs, cfg: &Resolved) -> anyhow::Result<()> {
     let mountpoint = crate::absolute(a.mountpoint.clone());
     parse_target(&a.target)?;
@@ -243,6 +289,10 @@ pub async fn run(a: MountArgs, cfg: &Resolved) -> anyhow::Result<()> {
         return serve(a, mountpoint, cfg).await;
     }
     check_mountpoint(&mountpoint)?;
+    check_empty(&mountpoint, a.nonempty)?;
+    if let Some(sock) = &a.node_socket {
+        check_node_socket(&crate::absolute(sock.clone()))?;
+    }
     if a.foreground || a.notify_ready {
         private_runtime_dir()?;
         holder::run(&mountpoint, a.notify_ready, cfg.token.as_deref()).await
@@ -333,6 +383,11 @@ async fn serve(a: MountArgs, mountpoint: PathBuf, cfg: &Resolved) -> anyhow::Res
         zone: labels.remove("zone"),
     };
     let mut client = cfg.connect().await?;
+    let cluster_id = client
+        .get_cluster_info(locus_proto::pb::GetClusterInfoRequest {})
+        .await
+        .map(|r| r.into_inner().cluster_id)
+        .unwrap_or_default();
     let loaded = locus_fuse::load(&mut client, &dataset, version, &place)
         .await
         .map_err(|e| anyhow::anyhow!("cannot load {}: {e}", a.target))?;
@@ -494,6 +549,7 @@ async fn serve(a: MountArgs, mountpoint: PathBuf, cfg: &Resolved) -> anyhow::Res
             local_node: a.node_socket.is_some(),
             started_unix_ms,
             totals: Default::default(),
+            cluster_id: cluster_id.clone(),
         };
         let path = status_path(&mountpoint);
         move || {
@@ -503,6 +559,7 @@ async fn serve(a: MountArgs, mountpoint: PathBuf, cfg: &Resolved) -> anyhow::Res
                 totals: metrics.totals(),
                 mountpoint: status.mountpoint.clone(),
                 dataset: status.dataset.clone(),
+                cluster_id: status.cluster_id.clone(),
                 ..status
             };
             if let Some(d) = path.parent() {

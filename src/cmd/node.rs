@@ -104,13 +104,26 @@ pub struct ServeArgs {
         default_value = "0"
     )]
     pub refill_rate: String,
+    /// A local directory this node may read as a `file://` origin: imports of it that
+    /// the node reads itself, and repairs of its versions when no replica is left.
+    /// Repeat for several. Without it the node reads no local directory for anyone (a
+    /// caller with an import grant could otherwise have it read /etc/shadow). Object
+    /// stores are not affected.
+    #[arg(
+        long,
+        env = "LOCUS_NODE_ORIGIN_ROOTS",
+        value_name = "DIR",
+        value_delimiter = ','
+    )]
+    pub origin_root: Vec<PathBuf>,
     /// Background re-verification rate per second (0 disables).
     #[arg(long, value_name = "SIZE", default_value = "64MiB")]
     pub scrub_rate: String,
-    /// Token file (same format as the metadata service's): the node and reader tokens
-    /// callers of this node's API may present; no admin token is needed (importers,
-    /// backups and mounts present grants the metadata service signs). The node presents
-    /// LOCUS_TOKEN to peers.
+    /// Not needed any more: a node accepts no token from callers, only grants the
+    /// metadata service signs (importers, backups, mounts, peers and the service's own
+    /// copy orders all present one), and it checks them as soon as it has a token of its
+    /// own (LOCUS_TOKEN or --token-file, role node, named after its id). A file given
+    /// here is still checked, and also turns grant checks on.
     #[arg(long, env = "LOCUS_NODE_TOKENS_FILE", value_name = "FILE")]
     pub tokens_file: Option<PathBuf>,
     #[command(flatten)]
@@ -191,6 +204,12 @@ async fn serve(a: ServeArgs, cfg: &Resolved) -> anyhow::Result<()> {
                 .with_context(|| format!("--http-listen {s:?} is not an address such as 127.0.0.1:7501"))?,
         ),
     };
+    let local_socket_gid = a.local_socket_group.as_deref().map(group_id).transpose()?;
+    // Whoever may use the local socket may read the blob files it hands out; no one else.
+    let readers_gid = a
+        .local_socket
+        .as_ref()
+        .map(|_| local_socket_gid.unwrap_or_else(|| nix::unistd::getegid().as_raw()));
     let config = locus_cache_node::NodeConfig {
         id,
         metadata,
@@ -198,20 +217,23 @@ async fn serve(a: ServeArgs, cfg: &Resolved) -> anyhow::Result<()> {
         http_listen,
         advertise: a.advertise,
         local_socket: a.local_socket.map(crate::absolute),
-        local_socket_gid: a.local_socket_group.as_deref().map(group_id).transpose()?,
+        local_socket_gid,
         store: locus_cache_node::store::StoreConfig {
             dirs: a.data_dir.into_iter().map(crate::absolute).collect(),
             capacity: size_arg("--capacity", &a.capacity)?,
             reserve: size_arg("--reserve", &a.reserve)?,
+            readers_gid,
         },
         labels,
         heartbeat_interval: duration_arg("--heartbeat-interval", &a.heartbeat_interval)?,
         pin_sync_interval: duration_arg("--pin-sync-interval", &a.pin_sync_interval)?,
         scrub_rate: size_arg("--scrub-rate", &a.scrub_rate)?,
         addr_file: a.addr_file,
-        tokens: match &a.tokens_file {
-            Some(p) => Some(std::sync::Arc::new(locus_proto::auth::TokenSet::load(p)?)),
-            None => None,
+        require_grants: {
+            if let Some(p) = &a.tokens_file {
+                locus_proto::auth::TokenSet::load(p)?;
+            }
+            a.tokens_file.is_some() || cfg.token.is_some()
         },
         insecure: cfg.insecure,
         tls,
@@ -221,6 +243,7 @@ async fn serve(a: ServeArgs, cfg: &Resolved) -> anyhow::Result<()> {
             n => n.min(256),
         },
         refill_rate: size_arg("--refill-rate", &a.refill_rate)?,
+        origin_roots: a.origin_root.into_iter().map(crate::absolute).collect(),
     };
     locus_cache_node::serve(config, super::shutdown_signal()).await?;
     Ok(())
@@ -253,6 +276,9 @@ async fn drain(cfg: &Resolved, node: &str, drain: bool) -> anyhow::Result<()> {
 
 pub fn state_of(n: &pb::Node) -> &'static str {
     match (state_name(n.state), n.draining, n.refill_blobs > 0) {
+        // Counted up for a grace period after the service started, but not heard from
+        // since: it may be gone (and takes no new replica until it is heard).
+        ("up", _, _) if n.unheard => "unheard",
         ("up", true, _) => "draining",
         ("up", false, true) => "refilling",
         (s, _, _) => s,
@@ -294,7 +320,7 @@ pub fn node_json(n: &pb::Node) -> serde_json::Value {
     serde_json::json!({
         "id": n.id,
         "address": n.address,
-        "state": state_name(n.state),
+        "state": if n.unheard { "unheard" } else { state_name(n.state) },
         "draining": n.draining,
         "labels": n.labels,
         "capacity_bytes": n.capacity_bytes,
@@ -312,6 +338,7 @@ pub fn node_json(n: &pb::Node) -> serde_json::Value {
             "eta_seconds": (n.refill_rate > 0).then(|| n.refill_bytes.div_ceil(n.refill_rate)),
         },
         "last_seen_ms_ago": n.last_seen_ms_ago,
+        "heard_since_restart": !n.unheard,
         "registered_at": output::time(n.registered_at_ms),
     })
 }
@@ -339,7 +366,11 @@ async fn list(cfg: &Resolved) -> anyhow::Result<()> {
                 output::size(n.pinned_bytes),
                 output::size(n.cached_bytes),
                 output::size(n.free_bytes),
-                format!("{:.1}s ago", n.last_seen_ms_ago as f64 / 1000.0),
+                if n.unheard {
+                    "not since restart".into()
+                } else {
+                    format!("{:.1}s ago", n.last_seen_ms_ago as f64 / 1000.0)
+                },
             ]
         })
         .collect();

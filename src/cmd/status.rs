@@ -25,7 +25,11 @@ pub async fn run(cfg: &Resolved) -> anyhow::Result<()> {
     let free: u64 = up.iter().map(|n| n.free_bytes).sum();
     let versions: u64 = datasets.iter().map(|d| d.version_count).sum();
     let bytes: u64 = datasets.iter().map(|d| d.bytes).sum();
-    let mounts = crate::cmd::mount::statuses();
+    // This host's mounts of this cluster (the runtime dir may hold others').
+    let mounts: Vec<_> = crate::cmd::mount::statuses()
+        .into_iter()
+        .filter(|m| m.cluster_id.is_empty() || m.cluster_id == info.cluster_id)
+        .collect();
     let backups = c
         .list_backups(pb::ListBackupsRequest {})
         .await

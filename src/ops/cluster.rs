@@ -10,7 +10,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use locus_proto::client::{MetadataClient, NodeClient};
-use locus_proto::grant::{Grants, Op};
+use locus_proto::grant::{Grants, NodeLinks, Op};
 use locus_proto::manifest::FileHashes;
 use locus_proto::{nodepb, pb, BlobHash};
 
@@ -112,22 +112,16 @@ pub trait BackupCluster: Send + Sync {
 /// operation at hand (`locus_proto::grant`), renewed on long runs.
 pub struct GrpcCluster {
     meta: MetadataClient,
-    grants: Grants,
     addresses: tokio::sync::OnceCell<HashMap<String, String>>,
-    /// By (node, operation, target): the grant the connection presents, and it.
-    nodes: tokio::sync::Mutex<HashMap<GrantScope, (Option<String>, NodeClient)>>,
+    nodes: NodeLinks,
 }
-
-/// (node, operation, target).
-type GrantScope = (String, Op, String);
 
 impl GrpcCluster {
     pub fn new(meta: MetadataClient, token: Option<String>) -> Self {
         GrpcCluster {
-            grants: Grants::new(meta.clone(), token.as_deref()),
+            nodes: NodeLinks::new(Grants::new(meta.clone(), token.as_deref())),
             meta,
             addresses: tokio::sync::OnceCell::new(),
-            nodes: Default::default(),
         }
     }
 
@@ -154,23 +148,11 @@ impl GrpcCluster {
     /// A connection to `node` that presents a grant for `op` on `target`; its address.
     async fn node(&self, node: &str, op: Op, target: &str) -> Result<(NodeClient, String), String> {
         let addr = self.address(node).await?;
-        let grant = self.grants.get(node, op, target).await.map_err(|s| {
-            format!(
-                "node {node}: no {} grant: {}",
-                op.as_str(),
-                super::status_sentence(&s)
-            )
-        })?;
-        let key = (node.to_string(), op, target.to_string());
-        if let Some((g, c)) = self.nodes.lock().await.get(&key) {
-            if *g == grant {
-                return Ok((c.clone(), addr));
-            }
-        }
-        let c = locus_proto::client::connect_node(&addr, grant.as_deref(), Duration::from_secs(5))
+        let c = self
+            .nodes
+            .get(node, &addr, op, target, Duration::from_secs(5))
             .await
             .map_err(|e| format!("node {node}: {e}"))?;
-        self.nodes.lock().await.insert(key, (grant, c.clone()));
         Ok((c, addr))
     }
 
@@ -408,7 +390,11 @@ impl BackupCluster for GrpcCluster {
         Box::pin(async move {
             self.meta
                 .clone()
-                .record_backup(pb::RecordBackupRequest { url, snapshot })
+                .record_backup(pb::RecordBackupRequest {
+                    url,
+                    snapshot,
+                    restored: false,
+                })
                 .await?;
             Ok(())
         })

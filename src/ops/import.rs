@@ -112,10 +112,14 @@ pub async fn import(
     }
     let source = PathBuf::from(o.source.strip_prefix("file://").unwrap_or(&o.source));
     if !source.is_dir() {
-        return Err(ImportError::Invalid(format!(
-            "{} is not a directory",
-            source.display()
-        )));
+        return Err(ImportError::Invalid(if source.exists() {
+            format!(
+                "{} is not a directory (import a directory, or an s3://, gs://, az:// prefix)",
+                source.display()
+            )
+        } else {
+            format!("{} does not exist", source.display())
+        }));
     }
     let (chunk_size, shard_size) = (o.chunk_size, o.shard_size.max(1));
 

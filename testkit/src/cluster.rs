@@ -72,6 +72,37 @@ pub fn dir_entry(path: &str) -> pb::Entry {
     }
 }
 
+/// Commits a version of `dataset` holding one file, `blob`, with these chunk hashes: what
+/// makes a blob known to the cluster (nodes take a blob's size only from a committed
+/// manifest) without importing real bytes.
+pub async fn commit_blob(
+    c: &mut MetadataClient,
+    dataset: &str,
+    blob: &[u8],
+    size: u64,
+    chunk_size: u32,
+    chunks: Vec<Vec<u8>>,
+) -> Result<pb::Version, tonic::Status> {
+    let entry = pb::Entry {
+        path: "blob".into(),
+        kind: pb::EntryKind::File as i32,
+        size,
+        mode: 0o644,
+        mtime_ns: 1_700_000_000_000_000_000,
+        blob: blob.to_vec(),
+        chunks,
+        shard: 0,
+        ..Default::default()
+    };
+    let shard = pb::Shard {
+        id: 0,
+        bytes: size,
+        files: 1,
+        replicas: Vec::new(),
+    };
+    commit(c, dataset, chunk_size, vec![entry], vec![shard]).await
+}
+
 /// Opens a session, uploads the manifest in pages and commits it.
 pub async fn commit(
     c: &mut MetadataClient,
@@ -183,16 +214,23 @@ pub fn sorted(mut e: Vec<pb::Entry>) -> Vec<pb::Entry> {
 
 /// A metadata service (2 s liveness, fast repair) and `nodes` cache nodes n1, n2, ….
 pub async fn cluster(h: &Harness, nodes: usize, opts: impl Fn(usize) -> NodeOpts) -> (Metadata, Vec<Node>) {
-    let m = h
-        .start_metadata(
-            "meta",
-            MetadataOpts {
-                liveness_timeout: Some("2s"),
-                extra: vec!["--repair-interval".into(), "500ms".into()],
-                ..Default::default()
-            },
-        )
-        .await;
+    cluster_with(h, MetadataOpts::default(), nodes, opts).await
+}
+
+/// `cluster` with the service's options given (tokens, say); the short liveness timeout
+/// and repair interval unless they set their own.
+pub async fn cluster_with(
+    h: &Harness,
+    meta: MetadataOpts,
+    nodes: usize,
+    opts: impl Fn(usize) -> NodeOpts,
+) -> (Metadata, Vec<Node>) {
+    let mut meta = meta;
+    meta.liveness_timeout = meta.liveness_timeout.or(Some("2s"));
+    if !meta.extra.iter().any(|a| a == "--repair-interval") {
+        meta.extra.extend(["--repair-interval".into(), "500ms".into()]);
+    }
+    let m = h.start_metadata("meta", meta).await;
     let mut ns = Vec::new();
     for i in 1..=nodes {
         ns.push(h.start_node(&format!("n{i}"), &m, opts(i)).await);

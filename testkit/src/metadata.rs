@@ -19,9 +19,9 @@ pub struct Token {
     pub secret: String,
 }
 
-/// One token per role ("ops" admin, "gpu-node" node — what the metadata service presents
-/// to nodes —, "trainer" reader), and a node token of its own for each of nodes n1..n6
-/// (a node acts only for the id its token is named after).
+/// One token per role ("ops" admin, "gpu-node" node, "trainer" reader), and a node token
+/// of its own for each of nodes n1..n6 (a node acts only for the id its token is named
+/// after). A group's members get `member_token()` too.
 pub fn tokens() -> Vec<Token> {
     let mut t: Vec<Token> = ["admin", "node", "reader"]
         .iter()
@@ -29,6 +29,7 @@ pub fn tokens() -> Vec<Token> {
             name: match *role {
                 "admin" => "ops",
                 "node" => "gpu-node",
+                "member" => "group",
                 _ => "trainer",
             },
             role,
@@ -43,6 +44,15 @@ pub fn tokens() -> Vec<Token> {
         });
     }
     t
+}
+
+/// The secret group members present on each other's raft ports (role member).
+pub fn member_token() -> Token {
+    Token {
+        name: "group",
+        role: "member",
+        secret: "member-secret-0123456789abcdef".into(),
+    }
 }
 
 #[derive(Clone, Debug, Default)]
@@ -98,6 +108,10 @@ impl Harness {
     /// Every member's `url()` is the whole group's comma-separated list, so clients, nodes
     /// and the CLI started against any of them reach whichever members are alive.
     pub async fn start_group(&self, name: &str, n: usize, opts: MetadataOpts) -> Vec<Metadata> {
+        let mut opts = opts;
+        if !opts.tokens.is_empty() && !opts.tokens.iter().any(|t| t.role == "member") {
+            opts.tokens.push(member_token());
+        }
         let mut taken = Vec::new();
         let mut raft = Vec::new();
         for _ in 0..n {
@@ -170,15 +184,9 @@ impl Harness {
             }
         }
         let log = self.path(&format!("{name}.log"));
-        // With tokens, the repair loop presents the node token to cache nodes.
-        let mut env = opts
-            .tokens
-            .iter()
-            .find(|t| t.role == "node")
-            .map(|t| vec![("LOCUS_METADATA_NODE_TOKEN".to_string(), t.secret.clone())])
-            .unwrap_or_default();
-        // Group members present the admin token on each other's raft ports.
-        if let Some(t) = opts.tokens.iter().find(|t| t.role == "admin") {
+        // Group members present the member secret on each other's raft ports.
+        let mut env = Vec::new();
+        if let Some(t) = opts.tokens.iter().find(|t| t.role == "member") {
             env.push(("LOCUS_METADATA_MEMBER_TOKEN".to_string(), t.secret.clone()));
         }
         env.push(("RUST_LOG".to_string(), "info,openraft=warn".to_string()));

@@ -292,6 +292,16 @@ impl Harness {
     /// and address), so taking a host's link down partitions that member from the others
     /// and from this test. Every member's `url()` is the group's list, as in `start_group`.
     pub async fn start_group_on(&self, bed: &Netbed, name: &str, opts: MetadataOpts) -> Vec<Metadata> {
+        super::metadata::launch_group(self.prepare_group_on(bed, name, opts)).await
+    }
+
+    /// `start_group_on`'s members, ports chosen and files written, not started. With TLS
+    /// they share one cluster CA, each with a certificate for its own host address.
+    pub fn prepare_group_on(&self, bed: &Netbed, name: &str, opts: MetadataOpts) -> Vec<Metadata> {
+        let mut opts = opts;
+        if !opts.tokens.is_empty() && !opts.tokens.iter().any(|t| t.role == "member") {
+            opts.tokens.push(super::metadata::member_token());
+        }
         // Each host is a namespace of its own: the same port numbers are free on all.
         let (grpc, http, raft) = (7400u16, 7401u16, 7410u16);
         let cluster: Vec<String> = bed
@@ -300,17 +310,38 @@ impl Harness {
             .enumerate()
             .map(|(i, h)| format!("m{}={}:{raft}", i + 1, h.addr))
             .collect();
-        let mut members = Vec::new();
+        let mut members: Vec<Metadata> = Vec::new();
         for (i, host) in bed.hosts.iter().enumerate() {
             let o = super::metadata::as_member(&opts, i, &cluster);
+            // Ports are not chosen here (the host's address is in its namespace only):
+            // every host has the same free ones.
             let mut m = self.prepare_metadata(&format!("{name}-m{}", i + 1), o, &[]);
             m.opts.ip = Some(host.addr);
             m.grpc = std::net::SocketAddr::from((host.addr, grpc));
             m.http = std::net::SocketAddr::from((host.addr, http));
             m.daemon.netns = Some(host.netns.clone());
+            if m.opts.tls {
+                // One CA (the first member's), a certificate for each member's address.
+                let ca = members
+                    .first()
+                    .map_or(m.dir.clone(), |f: &Metadata| f.dir.clone());
+                if ca != m.dir {
+                    for f in ["ca.pem", "ca.key", "admin.pem", "admin.key"] {
+                        std::fs::copy(ca.join(f), m.dir.join(f)).unwrap();
+                    }
+                    m.ca_pem = members[0].ca_pem.clone();
+                }
+                for f in ["server.pem", "server.key"] {
+                    let _ = std::fs::remove_file(m.dir.join(f));
+                }
+                let issuer = members.first().unwrap_or(&m);
+                issuer.issue_cert("server", &format!("localhost,127.0.0.1,{}", host.addr), &m.dir);
+            }
             members.push(m);
         }
-        super::metadata::launch_group(members).await
+        // (This test process's clients trust the first member's CA, the shared one: its
+        // prepare set the process's client TLS, and the first setting wins.)
+        members
     }
 }
 

@@ -176,7 +176,7 @@ impl Metadata {
                     .nodes;
                 nodes
                     .iter()
-                    .any(|n| n.id == id && n.state == pb::NodeState::Up as i32)
+                    .any(|n| n.id == id && n.state == pb::NodeState::Up as i32 && !n.unheard)
                     .then_some(())
             }
         })

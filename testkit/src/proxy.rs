@@ -369,3 +369,175 @@ async fn scan_copy(
     }
     let _ = w.shutdown().await;
 }
+
+/// What a stranger's server saw: the credentials each call carried, by method.
+#[derive(Default, Debug)]
+pub struct Heard {
+    /// (gRPC method, the `authorization` header's value if any), in arrival order.
+    pub calls: Mutex<Vec<(String, Option<String>)>>,
+}
+
+impl Heard {
+    pub fn calls(&self) -> Vec<(String, Option<String>)> {
+        self.calls.lock().unwrap().clone()
+    }
+}
+
+/// Records each call's method and `authorization` header before the service sees it.
+#[derive(Clone)]
+struct Ear<S> {
+    inner: S,
+    heard: Arc<Heard>,
+}
+
+impl<S, B> tower::Service<http::Request<B>> for Ear<S>
+where
+    S: tower::Service<http::Request<B>>,
+{
+    type Response = S::Response;
+    type Error = S::Error;
+    type Future = S::Future;
+    fn poll_ready(&mut self, cx: &mut std::task::Context<'_>) -> std::task::Poll<Result<(), S::Error>> {
+        self.inner.poll_ready(cx)
+    }
+    fn call(&mut self, req: http::Request<B>) -> S::Future {
+        let method = req
+            .uri()
+            .path()
+            .rsplit('/')
+            .next()
+            .unwrap_or_default()
+            .to_string();
+        let auth = req
+            .headers()
+            .get("authorization")
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_string);
+        self.heard.calls.lock().unwrap().push((method, auth));
+        self.inner.call(req)
+    }
+}
+
+#[derive(Clone)]
+struct EarLayer(Arc<Heard>);
+
+impl<S> tower::Layer<S> for EarLayer {
+    type Service = Ear<S>;
+    fn layer(&self, inner: S) -> Ear<S> {
+        Ear {
+            inner,
+            heard: self.0.clone(),
+        }
+    }
+}
+
+/// A node API that anyone could run and register (or that a compromised node is): it
+/// answers nothing but records what each caller presented, so a test can show that no
+/// token reaches it.
+pub struct ListeningPeer {
+    pub addr: SocketAddr,
+    pub heard: Arc<Heard>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl ListeningPeer {
+    pub async fn start() -> ListeningPeer {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let heard = Arc::new(Heard::default());
+        let svc = Endless {
+            sent: Arc::new(AtomicU64::new(0)),
+        };
+        let layer = EarLayer(heard.clone());
+        let task = tokio::spawn(async move {
+            let _ = tonic::transport::Server::builder()
+                .layer(layer)
+                .add_service(locus_proto::nodepb::node_server::NodeServer::new(svc))
+                .serve_with_incoming(tonic::transport::server::TcpIncoming::from(listener))
+                .await;
+        });
+        ListeningPeer { addr, heard, task }
+    }
+}
+
+impl Drop for ListeningPeer {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// A raft port that claims to be group member `name` but holds no member secret: what a
+/// host an attacker controls looks like when an operator is talked into `members
+/// add-learner` naming it. Hello answers with the name and no proof; every other call is
+/// refused; every call's credentials are recorded.
+pub struct ImpostorMember {
+    pub addr: SocketAddr,
+    pub heard: Arc<Heard>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl ImpostorMember {
+    pub async fn start(name: &str) -> ImpostorMember {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let heard = Arc::new(Heard::default());
+        let svc = Impostor { name: name.into() };
+        let layer = EarLayer(heard.clone());
+        let task = tokio::spawn(async move {
+            let _ = tonic::transport::Server::builder()
+                .layer(layer)
+                .add_service(locus_proto::pb::raft_server::RaftServer::new(svc))
+                .serve_with_incoming(tonic::transport::server::TcpIncoming::from(listener))
+                .await;
+        });
+        ImpostorMember { addr, heard, task }
+    }
+}
+
+impl Drop for ImpostorMember {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+struct Impostor {
+    name: String,
+}
+
+#[tonic::async_trait]
+impl locus_proto::pb::raft_server::Raft for Impostor {
+    async fn append(
+        &self,
+        _r: tonic::Request<locus_proto::pb::RaftMessage>,
+    ) -> Res<locus_proto::pb::RaftMessage> {
+        Err(tonic::Status::unavailable("an impostor keeps what it is sent"))
+    }
+    async fn vote(
+        &self,
+        _r: tonic::Request<locus_proto::pb::RaftMessage>,
+    ) -> Res<locus_proto::pb::RaftMessage> {
+        Err(tonic::Status::unavailable("an impostor keeps what it is sent"))
+    }
+    async fn install_snapshot(
+        &self,
+        _r: tonic::Request<locus_proto::pb::RaftMessage>,
+    ) -> Res<locus_proto::pb::RaftMessage> {
+        Err(tonic::Status::unavailable("an impostor keeps what it is sent"))
+    }
+    async fn hello(
+        &self,
+        _r: tonic::Request<locus_proto::pb::RaftHelloRequest>,
+    ) -> Res<locus_proto::pb::RaftHello> {
+        Ok(tonic::Response::new(locus_proto::pb::RaftHello {
+            name: self.name.clone(),
+            api_url: "http://127.0.0.1:1".into(),
+            ..Default::default()
+        }))
+    }
+    async fn liveness(
+        &self,
+        _r: tonic::Request<locus_proto::pb::RaftHelloRequest>,
+    ) -> Res<locus_proto::pb::RaftMessage> {
+        Err(tonic::Status::unavailable("an impostor keeps what it is sent"))
+    }
+}

@@ -12,8 +12,11 @@
 //! - bytes are returned only after the chunk they belong to matched its stored hash; a
 //!   blob that fails is moved to `quarantine/` and forgotten;
 //! - pinned blobs (this node is a replica of a shard needing them) are never evicted;
-//!   space for a write is reserved before the first byte lands, evicting unpinned blobs
-//!   (least recently used first) when needed, else the write is refused.
+//!   space for a write is reserved as its bytes land, evicting unpinned blobs (least
+//!   recently used first) when needed, else the write is refused;
+//! - the data is private: each data dir is mode 0750 with the readers' group (the local
+//!   socket's), `tmp/`, `quarantine/` and the index 0700, so a user who may not ask the
+//!   node for a blob cannot read its file either (set again at every start).
 
 use std::collections::{BTreeSet, HashMap, HashSet};
 use std::fs::{self, File};
@@ -80,6 +83,9 @@ pub struct StoreConfig {
     pub capacity: u64,
     /// Free space each data dir's filesystem must keep.
     pub reserve: u64,
+    /// The group that may read blob files besides the node's user: the local socket's
+    /// (whoever may ask the node for a blob's path may read it). None: nobody else.
+    pub readers_gid: Option<u32>,
 }
 
 #[derive(Debug, Clone)]
@@ -258,11 +264,13 @@ impl BlobStore {
                     reason: e.to_string(),
                 })?;
             }
+            restrict(d, cfg.readers_gid)?;
         }
         let mut opts = rocksdb::Options::default();
         opts.create_if_missing(true);
-        let index = rocksdb::DB::open(&opts, cfg.dirs[0].join("index"))
-            .map_err(|e| StoreError::Index(e.into_string()))?;
+        let index_dir = cfg.dirs[0].join("index");
+        let index = rocksdb::DB::open(&opts, &index_dir).map_err(|e| StoreError::Index(e.into_string()))?;
+        set_mode(&index_dir, 0o700)?;
         let store = Arc::new(BlobStore {
             cfg,
             index,
@@ -633,6 +641,37 @@ fn checked_chunk_size(hash: BlobHash, chunk_size: u32) -> Result<u32, StoreError
         });
     }
     Ok(chunk_size)
+}
+
+fn set_mode(p: &Path, mode: u32) -> Result<(), StoreError> {
+    use std::os::unix::fs::PermissionsExt;
+    fs::set_permissions(p, fs::Permissions::from_mode(mode)).map_err(|e| StoreError::DataDir {
+        path: p.display().to_string(),
+        reason: format!("cannot set its mode to {mode:o}: {e}"),
+    })
+}
+
+/// Makes a data dir private to the node's user and the readers' group (see the module
+/// rules). Files below keep their modes; what guards them is that no one else can pass
+/// through the directory.
+fn restrict(d: &Path, readers_gid: Option<u32>) -> Result<(), StoreError> {
+    let open = if readers_gid.is_some() { 0o750 } else { 0o700 };
+    for (p, mode) in [
+        (d.to_path_buf(), open),
+        (d.join("blobs"), open),
+        (d.join("partial"), open),
+        (d.join("tmp"), 0o700),
+        (d.join("quarantine"), 0o700),
+    ] {
+        if let (Some(gid), true) = (readers_gid, mode == 0o750) {
+            std::os::unix::fs::chown(&p, None, Some(gid)).map_err(|e| StoreError::DataDir {
+                path: p.display().to_string(),
+                reason: format!("cannot give it group {gid} (the local socket's): {e}"),
+            })?;
+        }
+        set_mode(&p, mode)?;
+    }
+    Ok(())
 }
 
 fn check_format(d: &Path) -> Result<(), StoreError> {

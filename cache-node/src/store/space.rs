@@ -1,5 +1,7 @@
-//! Space: reserving room for a write before its first byte lands, evicting unpinned
-//! blobs (least recently used first) when the node is over capacity or the disk is short.
+//! Space: reserving room for writes, evicting unpinned blobs (least recently used first)
+//! when the node is over capacity or the disk is short. A whole-blob write reserves as
+//! its bytes arrive, never on the word of whoever announced its size; a partial blob's
+//! sparse file holds its (manifest-checked) size from the start.
 
 use std::fs;
 use std::path::PathBuf;
@@ -13,15 +15,62 @@ impl BlobStore {
     /// Reserves room for `size` bytes, evicting unpinned blobs if needed. The returned
     /// guard releases the reservation when dropped.
     pub(super) fn reserve(self: &Arc<Self>, size: u64) -> Result<(u32, Reservation), StoreError> {
-        // The data dir with the most free space takes the blob.
-        let (dir, free) = self
-            .cfg
+        let (dir, free) = self.roomiest_dir();
+        self.reserve_in(free, size)?;
+        Ok((
+            dir,
+            Reservation {
+                store: self.clone(),
+                size,
+                dir,
+            },
+        ))
+    }
+
+    /// Room for a write of `size` bytes that is reserved as its bytes arrive
+    /// (`Reservation::grow_to`): what a caller announces evicts nothing until it is sent,
+    /// so announcing a huge blob and sending nothing costs the cache nothing. Refused at
+    /// once only when the size could never fit (beyond the capacity left unpinned).
+    pub(super) fn reserve_as_written(self: &Arc<Self>, size: u64) -> Result<(u32, Reservation), StoreError> {
+        let (dir, free) = self.roomiest_dir();
+        {
+            let b = self.books();
+            let room = self.cfg.capacity.saturating_sub(b.pinned + b.reserved);
+            if size > room {
+                return Err(StoreError::Full {
+                    need: size,
+                    why: format!(
+                        "capacity {} with {} pinned and {} reserved by writes in progress (disk: {} \
+                         free above the reserve)",
+                        self.cfg.capacity, b.pinned, b.reserved, free
+                    ),
+                });
+            }
+        }
+        Ok((
+            dir,
+            Reservation {
+                store: self.clone(),
+                size: 0,
+                dir,
+            },
+        ))
+    }
+
+    /// The data dir with the most free space (above the reserve), and that space.
+    fn roomiest_dir(&self) -> (u32, u64) {
+        self.cfg
             .dirs
             .iter()
             .enumerate()
             .map(|(i, d)| (i as u32, fs_free(d).unwrap_or(0).saturating_sub(self.cfg.reserve)))
             .max_by_key(|(_, f)| *f)
-            .expect("at least one dir");
+            .expect("at least one dir")
+    }
+
+    /// Holds `size` more bytes in data dir `dir` (with `free` bytes free there),
+    /// evicting unpinned blobs, least recently used first, until they fit.
+    fn reserve_in(&self, free: u64, size: u64) -> Result<(), StoreError> {
         let mut victims = Vec::new();
         let serial = lock(&self.evicting);
         let mut need = {
@@ -70,13 +119,7 @@ impl BlobStore {
                 why: "the unpinned blobs were pinned while room was being made".into(),
             });
         }
-        Ok((
-            dir,
-            Reservation {
-                store: self.clone(),
-                size,
-            },
-        ))
+        Ok(())
     }
 }
 
@@ -118,6 +161,30 @@ impl BlobStore {
 pub(super) struct Reservation {
     pub(super) store: Arc<BlobStore>,
     pub(super) size: u64,
+    dir: u32,
+}
+
+/// How far ahead of the bytes received a write reserves: one eviction pass per step,
+/// not per message.
+const GROW_STEP: u64 = 16 << 20;
+
+impl Reservation {
+    /// Holds at least `total` bytes (at most `cap`, the announced size), reserving in
+    /// steps ahead of it; `written` of them are on disk already.
+    pub(super) fn grow_to(&mut self, written: u64, total: u64, cap: u64) -> Result<(), StoreError> {
+        if total <= self.size {
+            return Ok(());
+        }
+        let want = (total + GROW_STEP).min(cap.max(total));
+        let free = fs_free(&self.store.cfg.dirs[self.dir as usize])
+            .unwrap_or(0)
+            .saturating_sub(self.store.cfg.reserve)
+            // What this write holds but has not written yet is not free for it again.
+            .saturating_sub(self.size.saturating_sub(written));
+        self.store.reserve_in(free, want - self.size)?;
+        self.size = want;
+        Ok(())
+    }
 }
 
 impl Drop for Reservation {

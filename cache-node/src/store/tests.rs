@@ -7,6 +7,7 @@ fn open(dir: &Path, capacity: u64) -> Arc<BlobStore> {
         dirs: vec![dir.to_path_buf()],
         capacity,
         reserve: 0,
+        readers_gid: None,
     })
     .unwrap()
     .0
@@ -203,6 +204,7 @@ fn restart_reconciles_index_and_directory() {
         dirs: vec![d.path().to_path_buf()],
         capacity: 1 << 30,
         reserve: 0,
+        readers_gid: None,
     })
     .unwrap();
     assert_eq!(
@@ -306,6 +308,7 @@ fn refuses_foreign_directories() {
         dirs: vec![d.path().to_path_buf()],
         capacity: 1,
         reserve: 0,
+        readers_gid: None,
     });
     assert!(matches!(r, Err(StoreError::DataDir { .. })));
 }
@@ -456,4 +459,39 @@ fn the_scrub_walks_blobs_in_hash_order_and_its_place_survives_a_restart() {
     assert_eq!(rest.iter().map(|x| x.0).collect::<Vec<_>>(), all[3..]);
     s.set_scrub_cursor(None);
     assert_eq!(s.scrub_cursor(), None);
+}
+
+/// What a caller announces evicts nothing: a write of a huge blob that sends no byte
+/// leaves every cached blob in place, and one that sends bytes evicts only for them.
+#[test]
+fn an_announced_size_evicts_nothing_until_its_bytes_arrive() {
+    let d = tempfile::tempdir().unwrap();
+    let s = open(d.path(), 1 << 20);
+    let cached: Vec<BlobHash> = (0..4u8)
+        .map(|i| put(&s, &vec![i; 200_000], false).unwrap())
+        .collect();
+    assert_eq!(s.stats().used, 800_000);
+    // Nearly the whole capacity announced, nothing sent: nothing goes.
+    let w = s
+        .begin_write(BlobHash::of(b"never sent"), (1 << 20) - 1, 0, false)
+        .unwrap()
+        .unwrap();
+    assert!(
+        cached.iter().all(|h| s.contains(h)),
+        "an announcement evicted blobs"
+    );
+    drop(w);
+    // Beyond what could ever fit (all but pinned): refused at once, nothing evicted.
+    assert!(matches!(
+        s.begin_write(BlobHash::of(b"too big"), 2 << 20, 0, false),
+        Err(StoreError::Full { .. })
+    ));
+    assert!(cached.iter().all(|h| s.contains(h)));
+    // Bytes that arrive make room for themselves, oldest first, and no more.
+    let data = vec![9u8; 300_000];
+    put(&s, &data, false).unwrap();
+    let gone = cached.iter().filter(|h| !s.contains(h)).count();
+    assert!((1..=2).contains(&gone), "{gone} evicted for 300,000 bytes");
+    assert!(!s.contains(&cached[0]), "the least recently used went first");
+    check_books(&s);
 }

@@ -193,7 +193,7 @@ impl BlobStore {
         pin: bool,
     ) -> Result<BlobWriter, StoreError> {
         let chunk_size = checked_chunk_size(hash.unwrap_or(BlobHash([0; 32])), chunk_size)?;
-        let (dir, reservation) = self.reserve(size)?;
+        let (dir, reservation) = self.reserve_as_written(size)?;
         let tick = self.tick.fetch_add(1, Ordering::Relaxed);
         let name = match &hash {
             Some(h) => format!("{}.{tick}", hex(h)),
@@ -211,7 +211,7 @@ impl BlobStore {
             tmp,
             file: Some(file),
             hasher: locus_proto::manifest::ChunkHasher::new(chunk_size),
-            _reservation: reservation,
+            reservation,
         })
     }
 }
@@ -238,7 +238,8 @@ pub struct BlobWriter {
     tmp: PathBuf,
     file: Option<super::direct::BlobFile>,
     hasher: locus_proto::manifest::ChunkHasher,
-    _reservation: Reservation,
+    /// Grows as bytes arrive.
+    reservation: Reservation,
 }
 
 impl BlobWriter {
@@ -246,9 +247,12 @@ impl BlobWriter {
         if self.hasher.size() + data.len() as u64 > self.size {
             return Err(StoreError::Mismatch {
                 hash: self.hash.unwrap_or(BlobHash([0; 32])),
-                what: format!("more than the announced {} bytes", self.size),
+                what: "more bytes than announced".into(),
             });
         }
+        let written = self.hasher.size();
+        self.reservation
+            .grow_to(written, written + data.len() as u64, self.size)?;
         self.file
             .as_mut()
             .expect("open until finish")
@@ -266,9 +270,11 @@ impl BlobWriter {
     /// `finish`, saying what was stored.
     pub fn finish_stored(mut self) -> Result<Stored, StoreError> {
         if self.hasher.size() != self.size {
+            // Not how many arrived: for a write the node fills from an origin that would
+            // tell the caller the size of a file it may not read.
             return Err(StoreError::Mismatch {
                 hash: self.hash.unwrap_or(BlobHash([0; 32])),
-                what: format!("{} bytes received, {} announced", self.hasher.size(), self.size),
+                what: "fewer bytes than announced".into(),
             });
         }
         let (_, got, chunks) = self.hasher.clone().finish();

@@ -14,14 +14,18 @@ impl Catalog {
     /// Remembers a committed backup (URL → snapshot id, when) as a source of last resort.
     /// An empty `snapshot` says a run to `url` begins: the target is recorded (so nodes
     /// accept uploads to it) without touching what a committed run recorded there.
-    pub fn record_backup(&self, url: &str, snapshot: &str) -> Result<()> {
-        if snapshot.is_empty() && self.store.get(Table::Backups, url.as_bytes())?.is_some() {
+    /// `restored`: the cluster restored a version from `url` — it becomes a source, and a
+    /// record of a committed backup there is left as it is (the last backup is not newer
+    /// for a restore).
+    pub fn record_backup(&self, url: &str, snapshot: &str, restored: bool) -> Result<()> {
+        let existing = self.store.get(Table::Backups, url.as_bytes())?;
+        if (snapshot.is_empty() || restored) && existing.is_some() {
             return Ok(());
         }
         let rec = BackupRecord {
             snapshot: snapshot.to_string(),
             recorded_at_ms: self.clock.now_ms(),
-            restored: false,
+            restored,
         };
         let mut b = Batch::default();
         b.put(Table::Backups, url.as_bytes().to_vec(), rec.encode_to_vec());

@@ -9,7 +9,9 @@ impl Catalog {
         Ok(self
             .list_nodes()?
             .into_iter()
-            .filter(|n| n.state == pb::NodeState::Up as i32 && !n.draining)
+            // A node not heard from since this service started may be gone for good: it
+            // keeps its replicas through the grace, but takes no new one.
+            .filter(|n| n.state == pb::NodeState::Up as i32 && !n.draining && !n.unheard)
             .map(|n| {
                 let c = placement::Candidate {
                     host: n.labels.get("host").cloned().unwrap_or_else(|| n.id.clone()),
@@ -49,9 +51,19 @@ impl Catalog {
             .collect();
         let mut placed = Vec::new();
         let mut unplaced = Vec::new();
+        // Nodes waiting to be heard from after this service started are not chosen; a
+        // placement that fails for want of them says so.
+        let unheard = self.list_nodes()?.iter().filter(|n| n.unheard).count();
         for (shard, o) in placement::place(&reqs, &mut nodes) {
             match o {
                 placement::Outcome::Placed(n) => placed.push((shard, n)),
+                placement::Outcome::Unplaced(why) if unheard > 0 => unplaced.push((
+                    shard,
+                    format!(
+                        "{why}; {unheard} node(s) not heard from since the metadata service started \
+                         are not chosen yet: retry in a few seconds"
+                    ),
+                )),
                 placement::Outcome::Unplaced(why) => unplaced.push((shard, why)),
             }
         }
@@ -67,13 +79,20 @@ impl Catalog {
             .collect())
     }
 
-    /// For each blob, the live nodes that hold it as a replica.
-    pub fn locate_blobs(&self, hashes: &[BlobHash]) -> Result<Vec<(Vec<String>, Vec<String>)>> {
+    /// For each blob: the live nodes holding it as a replica, their addresses, and its
+    /// (size, chunk size) from a committed version's manifest (None: no committed version
+    /// holds it).
+    #[allow(clippy::type_complexity)]
+    pub fn locate_blobs(
+        &self,
+        hashes: &[BlobHash],
+    ) -> Result<Vec<(Vec<String>, Vec<String>, Option<(u64, u32)>)>> {
         let live = self.live_addresses()?;
         let mut out = Vec::with_capacity(hashes.len());
         for h in hashes {
             let end = crate::store::prefix_end(&h.0);
             let mut nodes: Vec<String> = Vec::new();
+            let mut size = None;
             for kv in self.store.scan(Table::BlobShards, &h.0, end.as_deref()) {
                 let (k, _) = kv?;
                 if k.len() != 44 {
@@ -88,12 +107,30 @@ impl Catalog {
                             nodes.push(n);
                         }
                     }
+                    if size.is_none() && self.uid_committed(uid)? {
+                        if let Some(v) = self
+                            .store
+                            .get(Table::ShardBlobs, &keys::shard_blob(uid, shard, &h.0))?
+                        {
+                            if v.len() == 12 {
+                                let s = u64::from_be_bytes(v[..8].try_into().expect("8 bytes"));
+                                let cs = u32::from_be_bytes(v[8..12].try_into().expect("4 bytes"));
+                                size = Some((s, cs));
+                            }
+                        }
+                    }
                 }
             }
             let addrs = nodes.iter().map(|n| live[n].clone()).collect();
-            out.push((nodes, addrs));
+            out.push((nodes, addrs, size));
         }
         Ok(out)
+    }
+
+    /// Whether rows under `uid` belong to a committed version (not to an import session
+    /// still open: what it uploaded is the importer's word, not a manifest's yet).
+    fn uid_committed(&self, uid: u64) -> Result<bool> {
+        Ok(self.store.get(Table::Sessions, &keys::uid(uid))?.is_none())
     }
 
     /// The blobs `node` must hold, a page at a time (whole shards per page). The token is

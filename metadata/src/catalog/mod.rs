@@ -56,6 +56,9 @@ pub enum CatalogError {
     Store(#[from] StoreError),
     #[error("corrupt metadata record in {table}: {reason}")]
     Corrupt { table: &'static str, reason: String },
+    /// A fault of this service (a task that panicked), not of the request.
+    #[error("{0}")]
+    Internal(String),
 }
 
 type Result<T, E = CatalogError> = std::result::Result<T, E>;
@@ -120,6 +123,9 @@ impl Default for CatalogConfig {
 struct Live {
     last_seen_ms: i64,
     stats: NodeStats,
+    /// Heard from by this process (or by the leader it took the view from), not only
+    /// granted a liveness timeout at start.
+    heard: bool,
 }
 
 /// What a node reports with each heartbeat.
@@ -272,7 +278,14 @@ pub struct Catalog {
     /// Whether this process runs the cluster's background duties (repair, reaping) and
     /// judges liveness: always for a single service, only the leader in a group.
     acting: std::sync::atomic::AtomicBool,
+    /// When `tick` last ran (0: no ticker, as in unit tests): the service's own proof
+    /// that it was running (see `notice_pause`).
+    last_tick: Mutex<i64>,
 }
+
+/// How often the server ticks the catalogue, and the silence between ticks that counts
+/// as the service itself having been paused.
+pub const TICK_EVERY: Duration = Duration::from_millis(200);
 
 fn decode<M: Message + Default>(table: Table, bytes: &[u8]) -> Result<M> {
     M::decode(bytes).map_err(|e| CatalogError::Corrupt {
@@ -340,6 +353,7 @@ impl Catalog {
             node_cache: Mutex::new(None),
             node_gen: std::sync::atomic::AtomicU64::new(0),
             acting: std::sync::atomic::AtomicBool::new(true),
+            last_tick: Mutex::new(0),
         };
         cat.grace()?;
         Ok(cat)
@@ -359,6 +373,7 @@ impl Catalog {
                     used: rec.used_bytes,
                     ..Default::default()
                 },
+                heard: false,
             });
             e.last_seen_ms = e.last_seen_ms.max(now);
         }
@@ -374,6 +389,57 @@ impl Catalog {
             self.grace()?;
         }
         Ok(())
+    }
+
+    /// Called every `TICK_EVERY` by the server: the service's own heartbeat.
+    pub fn tick(&self) {
+        self.notice_pause(true);
+    }
+
+    /// A service that did not run for a while (stopped, a VM frozen, a long stall, a
+    /// clock jump) has heard no heartbeat in that time through no fault of the nodes:
+    /// judging them by it would declare every node down and start repairing everything
+    /// at once. So when the ticks show such a gap, every node gets a fresh liveness
+    /// timeout of grace, as a new leader gives — before anything is judged: every
+    /// liveness judgment (`list_nodes`, and through it placement and repair) looks here
+    /// first, whichever runs first after the pause.
+    pub(super) fn notice_pause(&self, ticking: bool) {
+        let now = self.clock.now_ms();
+        let mut last = lock(&self.last_tick);
+        if *last == 0 {
+            // Only the ticker's first tick turns the check on (unit tests run none).
+            if ticking {
+                *last = now;
+            }
+            return;
+        }
+        let gap = now - *last;
+        let allowed = (self.config.liveness_timeout.as_millis() as i64 / 3).clamp(1000, 5000);
+        if gap > allowed {
+            tracing::warn!(
+                paused_ms = gap,
+                "this service did not run for {gap} ms: every node gets a fresh liveness timeout \
+                 before any is declared down"
+            );
+            drop(last);
+            if let Err(e) = self.grace_all_now() {
+                tracing::error!("granting nodes grace after a pause: {e}");
+            }
+            *lock(&self.last_tick) = self.clock.now_ms();
+            return;
+        }
+        if ticking {
+            *last = now;
+        }
+    }
+
+    /// Every known node counts as heard now (after the service's own pause).
+    fn grace_all_now(&self) -> Result<()> {
+        let now = self.clock.now_ms();
+        for l in lock(&self.live).values_mut() {
+            l.last_seen_ms = l.last_seen_ms.max(now);
+        }
+        self.grace()
     }
 
     pub fn acting(&self) -> bool {
@@ -401,6 +467,7 @@ impl Catalog {
                 Live {
                     last_seen_ms: now - ago as i64,
                     stats,
+                    heard: true,
                 },
             );
         }

@@ -42,7 +42,7 @@ impl Catalog {
             address: reg.address,
             labels: reg.labels,
             capacity_bytes: reg.capacity,
-            free_bytes: reg.free,
+            free_bytes: reg.free.min(reg.capacity),
             used_bytes: reg.used,
             registered_at_ms,
             draining,
@@ -56,7 +56,8 @@ impl Catalog {
         let mut live = lock(&self.live);
         let l = live.entry(reg.id.to_string()).or_default();
         l.last_seen_ms = now;
-        l.stats.free = reg.free;
+        l.heard = true;
+        l.stats.free = reg.free.min(reg.capacity);
         l.stats.used = reg.used;
         Ok(replaced)
     }
@@ -80,27 +81,39 @@ impl Catalog {
         Ok(())
     }
 
-    /// `instance`: the heartbeating process's identity (empty: not checked, for nodes that
-    /// predate identities).
+    /// `instance`: the heartbeating process's identity. It must be the one that registered:
+    /// a heartbeat without it is refused for a node registered with one (only nodes that
+    /// predate identities registered without), so a token alone cannot keep a dead node
+    /// "up" and hold off its repair. Reported free bytes never exceed the registered
+    /// capacity: a node cannot draw every shard's replicas by claiming endless room.
     pub fn heartbeat(&self, id: &NodeId, instance: &str, st: NodeStats) -> Result<()> {
+        let mut st = st;
         let Some(v) = self.store.get(Table::Nodes, id.as_str().as_bytes())? else {
             return Err(CatalogError::NotFound(format!(
                 "node {id} is not registered; register before sending heartbeats"
             )));
         };
         let rec = decode::<NodeRecord>(Table::Nodes, &v)?;
-        if !instance.is_empty() && !rec.instance.is_empty() && rec.instance != instance {
+        if !rec.instance.is_empty() && instance.is_empty() {
+            return Err(CatalogError::Invalid(locus_proto::InvalidInput::new(
+                "instance",
+                format!("node {id} registered with an identity; its heartbeats must carry it"),
+            )));
+        }
+        if !rec.instance.is_empty() && rec.instance != instance {
             return Err(CatalogError::Precondition(format!(
                 "node id {id} was taken over by another process (now at {}) after this one was \
                  declared down; this process must stop",
                 rec.address
             )));
         }
+        st.free = st.free.min(rec.capacity_bytes);
         lock(&self.live).insert(
             id.to_string(),
             Live {
                 last_seen_ms: self.clock.now_ms(),
                 stats: st,
+                heard: true,
             },
         );
         Ok(())
@@ -160,6 +173,7 @@ impl Catalog {
     }
 
     pub fn list_nodes(&self) -> Result<Vec<pb::Node>> {
+        self.notice_pause(false);
         let now = self.clock.now_ms();
         let timeout = self.config.liveness_timeout.as_millis() as i64;
         let live = lock(&self.live).clone();
@@ -168,6 +182,7 @@ impl Catalog {
             .iter()
             .map(|(id, rec)| {
                 let l = live.get(id).copied().unwrap_or(Live {
+                    heard: false,
                     last_seen_ms: self.started_ms,
                     stats: NodeStats {
                         free: rec.free_bytes,
@@ -201,6 +216,7 @@ impl Catalog {
                     refill_bytes: st.refill_bytes,
                     refill_rate: st.refill_rate,
                     refill_failing: st.refill_failing,
+                    unheard: !l.heard && state == pb::NodeState::Up,
                 }
             })
             .collect())

@@ -446,3 +446,86 @@ fn begin_validates_its_arguments() {
         .begin_version(&name("ds"), 1 << 16, "s3://bucket/prefix", 3, "t")
         .is_ok());
 }
+
+/// A token alone must not keep a node alive (whoever holds it heartbeats without the
+/// identity that registered), and a node cannot draw replicas with room it does not have.
+#[test]
+fn heartbeats_need_the_registered_identity_and_free_bytes_are_bounded_by_capacity() {
+    let f = fixture();
+    register(&f.cat, "n1");
+    f.clock.advance_ms(8_000);
+    match f.cat.heartbeat(&node("n1"), "", NodeStats::default()) {
+        Err(CatalogError::Invalid(e)) => assert!(e.reason.contains("must carry it"), "{e:?}"),
+        other => panic!("a heartbeat without the identity was not refused: {other:?}"),
+    }
+    f.clock.advance_ms(8_000);
+    let n1 = |cat: &Catalog| {
+        cat.list_nodes()
+            .unwrap()
+            .into_iter()
+            .find(|n| n.id == "n1")
+            .unwrap()
+    };
+    assert_eq!(
+        n1(&f.cat).state,
+        pb::NodeState::Down as i32,
+        "the refused heartbeat kept it up"
+    );
+    let capacity = n1(&f.cat).capacity_bytes;
+    f.cat
+        .heartbeat(
+            &node("n1"),
+            "n1-identity",
+            NodeStats {
+                free: u64::MAX,
+                ..Default::default()
+            },
+        )
+        .unwrap();
+    assert_eq!(n1(&f.cat).state, pb::NodeState::Up as i32);
+    assert_eq!(n1(&f.cat).free_bytes, capacity);
+}
+
+/// The service's own pause (stopped, frozen) is not the nodes' silence: after a gap in
+/// its ticks longer than the liveness timeout, no node is declared down until each had a
+/// fresh timeout to be heard; without ticks (no pause seen) liveness is judged as usual.
+#[test]
+fn a_pause_of_the_service_itself_gives_every_node_a_fresh_liveness_timeout() {
+    let f = fixture();
+    register(&f.cat, "n1");
+    register(&f.cat, "n2");
+    f.cat.tick();
+    // Ticking along, then silent for twice the liveness timeout (10 s here).
+    for _ in 0..5 {
+        f.clock.advance_ms(200);
+        f.cat.tick();
+        f.cat
+            .heartbeat(&node("n1"), "n1-identity", NodeStats::default())
+            .unwrap();
+        f.cat
+            .heartbeat(&node("n2"), "n2-identity", NodeStats::default())
+            .unwrap();
+    }
+    f.clock.advance_ms(20_000);
+    let state = |cat: &Catalog, id: &str| {
+        cat.list_nodes()
+            .unwrap()
+            .into_iter()
+            .find(|n| n.id == id)
+            .unwrap()
+            .state
+    };
+    // The first look after the pause sees it: both up.
+    assert_eq!(state(&f.cat, "n1"), pb::NodeState::Up as i32);
+    assert_eq!(state(&f.cat, "n2"), pb::NodeState::Up as i32);
+    // n1 goes on heartbeating, n2 stays silent: one timeout later n2 is down, n1 not.
+    for _ in 0..60 {
+        f.clock.advance_ms(200);
+        f.cat.tick();
+        f.cat
+            .heartbeat(&node("n1"), "n1-identity", NodeStats::default())
+            .unwrap();
+    }
+    assert_eq!(state(&f.cat, "n1"), pb::NodeState::Up as i32);
+    assert_eq!(state(&f.cat, "n2"), pb::NodeState::Down as i32);
+}

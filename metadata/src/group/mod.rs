@@ -36,7 +36,7 @@ use tonic::Status;
 
 use crate::store::{Batch, KvStore, RocksStore, ScanIter, StoreError, Table};
 
-pub use network::{RaftPolicy, RaftService};
+pub use network::{decode_for_fuzzing, RaftPolicy, RaftService};
 
 openraft::declare_raft_types!(
     /// The group's Raft types: a log entry carries one catalogue batch.
@@ -139,8 +139,11 @@ pub struct GroupConfig {
     pub members: Vec<Member>,
     /// Where this member's Raft port listens (default: its own entry's address).
     pub raft_listen: Option<SocketAddr>,
-    /// Token (role admin) presented on the other members' Raft ports.
+    /// The member secret: a token of role `member`, the same on every member, presented
+    /// on the other members' Raft ports once they proved they hold it too.
     pub token: Option<String>,
+    /// Members may talk in clear off loopback (`--insecure`: a trusted network).
+    pub insecure: bool,
     /// Raft timing: followers start an election after this long without a heartbeat
     /// (randomised up to twice it); heartbeats go out at a fifth of it.
     pub election_timeout: Duration,
@@ -172,6 +175,7 @@ pub struct Group {
     /// The catalogue predates the log (see `seal_preexisting`).
     preexisting: bool,
     tls: bool,
+    insecure: bool,
 }
 
 impl std::fmt::Debug for Group {
@@ -202,6 +206,19 @@ impl Group {
         state: Arc<RocksStore>,
     ) -> Result<Arc<Group>, GroupError> {
         check_member_name(&cfg.me).map_err(GroupError::Config)?;
+        if !cfg.tls && cfg.token.is_some() && !cfg.insecure {
+            for m in cfg.members.iter().filter(|m| m.name != cfg.me) {
+                if locus_proto::tls::check_plaintext(&format!("http://{}", m.addr), true).is_err() {
+                    return Err(GroupError::Config(format!(
+                        "member {} at {} is not on this host and the members have no TLS: they would \
+                         send the member secret, every catalogue change and the grant keys in clear. \
+                         Give every member --tls-cert and --tls-key (and --ca-cert), or pass \
+                         --insecure if this network is trusted",
+                        m.name, m.addr
+                    )));
+                }
+            }
+        }
         let id = member_id(&cfg.me);
         let log = log::LogStore::open(&data_dir.join("raft-log"))?;
         let outside = Arc::new(std::sync::atomic::AtomicU64::new(0));
@@ -227,7 +244,7 @@ impl Group {
         }
         .validate()
         .map_err(|e| GroupError::Config(e.to_string()))?;
-        let network = network::Network::new(cfg.token.clone(), cfg.tls);
+        let network = network::Network::new(cfg.token.clone(), cfg.tls, cfg.me.clone());
         let raft = Raft::new(id, Arc::new(config), network, log.clone(), sm)
             .await
             .map_err(|e| GroupError::Raft(e.to_string()))?;
@@ -252,7 +269,9 @@ impl Group {
             // An empty member among members that hold a log was wiped: starting a new
             // group here would split the cluster's history. The operator says --join.
             for m in cfg.members.iter().filter(|m| m.name != cfg.me) {
-                if let Ok(h) = network::hello(&m.addr, cfg.token.as_deref(), cfg.tls, &cfg.me).await {
+                if let Ok(h) =
+                    network::hello(&m.addr, cfg.token.as_deref(), cfg.tls, &cfg.me, Some(&m.name)).await
+                {
                     if h.asker_had_data {
                         return Err(GroupError::Config(format!(
                             "this member holds no data but the group's leader {} has had log entries \
@@ -302,6 +321,7 @@ impl Group {
             liveness_at: Mutex::new(None),
             preexisting,
             tls: cfg.tls,
+            insecure: cfg.insecure,
         }))
     }
 
@@ -419,6 +439,10 @@ impl Group {
                 check_member_name(name).map_err(Status::invalid_argument)?;
                 let addr = &req.raft_address;
                 parse_cluster(&format!("{name}={addr}")).map_err(Status::invalid_argument)?;
+                if !self.tls && self.token.is_some() && !self.insecure {
+                    locus_proto::tls::check_plaintext(&format!("http://{addr}"), true)
+                        .map_err(|e| Status::failed_precondition(format!("add-learner {name}: {e}")))?;
+                }
                 if let Some((id, _)) = current
                     .iter()
                     .find(|(id, n)| n.name != *name && **id == member_id(name))
@@ -431,6 +455,26 @@ impl Group {
                     name: name.clone(),
                     addr: addr.clone(),
                 };
+                // Before the group sends it a byte: the learner must prove it holds the
+                // member secret (and answer as the member named), or it would receive the
+                // catalogue and the grant keys — an add-learner naming a host someone
+                // else controls hands that host nothing.
+                // A learner still starting is waited for (a minute); one that answers
+                // without proving membership is refused at once.
+                let deadline = std::time::Instant::now() + Duration::from_secs(60);
+                loop {
+                    match network::hello(addr, self.token.as_deref(), self.tls, &self.name, Some(name)).await
+                    {
+                        Ok(_) => break,
+                        Err(s)
+                            if s.code() == tonic::Code::Unavailable
+                                && std::time::Instant::now() < deadline =>
+                        {
+                            tokio::time::sleep(Duration::from_millis(250)).await
+                        }
+                        Err(s) => return Err(fail(s.message().to_string())),
+                    }
+                }
                 // Blocking: answers once the learner has caught up (a snapshot plus the log).
                 self.raft
                     .add_learner(member_id(name), node, true)
@@ -567,13 +611,15 @@ impl Group {
         if let Some(u) = self.api_urls.lock().unwrap_or_else(|p| p.into_inner()).get(&id) {
             return Ok(u.clone());
         }
-        let hello = network::hello(&member.addr, self.token.as_deref(), self.tls, &self.name).await?;
-        if hello.name != member.name {
-            return Err(Status::unavailable(format!(
-                "{} answers as member {:?}, not {}",
-                member.addr, hello.name, member.name
-            )));
-        }
+        // Proved a member before any caller's call (and token) is forwarded there.
+        let hello = network::hello(
+            &member.addr,
+            self.token.as_deref(),
+            self.tls,
+            &self.name,
+            Some(&member.name),
+        )
+        .await?;
         self.api_urls
             .lock()
             .unwrap_or_else(|p| p.into_inner())
@@ -581,26 +627,85 @@ impl Group {
         Ok(hello.api_url)
     }
 
-    /// The group's grant key: made by the first leader, replicated to every member, so a
-    /// grant signed before a failover is still accepted after it.
-    pub fn grant_key(self: &Arc<Self>) -> Result<locus_proto::grant::GrantKey, GroupError> {
-        const KEY: &[u8] = b"grant_key";
-        let bad = |e: String| GroupError::State(format!("the group's grant key: {e}"));
+    /// The group's grant keys: made by the first leader (from the single key of a group
+    /// that predates key rings, if it has one), replicated to every member, so a grant
+    /// signed before a failover is still accepted after it. Waits for them, until `stop`.
+    pub async fn grant_keys(
+        self: &Arc<Self>,
+        mut stop: tokio::sync::watch::Receiver<bool>,
+    ) -> Result<crate::grant_keys::KeyRing, GroupError> {
+        use crate::grant_keys::{KeyRing, RingStore};
+        let bad = |e: String| GroupError::State(format!("the group's grant keys: {e}"));
         loop {
-            if let Some(pkcs8) = self.state.get(Table::Raft, KEY).map_err(|e| bad(e.to_string()))? {
-                return locus_proto::grant::GrantKey::from_pkcs8(&pkcs8).map_err(bad);
+            if let Some(b) = GroupRing(self.clone()).load().map_err(|e| bad(e.to_string()))? {
+                return KeyRing::decode(&b, "in the group's state").map_err(|e| bad(e.to_string()));
             }
-            if self.is_leader() {
-                let pkcs8 = locus_proto::grant::GrantKey::generate_pkcs8().map_err(bad)?;
+            if self.is_leader() && self.linearize().await.is_ok() && !self.has_keys() {
+                let now = locus_proto::grant::now_ms();
+                let legacy = self
+                    .state
+                    .get(Table::Raft, LEGACY_GRANT_KEY)
+                    .map_err(|e| bad(e.to_string()))?;
+                let ring = match legacy {
+                    Some(pkcs8) => KeyRing::from_legacy(&pkcs8, now),
+                    None => KeyRing::fresh(now),
+                }
+                .map_err(|e| bad(e.to_string()))?;
                 let mut b = Batch::default();
-                b.put(Table::Raft, KEY, pkcs8);
-                match ReplicatedStore(self.clone()).write(b, true) {
-                    Ok(()) => continue,
-                    Err(e) => tracing::warn!("writing the group's grant key: {e}; retrying"),
+                b.put(Table::Raft, GRANT_KEYS, ring.encode());
+                match tokio::time::timeout(Duration::from_secs(30), self.raft.client_write(b)).await {
+                    Ok(Ok(_)) => continue,
+                    Ok(Err(e)) => tracing::warn!("writing the group's grant keys: {e}; retrying"),
+                    Err(_) => {
+                        tracing::warn!("writing the group's grant keys: no quorum within 30 s; retrying")
+                    }
                 }
             }
-            std::thread::sleep(Duration::from_millis(100));
+            tokio::select! {
+                _ = tokio::time::sleep(Duration::from_millis(100)) => {}
+                _ = stop.wait_for(|s| *s) => {
+                    return Err(GroupError::State("stopped while waiting for the group's grant keys".into()))
+                }
+            }
         }
+    }
+
+    fn has_keys(&self) -> bool {
+        self.state.get(Table::Raft, GRANT_KEYS).ok().flatten().is_some()
+    }
+}
+
+/// The group's key ring in its replicated state (the `raft` table: never exported).
+const GRANT_KEYS: &[u8] = b"grant_keys";
+/// The single key groups kept before key rings.
+const LEGACY_GRANT_KEY: &[u8] = b"grant_key";
+
+/// Where a group keeps its grant keys: read from this member's state, written through
+/// the log (so a rotation reaches every member, and only members).
+pub struct GroupRing(pub Arc<Group>);
+
+impl crate::grant_keys::RingStore for GroupRing {
+    fn load(&self) -> Result<Option<Vec<u8>>, crate::grant_keys::KeyRingError> {
+        self.0
+            .state
+            .get(Table::Raft, GRANT_KEYS)
+            .map_err(|e| crate::grant_keys::KeyRingError::Store {
+                place: self.place(),
+                reason: e.to_string(),
+            })
+    }
+    fn store(&self, bytes: Vec<u8>) -> Result<(), crate::grant_keys::KeyRingError> {
+        let mut b = Batch::default();
+        b.put(Table::Raft, GRANT_KEYS, bytes);
+        ReplicatedStore(self.0.clone())
+            .write(b, true)
+            .map_err(|e| crate::grant_keys::KeyRingError::Store {
+                place: self.place(),
+                reason: e.to_string(),
+            })
+    }
+    fn place(&self) -> String {
+        "in the metadata group's state".into()
     }
 }
 
@@ -618,8 +723,13 @@ impl KvStore for ReplicatedStore {
     fn write(&self, batch: Batch, _sync: bool) -> Result<(), StoreError> {
         // Durability is the log's: an entry is committed once a quorum has it on disk.
         let raft = self.0.raft.clone();
-        let r = self.0.handle.block_on(async move {
-            tokio::time::timeout(Duration::from_secs(30), raft.client_write(batch)).await
+        let handle = self.0.handle.clone();
+        // Out of the async worker first (a write from one would otherwise panic in
+        // block_on), then wait for the commit.
+        let r = blocking(move || {
+            handle.block_on(async move {
+                tokio::time::timeout(Duration::from_secs(30), raft.client_write(batch)).await
+            })
         });
         match r {
             Ok(Ok(_)) => Ok(()),

@@ -30,6 +30,13 @@ type Client = RaftClient<InterceptedService<Channel, BearerToken>>;
 
 fn client(addr: &str, token: Option<&str>, tls: bool) -> Result<Client, Status> {
     let scheme = if tls { "https" } else { "http" };
+    // The same rule every client follows: a token (here the member secret, and with it
+    // the catalogue and the grant keys in the log) never crosses a network in clear
+    // unless the operator said the network is trusted.
+    if !tls {
+        locus_proto::tls::check_plaintext(&format!("http://{addr}"), token.is_some())
+            .map_err(|e| Status::failed_precondition(format!("member at {addr}: {e}")))?;
+    }
     let mut ep = Endpoint::from_shared(format!("{scheme}://{addr}"))
         .map_err(|e| Status::invalid_argument(format!("member address {addr:?}: {e}")))?
         .connect_timeout(Duration::from_secs(1))
@@ -57,6 +64,18 @@ fn client(addr: &str, token: Option<&str>, tls: bool) -> Result<Client, Status> 
     )
 }
 
+/// A member's proof that it holds the group's member secret: BLAKE3 keyed with a key
+/// derived from the secret, over the asker's challenge and the answerer's own name (so a
+/// stranger cannot relay another member's answer as its own).
+pub(crate) fn member_proof(secret: &str, challenge: &[u8], name: &str) -> [u8; 32] {
+    let key = blake3::derive_key("locus metadata member proof v1", secret.as_bytes());
+    let mut h = blake3::Hasher::new_keyed(&key);
+    h.update(&(challenge.len() as u64).to_be_bytes());
+    h.update(challenge);
+    h.update(name.as_bytes());
+    *h.finalize().as_bytes()
+}
+
 /// The leader's liveness rows, from its raft port.
 pub async fn liveness(
     addr: &str,
@@ -73,25 +92,68 @@ pub async fn liveness(
     decode(r.into_inner())
 }
 
-/// Asks the member at `addr` its name and API URL (`asker`: this member's name).
-pub async fn hello(addr: &str, token: Option<&str>, tls: bool, asker: &str) -> Result<pb::RaftHello, Status> {
-    let mut c = client(addr, token, tls)?;
-    let req = pb::RaftHelloRequest { asker: asker.into() };
+/// Asks the member at `addr` its name and API URL (`asker`: this member's name). Sends no
+/// token. With a member secret, the answer must prove the answerer holds it too and is
+/// the member `expect` names (when given): anything else is refused before this member
+/// sends it a token, a log entry or a caller's call.
+pub async fn hello(
+    addr: &str,
+    secret: Option<&str>,
+    tls: bool,
+    asker: &str,
+    expect: Option<&str>,
+) -> Result<pb::RaftHello, Status> {
+    let mut c = client(addr, None, tls)?;
+    let challenge: [u8; 32] = locus_proto::grant::random_bytes();
+    let req = pb::RaftHelloRequest {
+        asker: asker.into(),
+        challenge: if secret.is_some() {
+            challenge.to_vec()
+        } else {
+            vec![]
+        },
+    };
     let r = tokio::time::timeout(Duration::from_secs(3), c.hello(req))
         .await
-        .map_err(|_| Status::unavailable(format!("member at {addr} did not answer within 3 s")))??;
-    Ok(r.into_inner())
+        .map_err(|_| Status::unavailable(format!("member at {addr} did not answer within 3 s")))??
+        .into_inner();
+    if let Some(want) = expect {
+        if r.name != want {
+            return Err(Status::failed_precondition(format!(
+                "{addr} answers as member {:?}, not {want}",
+                r.name
+            )));
+        }
+    }
+    if let Some(secret) = secret {
+        let good = member_proof(secret, &challenge, &r.name);
+        // Constant time: a near miss must not tell a guesser how near.
+        let ok = r.proof.len() == 32
+            && blake3::Hash::from(good)
+                == blake3::Hash::from_bytes(r.proof[..].try_into().expect("32 bytes"));
+        if !ok {
+            tracing::warn!(addr, claimed = %r.name, "a raft port did not prove it holds the member secret; nothing was sent to it");
+            return Err(Status::permission_denied(format!(
+                "{addr} (answering as {:?}) does not prove it holds this group's member secret: it \
+                 is not a member, or was given another --member-token-file (every member must \
+                 hold the same secret); nothing was sent to it",
+                r.name
+            )));
+        }
+    }
+    Ok(r)
 }
 
 /// Makes a `Peer` per member the leader replicates to.
 pub struct Network {
     token: Option<String>,
     tls: bool,
+    me: String,
 }
 
 impl Network {
-    pub fn new(token: Option<String>, tls: bool) -> Self {
-        Self { token, tls }
+    pub fn new(token: Option<String>, tls: bool, me: String) -> Self {
+        Self { token, tls, me }
     }
 }
 
@@ -101,16 +163,26 @@ impl RaftNetworkFactory<TypeConfig> for Network {
     async fn new_client(&mut self, target: u64, node: &Member) -> Peer {
         Peer {
             target,
-            client: client(&node.addr, self.token.as_deref(), self.tls),
+            node: node.clone(),
+            me: self.me.clone(),
+            token: self.token.clone(),
+            tls: self.tls,
+            client: None,
         }
     }
 }
 
+/// One member the leader sends to. It is sent nothing (no token, no entry, no snapshot
+/// holding the grant keys) until it has proved it holds the member secret: `members
+/// add-learner` naming a host someone else controls hands that host nothing.
 pub struct Peer {
     target: u64,
-    client: Result<Client, Status>,
+    node: Member,
+    me: String,
+    token: Option<String>,
+    tls: bool,
+    client: Option<Client>,
 }
-
 type RpcErr<E> = RPCError<u64, Member, E>;
 
 impl Peer {
@@ -126,8 +198,25 @@ impl Peer {
         E: serde::de::DeserializeOwned + std::error::Error,
     {
         let c = match &self.client {
-            Ok(c) => c.clone(),
-            Err(s) => return Err(RPCError::Unreachable(Unreachable::new(s))),
+            Some(c) => c.clone(),
+            None => {
+                let verified = hello(
+                    &self.node.addr,
+                    self.token.as_deref(),
+                    self.tls,
+                    &self.me,
+                    Some(&self.node.name),
+                )
+                .await
+                .and_then(|_| client(&self.node.addr, self.token.as_deref(), self.tls));
+                match verified {
+                    Ok(c) => {
+                        self.client = Some(c.clone());
+                        c
+                    }
+                    Err(s) => return Err(RPCError::Unreachable(Unreachable::new(&s))),
+                }
+            }
         };
         let body = bincode::serialize(req).map_err(|e| RPCError::Network(NetworkError::new(&e)))?;
         let msg = pb::RaftMessage { body };
@@ -151,7 +240,7 @@ impl Peer {
             Ok(Ok(r)) => r.into_inner(),
         };
         let decoded: Result<Resp, E> =
-            bincode::deserialize(&r.body).map_err(|e| RPCError::Network(NetworkError::new(&e)))?;
+            decode_bytes(&r.body).map_err(|e| RPCError::Network(NetworkError::new(&e)))?;
         decoded.map_err(|e| RPCError::RemoteError(RemoteError::new(self.target, e)))
     }
 }
@@ -187,6 +276,8 @@ pub struct RaftService {
     raft: Raft,
     name: String,
     api_url: String,
+    /// The member secret, to prove membership in Hello answers.
+    secret: Option<String>,
     /// The catalogue, once open (for `Liveness`).
     catalog: Arc<OnceLock<Arc<crate::Catalog>>>,
 }
@@ -196,12 +287,14 @@ impl RaftService {
         raft: Raft,
         name: String,
         api_url: String,
+        secret: Option<String>,
         catalog: Arc<OnceLock<Arc<crate::Catalog>>>,
     ) -> Self {
         Self {
             raft,
             name,
             api_url,
+            secret,
             catalog,
         }
     }
@@ -214,8 +307,29 @@ impl RaftService {
 }
 
 fn decode<T: serde::de::DeserializeOwned>(m: pb::RaftMessage) -> Result<T, Status> {
-    bincode::deserialize(&m.body)
-        .map_err(|e| Status::invalid_argument(format!("undecodable Raft message: {e}")))
+    decode_bytes(&m.body).map_err(|e| Status::invalid_argument(format!("undecodable Raft message: {e}")))
+}
+
+/// bincode 1 as `bincode::serialize` writes it, read with a bound: a length prefix that
+/// claims more than the message holds is refused before anything is allocated for it
+/// (`bincode::deserialize` has no limit, and would try).
+pub(crate) fn decode_bytes<T: serde::de::DeserializeOwned>(b: &[u8]) -> Result<T, bincode::Error> {
+    use bincode::Options;
+    bincode::options()
+        .with_fixint_encoding()
+        .allow_trailing_bytes()
+        .with_limit(b.len() as u64)
+        .deserialize(b)
+}
+
+/// Decodes a Raft message body as the raft port does (`kind`: 0 append, 1 vote, 2
+/// snapshot): for fuzzing the parser members run on what the network gives them.
+pub fn decode_for_fuzzing(kind: u8, body: &[u8]) -> bool {
+    match kind % 3 {
+        0 => decode_bytes::<AppendEntriesRequest<TypeConfig>>(body).is_ok(),
+        1 => decode_bytes::<VoteRequest<u64>>(body).is_ok(),
+        _ => decode_bytes::<InstallSnapshotRequest<TypeConfig>>(body).is_ok(),
+    }
 }
 
 fn encode<T: serde::Serialize>(v: &T) -> Result<Response<pb::RaftMessage>, Status> {
@@ -260,7 +374,11 @@ impl pb::raft_server::Raft for RaftService {
     }
 
     async fn hello(&self, req: Request<pb::RaftHelloRequest>) -> Result<Response<pb::RaftHello>, Status> {
-        let asker = req.into_inner().asker;
+        let q = req.into_inner();
+        if q.challenge.len() > 64 {
+            return Err(Status::invalid_argument("challenge: at most 64 bytes"));
+        }
+        let asker = q.asker;
         let asker_had_data = !asker.is_empty() && {
             let m = self.raft.metrics();
             let m = m.borrow();
@@ -269,15 +387,22 @@ impl pb::raft_server::Raft for RaftService {
                 .and_then(|r| r.get(&super::member_id(&asker)))
                 .is_some_and(|matched| matched.is_some_and(|l| l.index > 0))
         };
+        let proof = match &self.secret {
+            Some(s) if !q.challenge.is_empty() => member_proof(s, &q.challenge, &self.name).to_vec(),
+            _ => Vec::new(),
+        };
         Ok(Response::new(pb::RaftHello {
             name: self.name.clone(),
             api_url: self.api_url.clone(),
             asker_had_data,
+            proof,
         }))
     }
 }
 
-/// Who may call the Raft port: members, presenting an admin token.
+/// Who may call the Raft port: members, presenting the member token; Hello with no token
+/// (it must be answered before an asker will present one, and tells a stranger only the
+/// member's name and API address).
 pub struct RaftPolicy;
 
 impl locus_proto::auth::Policy for RaftPolicy {
@@ -285,10 +410,11 @@ impl locus_proto::auth::Policy for RaftPolicy {
         "/locus.metadata.v1.Raft/"
     }
     fn access(&self, method: &str) -> Option<locus_proto::auth::Access> {
-        matches!(
-            method,
-            "Append" | "Vote" | "InstallSnapshot" | "Hello" | "Liveness"
-        )
-        .then_some(locus_proto::auth::Access::Admin)
+        use locus_proto::auth::Access;
+        match method {
+            "Append" | "Vote" | "InstallSnapshot" | "Liveness" => Some(Access::Member),
+            "Hello" => Some(Access::Open),
+            _ => None,
+        }
     }
 }

@@ -260,10 +260,12 @@ fn touches_group_state(op: &crate::store::Op) -> bool {
 }
 
 /// The one write of the group's own state that goes through the log as a batch: the
-/// group's grant key, made by the first leader.
+/// group's grant keys (made by the first leader, replaced by each rotation; `grant_key`
+/// is the single key of logs written before key rings).
 fn is_grant_key_only(b: &Batch) -> bool {
     use crate::store::Op;
-    b.ops.len() == 1 && matches!(&b.ops[0], Op::Put(Table::Raft, k, _) if k == b"grant_key")
+    b.ops.len() == 1
+        && matches!(&b.ops[0], Op::Put(Table::Raft, k, _) if k == b"grant_keys" || k == b"grant_key")
 }
 
 pub struct Builder {

@@ -10,6 +10,53 @@ use super::{to_status, MetadataService};
 use crate::auth::Principal;
 
 impl MetadataService {
+    /// `GrantKeys`: lists or rotates the keys grants are signed and checked with.
+    pub(super) async fn keys(
+        &self,
+        p: Principal,
+        q: pb::GrantKeysRequest,
+    ) -> Result<pb::GrantKeysResponse, Status> {
+        let now = now_ms();
+        match q.op.as_str() {
+            "list" | "" => Ok(pb::GrantKeysResponse {
+                keys: self.grant_keys.ring().describe(now),
+            }),
+            "rotate" => {
+                let delay = match q.publish_delay_ms {
+                    0 => crate::grant_keys::DEFAULT_PUBLISH_DELAY,
+                    ms => std::time::Duration::from_millis(ms.min(24 * 3600 * 1000)),
+                };
+                let keys = self.grant_keys.clone();
+                let revoke = q.revoke;
+                let r = tokio::task::spawn_blocking(move || keys.rotate(delay, revoke))
+                    .await
+                    .map_err(|e| Status::internal(format!("rotation task failed: {e}")))?;
+                let what = if revoke { "rotate+revoke" } else { "rotate" };
+                self.audit.record(
+                    &p,
+                    "grant-keys.rotate",
+                    what,
+                    r.as_ref()
+                        .map(|_| {
+                            format!(
+                                "new key signs in {} ms",
+                                if revoke { 0 } else { delay.as_millis() }
+                            )
+                        })
+                        .map_err(|e| e.to_string()),
+                );
+                let ring = r.map_err(|e| Status::unavailable(e.to_string()))?;
+                tracing::warn!(revoke, "grant keys rotated by {}", p.name);
+                Ok(pb::GrantKeysResponse {
+                    keys: ring.describe(now),
+                })
+            }
+            other => Err(Status::invalid_argument(format!(
+                "op {other:?}: expected list or rotate"
+            ))),
+        }
+    }
+
     /// `IssueGrant`: a grant for one operation on one node, if the caller may have it.
     pub(super) async fn grant(
         &self,
@@ -91,7 +138,7 @@ impl MetadataService {
             );
         }
         Ok(pb::IssueGrantResponse {
-            grant: self.grant_key.sign(&body),
+            grant: self.grant_keys.sign(&body),
             expires_unix_ms: body.expires_unix_ms,
         })
     }

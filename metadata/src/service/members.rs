@@ -13,7 +13,7 @@ impl MetadataService {
         &self,
         req: Request<pb::ChangeMembersRequest>,
     ) -> Result<Response<pb::ClusterInfo>, Status> {
-        let p = principal(&req);
+        let p = principal(&req)?;
         let Some(group) = self.group.clone() else {
             return Err(Status::failed_precondition(
                 "this metadata service is not a replicated group: start its members with --id and \
@@ -33,7 +33,8 @@ impl MetadataService {
                 .map_err(|s| s.message().to_string()),
         );
         result?;
-        self.get_cluster_info(Request::new(pb::GetClusterInfoRequest {}))
-            .await
+        let mut info = Request::new(pb::GetClusterInfoRequest {});
+        info.extensions_mut().insert(p);
+        self.get_cluster_info(info).await
     }
 }

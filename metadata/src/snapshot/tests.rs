@@ -55,7 +55,7 @@ fn export_restore_and_plan() {
     assert!(p.blobs.iter().all(|b| b.replicas == ["n2", "n1"]));
 
     let fresh = MemStore::default();
-    let r = restore(&out[..], &fresh, "file:///b", "snap1").unwrap();
+    let r = restore(&out[..], &fresh, "file:///b", "snap1", None).unwrap();
     assert_eq!(r.rows, 6);
     assert_eq!(
         fresh.get(Table::Entries, &keys::entry(7, "a")).unwrap(),
@@ -67,6 +67,15 @@ fn export_restore_and_plan() {
         crate::records::BackupRecord::decode(&fresh.get(Table::Backups, b"file:///b").unwrap().unwrap()[..])
             .expect("the restore source is recorded as a backup record");
     assert_eq!((rec.snapshot.as_str(), rec.restored), ("snap1", true));
+    // A catalogue is restored only as the cluster its manifest names.
+    restore(&out[..], &MemStore::default(), "file:///b", "snap1", Some("c1")).unwrap();
+    let e = restore(&out[..], &MemStore::default(), "file:///b", "snap1", Some("c2"))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("cluster c1's but its manifest names cluster c2"),
+        "{e}"
+    );
 }
 
 /// A row that would not pass the API (a path with `..`, a short hash, a bad node id)
@@ -116,14 +125,14 @@ fn restored_rows_are_checked_like_api_input() {
         let mut planted = Vec::new();
         export(&s, &mut planted).unwrap();
         let fresh = MemStore::default();
-        let e = restore(&planted[..], &fresh, "file:///b", "snap1").unwrap_err();
+        let e = restore(&planted[..], &fresh, "file:///b", "snap1", None).unwrap_err();
         assert!(matches!(e, SnapshotError::Corrupt(_)), "row {i}: {e}");
     }
     assert!(crate::rows::check_row(Table::Sessions, &keys::uid(9), b"s").is_err());
     // The untouched export still restores.
     let mut out = Vec::new();
     export(&sample(), &mut out).unwrap();
-    restore(&out[..], &MemStore::default(), "file:///b", "snap1").unwrap();
+    restore(&out[..], &MemStore::default(), "file:///b", "snap1", None).unwrap();
 }
 
 #[test]

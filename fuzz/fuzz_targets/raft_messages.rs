@@ -1,0 +1,11 @@
+//! The bodies of the metadata group's Raft messages as a member decodes them from its
+//! raft port (bincode, bounded): any bytes decode or are refused, without a panic and
+//! without allocating what a length prefix merely claims.
+#![no_main]
+use libfuzzer_sys::fuzz_target;
+
+fuzz_target!(|data: &[u8]| {
+    if let Some((kind, body)) = data.split_first() {
+        let _ = locus_metadata::group::decode_for_fuzzing(*kind, body);
+    }
+});
