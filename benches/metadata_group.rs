@@ -36,6 +36,9 @@ async fn upload_and_commit(
     files: usize,
 ) -> (Duration, Duration) {
     let (entries, shards) = synthetic_manifest("b", files, 1000, 10_000, 1 << 22);
+    // What an importer sends with the commit (built before the clock starts: the
+    // importer's work, not the service's).
+    let (sealed, hash) = locus_testkit::seal_manifest(c, "big", 1 << 22, &entries).await;
     let t = Instant::now();
     let s = c
         .begin_version(pb::BeginVersionRequest {
@@ -56,6 +59,8 @@ async fn upload_and_commit(
     let t = Instant::now();
     c.commit_version(pb::CommitVersionRequest {
         session_id: s.session_id,
+        namespace_blob: hash.0.to_vec(),
+        namespace_size: sealed.len() as u64,
     })
     .await
     .unwrap();

@@ -35,6 +35,17 @@ fn u(v: &serde_json::Value, k: &str) -> u64 {
 }
 
 /// Every blob object under a `file://` target: hash (file name) → size.
+/// The sealed namespace of `target` (NAME@VERSION): its blob's hash and size, as `dataset
+/// show --json` gives them (a backup stores it like a file's blob).
+fn namespace_of(m: &Metadata, target: &str) -> (String, u64) {
+    let v = json(&m.cli(&["dataset", "show", target, "--json"]));
+    let ns = &v["namespace"];
+    (
+        ns["blob"].as_str().expect("a sealed namespace").to_string(),
+        u(ns, "bytes"),
+    )
+}
+
 fn stored_blobs(target: &Path) -> BTreeMap<String, u64> {
     let mut out = BTreeMap::new();
     let Ok(dirs) = std::fs::read_dir(target.join("blobs")) else {
@@ -166,8 +177,10 @@ async fn backups_to_a_directory_are_incremental_verified_and_collected() {
     let o = import(&m, "alpha", &a2, &["--replicas", "2", "--shard-size", "256KiB"]);
     assert!(o.status.success(), "{}", stderr(&o));
     let r3 = backup(&m, &url, &[]);
-    assert_eq!(u(&r3, "blobs_uploaded"), 2, "{r3}");
-    assert_eq!(u(&r3, "bytes_uploaded"), 15 + 123_456);
+    // Its two new files and its sealed namespace.
+    let (_, ns) = namespace_of(&m, "alpha@latest");
+    assert_eq!(u(&r3, "blobs_uploaded"), 3, "{r3}");
+    assert_eq!(u(&r3, "bytes_uploaded"), 15 + 123_456 + ns);
     assert_eq!(u(&r3, "versions"), 3);
 
     // list: three committed snapshots with their figures.
@@ -287,7 +300,8 @@ async fn backups_to_a_directory_are_incremental_verified_and_collected() {
     assert_eq!(dry["snapshots_deleted"].as_array().unwrap().len(), 3);
     assert_eq!(
         stored_blobs(&target).len(),
-        stored.len() + 2,
+        // The third version's two new files and its sealed namespace.
+        stored.len() + 3,
         "a dry run deletes nothing"
     );
     let g = json(&m.cli(&["backup", "gc", "--to", &url, "--keep-last", "1", "--json"]));
@@ -626,6 +640,9 @@ async fn bad_copies_and_dead_nodes_do_not_stop_a_backup() {
     // Small shards: every node is first replica of some of them.
     let o = import(&m, "ds", &src, &["--replicas", "2", "--shard-size", "64KiB"]);
     assert!(o.status.success(), "{}", stderr(&o));
+    // Each version's sealed namespace is backed up like its files.
+    let (h1, n1) = namespace_of(&m, "ds@1");
+    want.insert(h1, n1);
     // Every blob on n1 rots in place (same size, one flipped byte).
     let files = nodes[0].blob_files();
     assert!(files.len() >= 5, "n1 holds {} blobs", files.len());
@@ -651,11 +668,17 @@ async fn bad_copies_and_dead_nodes_do_not_stop_a_backup() {
     write(&mut want, 30..50);
     let o = import(&m, "ds", &src, &["--replicas", "2", "--shard-size", "64KiB"]);
     assert!(o.status.success(), "{}", stderr(&o));
+    let (h2, n2) = namespace_of(&m, "ds@2");
+    want.insert(h2, n2);
     nodes[2].daemon.kill9();
     wait_node_down(&m, "n3").await;
     let r = json(&m.cli(&["backup", "run", "--to", &url, "--json"]));
     assert_eq!(r["committed"], true);
-    assert_eq!(u(&r, "blobs_uploaded"), 20);
+    assert_eq!(
+        u(&r, "blobs_uploaded"),
+        20 + 1,
+        "the new files and the namespace: {r}"
+    );
     assert_eq!(stored_blobs(&target), want);
     // A second node dies: some blobs now have no live replica at all, but the target holds
     // them already, so the next run still commits.

@@ -277,11 +277,12 @@ fn demo_commits_and_lists_a_sample_dataset() {
     }
     assert!(text.contains("cluster stopped"), "{text}");
     assert!(
-        text.contains("29 blobs (10.2 MiB); uploaded 29 blobs") && text.contains("0 missing, 0 corrupt"),
+        // The 29 files' blobs and the version's sealed namespace.
+        text.contains("30 blobs (10.2 MiB); uploaded 30 blobs") && text.contains("0 missing, 0 corrupt"),
         "backup: {text}"
     );
     // The services it started are gone; the metadata store and the blobs are on disk,
-    // every shard on two nodes: 2 × the sample's distinct blobs.
+    // every shard on two nodes: 2 × the sample's distinct blobs and its namespace.
     assert!(h.path("demo/metadata/db/CURRENT").exists());
     let blobs: usize = ["node1", "node2", "node3"]
         .iter()
@@ -293,7 +294,11 @@ fn demo_commits_and_lists_a_sample_dataset() {
                 .sum::<usize>()
         })
         .sum();
-    assert_eq!(blobs, 2 * 29, "29 distinct blobs, two replicas each");
+    assert_eq!(
+        blobs,
+        2 * 30,
+        "29 distinct file blobs and the namespace, two replicas each"
+    );
 }
 
 #[test]

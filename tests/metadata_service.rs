@@ -632,6 +632,7 @@ async fn abandoned_sessions_are_reaped() {
     let e = c
         .commit_version(pb::CommitVersionRequest {
             session_id: s.session_id,
+            ..Default::default()
         })
         .await
         .unwrap_err();

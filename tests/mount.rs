@@ -158,6 +158,8 @@ async fn every_file_reads_back_identical_with_and_without_a_local_node() {
 async fn a_directory_of_100k_entries_lists_correctly() {
     let h = Harness::new("mount-bigdir");
     let m = h.start_metadata("meta", MetadataOpts::default()).await;
+    // Holds the version's sealed namespace (the files' bytes exist nowhere).
+    let node = h.start_node("n1", &m, NodeOpts::host(1)).await;
     let mut c = m.client(None).await;
     let (entries, shards) = synthetic_manifest("big", 100_000, 100_000, 100_000, 1 << 20);
     let want: Vec<String> = entries
@@ -165,7 +167,9 @@ async fn a_directory_of_100k_entries_lists_correctly() {
         .filter(|e| e.path.starts_with("top/d00000/"))
         .map(|e| e.path.rsplit('/').next().unwrap().to_string())
         .collect();
-    commit(&mut c, "big", 1 << 20, entries, shards).await.unwrap();
+    commit_mountable(&mut c, &node, "big", 1 << 20, entries, shards)
+        .await
+        .unwrap();
     let mnt = m.mount("big", "big@1", None, &[]);
     let dir = mnt.path.join("top/d00000");
     let mut got: Vec<String> = std::fs::read_dir(&dir)
@@ -381,6 +385,75 @@ fn flip_byte(blob: &Path, at: usize) {
         .open(blob)
         .and_then(|mut f| std::io::Write::write_all(&mut f, &bytes))
         .unwrap();
+}
+
+/// The version's sealed namespace on the mount's local node, damaged on the node's disk:
+/// one byte changed where the structure still opens (only its hash tells), then cut short.
+/// The node hashes a file that changed since its last check before it answers, so it
+/// quarantines the bad copy and fetches the peer's; the mount serves the source's tree
+/// exactly each time. On a host without a node, a copy fetched once is kept for the
+/// host's next mount.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_damaged_namespace_on_the_local_node_is_refused_and_fetched_from_a_peer() {
+    let h = Harness::new("mount-ns-damaged");
+    let (m, nodes) = cluster(&h, 2, NodeOpts::host).await;
+    let src = h.path("src");
+    make_tree(&src, 40);
+    let out = import(&m, "ds", &src, &["--replicas", "2"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let shown: serde_json::Value =
+        serde_json::from_slice(&m.cli(&["dataset", "show", "ds@1", "--json"]).stdout).unwrap();
+    let ns = shown["namespace"]["blob"]
+        .as_str()
+        .expect("a sealed namespace")
+        .to_string();
+    let on_n1 = nodes[0].blob_files()[&ns].clone();
+    let good = std::fs::read(&on_n1).unwrap();
+    assert!(
+        nodes[1].blob_files().contains_key(&ns),
+        "both replicas of shard 0 hold it"
+    );
+
+    // A good copy: used from the node, mapped.
+    let mnt = m.mount("good", "ds@1", Some(&nodes[0]), &[]);
+    assert_same_tree(&src, &mnt.path);
+    let log = std::fs::read_to_string(&mnt.log).unwrap();
+    assert!(
+        log.contains("from the local node") && log.contains("mapped"),
+        "{log}"
+    );
+    drop(mnt);
+
+    // The root's mtime (bytes 18..26 of the first record): still a well-formed namespace.
+    flip_byte(&on_n1, 20);
+    let mnt = m.mount("flipped", "ds@1", Some(&nodes[0]), &[]);
+    assert_same_tree(&src, &mnt.path);
+    assert_eq!(nodes[0].quarantined(), 1, "n1 set its bad copy aside");
+    assert_eq!(std::fs::read(&on_n1).unwrap(), good, "and fetched the peer's");
+    drop(mnt);
+
+    // Cut short.
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&on_n1)
+        .unwrap()
+        .set_len(100)
+        .unwrap();
+    let mnt = m.mount("short", "ds@1", Some(&nodes[0]), &[]);
+    assert_same_tree(&src, &mnt.path);
+    assert_eq!(std::fs::read(&on_n1).unwrap(), good);
+    drop(mnt);
+
+    // No local node: fetched from the nodes once, then this host's copy.
+    let mnt = m.mount("remote", "ds@1", None, &[]);
+    assert_same_tree(&src, &mnt.path);
+    let log = std::fs::read_to_string(&mnt.log).unwrap();
+    assert!(log.contains("from the cluster's nodes, kept at"), "{log}");
+    drop(mnt);
+    let mnt = m.mount("again", "ds@1", None, &[]);
+    assert_same_tree(&src, &mnt.path);
+    let log = std::fs::read_to_string(&mnt.log).unwrap();
+    assert!(log.contains("from this host's copy"), "{log}");
 }
 
 /// `opens`: the local mount's `--opens`.

@@ -462,7 +462,7 @@ impl Core {
             index: index as u32,
             offset,
             len: cs.min(a.size - offset),
-            hash: *chunks.get(index as usize)?,
+            hash: chunks.get(index as usize)?,
         })
     }
 

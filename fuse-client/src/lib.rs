@@ -1,31 +1,30 @@
 //! The Locus FUSE client: mounts one dataset version as a read-only file tree.
 //!
-//! - `namespace`: the version's manifest as a compact, immutable inode table;
+//! - `namespace`: the version's sealed namespace, used in place (mapped);
+//! - `load`: what a mount reads before it answers the kernel, the namespace included;
 //! - `reader`: verified chunks from remote replicas, with failover and read-ahead;
 //! - `fs`: the FUSE filesystem (passthrough to the local node's files when possible);
 //! - `metrics`: what the mount reports.
 //!
-//! `load` reads everything a mount needs from the metadata service once; `session`
-//! mounts it. The `locus mount` command adds the process around them (daemonizing,
-//! signals, the status file).
+//! `load` reads everything a mount needs once (the namespace from nodes, not from the
+//! metadata service); `session_config` configures the mount. The `locus mount` command
+//! adds the process around them (daemonizing, signals, the status file).
 //!
-//! It depends only on `locus-proto` and never reaches into another Locus crate.
+//! It depends on `locus-proto` (wire and formats) and `locus-backup` (a version's origin
+//! as the last source), never on the metadata service or the node.
 
 pub mod core;
 pub mod fs;
+pub mod load;
 pub mod metrics;
 pub mod namespace;
 pub mod pieces;
 pub mod reader;
 
 use std::path::Path;
-use std::time::{Duration, Instant};
-
-use locus_proto::client::MetadataClient;
-use locus_proto::manifest::Entry;
-use locus_proto::pb;
 
 pub use fs::{LocusFs, Settings};
+pub use load::{Opened, Sources};
 pub use namespace::Namespace;
 pub use reader::{Place, Remote, Topology};
 
@@ -38,77 +37,20 @@ pub const SOURCE_PREFIX: &str = "locus:";
 pub enum LoadError {
     #[error("{0}")]
     Status(String),
-    #[error("the manifest is invalid: {0}")]
+    #[error("the version is invalid: {0}")]
     Invalid(String),
+    /// Committed before versions carried a sealed namespace.
+    #[error("{0}")]
+    Unsealed(String),
+    /// No source gave bytes that hash to the version's namespace.
+    #[error("no source could give this mount the version's namespace: {0}")]
+    Namespace(String),
 }
 
 impl From<tonic::Status> for LoadError {
     fn from(s: tonic::Status) -> Self {
         LoadError::Status(s.message().to_string())
     }
-}
-
-/// What a mount needs, read once.
-pub struct Loaded {
-    pub version: pb::Version,
-    pub namespace: Namespace,
-    pub topology: Topology,
-    pub took: Duration,
-}
-
-/// Reads a version's manifest (page by page, converting as it goes so the protobuf
-/// form of a million entries is never held at once), its shards and the nodes.
-/// `version` 0 means the latest.
-pub async fn load(
-    client: &mut MetadataClient,
-    dataset: &str,
-    version: u64,
-    place: &Place,
-) -> Result<Loaded, LoadError> {
-    let started = Instant::now();
-    let mut r = pb::VersionRef {
-        dataset: dataset.to_string(),
-        version,
-    };
-    let v = client
-        .get_version(pb::GetVersionRequest {
-            r#ref: Some(r.clone()),
-        })
-        .await?
-        .into_inner();
-    r.version = v.version;
-    let total = v.files + v.dirs + v.symlinks;
-    let mut builder = namespace::Builder::new(v.chunk_size, total as usize);
-    let bad = |e: String| LoadError::Invalid(e);
-    let mut token = Vec::new();
-    loop {
-        let resp = client
-            .list_entries(pb::ListEntriesRequest {
-                r#ref: Some(r.clone()),
-                directory: None,
-                page_token: token,
-                limit: 10_000,
-                without_chunks: false,
-            })
-            .await?
-            .into_inner();
-        for e in resp.entries {
-            let e = Entry::try_from(e).map_err(|e| bad(e.to_string()))?;
-            builder.add(e).map_err(|e| bad(e.to_string()))?;
-        }
-        if resp.next_page_token.is_empty() {
-            break;
-        }
-        token = resp.next_page_token;
-    }
-    let namespace = builder.finish().map_err(|e| bad(e.to_string()))?;
-    let topology = Topology::load(client, &r, place).await?;
-    Ok(Loaded {
-        version: v,
-        namespace,
-        topology,
-        took: started.elapsed(),
-    })
 }
 
 /// The fuser configuration of a Locus mount.

@@ -22,6 +22,11 @@ impl Pieces {
         self.len() == 0
     }
 
+    /// The messages, in order.
+    pub fn parts(&self) -> &[Bytes] {
+        &self.0
+    }
+
     /// BLAKE3 of the whole chunk.
     pub fn hash(&self) -> BlobHash {
         if let [one] = &*self.0 {

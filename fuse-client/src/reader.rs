@@ -61,9 +61,9 @@ impl Place {
 }
 
 #[derive(Debug, Clone)]
-struct NodeInfo {
-    addr: String,
-    cost: u8,
+pub(crate) struct NodeInfo {
+    pub(crate) addr: String,
+    pub(crate) cost: u8,
 }
 
 /// Shard replica sets and node addresses of the mounted version.
@@ -128,7 +128,12 @@ impl Topology {
         }
     }
 
-    fn candidates(&self, shard: u32) -> Vec<(String, NodeInfo)> {
+    /// The lowest-numbered shard, whose blobs include the version's namespace.
+    pub(crate) fn first_shard(&self) -> Option<u32> {
+        self.shards.keys().min().copied()
+    }
+
+    pub(crate) fn candidates(&self, shard: u32) -> Vec<(String, NodeInfo)> {
         self.shards
             .get(&shard)
             .into_iter()
@@ -362,7 +367,8 @@ pub struct Remote {
     bad: Mutex<HashMap<String, Instant>>,
     cache: ChunkCache,
     metrics: Arc<Metrics>,
-    origin: Option<(locus_backup::origin::Origin, Arc<crate::namespace::Namespace>)>,
+    /// Set once the namespace is open (the namespace itself may be fetched through here).
+    origin: std::sync::OnceLock<(locus_backup::origin::Origin, Arc<crate::namespace::Namespace>)>,
     /// Backups the metadata service named in its last `LocateBlobs` answer, opened.
     backups: Mutex<Vec<locus_backup::Target>>,
     /// A source silent for this long during a chunk is given up on.
@@ -402,7 +408,7 @@ impl Remote {
                 inner: Default::default(),
             },
             metrics,
-            origin: None,
+            origin: std::sync::OnceLock::new(),
             backups: Mutex::new(Vec::new()),
             timeout: Duration::from_secs(10),
             ahead: Arc::new(tokio::sync::Semaphore::new(READAHEAD_BUDGET >> 10)),
@@ -417,14 +423,22 @@ impl Remote {
         self
     }
 
-    /// Makes the version's origin the last source; `ns` gives files' paths.
-    pub fn with_origin(
-        mut self,
-        origin: locus_backup::origin::Origin,
-        ns: Arc<crate::namespace::Namespace>,
-    ) -> Self {
-        self.origin = Some((origin, ns));
-        self
+    /// Makes the version's origin the last source; `ns` gives files' paths. Once: a
+    /// second call changes nothing.
+    pub fn set_origin(&self, origin: locus_backup::origin::Origin, ns: Arc<crate::namespace::Namespace>) {
+        let _ = self.origin.set((origin, ns));
+    }
+
+    /// The version's lowest-numbered shard (whose blobs include its namespace).
+    pub fn first_shard(&self) -> Option<u32> {
+        self.topology.read().unwrap().first_shard()
+    }
+
+    /// A verified chunk from the cheapest source that serves it, kept out of the chunk
+    /// cache: for bytes read once (the namespace), which would only push readers' chunks
+    /// out.
+    pub async fn fetch_uncached(&self, c: ChunkRef) -> Result<Pieces, ReadError> {
+        self.fetch(c).await
     }
 
     /// Re-reads shard replica sets and nodes (after repair, nodes joining).
@@ -563,7 +577,7 @@ impl Remote {
                 }
             }
         }
-        if let Some((origin, ns)) = &self.origin {
+        if let Some((origin, ns)) = self.origin.get() {
             match self.read_origin(origin, ns, c).await {
                 Ok(b) => {
                     self.metrics.origin_read(b.len(), started.elapsed());

@@ -55,7 +55,7 @@ fn main() {
     }
     let shards = 10_000u32;
     let name = DatasetName::try_from("bench").unwrap();
-    let (s, _) = cat.begin_version(&name, 0, "", 2, "bench").unwrap();
+    let (s, chunk_size) = cat.begin_version(&name, 0, "", 2, "bench").unwrap();
     let mut entries = vec![Entry {
         path: RelPath::try_from("d").unwrap(),
         kind: EntryKind::Dir,
@@ -95,7 +95,9 @@ fn main() {
     for (page, chunk) in specs.chunks(5_000).enumerate() {
         cat.put_shards(s, page as u64, chunk.to_vec()).unwrap();
     }
-    cat.commit(s, "bench").unwrap();
+    // The sealed namespace an importer would send with the commit.
+    let (sealed, hash) = locus_proto::sealed::seal(entries, chunk_size, "bench", cat.cluster_id()).unwrap();
+    cat.commit(s, "bench", Some((hash, sealed.len() as u64))).unwrap();
     let r: DatasetRef = "bench@1".parse().unwrap();
 
     // Warm up, then measure whole-version locality over every live node.

@@ -73,6 +73,17 @@ pub struct VersionRecord {
     pub shards: u32,
     #[prost(string, tag = "11")]
     pub committed_by: String,
+    /// The sealed namespace's hash and size (empty for versions from before them).
+    #[prost(bytes = "vec", tag = "12")]
+    pub namespace_blob: Vec<u8>,
+    #[prost(uint64, tag = "13")]
+    pub namespace_size: u64,
+    /// For a version without files (no shard to hold it): the namespace itself.
+    #[prost(bytes = "vec", tag = "14")]
+    pub namespace_inline: Vec<u8>,
+    /// The namespace's chunk hashes, 32 bytes each (mounts check each piece they fetch).
+    #[prost(bytes = "vec", tag = "15")]
+    pub namespace_chunks: Vec<u8>,
 }
 
 /// A manifest entry; its path is the key.

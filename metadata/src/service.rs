@@ -639,9 +639,18 @@ impl pb::metadata_server::Metadata for MetadataService {
 
     async fn commit_version(&self, req: Request<pb::CommitVersionRequest>) -> Res<pb::CommitVersionResponse> {
         let p = principal(&req)?;
-        let session = req.into_inner().session_id;
+        let q = req.into_inner();
+        let session = q.session_id;
+        let namespace = if q.namespace_blob.is_empty() {
+            None
+        } else {
+            Some((
+                locus_proto::BlobHash::from_slice("namespace_blob", &q.namespace_blob)?,
+                q.namespace_size,
+            ))
+        };
         let who = p.name.clone();
-        let r = self.run(move |c| c.commit(session, &who)).await;
+        let r = self.run(move |c| c.commit(session, &who, namespace)).await;
         let target = match &r {
             Ok(v) => format!("{}@{}", v.dataset, v.version),
             Err(_) => format!("session {session}"),
@@ -658,6 +667,24 @@ impl pb::metadata_server::Metadata for MetadataService {
         Ok(Response::new(pb::CommitVersionResponse {
             version: Some(version),
         }))
+    }
+
+    async fn seal_version(&self, req: Request<pb::SealVersionRequest>) -> Res<pb::Version> {
+        let p = principal(&req)?;
+        let q = req.into_inner();
+        let r = version_ref(q.r#ref)?;
+        let claim = (
+            locus_proto::BlobHash::from_slice("namespace_blob", &q.namespace_blob)?,
+            q.namespace_size,
+        );
+        let target = format!("{}@{}", r.name, r.version);
+        let res = self.run(move |c| c.seal_version(&r, claim)).await;
+        self.audit(&p, "version.seal", &target, &res, |v| {
+            format!("namespace {} bytes", v.namespace_size)
+        });
+        let v = res.map_err(to_status)?;
+        tracing::info!(dataset = %v.dataset, version = v.version, who = %p.name, "version sealed");
+        Ok(Response::new(v))
     }
 
     async fn abort_version(&self, req: Request<pb::AbortVersionRequest>) -> Res<pb::AbortVersionResponse> {

@@ -17,6 +17,7 @@ pub mod keyfile;
 pub mod manifest;
 pub mod names;
 pub mod net;
+pub mod sealed;
 pub mod tls;
 
 /// Generated protobuf and gRPC code of the metadata service.

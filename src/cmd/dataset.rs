@@ -32,6 +32,15 @@ pub enum DatasetCmd {
         #[arg(long, short)]
         recursive: bool,
     },
+    /// Give a version committed by a Locus from before sealed namespaces the namespace
+    /// mounts need (built from its entries, stored with its first shard, checked by the
+    /// metadata service). A version that has one is left as it is.
+    ///
+    /// Example: locus dataset seal imagenet@3
+    Seal {
+        /// NAME@VERSION or NAME@latest.
+        dataset: String,
+    },
     /// Delete a version (NAME@VERSION), or every version of a dataset (NAME
     /// --all-versions). Version numbers are never reused.
     Rm {
@@ -52,11 +61,42 @@ pub async fn run(cmd: DatasetCmd, cfg: &Resolved) -> anyhow::Result<()> {
             directory,
             recursive,
         } => ls(cfg, &dataset, &directory, recursive).await,
+        DatasetCmd::Seal { dataset } => seal(cfg, &dataset).await,
         DatasetCmd::Rm {
             dataset,
             all_versions,
         } => rm(cfg, &dataset, all_versions).await,
     }
+}
+
+async fn seal(cfg: &Resolved, s: &str) -> anyhow::Result<()> {
+    let r = parse_ref(s)?;
+    let version = r.version.to_wire();
+    let mut c = cfg.connect().await?;
+    let cluster: std::sync::Arc<dyn locus::ops::cluster::ImportCluster> = std::sync::Arc::new(
+        locus::ops::cluster::GrpcCluster::new(c.clone(), cfg.token.clone()),
+    );
+    let done = locus::ops::seal::seal(&mut c, &cluster, r.name.as_str(), version).await?;
+    let v = &done.version;
+    if cfg.json {
+        let mut j = version_json(v);
+        j["sealed_now"] = done.sealed_now.into();
+        return output::json(&j);
+    }
+    if done.sealed_now {
+        println!(
+            "sealed {}@{}: {} entries, namespace {} ({})",
+            v.dataset,
+            v.version,
+            done.entries,
+            output::size(v.namespace_size),
+            BlobHash::from_slice("namespace", &v.namespace_blob)
+                .map_or_else(|_| "?".into(), |h| h.to_string())
+        );
+    } else {
+        println!("{}@{} is sealed already; nothing to do", v.dataset, v.version);
+    }
+    Ok(())
 }
 
 fn parse_ref(s: &str) -> anyhow::Result<DatasetRef> {
@@ -82,6 +122,10 @@ pub fn version_json(v: &pb::Version) -> serde_json::Value {
         "bytes": v.bytes,
         "shards": v.shards,
         "committed_by": v.committed_by,
+        "namespace": (!v.namespace_blob.is_empty()).then(|| serde_json::json!({
+            "blob": BlobHash::from_slice("namespace", &v.namespace_blob).map(|h| h.to_string()).unwrap_or_default(),
+            "bytes": v.namespace_size,
+        })),
         "resident": v.resident.iter().map(|r| serde_json::json!({"node": r.node, "bytes": r.bytes})).collect::<Vec<_>>(),
     })
 }
@@ -193,6 +237,14 @@ async fn show(cfg: &Resolved, s: &str) -> anyhow::Result<()> {
     );
     println!("  shards       {} (replication {})", v.shards, v.replication);
     println!("  chunk size   {}", output::size(u64::from(v.chunk_size)));
+    if v.namespace_blob.is_empty() {
+        println!(
+            "  namespace    none (committed before sealed namespaces: `locus dataset seal {}@{}`)",
+            v.dataset, v.version
+        );
+    } else {
+        println!("  namespace    {} (sealed)", output::size(v.namespace_size));
+    }
     if v.resident.is_empty() {
         println!("  resident     on no node");
     } else {

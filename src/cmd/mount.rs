@@ -388,54 +388,60 @@ async fn serve(a: MountArgs, mountpoint: PathBuf, cfg: &Resolved) -> anyhow::Res
         .await
         .map(|r| r.into_inner().cluster_id)
         .unwrap_or_default();
-    let loaded = locus_fuse::load(&mut client, &dataset, version, &place)
+    let local = a
+        .node_socket
+        .as_ref()
+        .map(|p| locus_proto::client::connect_local_node(&crate::absolute(p.clone())));
+    let started = Instant::now();
+    let fail = |e: locus_fuse::LoadError| anyhow::anyhow!("cannot load {}: {e}", a.target);
+    let v = locus_fuse::load::version(&mut client, &dataset, version)
         .await
-        .map_err(|e| anyhow::anyhow!("cannot load {}: {e}", a.target))?;
-    let v = loaded.version.clone();
-    let ns = Arc::new(loaded.namespace);
+        .map_err(fail)?;
+    let vref = locus_proto::pb::VersionRef {
+        dataset: dataset.clone(),
+        version: v.version,
+    };
+    let topology = locus_fuse::Topology::load(&mut client, &vref, &place)
+        .await
+        .map_err(|e| fail(e.into()))?;
+    let replicas = locus_fuse::reader::GrpcReplicas::new(client.clone(), vref, cfg.token.clone());
+    let metrics = Arc::new(locus_fuse::metrics::Metrics::default());
+    let remote = Arc::new(
+        Remote::new(Arc::new(replicas), place, topology, cache_bytes, metrics.clone())
+            // Four readers' full windows; more readers share them, so memory does not grow
+            // with the number of readers.
+            .with_readahead_budget((readahead as usize).saturating_mul(4)),
+    );
+    let sources = locus_fuse::Sources {
+        local: local.clone(),
+        remote: &remote,
+        cache_dir: Some(runtime::namespace_dir()?),
+    };
+    let opened = locus_fuse::load::namespace(&v, sources).await.map_err(fail)?;
+    let ns = Arc::new(opened.namespace);
+    let load_took = started.elapsed();
     tracing::info!(
         dataset = %dataset,
         version = v.version,
         entries = ns.len(),
-        "manifest loaded in {:.2}s ({} in memory)",
-        loaded.took.as_secs_f64(),
-        output::size(ns.heap_bytes() as u64)
+        "namespace ({}) from {} in {:.2}s{}; ready to mount after {:.2}s",
+        output::size(ns.sealed_bytes() as u64),
+        opened.from,
+        opened.took.as_secs_f64(),
+        if ns.is_mapped() { ", mapped" } else { ", in memory" },
+        load_took.as_secs_f64(),
     );
-    let metrics = Arc::new(locus_fuse::metrics::Metrics::default());
-    let replicas = locus_fuse::reader::GrpcReplicas::new(
-        client.clone(),
-        locus_proto::pb::VersionRef {
-            dataset: dataset.clone(),
-            version: v.version,
-        },
-        cfg.token.clone(),
-    );
-    let mut remote = Remote::new(
-        Arc::new(replicas),
-        place,
-        loaded.topology,
-        cache_bytes,
-        metrics.clone(),
-    )
-    // Four readers' full windows; more readers share them, so memory does not grow with
-    // the number of readers.
-    .with_readahead_budget((readahead as usize).saturating_mul(4));
     match locus_backup::origin::Origin::parse(&v.origin) {
         Ok(Some(o)) => {
             tracing::info!(
                 "origin {} is the last source for chunks no node serves",
                 o.describe()
             );
-            remote = remote.with_origin(o, ns.clone());
+            remote.set_origin(o, ns.clone());
         }
         Ok(None) => {}
         Err(e) => tracing::warn!("the version's origin cannot be used: {e}"),
     }
-    let remote = Arc::new(remote);
-    let local = a
-        .node_socket
-        .as_ref()
-        .map(|p| locus_proto::client::connect_local_node(&crate::absolute(p.clone())));
     let readahead_chunks = (readahead / u64::from(v.chunk_size.max(1))).max(1) as usize;
     let passthrough_min_size = size_arg("--passthrough-min-size", &a.passthrough_min_size)?;
     let kernel_opens = a.opens.kernel(
@@ -579,7 +585,7 @@ async fn serve(a: MountArgs, mountpoint: PathBuf, cfg: &Resolved) -> anyhow::Res
         mountpoint.display(),
         v.files,
         output::size(v.bytes),
-        loaded.took.as_secs_f64(),
+        load_took.as_secs_f64(),
         match (
             a.node_socket.is_some(),
             kernel_opened.load(Ordering::Relaxed),

@@ -46,7 +46,14 @@ pub trait ImportCluster: Send + Sync {
         r: pb::PlaceShardsRequest,
     ) -> BoxFuture<'_, Result<pb::PlaceShardsResponse, tonic::Status>>;
     fn put_shards(&self, session: u64, shards: Vec<pb::Shard>) -> BoxFuture<'_, Result<(), tonic::Status>>;
-    fn commit(&self, session: u64) -> BoxFuture<'_, Result<pb::Version, tonic::Status>>;
+    /// Commits the session; `namespace`: the sealed namespace stored with it (hash, size).
+    fn commit(
+        &self,
+        session: u64,
+        namespace: Option<(BlobHash, u64)>,
+    ) -> BoxFuture<'_, Result<pb::Version, tonic::Status>>;
+    /// The cluster's id (what a sealed namespace names).
+    fn cluster_id(&self) -> BoxFuture<'_, Result<String, tonic::Status>>;
     /// Drops the session's manifest now rather than at its expiry; best effort.
     fn abort(&self, session: u64) -> BoxFuture<'_, ()>;
     /// Which of `blobs` the node holds already.
@@ -222,15 +229,35 @@ impl ImportCluster for GrpcCluster {
         })
     }
 
-    fn commit(&self, session: u64) -> BoxFuture<'_, Result<pb::Version, tonic::Status>> {
+    fn commit(
+        &self,
+        session: u64,
+        namespace: Option<(BlobHash, u64)>,
+    ) -> BoxFuture<'_, Result<pb::Version, tonic::Status>> {
         Box::pin(async move {
             self.meta
                 .clone()
-                .commit_version(pb::CommitVersionRequest { session_id: session })
+                .commit_version(pb::CommitVersionRequest {
+                    session_id: session,
+                    namespace_blob: namespace.map(|n| n.0 .0.to_vec()).unwrap_or_default(),
+                    namespace_size: namespace.map_or(0, |n| n.1),
+                })
                 .await?
                 .into_inner()
                 .version
                 .ok_or_else(|| tonic::Status::internal("the service committed without returning the version"))
+        })
+    }
+
+    fn cluster_id(&self) -> BoxFuture<'_, Result<String, tonic::Status>> {
+        Box::pin(async move {
+            Ok(self
+                .meta
+                .clone()
+                .get_cluster_info(pb::GetClusterInfoRequest {})
+                .await?
+                .into_inner()
+                .cluster_id)
         })
     }
 

@@ -12,6 +12,7 @@ pub mod import;
 pub mod remote;
 pub mod restore;
 pub mod scan;
+pub mod seal;
 
 use std::sync::atomic::AtomicU64;
 use std::sync::Arc;

@@ -152,10 +152,14 @@ pub async fn read_version(
             f.id, v.cluster_id, f.manifest.cluster_id
         )));
     }
+    // Only the files' blobs: the version's sealed namespace is a blob of its first shard
+    // too, but the import seals the restored manifest afresh (in this cluster).
+    let files: std::collections::HashSet<&[u8]> = v.entries.iter().map(|e| e.blob.as_slice()).collect();
     let mut blobs = HashMap::new();
     let mut shard_blobs = Vec::with_capacity(v.shard_blobs.len());
     for sb in &v.shard_blobs {
-        for (h, size) in sb {
+        let sb: Vec<_> = sb.iter().filter(|(h, _)| files.contains(&h.0[..])).collect();
+        for (h, size) in &sb {
             blobs.insert(*h, (super::scan::BlobSource::Remote(t.blob_key(h)), *size));
         }
         shard_blobs.push(sb.iter().map(|(h, _)| *h).collect());

@@ -103,7 +103,9 @@ pub async fn commit_blob(
     commit(c, dataset, chunk_size, vec![entry], vec![shard]).await
 }
 
-/// Opens a session, uploads the manifest in pages and commits it.
+/// Opens a session, uploads the manifest in pages and commits it, with its sealed
+/// namespace's hash as an importer sends it (the blob itself stored nowhere: a version
+/// to list and locate, not to mount; `commit_mountable` stores it).
 pub async fn commit(
     c: &mut MetadataClient,
     dataset: &str,
@@ -111,6 +113,77 @@ pub async fn commit(
     entries: Vec<pb::Entry>,
     shards: Vec<pb::Shard>,
 ) -> Result<pb::Version, tonic::Status> {
+    commit_with(c, dataset, chunk_size, entries, shards, None).await
+}
+
+/// `commit`, with the sealed namespace stored on `node` and `node` a replica of the first
+/// shard, so the version can be mounted (its files need not exist anywhere).
+pub async fn commit_mountable(
+    c: &mut MetadataClient,
+    node: &Node,
+    dataset: &str,
+    chunk_size: u32,
+    entries: Vec<pb::Entry>,
+    shards: Vec<pb::Shard>,
+) -> Result<pb::Version, tonic::Status> {
+    commit_with(c, dataset, chunk_size, entries, shards, Some(node)).await
+}
+
+/// The sealed namespace of a manifest built by hand, as an importer builds it.
+pub async fn seal_manifest(
+    c: &mut MetadataClient,
+    dataset: &str,
+    chunk_size: u32,
+    entries: &[pb::Entry],
+) -> (Vec<u8>, locus_proto::BlobHash) {
+    let cluster = c
+        .get_cluster_info(pb::GetClusterInfoRequest {})
+        .await
+        .expect("cluster info")
+        .into_inner()
+        .cluster_id;
+    let entries: Vec<Entry> = entries
+        .iter()
+        .cloned()
+        .map(|e| Entry::try_from(e).unwrap())
+        .collect();
+    locus_proto::sealed::seal(entries, chunk_size, dataset, &cluster).expect("a sealable manifest")
+}
+
+async fn commit_with(
+    c: &mut MetadataClient,
+    dataset: &str,
+    chunk_size: u32,
+    entries: Vec<pb::Entry>,
+    mut shards: Vec<pb::Shard>,
+    store_on: Option<&Node>,
+) -> Result<pb::Version, tonic::Status> {
+    let (sealed, hash) = seal_manifest(c, dataset, chunk_size, &entries).await;
+    if let Some(node) = store_on {
+        if let Some(first) = shards.iter_mut().min_by_key(|s| s.id) {
+            first.replicas = vec![node.id.clone()];
+        }
+        node.client()
+            .await
+            .write_blob(tokio_stream::iter(vec![
+                locus_proto::nodepb::WriteBlobMessage {
+                    msg: Some(locus_proto::nodepb::write_blob_message::Msg::Header(
+                        locus_proto::nodepb::WriteBlobHeader {
+                            hash: hash.0.to_vec(),
+                            size: sealed.len() as u64,
+                            chunk_size,
+                            pin: true,
+                        },
+                    )),
+                },
+                locus_proto::nodepb::WriteBlobMessage {
+                    msg: Some(locus_proto::nodepb::write_blob_message::Msg::Data(
+                        sealed.clone().into(),
+                    )),
+                },
+            ]))
+            .await?;
+    }
     let s = c
         .begin_version(pb::BeginVersionRequest {
             dataset: dataset.into(),
@@ -125,6 +198,8 @@ pub async fn commit(
     let v = c
         .commit_version(pb::CommitVersionRequest {
             session_id: s.session_id,
+            namespace_blob: hash.0.to_vec(),
+            namespace_size: sealed.len() as u64,
         })
         .await?
         .into_inner();

@@ -3,6 +3,17 @@
 
 use super::*;
 
+/// Largest sealed namespace the catalogue keeps itself (a version without files).
+pub const MAX_INLINE_NAMESPACE: u64 = 4 << 20;
+
+/// A version's namespace fields, as `bind_namespace` checked them.
+pub(super) struct NamespaceFields {
+    blob: Vec<u8>,
+    size: u64,
+    chunks: Vec<u8>,
+    inline: Vec<u8>,
+}
+
 impl Catalog {
     pub(super) fn session(&self, id: u64) -> Result<SessionRecord> {
         let v = self.store.get(Table::Sessions, &keys::uid(id))?.ok_or_else(|| {
@@ -186,17 +197,30 @@ impl Catalog {
     }
 
     /// Checks the session's whole manifest and makes it the dataset's next version.
-    pub fn commit(&self, session: u64, principal: &str) -> Result<pb::Version> {
+    /// `namespace`: the sealed namespace the importer built and stored with its first
+    /// shard's blobs (hash, size); the same is built here from the manifest, and must match.
+    pub fn commit(
+        &self,
+        session: u64,
+        principal: &str,
+        namespace: Option<(BlobHash, u64)>,
+    ) -> Result<pb::Version> {
         let _v = lock(&self.versions_lock);
         let _s = lock(&self.sessions_lock);
         let rec = self.session(session)?;
         let uid = session;
 
-        // One pass over the manifest: parents exist and are directories, tallies per shard.
+        // One pass over the manifest: parents exist and are directories, tallies per shard,
+        // and the sealed namespace built as it goes (entries come in its order).
         let (from, to) = keys::uid_range(uid);
         let mut group: Option<Vec<u8>> = None;
         let (mut files, mut dirs, mut symlinks, mut bytes) = (0u64, 0u64, 0u64, 0u64);
         let mut per_shard: BTreeMap<u32, (u64, u64)> = BTreeMap::new();
+        let sealing = |e: locus_proto::sealed::SealError| {
+            CatalogError::Precondition(format!("the manifest cannot be sealed: {e}"))
+        };
+        let mut sealer =
+            locus_proto::sealed::Writer::new(std::io::sink(), rec.chunk_size).map_err(sealing)?;
         for kv in self.store.scan(Table::Entries, &from, Some(&to)) {
             let (k, v) = kv?;
             let (dir, name) = keys::split_entry(&k).ok_or_else(|| CatalogError::Corrupt {
@@ -222,6 +246,13 @@ impl Catalog {
                 group = Some(dir_key.to_vec());
             }
             let e: EntryRecord = decode(Table::Entries, &v)?;
+            let entry = Entry::try_from(entry_pb(keys::join(dir, name), e.clone(), true)).map_err(|x| {
+                CatalogError::Corrupt {
+                    table: "entries",
+                    reason: x.to_string(),
+                }
+            })?;
+            sealer.push(&entry).map_err(sealing)?;
             match e.kind {
                 KIND_FILE => {
                     files += 1;
@@ -259,6 +290,18 @@ impl Catalog {
             )));
         }
 
+        // The namespace: what the importer stored must be what this manifest seals to.
+        let sealed = sealer.finish(&rec.dataset, &self.cluster_id).map_err(sealing)?;
+        let mut b = Batch::default();
+        let ns = self.bind_namespace(
+            &mut b,
+            uid,
+            shards.first().map(|(id, _)| *id),
+            (&rec.dataset, rec.chunk_size),
+            sealed,
+            namespace,
+        )?;
+
         let now = self.clock.now_ms();
         let mut ds = self.dataset_record(&rec.dataset)?.unwrap_or(DatasetRecord {
             created_at_ms: now,
@@ -289,8 +332,11 @@ impl Catalog {
             bytes,
             shards: shards.len() as u32,
             committed_by: principal.to_string(),
+            namespace_blob: ns.blob,
+            namespace_size: ns.size,
+            namespace_inline: ns.inline,
+            namespace_chunks: ns.chunks,
         };
-        let mut b = Batch::default();
         let mut resident: BTreeMap<&str, u64> = BTreeMap::new();
         for (id, s) in &shards {
             for n in &s.replicas {
@@ -314,6 +360,151 @@ impl Catalog {
         b.delete(Table::Sessions, keys::uid(uid));
         self.store.write(b, true)?;
         Ok(Self::version_pb(&rec.dataset, number, &vrec))
+    }
+
+    /// Checks an importer's claim (`claim`: hash and size of what it stored) against the
+    /// namespace this catalogue seals `uid`'s entries to, and writes what makes it a blob
+    /// of the first shard into `b`: its replicas hold it, and pin syncs, repairs, refills
+    /// and backups carry it like the files. A version without files keeps it inline.
+    pub(super) fn bind_namespace(
+        &self,
+        b: &mut Batch,
+        uid: u64,
+        first_shard: Option<u32>,
+        (dataset, chunk_size): (&str, u32),
+        sealed: locus_proto::sealed::Sealed,
+        claim: Option<(BlobHash, u64)>,
+    ) -> Result<NamespaceFields> {
+        let (hash, size) = (sealed.hash, sealed.size);
+        let mut inline = Vec::new();
+        match (first_shard, claim) {
+            (Some(_), Some(got)) if got == (hash, size) => {}
+            (Some(_), Some((h, n))) => {
+                return Err(CatalogError::Precondition(format!(
+                    "the sealed namespace the importer stored ({h}, {n} bytes) is not this \
+                     manifest's ({hash}, {size} bytes); nothing was committed"
+                )))
+            }
+            (Some(_), None) => {
+                return Err(CatalogError::Precondition(
+                    "no sealed namespace came with the commit: this client predates them \
+                     (upgrade it); nothing was committed"
+                        .into(),
+                ))
+            }
+            (None, _) => {
+                // No file, so no shard to hold it: kept here, small by nature (directories
+                // and symlinks only), within a bound.
+                if size > MAX_INLINE_NAMESPACE {
+                    return Err(CatalogError::Precondition(format!(
+                        "a version without files whose namespace is {size} bytes (at most \
+                         {MAX_INLINE_NAMESPACE}): add a file, or split the tree"
+                    )));
+                }
+                inline = self.seal_bytes(uid, dataset, chunk_size)?;
+            }
+        }
+        if let Some(first) = first_shard {
+            let mut v = size.to_be_bytes().to_vec();
+            v.extend_from_slice(&chunk_size.to_be_bytes());
+            b.put(Table::ShardBlobs, keys::shard_blob(uid, first, &hash.0), v);
+            b.put(
+                Table::BlobShards,
+                keys::blob_shard(&hash.0, uid, first),
+                Vec::new(),
+            );
+        }
+        Ok(NamespaceFields {
+            blob: hash.0.to_vec(),
+            size,
+            chunks: sealed.chunk_bytes(),
+            inline,
+        })
+    }
+
+    /// Gives a committed version from before sealed namespaces the one `claim` names
+    /// (which the caller stored on its first shard's replicas), once it is checked against
+    /// the catalogue's own sealing of the version's entries.
+    pub fn seal_version(&self, r: &DatasetRef, claim: (BlobHash, u64)) -> Result<pb::Version> {
+        let _v = lock(&self.versions_lock);
+        let (number, mut v) = self.resolve(r)?;
+        let name = r.name.as_str();
+        if !v.namespace_blob.is_empty() {
+            if v.namespace_blob != claim.0 .0 || v.namespace_size != claim.1 {
+                return Err(CatalogError::Precondition(format!(
+                    "{name}@{number} is sealed already, with another namespace ({} bytes)",
+                    v.namespace_size
+                )));
+            }
+            return Ok(Self::version_pb(name, number, &v));
+        }
+        let sealed = self.seal_entries(v.uid, name, v.chunk_size, std::io::sink())?;
+        let first = self.first_shard(v.uid)?;
+        let mut b = Batch::default();
+        let ns = self.bind_namespace(&mut b, v.uid, first, (name, v.chunk_size), sealed, Some(claim))?;
+        v.namespace_blob = ns.blob;
+        v.namespace_size = ns.size;
+        v.namespace_inline = ns.inline;
+        v.namespace_chunks = ns.chunks;
+        b.put(Table::Versions, keys::version(name, number), v.encode_to_vec());
+        self.store.write(b, true)?;
+        Ok(Self::version_pb(name, number, &v))
+    }
+
+    /// The lowest shard id of the version stored under `uid`.
+    fn first_shard(&self, uid: u64) -> Result<Option<u32>> {
+        let (from, to) = keys::uid_range(uid);
+        match self.store.scan(Table::Shards, &from, Some(&to)).next() {
+            Some(kv) => Ok(keys::shard_id(&kv?.0)),
+            None => Ok(None),
+        }
+    }
+
+    /// What an importer would send with the commit of `session`: its sealed namespace's
+    /// hash and size (tests, which build manifests by hand).
+    #[cfg(test)]
+    pub(crate) fn session_namespace(&self, session: u64) -> Result<(BlobHash, u64)> {
+        let rec = self.session(session)?;
+        let s = self.seal_entries(session, &rec.dataset, rec.chunk_size, std::io::sink())?;
+        Ok((s.hash, s.size))
+    }
+
+    /// The sealed namespace of the entries under `uid`, as bytes (for a small one).
+    fn seal_bytes(&self, uid: u64, dataset: &str, chunk_size: u32) -> Result<Vec<u8>> {
+        let mut out = Vec::new();
+        self.seal_entries(uid, dataset, chunk_size, &mut out)?;
+        Ok(out)
+    }
+
+    /// Seals the entries stored under `uid` (catalogue order is the namespace's) to `out`.
+    fn seal_entries<W: std::io::Write>(
+        &self,
+        uid: u64,
+        dataset: &str,
+        chunk_size: u32,
+        out: W,
+    ) -> Result<locus_proto::sealed::Sealed> {
+        let sealing = |e: locus_proto::sealed::SealError| {
+            CatalogError::Precondition(format!("the manifest cannot be sealed: {e}"))
+        };
+        let mut w = locus_proto::sealed::Writer::new(out, chunk_size).map_err(sealing)?;
+        let (from, to) = keys::uid_range(uid);
+        for kv in self.store.scan(Table::Entries, &from, Some(&to)) {
+            let (k, v) = kv?;
+            let (dir, name) = keys::split_entry(&k).ok_or_else(|| CatalogError::Corrupt {
+                table: "entries",
+                reason: "malformed key".into(),
+            })?;
+            let e: EntryRecord = decode(Table::Entries, &v)?;
+            let entry = Entry::try_from(entry_pb(keys::join(dir, name), e, true)).map_err(|x| {
+                CatalogError::Corrupt {
+                    table: "entries",
+                    reason: x.to_string(),
+                }
+            })?;
+            w.push(&entry).map_err(sealing)?;
+        }
+        w.finish(dataset, &self.cluster_id).map_err(sealing)
     }
 
     pub(super) fn discard_session(&self, b: &mut Batch, uid: u64) -> Result<()> {

@@ -109,7 +109,13 @@ fn small_version(cat: &Catalog, ds: &str, replicas: &[&str]) -> pb::Version {
         vec![shard(0, 10, 1, replicas), shard(1, 5 << 20, 1, replicas)],
     )
     .unwrap();
-    cat.commit(s, "tester").unwrap()
+    commit(cat, s, "tester").unwrap()
+}
+
+/// A commit as an importer makes it: with the manifest's sealed namespace.
+fn commit(cat: &Catalog, s: u64, who: &str) -> Result<pb::Version> {
+    let ns = cat.session_namespace(s).ok();
+    cat.commit(s, who, ns)
 }
 
 fn latest(ds: &str) -> DatasetRef {
@@ -169,7 +175,7 @@ fn paging_visits_every_entry_once() {
     }
     f.cat.put_entries(s, 0, entries).unwrap();
     f.cat.put_shards(s, 0, vec![shard(0, 500, 500, &[])]).unwrap();
-    f.cat.commit(s, "t").unwrap();
+    commit(&f.cat, s, "t").unwrap();
     let mut token = Vec::new();
     let mut seen = HashSet::new();
     let mut pages = 0;
@@ -206,7 +212,7 @@ fn uncommitted_and_aborted_sessions_stay_invisible() {
     ));
     f.cat.abort(s).unwrap();
     assert_eq!(f.cat.open_sessions().unwrap(), 0);
-    assert!(matches!(f.cat.commit(s, "t"), Err(CatalogError::NotFound(_))));
+    assert!(matches!(commit(&f.cat, s, "t"), Err(CatalogError::NotFound(_))));
     let (from, to) = keys::uid_range(s);
     assert_eq!(f.cat.store.scan(Table::Entries, &from, Some(&to)).count(), 0);
 }
@@ -268,7 +274,7 @@ fn commit_checks_the_whole_manifest() {
     let (s, _) = f.cat.begin_version(&name("ds"), 0, "", 1, "t").unwrap();
     f.cat.put_entries(s, 0, vec![file("nodir/x", 1, 0)]).unwrap();
     f.cat.put_shards(s, 0, vec![shard(0, 1, 1, &[])]).unwrap();
-    let e = f.cat.commit(s, "t").unwrap_err();
+    let e = commit(&f.cat, s, "t").unwrap_err();
     assert!(e.to_string().contains("not a directory"), "{e}");
     // A parent that is a file.
     let (s, _) = f.cat.begin_version(&name("ds"), 0, "", 1, "t").unwrap();
@@ -276,16 +282,25 @@ fn commit_checks_the_whole_manifest() {
         .put_entries(s, 0, vec![file("x", 1, 0), file("x/y", 1, 0)])
         .unwrap();
     f.cat.put_shards(s, 0, vec![shard(0, 2, 2, &[])]).unwrap();
-    assert!(matches!(f.cat.commit(s, "t"), Err(CatalogError::Precondition(_))));
+    assert!(matches!(
+        commit(&f.cat, s, "t"),
+        Err(CatalogError::Precondition(_))
+    ));
     // Shard totals that disagree with the files.
     let (s, _) = f.cat.begin_version(&name("ds"), 0, "", 1, "t").unwrap();
     f.cat.put_entries(s, 0, vec![file("x", 1, 0)]).unwrap();
     f.cat.put_shards(s, 0, vec![shard(0, 2, 1, &[])]).unwrap();
-    assert!(matches!(f.cat.commit(s, "t"), Err(CatalogError::Precondition(_))));
+    assert!(matches!(
+        commit(&f.cat, s, "t"),
+        Err(CatalogError::Precondition(_))
+    ));
     // Files in a shard never sent.
     let (s, _) = f.cat.begin_version(&name("ds"), 0, "", 1, "t").unwrap();
     f.cat.put_entries(s, 0, vec![file("x", 1, 3)]).unwrap();
-    assert!(matches!(f.cat.commit(s, "t"), Err(CatalogError::Precondition(_))));
+    assert!(matches!(
+        commit(&f.cat, s, "t"),
+        Err(CatalogError::Precondition(_))
+    ));
     // None of these became a version.
     assert!(f.cat.list_datasets().unwrap().is_empty());
     // Unregistered replica nodes are refused at upload.
@@ -528,4 +543,100 @@ fn a_pause_of_the_service_itself_gives_every_node_a_fresh_liveness_timeout() {
     }
     assert_eq!(state(&f.cat, "n1"), pb::NodeState::Up as i32);
     assert_eq!(state(&f.cat, "n2"), pb::NodeState::Down as i32);
+}
+
+/// A commit carries the sealed namespace the importer stored: it must be the one the
+/// manifest seals to, it becomes a blob of the first shard (so its replicas hold it), and
+/// a version without files keeps a small one in the catalogue.
+#[test]
+fn a_commit_binds_the_version_to_the_sealed_namespace_of_its_manifest() {
+    let f = fixture();
+    register(&f.cat, "n1");
+    let (s, _) = f.cat.begin_version(&name("ns"), 0, "", 1, "t").unwrap();
+    f.cat
+        .put_entries(s, 0, vec![dir("a"), file("a/x", 10, 0)])
+        .unwrap();
+    f.cat.put_shards(s, 0, vec![shard(0, 10, 1, &["n1"])]).unwrap();
+    let (h, n) = f.cat.session_namespace(s).unwrap();
+    match f.cat.commit(s, "t", Some((BlobHash::of(b"another tree"), n))) {
+        Err(CatalogError::Precondition(m)) => assert!(m.contains("is not this manifest's"), "{m}"),
+        other => panic!("a wrong namespace was taken: {other:?}"),
+    }
+    match f.cat.commit(s, "t", None) {
+        Err(CatalogError::Precondition(m)) => assert!(m.contains("predates"), "{m}"),
+        other => panic!("a commit without a namespace was taken: {other:?}"),
+    }
+    let v = f.cat.commit(s, "t", Some((h, n))).unwrap();
+    assert_eq!((v.namespace_blob.as_slice(), v.namespace_size), (&h.0[..], n));
+    let got = f.cat.get_version(&latest("ns")).unwrap();
+    assert_eq!(got.namespace_blob, h.0.to_vec());
+    assert!(got.namespace_inline.is_empty());
+    // Located like any blob of shard 0, with its size from the catalogue.
+    let loc = f.cat.locate_blobs(&[h]).unwrap();
+    assert_eq!(loc[0].2, Some((n, 4 << 20)));
+
+    // Directories only: no shard, so the catalogue keeps the namespace itself.
+    let (s, _) = f.cat.begin_version(&name("dirs"), 0, "", 1, "t").unwrap();
+    f.cat.put_entries(s, 0, vec![dir("a"), dir("a/b")]).unwrap();
+    let v = f.cat.commit(s, "t", None).unwrap();
+    let got = f.cat.get_version(&latest("dirs")).unwrap();
+    assert_eq!(got.namespace_blob, v.namespace_blob);
+    assert_eq!(BlobHash::of(&got.namespace_inline).0.to_vec(), got.namespace_blob);
+    let ix = locus_proto::sealed::Index::open(&got.namespace_inline[..]).unwrap();
+    let a = ix.lookup(locus_proto::sealed::ROOT, "a").unwrap();
+    assert!(ix.lookup(a, "b").is_some());
+}
+
+/// A version committed before sealed namespaces (its record has none) gets one through
+/// `seal_version`, only the one its entries seal to; sealing again is a no-op, and a
+/// sealed version never takes another.
+#[test]
+fn an_unsealed_version_takes_only_the_namespace_its_entries_seal_to() {
+    let f = fixture();
+    register(&f.cat, "n1");
+    let (s, _) = f.cat.begin_version(&name("old"), 0, "", 1, "t").unwrap();
+    f.cat
+        .put_entries(s, 0, vec![dir("a"), file("a/x", 10, 0)])
+        .unwrap();
+    f.cat.put_shards(s, 0, vec![shard(0, 10, 1, &["n1"])]).unwrap();
+    let (h, n) = f.cat.session_namespace(s).unwrap();
+    f.cat.commit(s, "t", Some((h, n))).unwrap();
+    // Rewind the record to what an older Locus wrote, and drop the namespace's blob rows.
+    let (number, mut rec) = f.cat.resolve(&latest("old")).unwrap();
+    rec.namespace_blob.clear();
+    rec.namespace_size = 0;
+    rec.namespace_chunks.clear();
+    let mut b = Batch::default();
+    b.put(Table::Versions, keys::version("old", number), rec.encode_to_vec());
+    b.delete(Table::ShardBlobs, keys::shard_blob(rec.uid, 0, &h.0));
+    b.delete(Table::BlobShards, keys::blob_shard(&h.0, rec.uid, 0));
+    f.cat.store.write(b, true).unwrap();
+    assert!(f
+        .cat
+        .get_version(&latest("old"))
+        .unwrap()
+        .namespace_blob
+        .is_empty());
+    assert_eq!(f.cat.locate_blobs(&[h]).unwrap()[0].2, None);
+
+    let r = latest("old");
+    match f.cat.seal_version(&r, (BlobHash::of(b"some other tree"), n)) {
+        Err(CatalogError::Precondition(m)) => assert!(m.contains("is not this manifest's"), "{m}"),
+        other => panic!("a wrong namespace was taken: {other:?}"),
+    }
+    let v = f.cat.seal_version(&r, (h, n)).unwrap();
+    assert_eq!((v.namespace_blob.as_slice(), v.namespace_size), (&h.0[..], n));
+    assert_eq!(
+        f.cat.locate_blobs(&[h]).unwrap()[0].2,
+        Some((n, 4 << 20)),
+        "a blob of shard 0 again"
+    );
+    assert_eq!(
+        f.cat.seal_version(&r, (h, n)).unwrap().namespace_blob,
+        h.0.to_vec()
+    );
+    assert!(matches!(
+        f.cat.seal_version(&r, (BlobHash::of(b"x"), 5)),
+        Err(CatalogError::Precondition(_))
+    ));
 }

@@ -63,6 +63,10 @@ impl Catalog {
             shards: v.shards,
             committed_by: v.committed_by.clone(),
             resident: Vec::new(),
+            namespace_blob: v.namespace_blob.clone(),
+            namespace_size: v.namespace_size,
+            namespace_inline: Vec::new(),
+            namespace_chunks: Vec::new(),
         }
     }
 
@@ -118,6 +122,8 @@ impl Catalog {
     pub fn get_version(&self, r: &DatasetRef) -> Result<pb::Version> {
         let (n, v) = self.resolve(r)?;
         let mut out = Self::version_pb(r.name.as_str(), n, &v);
+        out.namespace_inline = v.namespace_inline.clone();
+        out.namespace_chunks = v.namespace_chunks.clone();
         let (from, to) = keys::uid_range(v.uid);
         for kv in self.store.scan(Table::Resident, &from, Some(&to)) {
             let (k, val) = kv?;

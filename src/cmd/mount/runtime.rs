@@ -39,6 +39,14 @@ pub fn private_runtime_dir() -> anyhow::Result<PathBuf> {
     Ok(root)
 }
 
+/// Where this user's mounts keep namespaces fetched from peers (hosts without a local
+/// node), each named by its hash; created private.
+pub fn namespace_dir() -> anyhow::Result<PathBuf> {
+    let d = private_runtime_dir()?.join("namespaces");
+    private_dir(&d)?;
+    Ok(d)
+}
+
 fn private_dir(d: &Path) -> anyhow::Result<()> {
     use std::os::unix::fs::{DirBuilderExt, MetadataExt};
     match std::fs::DirBuilder::new().mode(0o700).create(d) {

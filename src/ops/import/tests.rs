@@ -107,7 +107,17 @@ impl ImportCluster for Fake {
     fn put_shards(&self, _s: u64, _sh: Vec<pb::Shard>) -> BoxFuture<'_, Result<(), tonic::Status>> {
         Box::pin(async { Ok(()) })
     }
-    fn commit(&self, session: u64) -> BoxFuture<'_, Result<pb::Version, tonic::Status>> {
+    fn cluster_id(&self) -> BoxFuture<'_, Result<String, tonic::Status>> {
+        Box::pin(async { Ok("fake-cluster".to_string()) })
+    }
+    fn commit(
+        &self,
+        session: u64,
+        namespace: Option<(BlobHash, u64)>,
+    ) -> BoxFuture<'_, Result<pb::Version, tonic::Status>> {
+        if let Some((h, _)) = namespace {
+            self.said(&format!("namespace {h}"));
+        }
         self.said(&format!("commit {session}"));
         Box::pin(async {
             Ok(pb::Version {
@@ -187,6 +197,14 @@ impl ImportCluster for Fake {
     }
 }
 
+/// The namespace hash the commit claimed.
+fn sealed_namespace(log: &[String]) -> String {
+    log.iter()
+        .find_map(|l| l.strip_prefix("namespace "))
+        .unwrap_or_else(|| panic!("no namespace came with the commit: {log:?}"))
+        .to_string()
+}
+
 /// Three files of distinct content in a temp dir, and the options to import it.
 fn source() -> (tempfile::TempDir, ImportOptions, Vec<BlobHash>) {
     let d = tempfile::tempdir().unwrap();
@@ -227,6 +245,15 @@ async fn every_blob_goes_to_every_replica_then_one_commit() {
             assert!(log.contains(&format!("send {n} {h}")), "{n} got {h}: {log:?}");
         }
     }
+    // The namespace is on both before the commit claims it: sent to one, copied to the other.
+    let ns = sealed_namespace(&log);
+    let at = |l: String| {
+        log.iter()
+            .position(|x| *x == l)
+            .unwrap_or_else(|| panic!("{l}: {log:?}"))
+    };
+    assert!(at(format!("send a {ns}")) < at(format!("namespace {ns}")));
+    assert!(at(format!("copy b<-a {ns}")) < at(format!("namespace {ns}")));
     assert_eq!(log.last().unwrap(), "commit 7");
     assert!(!log.iter().any(|l| l.starts_with("abort")));
 }
@@ -247,7 +274,11 @@ async fn blobs_a_node_holds_already_are_not_sent_again() {
     let r = r.unwrap();
     assert!(!log.contains(&format!("send a {}", blobs[0])), "{log:?}");
     assert!(!log.contains(&format!("send b {}", blobs[1])), "{log:?}");
-    assert_eq!(log.iter().filter(|l| l.starts_with("send")).count(), 4);
+    let file_sends = log
+        .iter()
+        .filter(|l| l.starts_with("send") && blobs.iter().any(|h| l.ends_with(&h.to_string())))
+        .count();
+    assert_eq!(file_sends, 4, "{log:?}");
     assert_eq!(r.skipped_bytes, 1000 + 1001);
 }
 
@@ -422,9 +453,15 @@ async fn read_by_the_nodes_each_object_is_read_once_by_its_first_replica_and_cop
         assert_eq!(pulls, [&format!("pull a sub/o{i}")], "{log:?}");
         assert!(log.contains(&format!("copy b<-a {h}")), "{log:?}");
     }
+    // The client sends the one thing only it has, the sealed namespace, once; the other
+    // replica copies it.
+    let ns = sealed_namespace(&log);
+    assert!(log.contains(&format!("copy b<-a {ns}")), "{log:?}");
     assert!(
-        !log.iter().any(|l| l.starts_with("send")),
-        "the client sent bytes: {log:?}"
+        log.iter()
+            .filter(|l| l.starts_with("send"))
+            .eq([&format!("send a {ns}")]),
+        "the client sent file bytes: {log:?}"
     );
     assert_eq!(log.last().unwrap(), "commit 7");
 }
