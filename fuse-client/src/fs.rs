@@ -66,6 +66,15 @@ fn errno(e: &FsError) -> Errno {
 /// Nothing in a mounted version ever changes, so the kernel may keep what it learns.
 const TTL: Duration = Duration::from_secs(24 * 3600);
 
+/// Children per READDIRPLUS answer (unless `Settings::readdirplus_all`). The kernel makes an inode and a dentry for every
+/// entry such an answer carries, which costs a walk that reads only names (`find`,
+/// `os.walk`, `scandir`) far more than the walk itself when one answer holds a whole
+/// large directory (newer kernels ask with buffers of many pages). Answering a page's
+/// worth lets the kernel's READDIRPLUS_AUTO do what it was made for: the rest of the
+/// directory comes as plain READDIR unless lookups in it show that attributes are
+/// wanted, in which case the next answers carry them again.
+pub const READDIRPLUS_ENTRIES: usize = 32;
+
 /// How a file was opened.
 enum Handle {
     /// The kernel reads the backing file; `file` stays open so the backing id does.
@@ -657,6 +666,9 @@ impl Filesystem for LocusFs {
             return reply.error(Errno::ENOTDIR);
         };
         for (i, (child, name, _)) in children.enumerate() {
+            if i >= READDIRPLUS_ENTRIES && !self.settings.readdirplus_all {
+                break;
+            }
             let Some(a) = self.ns.attr(child) else { continue };
             if reply.add(
                 INodeNo(child),
