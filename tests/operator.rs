@@ -226,3 +226,66 @@ async fn a_node_not_heard_since_a_restart_is_not_up_and_takes_no_new_replica() {
         );
     }
 }
+
+/// `locus node rm` forgets a node that is gone for good: refused while it is up; refused,
+/// with nothing changed, while it holds the last replica of a shard (named in the
+/// message); once nothing depends on it alone, it is dropped from every shard's replicas
+/// and from the node list, and the data it shared stays readable.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn node_rm_forgets_a_dead_node_but_never_one_holding_a_last_replica() {
+    let h = Harness::new("node-rm");
+    let (m, mut nodes) = cluster(&h, 3, NodeOpts::host).await;
+    let src = h.path("src");
+    make_tree(&src, 20);
+    let o = import(&m, "one", &src, &["--replicas", "1"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let mut c = m.client(None).await;
+    let victim = shards(&mut c, "one", 1).await[0].replicas[0].clone();
+    let o = import(&m, "two", &src, &["--replicas", "2"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+
+    let o = m.cli(&["node", "rm", &victim]);
+    assert!(!o.status.success());
+    assert!(
+        stderr(&o).contains(&format!("node {victim} is up")),
+        "{}",
+        stderr(&o)
+    );
+
+    let k = nodes.iter().position(|n| n.id == victim).unwrap();
+    nodes[k].daemon.kill9();
+    wait_node_down(&m, &victim).await;
+    let o = m.cli(&["node", "rm", &victim]);
+    assert!(!o.status.success());
+    assert!(
+        stderr(&o).contains("holds the last replica of one@1") && stderr(&o).contains("nothing was changed"),
+        "{}",
+        stderr(&o)
+    );
+    assert!(stdout(&m.cli(&["node", "list"])).contains(&victim));
+    assert!(shards(&mut c, "one", 1)
+        .await
+        .iter()
+        .any(|s| s.replicas == [victim.clone()]));
+
+    // The only copy of `one` is gone with the node: the operator gives it up.
+    let o = m.cli(&["dataset", "rm", "one", "--all-versions"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let o = m.cli(&["node", "rm", &victim, "--json"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let r: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(r["removed"], true);
+    let listed = stdout(&m.cli(&["node", "list"]));
+    assert!(!listed.contains(&victim), "{listed}");
+    for s in shards(&mut c, "two", 1).await {
+        assert!(
+            !s.replicas.contains(&victim),
+            "shard {} still lists {victim}",
+            s.id
+        );
+        assert!(!s.replicas.is_empty(), "shard {}", s.id);
+    }
+    let alive = nodes.iter().find(|n| n.id != victim).unwrap();
+    let mnt = m.mount("two", "two@1", Some(alive), &[]);
+    assert_same_tree(&src, &mnt.path);
+}

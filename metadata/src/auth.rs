@@ -22,7 +22,7 @@ pub fn required_access(method: &str) -> Option<Access> {
         "ListNodes" | "ListDatasets" | "GetDataset" | "GetVersion" | "ListEntries" | "ListShards"
         | "LocateBlobs" | "Locality" | "Assign" | "ListBackups" => Access::Read,
         "DeleteVersion" | "DeleteDataset" | "BeginVersion" | "PutEntries" | "PutShards" | "CommitVersion"
-        | "AbortVersion" | "SealVersion" | "PlaceShards" | "DrainNode" | "Warm" | "ExportCatalog" | "RecordBackup"
+        | "AbortVersion" | "SealVersion" | "PlaceShards" | "DrainNode" | "RemoveNode" | "Warm" | "ExportCatalog" | "RecordBackup"
         // Only the service's own repair changes replicas in normal operation; a node token
         // must not be able to rewrite where other nodes' data is.
         | "UpdateReplicas" | "ChangeMembers" | "GrantKeys" => Access::Admin,

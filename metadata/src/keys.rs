@@ -20,6 +20,18 @@ pub fn version(dataset: &str, number: u64) -> Vec<u8> {
     k
 }
 
+/// (dataset, number) of a `versions` key.
+pub fn split_version(k: &[u8]) -> Option<(&str, u64)> {
+    let (name, rest) = k.split_at(k.len().checked_sub(9)?);
+    if rest[0] != 0 {
+        return None;
+    }
+    Some((
+        std::str::from_utf8(name).ok()?,
+        u64::from_be_bytes(rest[1..].try_into().ok()?),
+    ))
+}
+
 pub fn version_prefix(dataset: &str) -> Vec<u8> {
     let mut k = Vec::with_capacity(dataset.len() + 9);
     k.extend_from_slice(dataset.as_bytes());

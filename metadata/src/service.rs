@@ -271,6 +271,19 @@ impl pb::metadata_server::Metadata for MetadataService {
         Ok(Response::new(pb::DrainNodeResponse { shards_remaining }))
     }
 
+    async fn remove_node(&self, req: Request<pb::RemoveNodeRequest>) -> Res<pb::RemoveNodeResponse> {
+        let p = principal(&req)?;
+        let id = NodeId::try_from(req.into_inner().id)?;
+        let target = id.to_string();
+        let r = self.run(move |c| c.remove_node(&id)).await;
+        self.audit(&p, "node.remove", &target, &r, |n| {
+            format!("dropped from {n} shards")
+        });
+        let shards_released = r.map_err(to_status)?;
+        tracing::info!(node = %target, shards_released, "node removed");
+        Ok(Response::new(pb::RemoveNodeResponse { shards_released }))
+    }
+
     async fn list_node_blobs(
         &self,
         req: Request<pb::ListNodeBlobsRequest>,

@@ -24,6 +24,14 @@ pub enum NodeCmd {
         #[arg(long)]
         undo: bool,
     },
+    /// Forget a node that is gone for good (a dead host, a decommissioned one): it is
+    /// dropped from every shard it held a replica of (repair keeps those at their
+    /// replication from the other replicas) and its registration is deleted. Refused
+    /// while the node is up, and while it holds the last replica of anything (nothing is
+    /// changed then). A node that comes back later registers as new.
+    ///
+    /// Example: locus node rm gpu17
+    Rm { node: String },
 }
 
 #[derive(Args, Debug)]
@@ -138,6 +146,7 @@ pub async fn run(cmd: NodeCmd, cfg: &Resolved) -> anyhow::Result<()> {
         NodeCmd::Serve(a) => serve(*a, cfg).await,
         NodeCmd::List => list(cfg).await,
         NodeCmd::Drain { node, undo } => drain(cfg, &node, !undo).await,
+        NodeCmd::Rm { node } => rm(cfg, &node).await,
     }
 }
 
@@ -271,6 +280,24 @@ async fn drain(cfg: &Resolved, node: &str, drain: bool) -> anyhow::Result<()> {
     } else {
         println!("{node} is back in service");
     }
+    Ok(())
+}
+
+async fn rm(cfg: &Resolved, node: &str) -> anyhow::Result<()> {
+    let mut c = cfg.connect().await?;
+    let r = c
+        .remove_node(pb::RemoveNodeRequest { id: node.to_string() })
+        .await
+        .or_status()?;
+    if cfg.json {
+        return output::json(
+            &serde_json::json!({"node": node, "removed": true, "shards_released": r.shards_released}),
+        );
+    }
+    println!(
+        "{node} removed: dropped from {} shard replica list(s); repair keeps them at their replication",
+        r.shards_released
+    );
     Ok(())
 }
 

@@ -81,15 +81,23 @@ impl Catalog {
     ) -> Result<Vec<String>> {
         let _v = lock(&self.versions_lock);
         let (n, v) = self.resolve(r)?;
-        let key = keys::shard(v.uid, shard);
+        self.change_replicas(v.uid, &format!("{}@{n}", r.name), shard, add, remove)
+    }
+
+    /// `update_replicas` of the version stored under `uid` (`label` names it in errors);
+    /// the caller holds `versions_lock`.
+    fn change_replicas(
+        &self,
+        uid: u64,
+        label: &str,
+        shard: u32,
+        add: &[NodeId],
+        remove: &[NodeId],
+    ) -> Result<Vec<String>> {
+        let key = keys::shard(uid, shard);
         let mut s: ShardRecord = match self.store.get(Table::Shards, &key)? {
             Some(b) => decode(Table::Shards, &b)?,
-            None => {
-                return Err(CatalogError::NotFound(format!(
-                    "{}@{n} has no shard {shard}",
-                    r.name
-                )))
-            }
+            None => return Err(CatalogError::NotFound(format!("{label} has no shard {shard}"))),
         };
         for node in add {
             if !self.node_exists(node)? {
@@ -101,7 +109,7 @@ impl Catalog {
         for node in remove {
             if let Some(pos) = s.replicas.iter().position(|x| x == node.as_str()) {
                 s.replicas.remove(pos);
-                b.delete(Table::NodeShards, keys::node_shard(node.as_str(), v.uid, shard));
+                b.delete(Table::NodeShards, keys::node_shard(node.as_str(), uid, shard));
                 *delta.entry(node.as_str()).or_default() -= i128::from(s.bytes);
             }
         }
@@ -110,7 +118,7 @@ impl Catalog {
                 s.replicas.push(node.to_string());
                 b.put(
                     Table::NodeShards,
-                    keys::node_shard(node.as_str(), v.uid, shard),
+                    keys::node_shard(node.as_str(), uid, shard),
                     Vec::new(),
                 );
                 *delta.entry(node.as_str()).or_default() += i128::from(s.bytes);
@@ -118,15 +126,14 @@ impl Catalog {
         }
         if s.replicas.is_empty() && delta.values().any(|d| *d < 0) {
             return Err(CatalogError::Precondition(format!(
-                "{}@{n} shard {shard}: that would remove its last replica; add another first",
-                r.name
+                "{label} shard {shard}: that would remove its last replica; add another first"
             )));
         }
         for (node, d) in delta {
             if d == 0 {
                 continue;
             }
-            let rk = keys::resident(v.uid, node);
+            let rk = keys::resident(uid, node);
             let cur = self
                 .store
                 .get(Table::Resident, &rk)?
@@ -143,5 +150,95 @@ impl Catalog {
         self.store.write(b, true)?;
         self.replicas_changed();
         Ok(s.replicas)
+    }
+
+    /// Forgets a node that is gone for good (`locus node rm`): it is dropped from every
+    /// shard it is a replica of, then its registration is deleted. Refused while it is up
+    /// (stop it first), and while it holds the last replica of any shard (nothing else
+    /// has those bytes: bring it back, or let repair copy them from a backup or origin
+    /// first) — in which case nothing is changed. Returns the shards it was dropped from.
+    pub fn remove_node(&self, id: &NodeId) -> Result<u64> {
+        let _v = lock(&self.versions_lock);
+        if !self.node_exists(id)? {
+            return Err(CatalogError::NotFound(format!("node {id} is not registered")));
+        }
+        if let Some(n) = self.list_nodes()?.into_iter().find(|n| n.id == id.as_str()) {
+            if n.state == pb::NodeState::Up as i32 {
+                return Err(CatalogError::Precondition(format!(
+                    "node {id} is up (heard {:.1}s ago): stop it first (`locus node drain {id}` \
+                     moves its replicas away while it runs)",
+                    n.last_seen_ms_ago as f64 / 1000.0
+                )));
+            }
+        }
+        let mut prefix = id.as_str().as_bytes().to_vec();
+        prefix.push(0);
+        let end = crate::store::prefix_end(&prefix);
+        let mut held = Vec::new();
+        for kv in self.store.scan(Table::NodeShards, &prefix, end.as_deref()) {
+            let (k, _) = kv?;
+            let rest = &k[prefix.len()..];
+            let (Some(uid), Some(shard)) = (
+                rest.get(..8)
+                    .and_then(|b| b.try_into().ok())
+                    .map(u64::from_be_bytes),
+                rest.get(8..12)
+                    .and_then(|b| b.try_into().ok())
+                    .map(u32::from_be_bytes),
+            ) else {
+                return Err(CatalogError::Corrupt {
+                    table: "node_shards",
+                    reason: "malformed key".into(),
+                });
+            };
+            held.push((uid, shard));
+        }
+        let mut last = Vec::new();
+        for (uid, shard) in &held {
+            let rec: ShardRecord = match self.store.get(Table::Shards, &keys::shard(*uid, *shard))? {
+                Some(b) => decode(Table::Shards, &b)?,
+                None => continue,
+            };
+            if rec.replicas.iter().all(|r| r == id.as_str()) {
+                last.push(format!("{} (shard {shard})", self.uid_label(*uid)?));
+            }
+        }
+        if !last.is_empty() {
+            let more = if last.len() > 5 {
+                format!(" and {} more", last.len() - 5)
+            } else {
+                String::new()
+            };
+            last.truncate(5);
+            return Err(CatalogError::Precondition(format!(
+                "node {id} holds the last replica of {}{more}; nothing was changed. Bring the \
+                 node back, or wait for repair to copy those shards from a backup or the origin",
+                last.join(", ")
+            )));
+        }
+        for (uid, shard) in &held {
+            let label = self.uid_label(*uid)?;
+            self.change_replicas(*uid, &label, *shard, &[], std::slice::from_ref(id))?;
+        }
+        let mut b = Batch::default();
+        b.delete(Table::Nodes, id.as_str().as_bytes());
+        self.store.write(b, true)?;
+        lock(&self.live).remove(id.as_str());
+        self.node_gen.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        Ok(held.len() as u64)
+    }
+
+    /// `dataset@N` of the version stored under `uid`, for messages (`uid N` if none).
+    fn uid_label(&self, uid: u64) -> Result<String> {
+        for kv in self.store.scan(Table::Versions, b"", None) {
+            let (k, v) = kv?;
+            let rec: VersionRecord = decode(Table::Versions, &v)?;
+            if rec.uid == uid {
+                if let Some((name, n)) = keys::split_version(&k) {
+                    return Ok(format!("{name}@{n}"));
+                }
+            }
+        }
+        Ok(format!("uid {uid}"))
     }
 }
