@@ -14,6 +14,18 @@ pub(super) struct NamespaceFields {
     inline: Vec<u8>,
 }
 
+/// A stored entry as the sealed namespace's writer takes it.
+fn sealable(dir: &str, name: &str, e: EntryRecord) -> Result<Entry> {
+    Entry::try_from(entry_pb(keys::join(dir, name), e, true)).map_err(|x| CatalogError::Corrupt {
+        table: "entries",
+        reason: x.to_string(),
+    })
+}
+
+fn sealing(e: locus_proto::sealed::SealError) -> CatalogError {
+    CatalogError::Precondition(format!("the manifest cannot be sealed: {e}"))
+}
+
 impl Catalog {
     pub(super) fn session(&self, id: u64) -> Result<SessionRecord> {
         let v = self.store.get(Table::Sessions, &keys::uid(id))?.ok_or_else(|| {
@@ -216,9 +228,6 @@ impl Catalog {
         let mut group: Option<Vec<u8>> = None;
         let (mut files, mut dirs, mut symlinks, mut bytes) = (0u64, 0u64, 0u64, 0u64);
         let mut per_shard: BTreeMap<u32, (u64, u64)> = BTreeMap::new();
-        let sealing = |e: locus_proto::sealed::SealError| {
-            CatalogError::Precondition(format!("the manifest cannot be sealed: {e}"))
-        };
         let mut sealer =
             locus_proto::sealed::Writer::new(std::io::sink(), rec.chunk_size).map_err(sealing)?;
         for kv in self.store.scan(Table::Entries, &from, Some(&to)) {
@@ -246,13 +255,7 @@ impl Catalog {
                 group = Some(dir_key.to_vec());
             }
             let e: EntryRecord = decode(Table::Entries, &v)?;
-            let entry = Entry::try_from(entry_pb(keys::join(dir, name), e.clone(), true)).map_err(|x| {
-                CatalogError::Corrupt {
-                    table: "entries",
-                    reason: x.to_string(),
-                }
-            })?;
-            sealer.push(&entry).map_err(sealing)?;
+            sealer.push(&sealable(dir, name, e.clone())?).map_err(sealing)?;
             match e.kind {
                 KIND_FILE => {
                     files += 1;
@@ -484,9 +487,6 @@ impl Catalog {
         chunk_size: u32,
         out: W,
     ) -> Result<locus_proto::sealed::Sealed> {
-        let sealing = |e: locus_proto::sealed::SealError| {
-            CatalogError::Precondition(format!("the manifest cannot be sealed: {e}"))
-        };
         let mut w = locus_proto::sealed::Writer::new(out, chunk_size).map_err(sealing)?;
         let (from, to) = keys::uid_range(uid);
         for kv in self.store.scan(Table::Entries, &from, Some(&to)) {
@@ -496,13 +496,7 @@ impl Catalog {
                 reason: "malformed key".into(),
             })?;
             let e: EntryRecord = decode(Table::Entries, &v)?;
-            let entry = Entry::try_from(entry_pb(keys::join(dir, name), e, true)).map_err(|x| {
-                CatalogError::Corrupt {
-                    table: "entries",
-                    reason: x.to_string(),
-                }
-            })?;
-            w.push(&entry).map_err(sealing)?;
+            w.push(&sealable(dir, name, e)?).map_err(sealing)?;
         }
         w.finish(dataset, &self.cluster_id).map_err(sealing)
     }
