@@ -1199,9 +1199,12 @@ async fn six_hundred_unread_streams_leave_writes_heartbeats_and_readers_working(
     make_big_files(&src, 1, 4);
     let out = import(&m, "ds", &src, &["--replicas", "1"]);
     assert!(out.status.success(), "{}", stderr(&out));
-    let (name, _) = nodes[0].blob_files().into_iter().next().unwrap();
-    let hash = blake3::Hash::from_hex(&name).unwrap().as_bytes().to_vec();
+    // The file's blob (the node holds the version's sealed namespace too).
     let data = std::fs::read(src.join("f000.bin")).unwrap();
+    let hash = blake3::hash(&data).as_bytes().to_vec();
+    assert!(nodes[0]
+        .blob_files()
+        .contains_key(&blake3::hash(&data).to_hex().to_string()));
 
     // 3 connections × 200 streams (the server's per-connection limit), none ever read:
     // once each connection's flow-control window is full, every further stream waits on
