@@ -3,14 +3,15 @@
 # corpus (fuzz/corpus/TARGET, which grows with what the run finds):
 #
 #   scripts/fuzz.sh                 # 600 s each (the bench's figure)
-#   scripts/fuzz.sh 20              # CI: 20 s each
+#   scripts/fuzz.sh 20              # 20 s each, after changing a parser
 #   scripts/fuzz.sh 300 catalogue   # one target
 #
 # Needs a nightly toolchain; installs cargo-fuzz when missing. Targets are built without
 # a sanitizer (`-s none`): the code under test is safe Rust (`unsafe_code = "deny"`), so
 # what the fuzzer hunts is panics — overflow, slicing, unwrap — and debug assertions are
 # on (`-a`: overflow checks too). A crash leaves its input in fuzz/artifacts/TARGET/ and fails the script; make it a
-# regression test next to the code it broke. Per-target figures (executions, coverage)
+# regression test next to the code it broke, and keep the input in the corpus: the test
+# suite replays every corpus through the same bodies (fuzz/bodies/, tests/fuzz_corpus.rs). Per-target figures (executions, coverage)
 # go to fuzz/logs/TARGET.log and are summed up at the end.
 set -euo pipefail
 cd "$(dirname "$0")/../fuzz"

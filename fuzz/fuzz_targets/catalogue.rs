@@ -1,14 +1,6 @@
-//! A backup's catalogue export as restore and backup read it (anyone who can write the
-//! bucket controls these bytes; a signature is checked only once they are read): planned,
-//! searched for a version and restored into an in-memory store — each row checked like
-//! API input — or refused; never a panic.
 #![no_main]
-use libfuzzer_sys::fuzz_target;
-use locus_metadata::{snapshot, store::MemStore};
-
-fuzz_target!(|data: &[u8]| {
-    let _ = snapshot::plan(data);
-    let _ = snapshot::version_from_export(data, "ds", None);
-    let _ = snapshot::version_from_export(data, "ds", Some(1));
-    let _ = snapshot::restore(data, &MemStore::default(), "file:///fuzz", "snap", None);
-});
+//! The `catalogue` fuzz target. Its body is ../bodies/catalogue.rs, which the test suite also runs over
+//! this target's committed corpus (tests/fuzz_corpus.rs).
+#[path = "../bodies/catalogue.rs"]
+mod body;
+libfuzzer_sys::fuzz_target!(|data: &[u8]| body::run(data));

@@ -1,13 +1,6 @@
-//! The HTTP bodies anyone who reaches the metadata service's HTTP port sends without a
-//! token: kube-scheduler extender requests (`/k8s/filter`, `/k8s/prioritize`) and
-//! `/v1/locality` questions. Parsed and bounded, or refused; never a panic.
 #![no_main]
-use libfuzzer_sys::fuzz_target;
-
-fuzz_target!(|data: &[u8]| {
-    let _ = locus_metadata::k8s::parse(data);
-    let _ = locus_metadata::http_api::parse_locality(data);
-    if let Ok(s) = std::str::from_utf8(data) {
-        let _ = locus_metadata::http_api::parse_selector(s);
-    }
-});
+//! The `http_bodies` fuzz target. Its body is ../bodies/http_bodies.rs, which the test suite also runs over
+//! this target's committed corpus (tests/fuzz_corpus.rs).
+#[path = "../bodies/http_bodies.rs"]
+mod body;
+libfuzzer_sys::fuzz_target!(|data: &[u8]| body::run(data));

@@ -1,10 +1,6 @@
-//! A cache node's index values as it reads them at start (a damaged disk or an older
-//! build's records): decoded and checked, or dropped; never a panic.
 #![no_main]
-use libfuzzer_sys::fuzz_target;
-
-fuzz_target!(|data: &[u8]| {
-    if let Ok((chunks, missing)) = locus_cache_node::store::check_index_record(data) {
-        assert!(missing as u64 <= chunks);
-    }
-});
+//! The `index_record` fuzz target. Its body is ../bodies/index_record.rs, which the test suite also runs over
+//! this target's committed corpus (tests/fuzz_corpus.rs).
+#[path = "../bodies/index_record.rs"]
+mod body;
+libfuzzer_sys::fuzz_target!(|data: &[u8]| body::run(data));

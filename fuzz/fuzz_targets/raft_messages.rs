@@ -1,11 +1,6 @@
-//! The bodies of the metadata group's Raft messages as a member decodes them from its
-//! raft port (bincode, bounded): any bytes decode or are refused, without a panic and
-//! without allocating what a length prefix merely claims.
 #![no_main]
-use libfuzzer_sys::fuzz_target;
-
-fuzz_target!(|data: &[u8]| {
-    if let Some((kind, body)) = data.split_first() {
-        let _ = locus_metadata::group::decode_for_fuzzing(*kind, body);
-    }
-});
+//! The `raft_messages` fuzz target. Its body is ../bodies/raft_messages.rs, which the test suite also runs over
+//! this target's committed corpus (tests/fuzz_corpus.rs).
+#[path = "../bodies/raft_messages.rs"]
+mod body;
+libfuzzer_sys::fuzz_target!(|data: &[u8]| body::run(data));
