@@ -26,7 +26,9 @@ use serde::Deserialize;
 
 pub const DEFAULT_METADATA_URL: &str = "http://127.0.0.1:7400";
 
+/// Shown under their own heading in every command's `--help`, after the command's own.
 #[derive(Args, Clone)]
+#[command(next_help_heading = "Connection and output (every command)")]
 pub struct GlobalArgs {
     /// Metadata service URL (http://HOST:PORT, or https:// with TLS).
     #[arg(long, global = true, env = "LOCUS_METADATA", value_name = "URL")]
@@ -99,6 +101,7 @@ pub fn secret_file(what: &str, p: &Path) -> anyhow::Result<String> {
 
 /// A daemon's TLS, the same flags for the metadata service and the nodes.
 #[derive(Args, Debug, Clone, Default)]
+#[command(next_help_heading = "Serving TLS")]
 pub struct ServerTlsArgs {
     /// Certificate chain (PEM) this daemon serves gRPC and HTTP with, signed by the
     /// cluster CA (`locus tls cert`); needs --tls-key. A node with TLS registers its

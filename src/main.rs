@@ -6,6 +6,8 @@
 
 mod cmd;
 mod config;
+#[cfg(test)]
+mod help_tests;
 mod output;
 
 use std::path::PathBuf;
@@ -38,12 +40,32 @@ enum Command {
     Dataset(cmd::dataset::DatasetCmd),
     /// Rank nodes by how much of a dataset version they hold and what the rest would cost
     /// to bring there (where a job should run).
+    #[command(after_help = "\
+Examples:
+  # Where should a job reading imagenet@3 run?
+  locus locality imagenet@3
+  # Only among the nodes of one zone, as JSON for a scheduler
+  locus locality imagenet@latest --where zone=us-east-1a --json
+  # Two datasets one job reads together
+  locus locality imagenet@3 captions@1")]
     Locality(cmd::locality::LocalityArgs),
     /// Split a dataset version's shards among a job's ranks: each shard once, balanced,
     /// read locally where possible (JSON for data-loader samplers).
+    #[command(after_help = "\
+Examples:
+  # Split imagenet@3's shards among 2 nodes x 4 ranks, local reads first
+  locus assign imagenet@3 --nodes gpu-01,gpu-02 --ranks-per-node 4 --json
+  # With each shard's files, for a sampler that opens files
+  locus assign imagenet@3 --nodes gpu-01,gpu-02 --with-files --json")]
     Assign(cmd::locality::AssignArgs),
     /// Copy a dataset version onto chosen nodes before a job starts (peer to peer,
     /// idempotent: a rerun resumes).
+    #[command(after_help = "\
+Examples:
+  # Copy imagenet@3 onto the nodes a job will run on
+  locus warm imagenet@3 --nodes gpu-01,gpu-02
+  # Allow at most 10 GiB from the origin for what no node holds
+  locus warm imagenet@3 --nodes gpu-03 --max-origin-bytes 10GiB")]
     Warm(cmd::locality::WarmArgs),
     /// Slurm helpers: node features from locality, best-node hostlists.
     #[command(subcommand)]
@@ -53,6 +75,12 @@ enum Command {
     Backup(cmd::backup::BackupCmd),
     /// Bring a cluster back from a backup snapshot: the whole metadata service (into an
     /// empty data dir), or one dataset version into the running cluster.
+    #[command(after_help = "\
+Examples:
+  # The whole catalogue, into an empty data dir, from the newest snapshot
+  locus restore --from s3://backups/locus --data-dir /var/lib/locus/metadata --trust-key /etc/locus/backup.key.pub
+  # One version back into the running cluster, under another name
+  locus restore --from file:///mnt/backup --dataset imagenet@3 --as imagenet-restored")]
     Restore(cmd::backup::RestoreArgs),
     /// Mount a dataset version as a read-only file tree (returns once it is readable).
     ///
@@ -61,23 +89,57 @@ enum Command {
     /// pause for a moment and see no error. `locus status` shows both pids. Signals to the
     /// holder: TERM unmounts; HUP restarts the server from the executable now at the same
     /// path, to upgrade under live readers.
+    #[command(after_help = "\
+Examples:
+  # Mount a version read-only, reading through this host's node
+  locus mount imagenet@3 /mnt/imagenet --node-socket /run/locus/node.sock
+  # On a host without a node (bytes come from peers), for every user
+  locus mount imagenet@latest /mnt/imagenet --allow-other
+  # Unmount
+  locus umount /mnt/imagenet")]
     Mount(Box<cmd::mount::MountArgs>),
     /// Unmount a Locus mount.
+    #[command(after_help = "\
+Examples:
+  # Unmount; waits for the mount's process to finish
+  locus umount /mnt/imagenet")]
     Umount(cmd::mount::UmountArgs),
     /// One-screen summary of the cluster: service, nodes, capacity, datasets.
+    #[command(after_help = "\
+Examples:
+  # The cluster at a glance
+  locus status
+  # The same as JSON, against another service
+  locus --metadata https://meta.example:7400 status --json")]
     Status,
     /// Kubernetes CSI node plugin: dataset versions as read-only pod volumes, one shared
     /// mount per version on each host.
+    #[command(after_help = "\
+Examples:
+  # As the DaemonSet in deploy/kubernetes/ runs it
+  locus csi --endpoint unix:///csi/csi.sock --node-socket /run/locus/node.sock")]
     Csi(cmd::csi::CsiArgs),
     /// Check this host (FUSE, passthrough, the node's socket and disks, limits,
     /// certificates) and the cluster (reachable, clock, nodes, last backup); say what to
     /// fix. Exits non-zero when a check fails.
+    #[command(after_help = "\
+Examples:
+  # Check this host and the cluster
+  locus doctor --node-socket /run/locus/node.sock
+  # Only this host, and a node's data dir
+  locus doctor --local --data-dir /nvme/locus")]
     Doctor(cmd::doctor::DoctorArgs),
     /// Make the cluster CA and the certificates daemons serve with (TLS on every hop).
     #[command(subcommand)]
     Tls(cmd::tls::TlsCmd),
     /// Start a throwaway local cluster, commit a sample dataset through the real API and
     /// list it.
+    #[command(after_help = "\
+Examples:
+  # A throwaway cluster in a temporary dir: import, list, back up, then stop
+  locus demo
+  # Keep it running in ./demo to try other commands against it
+  locus demo --dir ./demo --keep-running")]
     Demo(cmd::demo::DemoArgs),
 }
 
@@ -147,7 +209,9 @@ fn main() -> ExitCode {
         }
     }
     let is_daemon = match &cli.command {
-        Command::Metadata(cmd::metadata::MetadataCmd::Serve(_)) | Command::Csi(_) => true,
+        Command::Metadata(cmd::metadata::MetadataCmd::Serve(_))
+        | Command::Node(cmd::node::NodeCmd::Serve(_))
+        | Command::Csi(_) => true,
         Command::Mount(m) => m.foreground || m.notify_ready || m.serve,
         _ => false,
     };

@@ -66,55 +66,92 @@ pub fn size(b: u64) -> String {
     locus_proto::human::format_size(b)
 }
 
-/// Prints progress on a terminal, nothing otherwise.
+/// Prints progress: a line redrawn four times a second on a terminal, a plain line every
+/// ten seconds into a log or pipe. Either says so when nothing has moved for a while, so a
+/// stalled node or source shows as a stall and not as a silent command.
 pub struct Progress {
     label: &'static str,
     pub done: Arc<AtomicU64>,
     start: Instant,
     task: Option<tokio::task::JoinHandle<()>>,
+    terminal: bool,
 }
+
+/// After this long without a byte, the progress line says the work is stalled.
+const STALLED: Duration = Duration::from_secs(5);
 
 impl Progress {
     pub fn new(label: &'static str, total: u64) -> Self {
         use std::io::IsTerminal;
         let done = Arc::new(AtomicU64::new(0));
         let start = Instant::now();
-        let task = std::io::stderr().is_terminal().then(|| {
-            let d = done.clone();
-            tokio::spawn(async move {
-                loop {
-                    tokio::time::sleep(Duration::from_millis(250)).await;
-                    let n = d.load(Ordering::Relaxed);
-                    let rate = n as f64 / start.elapsed().as_secs_f64().max(0.001);
-                    // An object-store source's total is not known before it is listed.
-                    let of = if total == 0 {
-                        String::new()
-                    } else {
-                        format!(" / {}", size(total))
-                    };
-                    eprint!("\r\x1b[K{label} {}{of} ({}/s)", size(n), size(rate as u64));
+        let terminal = std::io::stderr().is_terminal();
+        let d = done.clone();
+        let task = tokio::spawn(async move {
+            let every = Duration::from_millis(if terminal { 250 } else { 10_000 });
+            let (mut last, mut moved) = (0, Instant::now());
+            loop {
+                tokio::time::sleep(every).await;
+                let n = d.load(Ordering::Relaxed);
+                if n != last {
+                    (last, moved) = (n, Instant::now());
                 }
-            })
+                let rate = n as f64 / start.elapsed().as_secs_f64().max(0.001);
+                // An object-store source's total is not known before it is listed.
+                let of = if total == 0 {
+                    String::new()
+                } else {
+                    format!(" / {}", size(total))
+                };
+                let stalled = match moved.elapsed() {
+                    t if t >= STALLED => format!(
+                        "; nothing moved for {}s (a node or the source is not answering?)",
+                        t.as_secs()
+                    ),
+                    _ => String::new(),
+                };
+                let line = format!("{label} {}{of} ({}/s){stalled}", size(n), size(rate as u64));
+                if terminal {
+                    eprint!("\r\x1b[K{line}");
+                } else {
+                    eprintln!("{line}");
+                }
+            }
         });
         Progress {
             label,
             done,
             start,
-            task,
+            task: Some(task),
+            terminal,
         }
     }
 
     pub fn finish(mut self) -> Duration {
         if let Some(t) = self.task.take() {
             t.abort();
+        }
+        let took = self.start.elapsed();
+        // A log got progress lines only if the work lasted; then it gets the end too.
+        if self.terminal || took >= Duration::from_secs(10) {
             eprintln!(
-                "\r\x1b[K{} {} in {:.1}s",
+                "{}{} {} in {:.1}s",
+                if self.terminal { "\r\x1b[K" } else { "" },
                 self.label,
                 size(self.done.load(Ordering::Relaxed)),
-                self.start.elapsed().as_secs_f64()
+                took.as_secs_f64()
             );
         }
         self.start.elapsed()
+    }
+}
+
+impl Drop for Progress {
+    fn drop(&mut self) {
+        // A phase that failed is never finished: its line stops with it.
+        if let Some(t) = self.task.take() {
+            t.abort();
+        }
     }
 }
 

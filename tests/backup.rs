@@ -437,9 +437,10 @@ async fn restore_drill_brings_every_byte_back_from_the_backup() {
     )
     .await;
 
-    // Someone deletes a dataset: it comes back from the backup into the running cluster,
-    // as its next version (numbers are never reused), identical to the original.
-    let o = m.cli(&["dataset", "rm", "text", "--all-versions"]);
+    // Someone deletes a dataset (under its mounts, forced): it comes back from the backup
+    // into the running cluster, as its next version (numbers are never reused), identical
+    // to the original.
+    let o = m.cli(&["dataset", "rm", "text", "--all-versions", "--force"]);
     assert!(o.status.success(), "{}", stderr(&o));
     let o = m.cli(&[
         "restore",

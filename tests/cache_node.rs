@@ -1267,20 +1267,22 @@ async fn an_import_to_a_hung_node_gives_up_after_the_peer_timeout_and_commits_no
     let src = h.path("src");
     make_big_files(&src, 8, 1);
     nodes[1].daemon.sigstop();
+    let args = [
+        "dataset",
+        "import",
+        "ds",
+        src.to_str().unwrap(),
+        "--replicas",
+        "1",
+        "--shard-size",
+        "1MiB",
+    ];
+    // Longer than the ten seconds between progress lines in a log, so the stall shows.
     let out = m
         .cli_within(
             Duration::from_secs(120),
-            &[
-                "dataset",
-                "import",
-                "ds",
-                src.to_str().unwrap(),
-                "--replicas",
-                "1",
-                "--shard-size",
-                "1MiB",
-            ],
-            &[("LOCUS_PEER_TIMEOUT", "2s".to_string())],
+            &args,
+            &[("LOCUS_PEER_TIMEOUT", "13s".to_string())],
         )
         .await;
     nodes[1].daemon.sigcont();
@@ -1292,12 +1294,23 @@ async fn an_import_to_a_hung_node_gives_up_after_the_peer_timeout_and_commits_no
             .any(|m| err.contains(m)),
         "says why: {err}"
     );
+    assert!(
+        err.contains("nothing moved for"),
+        "the stall was shown while it lasted: {err}"
+    );
+    assert!(
+        err.contains("nothing was committed") && err.contains("Rerun the same command"),
+        "says what was left and what to do: {err}"
+    );
     let show = m.cli(&["dataset", "show", "ds", "--json"]);
     let versions = stdout(&show);
     assert!(
         !show.status.success() || !versions.contains("\"version\": 1"),
         "nothing was committed: {versions}"
     );
+    // As the message says: the same command, once the node answers, commits.
+    let out = m.cli_within(Duration::from_secs(120), &args, &[]).await;
+    assert!(out.status.success(), "{}", stderr(&out));
 }
 
 /// With no backup, a shard whose every replica is gone is copied back from the version's

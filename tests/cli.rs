@@ -301,20 +301,46 @@ fn demo_commits_and_lists_a_sample_dataset() {
     );
 }
 
+/// `--help` of every command, as a user runs it: each leaf command shows an example,
+/// and the walk reaches every command the top level lists (src/help_tests.rs checks the
+/// descriptions and headings through clap itself).
 #[test]
 fn help_explains_every_command() {
-    for args in [
-        vec!["--help"],
-        vec!["metadata", "serve", "--help"],
-        vec!["dataset", "--help"],
-        vec!["dataset", "rm", "--help"],
-        vec!["node", "list", "--help"],
-        vec!["demo", "--help"],
-    ] {
-        let out = Command::new(locus()).args(&args).output().unwrap();
-        assert!(out.status.success(), "{args:?}");
-        assert!(stdout(&out).contains("Usage:"), "{args:?}");
+    fn subcommands(help: &str) -> Vec<String> {
+        let Some((_, rest)) = help.split_once("Commands:\n") else {
+            return Vec::new();
+        };
+        rest.lines()
+            .take_while(|l| l.starts_with("  "))
+            // A command's line; a wrapped description continues further in.
+            .filter(|l| !l[2..].starts_with(' '))
+            .filter_map(|l| l.split_whitespace().next())
+            .filter(|c| *c != "help")
+            .map(str::to_string)
+            .collect()
     }
+    let mut todo = vec![Vec::<String>::new()];
+    let mut leaves = 0;
+    while let Some(path) = todo.pop() {
+        let out = Command::new(locus()).args(&path).arg("--help").output().unwrap();
+        assert!(out.status.success(), "{path:?}");
+        let help = stdout(&out);
+        assert!(help.contains("Usage:"), "{path:?}");
+        let subs = subcommands(&help);
+        if subs.is_empty() {
+            leaves += 1;
+            let example = help
+                .split_once("Examples:")
+                .is_some_and(|(_, ex)| ex.lines().any(|l| l.trim_start().starts_with("locus ")));
+            assert!(example, "locus {} --help has no example:\n{help}", path.join(" "));
+        }
+        for s in subs {
+            let mut p = path.clone();
+            p.push(s);
+            todo.push(p);
+        }
+    }
+    assert!(leaves > 30, "only {leaves} commands found");
     let out = Command::new(locus())
         .args(["metadata", "serve", "--help"])
         .output()

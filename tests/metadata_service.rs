@@ -286,6 +286,7 @@ async fn bad_input_is_refused_with_a_message_and_changes_nothing() {
         .delete_version(pb::DeleteVersionRequest {
             dataset: "good".into(),
             version: 9,
+            force: false,
         })
         .await
         .unwrap_err();
@@ -393,6 +394,7 @@ async fn each_role_is_refused_what_it_may_not_do() {
     let del = || pb::DeleteVersionRequest {
         dataset: "ds".into(),
         version: v.version,
+        force: false,
     };
     assert_eq!(
         code(reader.delete_version(del()).await.map(drop)),
@@ -402,7 +404,10 @@ async fn each_role_is_refused_what_it_may_not_do() {
         code(node.delete_version(del()).await.map(drop)),
         Some(Code::PermissionDenied)
     );
-    let rm = || pb::DeleteDatasetRequest { name: "ds".into() };
+    let rm = || pb::DeleteDatasetRequest {
+        name: "ds".into(),
+        force: false,
+    };
     assert_eq!(
         code(reader.delete_dataset(rm()).await.map(drop)),
         Some(Code::PermissionDenied)
@@ -775,7 +780,7 @@ async fn daemon_logs_are_plain_text_or_json_lines() {
         )
         .await;
     let plain = std::fs::read_to_string(&m.log).unwrap();
-    assert!(plain.contains("metadata service listening"), "{plain}");
+    assert!(plain.contains("metadata service ready"), "{plain}");
     assert!(
         !plain.contains('\u{1b}'),
         "no terminal colours in a log file: {plain:?}"
@@ -787,7 +792,7 @@ async fn daemon_logs_are_plain_text_or_json_lines() {
         .collect();
     assert!(lines
         .iter()
-        .any(|l| l["fields"]["message"] == "metadata service listening"));
+        .any(|l| l["fields"]["message"] == "metadata service ready"));
 }
 
 /// Resident memory of a process, from /proc.

@@ -289,3 +289,170 @@ async fn node_rm_forgets_a_dead_node_but_never_one_holding_a_last_replica() {
     let mnt = m.mount("two", "two@1", Some(alive), &[]);
     assert_same_tree(&src, &mnt.path);
 }
+
+/// `dataset rm` of a version a mount serves (on any host) is refused, naming the mount
+/// and both ways out; `--force` deletes it anyway; after `locus umount` it goes. The audit
+/// log has the mount's start and end.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dataset_rm_refuses_a_mounted_version_until_it_is_unmounted_or_forced() {
+    let h = Harness::new("op-rm-mounted");
+    let (m, nodes) = cluster(&h, 1, NodeOpts::host).await;
+    let src = h.path("src");
+    make_tree(&src, 5);
+    for _ in 0..2 {
+        assert!(import(&m, "ds", &src, &["--replicas", "1"]).status.success());
+    }
+    let one = m.mount("one", "ds@1", Some(&nodes[0]), &[]);
+    let two = m.mount("two", "ds@2", None, &[]);
+    let mp1 = one.path.display().to_string();
+
+    let out = m.cli(&["dataset", "rm", "ds@1"]);
+    assert!(!out.status.success(), "deleted a mounted version");
+    let err = stderr(&out);
+    assert!(
+        err.contains("ds@1") && err.contains(&mp1) && err.contains("--force") && err.contains("locus umount"),
+        "{err}"
+    );
+    let out = m.cli(&["dataset", "rm", "ds", "--all-versions"]);
+    assert!(!out.status.success(), "deleted a dataset with mounted versions");
+    assert!(stderr(&out).contains(&mp1), "{}", stderr(&out));
+    let out = m.cli(&["--json", "dataset", "show", "ds"]);
+    let shown: serde_json::Value = serde_json::from_str(&stdout(&out)).unwrap();
+    assert_eq!(
+        shown["version_list"].as_array().map(Vec::len),
+        Some(2),
+        "both versions are still there after the refusals: {shown}"
+    );
+    assert_same_tree(&src, &one.path);
+
+    // Forced: gone while mounted.
+    let out = m.cli(&["dataset", "rm", "ds@2", "--force"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+
+    // Unmounted: the lease is withdrawn by the time `locus umount` returns.
+    assert!(one.umount().status.success());
+    let out = m.cli(&["dataset", "rm", "ds@1"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+
+    let audit = m.audit_lines();
+    let has = |action: &str, target: &str| {
+        audit
+            .iter()
+            .any(|l| l["action"] == action && l["target"] == target && l["result"] == "ok")
+    };
+    assert!(
+        has("mount.start", "ds@1") && has("mount.end", "ds@1"),
+        "{audit:?}"
+    );
+    assert!(
+        has("mount.start", "ds@2") && !has("mount.end", "ds@2"),
+        "{audit:?}"
+    );
+    drop(two);
+}
+
+/// Output that was silent or wrong now says what happened: a FIFO in the source is
+/// counted in the import's summary, `dataset ls --json` gives a file's real chunk count,
+/// `assign` warns when ranks get no shard, and each mount's part of a shared log starts
+/// under its own line while a mount point's default log starts afresh.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn silent_or_wrong_output_now_says_what_happened() {
+    let h = Harness::new("op-output");
+    let (m, nodes) = cluster(&h, 1, NodeOpts::host).await;
+    let src = h.path("src");
+    make_tree(&src, 5);
+    std::fs::write(src.join("one-mib.bin"), vec![7u8; 1 << 20]).unwrap();
+    let fifo = src.join("a-fifo");
+    assert!(std::process::Command::new("mkfifo")
+        .arg(&fifo)
+        .status()
+        .unwrap()
+        .success());
+
+    // The import's summary counts what it left out (the test's import helper asks JSON).
+    let out = import(&m, "ds", &src, &["--replicas", "1"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let report: serde_json::Value = serde_json::from_str(&stdout(&out)).unwrap();
+    assert_eq!(report["left_out"], serde_json::json!(["a-fifo"]), "{report}");
+    make_tree(&h.path("src2"), 3);
+    std::process::Command::new("mkfifo")
+        .arg(h.path("src2").join("p"))
+        .status()
+        .unwrap();
+    let src2 = h.path("src2");
+    let out = m.cli(&[
+        "dataset",
+        "import",
+        "other",
+        src2.to_str().unwrap(),
+        "--replicas",
+        "1",
+    ]);
+    assert!(
+        stdout(&out).contains("left out 1 path(s)") && stdout(&out).contains("p"),
+        "{}",
+        stdout(&out)
+    );
+
+    // 1 MiB in 64 KiB chunks (the helper's chunk size) is 16 chunks.
+    let out = m.cli(&["--json", "dataset", "ls", "ds@1"]);
+    let ls: serde_json::Value = serde_json::from_str(&stdout(&out)).unwrap();
+    let big = ls["entries"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|e| e["path"] == "one-mib.bin")
+        .unwrap_or_else(|| panic!("{ls}"));
+    assert_eq!(big["chunks"], 16, "{big}");
+
+    // One shard over four ranks: three get nothing, and the command says so.
+    let out = m.cli(&["assign", "ds@1", "--nodes", &nodes[0].id, "--ranks-per-node", "4"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("3 of 4 ranks get no shard") && stderr(&out).contains("--shard-size"),
+        "{}",
+        stderr(&out)
+    );
+
+    // A shared --log-file: each mount's part under its own line.
+    let (failed, out) = m.try_mount("mnt", "ds@9", Some(&nodes[0]), &[]);
+    assert!(!out.status.success());
+    let ok = m.mount("mnt", "ds@1", Some(&nodes[0]), &[]);
+    let log = std::fs::read_to_string(&ok.log).unwrap();
+    let parts: Vec<&str> = log.split("--- locus mount ").collect();
+    assert_eq!(parts.len(), 3, "two mounts, two header lines: {log}");
+    assert!(
+        parts[1].starts_with("ds@9") && parts[2].starts_with("ds@1"),
+        "{log}"
+    );
+    assert!(
+        !parts[2].contains("error"),
+        "the second mount's part is its own: {log}"
+    );
+    assert!(ok.umount().status.success());
+    drop(failed);
+
+    // The default log (no --log-file) starts afresh with each mount of the mount point.
+    let rt = ("LOCUS_RUNTIME_DIR", h.path("rt").display().to_string());
+    let mp = h.path("plain");
+    std::fs::create_dir_all(&mp).unwrap();
+    let sock = nodes[0].socket.to_str().unwrap();
+    let out = m.cli_env(
+        &["mount", "ds@9", mp.to_str().unwrap(), "--node-socket", sock],
+        std::slice::from_ref(&rt),
+    );
+    assert!(!out.status.success());
+    let out = m.cli_env(
+        &["mount", "ds@1", mp.to_str().unwrap(), "--node-socket", sock],
+        std::slice::from_ref(&rt),
+    );
+    assert!(out.status.success(), "{}", stderr(&out));
+    let log_path = stdout(&out)
+        .lines()
+        .find_map(|l| l.trim().strip_prefix("log: ").map(str::to_string))
+        .unwrap_or_else(|| panic!("no log line: {}", stdout(&out)));
+    let log = std::fs::read_to_string(&log_path).unwrap();
+    assert!(!log.contains("ds@9"), "the earlier mount's error is gone: {log}");
+    let out = m.cli_env(&["umount", mp.to_str().unwrap()], &[rt]);
+    assert!(out.status.success(), "{}", stderr(&out));
+}

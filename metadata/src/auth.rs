@@ -20,7 +20,7 @@ pub fn required_access(method: &str) -> Option<Access> {
         "IssueGrant" => Access::Read,
         "RegisterNode" | "Heartbeat" => Access::Node,
         "ListNodes" | "ListDatasets" | "GetDataset" | "GetVersion" | "ListEntries" | "ListShards"
-        | "LocateBlobs" | "Locality" | "Assign" | "ListBackups" => Access::Read,
+        | "LocateBlobs" | "Locality" | "Assign" | "ListBackups" | "MountLease" => Access::Read,
         "DeleteVersion" | "DeleteDataset" | "BeginVersion" | "PutEntries" | "PutShards" | "CommitVersion"
         | "AbortVersion" | "SealVersion" | "PlaceShards" | "DrainNode" | "RemoveNode" | "Warm" | "ExportCatalog" | "RecordBackup"
         // Only the service's own repair changes replicas in normal operation; a node token

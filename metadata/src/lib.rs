@@ -19,6 +19,7 @@ pub mod k8s;
 pub mod keys;
 pub mod locality;
 pub mod metrics;
+pub mod mounts;
 pub mod placement;
 pub mod records;
 pub mod repair;

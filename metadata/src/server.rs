@@ -221,7 +221,7 @@ pub async fn serve(
         mutual_tls = config.tls.as_ref().is_some_and(|t| t.client_ca_pem.is_some()),
         auth = tokens.is_some(),
         cluster = catalog.cluster_id(),
-        "metadata service listening"
+        "metadata service ready"
     );
 
     let reaper = tokio::spawn(reap_sessions(catalog.clone(), metrics.clone(), stop_rx.clone()));

@@ -15,6 +15,7 @@ use crate::metrics::Metrics;
 
 mod grants;
 mod members;
+mod mounts;
 
 pub struct MetadataService {
     catalog: Arc<Catalog>,
@@ -26,6 +27,8 @@ pub struct MetadataService {
     grant_keys: Arc<crate::grant_keys::GrantKeys>,
     /// The replicated group this service is a member of, if any.
     group: Option<Arc<crate::group::Group>>,
+    /// Which versions mounts serve now (soft state, this member's while it leads).
+    mounts: crate::mounts::MountLeases,
 }
 
 impl MetadataService {
@@ -56,6 +59,7 @@ impl MetadataService {
             metrics,
             grant_keys,
             group: None,
+            mounts: Default::default(),
         }
     }
 
@@ -571,32 +575,19 @@ impl pb::metadata_server::Metadata for MetadataService {
 
     async fn delete_version(&self, req: Request<pb::DeleteVersionRequest>) -> Res<pb::DeleteVersionResponse> {
         let p = principal(&req)?;
-        let q = req.into_inner();
-        let name = DatasetName::try_from(q.dataset)?;
-        if q.version == 0 {
-            return Err(Status::invalid_argument(
-                "version: name the version to delete explicitly; 0 (latest) is not accepted",
-            ));
-        }
-        let target = format!("{name}@{}", q.version);
-        let r = self.run(move |c| c.delete_version(&name, q.version)).await;
-        self.audit(&p, "version.delete", &target, &r, |_| "deleted".into());
-        r.map_err(to_status)?;
-        tracing::info!(%target, who = %p.name, "version deleted");
+        self.remove_version(p, req.into_inner()).await?;
         Ok(Response::new(pb::DeleteVersionResponse {}))
     }
 
     async fn delete_dataset(&self, req: Request<pb::DeleteDatasetRequest>) -> Res<pb::DeleteDatasetResponse> {
         let p = principal(&req)?;
-        let name = DatasetName::try_from(req.into_inner().name)?;
-        let target = name.to_string();
-        let r = self.run(move |c| c.delete_dataset(&name)).await;
-        self.audit(&p, "dataset.delete", &target, &r, |n| {
-            format!("{n} versions deleted")
-        });
-        let versions_deleted = r.map_err(to_status)?;
-        tracing::info!(dataset = %target, who = %p.name, versions_deleted, "dataset deleted");
+        let versions_deleted = self.remove_dataset(p, req.into_inner()).await?;
         Ok(Response::new(pb::DeleteDatasetResponse { versions_deleted }))
+    }
+
+    async fn mount_lease(&self, req: Request<pb::MountLeaseRequest>) -> Res<pb::MountLeaseResponse> {
+        let p = principal(&req)?;
+        self.lease(p, req.into_inner()).await.map(Response::new)
     }
 
     async fn begin_version(&self, req: Request<pb::BeginVersionRequest>) -> Res<pb::BeginVersionResponse> {

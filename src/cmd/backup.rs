@@ -23,18 +23,44 @@ pub enum BackupCmd {
     /// target does not hold yet, uploaded by the nodes in parallel. The snapshot is valid
     /// only once its COMMITTED marker is written, last; an interrupted run is resumed by
     /// running it again. Exit status 0 only if the snapshot was committed.
+    #[command(after_help = "\
+Examples:
+  # Back up to S3, signed, keeping 7 daily and 4 weekly snapshots
+  locus backup run --to s3://backups/locus --signing-key /etc/locus/backup.key --keep-daily 7 --keep-weekly 4
+  # To a directory (the [backup] section of the config file can hold these)
+  locus backup run --to file:///mnt/backup")]
     Run(RunArgs),
     /// List the snapshots in a backup target: id, time, datasets, bytes, new bytes,
     /// duration, state.
+    #[command(after_help = "\
+Examples:
+  # The snapshots at a target, newest last
+  locus backup list --to s3://backups/locus")]
     List(TargetArg),
     /// Re-read and re-hash stored blobs (all, or a sample) and the catalogue of a
     /// snapshot; report missing or corrupt ones (exit status 1 if any).
+    #[command(after_help = "\
+Examples:
+  # Check the newest snapshot's signature and every blob it names
+  locus backup verify --to s3://backups/locus --trust-key /etc/locus/backup.key.pub
+  # A 5% sample, putting back what is missing or damaged
+  locus backup verify --to file:///mnt/backup --sample 0.05 --repair")]
     Verify(VerifyArgs),
     /// Apply retention and delete blobs no kept snapshot needs. Safe while a backup runs.
+    #[command(after_help = "\
+Examples:
+  # Show what retention would delete
+  locus backup gc --to s3://backups/locus --keep-daily 7 --dry-run
+  # Delete it
+  locus backup gc --to s3://backups/locus --keep-daily 7")]
     Gc(GcArgs),
     /// Create an Ed25519 signing key for snapshots (PKCS#8, mode 0600, never overwrites)
     /// and print its public key (also written to FILE.pub). Runs given the key sign their
     /// snapshots; restore and verify trust the public key (`--trust-key`).
+    #[command(after_help = "\
+Examples:
+  # A signing key (kept by the backup job) and its public half (for restore)
+  locus backup keygen --out /etc/locus/backup.key")]
     Keygen {
         /// Where to write the private key.
         #[arg(long, value_name = "FILE")]

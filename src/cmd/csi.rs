@@ -112,7 +112,7 @@ pub async fn run(a: CsiArgs, cfg: &Resolved) -> anyhow::Result<()> {
     }
     let listener =
         tokio::net::UnixListener::bind(path).map_err(|e| anyhow::anyhow!("cannot listen on {path}: {e}"))?;
-    tracing::info!(endpoint = %a.endpoint, node = %plugin.node_id, "CSI node plugin serving");
+    tracing::info!(endpoint = %a.endpoint, node = %plugin.node_id, "CSI node plugin ready");
     tonic::transport::Server::builder()
         .add_service(csi::identity_server::IdentityServer::from_arc(plugin.clone()))
         .add_service(csi::node_server::NodeServer::from_arc(plugin))

@@ -12,21 +12,43 @@ use crate::output::{self, StatusExt};
 pub enum DatasetCmd {
     /// Import a local directory as the next version of a dataset: hash every file, place
     /// shards on cache nodes, send each node its blobs (verified), then commit.
+    #[command(after_help = "\
+Examples:
+  # A local directory as the next version, two replicas on different hosts
+  locus dataset import imagenet /data/imagenet --replicas 2
+  # From an S3 bucket, the nodes reading it themselves
+  locus dataset import laion s3://bucket/laion/ --read-by nodes")]
     Import(super::import::ImportArgs),
     /// List datasets with their latest version and size.
+    #[command(after_help = "\
+Examples:
+  # Every dataset with its latest version and size
+  locus dataset list")]
     List,
     /// Show a dataset's versions (NAME) or one version in detail (NAME@VERSION,
     /// NAME@latest), with the bytes each node holds.
+    #[command(after_help = "\
+Examples:
+  # A dataset's versions
+  locus dataset show imagenet
+  # One version: files, bytes, shards and the bytes each node holds
+  locus dataset show imagenet@3")]
     Show {
         /// NAME, NAME@VERSION or NAME@latest.
         dataset: String,
     },
     /// List the entries of a version: one directory, or the whole tree with --recursive.
+    #[command(after_help = "\
+Examples:
+  # One directory of a version
+  locus dataset ls imagenet@3 train/n01440764
+  # Every entry, as JSON
+  locus dataset ls imagenet@latest --recursive --json")]
     Ls {
         /// NAME, NAME@VERSION or NAME@latest.
         dataset: String,
-        /// Directory inside the version [default: the root].
-        #[arg(default_value = "")]
+        /// Directory inside the version; the root when left out.
+        #[arg(default_value = "", hide_default_value = true)]
         directory: String,
         /// Every entry of the version, not only one directory's.
         #[arg(long, short)]
@@ -35,19 +57,33 @@ pub enum DatasetCmd {
     /// Give a version committed by a Locus from before sealed namespaces the namespace
     /// mounts need (built from its entries, stored with its first shard, checked by the
     /// metadata service). A version that has one is left as it is.
-    ///
-    /// Example: locus dataset seal imagenet@3
+    #[command(after_help = "\
+Examples:
+  # Give a version committed by an older Locus the namespace mounts need
+  locus dataset seal imagenet@3")]
     Seal {
         /// NAME@VERSION or NAME@latest.
         dataset: String,
     },
     /// Delete a version (NAME@VERSION), or every version of a dataset (NAME
-    /// --all-versions). Version numbers are never reused.
+    /// --all-versions). Version numbers are never reused. A version that a mount serves
+    /// (on any host) is refused, naming the mounts, unless --force.
+    #[command(after_help = "\
+Examples:
+  # Delete one version
+  locus dataset rm imagenet@2
+  # Delete every version of a dataset, even while mounts serve them
+  locus dataset rm imagenet --all-versions --force")]
     Rm {
+        /// NAME@VERSION, or NAME with --all-versions.
         dataset: String,
         /// Required to delete a whole dataset.
         #[arg(long)]
         all_versions: bool,
+        /// Delete even what mounts serve now: their readers fail once the bytes are
+        /// collected from the nodes.
+        #[arg(long)]
+        force: bool,
     },
 }
 
@@ -65,7 +101,8 @@ pub async fn run(cmd: DatasetCmd, cfg: &Resolved) -> anyhow::Result<()> {
         DatasetCmd::Rm {
             dataset,
             all_versions,
-        } => rm(cfg, &dataset, all_versions).await,
+            force,
+        } => rm(cfg, &dataset, all_versions, force).await,
     }
 }
 
@@ -286,6 +323,19 @@ async fn ls(cfg: &Resolved, s: &str, dir: &str, recursive: bool) -> anyhow::Resu
         .await
         .map_err(output::status_error)?;
     if cfg.json {
+        // The listing leaves chunk hashes out (a tree is all it shows); the count follows
+        // from the size and the version's chunk size.
+        let chunk_size = c
+            .get_version(pb::GetVersionRequest {
+                r#ref: Some(pb::VersionRef {
+                    dataset: r.name.to_string(),
+                    version,
+                }),
+            })
+            .await
+            .or_status()?
+            .chunk_size
+            .max(1);
         let v: Vec<_> = entries
             .iter()
             .map(|e| {
@@ -296,7 +346,7 @@ async fn ls(cfg: &Resolved, s: &str, dir: &str, recursive: bool) -> anyhow::Resu
                     "mode": format!("{:o}", e.mode),
                     "mtime_ns": e.mtime_ns,
                     "blob": BlobHash::from_slice("blob", &e.blob).map(|h| h.to_hex()).ok(),
-                    "chunks": e.chunks.len(),
+                    "chunks": e.size.div_ceil(u64::from(chunk_size)),
                     "shard": e.shard,
                     "target": e.symlink_target,
                 })
@@ -326,7 +376,7 @@ async fn ls(cfg: &Resolved, s: &str, dir: &str, recursive: bool) -> anyhow::Resu
     Ok(())
 }
 
-async fn rm(cfg: &Resolved, s: &str, all_versions: bool) -> anyhow::Result<()> {
+async fn rm(cfg: &Resolved, s: &str, all_versions: bool, force: bool) -> anyhow::Result<()> {
     let r = parse_ref(s)?;
     let mut c = cfg.connect().await?;
     match (s.contains('@'), r.version) {
@@ -334,6 +384,7 @@ async fn rm(cfg: &Resolved, s: &str, all_versions: bool) -> anyhow::Result<()> {
             c.delete_version(pb::DeleteVersionRequest {
                 dataset: r.name.to_string(),
                 version: n,
+                force,
             })
             .await
             .or_status()?;
@@ -359,6 +410,7 @@ async fn rm(cfg: &Resolved, s: &str, all_versions: bool) -> anyhow::Result<()> {
             let n = c
                 .delete_dataset(pb::DeleteDatasetRequest {
                     name: name.to_string(),
+                    force,
                 })
                 .await
                 .or_status()?

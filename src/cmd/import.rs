@@ -6,7 +6,7 @@ use clap::Args;
 use std::sync::Arc;
 
 use locus::ops::cluster::{GrpcCluster, ImportCluster};
-use locus::ops::import::{ImportOptions, ImportReport};
+use locus::ops::import::{ImportError, ImportOptions, ImportReport};
 
 use crate::config::Resolved;
 use crate::output::{self, TermObserver};
@@ -81,7 +81,17 @@ impl ImportArgs {
 pub async fn run(a: ImportArgs, cfg: &Resolved) -> anyhow::Result<()> {
     let o = a.options(cfg)?;
     let cluster: Arc<dyn ImportCluster> = Arc::new(GrpcCluster::new(cfg.connect().await?, cfg.token.clone()));
-    let r = locus::ops::import::import(&cluster, &o, &TermObserver::default()).await?;
+    let r = match locus::ops::import::import(&cluster, &o, &TermObserver::default()).await {
+        Ok(r) => r,
+        // Failures once bytes move: what was sent stays on the nodes, the version does not
+        // exist, and the same command picks up where this one stopped.
+        Err(e @ (ImportError::Transfer(_) | ImportError::Metadata(_))) => bail!(
+            "{e}\nnothing was committed: {} has no new version. Rerun the same command once \
+             that is fixed; blobs the nodes already received are not sent again",
+            o.name
+        ),
+        Err(e) => return Err(e.into()),
+    };
     print_report(&r, cfg)
 }
 
@@ -102,6 +112,7 @@ pub fn print_report(r: &ImportReport, cfg: &Resolved) -> anyhow::Result<()> {
             "distinct_blobs": r.distinct_blobs,
             "uploaded_bytes": r.uploaded_bytes,
             "skipped_bytes": r.skipped_bytes,
+            "left_out": r.left_out,
             "hash_seconds": r.hash_time.as_secs_f64(),
             "upload_seconds": r.upload_time.as_secs_f64(),
             "seconds": secs,
@@ -126,5 +137,12 @@ pub fn print_report(r: &ImportReport, cfg: &Resolved) -> anyhow::Result<()> {
         secs,
         output::size((v.bytes as f64 / secs.max(0.001)) as u64)
     );
+    if let Some(first) = r.left_out.first() {
+        println!(
+            "left out {} path(s) that are not files, directories or symlinks (FIFOs, sockets, \
+             devices), such as {first}",
+            r.left_out.len()
+        );
+    }
     Ok(())
 }

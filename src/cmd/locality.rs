@@ -184,6 +184,22 @@ pub async fn assign(a: AssignArgs, cfg: &Resolved) -> anyhow::Result<()> {
         .await
         .or_status()?;
     let v = out.r#ref.clone().unwrap_or_default();
+    // A shard is the unit of assignment: fewer shards than ranks leaves ranks idle, which
+    // the table alone shows as ranks with nothing to read "100% locally".
+    let idle = out.ranks.iter().filter(|r| r.shards.is_empty()).count();
+    if idle > 0 {
+        let shards: std::collections::BTreeSet<u32> =
+            out.ranks.iter().flat_map(|r| r.shards.iter().copied()).collect();
+        eprintln!(
+            "warning: {idle} of {} ranks get no shard: {}@{} has {} shard(s). Import it again \
+             with a --shard-size of at most {} to give every rank a share",
+            out.ranks.len(),
+            v.dataset,
+            v.version,
+            shards.len(),
+            output::size((out.total_bytes / out.ranks.len().max(1) as u64).max(1)),
+        );
+    }
     if cfg.json {
         let ranks: Vec<_> = out
             .ranks
@@ -221,7 +237,11 @@ pub async fn assign(a: AssignArgs, cfg: &Resolved) -> anyhow::Result<()> {
                 r.node.clone(),
                 r.shards.len().to_string(),
                 output::size(r.bytes),
-                format!("{:.1}%", r.local_fraction * 100.0),
+                if r.shards.is_empty() {
+                    "-".to_string()
+                } else {
+                    format!("{:.1}%", r.local_fraction * 100.0)
+                },
             ]
         })
         .collect();

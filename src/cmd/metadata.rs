@@ -14,6 +14,12 @@ pub enum MetadataCmd {
     ///
     /// Without --tokens-file every caller may do everything, so the service then only
     /// listens on loopback addresses unless --insecure is given.
+    #[command(after_help = "\
+Examples:
+  # One service, tokens required
+  locus metadata serve --data-dir /var/lib/locus/metadata --listen 0.0.0.0:7400 --tokens-file /etc/locus/tokens.toml
+  # Member m1 of a group of three
+  locus metadata serve --id m1 --cluster m1=10.0.0.1:7410,m2=10.0.0.2:7410,m3=10.0.0.3:7410 --data-dir /var/lib/locus/metadata")]
     Serve(Box<ServeArgs>),
     /// List or change the members of a replicated metadata group (admin).
     ///
@@ -37,8 +43,18 @@ pub enum MetadataCmd {
 #[derive(Subcommand, Debug)]
 pub enum GrantKeysCmd {
     /// The keys, their state (signing, next, verifying) and when they sign from.
+    #[command(after_help = "\
+Examples:
+  # The keys grants are signed and checked with
+  locus metadata grant-keys list")]
     List,
     /// Makes a new key; see `grant-keys --help`.
+    #[command(after_help = "\
+Examples:
+  # A new signing key, published to nodes a minute before it signs
+  locus metadata grant-keys rotate
+  # A key that leaked: every older key stops verifying at once
+  locus metadata grant-keys rotate --revoke")]
     Rotate {
         /// How long the new key is published before it signs.
         #[arg(long, value_name = "DURATION", default_value = "60s")]
@@ -52,24 +68,40 @@ pub enum GrantKeysCmd {
 #[derive(Subcommand, Debug)]
 pub enum MembersCmd {
     /// The members, their roles and the leader, as the member asked sees them.
-    List {
-        #[arg(long)]
-        json: bool,
-    },
+    #[command(after_help = "\
+Examples:
+  # The group's members, their roles and the leader
+  locus metadata members list")]
+    List,
     /// Adds a member that receives the log but does not vote yet; answers once it has
     /// caught up.
+    #[command(after_help = "\
+Examples:
+  # Add m4; it receives the log but does not vote yet
+  locus metadata members add-learner m4 10.0.0.4:7410")]
     AddLearner {
+        /// The new member's name (its --id).
         name: String,
         /// Its raft address (HOST:PORT), as in --cluster.
         raft_address: String,
     },
     /// Makes learners voters.
+    #[command(after_help = "\
+Examples:
+  # Make m4 a voter once it has caught up
+  locus metadata members promote m4")]
     Promote {
+        /// The learners' names.
         #[arg(required = true)]
         names: Vec<String>,
     },
     /// Removes members (stop them first; the leader cannot remove itself).
+    #[command(after_help = "\
+Examples:
+  # Take m2 out of the group
+  locus metadata members remove m2")]
     Remove {
+        /// The members' names.
         #[arg(required = true)]
         names: Vec<String>,
     },
@@ -96,8 +128,6 @@ pub struct ServeArgs {
     /// TOML file of [[token]] entries (name, role = admin|node|reader, token or blake3).
     #[arg(long, env = "LOCUS_METADATA_TOKENS_FILE", value_name = "FILE")]
     pub tokens_file: Option<PathBuf>,
-    #[command(flatten)]
-    pub tls: crate::config::ServerTlsArgs,
     /// A node silent this long is down [default: 30s].
     #[arg(long, env = "LOCUS_LIVENESS_TIMEOUT", value_name = "DURATION")]
     pub liveness_timeout: Option<String>,
@@ -142,6 +172,9 @@ pub struct ServeArgs {
     /// with no data refuses to start while other members hold the group's log.
     #[arg(long, requires = "cluster")]
     pub join: bool,
+    // Last: clap puts every option after a flattened group under its heading.
+    #[command(flatten)]
+    pub tls: crate::config::ServerTlsArgs,
 }
 
 pub async fn run(cmd: MetadataCmd, cfg: &Resolved) -> anyhow::Result<()> {
@@ -200,7 +233,7 @@ async fn members(cmd: MembersCmd, cfg: &Resolved) -> anyhow::Result<()> {
     use locus_proto::pb;
     let mut c = cfg.connect().await?;
     let (req, json) = match cmd {
-        MembersCmd::List { json } => (None, json || cfg.json),
+        MembersCmd::List => (None, cfg.json),
         MembersCmd::AddLearner { name, raft_address } => (
             Some(pb::ChangeMembersRequest {
                 op: "add-learner".into(),

@@ -13,14 +13,12 @@
 //! carries the mount's totals for `locus status`; the runtime dir is `$LOCUS_RUNTIME_DIR`,
 //! else `/tmp/locus-<uid>`.
 
-use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use anyhow::{bail, Context};
+use anyhow::Context;
 use clap::Args;
 use locus_fuse::{Place, Remote, Settings};
 
@@ -91,7 +89,13 @@ pub struct MountArgs {
     pub readahead: String,
     /// This host's topology labels, used to read from the cheapest replica
     /// (host defaults to the host name).
-    #[arg(long, env = "LOCUS_MOUNT_LABELS", value_name = "K=V,...", default_value = "")]
+    #[arg(
+        long,
+        env = "LOCUS_MOUNT_LABELS",
+        value_name = "K=V,...",
+        default_value = "",
+        hide_default_value = true
+    )]
     pub labels: String,
     /// A local file the node verified is reused for this long without asking the node
     /// again: by reopens, and by reads the page cache lacks when the kernel opens files
@@ -207,8 +211,12 @@ pub struct MountStatus {
     pub cluster_id: String,
 }
 
+mod detach;
 mod holder;
+mod lease;
 mod runtime;
+pub use detach::umount;
+use detach::{check_empty, check_mountpoint, check_node_socket, spawn_background};
 use runtime::{private_runtime_dir, status_path};
 
 /// Statuses of this host's live Locus mounts.
@@ -229,72 +237,6 @@ pub fn parse_target(t: &str) -> anyhow::Result<(String, u64)> {
         .parse()
         .map_err(|e: locus_proto::InvalidInput| anyhow::anyhow!("{t:?}: {}", e.reason))?;
     Ok((r.name.to_string(), r.version.to_wire()))
-}
-
-/// Refuses what would fail later with a worse message.
-fn check_mountpoint(p: &Path) -> anyhow::Result<()> {
-    let md = std::fs::metadata(p).map_err(|e| match e.kind() {
-        std::io::ErrorKind::NotFound => anyhow::anyhow!("mountpoint {} does not exist", p.display()),
-        std::io::ErrorKind::NotConnected => anyhow::anyhow!(
-            "{} is a dead mount (its process is gone); run `locus umount {}` first",
-            p.display(),
-            p.display()
-        ),
-        _ => anyhow::anyhow!("mountpoint {}: {e}", p.display()),
-    })?;
-    if !md.is_dir() {
-        bail!("mountpoint {} is not a directory", p.display());
-    }
-    if locus_fuse::is_mount_point(p) {
-        bail!(
-            "{} is busy: something is already mounted there (`locus umount {}` if it is ours)",
-            p.display(),
-            p.display()
-        );
-    }
-    if !Path::new("/dev/fuse").exists() {
-        bail!("FUSE is not available: /dev/fuse is missing (load the fuse module, or in a container pass --device /dev/fuse)");
-    }
-    Ok(())
-}
-
-/// A mountpoint with files in it would have them hidden for as long as the mount lasts.
-fn check_empty(p: &Path, nonempty: bool) -> anyhow::Result<()> {
-    let has = std::fs::read_dir(p)
-        .map(|mut d| d.next().is_some())
-        .unwrap_or(false);
-    if has && !nonempty {
-        bail!(
-            "mountpoint {} is not empty: the mount would hide its files until unmounted. Use an \
-             empty directory, or pass --nonempty to mount over them anyway",
-            p.display()
-        );
-    }
-    Ok(())
-}
-
-/// The local node's socket, asked for by name: it must be there and answer, or every read
-/// would silently go to remote replicas while the mount claimed to be local.
-fn check_node_socket(p: &Path) -> anyhow::Result<()> {
-    use std::os::unix::fs::FileTypeExt;
-    let md = std::fs::metadata(p).map_err(|e| {
-        anyhow::anyhow!(
-            "--node-socket {}: {e} (is the cache node running, with --local-socket {}?)",
-            p.display(),
-            p.display()
-        )
-    })?;
-    if !md.file_type().is_socket() {
-        bail!("--node-socket {} is not a socket", p.display());
-    }
-    std::os::unix::net::UnixStream::connect(p).map_err(|e| {
-        anyhow::anyhow!(
-            "--node-socket {}: nobody answers there ({e}); is the cache node running? \
-             (without --node-socket the mount reads from remote replicas only)",
-            p.display()
-        )
-    })?;
-    Ok(())
 }
 
 pub async fn run(a: MountArgs, cfg: &Resolved) -> anyhow::Result<()> {
@@ -318,70 +260,6 @@ pub async fn run(a: MountArgs, cfg: &Resolved) -> anyhow::Result<()> {
     }
 }
 
-/// Runs the mount in a detached child and waits for its first word.
-fn spawn_background(a: &MountArgs, mountpoint: &Path, token: Option<&str>) -> anyhow::Result<()> {
-    private_runtime_dir()?;
-    let log = match &a.log_file {
-        Some(p) => crate::absolute(p.clone()),
-        None => status_path(mountpoint).with_extension("log"),
-    };
-    if let Some(d) = log.parent() {
-        std::fs::create_dir_all(d).with_context(|| format!("cannot create {}", d.display()))?;
-    }
-    let log_file = std::fs::OpenOptions::new()
-        .create(true)
-        .append(true)
-        .open(&log)
-        .with_context(|| format!("cannot open log file {}", log.display()))?;
-    let start_len = log_file.metadata().map(|m| m.len()).unwrap_or(0);
-    let exe = std::env::current_exe().context("cannot find the locus executable")?;
-    // The token goes to the child in its environment, never in its argv, which every
-    // user of the host can read in the process list.
-    let mut args: Vec<std::ffi::OsString> = Vec::new();
-    let mut given = std::env::args_os().skip(1);
-    while let Some(arg) = given.next() {
-        let a = arg.to_string_lossy();
-        if a == "--token" || a == "--token-file" {
-            given.next();
-        } else if !(a.starts_with("--token=") || a.starts_with("--token-file=")) {
-            args.push(arg);
-        }
-    }
-    args.push("--notify-ready".into());
-    use std::os::unix::process::CommandExt;
-    let mut cmd = Command::new(exe);
-    if let Some(t) = token {
-        cmd.env("LOCUS_TOKEN", t).env_remove("LOCUS_TOKEN_FILE");
-    }
-    let mut child = cmd
-        .args(args)
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(log_file)
-        // Its own process group: the terminal's Ctrl-C is not for it.
-        .process_group(0)
-        .spawn()
-        .context("cannot start the mount process")?;
-    let out = child.stdout.take().expect("stdout is piped");
-    let mut line = String::new();
-    let _ = BufReader::new(out).read_line(&mut line);
-    if let Some(msg) = line.strip_prefix("ready ") {
-        print!("{msg}");
-        println!("  log: {}", log.display());
-        return Ok(());
-    }
-    let status = child.wait().context("waiting for the mount process")?;
-    let logged = std::fs::read(&log).unwrap_or_default();
-    let tail = String::from_utf8_lossy(&logged[(start_len as usize).min(logged.len())..]).into_owned();
-    let reason = tail
-        .lines()
-        .rev()
-        .find_map(|l| l.strip_prefix("error: "))
-        .map(str::to_string)
-        .unwrap_or_else(|| format!("the mount process exited ({status}); see {}", log.display()));
-    bail!("{reason}")
-}
-
 async fn serve(a: MountArgs, mountpoint: PathBuf, cfg: &Resolved) -> anyhow::Result<()> {
     let (dataset, mut version) = parse_target(&a.target)?;
     // A server taking over a live mount must serve the version the kernel has been
@@ -394,12 +272,14 @@ async fn serve(a: MountArgs, mountpoint: PathBuf, cfg: &Resolved) -> anyhow::Res
     let cache_bytes = size_arg("--cache-size", &a.cache_size)? as usize;
     let readahead = size_arg("--readahead", &a.readahead)?;
     let mut labels = crate::cmd::node::parse_labels(&a.labels)?;
+    let place_host = labels.remove("host").unwrap_or_else(crate::cmd::node::hostname);
     let place = Place {
-        host: labels.remove("host").unwrap_or_else(crate::cmd::node::hostname),
+        host: place_host.clone(),
         rack: labels.remove("rack"),
         zone: labels.remove("zone"),
     };
     let mut client = cfg.connect().await?;
+    let lease_client = client.clone();
     let cluster_id = client
         .get_cluster_info(locus_proto::pb::GetClusterInfoRequest {})
         .await
@@ -624,6 +504,8 @@ async fn serve(a: MountArgs, mountpoint: PathBuf, cfg: &Resolved) -> anyhow::Res
         Some(h) => h.ready(&msg)?,
         None => eprint!("{msg}"),
     }
+    let mut lease = lease::Lease::new(lease_client, &dataset, v.version, &place_host, &mountpoint);
+    lease.tick().await;
 
     let mut tick = tokio::time::interval(Duration::from_secs(2));
     let mut last_refresh = Instant::now();
@@ -650,6 +532,7 @@ async fn serve(a: MountArgs, mountpoint: PathBuf, cfg: &Resolved) -> anyhow::Res
                     break;
                 }
                 write_status();
+                lease.tick().await;
                 // Replica sets change with repair; a background refresh keeps the
                 // cheapest-first order right without touching the read path.
                 if last_refresh.elapsed() > Duration::from_secs(30) {
@@ -661,6 +544,9 @@ async fn serve(a: MountArgs, mountpoint: PathBuf, cfg: &Resolved) -> anyhow::Res
             }
         }
     }
+    // Before the status file goes: `locus umount` waits for that, so a script's
+    // `dataset rm` right after it finds the lease withdrawn.
+    lease.end().await;
     let _ = std::fs::remove_file(status_path(&mountpoint));
     Ok(())
 }
@@ -720,37 +606,6 @@ async fn serve_metrics(addr: &str, metrics: Arc<locus_fuse::metrics::Metrics>) -
     tokio::spawn(async move {
         let _ = axum::serve(listener, app).await;
     });
-    Ok(())
-}
-
-pub async fn umount(a: UmountArgs) -> anyhow::Result<()> {
-    let mp = crate::absolute(a.mountpoint);
-    if !locus_fuse::is_locus_mount(&mp) {
-        bail!("{} is not a Locus mount", mp.display());
-    }
-    // fusermount3 works for the user who mounted; plain umount for root.
-    let out = Command::new("fusermount3").arg("-u").arg(&mp).output();
-    let ok = matches!(&out, Ok(o) if o.status.success());
-    if !ok {
-        let o2 = Command::new("umount").arg(&mp).output();
-        if !matches!(&o2, Ok(o) if o.status.success()) {
-            let why = out
-                .ok()
-                .map(|o| String::from_utf8_lossy(&o.stderr).trim().to_string())
-                .unwrap_or_default();
-            bail!(
-                "cannot unmount {}: {why} (is a process still using it? `fuser -vm {}` shows which)",
-                mp.display(),
-                mp.display()
-            );
-        }
-    }
-    // The mount process notices and exits; wait briefly so a script can rmdir next.
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while status_path(&mp).exists() && Instant::now() < deadline {
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    println!("unmounted {}", mp.display());
     Ok(())
 }
 

@@ -14,13 +14,31 @@ use crate::output::{self, StatusExt};
 pub enum NodeCmd {
     /// Run a cache node on this host until SIGTERM or SIGINT: registers with the metadata
     /// service, stores verified blobs in the data dirs, serves peers, repairs and scrubs.
+    #[command(after_help = "\
+Examples:
+  # A node with 3.5 TiB of one NVMe, known to schedulers by its host and rack
+  locus node serve --id gpu-01 --data-dir /nvme/locus --capacity 3.5TiB --labels host=gpu-01,rack=r1 --local-socket /run/locus/node.sock
+  # Two nodes on one test host need distinct hosts for replicas to count
+  locus node serve --id n2 --data-dir /tmp/n2 --capacity 10GiB --labels host=n2 --listen 127.0.0.1:7501")]
     Serve(Box<ServeArgs>),
     /// List registered nodes with state, labels and space.
+    #[command(after_help = "\
+Examples:
+  # Every node: state, last heartbeat, space, labels
+  locus node list")]
     List,
     /// Move a node's replicas to other nodes before maintenance (placement then avoids
     /// it). `--undo` returns it to service.
+    #[command(after_help = "\
+Examples:
+  # Move gpu-07's replicas elsewhere before maintenance
+  locus node drain gpu-07
+  # Take it back into placement afterwards
+  locus node drain gpu-07 --undo")]
     Drain {
+        /// The node's id, as `locus node list` shows it.
         node: String,
+        /// End the drain: the node takes new replicas again.
         #[arg(long)]
         undo: bool,
     },
@@ -29,9 +47,14 @@ pub enum NodeCmd {
     /// replication from the other replicas) and its registration is deleted. Refused
     /// while the node is up, and while it holds the last replica of anything (nothing is
     /// changed then). A node that comes back later registers as new.
-    ///
-    /// Example: locus node rm gpu17
-    Rm { node: String },
+    #[command(after_help = "\
+Examples:
+  # Forget a node that is gone for good (refused while it is up or holds a last replica)
+  locus node rm gpu-07")]
+    Rm {
+        /// The node's id, as `locus node list` shows it.
+        node: String,
+    },
 }
 
 #[derive(Args, Debug)]
@@ -55,7 +78,13 @@ pub struct ServeArgs {
     #[arg(long, env = "LOCUS_NODE_RESERVE", value_name = "SIZE", default_value = "1GiB")]
     pub reserve: String,
     /// Topology labels: zone=…,rack=…,host=… (host defaults to the host name).
-    #[arg(long, env = "LOCUS_NODE_LABELS", value_name = "K=V,...", default_value = "")]
+    #[arg(
+        long,
+        env = "LOCUS_NODE_LABELS",
+        value_name = "K=V,...",
+        default_value = "",
+        hide_default_value = true
+    )]
     pub labels: String,
     /// Node API listen address.
     #[arg(
@@ -85,6 +114,8 @@ pub struct ServeArgs {
     /// training jobs run as [default: the node's own group].
     #[arg(long, value_name = "GROUP")]
     pub local_socket_group: Option<String>,
+    /// How often to tell the metadata service this node is alive, with its space and
+    /// counters; it declares the node down after its --liveness-timeout without one.
     #[arg(long, value_name = "DURATION", default_value = "2s")]
     pub heartbeat_interval: String,
     /// How often to re-read which blobs this node must hold.
@@ -134,11 +165,12 @@ pub struct ServeArgs {
     /// here is still checked, and also turns grant checks on.
     #[arg(long, env = "LOCUS_NODE_TOKENS_FILE", value_name = "FILE")]
     pub tokens_file: Option<PathBuf>,
-    #[command(flatten)]
-    pub tls: crate::config::ServerTlsArgs,
     /// Write the bound address (grpc=…) here once listening.
     #[arg(long, value_name = "FILE")]
     pub addr_file: Option<PathBuf>,
+    // Last: clap puts every option after a flattened group under its heading.
+    #[command(flatten)]
+    pub tls: crate::config::ServerTlsArgs,
 }
 
 pub async fn run(cmd: NodeCmd, cfg: &Resolved) -> anyhow::Result<()> {

@@ -24,8 +24,20 @@ pub const FEATURE_PREFIX: &str = "locus_";
 #[derive(Subcommand, Debug)]
 pub enum SlurmCmd {
     /// Set each node's locus_<dataset>_<version> features from what it holds.
+    #[command(after_help = "\
+Examples:
+  # Tag nodes that hold 90% of imagenet@3 with a Slurm feature
+  locus slurm features imagenet@3
+  # See what would change, without calling scontrol
+  locus slurm features imagenet@3 --threshold 0.5 --dry-run")]
     Features(FeaturesArgs),
     /// The best nodes for a dataset version as a Slurm hostlist expression.
+    #[command(after_help = "\
+Examples:
+  # The 4 best nodes for a job, as a hostlist for sbatch
+  sbatch --nodelist=$(locus slurm nodelist imagenet@3 -N 4) train.sh
+  # The same, printed
+  locus slurm nodelist imagenet@3 -N 4")]
     Nodelist(NodelistArgs),
 }
 

@@ -20,6 +20,10 @@ use rcgen::{
 pub enum TlsCmd {
     /// Create the cluster CA: DIR/ca.pem (give it to every host) and DIR/ca.key (keep it
     /// offline; it signs certificates only).
+    #[command(after_help = "\
+Examples:
+  # The cluster CA, once
+  locus tls ca --dir /etc/locus/ca")]
     Ca {
         /// Directory to write ca.pem and ca.key into (created if missing).
         #[arg(long, value_name = "DIR")]
@@ -30,6 +34,12 @@ pub enum TlsCmd {
     },
     /// Issue a certificate for a host's daemon, signed by the CA: OUT/NAME.pem and
     /// OUT/NAME.key, for --tls-cert/--tls-key (and as a client certificate).
+    #[command(after_help = "\
+Examples:
+  # The metadata service's certificate, for its names and address
+  locus tls cert --ca-dir /etc/locus/ca --name meta --host meta.example,10.0.0.5
+  # A node's
+  locus tls cert --ca-dir /etc/locus/ca --name gpu-01 --host gpu-01.example --out /etc/locus/gpu-01")]
     Cert {
         /// Directory holding ca.pem and ca.key.
         #[arg(long, value_name = "DIR")]

@@ -64,6 +64,8 @@ pub struct ImportReport {
     pub distinct_blobs: usize,
     pub uploaded_bytes: u64,
     pub skipped_bytes: u64,
+    /// Paths in the source a version cannot hold (FIFOs, sockets, devices): not imported.
+    pub left_out: Vec<String>,
     pub hash_time: Duration,
     pub upload_time: Duration,
     pub total_time: Duration,
@@ -275,6 +277,7 @@ async fn import_remote(
         distinct_blobs: scanned.blobs.len(),
         uploaded_bytes: total * u64::from(o.replicas),
         skipped_bytes: 0,
+        left_out: Vec::new(),
         hash_time: took,
         upload_time: took,
         total_time: took,
@@ -452,6 +455,7 @@ pub async fn commit_scanned(
         distinct_blobs: scanned.blobs.len(),
         uploaded_bytes: uploaded,
         skipped_bytes: skipped,
+        left_out: scanned.left_out.clone(),
         hash_time,
         upload_time,
         total_time: started.elapsed(),
@@ -510,11 +514,43 @@ async fn import_into_session(
             v.extend(scanned.shard_blobs[*shard as usize].iter().copied());
         }
     }
+    // One progress line from the first question to the nodes on: a node that stops
+    // answering then shows as a stall, whichever step it stops in. Bytes the nodes hold
+    // already count as done.
+    let per_node: Vec<(String, Vec<BlobHash>)> = per_node
+        .into_iter()
+        .map(|(n, mut b)| {
+            b.sort();
+            b.dedup();
+            (n, b)
+        })
+        .collect();
+    let all: u64 = per_node
+        .iter()
+        .flat_map(|(_, b)| b.iter().map(|h| scanned.blobs[h].1))
+        .sum();
+    let done = obs.start(SENDING, all);
+    let sent = send_missing(o, remote, cluster, scanned, per_node, &done).await;
+    obs.end(SENDING);
+    let (total, skipped, upload_time) = sent?;
+    Ok((placement, total, skipped, upload_time))
+}
+
+const SENDING: &str = "sending to nodes";
+
+/// Asks each node which of its blobs it lacks and sends those, a bounded number at a
+/// time. Returns the bytes sent, the bytes already there and the time the sending took.
+async fn send_missing(
+    o: &ImportOptions,
+    remote: Option<Arc<dyn object_store::ObjectStore>>,
+    cluster: &Arc<dyn ImportCluster>,
+    scanned: &Scanned,
+    per_node: Vec<(String, Vec<BlobHash>)>,
+    done: &Arc<std::sync::atomic::AtomicU64>,
+) -> Result<(u64, u64, Duration)> {
     let mut todo: Vec<(String, BlobHash)> = Vec::new();
     let mut skipped = 0u64;
-    for (node, mut blobs) in per_node {
-        blobs.sort();
-        blobs.dedup();
+    for (node, blobs) in per_node {
         let have = cluster
             .have(&node, blobs.clone())
             .await
@@ -527,10 +563,9 @@ async fn import_into_session(
             }
         }
     }
+    done.fetch_add(skipped, std::sync::atomic::Ordering::Relaxed);
 
-    // Send what is missing, a bounded number of blobs at a time.
     let total: u64 = todo.iter().map(|(_, h)| scanned.blobs[h].1).sum();
-    let done = obs.start("uploading", total);
     let upload_started = Instant::now();
     let mut set: JoinSet<Result<()>> = JoinSet::new();
     let mut pending = todo.into_iter();
@@ -562,14 +597,12 @@ async fn import_into_session(
                     .and_then(|x| x);
                 if let Err(e) = r {
                     set.abort_all();
-                    obs.end("uploading");
                     return Err(e);
                 }
             }
         }
     }
-    obs.end("uploading");
-    Ok((placement, total, skipped, upload_started.elapsed()))
+    Ok((total, skipped, upload_started.elapsed()))
 }
 
 /// For each shard, the nodes that already hold its blobs as replicas, most bytes first,

@@ -169,6 +169,7 @@ pub async fn read_version(
         shards: std::mem::take(&mut v.shards),
         blobs,
         shard_blobs,
+        left_out: Vec::new(),
     };
     Ok((v, scanned))
 }

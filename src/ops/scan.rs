@@ -40,6 +40,8 @@ pub struct Scanned {
     pub blobs: HashMap<BlobHash, (BlobSource, u64)>,
     /// For each shard, its distinct blobs.
     pub shard_blobs: Vec<Vec<BlobHash>>,
+    /// What the source held that a version cannot: FIFOs, sockets, devices (paths).
+    pub left_out: Vec<String>,
 }
 
 /// One entry found in a source, before hashing.
@@ -71,7 +73,8 @@ pub fn scan_dir_parallel(
 ) -> Result<Scanned> {
     use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
     let mut found = Vec::new();
-    walk(root, "", &mut found)?;
+    let mut left_out = Vec::new();
+    walk(root, "", &mut found, &mut left_out)?;
     found.sort_by(|a, b| a.rel.cmp(&b.rel));
     let files_idx: Vec<usize> = (0..found.len())
         .filter(|i| matches!(found[*i].kind, FoundKind::File(_)))
@@ -107,7 +110,9 @@ pub fn scan_dir_parallel(
         .into_iter()
         .map(|m| m.into_inner().expect("threads joined"))
         .collect();
-    assemble(found, hashes, shard_size)
+    let mut scanned = assemble(found, hashes, shard_size)?;
+    scanned.left_out = left_out;
+    Ok(scanned)
 }
 
 /// Turns sorted found entries and their hashes (`Some` for every file) into a manifest
@@ -196,10 +201,11 @@ pub fn assemble(found: Vec<Found>, hashes: Vec<Option<FileHashes>>, shard_size: 
         shards,
         blobs,
         shard_blobs,
+        left_out: Vec::new(),
     })
 }
 
-fn walk(root: &Path, rel: &str, out: &mut Vec<Found>) -> Result<()> {
+fn walk(root: &Path, rel: &str, out: &mut Vec<Found>, left_out: &mut Vec<String>) -> Result<()> {
     let dir = if rel.is_empty() {
         root.to_path_buf()
     } else {
@@ -240,6 +246,7 @@ fn walk(root: &Path, rel: &str, out: &mut Vec<Found>) -> Result<()> {
                 "skipping {}: not a file, directory or symlink",
                 e.path().display()
             );
+            left_out.push(child);
             continue;
         };
         let is_dir = matches!(kind, FoundKind::Dir);
@@ -250,7 +257,7 @@ fn walk(root: &Path, rel: &str, out: &mut Vec<Found>) -> Result<()> {
             mtime_ns: meta.mtime() * 1_000_000_000 + meta.mtime_nsec(),
         });
         if is_dir {
-            walk(root, &child, out)?;
+            walk(root, &child, out, left_out)?;
         }
     }
     Ok(())
