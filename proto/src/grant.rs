@@ -67,7 +67,7 @@ impl Op {
         match self {
             Op::Import => matches!(
                 method,
-                "WriteBlob" | "HaveBlobs" | "FetchBlobs" | "ImportObject" | "GetNodeStatus"
+                "WriteBlob" | "WriteBlobs" | "HaveBlobs" | "FetchBlobs" | "ImportObject" | "GetNodeStatus"
             ),
             Op::Backup => matches!(method, "UploadBlobs" | "HaveBlobs" | "GetNodeStatus"),
             Op::Read => matches!(method, "ReadBlob" | "HaveBlobs" | "GetNodeStatus"),
@@ -420,12 +420,21 @@ async fn issue(
         Op::Read => MAX_TTL,
         _ => DEFAULT_TTL,
     });
-    let ask = meta.issue_grant(crate::pb::IssueGrantRequest {
+    let req = crate::pb::IssueGrantRequest {
         node: node.clone(),
         operation: op.as_str().to_string(),
         target: target.clone(),
         ttl_ms: ttl.as_millis() as u64,
-    });
+    };
+    let ask = async {
+        match meta.issue_grant(req.clone()).await {
+            // The connection was closed under the call: its keep-alive went unanswered
+            // while the service was paused, and the close raced this first call after.
+            // The channel connects afresh for the next call; asking again is harmless.
+            Err(s) if s.code() == tonic::Code::Cancelled => meta.issue_grant(req).await,
+            r => r,
+        }
+    };
     match tokio::time::timeout(RENEW_TIMEOUT, ask).await {
         Ok(Ok(r)) => {
             let r = r.into_inner();
