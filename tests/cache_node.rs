@@ -11,7 +11,7 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::path::Path;
 use std::time::Duration;
 
-use locus_proto::{nodepb, pb};
+use locus_proto::{nodepb, pb, BlobHash};
 use support::*;
 use tokio_stream::StreamExt;
 
@@ -1652,4 +1652,90 @@ async fn a_peer_streaming_endlessly_is_cut_off_at_what_was_asked() {
     let sent = peer.sent.load(std::sync::atomic::Ordering::SeqCst);
     assert!(sent < 64, "the node kept taking: {sent} MiB");
     assert!(nodes[0].blob_files().is_empty());
+}
+
+/// `WriteBlobs`: small blobs stored in one group commit, acknowledged only once durable
+/// (a kill -9 right after the answer loses none); a blob whose bytes do not match its
+/// name fails the whole call and none of the batch becomes visible.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_of_small_blobs_is_stored_together_and_a_bad_one_fails_it_whole() {
+    let h = Harness::new("write-blobs");
+    let (_m, mut nodes) = cluster(&h, 1, NodeOpts::host).await;
+    let blob = |i: usize| format!("small file number {i}, a few bytes").into_bytes();
+    let req = |range: std::ops::Range<usize>| nodepb::WriteBlobsRequest {
+        blobs: range
+            .map(|i| nodepb::SmallBlob {
+                hash: blake3::hash(&blob(i)).as_bytes().to_vec(),
+                data: blob(i),
+            })
+            .collect(),
+        chunk_size: 0,
+        pin: true,
+    };
+    let mut c = nodes[0].client().await;
+    let r = c.write_blobs(req(0..100)).await.unwrap().into_inner();
+    assert_eq!((r.stored, r.already_present), (100, 0));
+    let r = c.write_blobs(req(50..150)).await.unwrap().into_inner();
+    assert_eq!(
+        (r.stored, r.already_present),
+        (50, 50),
+        "held ones are not written again"
+    );
+
+    // One bad blob in a batch: refused by name, and nothing of the batch is visible.
+    let mut bad = req(200..210);
+    let wrong = blake3::hash(b"what the name claims").as_bytes().to_vec();
+    bad.blobs.push(nodepb::SmallBlob {
+        hash: wrong.clone(),
+        data: b"other bytes".to_vec(),
+    });
+    let e = c.write_blobs(bad).await.unwrap_err();
+    assert_eq!(e.code(), tonic::Code::InvalidArgument, "{e:?}");
+    assert!(
+        e.message()
+            .contains(&BlobHash::from_slice("h", &wrong).unwrap().to_string()),
+        "{}",
+        e.message()
+    );
+    let have = c
+        .have_blobs(nodepb::HaveBlobsRequest {
+            hashes: (200..210)
+                .map(|i| blake3::hash(&blob(i)).as_bytes().to_vec())
+                .collect(),
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .present;
+    assert!(
+        have.iter().all(|p| !p),
+        "none of the failed batch is visible: {have:?}"
+    );
+    assert_eq!(
+        std::fs::read_dir(nodes[0].data_dir.join("tmp")).unwrap().count(),
+        0
+    );
+    // Too large for a batch: refused, saying which call takes it.
+    let big = vec![3u8; 2 << 20];
+    let e = c
+        .write_blobs(nodepb::WriteBlobsRequest {
+            blobs: vec![nodepb::SmallBlob {
+                hash: blake3::hash(&big).as_bytes().to_vec(),
+                data: big,
+            }],
+            chunk_size: 0,
+            pin: true,
+        })
+        .await
+        .unwrap_err();
+    assert!(e.message().contains("WriteBlob takes any"), "{}", e.message());
+
+    // Acknowledged means durable: kill -9, restart, every blob is there and reads back.
+    nodes[0].daemon.kill9();
+    nodes[0].restart().await;
+    let mut c = nodes[0].client().await;
+    for i in 0..150 {
+        let got = read_all(&mut c, blake3::hash(&blob(i)).as_bytes()).await.unwrap();
+        assert_eq!(got, blob(i));
+    }
 }

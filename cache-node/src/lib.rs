@@ -85,7 +85,7 @@ pub fn required_access(method: &str) -> Option<locus_proto::auth::Access> {
     use locus_proto::auth::Access;
     match method {
         "ReadBlob" | "HaveBlobs" | "GetNodeStatus" | "EnsureLocal" | "LocalPaths" | "WriteBlob"
-        | "FetchBlobs" | "FetchChunks" | "UploadBlobs" | "ImportObject" => Some(Access::Grant),
+        | "WriteBlobs" | "FetchBlobs" | "FetchChunks" | "UploadBlobs" | "ImportObject" => Some(Access::Grant),
         _ => None,
     }
 }
@@ -478,21 +478,38 @@ pub async fn serve(
     if !cfg.require_grants && !cfg.listen.ip().is_loopback() && !cfg.insecure {
         return Err(NodeError::InsecureBind(cfg.listen));
     }
+    let opening = std::time::Instant::now();
     let (store, rep) = BlobStore::open(cfg.store.clone())?;
     tracing::info!(
         indexed = rep.indexed,
-        missing = rep.missing,
-        adopted = rep.adopted,
         quarantined = rep.quarantined,
         tmp_removed = rep.tmp_removed,
-        "blob store opened"
+        "blob store opened in {:.2}s",
+        opening.elapsed().as_secs_f64()
     );
-    if rep.missing > 0 {
-        tracing::warn!(
-            missing = rep.missing,
-            "blobs in the index were missing on disk; pin sync will refetch pinned ones"
-        );
-    }
+    // The walk of the blob directories runs beside serving (store::BlobStore::check_dirs).
+    let checking = store.clone();
+    tokio::task::spawn_blocking(move || {
+        let started = std::time::Instant::now();
+        match checking.check_dirs() {
+            Ok(rep) => {
+                tracing::info!(
+                    missing = rep.missing,
+                    adopted = rep.adopted,
+                    quarantined = rep.quarantined,
+                    "blob directories checked against the index in {:.1}s",
+                    started.elapsed().as_secs_f64()
+                );
+                if rep.missing > 0 {
+                    tracing::warn!(
+                        missing = rep.missing,
+                        "blobs in the index were missing on disk; pin sync will refetch pinned ones"
+                    );
+                }
+            }
+            Err(e) => tracing::warn!("cannot check the blob directories against the index: {e}"),
+        }
+    });
     let listener = bind(cfg.listen)?;
     let bound = listener.local_addr().map_err(|e| NodeError::Bind {
         addr: cfg.listen.to_string(),
@@ -643,7 +660,7 @@ pub async fn serve(
             .and_then(|_| std::fs::rename(&tmp, path))
             .map_err(|e| NodeError::Config(format!("cannot write {}: {e}", path.display())))?;
     }
-    tracing::info!(node = %cfg.id, %bound, %advertise, "cache node listening");
+    tracing::info!(node = %cfg.id, %bound, %advertise, "cache node ready");
 
     let agent = agent::Agent::new(
         cfg.clone(),

@@ -143,6 +143,14 @@ impl Metrics {
             .inc();
     }
 
+    /// `blobs` blobs of `bytes` in all written by one group commit.
+    pub fn wrote_many(&self, kind: &str, blobs: u64, bytes: u64) {
+        self.written_bytes.inc_by(bytes);
+        self.blobs_written
+            .get_or_create(&KindLabel { kind: kind.into() })
+            .inc_by(blobs);
+    }
+
     /// A blob assembled chunk by chunk became complete (its bytes were counted as they came).
     pub fn completed(&self, kind: &str) {
         self.blobs_written

@@ -16,6 +16,7 @@ use tonic::{Request, Response, Status, Streaming};
 
 use crate::store::{BlobStore, StoreError};
 
+mod small;
 mod streams;
 use crate::transfer::{fetch_from_peer, next_within, open_read, Sink};
 use crate::Peers;
@@ -240,6 +241,13 @@ impl Node for NodeService {
         })?;
         self.metrics.wrote("client", size);
         Ok(Response::new(nodepb::WriteBlobResponse { stored: true }))
+    }
+
+    async fn write_blobs(
+        &self,
+        req: Request<nodepb::WriteBlobsRequest>,
+    ) -> Result<Response<nodepb::WriteBlobsResponse>, Status> {
+        self.write_small(req.into_inner()).await.map(Response::new)
     }
 
     async fn have_blobs(

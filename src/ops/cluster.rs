@@ -60,6 +60,16 @@ pub trait ImportCluster: Send + Sync {
     fn have<'a>(&'a self, node: &'a str, blobs: Vec<BlobHash>) -> BoxFuture<'a, Result<Vec<bool>, String>>;
     /// Stores one blob on the node (which verifies it).
     fn send<'a>(&'a self, node: &'a str, blob: Upload) -> BoxFuture<'a, Result<(), String>>;
+    /// Stores many small local blobs on the node in one group commit (each verified).
+    /// Clusters without one send them one by one.
+    fn send_small<'a>(&'a self, node: &'a str, blobs: Vec<Upload>) -> BoxFuture<'a, Result<(), String>> {
+        Box::pin(async move {
+            for b in blobs {
+                self.send(node, b).await?;
+            }
+            Ok(())
+        })
+    }
     /// The files of the dataset's latest version; empty when it has none.
     fn previous<'a>(&'a self, dataset: &'a str) -> BoxFuture<'a, Result<Vec<PreviousFile>, tonic::Status>>;
     /// Has `node` read one file of the version's origin itself and store it (pinned); the
@@ -357,6 +367,58 @@ impl ImportCluster for GrpcCluster {
                 .await
                 .map_err(|_| format!("node {node}: no answer within {}s", limit.as_secs()))?
                 .map_err(|s| format!("node {node} copying from {from}: {}", super::status_sentence(&s)))?;
+            Ok(())
+        })
+    }
+
+    fn send_small<'a>(&'a self, node: &'a str, blobs: Vec<Upload>) -> BoxFuture<'a, Result<(), String>> {
+        Box::pin(async move {
+            let (mut c, _) = self.node(node, Op::Import, "").await?;
+            let mut req = nodepb::WriteBlobsRequest {
+                blobs: Vec::with_capacity(blobs.len()),
+                chunk_size: blobs.first().map_or(0, |b| b.chunk_size),
+                pin: true,
+            };
+            for b in &blobs {
+                let BlobSource::Local(path) = &b.source else {
+                    return Err(format!(
+                        "{} is not a local file; WriteBlobs takes local files",
+                        b.source
+                    ));
+                };
+                let data = tokio::fs::read(path)
+                    .await
+                    .map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+                if data.len() as u64 != b.size {
+                    return Err(format!(
+                        "{} changed size during the import ({} bytes, {} when hashed); rerun it",
+                        path.display(),
+                        data.len(),
+                        b.size
+                    ));
+                }
+                req.blobs.push(nodepb::SmallBlob {
+                    hash: b.hash.0.to_vec(),
+                    data,
+                });
+            }
+            // One message: the node answers once all are durable, so the wait is bounded
+            // by the idle timeout as a whole call.
+            let idle = locus_proto::net::peer_idle_setting().unwrap_or(Duration::from_secs(60));
+            match tokio::time::timeout(idle, c.write_blobs(req)).await {
+                Ok(Ok(_)) => {}
+                Ok(Err(s)) => return Err(format!("node {node}: {}", s.message())),
+                Err(_) => {
+                    return Err(format!(
+                    "node {node} did not answer a batch of {} small files within {}s (LOCUS_PEER_TIMEOUT)",
+                    blobs.len(),
+                    idle.as_secs()
+                ))
+                }
+            }
+            for b in &blobs {
+                b.done.fetch_add(b.size, Ordering::Relaxed);
+            }
             Ok(())
         })
     }

@@ -529,80 +529,11 @@ async fn import_into_session(
         .iter()
         .flat_map(|(_, b)| b.iter().map(|h| scanned.blobs[h].1))
         .sum();
-    let done = obs.start(SENDING, all);
-    let sent = send_missing(o, remote, cluster, scanned, per_node, &done).await;
-    obs.end(SENDING);
+    let done = obs.start(send::SENDING, all);
+    let sent = send::send_missing(o, remote, cluster, scanned, per_node, &done).await;
+    obs.end(send::SENDING);
     let (total, skipped, upload_time) = sent?;
     Ok((placement, total, skipped, upload_time))
-}
-
-const SENDING: &str = "sending to nodes";
-
-/// Asks each node which of its blobs it lacks and sends those, a bounded number at a
-/// time. Returns the bytes sent, the bytes already there and the time the sending took.
-async fn send_missing(
-    o: &ImportOptions,
-    remote: Option<Arc<dyn object_store::ObjectStore>>,
-    cluster: &Arc<dyn ImportCluster>,
-    scanned: &Scanned,
-    per_node: Vec<(String, Vec<BlobHash>)>,
-    done: &Arc<std::sync::atomic::AtomicU64>,
-) -> Result<(u64, u64, Duration)> {
-    let mut todo: Vec<(String, BlobHash)> = Vec::new();
-    let mut skipped = 0u64;
-    for (node, blobs) in per_node {
-        let have = cluster
-            .have(&node, blobs.clone())
-            .await
-            .map_err(ImportError::Transfer)?;
-        for (h, here) in blobs.iter().zip(have) {
-            if here {
-                skipped += scanned.blobs[h].1;
-            } else {
-                todo.push((node.clone(), *h));
-            }
-        }
-    }
-    done.fetch_add(skipped, std::sync::atomic::Ordering::Relaxed);
-
-    let total: u64 = todo.iter().map(|(_, h)| scanned.blobs[h].1).sum();
-    let upload_started = Instant::now();
-    let mut set: JoinSet<Result<()>> = JoinSet::new();
-    let mut pending = todo.into_iter();
-    loop {
-        while set.len() < o.parallel.max(1) {
-            let Some((node, h)) = pending.next() else { break };
-            let (source, size) = scanned.blobs[&h].clone();
-            let upload = Upload {
-                hash: h,
-                size,
-                chunk_size: o.chunk_size,
-                source: source.clone(),
-                store: remote.clone(),
-                done: done.clone(),
-            };
-            let cluster = cluster.clone();
-            set.spawn(async move {
-                cluster
-                    .send(&node, upload)
-                    .await
-                    .map_err(|e| ImportError::Transfer(format!("sending {source} to node {node}: {e}")))
-            });
-        }
-        match set.join_next().await {
-            None => break,
-            Some(r) => {
-                let r = r
-                    .map_err(|e| ImportError::Transfer(format!("upload task failed: {e}")))
-                    .and_then(|x| x);
-                if let Err(e) = r {
-                    set.abort_all();
-                    return Err(e);
-                }
-            }
-        }
-    }
-    Ok((total, skipped, upload_started.elapsed()))
 }
 
 /// For each shard, the nodes that already hold its blobs as replicas, most bytes first,
@@ -685,6 +616,7 @@ async fn previous_holders(
 }
 
 mod pull;
+mod send;
 
 #[cfg(test)]
 mod tests;

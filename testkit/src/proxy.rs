@@ -188,6 +188,12 @@ impl locus_proto::nodepb::node_server::Node for Endless {
     ) -> Res<locus_proto::nodepb::WriteBlobResponse> {
         unimplemented()
     }
+    async fn write_blobs(
+        &self,
+        _r: tonic::Request<locus_proto::nodepb::WriteBlobsRequest>,
+    ) -> Res<locus_proto::nodepb::WriteBlobsResponse> {
+        unimplemented()
+    }
     async fn have_blobs(
         &self,
         _r: tonic::Request<locus_proto::nodepb::HaveBlobsRequest>,

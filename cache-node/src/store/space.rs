@@ -169,6 +169,18 @@ pub(super) struct Reservation {
 const GROW_STEP: u64 = 16 << 20;
 
 impl Reservation {
+    /// Moves what this reservation holds into a new one, leaving this one empty (a write
+    /// handing its space on to the batch that commits it).
+    pub(super) fn take(&mut self) -> Reservation {
+        Reservation {
+            store: self.store.clone(),
+            size: std::mem::take(&mut self.size),
+            dir: self.dir,
+        }
+    }
+}
+
+impl Reservation {
     /// Holds at least `total` bytes (at most `cap`, the announced size), reserving in
     /// steps ahead of it; `written` of them are on disk already.
     pub(super) fn grow_to(&mut self, written: u64, total: u64, cap: u64) -> Result<(), StoreError> {

@@ -269,6 +269,29 @@ impl BlobWriter {
 
     /// `finish`, saying what was stored.
     pub fn finish_stored(mut self) -> Result<Stored, StoreError> {
+        let (got, chunks, file) = match self.verify()? {
+            Verified::Here(stored) => return Ok(stored),
+            Verified::Written { got, chunks, file } => (got, chunks, file),
+        };
+        file.sync_all().map_err(io)?;
+        drop(file);
+        let dest = self.store.blob_path_in(self.dir, &got);
+        let parent = dest.parent().expect("blob paths have a parent");
+        fs::create_dir_all(parent).map_err(io)?;
+        fs::rename(&self.tmp, &dest).map_err(io)?;
+        fsync_dir(parent)?;
+        let rec = self.record(&chunks, &dest);
+        self.store.insert(got, rec)?;
+        Ok(Stored {
+            hash: got,
+            chunks,
+            already_present: false,
+        })
+    }
+
+    /// Checks what arrived: the announced size, and the name it must hash to. A blob
+    /// named only now that the store holds already is dropped here (and pinned if asked).
+    pub(super) fn verify(&mut self) -> Result<Verified, StoreError> {
         if self.hasher.size() != self.size {
             // Not how many arrived: for a write the node fills from an origin that would
             // tell the caller the size of a file it may not read.
@@ -292,11 +315,11 @@ impl BlobWriter {
                 if self.pin {
                     self.store.set_pinned(&got, true)?;
                 }
-                return Ok(Stored {
+                return Ok(Verified::Here(Stored {
                     hash: got,
                     chunks,
                     already_present: true,
-                });
+                }));
             }
             _ => {}
         }
@@ -306,28 +329,63 @@ impl BlobWriter {
             .expect("open until finish")
             .finish()
             .map_err(io)?;
-        file.sync_all().map_err(io)?;
-        drop(file);
-        let dest = self.store.blob_path_in(self.dir, &got);
-        let parent = dest.parent().expect("blob paths have a parent");
-        fs::create_dir_all(parent).map_err(io)?;
-        fs::rename(&self.tmp, &dest).map_err(io)?;
-        fsync_dir(parent)?;
-        let mut rec = BlobRecord::complete(self.size, self.dir, self.pin, self.chunk_size, &chunks);
+        Ok(Verified::Written { got, chunks, file })
+    }
+
+    /// The index record of the blob now at `dest`.
+    fn record(&self, chunks: &[BlobHash], dest: &std::path::Path) -> BlobRecord {
+        let mut rec = BlobRecord::complete(self.size, self.dir, self.pin, self.chunk_size, chunks);
         // The bytes were hashed on the way in, so the first `verified_path` after an
         // import or a copy from a peer need not read the file whole again (what made a
         // cold passthrough open of a large file cost a full read before the kernel's
         // own). The stamp is taken after the rename, which changes the ctime; a write by
         // someone else between the fsync and this stamp, microseconds apart, would go
         // unnoticed until the scrub.
-        rec.verified = stamp(&dest).ok().map(Into::into);
-        self.store.insert(got, rec)?;
-        Ok(Stored {
-            hash: got,
+        rec.verified = stamp(dest).ok().map(Into::into);
+        rec
+    }
+}
+
+impl BlobWriter {
+    /// Verifies the blob like `finish`, but leaves it unsynced and unpublished: one of a
+    /// batch that `BlobStore::commit_batch` makes durable and visible at once.
+    pub fn finish_staged(mut self) -> Result<super::batch::Staged, StoreError> {
+        let (hash, chunks, tmp, reservation) = match self.verify()? {
+            Verified::Here(s) => (s.hash, s.chunks, None, None),
+            Verified::Written { got, chunks, file } => {
+                drop(file);
+                // The batch owns the file and the space now (this writer's drop
+                // removes a file only while it still holds it open).
+                (
+                    got,
+                    chunks,
+                    Some(std::mem::take(&mut self.tmp)),
+                    Some(self.reservation.take()),
+                )
+            }
+        };
+        Ok(super::batch::Staged {
+            hash,
             chunks,
-            already_present: false,
+            size: self.size,
+            chunk_size: self.chunk_size,
+            pin: self.pin,
+            dir: self.dir,
+            tmp,
+            _reservation: reservation,
         })
     }
+}
+
+pub(super) enum Verified {
+    /// The store had it already.
+    Here(Stored),
+    /// Verified, written to its temporary file, not synced.
+    Written {
+        got: BlobHash,
+        chunks: Vec<BlobHash>,
+        file: File,
+    },
 }
 
 impl Drop for BlobWriter {
