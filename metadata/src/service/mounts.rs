@@ -51,6 +51,28 @@ impl MetadataService {
         })
     }
 
+    /// How many live mounts serve what a delete of `name` (one version, or all) would
+    /// remove, and the refusal when there are some and the caller did not force it.
+    fn unmounted(
+        &self,
+        name: &DatasetName,
+        version: Option<u64>,
+        target: &str,
+        force: bool,
+    ) -> (usize, Result<(), crate::CatalogError>) {
+        let live = self.mounts.live(name.as_str(), version, Instant::now());
+        let r = if live.is_empty() || force {
+            Ok(())
+        } else {
+            Err(crate::CatalogError::Precondition(busy_message(
+                target,
+                &live,
+                name.as_str(),
+            )))
+        };
+        (live.len(), r)
+    }
+
     pub(super) async fn remove_version(
         &self,
         p: Principal,
@@ -63,22 +85,14 @@ impl MetadataService {
             ));
         }
         let target = format!("{name}@{}", q.version);
-        let live = self.mounts.live(name.as_str(), Some(q.version), Instant::now());
-        let r = if !live.is_empty() && !q.force {
-            Err(crate::CatalogError::Precondition(busy_message(
-                &target,
-                &live,
-                name.as_str(),
-            )))
-        } else {
-            self.run(move |c| c.delete_version(&name, q.version)).await
+        let (mounts, free) = self.unmounted(&name, Some(q.version), &target, q.force);
+        let r = match free {
+            Ok(()) => self.run(move |c| c.delete_version(&name, q.version)).await,
+            Err(e) => Err(e),
         };
-        self.audit(&p, "version.delete", &target, &r, |_| {
-            if live.is_empty() {
-                "deleted".into()
-            } else {
-                format!("deleted, forced past {} mounts", live.len())
-            }
+        self.audit(&p, "version.delete", &target, &r, |_| match mounts {
+            0 => "deleted".into(),
+            n => format!("deleted, forced past {n} mounts"),
         });
         r.map_err(to_status)?;
         tracing::info!(%target, who = %p.name, "version deleted");
@@ -92,15 +106,10 @@ impl MetadataService {
     ) -> Result<u64, Status> {
         let name = DatasetName::try_from(q.name)?;
         let target = name.to_string();
-        let live = self.mounts.live(name.as_str(), None, Instant::now());
-        let r = if !live.is_empty() && !q.force {
-            Err(crate::CatalogError::Precondition(busy_message(
-                &target,
-                &live,
-                name.as_str(),
-            )))
-        } else {
-            self.run(move |c| c.delete_dataset(&name)).await
+        let (_, free) = self.unmounted(&name, None, &target, q.force);
+        let r = match free {
+            Ok(()) => self.run(move |c| c.delete_dataset(&name)).await,
+            Err(e) => Err(e),
         };
         self.audit(&p, "dataset.delete", &target, &r, |n| {
             format!("{n} versions deleted")
