@@ -200,7 +200,7 @@ impl BlobStore {
             None => format!("unnamed.{tick}"),
         };
         let tmp = self.cfg.dirs[dir as usize].join("tmp").join(name);
-        let file = super::direct::BlobFile::create(&tmp).map_err(io)?;
+        let file = super::direct::BlobFile::create(&tmp, size).map_err(io)?;
         Ok(BlobWriter {
             store: self.clone(),
             hash,
