@@ -918,3 +918,45 @@ async fn a_service_whose_chosen_port_is_taken_before_it_listens_starts_on_new_po
         .await
         .expect("it answers on its new port");
 }
+
+/// A daemon says when it is ready, with its addresses, at the default log level (no
+/// RUST_LOG): `locus node serve` logged only warnings, so its log stayed empty.
+#[tokio::test]
+async fn a_node_logs_a_ready_line_with_its_address_by_default() {
+    let h = Harness::new("node-ready");
+    let m = h.start_metadata("meta", MetadataOpts::default()).await;
+    let dir = h.path("n1");
+    let log = std::fs::File::create(h.path("n1.log")).unwrap();
+    let mut child = std::process::Command::new(locus())
+        .args(["--metadata", &m.url(), "node", "serve", "--id", "n1", "--capacity", "1GiB"])
+        .arg("--data-dir")
+        .arg(dir.join("data"))
+        .args(["--listen", "127.0.0.1:0", "--http-listen", "127.0.0.1:0"])
+        .arg("--addr-file")
+        .arg(dir.join("addr"))
+        .env_remove("RUST_LOG")
+        .env_remove("LOCUS_CONFIG")
+        .stderr(log)
+        .spawn()
+        .unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    let text = loop {
+        let text = std::fs::read_to_string(h.path("n1.log")).unwrap_or_default();
+        if text.contains("cache node ready") || std::time::Instant::now() > deadline {
+            break text;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    };
+    let _ = child.kill();
+    let _ = child.wait();
+    let addr = std::fs::read_to_string(dir.join("addr")).unwrap_or_default();
+    let grpc = addr
+        .lines()
+        .find_map(|l| l.strip_prefix("grpc="))
+        .unwrap_or_else(|| panic!("no address file: {addr:?}"));
+    let ready = text
+        .lines()
+        .find(|l| l.contains("cache node ready"))
+        .unwrap_or_else(|| panic!("no ready line: {text}"));
+    assert!(ready.contains(grpc.trim()), "the ready line names {grpc}: {ready}");
+}

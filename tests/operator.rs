@@ -456,3 +456,35 @@ async fn silent_or_wrong_output_now_says_what_happened() {
     let out = m.cli_env(&["umount", mp.to_str().unwrap()], &[rt]);
     assert!(out.status.success(), "{}", stderr(&out));
 }
+
+/// Messages say what is wrong and what to do: a replica count the hosts cannot meet names
+/// the `host=` label; a missing source is "does not exist"; an empty dataset name, a
+/// negative replica count and an oversized size say which; a duration like 1h30m is
+/// taken. (A node killed mid-import: see the hung-import test in cache_node.rs.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn messages_say_what_is_wrong_and_what_to_do() {
+    let h = Harness::new("op-messages");
+    // Two nodes on one host, as the README's commands make them without host=.
+    let (m, _nodes) = cluster(&h, 2, |_| NodeOpts::host(1)).await;
+    let src = h.path("src");
+    make_tree(&src, 3);
+    let out = m.cli(&["dataset", "import", "ds", src.to_str().unwrap(), "--replicas", "2"]);
+    assert!(!out.status.success());
+    assert!(stderr(&out).contains("host="), "{}", stderr(&out));
+
+    let out = m.cli(&["dataset", "import", "ds", "/no/such/path"]);
+    assert!(stderr(&out).contains("does not exist"), "{}", stderr(&out));
+    assert!(!stderr(&out).contains("is not a directory"), "{}", stderr(&out));
+
+    let out = m.cli(&["dataset", "show", "@1"]);
+    assert!(stderr(&out).contains("no dataset name"), "{}", stderr(&out));
+
+    let out = m.cli(&["dataset", "import", "ds", src.to_str().unwrap(), "--replicas", "-1"]);
+    assert!(stderr(&out).contains("-1 is not in 1..=16"), "{}", stderr(&out));
+
+    let out = m.cli(&["dataset", "import", "ds", src.to_str().unwrap(), "--shard-size", "99999999999TiB"]);
+    assert!(stderr(&out).contains("too large"), "{}", stderr(&out));
+
+    let out = m.cli_env(&["dataset", "list"], &[("LOCUS_PEER_TIMEOUT", "1h30m".to_string())]);
+    assert!(out.status.success(), "1h30m is a duration: {}", stderr(&out));
+}
