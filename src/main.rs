@@ -254,10 +254,8 @@ fn main() -> ExitCode {
 }
 
 /// Where a relative path given on the command line points.
+/// Lexically, so `./mnt` shows as `/dir/mnt`, not `/dir/./mnt` (a `..` is kept: it may
+/// pass through a symlink).
 pub fn absolute(p: PathBuf) -> PathBuf {
-    if p.is_absolute() {
-        p
-    } else {
-        std::env::current_dir().map(|d| d.join(&p)).unwrap_or(p)
-    }
+    std::path::absolute(&p).unwrap_or(p)
 }

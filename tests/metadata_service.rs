@@ -928,7 +928,16 @@ async fn a_node_logs_a_ready_line_with_its_address_by_default() {
     let dir = h.path("n1");
     let log = std::fs::File::create(h.path("n1.log")).unwrap();
     let mut child = std::process::Command::new(locus())
-        .args(["--metadata", &m.url(), "node", "serve", "--id", "n1", "--capacity", "1GiB"])
+        .args([
+            "--metadata",
+            &m.url(),
+            "node",
+            "serve",
+            "--id",
+            "n1",
+            "--capacity",
+            "1GiB",
+        ])
         .arg("--data-dir")
         .arg(dir.join("data"))
         .args(["--listen", "127.0.0.1:0", "--http-listen", "127.0.0.1:0"])
@@ -958,5 +967,8 @@ async fn a_node_logs_a_ready_line_with_its_address_by_default() {
         .lines()
         .find(|l| l.contains("cache node ready"))
         .unwrap_or_else(|| panic!("no ready line: {text}"));
-    assert!(ready.contains(grpc.trim()), "the ready line names {grpc}: {ready}");
+    assert!(
+        ready.contains(grpc.trim()),
+        "the ready line names {grpc}: {ready}"
+    );
 }

@@ -468,7 +468,14 @@ async fn messages_say_what_is_wrong_and_what_to_do() {
     let (m, _nodes) = cluster(&h, 2, |_| NodeOpts::host(1)).await;
     let src = h.path("src");
     make_tree(&src, 3);
-    let out = m.cli(&["dataset", "import", "ds", src.to_str().unwrap(), "--replicas", "2"]);
+    let out = m.cli(&[
+        "dataset",
+        "import",
+        "ds",
+        src.to_str().unwrap(),
+        "--replicas",
+        "2",
+    ]);
     assert!(!out.status.success());
     assert!(stderr(&out).contains("host="), "{}", stderr(&out));
 
@@ -479,12 +486,29 @@ async fn messages_say_what_is_wrong_and_what_to_do() {
     let out = m.cli(&["dataset", "show", "@1"]);
     assert!(stderr(&out).contains("no dataset name"), "{}", stderr(&out));
 
-    let out = m.cli(&["dataset", "import", "ds", src.to_str().unwrap(), "--replicas", "-1"]);
+    let out = m.cli(&[
+        "dataset",
+        "import",
+        "ds",
+        src.to_str().unwrap(),
+        "--replicas",
+        "-1",
+    ]);
     assert!(stderr(&out).contains("-1 is not in 1..=16"), "{}", stderr(&out));
 
-    let out = m.cli(&["dataset", "import", "ds", src.to_str().unwrap(), "--shard-size", "99999999999TiB"]);
+    let out = m.cli(&[
+        "dataset",
+        "import",
+        "ds",
+        src.to_str().unwrap(),
+        "--shard-size",
+        "99999999999TiB",
+    ]);
     assert!(stderr(&out).contains("too large"), "{}", stderr(&out));
 
-    let out = m.cli_env(&["dataset", "list"], &[("LOCUS_PEER_TIMEOUT", "1h30m".to_string())]);
+    let out = m.cli_env(
+        &["dataset", "list"],
+        &[("LOCUS_PEER_TIMEOUT", "1h30m".to_string())],
+    );
     assert!(out.status.success(), "1h30m is a duration: {}", stderr(&out));
 }
