@@ -740,3 +740,6 @@ fn node_server(svc: NodeService) -> nodepb::node_server::NodeServer<NodeService>
         .max_decoding_message_size(locus_proto::MAX_MESSAGE_BYTES)
         .max_encoding_message_size(locus_proto::MAX_MESSAGE_BYTES)
 }
+
+#[cfg(test)]
+mod access_tests;

@@ -59,24 +59,10 @@ pub fn layer(
     AuthLayer::new(tokens, Arc::new(MetadataPolicy(metrics, audit)))
 }
 
-/// The `rpc` names of `service NAME` in a .proto file's text.
-#[cfg(test)]
-pub(crate) fn rpcs_of(proto: &str, service: &str) -> Vec<String> {
-    let start = proto
-        .find(&format!("service {service} {{"))
-        .unwrap_or_else(|| panic!("no service {service}"));
-    let body = &proto[start..];
-    let body = &body[..body.find("\n}").expect("the service block ends")];
-    body.lines()
-        .filter_map(|l| l.trim().strip_prefix("rpc "))
-        .map(|l| l.split('(').next().unwrap_or_default().trim().to_string())
-        .collect()
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-    use locus_proto::auth::check;
+    use locus_proto::auth::{check, rpcs_of};
 
     const PROTO: &str = include_str!("../../proto/proto/locus/metadata/v1/metadata.proto");
 

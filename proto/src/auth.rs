@@ -511,6 +511,21 @@ where
     }
 }
 
+/// The `rpc` names of `service NAME` in a .proto file's text, for the tests that check
+/// every call has an access rule (metadata and node). Panics when the text has no such
+/// service: the tests embed the proto files, so that is a test's mistake.
+pub fn rpcs_of(proto: &str, service: &str) -> Vec<String> {
+    let start = proto
+        .find(&format!("service {service} {{"))
+        .unwrap_or_else(|| panic!("no service {service}"));
+    let body = &proto[start..];
+    let body = &body[..body.find("\n}").expect("the service block ends")];
+    body.lines()
+        .filter_map(|l| l.trim().strip_prefix("rpc "))
+        .map(|l| l.split('(').next().unwrap_or_default().trim().to_string())
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
