@@ -359,8 +359,8 @@ async fn serve(a: MountArgs, mountpoint: PathBuf, cfg: &Resolved) -> anyhow::Res
             passthrough: !a.no_passthrough,
             passthrough_min_size,
             readahead_chunks,
-            open_timeout: Duration::from_secs(600),
-            local_patience: Duration::from_secs(3),
+            open_timeout: OPEN_TIMEOUT,
+            local_patience: LOCAL_PATIENCE,
             reopen_ttl: locus_proto::human::parse_duration(&a.reopen_cache)
                 .map_err(|e| anyhow::anyhow!("--reopen-cache: {}", e.reason))?,
             generation: v.version,
@@ -507,7 +507,7 @@ async fn serve(a: MountArgs, mountpoint: PathBuf, cfg: &Resolved) -> anyhow::Res
     let mut lease = lease::Lease::new(lease_client, &dataset, v.version, &place_host, &mountpoint);
     lease.tick().await;
 
-    let mut tick = tokio::time::interval(Duration::from_secs(2));
+    let mut tick = tokio::time::interval(TICK);
     let mut last_refresh = Instant::now();
     let shutdown = super::shutdown_signal();
     tokio::pin!(shutdown);
@@ -535,7 +535,7 @@ async fn serve(a: MountArgs, mountpoint: PathBuf, cfg: &Resolved) -> anyhow::Res
                 lease.tick().await;
                 // Replica sets change with repair; a background refresh keeps the
                 // cheapest-first order right without touching the read path.
-                if last_refresh.elapsed() > Duration::from_secs(30) {
+                if last_refresh.elapsed() > REFRESH {
                     last_refresh = Instant::now();
                     if let Err(e) = remote.refresh().await {
                         tracing::warn!("cannot refresh replica locations: {e}");
@@ -550,6 +550,19 @@ async fn serve(a: MountArgs, mountpoint: PathBuf, cfg: &Resolved) -> anyhow::Res
     let _ = std::fs::remove_file(status_path(&mountpoint));
     Ok(())
 }
+
+/// How long an open may wait for the local node to make a blob present: a copy of a large
+/// blob from a peer over a slow link, which the reader would otherwise fail on.
+const OPEN_TIMEOUT: Duration = Duration::from_secs(600);
+/// How long a read waits for the local node before reading that file from remote replicas
+/// (the node's copy goes on; later reads use its file): long enough for a node that is
+/// busy, short enough that a hung one costs a reader a moment, not its job.
+const LOCAL_PATIENCE: Duration = Duration::from_secs(3);
+/// How often the server checks the kernel still has the mount, writes its status file
+/// (what `locus status` and `locus umount` read) and renews its lease when due.
+const TICK: Duration = Duration::from_secs(2);
+/// How often the replica locations are read again (repair moves them), in the background.
+const REFRESH: Duration = Duration::from_secs(30);
 
 /// How far ahead of a sequential reader the kernel sends read requests (when root may
 /// set it). Only a few 1 MiB requests need to be in flight: the mount reads ahead
