@@ -468,16 +468,17 @@ async fn messages_say_what_is_wrong_and_what_to_do() {
     let (m, _nodes) = cluster(&h, 2, |_| NodeOpts::host(1)).await;
     let src = h.path("src");
     make_tree(&src, 3);
-    let out = m.cli(&[
-        "dataset",
-        "import",
-        "ds",
-        src.to_str().unwrap(),
-        "--replicas",
-        "2",
-    ]);
-    assert!(!out.status.success());
-    assert!(stderr(&out).contains("host="), "{}", stderr(&out));
+    // `import` fails, and what it says contains `needle`.
+    let says = |extra: &[&str], needle: &str| {
+        let mut args = vec!["dataset", "import", "ds", src.to_str().unwrap()];
+        args.extend_from_slice(extra);
+        let out = m.cli(&args);
+        assert!(!out.status.success(), "{extra:?} succeeded");
+        assert!(stderr(&out).contains(needle), "{extra:?}: {}", stderr(&out));
+    };
+    says(&["--replicas", "2"], "host=");
+    says(&["--replicas", "-1"], "-1 is not in 1..=16");
+    says(&["--shard-size", "99999999999TiB"], "too large");
 
     let out = m.cli(&["dataset", "import", "ds", "/no/such/path"]);
     assert!(stderr(&out).contains("does not exist"), "{}", stderr(&out));
@@ -485,26 +486,6 @@ async fn messages_say_what_is_wrong_and_what_to_do() {
 
     let out = m.cli(&["dataset", "show", "@1"]);
     assert!(stderr(&out).contains("no dataset name"), "{}", stderr(&out));
-
-    let out = m.cli(&[
-        "dataset",
-        "import",
-        "ds",
-        src.to_str().unwrap(),
-        "--replicas",
-        "-1",
-    ]);
-    assert!(stderr(&out).contains("-1 is not in 1..=16"), "{}", stderr(&out));
-
-    let out = m.cli(&[
-        "dataset",
-        "import",
-        "ds",
-        src.to_str().unwrap(),
-        "--shard-size",
-        "99999999999TiB",
-    ]);
-    assert!(stderr(&out).contains("too large"), "{}", stderr(&out));
 
     let out = m.cli_env(
         &["dataset", "list"],
