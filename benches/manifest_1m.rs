@@ -55,7 +55,9 @@ async fn main() {
 
     // What an importer sends with the commit (built before the clock starts: the
     // importer's work, not the service's).
-    let (sealed, hash) = locus_testkit::seal_manifest(&mut c, "big", 1 << 22, &entries).await;
+    let (sealed, hash) = locus_testkit::seal_manifest(&mut c, "big", 1 << 22, &entries)
+        .await
+        .expect("cluster info");
     let t = Instant::now();
     let s = c
         .begin_version(pb::BeginVersionRequest {

@@ -38,7 +38,9 @@ async fn upload_and_commit(
     let (entries, shards) = synthetic_manifest("b", files, 1000, 10_000, 1 << 22);
     // What an importer sends with the commit (built before the clock starts: the
     // importer's work, not the service's).
-    let (sealed, hash) = locus_testkit::seal_manifest(c, "big", 1 << 22, &entries).await;
+    let (sealed, hash) = locus_testkit::seal_manifest(c, "big", 1 << 22, &entries)
+        .await
+        .expect("cluster info");
     let t = Instant::now();
     let s = c
         .begin_version(pb::BeginVersionRequest {

@@ -129,17 +129,18 @@ pub async fn commit_mountable(
     commit_with(c, dataset, chunk_size, entries, shards, Some(node)).await
 }
 
-/// The sealed namespace of a manifest built by hand, as an importer builds it.
+/// The sealed namespace of a manifest built by hand, as an importer builds it. Err when
+/// the service does not answer (the cluster id is its): a caller that commits under
+/// kills and freezes counts that as a failed attempt, like any other call.
 pub async fn seal_manifest(
     c: &mut MetadataClient,
     dataset: &str,
     chunk_size: u32,
     entries: &[pb::Entry],
-) -> (Vec<u8>, locus_proto::BlobHash) {
+) -> Result<(Vec<u8>, locus_proto::BlobHash), tonic::Status> {
     let cluster = c
         .get_cluster_info(pb::GetClusterInfoRequest {})
-        .await
-        .expect("cluster info")
+        .await?
         .into_inner()
         .cluster_id;
     let entries: Vec<Entry> = entries
@@ -147,7 +148,7 @@ pub async fn seal_manifest(
         .cloned()
         .map(|e| Entry::try_from(e).unwrap())
         .collect();
-    locus_proto::sealed::seal(entries, chunk_size, dataset, &cluster).expect("a sealable manifest")
+    Ok(locus_proto::sealed::seal(entries, chunk_size, dataset, &cluster).expect("a sealable manifest"))
 }
 
 async fn commit_with(
@@ -158,7 +159,7 @@ async fn commit_with(
     mut shards: Vec<pb::Shard>,
     store_on: Option<&Node>,
 ) -> Result<pb::Version, tonic::Status> {
-    let (sealed, hash) = seal_manifest(c, dataset, chunk_size, &entries).await;
+    let (sealed, hash) = seal_manifest(c, dataset, chunk_size, &entries).await?;
     if let Some(node) = store_on {
         if let Some(first) = shards.iter_mut().min_by_key(|s| s.id) {
             first.replicas = vec![node.id.clone()];
