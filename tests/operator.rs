@@ -389,7 +389,7 @@ async fn silent_or_wrong_output_now_says_what_happened() {
         "1",
     ]);
     assert!(
-        stdout(&out).contains("left out 1 path(s)") && stdout(&out).contains("p"),
+        stdout(&out).contains("left out 1 path(s)") && stdout(&out).contains("such as p\n"),
         "{}",
         stdout(&out)
     );

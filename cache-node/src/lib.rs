@@ -13,6 +13,7 @@
 //! It depends on `locus-proto`, and on `locus-backup` to read blobs back from backups; it
 //! never reaches into another Locus crate's internals.
 
+mod access;
 pub mod agent;
 pub mod identity;
 pub mod metrics;
@@ -35,6 +36,8 @@ use tonic::Status;
 
 use crate::service::NodeService;
 use crate::store::{BlobStore, StoreConfig};
+pub use access::required_access;
+use access::NodePolicy;
 
 #[derive(Debug, Clone)]
 pub struct NodeConfig {
@@ -73,54 +76,6 @@ pub struct NodeConfig {
     /// The local directories this node may read as `file://` origins (imports it reads
     /// itself, repairs from an origin); none: no local origin at all.
     pub origin_roots: Vec<PathBuf>,
-}
-
-/// Who may call what on the node's TCP API: grants only, each for its operation
-/// (`locus_proto::grant::Op::allows`). No token opens a node: node addresses come from
-/// registrations, so a token sent to one reaches whoever registered it — a node that
-/// collected its peers' tokens could act for every one of them. Importers, backups,
-/// mounts, peers and the metadata service's copy orders all present grants. The Unix
-/// socket is for same-host clients and is protected by its file permissions instead.
-pub fn required_access(method: &str) -> Option<locus_proto::auth::Access> {
-    use locus_proto::auth::Access;
-    match method {
-        "ReadBlob" | "HaveBlobs" | "GetNodeStatus" | "EnsureLocal" | "LocalPaths" | "WriteBlob"
-        | "WriteBlobs" | "FetchBlobs" | "FetchChunks" | "UploadBlobs" | "ImportObject" => Some(Access::Grant),
-        _ => None,
-    }
-}
-
-/// The node's policy: the table above for tokens, the grant keys of the cluster (learnt
-/// at registration) for grants.
-struct NodePolicy(Arc<Peers>);
-
-impl locus_proto::auth::Policy for NodePolicy {
-    fn prefix(&self) -> &'static str {
-        "/locus.node.v1.Node/"
-    }
-    fn access(&self, method: &str) -> Option<locus_proto::auth::Access> {
-        required_access(method)
-    }
-    fn grant(
-        &self,
-        method: &str,
-        grant: &[u8],
-    ) -> Option<Result<locus_proto::auth::Principal, locus_proto::auth::Refusal>> {
-        use locus_proto::auth::{Principal, Role};
-        Some(
-            match self.0.grants.verify(grant, method, locus_proto::grant::now_ms()) {
-                Ok((_, g)) => Ok(Principal {
-                    name: format!("grant:{}", g.issued_to),
-                    role: Some(Role::Grant),
-                    grant: Some(Arc::new(g)),
-                }),
-                Err(e @ locus_proto::grant::GrantError::WrongMethod { .. }) => {
-                    Err((Status::permission_denied(e.to_string()), "denied"))
-                }
-                Err(e) => Err((Status::unauthenticated(e.to_string()), "bad_grant")),
-            },
-        )
-    }
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -740,6 +695,3 @@ fn node_server(svc: NodeService) -> nodepb::node_server::NodeServer<NodeService>
         .max_decoding_message_size(locus_proto::MAX_MESSAGE_BYTES)
         .max_encoding_message_size(locus_proto::MAX_MESSAGE_BYTES)
 }
-
-#[cfg(test)]
-mod access_tests;

@@ -5,7 +5,7 @@
 use std::collections::HashSet;
 use std::sync::Arc;
 
-use locus_proto::{pb, DatasetName, DatasetRef, Entry, NodeId, VersionSel};
+use locus_proto::{pb, DatasetName, Entry, NodeId, VersionSel};
 use tonic::{Request, Response, Status};
 
 use crate::audit::AuditLog;
@@ -16,6 +16,10 @@ use crate::metrics::Metrics;
 mod grants;
 mod members;
 mod mounts;
+mod wire;
+
+pub use wire::to_status;
+use wire::{check_node_caller, page_limit, principal, version_ref};
 
 pub struct MetadataService {
     catalog: Arc<Catalog>,
@@ -91,65 +95,6 @@ impl MetadataService {
             Err(e) => Err(e.to_string()),
         };
         self.audit.record(who, action, target, result);
-    }
-}
-
-/// Maps catalogue errors to gRPC codes. Storage failures are logged here, where they
-/// are handled; the caller gets a message without internals.
-pub fn to_status(e: CatalogError) -> Status {
-    match e {
-        CatalogError::Invalid(e) => Status::invalid_argument(e.to_string()),
-        CatalogError::NotFound(m) => Status::not_found(m),
-        CatalogError::Precondition(m) => Status::failed_precondition(m),
-        CatalogError::Taken(m) => Status::already_exists(m),
-        CatalogError::Store(e) => {
-            tracing::error!("metadata store failure: {e}");
-            Status::unavailable(format!("the metadata store failed: {e}"))
-        }
-        CatalogError::Corrupt { table, reason } => {
-            tracing::error!(table, "corrupt metadata record: {reason}");
-            Status::data_loss(format!("corrupt metadata record in {table}: {reason}"))
-        }
-        CatalogError::Internal(m) => {
-            tracing::error!("{m}");
-            Status::internal(m)
-        }
-    }
-}
-
-fn principal<T>(req: &Request<T>) -> Result<Principal, Status> {
-    // The auth layer puts a principal on every request it lets through. A request without
-    // one reached a handler around it (a wiring mistake): it is refused, never served
-    // with some default trust.
-    req.extensions().get::<Principal>().cloned().ok_or_else(|| {
-        tracing::error!("a call reached the service without passing the auth layer; refused");
-        Status::internal("this call was not authenticated (a server wiring fault); refused")
-    })
-}
-
-/// A node-role caller acts only for the node its token is named after: a token leaked
-/// from one node cannot register, heartbeat or read pin lists for another. Admin may act
-/// for any node; without tokens there is no one to bind.
-fn check_node_caller(p: &Principal, id: &NodeId) -> Result<(), Status> {
-    if p.role == Some(crate::auth::Role::Node) && p.name != id.as_str() {
-        return Err(Status::permission_denied(format!(
-            "this token is node {:?}'s; node {id} must present its own (a [[token]] with name \
-             \"{id}\" and role \"node\" in the tokens file)",
-            p.name
-        )));
-    }
-    Ok(())
-}
-
-fn version_ref(r: Option<pb::VersionRef>) -> Result<DatasetRef, Status> {
-    let r = r.ok_or_else(|| Status::invalid_argument("ref: a dataset reference is required"))?;
-    Ok(DatasetRef::try_from(r).map_err(|e| e.within("ref"))?)
-}
-
-fn page_limit(limit: u32) -> usize {
-    match limit {
-        0 => 1000,
-        n => n.min(10_000) as usize,
     }
 }
 

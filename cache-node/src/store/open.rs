@@ -1,0 +1,194 @@
+//! What a start does with what the last process left: the index loaded into memory
+//! (before the node serves), and the blob directories compared with it (after, beside
+//! serving).
+
+use super::*;
+
+impl BlobStore {
+    pub(super) fn reconcile(&self) -> Result<Reconcile, StoreError> {
+        let mut rep = Reconcile::default();
+        // The index is the node's only view of what it holds, so all of it is read before
+        // the node serves: on two threads (each half of the key space), into maps sized
+        // from RocksDB's estimate up front (growing them is a rehash of everything so
+        // far, several times over).
+        let estimate = self
+            .index
+            .property_int_value("rocksdb.estimate-num-keys")
+            .ok()
+            .flatten()
+            .unwrap_or(0) as usize;
+        for sh in &self.shards {
+            let mut sh = lock(sh);
+            sh.blobs.reserve(estimate / SHARDS + 1);
+            sh.verified.reserve(estimate / SHARDS + 1);
+        }
+        let halves = std::thread::scope(|sc| {
+            let a = sc.spawn(|| self.load_index(0x00, 0x80));
+            let b = sc.spawn(|| self.load_index(0x80, 0x100));
+            [a.join(), b.join()]
+        });
+        for h in halves {
+            let (indexed, books) =
+                h.map_err(|_| StoreError::Index("loading the index panicked".into()))??;
+            rep.indexed += indexed;
+            let mut b = self.books();
+            b.used += books.used;
+            b.pinned += books.pinned;
+        }
+        // The cheap part of the comparison with the directories, before serving: leftover
+        // partial and temporary files (a write this process has not started yet cannot
+        // own them). The blob directories themselves are compared by `check_dirs`, in the
+        // background once the node serves: with millions of blobs that walk takes
+        // minutes, and nothing a reader needs waits for it (a read that finds a file gone
+        // forgets the blob then).
+        for d in &self.cfg.dirs {
+            // Partial files the index does not know (a crash before the index write).
+            for f in fs::read_dir(d.join("partial")).map_err(io)?.flatten() {
+                let known = f
+                    .file_name()
+                    .to_str()
+                    .and_then(|n| BlobHash::from_hex(n).ok())
+                    .is_some_and(|h| self.shard(&h).partials.contains_key(&h));
+                if !known {
+                    let _ = fs::remove_file(f.path());
+                    rep.tmp_removed += 1;
+                }
+            }
+            for t in fs::read_dir(d.join("tmp")).map_err(io)?.flatten() {
+                let _ = fs::remove_file(t.path());
+                rep.tmp_removed += 1;
+            }
+            rep.quarantined += fs::read_dir(d.join("quarantine")).map_err(io)?.count();
+        }
+        self.books().quarantined = rep.quarantined as u64;
+        Ok(rep)
+    }
+
+    /// Loads the index records whose keys start with a byte in `from..to`: the blobs
+    /// complete and partial, their verified stamps and eviction order. Returns the
+    /// complete blobs counted and the bytes they hold (added to the books by the caller).
+    fn load_index(&self, from: u16, to: u16) -> Result<(usize, Books), StoreError> {
+        let mut indexed = 0;
+        let mut books = Books::default();
+        let start = [from as u8];
+        let mode = rocksdb::IteratorMode::From(&start, rocksdb::Direction::Forward);
+        for kv in self.index.iterator(mode) {
+            let (k, v) = kv.map_err(|e| StoreError::Index(e.into_string()))?;
+            if u16::from(k.first().copied().unwrap_or(0)) >= to {
+                break;
+            }
+            // Keys that are not a blob's hash are the store's own (the scrub cursor).
+            let Ok(h) = <[u8; 32]>::try_from(&k[..]) else {
+                continue;
+            };
+            let rec = match BlobRecord::decode_checked(&v[..]) {
+                Ok(r) => r,
+                Err(why) => {
+                    // Not a record this build can use: dropped, so the blob counts as
+                    // missing and pin sync fetches it again (its file, if any, is adopted
+                    // or removed as a stray).
+                    tracing::warn!(blob = %hex_lossy(&k), %why, "index record unusable; dropping it");
+                    let _ = self.index.delete(&k);
+                    continue;
+                }
+            };
+            let h = BlobHash(h);
+            if rec.dir as usize >= self.cfg.dirs.len() {
+                continue;
+            }
+            if rec.partial && !self.partial_path_in(rec.dir, &h).exists() {
+                let _ = self.index.delete(h.0);
+                continue;
+            }
+            books.add(rec.size, rec.pinned);
+            let mut sh = self.shard(&h);
+            // Only a hint: `verified_path` compares it with the file as it is now, and any
+            // change while the node was down (a write, a copy, a restored file) differs.
+            if let (false, Some(v)) = (rec.partial, &rec.verified) {
+                sh.verified.insert(h, v.into());
+            }
+            let partial = rec.partial;
+            let m = Meta { rec, last_access: 0 };
+            sh.track(h, &m);
+            if partial {
+                sh.partials.insert(h, m);
+            } else {
+                sh.blobs.insert(h, m);
+                indexed += 1;
+            }
+        }
+        Ok((indexed, books))
+    }
+
+    /// Compares the blob directories with the index, by names (no indexed blob is read):
+    /// a blob the index names whose file is gone is forgotten (pin sync fetches it again
+    /// if pinned); a file the index does not name, left by a crash between its rename and
+    /// the index write, is re-hashed and adopted, or quarantined. Safe while the store
+    /// serves and writes: files written since `open` are not strays, and a blob is
+    /// forgotten only if its file is still absent when the walk ends.
+    pub fn check_dirs(&self) -> Result<Reconcile, StoreError> {
+        let mut rep = Reconcile::default();
+        let mut on_disk: HashSet<BlobHash> = HashSet::new();
+        let mut strays: Vec<(u32, PathBuf)> = Vec::new();
+        for (di, d) in self.cfg.dirs.iter().enumerate() {
+            for sub in fs::read_dir(d.join("blobs")).map_err(io)?.flatten() {
+                for f in fs::read_dir(sub.path()).map_err(io)?.flatten() {
+                    let name = f.file_name();
+                    let Some(h) = name.to_str().and_then(|n| BlobHash::from_hex(n).ok()) else {
+                        continue;
+                    };
+                    let indexed_in = self.shard(&h).blobs.get(&h).map(|m| m.rec.dir as usize);
+                    if indexed_in == Some(di) {
+                        on_disk.insert(h);
+                    } else {
+                        let older = f
+                            .metadata()
+                            .and_then(|m| m.modified())
+                            .is_ok_and(|t| t < self.opened);
+                        if older {
+                            strays.push((di as u32, f.path()));
+                        }
+                    }
+                }
+            }
+        }
+        let mut missing = Vec::new();
+        self.each_meta(|h, m, partial| {
+            if !partial && !on_disk.contains(h) {
+                missing.push((*h, m.rec.dir));
+            }
+        });
+        drop(on_disk);
+        for (h, dir) in &missing {
+            if !self.blob_path_in(*dir, h).exists() {
+                self.forget(h);
+                rep.missing += 1;
+            }
+        }
+        for (di, p) in strays {
+            // A crash after the rename but before the index write: the file was verified
+            // before the rename, but re-check it since nothing vouches for it now.
+            let name = p
+                .file_name()
+                .and_then(|n| n.to_str())
+                .unwrap_or_default()
+                .to_string();
+            let h = BlobHash::from_hex(&name).expect("filtered above");
+            if self.contains(&h) {
+                continue;
+            }
+            match hash_file(&p, locus_proto::DEFAULT_CHUNK_SIZE) {
+                Ok((size, whole, chunks)) if whole == h => {
+                    let rec = BlobRecord::complete(size, di, false, locus_proto::DEFAULT_CHUNK_SIZE, &chunks);
+                    self.insert(h, rec)?;
+                    rep.adopted += 1;
+                }
+                _ => {
+                    self.move_to_quarantine(&p, &h);
+                    rep.quarantined += 1;
+                }
+            }
+        }
+        Ok(rep)
+    }
+}
