@@ -277,3 +277,63 @@ async fn readers_see_no_error_when_the_mount_server_is_killed_or_upgraded() {
     )
     .await;
 }
+
+/// `fusermount3 -u` (what scripts, systemd and other tools run) ends a mount without
+/// `locus umount`'s wait for its processes; a new mount at the same path made at once must
+/// outlive the exit of the old mount's holder and server, which must touch nothing that
+/// is not theirs: not the new mount, not its status file.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_remount_after_fusermount_u_is_not_torn_down_by_the_mount_that_ended() {
+    let h = Harness::new("mount-remount");
+    let m = h.start_metadata("meta", MetadataOpts::default()).await;
+    let n1 = h.start_node("n1", &m, NodeOpts::host(1)).await;
+    let src = h.path("src");
+    make_tree(&src, 20);
+    let out = import(&m, "ds", &src, &["--replicas", "1"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let files = nonempty_files(&src);
+
+    for round in 0..3 {
+        let old = m.mount("mnt", "ds", Some(&n1), &[]);
+        let (old_holder, old_server) = (old.pid(), old.server_pid());
+        let st = std::process::Command::new("fusermount3")
+            .arg("-u")
+            .arg(&old.path)
+            .status()
+            .unwrap();
+        assert!(st.success(), "fusermount3 -u");
+        // At once, before the old processes have noticed.
+        let new = m.mount("mnt", "ds", Some(&n1), &[]);
+        let new_holder = new.pid();
+        assert_ne!(
+            new_holder, old_holder,
+            "round {round}: the status file names the new mount"
+        );
+        wait_until(
+            "the old mount's processes to exit",
+            Duration::from_secs(20),
+            || async { (!alive(old_holder) && !alive(old_server)).then_some(()) },
+        )
+        .await;
+        // Give a late tear-down time to happen, then look.
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        assert!(
+            new.is_mounted(),
+            "round {round}: the new mount was torn down by the old one"
+        );
+        assert_eq!(
+            new.pid(),
+            new_holder,
+            "round {round}: the new mount's status file is its own"
+        );
+        for (rel, want) in files.iter().take(5) {
+            let got = std::fs::read(new.path.join(rel))
+                .unwrap_or_else(|e| panic!("round {round}: {}: {e}", rel.display()));
+            assert_eq!(blake3::hash(&got).to_hex().as_str(), want);
+        }
+        let o = new.umount();
+        assert!(o.status.success(), "{}", stderr(&o));
+        // Its Drop would unmount whatever is at the path now.
+        std::mem::forget(old);
+    }
+}

@@ -83,9 +83,46 @@ pub fn is_locus_mount(path: &Path) -> bool {
     mounts().iter().any(|m| m.as_path() == path)
 }
 
-/// Every mount on this host as (mount point, fs type, source), from
-/// /proc/self/mountinfo ("... mount_point options ... - fstype source super_options").
-fn mount_table() -> Vec<(std::path::PathBuf, String, String)> {
+/// The device ("major:minor", as mountinfo writes it) of the Locus mount on top at `path`:
+/// what tells one mount at a path from the next one made there. It comes from the mount
+/// table, so no request reaches the file system (a hung server cannot hang the caller).
+pub fn mount_device(path: &Path) -> Option<String> {
+    mount_table()
+        .into_iter()
+        .rev()
+        .find(|m| m.mount_point.as_path() == path && m.is_locus())
+        .map(|m| m.device)
+}
+
+/// Whether a Locus mount on `device` is mounted at `path`. A device number is reused once
+/// its mount is gone, so a caller that must know the mount is its own also checks that its
+/// connection is alive (which keeps the number taken).
+pub fn is_locus_mount_on(path: &Path, device: &str) -> bool {
+    mount_table()
+        .iter()
+        .any(|m| m.mount_point.as_path() == path && m.is_locus() && m.device == device)
+}
+
+/// One line of /proc/self/mountinfo, the fields used here.
+struct MountLine {
+    device: String,
+    mount_point: std::path::PathBuf,
+    fstype: String,
+    source: String,
+}
+
+impl MountLine {
+    /// Mounted by root the type is plain "fuse" (the subtype only shows through
+    /// fusermount), so the source name marks ours.
+    fn is_locus(&self) -> bool {
+        (self.fstype == "fuse" || self.fstype == format!("fuse.{SUBTYPE}"))
+            && self.source.starts_with(SOURCE_PREFIX)
+    }
+}
+
+/// Every mount on this host, in mount order, from /proc/self/mountinfo
+/// ("id parent major:minor root mount_point options ... - fstype source super_options").
+fn mount_table() -> Vec<MountLine> {
     let Ok(info) = std::fs::read_to_string("/proc/self/mountinfo") else {
         return Vec::new();
     };
@@ -94,30 +131,30 @@ fn mount_table() -> Vec<(std::path::PathBuf, String, String)> {
             let (left, right) = l.split_once(" - ")?;
             let mut r = right.split(' ');
             let (fstype, source) = (r.next()?, r.next()?);
-            let mp = left.split(' ').nth(4)?;
-            Some((
-                std::path::PathBuf::from(unescape_mountinfo(mp)),
-                fstype.to_string(),
-                unescape_mountinfo(source),
-            ))
+            let mut f = left.split(' ');
+            let device = f.nth(2)?;
+            let mp = f.nth(1)?;
+            Some(MountLine {
+                device: device.to_string(),
+                mount_point: std::path::PathBuf::from(unescape_mountinfo(mp)),
+                fstype: fstype.to_string(),
+                source: unescape_mountinfo(source),
+            })
         })
         .collect()
 }
 
 /// Whether anything at all is mounted at `path`.
 pub fn is_mount_point(path: &Path) -> bool {
-    mount_table().iter().any(|(mp, _, _)| mp.as_path() == path)
+    mount_table().iter().any(|m| m.mount_point.as_path() == path)
 }
 
-/// Mount points of every Locus mount on this host. Mounted by root the type is plain
-/// "fuse" (the subtype only shows through fusermount), so the source name marks ours.
+/// Mount points of every Locus mount on this host.
 pub fn mounts() -> Vec<std::path::PathBuf> {
     mount_table()
         .into_iter()
-        .filter(|(_, fstype, source)| {
-            (fstype == "fuse" || *fstype == format!("fuse.{SUBTYPE}")) && source.starts_with(SOURCE_PREFIX)
-        })
-        .map(|(mp, _, _)| mp)
+        .filter(MountLine::is_locus)
+        .map(|m| m.mount_point)
         .collect()
 }
 

@@ -385,10 +385,16 @@ async fn serve(a: MountArgs, mountpoint: PathBuf, cfg: &Resolved) -> anyhow::Res
     let h = holder.clone();
     let (pt, ko) = (passthrough.clone(), kernel_opened.clone());
     let mounted_version = v.version;
-    let session = tokio::task::spawn_blocking(move || -> std::io::Result<fuser::BackgroundSession> {
+    let session = tokio::task::spawn_blocking(move || -> std::io::Result<(fuser::BackgroundSession, Ours)> {
         use std::os::fd::AsFd;
         let Some(r) = reattach else {
             let s = fuser::Session::new(fs, &mp, &config)?;
+            // Read now, while nothing else can have mounted over it.
+            let device = locus_fuse::mount_device(&mp);
+            let ours = Ours {
+                fuse: s.as_fd().try_clone_to_owned()?,
+                device: device.clone(),
+            };
             if let Some(h) = &h {
                 let v = s.proto_version().unwrap_or(fuser::Version(7, 0));
                 let state = holder::SessionState {
@@ -401,10 +407,11 @@ async fn serve(a: MountArgs, mountpoint: PathBuf, cfg: &Resolved) -> anyhow::Res
                         kernel_opens: ko.load(Ordering::Relaxed),
                     },
                     backing: Default::default(),
+                    device,
                 };
                 h.session(s.as_fd(), &state)?;
             }
-            return s.spawn();
+            return Ok((s.spawn()?, ours));
         };
         fs.restore(r.state.negotiated, r.state.backing.clone().into_iter().collect());
         let acl = config.acl;
@@ -417,10 +424,15 @@ async fn serve(a: MountArgs, mountpoint: PathBuf, cfg: &Resolved) -> anyhow::Res
                 "this kernel cannot resend requests the previous server read ({e}; Linux 6.9+): their readers wait until unmount"
             );
         }
-        Ok(bg)
+        let ours = Ours {
+            fuse: fd,
+            device: r.state.device.clone(),
+        };
+        Ok((bg, ours))
     })
     .await?
     .map_err(|e| mount_error(&mountpoint, e))?;
+    let (session, ours) = session;
     if reattached {
         tracing::info!("took over the live mount at {}", mountpoint.display());
     }
@@ -432,6 +444,11 @@ async fn serve(a: MountArgs, mountpoint: PathBuf, cfg: &Resolved) -> anyhow::Res
     let started_unix_ms = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_millis() as u64);
+    let holder_pid = if holder.is_some() {
+        std::os::unix::process::parent_id()
+    } else {
+        std::process::id()
+    };
     let write_status = {
         let metrics = metrics.clone();
         let passthrough = passthrough.clone();
@@ -440,11 +457,7 @@ async fn serve(a: MountArgs, mountpoint: PathBuf, cfg: &Resolved) -> anyhow::Res
             mountpoint: mountpoint.clone(),
             dataset: dataset.clone(),
             version: v.version,
-            pid: if holder.is_some() {
-                std::os::unix::process::parent_id()
-            } else {
-                std::process::id()
-            },
+            pid: holder_pid,
             server_pid: std::process::id(),
             files: v.files,
             bytes: v.bytes,
@@ -456,6 +469,7 @@ async fn serve(a: MountArgs, mountpoint: PathBuf, cfg: &Resolved) -> anyhow::Res
             cluster_id: cluster_id.clone(),
         };
         let path = status_path(&mountpoint);
+        let fuse = ours.fuse.try_clone()?;
         move || {
             let s = MountStatus {
                 passthrough: passthrough.load(Ordering::Relaxed),
@@ -469,7 +483,12 @@ async fn serve(a: MountArgs, mountpoint: PathBuf, cfg: &Resolved) -> anyhow::Res
             if let Some(d) = path.parent() {
                 let _ = std::fs::create_dir_all(d);
             }
-            let tmp = path.with_extension("json.tmp");
+            // Once ours ended from outside (`fusermount3 -u`), a mount made here since
+            // owns the file; ours may have a last tick before it notices.
+            if !holder::connection_alive(std::os::fd::AsFd::as_fd(&fuse)) {
+                return;
+            }
+            let tmp = path.with_extension(format!("{holder_pid}.json.tmp"));
             if std::fs::write(&tmp, serde_json::to_vec(&s).unwrap_or_default()).is_ok() {
                 let _ = std::fs::rename(&tmp, &path);
             }
@@ -517,7 +536,7 @@ async fn serve(a: MountArgs, mountpoint: PathBuf, cfg: &Resolved) -> anyhow::Res
                 tracing::info!("unmounting {}", mountpoint.display());
                 if reattached {
                     // Only the server that mounted holds fuser's unmount handle.
-                    holder::lazy_unmount(&mountpoint);
+                    holder::unmount_if_ours(&mountpoint, std::os::fd::AsFd::as_fd(&ours.fuse), ours.device.as_deref());
                 }
                 let r = tokio::task::spawn_blocking(move || session.umount_and_join()).await?;
                 if let Err(e) = r {
@@ -547,8 +566,14 @@ async fn serve(a: MountArgs, mountpoint: PathBuf, cfg: &Resolved) -> anyhow::Res
     // Before the status file goes: `locus umount` waits for that, so a script's
     // `dataset rm` right after it finds the lease withdrawn.
     lease.end().await;
-    let _ = std::fs::remove_file(status_path(&mountpoint));
+    runtime::remove_status_of(&mountpoint, holder_pid);
     Ok(())
+}
+
+/// What tells this mount from a later one at the same path: its connection and device.
+struct Ours {
+    fuse: std::os::fd::OwnedFd,
+    device: Option<String>,
 }
 
 /// How long an open may wait for the local node to make a blob present: a copy of a large

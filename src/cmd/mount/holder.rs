@@ -30,7 +30,7 @@
 use std::collections::BTreeMap;
 use std::ffi::OsString;
 use std::io::IoSlice;
-use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::{Duration, Instant};
@@ -55,6 +55,10 @@ pub struct SessionState {
     /// Backing ids registered on the connection and not closed, by inode.
     #[serde(default)]
     pub backing: BTreeMap<u64, u32>,
+    /// The mount's device ("major:minor" in the mount table): another mount at the same
+    /// path has another, so an ending mount unmounts only its own (`unmount_if_ours`).
+    #[serde(default)]
+    pub device: Option<String>,
 }
 
 /// A message from the server.
@@ -149,8 +153,41 @@ pub fn resend_lost_requests(fuse: BorrowedFd<'_>) -> std::io::Result<()> {
     Ok(())
 }
 
+/// Detaches the mount at `mp` if it is still the one on connection `fuse` (mounted as
+/// `device`). Once a mount ended from outside (`fusermount3 -u`, `umount`), the same path
+/// may already hold a new mount, which a plain unmount by path would tear down under its
+/// readers: so nothing is done unless the connection is alive (its device number cannot
+/// have been reused) and the mount table shows that device at the path.
+pub fn unmount_if_ours(mp: &Path, fuse: BorrowedFd<'_>, device: Option<&str>) {
+    if !connection_alive(fuse) {
+        return;
+    }
+    let ours = match device {
+        Some(d) => locus_fuse::is_locus_mount_on(mp, d),
+        // A state from before devices were recorded: the live connection is the best
+        // evidence there is.
+        None => locus_fuse::is_locus_mount(mp),
+    };
+    if ours {
+        lazy_unmount(mp);
+    }
+}
+
+/// Whether the kernel still serves this FUSE connection: an unmounted (or aborted) one
+/// reports an error on poll.
+pub fn connection_alive(fuse: BorrowedFd<'_>) -> bool {
+    use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
+    let mut fds = [PollFd::new(fuse, PollFlags::POLLOUT)];
+    match poll(&mut fds, PollTimeout::ZERO) {
+        Ok(_) => !fds[0]
+            .revents()
+            .is_some_and(|r| r.intersects(PollFlags::POLLERR | PollFlags::POLLNVAL)),
+        Err(_) => false,
+    }
+}
+
 /// Detaches the mount at `mp` (lazily: open files keep working until closed).
-pub fn lazy_unmount(mp: &Path) {
+fn lazy_unmount(mp: &Path) {
     let ok = std::process::Command::new("fusermount3")
         .arg("-u")
         .arg("-z")
@@ -200,7 +237,9 @@ pub async fn run(mountpoint: &Path, notify_ready: bool, token: Option<&str>) -> 
         }
     }
     args.push("--serve".into());
-    let session_file = status_path(mountpoint).with_extension("session.json");
+    // Named by our pid: a mount made at the same path after this one ended outside our
+    // knowledge has its own.
+    let session_file = status_path(mountpoint).with_extension(format!("{}.session.json", std::process::id()));
     let mut term = signal(SignalKind::terminate())?;
     let mut int = signal(SignalKind::interrupt())?;
     let mut hup = signal(SignalKind::hangup())?;
@@ -293,11 +332,15 @@ pub async fn run(mountpoint: &Path, notify_ready: bool, token: Option<&str>) -> 
         let pause = Duration::from_millis(50 << quick_deaths.min(7)).min(Duration::from_secs(5));
         tokio::time::sleep(pause).await;
     };
-    if fuse.is_some() && locus_fuse::is_locus_mount(mountpoint) {
-        lazy_unmount(mountpoint);
+    if let Some(fd) = &fuse {
+        unmount_if_ours(
+            mountpoint,
+            fd.as_fd(),
+            state.as_ref().and_then(|s| s.device.as_deref()),
+        );
     }
     let _ = std::fs::remove_file(&session_file);
-    let _ = std::fs::remove_file(status_path(mountpoint));
+    super::runtime::remove_status_of(mountpoint, std::process::id());
     if code != 0 {
         std::process::exit(code);
     }

@@ -114,6 +114,26 @@ pub(super) fn status_path(mountpoint: &Path) -> PathBuf {
         .join(format!("{}.json", state_name(mountpoint)))
 }
 
+/// Removes the mount point's status file if it is the one of the mount whose holder is
+/// `holder_pid`: after `fusermount3 -u`, a new mount at the same path may have written its
+/// own before this one's processes noticed they were done.
+pub(super) fn remove_status_of(mountpoint: &Path, holder_pid: u32) {
+    let path = status_path(mountpoint);
+    if path.exists() && !status_names_another(&path, holder_pid) {
+        let _ = std::fs::remove_file(&path);
+    }
+}
+
+/// Whether the status file at `path` is another mount's than the one whose holder is
+/// `holder_pid`. A file that is absent or does not parse names no other mount.
+pub(super) fn status_names_another(path: &Path, holder_pid: u32) -> bool {
+    std::fs::read(path)
+        .ok()
+        .and_then(|b| serde_json::from_slice::<serde_json::Value>(&b).ok())
+        .and_then(|v| v["pid"].as_u64())
+        .is_some_and(|p| p != u64::from(holder_pid))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -207,7 +207,10 @@ fn is_mounted(fuse_device: &DevFuse) -> bool {
         let res = poll(slice::from_mut(&mut poll_fd), PollTimeout::ZERO);
         break match res {
             Ok(0) => true,
-            Ok(1) => poll_fd
+            // Locus: an unmounted (aborted) connection polls POLLERR; upstream read it
+            // as "still mounted", and its Drop then unmounted the path by name, tearing
+            // down whatever had been mounted there since.
+            Ok(1) => !poll_fd
                 .revents()
                 .is_some_and(|r| r.contains(PollFlags::POLLERR)),
             Ok(_) => unreachable!(),
