@@ -102,26 +102,6 @@ fn warm_sample(root: &Path, files: &[PathBuf], threads: usize) -> (usize, u64, f
     (passes, bytes, secs)
 }
 
-/// User plus system CPU time of a process so far, in clock ticks.
-fn cpu_ticks(pid: u64) -> Option<u64> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    // Fields after the command name, which is in parentheses and may hold spaces.
-    let rest = &stat[stat.rfind(')')? + 2..];
-    let f: Vec<&str> = rest.split_whitespace().collect();
-    Some(f.get(11)?.parse::<u64>().ok()? + f.get(12)?.parse::<u64>().ok()?)
-}
-
-fn ticks_per_second() -> f64 {
-    // SAFETY: sysconf has no preconditions.
-    #[allow(unsafe_code)]
-    let t = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
-    if t > 0 {
-        t as f64
-    } else {
-        100.0
-    }
-}
-
 /// GB/s for the large and the mixed files (workloads 0 and 1), files/s for the small ones.
 fn rate((passes, bytes, secs): (usize, u64, f64), workload: usize, files: usize) -> f64 {
     if workload < 2 {
@@ -466,14 +446,14 @@ async fn main() {
             let server = guard
                 .downcast_ref::<Mount>()
                 .and_then(|m| m.status()["server_pid"].as_u64());
-            let cpu_before = server.and_then(cpu_ticks);
+            let cpu_before = server.map(|p| cpu_seconds(p as u32));
             let perf = profile(&format!("cold-{counter}-{dir}"));
             let (cold_bytes, cold_secs) = read_all(&root, files, *threads);
             stop_profile(perf);
-            let cold_cpu = match (cpu_before, server.and_then(cpu_ticks)) {
+            let cold_cpu = match (cpu_before, server.map(|p| cpu_seconds(p as u32))) {
                 // Per file for the small files, per MiB for the others.
                 (Some(a), Some(b)) => {
-                    let us = (b - a) as f64 * 1e6 / ticks_per_second();
+                    let us = (b - a) * 1e6;
                     if wi == 2 {
                         format!(", mount CPU {:.0} µs/file", us / files.len() as f64)
                     } else {

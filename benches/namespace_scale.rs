@@ -82,19 +82,6 @@ fn status_kib(pid: u32, key: &str) -> f64 {
         .unwrap_or(f64::NAN)
 }
 
-/// User plus system CPU seconds of a process so far.
-fn cpu_seconds(pid: u32) -> f64 {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
-    let rest = &stat[stat.rfind(')').map_or(0, |i| i + 2)..];
-    let f: Vec<&str> = rest.split_whitespace().collect();
-    let ticks: u64 = f.get(11).and_then(|v| v.parse().ok()).unwrap_or(0)
-        + f.get(12).and_then(|v| v.parse().ok()).unwrap_or(0);
-    // SAFETY: sysconf has no preconditions.
-    #[allow(unsafe_code)]
-    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as f64;
-    ticks as f64 / hz
-}
-
 fn dir_bytes(p: &Path) -> u64 {
     let mut total = 0;
     for e in std::fs::read_dir(p).into_iter().flatten().flatten() {

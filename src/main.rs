@@ -47,7 +47,9 @@ Examples:
   # Only among the nodes of one zone, as JSON for a scheduler
   locus locality imagenet@latest --where zone=us-east-1a --json
   # Two datasets one job reads together
-  locus locality imagenet@3 captions@1")]
+  locus locality imagenet@3 captions@1
+  # The best 8 nodes of a large cluster
+  locus locality imagenet@3 --limit 8")]
     Locality(cmd::locality::LocalityArgs),
     /// Split a dataset version's shards among a job's ranks: each shard once, balanced,
     /// read locally where possible (JSON for data-loader samplers).

@@ -118,6 +118,36 @@ async fn locality_matches_the_disks_and_follows_repair() {
         assert!((f - n["resident_bytes"].as_u64().unwrap() as f64 / total as f64).abs() < 1e-9);
     }
 
+    // The best N: the full ranking's head, same figures. Over gRPC, labels come only
+    // when asked (the CLI asks).
+    let best = locality_json(&m, &["ds@1", "--limit", "2"]);
+    assert_eq!(
+        best["nodes"].as_array().unwrap()[..],
+        j["nodes"].as_array().unwrap()[..2]
+    );
+    assert_eq!(best["total_bytes"], j["total_bytes"]);
+    assert!(j["nodes"][0]["labels"]["rack"].is_string(), "{}", j["nodes"][0]);
+    let mut c = m.client(None).await;
+    let ask = |limit: u32, labels: bool| locus_proto::pb::LocalityRequest {
+        refs: vec![locus_proto::pb::VersionRef {
+            dataset: "ds".into(),
+            version: 1,
+        }],
+        limit,
+        labels,
+        ..Default::default()
+    };
+    let bare = c.locality(ask(1, false)).await.unwrap().into_inner();
+    let full = c.locality(ask(0, true)).await.unwrap().into_inner();
+    assert_eq!(bare.nodes.len(), 1);
+    assert!(bare.nodes[0].labels.is_empty(), "no labels unless asked");
+    assert_eq!(full.nodes.len(), 3);
+    assert_eq!(bare.nodes[0].node, full.nodes[0].node);
+    assert_eq!(
+        full.nodes[0].labels.get("rack").map(String::as_str),
+        j["nodes"][0]["labels"]["rack"].as_str()
+    );
+
     // Subsets: one shard, a path prefix, a label selector, named candidates.
     let one = locality_json(&m, &["ds@1", "--shards", "0"]);
     let shard0 = one["total_bytes"].as_u64().unwrap();

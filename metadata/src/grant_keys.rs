@@ -313,9 +313,17 @@ impl RingStore for FileRing {
 /// changed (a rotation on this or, in a group, another member).
 pub struct GrantKeys {
     store: Arc<dyn RingStore>,
-    /// The stored bytes last parsed, and the ring they hold.
-    cache: Mutex<(Vec<u8>, Arc<KeyRing>)>,
+    /// The stored bytes last parsed, the ring they hold, and when the store was last read.
+    cache: Mutex<(Vec<u8>, Arc<KeyRing>, Option<std::time::Instant>)>,
 }
+
+/// How long a ring read from the store is used before the store is read again. Every
+/// heartbeat and grant asks for the ring: reading the store each time was 6% of the
+/// service's CPU at 10,000 nodes. A rotation here updates the ring at once, and rotations
+/// and listings read the store afresh; a rotation made on another group member is seen
+/// here within this delay — shorter than nodes take to hear of it (their heartbeat
+/// interval), and a new key is published a while before it signs.
+const RING_RECHECK: Duration = Duration::from_secs(1);
 
 impl std::fmt::Debug for GrantKeys {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -327,17 +335,31 @@ impl GrantKeys {
     pub fn new(store: Arc<dyn RingStore>, ring: KeyRing) -> Self {
         GrantKeys {
             store,
-            cache: Mutex::new((ring.encode(), Arc::new(ring))),
+            cache: Mutex::new((ring.encode(), Arc::new(ring), Some(std::time::Instant::now()))),
         }
     }
 
     /// The current ring. A store that cannot be read keeps the last ring in use (with a
     /// warning) rather than stopping every grant.
     pub fn ring(&self) -> Arc<KeyRing> {
+        self.ring_within(RING_RECHECK)
+    }
+
+    /// The ring as stored now (for a rotation, which must build on the latest one, and
+    /// for listing keys to an operator).
+    pub fn fresh_ring(&self) -> Arc<KeyRing> {
+        self.ring_within(Duration::ZERO)
+    }
+
+    fn ring_within(&self, max_age: Duration) -> Arc<KeyRing> {
         let mut c = self.cache.lock().unwrap_or_else(|p| p.into_inner());
+        if c.2.is_some_and(|t| t.elapsed() < max_age) {
+            return c.1.clone();
+        }
+        c.2 = Some(std::time::Instant::now());
         match self.store.load() {
             Ok(Some(b)) if b != c.0 => match KeyRing::decode(&b, &self.store.place()) {
-                Ok(r) => *c = (b, Arc::new(r)),
+                Ok(r) => (c.0, c.1) = (b, Arc::new(r)),
                 Err(e) => tracing::warn!("{e}; signing with the keys read before"),
             },
             Ok(_) => {}
@@ -358,10 +380,11 @@ impl GrantKeys {
     /// Rotates the ring and stores it. Blocking (a group commits it through the log).
     pub fn rotate(&self, delay: Duration, revoke: bool) -> Result<Arc<KeyRing>, KeyRingError> {
         let now = locus_proto::grant::now_ms();
-        let next = Arc::new(self.ring().rotated(now, delay, revoke)?);
+        let next = Arc::new(self.fresh_ring().rotated(now, delay, revoke)?);
         let bytes = next.encode();
         self.store.store(bytes.clone())?;
-        *self.cache.lock().unwrap_or_else(|p| p.into_inner()) = (bytes, next.clone());
+        *self.cache.lock().unwrap_or_else(|p| p.into_inner()) =
+            (bytes, next.clone(), Some(std::time::Instant::now()));
         Ok(next)
     }
 }

@@ -253,7 +253,14 @@ pub async fn locality(
     let shards: Option<HashSet<u32>> = (!q.shards.is_empty()).then(|| q.shards.iter().copied().collect());
     let (with_labels, limit) = (q.labels, q.limit.unwrap_or(usize::MAX));
     let r = tokio::task::spawn_blocking(move || {
-        catalog.locality(&refs, shards.as_ref(), &q.paths, &q.nodes, &selector)
+        catalog.locality(
+            &refs,
+            shards.as_ref(),
+            &q.paths,
+            &q.nodes,
+            &selector,
+            (limit, with_labels),
+        )
     })
     .await;
     let out = match r {
@@ -273,7 +280,6 @@ pub async fn locality(
         nodes: out
             .nodes
             .iter()
-            .take(limit)
             .map(|n| NodeOut {
                 node: &n.node,
                 rank: n.rank,

@@ -190,7 +190,14 @@ fn locality_of(
         pb::LocalityResponse::default()
     } else {
         catalog
-            .locality(&wants.refs, None, &[], &wanted, &HashMap::new())
+            .locality(
+                &wants.refs,
+                None,
+                &[],
+                &wanted,
+                &HashMap::new(),
+                (usize::MAX, false),
+            )
             .map_err(|e| e.to_string())?
     };
     let by_id: HashMap<&str, &pb::NodeLocality> = out.nodes.iter().map(|n| (n.node.as_str(), n)).collect();

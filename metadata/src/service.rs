@@ -193,9 +193,11 @@ impl pb::metadata_server::Metadata for MetadataService {
             refill_rate: r.refill_rate,
             refill_failing: r.refill_failing,
         };
-        self.run(move |c| c.heartbeat(&id, &instance, st))
-            .await
-            .map_err(to_status)?;
+        // Inline, not on the blocking pool: a point read of a small hot record and a map
+        // update, at thousands of nodes' heartbeats a second, where the hand-off to a
+        // blocking thread and back cost more than the work (a third of the service's CPU
+        // at 10,000 nodes).
+        self.catalog.heartbeat(&id, &instance, st).map_err(to_status)?;
         Ok(Response::new(pb::HeartbeatResponse {
             grant_keys: self.grant_keys.verifying(),
         }))
@@ -326,8 +328,22 @@ impl pb::metadata_server::Metadata for MetadataService {
                 .map_err(|e| e.within("path_prefixes"))?;
         }
         let shards: Option<HashSet<u32>> = (!q.shards.is_empty()).then(|| q.shards.into_iter().collect());
+        let limit = if q.limit == 0 {
+            usize::MAX
+        } else {
+            q.limit as usize
+        };
         let out = self
-            .run(move |c| c.locality(&refs, shards.as_ref(), &q.path_prefixes, &q.nodes, &q.selector))
+            .run(move |c| {
+                c.locality(
+                    &refs,
+                    shards.as_ref(),
+                    &q.path_prefixes,
+                    &q.nodes,
+                    &q.selector,
+                    (limit, q.labels),
+                )
+            })
             .await
             .map_err(to_status)?;
         Ok(Response::new(out))

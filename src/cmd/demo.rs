@@ -172,6 +172,7 @@ pub async fn run(a: DemoArgs, cfg: &Resolved) -> anyhow::Result<()> {
             selector: None,
             shards: Vec::new(),
             paths: Vec::new(),
+            limit: None,
         },
         &demo_cfg,
     )

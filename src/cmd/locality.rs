@@ -24,6 +24,9 @@ pub struct LocalityArgs {
     /// Only files under this path (repeatable).
     #[arg(long = "path", value_name = "PATH")]
     pub paths: Vec<String>,
+    /// Show only the best N nodes (the ranking is the same) [default: every candidate].
+    #[arg(long, value_name = "N")]
+    pub limit: Option<u32>,
 }
 
 pub async fn run(a: LocalityArgs, cfg: &Resolved) -> anyhow::Result<()> {
@@ -49,6 +52,8 @@ pub async fn run(a: LocalityArgs, cfg: &Resolved) -> anyhow::Result<()> {
             shards: a.shards,
             nodes: a.nodes,
             selector,
+            limit: a.limit.unwrap_or(0),
+            labels: true,
         })
         .await
         .or_status()?;

@@ -317,6 +317,7 @@ fn flag_duration(what: &str, v: Option<String>, default: &str) -> anyhow::Result
 }
 
 async fn serve(a: ServeArgs, cfg: &Resolved) -> anyhow::Result<()> {
+    super::raise_open_file_limit();
     let f = cfg.server_file.clone();
     let tls = a.tls.load(Some(&f))?;
     // As a client (the repair loop ordering nodes to copy), the service presents its own

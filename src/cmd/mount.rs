@@ -116,27 +116,6 @@ pub struct MountArgs {
     pub serve: bool,
 }
 
-/// The mount keeps recently verified local files open, up to a quarter of its open-file
-/// limit: the usual soft limit of 1,024 would remember only 256 files, so the soft limit
-/// goes up to the hard one (as far as this process is allowed).
-#[allow(unsafe_code)]
-fn raise_open_file_limit() {
-    let mut r = libc::rlimit {
-        rlim_cur: 0,
-        rlim_max: 0,
-    };
-    // SAFETY: getrlimit/setrlimit only read and write the rlimit struct we pass, which
-    // lives on this stack frame for the duration of both calls.
-    unsafe {
-        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut r) == 0 && r.rlim_cur < r.rlim_max {
-            r.rlim_cur = r.rlim_max;
-            if libc::setrlimit(libc::RLIMIT_NOFILE, &r) != 0 {
-                tracing::debug!("cannot raise the open-file limit");
-            }
-        }
-    }
-}
-
 /// One session thread per CPU: each kernel round trip wakes a thread, and on a busy host
 /// extra threads only trade places with the readers (16 threads on 2 CPUs served 40k
 /// small-file opens a second, 2 threads 66k).
@@ -347,7 +326,9 @@ async fn serve(a: MountArgs, mountpoint: PathBuf, cfg: &Resolved) -> anyhow::Res
         v.bytes,
         passthrough_min_size,
     );
-    raise_open_file_limit();
+    // The mount keeps recently verified local files open, up to a quarter of its
+    // open-file limit: the usual soft limit of 1,024 would remember only 256 files.
+    super::raise_open_file_limit();
     let fs = locus_fuse::LocusFs::new(
         ns.clone(),
         tokio::runtime::Handle::current(),

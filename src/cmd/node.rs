@@ -216,6 +216,7 @@ pub fn parse_labels(s: &str) -> anyhow::Result<HashMap<String, String>> {
 }
 
 async fn serve(a: ServeArgs, cfg: &Resolved) -> anyhow::Result<()> {
+    super::raise_open_file_limit();
     let id_s = a.id.unwrap_or_else(hostname);
     let id = locus_proto::NodeId::try_from(id_s.as_str())
         .map_err(|e| anyhow::anyhow!("node id {id_s:?}: {} (use --id)", e.reason))?;

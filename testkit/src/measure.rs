@@ -34,6 +34,39 @@ pub fn write_random_files(dir: &Path, prefix: &str, count: usize, each: usize, s
     }
 }
 
+/// User plus system CPU seconds a process has used so far (0 if it is gone): what a
+/// data path costs is judged by this, summed over every process on the path.
+pub fn cpu_seconds(pid: u32) -> f64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    // The fields after the command name, which is in parentheses and may hold spaces.
+    let rest = stat.rsplit_once(')').map_or("", |x| x.1);
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    // utime and stime are fields 14 and 15 of the line, 12 and 13 after the name.
+    let ticks: u64 = f.get(11).and_then(|v| v.parse().ok()).unwrap_or(0)
+        + f.get(12).and_then(|v| v.parse().ok()).unwrap_or(0);
+    // SAFETY: sysconf has no preconditions.
+    #[allow(unsafe_code)]
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
+    ticks as f64 / if hz > 0 { hz as f64 } else { 100.0 }
+}
+
+/// Raises this process's soft open-file limit to its hard limit, for a bench that plays
+/// thousands of clients.
+#[allow(unsafe_code)]
+pub fn raise_open_file_limit() {
+    let mut r = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit/setrlimit on a struct on this stack frame.
+    unsafe {
+        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut r) == 0 && r.rlim_cur < r.rlim_max {
+            r.rlim_cur = r.rlim_max;
+            libc::setrlimit(libc::RLIMIT_NOFILE, &r);
+        }
+    }
+}
+
 /// MiB/s.
 pub fn mbs(bytes: u64, d: Duration) -> f64 {
     bytes as f64 / d.as_secs_f64() / (1 << 20) as f64

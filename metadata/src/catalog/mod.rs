@@ -68,6 +68,29 @@ type VersionShards = Arc<Vec<(u32, crate::locality::ShardBytes)>>;
 /// Every node record by id.
 type NodeRecords = Arc<Vec<(String, NodeRecord)>>;
 
+/// The registered nodes (in id order) and, built on first use, their topology for
+/// locality: both change only at registration and drain.
+pub(super) struct NodeView {
+    records: NodeRecords,
+    topo: std::sync::OnceLock<crate::locality::Topology>,
+}
+
+impl NodeView {
+    pub(super) fn records(&self) -> &[(String, NodeRecord)] {
+        &self.records
+    }
+
+    pub(super) fn topology(&self) -> &crate::locality::Topology {
+        self.topo.get_or_init(|| {
+            crate::locality::Topology::new(self.records.iter().map(|(id, r)| {
+                let label = |k: &str| r.labels.get(k).map_or("", String::as_str);
+                let host = r.labels.get("host").map_or(id.as_str(), String::as_str);
+                (id.as_str(), host, label("rack"), label("zone"))
+            }))
+        })
+    }
+}
+
 /// Most files an Assign answer lists (its message must stay under the size limit).
 pub const MAX_ASSIGN_FILES: u64 = 200_000;
 
@@ -266,14 +289,15 @@ pub struct Catalog {
     started_ms: i64,
     versions_lock: Mutex<()>,
     sessions_lock: Mutex<()>,
-    live: Mutex<HashMap<String, Live>>,
+    /// By node id, FNV-hashed: a locality question looks up every node (10,000 at a time).
+    live: Mutex<crate::locality::FastMap<String, Live>>,
     /// Shard sizes and replica sets per version uid, for locality questions (asked far
     /// more often than replicas change). An entry is valid only while `replica_gen` still
     /// has the value it was loaded under; every replica change bumps it.
     shard_cache: Mutex<HashMap<u64, (u64, VersionShards)>>,
     replica_gen: std::sync::atomic::AtomicU64,
     /// Node records (they change only at registration and drain), same scheme.
-    node_cache: Mutex<Option<(u64, NodeRecords)>>,
+    node_cache: Mutex<Option<(u64, Arc<NodeView>)>>,
     node_gen: std::sync::atomic::AtomicU64,
     /// Whether this process runs the cluster's background duties (repair, reaping) and
     /// judges liveness: always for a single service, only the leader in a group.
@@ -347,7 +371,7 @@ impl Catalog {
             started_ms,
             versions_lock: Mutex::new(()),
             sessions_lock: Mutex::new(()),
-            live: Mutex::new(HashMap::new()),
+            live: Mutex::new(Default::default()),
             shard_cache: Mutex::new(HashMap::new()),
             replica_gen: std::sync::atomic::AtomicU64::new(0),
             node_cache: Mutex::new(None),

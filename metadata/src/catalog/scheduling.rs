@@ -113,7 +113,8 @@ impl Catalog {
         Ok(rows)
     }
 
-    /// The Locality call: candidates ranked by the cost of the data they lack.
+    /// The Locality call: candidates ranked by the cost of the data they lack, the best
+    /// `limit` of them answered, with their labels if asked.
     pub fn locality(
         &self,
         refs: &[DatasetRef],
@@ -121,50 +122,42 @@ impl Catalog {
         prefixes: &[String],
         candidates: &[String],
         selector: &HashMap<String, String>,
+        (limit, with_labels): (usize, bool),
     ) -> Result<pb::LocalityResponse> {
         if refs.is_empty() {
             return Err(InvalidInput::new("refs", "name at least one dataset version").into());
         }
         let (resolved, shard_bytes) = self.locality_shards(refs, shards, prefixes)?;
-        let nodes = self.list_nodes()?;
-        let topo: Vec<crate::locality::NodeTopo> = nodes
-            .iter()
-            .map(|n| crate::locality::NodeTopo {
-                id: n.id.clone(),
-                host: n.labels.get("host").cloned().unwrap_or_else(|| n.id.clone()),
-                rack: n.labels.get("rack").cloned().unwrap_or_default(),
-                zone: n.labels.get("zone").cloned().unwrap_or_default(),
-                live: n.state == pb::NodeState::Up as i32,
-            })
-            .collect();
+        self.notice_pause(false);
+        let view = self.node_view()?;
+        let nodes = view.records();
+        let topo = view.topology();
+        let up = self.up_of(&view);
         let picked: Vec<usize> = if candidates.is_empty() {
             (0..nodes.len())
-                .filter(|&i| topo[i].live && !nodes[i].draining)
-                .filter(|&i| crate::locality::matches(&nodes[i].labels, selector))
+                .filter(|&i| up[i] && !nodes[i].1.draining)
+                .filter(|&i| crate::locality::matches(&nodes[i].1.labels, selector))
                 .collect()
         } else {
-            let index: HashMap<&str, usize> = nodes
-                .iter()
-                .enumerate()
-                .map(|(i, n)| (n.id.as_str(), i))
-                .collect();
             let mut seen = HashSet::new();
             let mut v = Vec::new();
             for c in candidates {
-                let i = *index
-                    .get(c.as_str())
+                let i = topo
+                    .index(c)
                     .ok_or_else(|| CatalogError::NotFound(format!("no node named {c}")))?;
-                if crate::locality::matches(&nodes[i].labels, selector) && seen.insert(i) {
+                if crate::locality::matches(&nodes[i].1.labels, selector) && seen.insert(i) {
                     v.push(i);
                 }
             }
             v
         };
-        let ranked = crate::locality::compute(
+        let ranked = crate::locality::compute_on(
             shard_bytes.iter().flat_map(|s| s.iter()),
-            &topo,
+            topo,
+            &up,
             &picked,
             &self.config.cost,
+            limit,
         );
         Ok(pb::LocalityResponse {
             refs: resolved
@@ -177,8 +170,12 @@ impl Catalog {
                 .map(|l| {
                     let i = l.index;
                     pb::NodeLocality {
-                        labels: nodes[i].labels.clone(),
-                        live: topo[i].live,
+                        labels: if with_labels {
+                            nodes[i].1.labels.clone()
+                        } else {
+                            HashMap::new()
+                        },
+                        live: up[i],
                         node: l.node,
                         resident_bytes: l.resident_bytes,
                         resident_fraction: l.resident_fraction,

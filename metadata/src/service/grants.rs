@@ -19,7 +19,7 @@ impl MetadataService {
         let now = now_ms();
         match q.op.as_str() {
             "list" | "" => Ok(pb::GrantKeysResponse {
-                keys: self.grant_keys.ring().describe(now),
+                keys: self.grant_keys.fresh_ring().describe(now),
             }),
             "rotate" => {
                 let delay = match q.publish_delay_ms {
