@@ -898,3 +898,89 @@ async fn a_planted_runtime_dir_is_refused_and_the_token_stays_out_of_the_process
     let runtime = std::fs::metadata(&mnt.runtime_dir).unwrap().permissions().mode() & 0o777;
     assert_eq!(runtime, 0o700, "{runtime:o}");
 }
+
+/// A version committed before versions carried a sealed namespace (by an older Locus, or
+/// restored from a catalogue it wrote) cannot be mounted until `locus dataset seal` gives
+/// it one; after that it mounts and reads back exactly, and sealing again changes nothing.
+/// The old version is made by stripping a fresh one's namespace from the service's
+/// RocksDB while the service is stopped, as the old format had it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_version_from_before_sealed_namespaces_mounts_once_sealed() {
+    use locus_metadata::store::{Batch, KvStore, RocksStore, Table};
+    use prost::Message;
+
+    let h = Harness::new("seal-old");
+    let mut m = h.start_metadata("meta", MetadataOpts::default()).await;
+    let n1 = h.start_node("n1", &m, NodeOpts::host(1)).await;
+    let src = h.path("src");
+    make_tree(&src, 60);
+    let out = import(&m, "ds", &src, &["--replicas", "1"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+
+    // The old format: no namespace fields, no namespace row among the first shard's blobs.
+    m.terminate().await;
+    {
+        let db = RocksStore::open(&m.data_dir.join("db")).unwrap();
+        let key = locus_metadata::keys::version("ds", 1);
+        let mut v = locus_metadata::records::VersionRecord::decode(
+            &db.get(Table::Versions, &key)
+                .unwrap()
+                .expect("ds@1 is in the catalogue")[..],
+        )
+        .unwrap();
+        assert!(!v.namespace_blob.is_empty(), "a fresh import is sealed");
+        let ns: [u8; 32] = v.namespace_blob[..].try_into().unwrap();
+        let mut b = Batch::default();
+        let (from, to) = locus_metadata::keys::uid_range(v.uid);
+        let mut dropped = 0;
+        for kv in db.scan(Table::ShardBlobs, &from, Some(&to)) {
+            let (k, _) = kv.unwrap();
+            if k.ends_with(&ns) {
+                let shard = locus_metadata::keys::shard_id(&k).unwrap();
+                b.delete(Table::ShardBlobs, k.to_vec());
+                b.delete(
+                    Table::BlobShards,
+                    locus_metadata::keys::blob_shard(&ns, v.uid, shard),
+                );
+                dropped += 1;
+            }
+        }
+        assert_eq!(dropped, 1, "the namespace is one blob of the first shard");
+        v.namespace_blob.clear();
+        v.namespace_size = 0;
+        v.namespace_inline.clear();
+        v.namespace_chunks.clear();
+        b.put(Table::Versions, key, v.encode_to_vec());
+        db.write(b, true).unwrap();
+    }
+    m.restart().await;
+
+    // Refused with the way out, and `dataset show` says the same.
+    let (_unsealed, o) = m.try_mount("mnt", "ds@1", Some(&n1), &[]);
+    assert!(!o.status.success(), "an unsealed version must not mount");
+    assert!(stderr(&o).contains("locus dataset seal ds@1"), "{}", stderr(&o));
+    let show = m.cli(&["dataset", "show", "ds@1"]);
+    assert!(
+        stdout(&show).contains("locus dataset seal ds@1"),
+        "{}",
+        stdout(&show)
+    );
+
+    let o = m.cli(&["dataset", "seal", "ds@1", "--json"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let j: serde_json::Value = serde_json::from_str(&stdout(&o)).unwrap();
+    assert_eq!(j["sealed_now"], true, "{j}");
+    assert_eq!(j["namespace"]["blob"].as_str().map(str::len), Some(64), "{j}");
+    let o = m.cli(&["dataset", "seal", "ds@1", "--json"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let again: serde_json::Value = serde_json::from_str(&stdout(&o)).unwrap();
+    assert_eq!(again["sealed_now"], false, "sealing twice does nothing");
+    assert_eq!(again["namespace"], j["namespace"]);
+
+    let mnt = m.mount("mnt2", "ds@1", Some(&n1), &[]);
+    assert_eq!(walk(&mnt.path, false), walk(&src, false), "the same tree");
+    for (rel, want) in nonempty_files(&src) {
+        let got = std::fs::read(mnt.path.join(&rel)).unwrap();
+        assert_eq!(blake3::hash(&got).to_hex().as_str(), want, "{}", rel.display());
+    }
+}
