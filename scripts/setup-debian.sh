@@ -10,6 +10,7 @@
 #   python3         Debian's, which any user can run (a test client run as user nobody)
 #   systemd         `systemd-analyze verify` of the shipped units
 #   tcpdump         packet captures of test-bed links (no secret crosses a link in clear)
+#   prometheus      promtool, which checks and unit-tests deploy/monitoring's alert rules
 #   slurm-wlm, munge  a real Slurm (slurmctld, one slurmd per test-bed host) for the
 #                   Slurm integration test (--no-install-recommends keeps it to the daemons
 #                   and client tools)
@@ -17,7 +18,7 @@
 # persistent S3-compatible server) for the backup tests; from npm, Azurite (Azure Blob
 # emulator) under /opt/locus-tools for the az:// tests.
 set -euo pipefail
-pkgs=(librocksdb-dev libclang-dev clang protobuf-compiler pkg-config fuse3 openssl curl ca-certificates iproute2 util-linux python3 systemd slurm-wlm munge tcpdump)
+pkgs=(librocksdb-dev libclang-dev clang protobuf-compiler pkg-config fuse3 openssl curl ca-certificates iproute2 util-linux python3 systemd slurm-wlm munge tcpdump prometheus)
 missing=()
 for p in "${pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

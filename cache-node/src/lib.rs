@@ -497,7 +497,9 @@ pub async fn serve(
         cfg.id.as_str(),
         cfg.origin_roots.clone(),
     ));
-    let metrics = Arc::new(metrics::Metrics::default());
+    let metrics = Arc::new(metrics::Metrics::new(
+        cfg.tls.as_ref().and_then(|t| t.not_after()),
+    ));
     let refill = refill::Refill::new(refill::RefillConfig {
         me: cfg.id.to_string(),
         parallel: cfg.refill_parallel,
@@ -588,6 +590,7 @@ pub async fn serve(
                 "/metrics",
                 axum::routing::get(move || {
                     m.refill(&rf.progress());
+                    m.dirs(&st.dir_space());
                     let body = m.encode(&st.stats());
                     async move {
                         (

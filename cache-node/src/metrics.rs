@@ -19,6 +19,9 @@
 //! | locus_node_refill_bytes_total | counter | bytes | bytes the refill copied |
 //! | locus_node_scrub_bytes_total | counter | bytes | bytes the scrub re-verified |
 //! | locus_node_scrub_passes_total | counter | passes | complete scrub passes over every blob |
+//! | locus_node_data_dir_free_bytes | gauge | bytes | free space on each data dir's file system, for anyone (`dir`) |
+//! | locus_node_data_dir_size_bytes | gauge | bytes | size of each data dir's file system (`dir`) |
+//! | locus_node_tls_cert_expiry_timestamp_seconds | gauge | Unix s | when the serving certificate expires (only with TLS) |
 
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
@@ -29,6 +32,11 @@ use prometheus_client::registry::Registry;
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct KindLabel {
     pub kind: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct DirLabel {
+    pub dir: String,
 }
 
 pub struct Metrics {
@@ -51,10 +59,20 @@ pub struct Metrics {
     pub refill_bytes: Counter,
     pub scrub_bytes: Counter,
     pub scrub_passes: Counter,
+    pub dir_free: Family<DirLabel, Gauge>,
+    pub dir_size: Family<DirLabel, Gauge>,
 }
 
 impl Default for Metrics {
     fn default() -> Self {
+        Self::new(None)
+    }
+}
+
+impl Metrics {
+    /// `tls_not_after`: when the serving certificate expires (Unix s), with TLS on; its
+    /// gauge exists only then.
+    pub fn new(tls_not_after: Option<i64>) -> Self {
         let mut r = Registry::with_prefix("locus_node");
         let m = Metrics {
             registry: Registry::default(),
@@ -76,6 +94,8 @@ impl Default for Metrics {
             refill_bytes: Counter::default(),
             scrub_bytes: Counter::default(),
             scrub_passes: Counter::default(),
+            dir_free: Family::default(),
+            dir_size: Family::default(),
         };
         r.register("read_bytes", "Blob bytes served", m.read_bytes.clone());
         r.register(
@@ -131,11 +151,35 @@ impl Default for Metrics {
             m.scrub_bytes.clone(),
         );
         r.register("scrub_passes", "Complete scrub passes", m.scrub_passes.clone());
+        r.register(
+            "data_dir_free_bytes",
+            "Free space on each data dir's file system",
+            m.dir_free.clone(),
+        );
+        r.register(
+            "data_dir_size_bytes",
+            "Size of each data dir's file system",
+            m.dir_size.clone(),
+        );
+        if let Some(t) = tls_not_after {
+            let g: Gauge = Gauge::default();
+            g.set(t);
+            r.register(
+                "tls_cert_expiry_timestamp_seconds",
+                "When the serving certificate expires (Unix time)",
+                g,
+            );
+        }
+        // Known label values start at 0, so each series exists before its first event.
+        for kind in ["full", "mismatch"] {
+            let _ = m.write_refusals.get_or_create(&KindLabel { kind: kind.into() });
+        }
+        for kind in ["client", "peer", "origin"] {
+            let _ = m.blobs_written.get_or_create(&KindLabel { kind: kind.into() });
+        }
         Metrics { registry: r, ..m }
     }
-}
 
-impl Metrics {
     pub fn wrote(&self, kind: &str, bytes: u64) {
         self.written_bytes.inc_by(bytes);
         self.blobs_written
@@ -170,6 +214,15 @@ impl Metrics {
         self.write_refusals
             .get_or_create(&KindLabel { kind: kind.into() })
             .inc();
+    }
+
+    /// The space on each data dir's file system: (dir, free, size) in bytes.
+    pub fn dirs(&self, space: &[(String, u64, u64)]) {
+        for (d, free, size) in space {
+            let l = DirLabel { dir: d.clone() };
+            self.dir_free.get_or_create(&l).set(*free as i64);
+            self.dir_size.get_or_create(&l).set(*size as i64);
+        }
     }
 
     pub fn encode(&self, s: &crate::store::Stats) -> String {

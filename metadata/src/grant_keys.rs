@@ -194,6 +194,15 @@ impl KeyRing {
         });
     }
 
+    /// When the key that signs now was made (Unix ms): how old the signing key is.
+    pub fn signer_created_ms(&self, now_ms: u64) -> u64 {
+        (0..self.entries.len())
+            .rev()
+            .find(|&i| self.state(i, now_ms) == "signing")
+            .or(self.entries.len().checked_sub(1))
+            .map_or(0, |i| self.entries[i].0.created_ms)
+    }
+
     /// The key that signs now.
     pub fn signer(&self, now_ms: u64) -> &GrantKey {
         (0..self.entries.len())

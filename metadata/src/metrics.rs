@@ -11,9 +11,16 @@
 //! | locus_metadata_nodes | gauge | nodes | registered nodes by state (up, down) |
 //! | locus_metadata_open_sessions | gauge | sessions | import sessions not yet committed |
 //! | locus_metadata_store_bytes | gauge | bytes | size of the RocksDB directory |
-//! | locus_metadata_repairs_total | counter | shards | shard repairs by result (ok, failed) |
+//! | locus_metadata_repairs_total | counter | shards | shard repairs by result (`reason`: ok, failed) |
 //! | locus_metadata_repair_bytes_total | counter | bytes | bytes of shards re-replicated |
 //! | locus_metadata_shards_without_replica | gauge | shards | shards with no live replica |
+//! | locus_metadata_shards_under_replicated | gauge | shards | shards with fewer live replicas than their version asks for (as of the last repair pass) |
+//! | locus_metadata_last_backup_timestamp_seconds | gauge | Unix s | when the last backup was committed (0 = never) |
+//! | locus_metadata_grant_signing_key_created_timestamp_seconds | gauge | Unix s | when the key that signs grants now was made (rotate old ones) |
+//! | locus_metadata_tls_cert_expiry_timestamp_seconds | gauge | Unix s | when the serving certificate expires (only with TLS) |
+//! | locus_metadata_group_has_leader | gauge | 0/1 | this member knows a leader (only in a group) |
+//! | locus_metadata_group_is_leader | gauge | 0/1 | this member is the leader (only in a group) |
+//! | locus_metadata_group_applied_index | gauge | entries | the last log entry this member applied (only in a group): members far apart are behind |
 
 use std::time::Duration;
 
@@ -61,7 +68,28 @@ pub struct Metrics {
     pub repairs: Family<ReasonLabel, Counter>,
     pub repair_bytes: Counter,
     pub shards_lost: Gauge,
+    pub shards_under_replicated: Gauge,
     pub last_backup: Gauge,
+    pub signing_key_created: Gauge,
+    /// Present only in a group.
+    pub group: Option<GroupGauges>,
+}
+
+/// A group member's view of its group.
+#[derive(Default)]
+pub struct GroupGauges {
+    pub has_leader: Gauge,
+    pub is_leader: Gauge,
+    pub applied_index: Gauge,
+}
+
+/// What decides which metrics a service exports: group metrics only in a group, the
+/// certificate's expiry only with TLS (an absent series cannot fire an alert wrongly).
+#[derive(Debug, Default, Clone, Copy)]
+pub struct MetricsShape {
+    pub group: bool,
+    /// Unix seconds when the serving certificate expires.
+    pub tls_not_after: Option<i64>,
 }
 
 fn latency_histogram() -> Histogram {
@@ -71,6 +99,12 @@ fn latency_histogram() -> Histogram {
 
 impl Default for Metrics {
     fn default() -> Self {
+        Self::new(MetricsShape::default())
+    }
+}
+
+impl Metrics {
+    pub fn new(shape: MetricsShape) -> Self {
         let mut registry = Registry::with_prefix("locus_metadata");
         let rpc_requests = Family::<RpcLabels, Counter>::default();
         let rpc_seconds: HistogramFamily = Family::new_with_constructor(latency_histogram);
@@ -84,7 +118,9 @@ impl Default for Metrics {
         let repairs = Family::<ReasonLabel, Counter>::default();
         let repair_bytes = Counter::default();
         let shards_lost = Gauge::default();
+        let shards_under_replicated = Gauge::default();
         let last_backup = Gauge::default();
+        let signing_key_created = Gauge::default();
         registry.register(
             "rpc_requests",
             "gRPC calls by method and status code",
@@ -127,6 +163,68 @@ impl Default for Metrics {
             "Size of the metadata store on disk",
             store_bytes.clone(),
         );
+        registry.register("repairs", "Shard repairs by result", repairs.clone());
+        registry.register(
+            "repair_bytes",
+            "Bytes of shards re-replicated",
+            repair_bytes.clone(),
+        );
+        registry.register(
+            "shards_without_replica",
+            "Shards with no live replica",
+            shards_lost.clone(),
+        );
+        registry.register(
+            "shards_under_replicated",
+            "Shards with fewer live replicas than their version asks for (last repair pass)",
+            shards_under_replicated.clone(),
+        );
+        registry.register(
+            "grant_signing_key_created_timestamp_seconds",
+            "When the key that signs grants now was made (Unix time)",
+            signing_key_created.clone(),
+        );
+        if let Some(t) = shape.tls_not_after {
+            let g: Gauge = Gauge::default();
+            g.set(t);
+            registry.register(
+                "tls_cert_expiry_timestamp_seconds",
+                "When the serving certificate expires (Unix time)",
+                g,
+            );
+        }
+        // Known label values start at 0, so each series exists from the start: a rule's
+        // increase() sees the first failed repair, and dashboards show a flat line rather
+        // than nothing.
+        for reason in ["ok", "failed"] {
+            let _ = repairs.get_or_create(&ReasonLabel {
+                reason: reason.into(),
+            });
+        }
+        for reason in ["missing_token", "bad_token", "denied", "unknown_method"] {
+            let _ = auth_failures.get_or_create(&ReasonLabel {
+                reason: reason.into(),
+            });
+        }
+        let group = shape.group.then(|| {
+            let g = GroupGauges::default();
+            registry.register(
+                "group_has_leader",
+                "1 when this member knows the group's leader",
+                g.has_leader.clone(),
+            );
+            registry.register(
+                "group_is_leader",
+                "1 when this member is the leader",
+                g.is_leader.clone(),
+            );
+            registry.register(
+                "group_applied_index",
+                "The last log entry this member applied",
+                g.applied_index.clone(),
+            );
+            g
+        });
         Self {
             registry,
             rpc_requests,
@@ -141,12 +239,13 @@ impl Default for Metrics {
             repairs,
             repair_bytes,
             shards_lost,
+            shards_under_replicated,
             last_backup,
+            signing_key_created,
+            group,
         }
     }
-}
 
-impl Metrics {
     pub fn rpc_done(&self, method: &str, code: tonic::Code, took: Duration) {
         self.rpc_requests
             .get_or_create(&RpcLabels {

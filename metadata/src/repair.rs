@@ -64,7 +64,7 @@ pub async fn run(
             continue;
         }
         let c = catalog.clone();
-        let (tasks, lost) = match tokio::task::spawn_blocking(move || c.repair_plan(64)).await {
+        let (tasks, lost, under) = match tokio::task::spawn_blocking(move || c.repair_plan(64)).await {
             Ok(Ok(p)) => p,
             Ok(Err(e)) => {
                 tracing::error!("repair planning failed: {e}");
@@ -76,6 +76,7 @@ pub async fn run(
             }
         };
         metrics.shards_lost.set(lost.len() as i64);
+        metrics.shards_under_replicated.set(under as i64);
         if lost.len() != reported_lost {
             for l in lost.iter().take(10) {
                 tracing::error!("{l}");

@@ -108,7 +108,10 @@ pub async fn serve(
         .clone()
         .unwrap_or_else(|| config.data_dir.join("audit.log"));
     let audit = Arc::new(AuditLog::open(&audit_path).map_err(dd)?);
-    let metrics = Arc::new(Metrics::default());
+    let metrics = Arc::new(Metrics::new(crate::metrics::MetricsShape {
+        group: config.group.is_some(),
+        tls_not_after: config.tls.as_ref().and_then(|t| t.not_after()),
+    }));
 
     let grpc_listener = bind(config.listen)?;
     let grpc_addr = grpc_listener.local_addr().map_err(|e| ServerError::Bind {
@@ -171,7 +174,12 @@ pub async fn serve(
     });
     if let Some(g) = &group {
         let _ = catalog_slot.set(catalog.clone());
-        tokio::spawn(follow_leadership(g.clone(), catalog.clone(), stop_rx.clone()));
+        tokio::spawn(follow_leadership(
+            g.clone(),
+            catalog.clone(),
+            metrics.clone(),
+            stop_rx.clone(),
+        ));
         tokio::spawn(g.clone().follow_liveness(catalog.clone(), stop_rx.clone()));
     }
 
@@ -245,7 +253,12 @@ pub async fn serve(
         stop_rx.clone(),
     ));
     let http = http_listener.map(|l| {
-        let app = http_router(catalog.clone(), metrics.clone(), tokens.clone());
+        let app = http_router(
+            catalog.clone(),
+            metrics.clone(),
+            grant_keys.clone(),
+            tokens.clone(),
+        );
         let rx = stop_rx.clone();
         let limits = config.http_limits;
         tokio::spawn(locus_proto::net::serve_http(
@@ -435,11 +448,17 @@ async fn start_group(
 async fn follow_leadership(
     group: Arc<crate::group::Group>,
     catalog: Arc<Catalog>,
+    gauges: Arc<Metrics>,
     mut stop: tokio::sync::watch::Receiver<bool>,
 ) {
     let mut metrics = group.raft().metrics();
     loop {
         let leading = group.is_leader();
+        if let Some(g) = &gauges.group {
+            g.is_leader.set(i64::from(leading));
+            g.has_leader.set(i64::from(group.leader().is_some()));
+            g.applied_index.set(group.applied_index() as i64);
+        }
         if leading != catalog.acting() {
             tracing::info!(
                 member = group.name(),
@@ -491,7 +510,12 @@ async fn reap_sessions(
     }
 }
 
-fn http_router(catalog: Arc<Catalog>, metrics: Arc<Metrics>, tokens: Option<Arc<TokenSet>>) -> axum::Router {
+fn http_router(
+    catalog: Arc<Catalog>,
+    metrics: Arc<Metrics>,
+    grant_keys: Arc<crate::grant_keys::GrantKeys>,
+    tokens: Option<Arc<TokenSet>>,
+) -> axum::Router {
     use axum::routing::{get, post};
     let (api_catalog, assign_catalog) = (catalog.clone(), catalog.clone());
     let locality_tokens = tokens.clone();
@@ -541,14 +565,22 @@ fn http_router(catalog: Arc<Catalog>, metrics: Arc<Metrics>, tokens: Option<Arc<
             get(move || {
                 let catalog = catalog.clone();
                 let metrics = metrics.clone();
-                async move { render_metrics(catalog, metrics).await }
+                let keys = grant_keys.clone();
+                async move { render_metrics(catalog, metrics, keys).await }
             }),
         )
 }
 
-async fn render_metrics(catalog: Arc<Catalog>, metrics: Arc<Metrics>) -> impl axum::response::IntoResponse {
+async fn render_metrics(
+    catalog: Arc<Catalog>,
+    metrics: Arc<Metrics>,
+    keys: Arc<crate::grant_keys::GrantKeys>,
+) -> impl axum::response::IntoResponse {
     let m = metrics.clone();
     let _ = tokio::task::spawn_blocking(move || {
+        let now = locus_proto::grant::now_ms();
+        m.signing_key_created
+            .set((keys.ring().signer_created_ms(now) / 1000) as i64);
         if let Ok(nodes) = catalog.list_nodes() {
             let up = nodes
                 .iter()

@@ -154,6 +154,11 @@ impl ServerTls {
         Ok(s)
     }
 
+    /// When the serving certificate (the first in its file) expires, Unix seconds.
+    pub fn not_after(&self) -> Option<i64> {
+        certificates_not_after(&self.cert_pem).ok()?.first().copied()
+    }
+
     /// For the gRPC ports.
     pub fn tonic(&self) -> ServerTlsConfig {
         let mut c = ServerTlsConfig::new().identity(Identity::from_pem(&self.cert_pem, &self.key_pem));

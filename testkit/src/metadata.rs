@@ -131,8 +131,16 @@ impl Harness {
             taken.extend([m.grpc.port(), m.http.port()]);
             if let Some(first) = members.first() {
                 if m.opts.tls {
-                    // One cluster CA for the whole group: members verify each other with it.
-                    for f in ["ca.pem", "server.pem", "server.key", "admin.pem", "admin.key"] {
+                    // One cluster CA for the whole group: members verify each other with it,
+                    // and a certificate issued through any member chains to it.
+                    for f in [
+                        "ca.pem",
+                        "ca.key",
+                        "server.pem",
+                        "server.key",
+                        "admin.pem",
+                        "admin.key",
+                    ] {
                         std::fs::copy(first.dir.join(f), m.dir.join(f)).unwrap();
                     }
                     m.ca_pem = first.ca_pem.clone();

@@ -225,8 +225,13 @@ fn hex(h: &BlobHash) -> String {
 }
 
 /// Free bytes on the filesystem holding `p`.
-#[allow(unsafe_code)]
 pub fn fs_free(p: &Path) -> Option<u64> {
+    fs_space(p).map(|(free, _)| free)
+}
+
+/// (free to unprivileged users, total) bytes of the filesystem holding `p`.
+#[allow(unsafe_code)]
+pub fn fs_space(p: &Path) -> Option<(u64, u64)> {
     use std::os::unix::ffi::OsStrExt;
     let c = std::ffi::CString::new(p.as_os_str().as_bytes()).ok()?;
     let mut st: libc::statvfs = unsafe {
@@ -235,7 +240,12 @@ pub fn fs_free(p: &Path) -> Option<u64> {
     };
     // SAFETY: `c` is a valid NUL-terminated path and `st` a valid, writable statvfs.
     let rc = unsafe { libc::statvfs(c.as_ptr(), &mut st) };
-    (rc == 0).then(|| st.f_bavail as u64 * st.f_frsize as u64)
+    (rc == 0).then(|| {
+        (
+            st.f_bavail as u64 * st.f_frsize as u64,
+            st.f_blocks as u64 * st.f_frsize as u64,
+        )
+    })
 }
 
 /// A poisoned lock still guards consistent maps: every critical section here only
@@ -399,6 +409,15 @@ impl BlobStore {
 
     pub fn is_pinned(&self, h: &BlobHash) -> bool {
         self.shard(h).blobs.get(h).is_some_and(|m| m.rec.pinned)
+    }
+
+    /// Each data dir with its file system's free and total bytes (for metrics).
+    pub fn dir_space(&self) -> Vec<(String, u64, u64)> {
+        self.cfg
+            .dirs
+            .iter()
+            .filter_map(|d| fs_space(d).map(|(free, size)| (d.display().to_string(), free, size)))
+            .collect()
     }
 
     pub fn stats(&self) -> Stats {

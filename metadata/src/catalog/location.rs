@@ -244,7 +244,10 @@ impl Catalog {
     /// Shards with no live replica at all are reported in the second list; while a backup
     /// is recorded or the version has an origin they are also planned, without a source:
     /// the target copies each blob back from the backup, else from the origin.
-    pub fn repair_plan(&self, limit: usize) -> Result<(Vec<RepairTask>, Vec<String>)> {
+    /// Up to `limit` repairs to make now, the shards no live node holds (with what
+    /// happens to them), and how many shards have fewer live replicas than their version
+    /// asks for (all of them, not only the `limit` planned).
+    pub fn repair_plan(&self, limit: usize) -> Result<(Vec<RepairTask>, Vec<String>, u64)> {
         let nodes = self.list_nodes()?;
         let serving: HashMap<&str, &pb::Node> = nodes
             .iter()
@@ -260,6 +263,7 @@ impl Catalog {
         };
         let mut tasks = Vec::new();
         let mut lost = Vec::new();
+        let mut under = 0u64;
         let have_backup = !self.backup_sources()?.is_empty();
         let versions: Vec<(String, u64, VersionRecord)> = self
             .store
@@ -293,6 +297,11 @@ impl Catalog {
                     .cloned()
                     .collect();
                 if counting.len() >= v.replication as usize {
+                    continue;
+                }
+                under += 1;
+                if tasks.len() >= limit {
+                    // Counted; planned on a later pass.
                     continue;
                 }
                 // A draining node that is still up can be the source.
@@ -352,12 +361,9 @@ impl Catalog {
                             Vec::new()
                         },
                     });
-                    if tasks.len() >= limit {
-                        return Ok((tasks, lost));
-                    }
                 }
             }
         }
-        Ok((tasks, lost))
+        Ok((tasks, lost, under))
     }
 }
