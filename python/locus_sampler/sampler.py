@@ -25,12 +25,30 @@ def _world() -> tuple:
     return 1, 0
 
 
+# A node id is a DNS-label-like name; this bounds what one rank sends to the others.
+_NODE_BYTES = 256
+
+
 def _gather_nodes(node: str, world: int) -> List[str]:
+    """Every rank's node id, in rank order. Sent as fixed-size byte tensors rather than
+    with all_gather_object, which needs NumPy (not a dependency of torch) to decode."""
     if world == 1:
         return [node]
-    out: List[Any] = [None] * world
-    torch.distributed.all_gather_object(out, node)
-    return [str(x) for x in out]
+    raw = node.encode()
+    if len(raw) > _NODE_BYTES:
+        raise ValueError(f"node id {node!r} is longer than {_NODE_BYTES} bytes")
+    mine = torch.zeros(_NODE_BYTES + 2, dtype=torch.uint8)
+    mine[0], mine[1] = len(raw) >> 8, len(raw) & 0xFF
+    if raw:
+        mine[2 : 2 + len(raw)] = torch.tensor(list(raw), dtype=torch.uint8)
+    out = [torch.zeros_like(mine) for _ in range(world)]
+    torch.distributed.all_gather(out, mine)
+    names = []
+    for t in out:
+        b = t.tolist()
+        n = (b[0] << 8) | b[1]
+        names.append(bytes(b[2 : 2 + n]).decode())
+    return names
 
 
 class LocusSampler(_Base):  # type: ignore[misc]
