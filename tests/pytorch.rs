@@ -5,8 +5,9 @@
 //! against the mounts' own counters, not against what the sampler claims: every sample
 //! opened exactly once per epoch across the ranks, the bytes the mounts served equal to
 //! the source's, most of them from the rank's own node; `set_epoch` changing the order;
-//! and a job stopped mid-epoch resuming at the same and at another world size with no
-//! sample read twice or left out.
+//! a job stopped mid-epoch resuming at the same and at another world size with no
+//! sample read twice or left out; and files dealt whole to the DataLoader's workers by
+//! `shard_files`, as a WebDataset-style loader reads tar shards.
 //!
 //! Needs torch (`pip install torch`, which scripts/setup-debian.sh does; it runs on CPU).
 
@@ -248,4 +249,22 @@ async fn a_pytorch_job_reads_every_sample_once_per_epoch_locally_and_resumes_at_
         let nodes: BTreeSet<&str> = rest.iter().map(|r| r["node"].as_str().unwrap()).collect();
         assert_eq!(nodes.len(), 2, "both nodes take part");
     }
+
+    // Files read whole as a tar-shard loader reads them: each rank's two workers take
+    // `shard_files`' share; every file once across ranks and workers, opened once.
+    assert!(drop_caches());
+    let (o0, l0, b0) = job.counters().await;
+    let reports = job.run("shard-files", 4, 4, &["--shard-files"]);
+    let (o1, l1, b1) = job.counters().await;
+    let per_rank = delivered(&reports);
+    let parts: Vec<&[u64]> = per_rank.iter().map(Vec::as_slice).collect();
+    exactly_once("shard files", &parts, n);
+    assert_eq!(o1 - o0, n as u64, "shard files: opens at the mounts");
+    assert_eq!(b1 - b0, total_bytes, "shard files: bytes the mounts served");
+    let local = (l1 - l0) as f64 / total_bytes as f64;
+    println!("shard files: local share of bytes {local:.3}");
+    assert!(
+        local >= 0.9,
+        "shard files: only {local:.3} of the bytes were local"
+    );
 }

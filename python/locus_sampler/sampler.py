@@ -246,3 +246,27 @@ class LocusSampler(_Base):  # type: ignore[misc]
         # ranks present (or rendezvous placement, which moves the fewest partitions).
         self._exclude = old_exclude | read
         self._skip = 0
+
+
+def shard_files(sampler: "LocusSampler", worker: int = 0, num_workers: int = 1) -> List[int]:
+    """For loaders that read shards as files (WebDataset or MosaicML-style tar or MDS
+    shards): the shard files, as indices into the sampler's ``files``, that this rank's
+    DataLoader worker ``worker`` of ``num_workers`` reads this epoch, in order.
+
+    Built on the sampler's epoch plan, so across every rank and worker each file is read
+    once per epoch, deterministically for (seed, epoch), and a resumed sampler's skip
+    applies. Within a rank the files of its own shards (those Locus assigned to it, on its
+    node wherever a replica allows) come first, then the files balancing moved to it;
+    each kind is dealt to the workers in turn. Inside a worker, call it with
+    ``torch.utils.data.get_worker_info()``'s ``id`` and ``num_workers``.
+    """
+    if not 0 <= worker < num_workers:
+        raise ValueError(f"worker {worker} is outside {num_workers} workers")
+    mine = list(iter(sampler))
+    if sampler.partitions is None or sampler.owner is None:
+        own, moved = mine, []
+    else:
+        part_of = {i: p for p, members in enumerate(sampler.partitions) for i in members}
+        own = [i for i in mine if sampler.owner[part_of[i]] == sampler.rank]
+        moved = [i for i in mine if sampler.owner[part_of[i]] != sampler.rank]
+    return own[worker::num_workers] + moved[worker::num_workers]

@@ -3,6 +3,7 @@ torch.distributed with gloo, a DataLoader with worker processes (persistent) who
 is LocusSampler, reading the dataset's files through this rank's Locus mount.
 
     python3 e2e_torch.py OUT.json EPOCH [--stop-after BATCHES] [--resume STATE.json]
+                                        [--shard-files]
 
 Environment: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT (torch.distributed), LOCUS_NODE
 (this rank's node id), LOCUS_HTTP (the metadata service's HTTP address), MOUNT (this
@@ -10,7 +11,9 @@ rank's mount of the version), DATASET (NAME@VERSION).
 
 Writes OUT.json: the samples this rank's loader delivered, in order, each with the
 SHA-256 of the bytes read, and (with --stop-after, rank 0) the sampler's state after
-that many batches, for a later run to resume from.
+that many batches, for a later run to resume from. With --shard-files the files are
+read as a WebDataset-style loader reads its shard files: an IterableDataset whose
+workers each take `shard_files(sampler, worker, num_workers)`.
 """
 
 import hashlib
@@ -22,9 +25,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from torch.utils.data import DataLoader, Dataset  # noqa: E402
+from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_info  # noqa: E402
 
-from locus_sampler import LocusSampler  # noqa: E402
+from locus_sampler import LocusSampler, shard_files  # noqa: E402
 
 BATCH = 4
 
@@ -42,6 +45,21 @@ class MountFiles(Dataset):
         with open(os.path.join(self.root, self.files[i]), "rb") as f:
             data = f.read()
         return i, hashlib.sha256(data).hexdigest(), len(data)
+
+
+class ShardFiles(IterableDataset):
+    """Whole files dealt to this rank's workers by `shard_files`, as a tar-shard loader."""
+
+    def __init__(self, root, files, sampler):
+        self.root, self.files, self.sampler = root, files, sampler
+
+    def __iter__(self):
+        info = get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info else (0, 1)
+        for i in shard_files(self.sampler, worker, workers):
+            with open(os.path.join(self.root, self.files[i]), "rb") as f:
+                data = f.read()
+            yield i, hashlib.sha256(data).hexdigest(), len(data)
 
 
 def collate(batch):
@@ -70,14 +88,23 @@ def main():
     if resume:
         with open(resume) as f:
             sampler.load_state_dict(json.load(f))
-    loader = DataLoader(
-        MountFiles(root, files),
-        batch_size=BATCH,
-        sampler=sampler,
-        num_workers=2,
-        persistent_workers=True,
-        collate_fn=collate,
-    )
+    if "--shard-files" in args:
+        loader = DataLoader(
+            ShardFiles(root, files, sampler),
+            batch_size=BATCH,
+            num_workers=2,
+            persistent_workers=True,
+            collate_fn=collate,
+        )
+    else:
+        loader = DataLoader(
+            MountFiles(root, files),
+            batch_size=BATCH,
+            sampler=sampler,
+            num_workers=2,
+            persistent_workers=True,
+            collate_fn=collate,
+        )
     got = []
     batches = 0
     for batch in loader:

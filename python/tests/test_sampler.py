@@ -6,7 +6,7 @@ import warnings
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from locus_sampler import LocusSampler, consumed, epoch_plan, per_rank, rendezvous_owner
+from locus_sampler import LocusSampler, consumed, epoch_plan, per_rank, rendezvous_owner, shard_files
 
 
 @st.composite
@@ -225,3 +225,41 @@ def test_assign_asks_the_next_group_member_when_one_is_down_or_unavailable():
     finally:
         for s in servers:
             s.shutdown()
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.integers(1, 200), st.integers(1, 6), st.integers(1, 4), st.integers(0, 20))
+def test_shard_files_reads_each_file_once_per_epoch_own_shards_first(n, world, workers, epoch):
+    files = [f"shards/train-{i:05}.tar" for i in range(n)]
+    ranks = [sampler(files, world, r, seed=3, drop_last=True) for r in range(world)]
+    got = []
+    for s in ranks:
+        s.set_epoch(epoch)
+        per_worker = [shard_files(s, w, workers) for w in range(workers)]
+        # Deterministic for (seed, epoch).
+        assert per_worker == [shard_files(s, w, workers) for w in range(workers)]
+        # The rank's workers together read what the rank's sampler yields, no more.
+        assert sorted(i for p in per_worker for i in p) == sorted(s)
+        part_of = {i: p for p, m in enumerate(s.partitions) for i in m}
+        for p in per_worker:
+            own = [s.owner[part_of[i]] == s.rank for i in p]
+            assert own == sorted(own, reverse=True), "own shards' files first"
+        got.extend(i for p in per_worker for i in p)
+    c = collections.Counter(got)
+    assert all(v == 1 for v in c.values()), "no file twice in an epoch"
+    assert n - len(c) < world, "fewer than one file per rank dropped (drop_last)"
+
+
+def test_shard_files_order_changes_with_the_epoch_and_refuses_a_bad_worker():
+    files = [f"shards/train-{i:05}.tar" for i in range(64)]
+    s = sampler(files, 2, 0, seed=3)
+    s.set_epoch(0)
+    first = shard_files(s, 0, 2)
+    s.set_epoch(1)
+    assert shard_files(s, 0, 2) != first
+    try:
+        shard_files(s, 2, 2)
+    except ValueError:
+        pass
+    else:
+        raise AssertionError("worker 2 of 2 must be refused")
