@@ -121,6 +121,14 @@ Examples:
   # As the DaemonSet in deploy/kubernetes/ runs it
   locus csi --endpoint unix:///csi/csi.sock --node-socket /run/locus/node.sock")]
     Csi(cmd::csi::CsiArgs),
+    /// Kubernetes mutating admission webhook: pods using Locus data get preferred node
+    /// affinity to the hosts holding their bytes; a pod is never refused or held up.
+    #[command(after_help = "\
+Examples:
+  # As deploy/kubernetes/webhook.yaml runs it (a reader token in LOCUS_TOKEN)
+  locus webhook --listen 0.0.0.0:8443 --tls-cert /tls/tls.crt --tls-key /tls/tls.key \\
+      --metadata https://locus-metadata:7400")]
+    Webhook(cmd::webhook::WebhookArgs),
     /// Check this host (FUSE, passthrough, the node's socket and disks, limits,
     /// certificates) and the cluster (reachable, clock, nodes, last backup); say what to
     /// fix. Exits non-zero when a check fails.
@@ -213,7 +221,8 @@ fn main() -> ExitCode {
     let is_daemon = match &cli.command {
         Command::Metadata(cmd::metadata::MetadataCmd::Serve(_))
         | Command::Node(cmd::node::NodeCmd::Serve(_))
-        | Command::Csi(_) => true,
+        | Command::Csi(_)
+        | Command::Webhook(_) => true,
         Command::Mount(m) => m.foreground || m.notify_ready || m.serve,
         _ => false,
     };
@@ -243,6 +252,7 @@ fn main() -> ExitCode {
             Command::Status => cmd::status::run(&cfg).await,
             Command::Doctor(a) => cmd::doctor::run(a, &cfg).await,
             Command::Csi(a) => cmd::csi::run(a, &cfg).await,
+            Command::Webhook(a) => cmd::webhook::run(a, &cfg).await,
             Command::Demo(a) => cmd::demo::run(a, &cfg).await,
         }
     });

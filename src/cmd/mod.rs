@@ -13,6 +13,7 @@ pub mod node;
 pub mod slurm;
 pub mod status;
 pub mod tls;
+pub mod webhook;
 
 /// Resolves when the process is asked to stop (SIGTERM or SIGINT).
 pub async fn shutdown_signal() {

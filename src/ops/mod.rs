@@ -6,6 +6,7 @@
 //! Nothing here prints or exits: progress goes to an [`Observer`], results and typed
 //! errors to the caller.
 
+pub mod admission;
 pub mod backup;
 pub mod cluster;
 pub mod import;

@@ -1,0 +1,303 @@
+//! `locus webhook` as the Kubernetes API server calls it: AdmissionReview v1 bodies over
+//! HTTPS to a real webhook process in front of a real metadata service and two nodes. A
+//! pod using a Locus volume gets preferred affinity to the hosts holding its bytes, in
+//! order of the share each holds (as `locus locality` reports it); re-admission changes
+//! nothing; a pod without Locus data is untouched; malformed and oversized bodies are
+//! refused; with the metadata service gone, pods are admitted unchanged in time.
+
+use locus_testkit as support;
+
+use std::path::Path;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use base64::Engine as _;
+use serde_json::{json, Value};
+use support::*;
+
+/// POSTs `body` to the webhook over HTTPS (curl, the cluster CA); (status, answer). HTTP/1.1:
+/// over HTTP/2 a refused oversized body ends in a stream reset, which curl reports as an
+/// error rather than the 413 status it carries.
+fn post(url: &str, ca: &Path, body: &[u8]) -> (u16, String) {
+    let dir = tempfile::tempdir().unwrap();
+    let f = dir.path().join("body");
+    std::fs::write(&f, body).unwrap();
+    let out = Command::new("curl")
+        .args([
+            "-sS",
+            "--http1.1",
+            "--max-time",
+            "20",
+            "-o",
+            "-",
+            "-w",
+            "\n%{http_code}",
+            "--cacert",
+        ])
+        .arg(ca)
+        .args(["-H", "Content-Type: application/json", "--data-binary"])
+        .arg(format!("@{}", f.display()))
+        .arg(url)
+        .output()
+        .expect("curl");
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    let (answer, code) = text.rsplit_once('\n').unwrap_or(("", "0"));
+    let answer = if answer.is_empty() {
+        String::from_utf8_lossy(&out.stderr).into_owned()
+    } else {
+        answer.to_string()
+    };
+    (code.trim().parse().unwrap_or(0), answer)
+}
+
+fn review(uid: &str, pod: &Value) -> Vec<u8> {
+    serde_json::to_vec(&json!({
+        "apiVersion": "admission.k8s.io/v1",
+        "kind": "AdmissionReview",
+        "request": {
+            "uid": uid,
+            "kind": {"group": "", "version": "v1", "kind": "Pod"},
+            "resource": {"group": "", "version": "v1", "resource": "pods"},
+            "namespace": "training",
+            "operation": "CREATE",
+            "userInfo": {"username": "alice"},
+            "object": pod,
+            "dryRun": false
+        }
+    }))
+    .unwrap()
+}
+
+fn pod(annotations: Value, volumes: Value) -> Value {
+    json!({
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": "trainer-0", "namespace": "training", "annotations": annotations},
+        "spec": {"containers": [{"name": "t", "image": "pytorch"}], "volumes": volumes}
+    })
+}
+
+/// Applies JSON Patch `add` operations (all the webhook emits) to `doc`.
+fn apply(doc: &mut Value, ops: &[Value]) {
+    for op in ops {
+        assert_eq!(op["op"], "add", "{op}");
+        let path = op["path"].as_str().unwrap();
+        let parts: Vec<String> = path[1..]
+            .split('/')
+            .map(|p| p.replace("~1", "/").replace("~0", "~"))
+            .collect();
+        let (last, parents) = parts.split_last().unwrap();
+        let mut at = &mut *doc;
+        for p in parents {
+            at = at.get_mut(p.as_str()).unwrap_or_else(|| panic!("{path}: no {p}"));
+        }
+        if last == "-" {
+            at.as_array_mut().unwrap().push(op["value"].clone());
+        } else {
+            at.as_object_mut()
+                .unwrap_or_else(|| panic!("{path}: not an object"))
+                .insert(last.clone(), op["value"].clone());
+        }
+    }
+}
+
+/// The answer's response, its JSON Patch decoded (empty when none).
+fn response(answer: &str, uid: &str) -> (Value, Vec<Value>) {
+    let v: Value = serde_json::from_str(answer).unwrap_or_else(|e| panic!("{e}: {answer}"));
+    assert_eq!(v["kind"], "AdmissionReview");
+    assert_eq!(v["apiVersion"], "admission.k8s.io/v1");
+    let r = v["response"].clone();
+    assert_eq!(r["uid"], uid, "the answer names the request");
+    assert_eq!(r["allowed"], true, "a pod is never refused");
+    let ops = match r["patch"].as_str() {
+        Some(p) => {
+            assert_eq!(r["patchType"], "JSONPatch");
+            serde_json::from_slice(&base64::engine::general_purpose::STANDARD.decode(p).unwrap()).unwrap()
+        }
+        None => Vec::new(),
+    };
+    (r, ops)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pods_using_locus_volumes_get_affinity_to_their_data_and_are_never_held_up() {
+    let h = Harness::new("webhook");
+    let mut m = h
+        .start_metadata(
+            "meta",
+            MetadataOpts {
+                tls: true,
+                ..Default::default()
+            },
+        )
+        .await;
+    let _n1 = h.start_node("n1", &m, NodeOpts::host(1)).await;
+    let _n2 = h.start_node("n2", &m, NodeOpts::host(2)).await;
+    let src = h.path("src");
+    make_tree(&src, 80);
+    let out = import(&m, "ds", &src, &["--replicas", "1", "--shard-size", "64KiB"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+
+    // The webhook, over TLS with a certificate from the cluster CA.
+    let dir = h.path("webhook");
+    std::fs::create_dir_all(&dir).unwrap();
+    let (cert, key) = m.issue_cert("webhook", "127.0.0.1", &dir);
+    let port = free_low_port();
+    let log = std::fs::File::create(h.path("webhook.log")).unwrap();
+    let mut hook = Command::new(locus())
+        .args([
+            "webhook",
+            "--listen",
+            &format!("127.0.0.1:{port}"),
+            "--timeout",
+            "2s",
+        ])
+        .arg("--tls-cert")
+        .arg(&cert)
+        .arg("--tls-key")
+        .arg(&key)
+        .env("LOCUS_METADATA", m.url())
+        .env("LOCUS_CA_CERT", m.dir.join("ca.pem"))
+        .env_remove("LOCUS_TOKEN")
+        .env_remove("LOCUS_CONFIG")
+        .stdout(log.try_clone().unwrap())
+        .stderr(log)
+        .spawn()
+        .expect("start locus webhook");
+    let ca = m.dir.join("ca.pem");
+    let url = format!("https://127.0.0.1:{port}/mutate");
+    wait_until("the webhook to listen", Duration::from_secs(20), || {
+        let ok = std::net::TcpStream::connect(("127.0.0.1", port)).is_ok();
+        async move { ok.then_some(()) }
+    })
+    .await;
+
+    // Where the bytes are, as the operator's CLI sees it.
+    let o = m.cli(&["locality", "ds@1", "--json"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let loc: Value = serde_json::from_str(&stdout(&o)).unwrap();
+    let expected: Vec<(String, i64)> = loc["nodes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|n| n["resident_fraction"].as_f64().unwrap() > 0.0)
+        .map(|n| {
+            (
+                n["labels"]["host"].as_str().unwrap().to_string(),
+                ((n["resident_fraction"].as_f64().unwrap() * 100.0).round() as i64).clamp(1, 100),
+            )
+        })
+        .collect();
+    assert_eq!(expected.len(), 2, "both nodes hold part of ds@1: {loc}");
+
+    // A pod with an inline Locus volume: preferred affinity, best host first.
+    let volumes = json!([
+        {"name": "data", "csi": {"driver": "csi.locus.io", "readOnly": true, "volumeAttributes": {"dataset": "ds@1"}}},
+        {"name": "cache", "emptyDir": {}}
+    ]);
+    let p = pod(json!({"team": "vision"}), volumes.clone());
+    let (code, answer) = post(&url, &ca, &review("u-1", &p));
+    assert_eq!(code, 200, "{answer}");
+    let (r, ops) = response(&answer, "u-1");
+    assert!(r["warnings"].is_null(), "{r}");
+    let mut placed = p.clone();
+    apply(&mut placed, &ops);
+    let terms = placed["spec"]["affinity"]["nodeAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"]
+        .as_array()
+        .unwrap()
+        .clone();
+    let got: Vec<(String, i64)> = terms
+        .iter()
+        .map(|t| {
+            let e = &t["preference"]["matchExpressions"][0];
+            assert_eq!(e["key"], "kubernetes.io/hostname");
+            (
+                e["values"][0].as_str().unwrap().to_string(),
+                t["weight"].as_i64().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(got, expected, "hosts in order of the share of bytes each holds");
+    assert!(
+        placed["spec"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+            .is_null()
+    );
+    assert_eq!(
+        placed["metadata"]["annotations"]["team"], "vision",
+        "the pod's own annotations stay"
+    );
+    assert_eq!(placed["metadata"]["annotations"]["locus.io/placed-for"], "ds@1");
+
+    // Re-admission of the placed pod: nothing more.
+    let (_, again) = post(&url, &ca, &review("u-2", &placed));
+    assert!(response(&again, "u-2").1.is_empty(), "re-admission adds nothing");
+
+    // A pod without Locus data: untouched.
+    let plain = pod(json!({}), json!([{"name": "cache", "emptyDir": {}}]));
+    let (_, a) = post(&url, &ca, &review("u-3", &plain));
+    assert!(response(&a, "u-3").1.is_empty());
+
+    // Required by annotation: only hosts with at least min-fraction of the bytes.
+    let req = pod(
+        json!({"locus.io/locality": "required", "locus.io/min-fraction": "0.01"}),
+        volumes.clone(),
+    );
+    let (_, a) = post(&url, &ca, &review("u-4", &req));
+    let mut placed = req.clone();
+    apply(&mut placed, &response(&a, "u-4").1);
+    let must = &placed["spec"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+        ["nodeSelectorTerms"];
+    let hosts: Vec<&str> = must[0]["matchExpressions"][0]["values"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_str().unwrap())
+        .collect();
+    let mut want: Vec<&str> = expected.iter().map(|(h, _)| h.as_str()).collect();
+    want.sort_unstable();
+    let mut hosts_sorted = hosts.clone();
+    hosts_sorted.sort_unstable();
+    assert_eq!(hosts_sorted, want);
+
+    // Bad input: not a review, a review without a uid, a body of 1 MiB.
+    for body in [
+        &b"{not json"[..],
+        br#"{"kind":"AdmissionReview","request":{"object":{}}}"#,
+    ] {
+        let (code, text) = post(&url, &ca, body);
+        assert_eq!(code, 400, "{text}");
+        assert!(!text.is_empty(), "a 400 says why");
+    }
+    let big = vec![b' '; 1 << 20];
+    let (code, text) = post(&url, &ca, &big);
+    assert_eq!(code, 413, "a 1 MiB body is refused: {text}");
+
+    // An unknown dataset: admitted unchanged, with a warning that says why.
+    let unknown = pod(json!({"locus.io/dataset": "nosuch@1"}), json!([]));
+    let (_, a) = post(&url, &ca, &review("u-5", &unknown));
+    let (r, ops) = response(&a, "u-5");
+    assert!(ops.is_empty());
+    assert!(r["warnings"][0].as_str().unwrap_or("").contains("nosuch"), "{r}");
+
+    // The metadata service gone: every pod admitted unchanged, within the timeout.
+    m.kill9();
+    let fresh = pod(json!({}), volumes);
+    let t = Instant::now();
+    let (code, a) = post(&url, &ca, &review("u-6", &fresh));
+    let took = t.elapsed();
+    assert_eq!(code, 200, "{a}");
+    let (r, ops) = response(&a, "u-6");
+    assert!(ops.is_empty(), "admitted unchanged");
+    assert!(
+        r["warnings"][0]
+            .as_str()
+            .unwrap_or("")
+            .contains("without placement"),
+        "{r}"
+    );
+    assert!(
+        took < Duration::from_secs(10),
+        "answered in {took:?} with a 2 s timeout"
+    );
+    let _ = hook.kill();
+    let _ = hook.wait();
+}
