@@ -11,6 +11,7 @@
 #   systemd         `systemd-analyze verify` of the shipped units
 #   tcpdump         packet captures of test-bed links (no secret crosses a link in clear)
 #   prometheus      promtool, which checks and unit-tests deploy/monitoring's alert rules
+#   chromium        a headless browser for the overview page's test
 #   slurm-wlm, munge  a real Slurm (slurmctld, one slurmd per test-bed host) for the
 #                   Slurm integration test (--no-install-recommends keeps it to the daemons
 #                   and client tools)
@@ -19,7 +20,7 @@
 # persistent S3-compatible server) for the backup tests; from npm, Azurite (Azure Blob
 # emulator) under /opt/locus-tools for the az:// tests.
 set -euo pipefail
-pkgs=(librocksdb-dev libclang-dev clang protobuf-compiler pkg-config fuse3 openssl curl ca-certificates iproute2 util-linux python3 systemd slurm-wlm munge tcpdump prometheus)
+pkgs=(librocksdb-dev libclang-dev clang protobuf-compiler pkg-config fuse3 openssl curl ca-certificates iproute2 util-linux python3 systemd slurm-wlm munge tcpdump prometheus chromium)
 missing=()
 for p in "${pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -156,6 +156,38 @@ fn authorize(tokens: Option<&TokenSet>, headers: &HeaderMap, method: &str) -> Re
     Ok(())
 }
 
+/// The overview page's check: a reader token as `Authorization: Bearer`, or as the
+/// password of HTTP Basic auth (what a browser sends once asked by `WWW-Authenticate`).
+pub fn authorize_page(tokens: Option<&TokenSet>, headers: &HeaderMap) -> Result<(), Box<Response>> {
+    use base64::Engine as _;
+    let given = headers.get("authorization").map(|v| v.as_bytes().to_vec());
+    let bearer = match given.as_deref().and_then(|v| v.strip_prefix(b"Basic ")) {
+        Some(b64) => base64::engine::general_purpose::STANDARD
+            .decode(b64.trim_ascii())
+            .ok()
+            .and_then(|userpass| {
+                let at = userpass.iter().position(|b| *b == b':')?;
+                Some([b"Bearer ".as_slice(), &userpass[at + 1..]].concat())
+            }),
+        None => given,
+    };
+    match locus_proto::auth::check(tokens, "Overview", Some(Access::Read), bearer.as_deref(), None) {
+        Ok(_) => Ok(()),
+        Err((status, _)) => {
+            let mut r = (
+                StatusCode::UNAUTHORIZED,
+                format!("{}: give a reader token as the password\n", status.message()),
+            )
+                .into_response();
+            r.headers_mut().insert(
+                "www-authenticate",
+                http::HeaderValue::from_static("Basic realm=\"locus\", charset=\"UTF-8\""),
+            );
+            Err(Box::new(r))
+        }
+    }
+}
+
 /// `POST /v1/assign` body: which shards each rank of a job should read, for samplers.
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]

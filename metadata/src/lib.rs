@@ -20,6 +20,7 @@ pub mod keys;
 pub mod locality;
 pub mod metrics;
 pub mod mounts;
+pub mod overview;
 pub mod placement;
 pub mod records;
 pub mod repair;

@@ -257,6 +257,7 @@ pub async fn serve(
             catalog.clone(),
             metrics.clone(),
             grant_keys.clone(),
+            group.clone(),
             tokens.clone(),
         );
         let rx = stop_rx.clone();
@@ -514,9 +515,18 @@ fn http_router(
     catalog: Arc<Catalog>,
     metrics: Arc<Metrics>,
     grant_keys: Arc<crate::grant_keys::GrantKeys>,
+    group: Option<Arc<crate::group::Group>>,
     tokens: Option<Arc<TokenSet>>,
 ) -> axum::Router {
     use axum::routing::{get, post};
+    let page = {
+        let (catalog, metrics, tokens) = (catalog.clone(), metrics.clone(), tokens.clone());
+        move |headers: axum::http::HeaderMap| {
+            let (catalog, metrics, group, tokens) =
+                (catalog.clone(), metrics.clone(), group.clone(), tokens.clone());
+            async move { overview_page(catalog, metrics, group, tokens, headers).await }
+        }
+    };
     let (api_catalog, assign_catalog) = (catalog.clone(), catalog.clone());
     let locality_tokens = tokens.clone();
     // The extender's routes, with its token in a header or in the path.
@@ -543,6 +553,7 @@ fn http_router(
         }
     };
     axum::Router::new()
+        .route("/", get(page))
         .route("/healthz", get(|| async { "ok\n" }))
         .route("/k8s/prioritize", post(extender(false)))
         .route("/k8s/filter", post(extender(true)))
@@ -569,6 +580,47 @@ fn http_router(
                 async move { render_metrics(catalog, metrics, keys).await }
             }),
         )
+}
+
+async fn overview_page(
+    catalog: Arc<Catalog>,
+    metrics: Arc<Metrics>,
+    group: Option<Arc<crate::group::Group>>,
+    tokens: Option<Arc<TokenSet>>,
+    headers: axum::http::HeaderMap,
+) -> axum::response::Response {
+    use axum::response::IntoResponse;
+    if let Err(r) = crate::http_api::authorize_page(tokens.as_deref(), &headers) {
+        return *r;
+    }
+    let view = group.map(|g| {
+        let (members, leader, _) = g.info();
+        (members, leader)
+    });
+    let now = locus_proto::grant::now_ms() as i64;
+    let html =
+        tokio::task::spawn_blocking(move || crate::overview::render(&catalog, &metrics, view, now)).await;
+    match html {
+        Ok(Ok(html)) => (
+            [
+                (http::header::CONTENT_TYPE, "text/html; charset=utf-8"),
+                // No script may run on this page, whatever a value in it holds.
+                (
+                    http::header::CONTENT_SECURITY_POLICY,
+                    "default-src 'none'; style-src 'unsafe-inline'",
+                ),
+                (http::header::X_CONTENT_TYPE_OPTIONS, "nosniff"),
+            ],
+            html,
+        )
+            .into_response(),
+        Ok(Err(e)) => (http::StatusCode::INTERNAL_SERVER_ERROR, format!("{e}\n")).into_response(),
+        Err(e) => (
+            http::StatusCode::INTERNAL_SERVER_ERROR,
+            format!("task failed: {e}\n"),
+        )
+            .into_response(),
+    }
 }
 
 async fn render_metrics(
