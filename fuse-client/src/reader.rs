@@ -24,8 +24,8 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 
 pub use crate::pieces::Pieces;
-use locus_proto::client::{MetadataClient, NodeClient};
-use locus_proto::{nodepb, pb, BlobHash};
+use locus_proto::client::MetadataClient;
+use locus_proto::{pb, BlobHash};
 use tokio::sync::OnceCell;
 
 use crate::metrics::Metrics;
@@ -228,13 +228,51 @@ pub trait Replicas: Send + Sync + 'static {
         addr: &'a str,
         c: ChunkRef,
         idle: Duration,
-    ) -> BoxFuture<'a, Result<Pieces, String>>;
+    ) -> BoxFuture<'a, Result<Pieces, SourceError>>;
     /// The node at `addr` failed: drop whatever connection is kept to it.
     fn forget<'a>(&'a self, addr: &'a str) -> BoxFuture<'a, ()>;
     /// Where `blob` is now: live (node id, address) pairs, and backup URLs.
     fn locate<'a>(&'a self, blob: BlobHash, timeout: Duration) -> BoxFuture<'a, Result<Located, String>>;
     /// The version's shard replica sets and the cluster's nodes, afresh.
     fn topology<'a>(&'a self, place: &'a Place) -> BoxFuture<'a, Result<Topology, String>>;
+}
+
+/// Why a node did not serve a chunk: what decides whether it is passed over for a while.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum SourceError {
+    /// Not reachable, timed out, stalled, or failing: skipped for `BAD_NODE_PAUSE`, its
+    /// connection dropped.
+    #[error("{0}")]
+    Unreachable(String),
+    /// It answered that it does not hold the blob (evicted, not copied yet): a healthy
+    /// node, asked again for the next chunk.
+    #[error("does not hold it: {0}")]
+    Missing(String),
+    /// No grant to present (the metadata service's side), or the node refused the one
+    /// presented (expired, signed by a revoked key): a fresh grant is asked for next
+    /// time; the node is healthy.
+    #[error("grant: {0}")]
+    Grant(String),
+    /// It sent bytes that are not the chunk's: skipped for a while.
+    #[error("{0}")]
+    Wrong(String),
+}
+
+impl SourceError {
+    /// A node's gRPC answer, sorted by whose fault it is.
+    pub fn from_status(s: &tonic::Status) -> Self {
+        let m = format!("{:?}: {}", s.code(), s.message());
+        match s.code() {
+            tonic::Code::NotFound => SourceError::Missing(m),
+            tonic::Code::PermissionDenied | tonic::Code::Unauthenticated => SourceError::Grant(m),
+            _ => SourceError::Unreachable(m),
+        }
+    }
+
+    /// Whether the node itself is at fault, so other replicas go first for a while.
+    pub fn blames_node(&self) -> bool {
+        matches!(self, SourceError::Unreachable(_) | SourceError::Wrong(_))
+    }
 }
 
 /// An answer to `Replicas::locate`.
@@ -244,121 +282,8 @@ pub struct Located {
     pub backups: Vec<String>,
 }
 
-/// The cluster's replicas over gRPC: node connections kept per address, the metadata
-/// service for locations and topology. Nodes are sent a read grant (renewed while the
-/// mount lives), never the mount's token.
-pub struct GrpcReplicas {
-    metadata: MetadataClient,
-    version: pb::VersionRef,
-    /// Node connections, each presenting a read grant every node accepts.
-    links: locus_proto::grant::NodeLinks,
-}
-
-impl GrpcReplicas {
-    pub fn new(metadata: MetadataClient, version: pb::VersionRef, token: Option<String>) -> Self {
-        GrpcReplicas {
-            links: locus_proto::grant::NodeLinks::new(locus_proto::grant::Grants::new(
-                metadata.clone(),
-                token.as_deref(),
-            )),
-            metadata,
-            version,
-        }
-    }
-
-    async fn client(&self, addr: &str) -> Result<NodeClient, String> {
-        self.links
-            .get(
-                "*",
-                addr,
-                locus_proto::grant::Op::Read,
-                "",
-                Duration::from_secs(3),
-            )
-            .await
-    }
-
-    async fn read_from(&self, addr: &str, c: ChunkRef, idle: Duration) -> Result<Pieces, String> {
-        let mut client = self.client(addr).await?;
-        let mut stream = tokio::time::timeout(
-            idle,
-            client.read_blob(nodepb::ReadBlobRequest {
-                hash: c.blob.0.to_vec(),
-                offset: c.offset,
-                length: c.len,
-            }),
-        )
-        .await
-        .map_err(|_| format!("no answer within {idle:?}"))?
-        .map_err(|s| format!("{:?}: {}", s.code(), s.message()))?
-        .into_inner();
-        let mut pieces = Vec::with_capacity(4);
-        let mut got = 0;
-        loop {
-            let msg = tokio::time::timeout(idle, stream.message())
-                .await
-                .map_err(|_| format!("stalled for {idle:?}"))?
-                .map_err(|s| format!("{:?}: {}", s.code(), s.message()))?;
-            let Some(m) = msg else { break };
-            got += m.data.len();
-            if got > c.len as usize {
-                return Err("sent more bytes than asked for".into());
-            }
-            pieces.push(m.data);
-        }
-        Ok(pieces.into())
-    }
-}
-
-impl Replicas for GrpcReplicas {
-    fn read<'a>(
-        &'a self,
-        addr: &'a str,
-        c: ChunkRef,
-        idle: Duration,
-    ) -> BoxFuture<'a, Result<Pieces, String>> {
-        Box::pin(self.read_from(addr, c, idle))
-    }
-
-    fn forget<'a>(&'a self, addr: &'a str) -> BoxFuture<'a, ()> {
-        // The grant too: a node that refused it (a revoked key) must see a fresh one.
-        Box::pin(self.links.refused("*", addr, locus_proto::grant::Op::Read, ""))
-    }
-
-    fn locate<'a>(&'a self, blob: BlobHash, timeout: Duration) -> BoxFuture<'a, Result<Located, String>> {
-        Box::pin(async move {
-            let mut m = self.metadata.clone();
-            let ask = m.locate_blobs(pb::LocateBlobsRequest {
-                hashes: vec![blob.0.to_vec()],
-            });
-            // A reader is waiting: a hung metadata service costs it one timeout.
-            let r = tokio::time::timeout(timeout, ask)
-                .await
-                .map_err(|_| format!("the metadata service did not answer within {timeout:?}"))?
-                .map_err(|s| s.message().to_string())?
-                .into_inner();
-            Ok(Located {
-                nodes: r
-                    .blobs
-                    .into_iter()
-                    .flat_map(|b| b.nodes.into_iter().zip(b.addresses))
-                    .collect(),
-                backups: r.backups,
-            })
-        })
-    }
-
-    fn topology<'a>(&'a self, place: &'a Place) -> BoxFuture<'a, Result<Topology, String>> {
-        Box::pin(async move {
-            let mut c = self.metadata.clone();
-            // A metadata service that hangs must not stall the mount's housekeeping.
-            tokio::time::timeout(REFRESH_TIMEOUT, Topology::load(&mut c, &self.version, place))
-                .await
-                .map_err(|_| format!("the metadata service did not answer within {REFRESH_TIMEOUT:?}"))?
-                .map_err(|s| s.message().to_string())
-        })
-    }
-}
+mod grpc;
+pub use grpc::GrpcReplicas;
 
 pub struct Remote {
     sources: Arc<dyn Replicas>,
@@ -553,11 +478,18 @@ impl Remote {
                     Err(e) => {
                         tracing::warn!(node = %id, blob = %c.blob, chunk = c.index, "read failed, trying another replica: {e}");
                         self.metrics.source_failure();
-                        self.bad
-                            .lock()
-                            .unwrap()
-                            .insert(id.clone(), Instant::now() + BAD_NODE_PAUSE);
-                        self.sources.forget(&info.addr).await;
+                        // Only a node at fault is passed over for a while; one that lacks
+                        // the blob, or whose grant was the problem, is healthy.
+                        if e.blames_node() {
+                            self.bad
+                                .lock()
+                                .unwrap()
+                                .insert(id.clone(), Instant::now() + BAD_NODE_PAUSE);
+                        }
+                        if !matches!(e, SourceError::Missing(_)) {
+                            // The connection, and with it the grant it presents.
+                            self.sources.forget(&info.addr).await;
+                        }
                         last = format!("{id}: {e}");
                     }
                 }
@@ -667,14 +599,18 @@ impl Remote {
 
     /// One chunk from one node, verified: only bytes of the right length that hash to
     /// the manifest's chunk hash count.
-    async fn read_from(&self, addr: &str, c: ChunkRef) -> Result<Pieces, String> {
+    async fn read_from(&self, addr: &str, c: ChunkRef) -> Result<Pieces, SourceError> {
         let buf = self.sources.read(addr, c, self.timeout).await?;
         if buf.len() as u64 != c.len {
-            return Err(format!("sent {} of {} bytes", buf.len(), c.len));
+            return Err(SourceError::Wrong(format!(
+                "sent {} of {} bytes",
+                buf.len(),
+                c.len
+            )));
         }
         if buf.hash() != c.hash {
             self.metrics.corrupt();
-            return Err("bytes do not match the chunk's hash".into());
+            return Err(SourceError::Wrong("bytes do not match the chunk's hash".into()));
         }
         Ok(buf)
     }

@@ -362,6 +362,18 @@ pub struct NodeLinks {
 /// (address, operation, target).
 type LinkScope = (String, Op, String);
 
+/// Why `NodeLinks::link` gave no connection.
+#[derive(Debug, thiserror::Error)]
+pub enum LinkError {
+    /// The metadata service issued no grant (down, slow, or it refused): the node is not
+    /// at fault.
+    #[error("{0}")]
+    NoGrant(String),
+    /// The node could not be reached.
+    #[error("{0}")]
+    Connect(String),
+}
+
 impl NodeLinks {
     pub fn new(grants: Grants) -> Self {
         NodeLinks {
@@ -380,11 +392,28 @@ impl NodeLinks {
         target: &str,
         connect_timeout: Duration,
     ) -> Result<crate::client::NodeClient, String> {
-        let grant = self
-            .grants
-            .get(node, op, target)
+        self.link(node, addr, op, target, connect_timeout)
             .await
-            .map_err(|s| format!("no {} grant for node {node}: {}", op.as_str(), s.message()))?;
+            .map_err(|e| e.to_string())
+    }
+
+    /// `get`, saying whose fault a failure is: no grant (the metadata service's side;
+    /// nothing wrong with the node) or no connection (the node's side).
+    pub async fn link(
+        &self,
+        node: &str,
+        addr: &str,
+        op: Op,
+        target: &str,
+        connect_timeout: Duration,
+    ) -> Result<crate::client::NodeClient, LinkError> {
+        let grant = self.grants.get(node, op, target).await.map_err(|s| {
+            LinkError::NoGrant(format!(
+                "no {} grant for node {node}: {}",
+                op.as_str(),
+                s.message()
+            ))
+        })?;
         let key = (addr.to_string(), op, target.to_string());
         if let Some((g, c)) = self.links.lock().await.get(&key) {
             if *g == grant {
@@ -393,7 +422,7 @@ impl NodeLinks {
         }
         let c = crate::client::connect_node(addr, grant.as_deref(), connect_timeout)
             .await
-            .map_err(|e| e.to_string())?;
+            .map_err(|e| LinkError::Connect(e.to_string()))?;
         self.links.lock().await.insert(key, (grant, c.clone()));
         Ok(c)
     }

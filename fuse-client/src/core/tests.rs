@@ -13,7 +13,7 @@ use locus_proto::manifest::{EntryKind, RelPath};
 use locus_proto::{BlobHash, Entry};
 
 use super::*;
-use crate::reader::{BoxFuture, ChunkRef, Located, Pieces, Place, Remote, Replicas, Topology};
+use crate::reader::{BoxFuture, ChunkRef, Located, Pieces, Place, Remote, Replicas, SourceError, Topology};
 
 const CHUNK: u32 = 4096;
 
@@ -24,6 +24,10 @@ enum Behave {
     Corrupt,
     /// Silent: the read gives up after its idle timeout, as the real source does.
     Hang,
+    /// Answers NOT_FOUND: it does not hold the blob.
+    Missing,
+    /// No grant could be presented (the metadata service did not issue one).
+    NoGrant,
 }
 
 /// Replicas serving one blob, each node behaving as told; every request is logged.
@@ -57,7 +61,7 @@ impl Replicas for FakeReplicas {
         addr: &'a str,
         c: ChunkRef,
         idle: Duration,
-    ) -> BoxFuture<'a, Result<Pieces, String>> {
+    ) -> BoxFuture<'a, Result<Pieces, SourceError>> {
         Box::pin(async move {
             self.log.lock().unwrap().push((addr.to_string(), c.index));
             let how = *self.behave.lock().unwrap().get(addr).unwrap_or(&Behave::Fail);
@@ -65,7 +69,11 @@ impl Replicas for FakeReplicas {
             match how {
                 // In uneven pieces, as a node's messages arrive.
                 Behave::Good => Ok(in_pieces(part())),
-                Behave::Fail => Err("connection refused".into()),
+                Behave::Fail => Err(SourceError::Unreachable("connection refused".into())),
+                Behave::Missing => Err(SourceError::from_status(&tonic::Status::not_found(
+                    "no such blob",
+                ))),
+                Behave::NoGrant => Err(SourceError::Grant("no read grant: the service is down".into())),
                 Behave::Corrupt => {
                     let mut b = part();
                     b[0] ^= 1;
@@ -73,7 +81,7 @@ impl Replicas for FakeReplicas {
                 }
                 Behave::Hang => {
                     tokio::time::sleep(idle).await;
-                    Err(format!("stalled for {idle:?}"))
+                    Err(SourceError::Unreachable(format!("stalled for {idle:?}")))
                 }
             }
         })
@@ -246,6 +254,67 @@ fn a_failing_replica_fails_over_to_the_next() {
         "the cheapest replica is asked first"
     );
     assert!(log.iter().any(|(a, _)| a == "a2"), "then the next: {log:?}");
+}
+
+/// Who was asked first for chunk `index`.
+fn first_asked(f: &Fixture, index: u32) -> String {
+    let log = f.replicas.log.lock().unwrap();
+    log.iter()
+        .find(|(_, i)| *i == index)
+        .map(|(a, _)| a.clone())
+        .unwrap_or_default()
+}
+
+#[test]
+fn only_a_node_at_fault_is_passed_over_not_one_that_lacks_the_blob_or_a_grant() {
+    // Out of order, so no read-ahead asks for the second chunk early.
+    let read = |f: &Fixture, index: u32| {
+        let (b, _) = f
+            .core
+            .read_by_inode(f.ino, u64::from(index) * u64::from(CHUNK), CHUNK)
+            .unwrap();
+        let at = index as usize * CHUNK as usize;
+        assert!(b[..] == f.data[at..at + b.len()]);
+    };
+    for healthy in [Behave::Missing, Behave::NoGrant] {
+        let f = fixture(4, healthy, Behave::Good, None);
+        read(&f, 2);
+        read(&f, 0);
+        assert_eq!(first_asked(&f, 2), "a1");
+        assert_eq!(
+            first_asked(&f, 0),
+            "a1",
+            "{healthy:?}: the cheapest node is still asked first"
+        );
+    }
+    let f = fixture(4, Behave::Fail, Behave::Good, None);
+    read(&f, 2);
+    read(&f, 0);
+    assert_eq!(first_asked(&f, 2), "a1");
+    assert_eq!(
+        first_asked(&f, 0),
+        "a2",
+        "a node that failed is passed over for a while"
+    );
+}
+
+#[test]
+fn node_answers_are_sorted_by_whose_fault_they_are() {
+    use tonic::{Code, Status};
+    let e = |c: Code| SourceError::from_status(&Status::new(c, "x"));
+    assert!(matches!(e(Code::NotFound), SourceError::Missing(_)));
+    assert!(matches!(e(Code::Unauthenticated), SourceError::Grant(_)));
+    assert!(matches!(e(Code::PermissionDenied), SourceError::Grant(_)));
+    for c in [
+        Code::Unavailable,
+        Code::Cancelled,
+        Code::Internal,
+        Code::DeadlineExceeded,
+    ] {
+        assert!(e(c).blames_node(), "{c:?}");
+    }
+    assert!(!e(Code::NotFound).blames_node() && !e(Code::Unauthenticated).blames_node());
+    assert!(SourceError::Wrong("bad bytes".into()).blames_node());
 }
 
 #[test]

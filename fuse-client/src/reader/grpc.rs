@@ -1,0 +1,131 @@
+//! The mount's remote source over gRPC: chunks read from cache nodes (each connection
+//! presenting a read grant), and the metadata service asked where blobs are and what the
+//! version's shards and nodes look like.
+
+use std::time::Duration;
+
+use locus_proto::client::{MetadataClient, NodeClient};
+use locus_proto::{nodepb, pb, BlobHash};
+
+use super::*;
+
+/// The cluster's replicas over gRPC: node connections kept per address, the metadata
+/// service for locations and topology. Nodes are sent a read grant (renewed while the
+/// mount lives), never the mount's token.
+pub struct GrpcReplicas {
+    metadata: MetadataClient,
+    version: pb::VersionRef,
+    /// Node connections, each presenting a read grant every node accepts.
+    links: locus_proto::grant::NodeLinks,
+}
+
+impl GrpcReplicas {
+    pub fn new(metadata: MetadataClient, version: pb::VersionRef, token: Option<String>) -> Self {
+        GrpcReplicas {
+            links: locus_proto::grant::NodeLinks::new(locus_proto::grant::Grants::new(
+                metadata.clone(),
+                token.as_deref(),
+            )),
+            metadata,
+            version,
+        }
+    }
+
+    async fn client(&self, addr: &str) -> Result<NodeClient, SourceError> {
+        use locus_proto::grant::LinkError;
+        self.links
+            .link(
+                "*",
+                addr,
+                locus_proto::grant::Op::Read,
+                "",
+                Duration::from_secs(3),
+            )
+            .await
+            .map_err(|e| match e {
+                LinkError::NoGrant(m) => SourceError::Grant(m),
+                LinkError::Connect(m) => SourceError::Unreachable(m),
+            })
+    }
+
+    async fn read_from(&self, addr: &str, c: ChunkRef, idle: Duration) -> Result<Pieces, SourceError> {
+        let mut client = self.client(addr).await?;
+        let mut stream = tokio::time::timeout(
+            idle,
+            client.read_blob(nodepb::ReadBlobRequest {
+                hash: c.blob.0.to_vec(),
+                offset: c.offset,
+                length: c.len,
+            }),
+        )
+        .await
+        .map_err(|_| SourceError::Unreachable(format!("no answer within {idle:?}")))?
+        .map_err(|s| SourceError::from_status(&s))?
+        .into_inner();
+        let mut pieces = Vec::with_capacity(4);
+        let mut got = 0;
+        loop {
+            let msg = tokio::time::timeout(idle, stream.message())
+                .await
+                .map_err(|_| SourceError::Unreachable(format!("stalled for {idle:?}")))?
+                .map_err(|s| SourceError::from_status(&s))?;
+            let Some(m) = msg else { break };
+            got += m.data.len();
+            if got > c.len as usize {
+                return Err(SourceError::Wrong("sent more bytes than asked for".into()));
+            }
+            pieces.push(m.data);
+        }
+        Ok(pieces.into())
+    }
+}
+
+impl Replicas for GrpcReplicas {
+    fn read<'a>(
+        &'a self,
+        addr: &'a str,
+        c: ChunkRef,
+        idle: Duration,
+    ) -> BoxFuture<'a, Result<Pieces, SourceError>> {
+        Box::pin(self.read_from(addr, c, idle))
+    }
+
+    fn forget<'a>(&'a self, addr: &'a str) -> BoxFuture<'a, ()> {
+        // The grant too: a node that refused it (a revoked key) must see a fresh one.
+        Box::pin(self.links.refused("*", addr, locus_proto::grant::Op::Read, ""))
+    }
+
+    fn locate<'a>(&'a self, blob: BlobHash, timeout: Duration) -> BoxFuture<'a, Result<Located, String>> {
+        Box::pin(async move {
+            let mut m = self.metadata.clone();
+            let ask = m.locate_blobs(pb::LocateBlobsRequest {
+                hashes: vec![blob.0.to_vec()],
+            });
+            // A reader is waiting: a hung metadata service costs it one timeout.
+            let r = tokio::time::timeout(timeout, ask)
+                .await
+                .map_err(|_| format!("the metadata service did not answer within {timeout:?}"))?
+                .map_err(|s| s.message().to_string())?
+                .into_inner();
+            Ok(Located {
+                nodes: r
+                    .blobs
+                    .into_iter()
+                    .flat_map(|b| b.nodes.into_iter().zip(b.addresses))
+                    .collect(),
+                backups: r.backups,
+            })
+        })
+    }
+
+    fn topology<'a>(&'a self, place: &'a Place) -> BoxFuture<'a, Result<Topology, String>> {
+        Box::pin(async move {
+            let mut c = self.metadata.clone();
+            // A metadata service that hangs must not stall the mount's housekeeping.
+            tokio::time::timeout(REFRESH_TIMEOUT, Topology::load(&mut c, &self.version, place))
+                .await
+                .map_err(|_| format!("the metadata service did not answer within {REFRESH_TIMEOUT:?}"))?
+                .map_err(|s| s.message().to_string())
+        })
+    }
+}
