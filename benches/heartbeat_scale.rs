@@ -31,7 +31,6 @@ use std::time::{Duration, Instant};
 use locus_proto::pb;
 use prost::Message;
 use support::*;
-use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 
 const INTERVAL: Duration = Duration::from_secs(2);
 
@@ -196,45 +195,17 @@ async fn main() {
     }
 
     // The same over HTTP, the whole answer and the best 16.
-    let http = |body: String| {
-        format!(
-            "POST /v1/locality HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
-            body.len()
-        )
-    };
-    let stream = tokio::net::TcpStream::connect(m.http).await.unwrap();
-    stream.set_nodelay(true).unwrap();
-    let (r, mut w) = stream.into_split();
-    let mut r = BufReader::new(r);
-    let mut ask = async |req: &str| -> (Duration, usize) {
-        let t = Instant::now();
-        w.write_all(req.as_bytes()).await.unwrap();
-        let mut len = 0usize;
-        let mut line = String::new();
-        loop {
-            line.clear();
-            r.read_line(&mut line).await.unwrap();
-            if line == "\r\n" {
-                break;
-            }
-            if let Some(v) = line.to_ascii_lowercase().strip_prefix("content-length:") {
-                len = v.trim().parse().unwrap();
-            }
-        }
-        let mut buf = vec![0u8; len];
-        r.read_exact(&mut buf).await.unwrap();
-        (t.elapsed(), len)
-    };
+    let mut conn = KeptAlive::connect(m.http).await;
     let mut http_rows = Vec::new();
     for (what, body) in [
         ("whole answer", r#"{"datasets":["bench@1"]}"#.to_string()),
         ("best 16", r#"{"datasets":["bench@1"],"limit":16}"#.to_string()),
     ] {
-        let req = http(body);
+        let req = KeptAlive::post("/v1/locality", &body);
         let mut times = Vec::new();
         let mut size = 0;
         for i in 0..220 {
-            let (d, n) = ask(&req).await;
+            let (d, n) = conn.ask(&req).await;
             if i >= 20 {
                 times.push(d);
             }

@@ -10,11 +10,9 @@
 use locus_testkit as support;
 
 use std::collections::HashMap;
-use std::time::{Duration, Instant};
 
 use locus_proto::pb;
 use support::*;
-use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() {
@@ -61,12 +59,6 @@ async fn main() {
     commit(&mut c, "bench", 1 << 22, entries, specs).await.unwrap();
 
     let body = r#"{"datasets":["bench@1"]}"#;
-    let req_of = |path: &str, body: &str| {
-        format!(
-            "POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
-            body.len()
-        )
-    };
     let names: Vec<String> = (0..nodes).map(|i| format!("\"gpu{i:04}\"")).collect();
     let extender_body = format!(
         r#"{{"Pod":{{"metadata":{{"name":"trainer-0","annotations":{{"locus.io/dataset":"bench@1"}}}}}},"Nodes":null,"NodeNames":[{}]}}"#,
@@ -75,47 +67,25 @@ async fn main() {
     let requests = [
         (
             "POST /v1/locality, whole version, 1,000 nodes ranked",
-            req_of("/v1/locality", body),
+            KeptAlive::post("/v1/locality", body),
             "p99 ≤ 5 ms",
         ),
         (
             "POST /k8s/prioritize, 1,000 node names (nodeCacheCapable)",
-            req_of("/k8s/prioritize", &extender_body),
+            KeptAlive::post("/k8s/prioritize", &extender_body),
             "p99 ≤ 10 ms",
         ),
     ];
-    let stream = tokio::net::TcpStream::connect(m.http).await.unwrap();
-    stream.set_nodelay(true).unwrap();
-    let (r, mut w) = stream.into_split();
-    let mut r = BufReader::new(r);
-    let mut ask = async |req: &str| -> (Duration, usize) {
-        let t = Instant::now();
-        w.write_all(req.as_bytes()).await.unwrap();
-        let mut len = 0usize;
-        let mut line = String::new();
-        loop {
-            line.clear();
-            r.read_line(&mut line).await.unwrap();
-            if line == "\r\n" {
-                break;
-            }
-            if let Some(v) = line.to_ascii_lowercase().strip_prefix("content-length:") {
-                len = v.trim().parse().unwrap();
-            }
-        }
-        let mut buf = vec![0u8; len];
-        r.read_exact(&mut buf).await.unwrap();
-        (t.elapsed(), buf.len())
-    };
+    let mut conn = KeptAlive::connect(m.http).await;
     let mut rows = Vec::new();
     for (what, req, target) in &requests {
         for _ in 0..20 {
-            ask(req).await;
+            conn.ask(req).await;
         }
         let mut times = Vec::new();
         let mut size = 0;
         for _ in 0..500 {
-            let (d, n) = ask(req).await;
+            let (d, n) = conn.ask(req).await;
             times.push(d);
             size = n;
         }

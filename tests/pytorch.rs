@@ -57,6 +57,8 @@ fn sha256_of_tree(root: &Path) -> BTreeMap<String, String> {
 struct Job<'a> {
     h: &'a Harness,
     m: &'a Metadata,
+    /// The source's bytes, all samples.
+    total_bytes: u64,
     /// (node id, mount) of the two nodes.
     nodes: [(&'a str, &'a Mount); 2],
 }
@@ -101,6 +103,45 @@ impl Job<'_> {
                 serde_json::from_slice(&std::fs::read(&out).unwrap()).unwrap()
             })
             .collect()
+    }
+
+    /// Runs one whole epoch from a dropped page cache and checks it against the source
+    /// and the mounts' counters: every sample exactly once across the ranks, its bytes the
+    /// source's, one open per sample, the source's bytes served, nearly all of them local.
+    /// Returns each rank's order.
+    async fn full_epoch(
+        &self,
+        tag: &str,
+        epoch: u64,
+        extra: &[&str],
+        want: &BTreeMap<String, String>,
+    ) -> Vec<Vec<u64>> {
+        let (n, total_bytes) = (want.len(), self.total_bytes);
+        assert!(drop_caches(), "dropping the page cache needs root");
+        let (o0, l0, b0) = self.counters().await;
+        let reports = self.run(tag, 4, epoch, extra);
+        let (o1, l1, b1) = self.counters().await;
+        let per_rank = delivered(&reports);
+        let parts: Vec<&[u64]> = per_rank.iter().map(Vec::as_slice).collect();
+        exactly_once(tag, &parts, n);
+        let files: Vec<String> = serde_json::from_value(reports[0]["files"].clone()).unwrap();
+        assert_eq!(files.len(), n);
+        for r in &reports {
+            for s in r["samples"].as_array().unwrap() {
+                let f = &files[s["index"].as_u64().unwrap() as usize];
+                assert_eq!(
+                    s["sha256"].as_str(),
+                    want.get(f).map(String::as_str),
+                    "{tag}: {f}"
+                );
+            }
+        }
+        assert_eq!(o1 - o0, n as u64, "{tag}: opens at the mounts");
+        assert_eq!(b1 - b0, total_bytes, "{tag}: bytes the mounts served");
+        let local = (l1 - l0) as f64 / total_bytes as f64;
+        println!("{tag}: local share of bytes {local:.3}");
+        assert!(local >= 0.9, "{tag}: only {local:.3} of the bytes were local");
+        per_rank
     }
 
     /// Both mounts' opens and bytes served so far (their status files' counters).
@@ -182,38 +223,14 @@ async fn a_pytorch_job_reads_every_sample_once_per_epoch_locally_and_resumes_at_
     let job = Job {
         h: &h,
         m: &m,
+        total_bytes,
         nodes: [("n1", &mnt1), ("n2", &mnt2)],
     };
 
     // Two full epochs, the page cache dropped before each so every byte reaches a mount.
     let mut orders = Vec::new();
     for epoch in 0..2u64 {
-        assert!(drop_caches(), "dropping the page cache needs root");
-        let (o0, l0, b0) = job.counters().await;
-        let reports = job.run(&format!("epoch{epoch}"), 4, epoch, &[]);
-        let (o1, l1, b1) = job.counters().await;
-        let per_rank = delivered(&reports);
-        let parts: Vec<&[u64]> = per_rank.iter().map(Vec::as_slice).collect();
-        exactly_once(&format!("epoch {epoch}"), &parts, n);
-        // The bytes are the source's, sample by sample.
-        let files: Vec<String> = serde_json::from_value(reports[0]["files"].clone()).unwrap();
-        assert_eq!(files.len(), n);
-        for r in &reports {
-            for s in r["samples"].as_array().unwrap() {
-                let f = &files[s["index"].as_u64().unwrap() as usize];
-                assert_eq!(s["sha256"].as_str(), want.get(f).map(String::as_str), "{f}");
-            }
-        }
-        // The mounts' own counts: one open per sample, the source's bytes, mostly local.
-        assert_eq!(o1 - o0, n as u64, "epoch {epoch}: opens at the mounts");
-        assert_eq!(b1 - b0, total_bytes, "epoch {epoch}: bytes the mounts served");
-        let local = (l1 - l0) as f64 / total_bytes as f64;
-        println!("epoch {epoch}: local share of bytes {local:.3}");
-        assert!(
-            local >= 0.9,
-            "epoch {epoch}: only {local:.3} of the bytes were local"
-        );
-        orders.push(per_rank);
+        orders.push(job.full_epoch(&format!("epoch {epoch}"), epoch, &[], &want).await);
     }
     assert_ne!(orders[0], orders[1], "set_epoch changes the order");
 
@@ -252,19 +269,5 @@ async fn a_pytorch_job_reads_every_sample_once_per_epoch_locally_and_resumes_at_
 
     // Files read whole as a tar-shard loader reads them: each rank's two workers take
     // `shard_files`' share; every file once across ranks and workers, opened once.
-    assert!(drop_caches());
-    let (o0, l0, b0) = job.counters().await;
-    let reports = job.run("shard-files", 4, 4, &["--shard-files"]);
-    let (o1, l1, b1) = job.counters().await;
-    let per_rank = delivered(&reports);
-    let parts: Vec<&[u64]> = per_rank.iter().map(Vec::as_slice).collect();
-    exactly_once("shard files", &parts, n);
-    assert_eq!(o1 - o0, n as u64, "shard files: opens at the mounts");
-    assert_eq!(b1 - b0, total_bytes, "shard files: bytes the mounts served");
-    let local = (l1 - l0) as f64 / total_bytes as f64;
-    println!("shard files: local share of bytes {local:.3}");
-    assert!(
-        local >= 0.9,
-        "shard files: only {local:.3} of the bytes were local"
-    );
+    job.full_epoch("shard files", 4, &["--shard-files"], &want).await;
 }

@@ -67,6 +67,55 @@ pub fn raise_open_file_limit() {
     }
 }
 
+/// One kept-alive HTTP/1.1 connection for benches that time many requests on it (as a
+/// scheduler keeps its connection to the metadata service).
+pub struct KeptAlive {
+    r: tokio::io::BufReader<tokio::net::tcp::OwnedReadHalf>,
+    w: tokio::net::tcp::OwnedWriteHalf,
+}
+
+impl KeptAlive {
+    pub async fn connect(addr: std::net::SocketAddr) -> KeptAlive {
+        let stream = tokio::net::TcpStream::connect(addr).await.unwrap();
+        stream.set_nodelay(true).unwrap();
+        let (r, w) = stream.into_split();
+        KeptAlive {
+            r: tokio::io::BufReader::new(r),
+            w,
+        }
+    }
+
+    /// The bytes of a JSON POST to `path`, built once and sent many times.
+    pub fn post(path: &str, body: &str) -> String {
+        format!(
+            "POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+            body.len()
+        )
+    }
+
+    /// Sends `req` and reads the whole answer: how long that took, and the body's size.
+    pub async fn ask(&mut self, req: &str) -> (Duration, usize) {
+        use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt};
+        let t = Instant::now();
+        self.w.write_all(req.as_bytes()).await.unwrap();
+        let mut len = 0usize;
+        let mut line = String::new();
+        loop {
+            line.clear();
+            self.r.read_line(&mut line).await.unwrap();
+            if line == "\r\n" {
+                break;
+            }
+            if let Some(v) = line.to_ascii_lowercase().strip_prefix("content-length:") {
+                len = v.trim().parse().unwrap();
+            }
+        }
+        let mut buf = vec![0u8; len];
+        self.r.read_exact(&mut buf).await.unwrap();
+        (t.elapsed(), len)
+    }
+}
+
 /// MiB/s.
 pub fn mbs(bytes: u64, d: Duration) -> f64 {
     bytes as f64 / d.as_secs_f64() / (1 << 20) as f64
