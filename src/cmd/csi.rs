@@ -366,21 +366,7 @@ impl Plugin {
 
 /// Whether `p` (absolute, resolved) is a mount point in this process's mount table.
 fn is_mountpoint(p: &Path) -> bool {
-    let Ok(text) = std::fs::read_to_string("/proc/self/mountinfo") else {
-        return false;
-    };
-    let want = p.display().to_string();
-    text.lines()
-        .filter_map(|l| l.split(' ').nth(4))
-        .any(|m| unescape_mountinfo(m) == want)
-}
-
-/// mountinfo escapes space, tab, newline and backslash as octal.
-fn unescape_mountinfo(s: &str) -> String {
-    s.replace("\\040", " ")
-        .replace("\\011", "\t")
-        .replace("\\012", "\n")
-        .replace("\\134", "\\")
+    locus_fuse::is_mount_point(p)
 }
 
 fn cstr(p: &Path) -> std::io::Result<std::ffi::CString> {

@@ -33,6 +33,7 @@ use std::io::IoSlice;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
+use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
@@ -76,8 +77,7 @@ pub struct Channel(OwnedFd);
 
 impl Channel {
     pub fn from_env() -> Option<Channel> {
-        let fd: RawFd = std::env::var(CHANNEL_ENV).ok()?.parse().ok()?;
-        std::env::remove_var(CHANNEL_ENV);
+        let fd: RawFd = take_env(CHANNEL_ENV)?.parse().ok()?;
         set_cloexec(fd);
         // SAFETY: the holder passed this descriptor to us open and names it in the
         // environment; nothing else in this process owns it.
@@ -125,13 +125,11 @@ pub struct Reattach {
 
 impl Reattach {
     pub fn from_env() -> anyhow::Result<Option<Reattach>> {
-        let Ok(fd) = std::env::var(FUSE_FD_ENV) else {
+        let Some(fd) = take_env(FUSE_FD_ENV) else {
             return Ok(None);
         };
         let fd: RawFd = fd.parse().context("LOCUS_MOUNT_FUSE_FD")?;
-        let path = std::env::var(SESSION_ENV).context("LOCUS_MOUNT_SESSION")?;
-        std::env::remove_var(FUSE_FD_ENV);
-        std::env::remove_var(SESSION_ENV);
+        let path = take_env(SESSION_ENV).context("LOCUS_MOUNT_SESSION")?;
         set_cloexec(fd);
         // SAFETY: as for the channel: passed open by the holder, owned by nobody else.
         #[allow(unsafe_code)]
@@ -202,6 +200,21 @@ fn lazy_unmount(mp: &Path) {
             .stderr(Stdio::null())
             .status();
     }
+}
+
+/// An inherited variable naming a descriptor, read at most once per process: a second
+/// reader would own the same descriptor twice. The variable is left in the environment
+/// (removing it while the runtime's threads run is a data race on `environ`); nothing this
+/// process starts reads it, and the descriptors are close-on-exec.
+fn take_env(name: &'static str) -> Option<String> {
+    static TAKEN: Mutex<Vec<&str>> = Mutex::new(Vec::new());
+    let mut taken = TAKEN.lock().unwrap_or_else(|p| p.into_inner());
+    if taken.contains(&name) {
+        return None;
+    }
+    let v = std::env::var(name).ok()?;
+    taken.push(name);
+    Some(v)
 }
 
 fn set_cloexec(fd: RawFd) {
