@@ -19,6 +19,8 @@ use crate::metrics::Metrics;
 /// Datasets and nodes drawn in the residency map; the rest is counted, not drawn.
 const MAP_DATASETS: usize = 40;
 const MAP_NODES: usize = 64;
+/// Rows of the datasets table (each reads its latest version's record).
+const LIST_DATASETS: usize = 500;
 
 /// HTML-escapes text for element content and quoted attributes.
 pub fn esc(s: &str) -> String {
@@ -175,7 +177,7 @@ pub fn render(
          <th>files</th><th>bytes (latest)</th><th>origin</th><th>committed</th></tr>",
     );
     let mut latest: Vec<(String, pb::Version)> = Vec::new();
-    for d in &datasets {
+    for d in datasets.iter().take(LIST_DATASETS) {
         let v = if d.latest == 0 {
             None
         } else {
@@ -207,6 +209,13 @@ pub fn render(
         }
     }
     h.push_str("</table>");
+    if datasets.len() > LIST_DATASETS {
+        let _ = write!(
+            h,
+            "<p>Showing {LIST_DATASETS} of {} datasets; `locus dataset ls` lists them all.</p>",
+            datasets.len()
+        );
+    }
 
     // Where each dataset's latest version is: the share of its bytes on each node.
     h.push_str("<h2>Where the bytes are (latest versions)</h2>");
