@@ -73,7 +73,7 @@ async fn main() {
     let window = Duration::from_secs(env_u64("LOCUS_BENCH_WINDOW", 30));
     // A node per connection: more descriptors than the usual soft limit, here and in the
     // service (which raises its own).
-    raise_open_file_limit();
+    locus_proto::net::raise_open_file_limit();
 
     let h = Harness::new("bench-heartbeat-scale");
     // The default liveness timeout: a heartbeat that falls behind it marks its node Down.

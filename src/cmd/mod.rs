@@ -32,24 +32,9 @@ pub async fn shutdown_signal() {
     }
 }
 
-/// Raises this process's soft open-file limit to its hard limit (as far as it is
-/// allowed). The usual soft limit of 1,024 is too few for a daemon: the metadata service
-/// holds a connection per node (thousands), a node one per peer and reader, a mount a
-/// descriptor per recently verified local file.
-#[allow(unsafe_code)]
+/// Raises the open-file limit for a daemon (`locus_proto::net::raise_open_file_limit`).
 pub fn raise_open_file_limit() {
-    let mut r = libc::rlimit {
-        rlim_cur: 0,
-        rlim_max: 0,
-    };
-    // SAFETY: getrlimit/setrlimit only read and write the rlimit struct we pass, which
-    // lives on this stack frame for the duration of both calls.
-    unsafe {
-        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut r) == 0 && r.rlim_cur < r.rlim_max {
-            r.rlim_cur = r.rlim_max;
-            if libc::setrlimit(libc::RLIMIT_NOFILE, &r) != 0 {
-                tracing::debug!("cannot raise the open-file limit");
-            }
-        }
+    if !locus_proto::net::raise_open_file_limit() {
+        tracing::debug!("cannot raise the open-file limit");
     }
 }

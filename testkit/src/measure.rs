@@ -50,23 +50,6 @@ pub fn cpu_seconds(pid: u32) -> f64 {
     ticks as f64 / if hz > 0 { hz as f64 } else { 100.0 }
 }
 
-/// Raises this process's soft open-file limit to its hard limit, for a bench that plays
-/// thousands of clients.
-#[allow(unsafe_code)]
-pub fn raise_open_file_limit() {
-    let mut r = libc::rlimit {
-        rlim_cur: 0,
-        rlim_max: 0,
-    };
-    // SAFETY: getrlimit/setrlimit on a struct on this stack frame.
-    unsafe {
-        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut r) == 0 && r.rlim_cur < r.rlim_max {
-            r.rlim_cur = r.rlim_max;
-            libc::setrlimit(libc::RLIMIT_NOFILE, &r);
-        }
-    }
-}
-
 /// One kept-alive HTTP/1.1 connection for benches that time many requests on it (as a
 /// scheduler keeps its connection to the metadata service).
 pub struct KeptAlive {
