@@ -4,6 +4,18 @@
 
 use super::*;
 
+/// Hands the memory the load staged and freed back to the system: glibc keeps freed heap
+/// in its arenas, so without this the node's RSS stays at the load's peak (+19% at a
+/// million blobs).
+#[allow(unsafe_code)]
+fn release_freed_memory() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: malloc_trim only returns free heap pages to the kernel.
+    unsafe {
+        libc::malloc_trim(0);
+    }
+}
+
 impl BlobStore {
     pub(super) fn reconcile(&self) -> Result<Reconcile, StoreError> {
         let mut rep = Reconcile::default();
@@ -35,6 +47,7 @@ impl BlobStore {
             b.used += books.used;
             b.pinned += books.pinned;
         }
+        release_freed_memory();
         // The cheap part of the comparison with the directories, before serving: leftover
         // partial and temporary files (a write this process has not started yet cannot
         // own them). The blob directories themselves are compared by `check_dirs`, in the
@@ -67,12 +80,31 @@ impl BlobStore {
     /// Loads the index records whose keys start with a byte in `from..to`: the blobs
     /// complete and partial, their verified stamps and eviction order. Returns the
     /// complete blobs counted and the bytes they hold (added to the books by the caller).
+    ///
+    /// Records are staged per shard and each shard is locked once at the end, not once
+    /// per record (the two loading threads otherwise trade shard locks millions of
+    /// times). Keys arrive in hash order and every loaded blob's tick is 0, so each
+    /// shard's eviction order is built from a sorted run and merged in bulk
+    /// (`BTreeSet::append`), not inserted key by key.
     fn load_index(&self, from: u16, to: u16) -> Result<(usize, Books), StoreError> {
+        #[derive(Default)]
+        struct Staged {
+            blobs: Vec<(BlobHash, Meta)>,
+            partials: Vec<(BlobHash, Meta)>,
+            verified: Vec<(BlobHash, FileStamp)>,
+            lru: Vec<(u64, BlobHash)>,
+        }
+        let mut staged: Vec<Staged> = (0..SHARDS).map(|_| Staged::default()).collect();
         let mut indexed = 0;
         let mut books = Books::default();
         let start = [from as u8];
         let mode = rocksdb::IteratorMode::From(&start, rocksdb::Direction::Forward);
-        for kv in self.index.iterator(mode) {
+        let mut opts = rocksdb::ReadOptions::default();
+        // One pass over the whole index: read ahead, and leave the block cache to the
+        // point reads that serve (a scan would only evict them).
+        opts.set_readahead_size(4 << 20);
+        opts.fill_cache(false);
+        for kv in self.index.iterator_opt(mode, opts) {
             let (k, v) = kv.map_err(|e| StoreError::Index(e.into_string()))?;
             if u16::from(k.first().copied().unwrap_or(0)) >= to {
                 break;
@@ -101,21 +133,30 @@ impl BlobStore {
                 continue;
             }
             books.add(rec.size, rec.pinned);
-            let mut sh = self.shard(&h);
+            let st = &mut staged[usize::from(h.0[0]) % SHARDS];
             // Only a hint: `verified_path` compares it with the file as it is now, and any
             // change while the node was down (a write, a copy, a restored file) differs.
             if let (false, Some(v)) = (rec.partial, &rec.verified) {
-                sh.verified.insert(h, v.into());
+                st.verified.push((h, v.into()));
             }
-            let partial = rec.partial;
+            if !rec.pinned {
+                st.lru.push((0, h));
+            }
             let m = Meta { rec, last_access: 0 };
-            sh.track(h, &m);
-            if partial {
-                sh.partials.insert(h, m);
+            if m.rec.partial {
+                st.partials.push((h, m));
             } else {
-                sh.blobs.insert(h, m);
+                st.blobs.push((h, m));
                 indexed += 1;
             }
+        }
+        for (i, st) in staged.into_iter().enumerate() {
+            let mut lru: BTreeSet<(u64, BlobHash)> = st.lru.into_iter().collect();
+            let mut sh = lock(&self.shards[i]);
+            sh.blobs.extend(st.blobs);
+            sh.partials.extend(st.partials);
+            sh.verified.extend(st.verified);
+            sh.lru.append(&mut lru);
         }
         Ok((indexed, books))
     }
