@@ -2,7 +2,6 @@
 //! blocking thread, and map its errors to `Status` — the one place this service's errors
 //! meet the outside world. Admin actions are written to the audit log here.
 
-use std::collections::HashSet;
 use std::sync::Arc;
 
 use locus_proto::{pb, DatasetName, Entry, NodeId, VersionSel};
@@ -16,6 +15,7 @@ use crate::metrics::Metrics;
 mod grants;
 mod members;
 mod mounts;
+mod scheduling;
 mod wire;
 
 pub use wire::to_status;
@@ -315,38 +315,7 @@ impl pb::metadata_server::Metadata for MetadataService {
     }
 
     async fn locality(&self, req: Request<pb::LocalityRequest>) -> Res<pb::LocalityResponse> {
-        let q = req.into_inner();
-        crate::locality::check_request(q.refs.len(), q.path_prefixes.len(), q.shards.len(), q.nodes.len())
-            .map_err(Status::invalid_argument)?;
-        let refs = q
-            .refs
-            .into_iter()
-            .map(|r| version_ref(Some(r)))
-            .collect::<Result<Vec<_>, _>>()?;
-        for p in &q.path_prefixes {
-            locus_proto::RelPath::check_dir(p.trim_end_matches('/'))
-                .map_err(|e| e.within("path_prefixes"))?;
-        }
-        let shards: Option<HashSet<u32>> = (!q.shards.is_empty()).then(|| q.shards.into_iter().collect());
-        let limit = if q.limit == 0 {
-            usize::MAX
-        } else {
-            q.limit as usize
-        };
-        let out = self
-            .run(move |c| {
-                c.locality(
-                    &refs,
-                    shards.as_ref(),
-                    &q.path_prefixes,
-                    &q.nodes,
-                    &q.selector,
-                    (limit, q.labels),
-                )
-            })
-            .await
-            .map_err(to_status)?;
-        Ok(Response::new(out))
+        Ok(Response::new(self.locality_of(req.into_inner()).await?))
     }
 
     async fn assign(&self, req: Request<pb::AssignRequest>) -> Res<pb::AssignResponse> {
@@ -364,49 +333,7 @@ impl pb::metadata_server::Metadata for MetadataService {
 
     async fn warm(&self, req: Request<pb::WarmRequest>) -> Res<Self::WarmStream> {
         let who = principal(&req)?;
-        let q = req.into_inner();
-        let r = version_ref(q.r#ref)?;
-        for n in &q.nodes {
-            NodeId::try_from(n.as_str()).map_err(|e| e.within("nodes"))?;
-        }
-        let target = format!("{r} on {}", q.nodes.join(","));
-        let nodes = q.nodes.clone();
-        let planned = self.run(move |c| c.warm_plan(&r, &nodes)).await;
-        self.audit(&who, "warm", &target, &planned, |p| {
-            format!("{} copies planned", p.tasks.len())
-        });
-        let mut plan = planned.map_err(to_status)?;
-        let outside: u64 = plan.origin.iter().map(|t| t.bytes).sum();
-        if outside > 0 {
-            let copies = plan.origin.len();
-            if !plan.outside_source {
-                return Err(Status::failed_precondition(format!(
-                    "{copies} shard copies ({outside} bytes) have no live replica to copy from, and the \
-                     version has no origin and no backup is recorded; bring a node holding them back \
-                     or re-import"
-                )));
-            }
-            if outside > q.max_origin_bytes {
-                return Err(Status::failed_precondition(format!(
-                    "{copies} shard copies ({outside} bytes) have no live replica to copy from; they \
-                     would come from a backup or the version's origin, which the budget \
-                     (--max-origin-bytes {}) does not allow: allow {outside} bytes or bring a node \
-                     holding them back",
-                    q.max_origin_bytes
-                )));
-            }
-            // Within the budget: the targets copy those from a backup, else the origin.
-            plan.tasks.append(&mut plan.origin);
-        }
-        let (tx, rx) = tokio::sync::mpsc::channel(64);
-        let catalog = self.catalog.clone();
-        tokio::spawn(crate::repair::warm(
-            catalog,
-            self.orders.clone(),
-            who.name.clone(),
-            plan,
-            tx,
-        ));
+        let rx = self.warm_copies(who, req.into_inner()).await?;
         Ok(Response::new(Box::pin(
             tokio_stream::wrappers::ReceiverStream::new(rx),
         )))

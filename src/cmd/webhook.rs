@@ -74,7 +74,27 @@ pub async fn run(a: WebhookArgs, cfg: &Resolved) -> anyhow::Result<()> {
                 async move { hook.mutate(body).await }
             }),
         )
-        .layer(axum::extract::DefaultBodyLimit::max(MAX_BODY));
+        .layer(axum::extract::DefaultBodyLimit::max(MAX_BODY))
+        // A declared size over the limit is refused before any of the body is read (and
+        // before `100 Continue`), so the sender learns it at once rather than as a reset
+        // connection halfway through its upload.
+        .layer(axum::middleware::from_fn(
+            |req: axum::extract::Request, next: axum::middleware::Next| async move {
+                let declared = req
+                    .headers()
+                    .get(axum::http::header::CONTENT_LENGTH)
+                    .and_then(|v| v.to_str().ok())
+                    .and_then(|v| v.parse::<usize>().ok());
+                if declared.is_some_and(|n| n > MAX_BODY) {
+                    return (
+                        StatusCode::PAYLOAD_TOO_LARGE,
+                        format!("an AdmissionReview is at most {MAX_BODY} bytes\n"),
+                    )
+                        .into_response();
+                }
+                next.run(req).await
+            },
+        ));
     let acceptor = tls
         .as_ref()
         .map(|t| t.http_acceptor())
