@@ -114,12 +114,14 @@ Examples:
   # The same as JSON, against another service
   locus --metadata https://meta.example:7400 status --json")]
     Status,
-    /// Kubernetes CSI node plugin: dataset versions as read-only pod volumes, one shared
-    /// mount per version on each host.
+    /// Kubernetes CSI driver: dataset versions as read-only pod volumes (one shared mount
+    /// per version on each host), provisioned from claims of a Locus StorageClass.
     #[command(after_help = "\
 Examples:
-  # As the DaemonSet in deploy/kubernetes/ runs it
-  locus csi --endpoint unix:///csi/csi.sock --node-socket /run/locus/node.sock")]
+  # The node plugin, as the DaemonSet in deploy/kubernetes/csi.yaml runs it
+  locus csi --endpoint unix:///csi/csi.sock --node-socket /run/locus/node.sock
+  # The controller, beside the csi-provisioner sidecar (a reader token in LOCUS_TOKEN)
+  locus csi --mode controller --endpoint unix:///csi/csi.sock")]
     Csi(cmd::csi::CsiArgs),
     /// Kubernetes mutating admission webhook: pods using Locus data get preferred node
     /// affinity to the hosts holding their bytes; a pod is never refused or held up.

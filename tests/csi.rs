@@ -4,38 +4,12 @@
 
 use locus_testkit as support;
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Child, Command};
 use std::time::Duration;
 
 use locus_proto::csi;
 use support::*;
-
-/// The plugin process, and whatever it mounted, gone when the test ends however it ends.
-struct Plugin {
-    child: Child,
-    root: PathBuf,
-}
-
-impl Drop for Plugin {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-        for m in mounts_under(&self.root).into_iter().rev() {
-            let _ = Command::new("umount").arg("-l").arg(&m).status();
-        }
-    }
-}
-
-/// Mount points under `root`, outermost first.
-fn mounts_under(root: &Path) -> Vec<PathBuf> {
-    let text = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
-    text.lines()
-        .filter_map(|l| l.split(' ').nth(4))
-        .map(PathBuf::from)
-        .filter(|p| p.starts_with(root))
-        .collect()
-}
 
 fn mount_request(volume: &str, target: &Path, dataset: Option<&str>) -> csi::NodePublishVolumeRequest {
     csi::NodePublishVolumeRequest {
@@ -58,10 +32,15 @@ fn mount_request(volume: &str, target: &Path, dataset: Option<&str>) -> csi::Nod
 /// `locus csi` for node `n`, as kubelet runs it: socket `csi/csi.sock`, state in
 /// `csi-state`, kubelet's dir `kubelet` (all under the harness), a reader's token.
 fn spawn_plugin(h: &Harness, m: &Metadata, n: &Node) -> Child {
+    spawn_driver(h, m, n, "node")
+}
+
+/// `locus csi --mode MODE`, otherwise as [`spawn_plugin`].
+fn spawn_driver(h: &Harness, m: &Metadata, n: &Node, mode: &str) -> Child {
     let kubelet = h.path("kubelet");
     std::fs::create_dir_all(kubelet.join("pods")).unwrap();
     Command::new(locus())
-        .args(["csi", "--endpoint"])
+        .args(["csi", "--mode", mode, "--endpoint"])
         .arg(format!("unix://{}", h.path("csi/csi.sock").display()))
         .args(["--node-id", "n1", "--node-socket"])
         .arg(&n.socket)
@@ -102,7 +81,7 @@ async fn csi_publishes_shared_counted_mounts_that_outlive_a_plugin_restart_and_r
     let state = h.path("csi-state");
     let sock = h.path("csi/csi.sock");
     let spawn = || spawn_plugin(&h, &m, &n);
-    let mut plugin = Plugin {
+    let mut plugin = MountingProcess {
         child: spawn(),
         root: h.path(""),
     };
@@ -312,7 +291,7 @@ async fn a_pods_volume_never_runs_a_setuid_binary_as_root_and_holds_no_device_fi
     let o = import(&m, "ds", &src, &["--replicas", "1"]);
     assert!(o.status.success(), "{}", stderr(&o));
 
-    let _plugin = Plugin {
+    let _plugin = MountingProcess {
         child: spawn_plugin(&h, &m, &n),
         root: h.path(""),
     };
@@ -366,4 +345,305 @@ async fn a_pods_volume_never_runs_a_setuid_binary_as_root_and_holds_no_device_fi
         "a device file is in the pod's view"
     );
     assert_eq!(std::fs::read(target.join("plain.txt")).unwrap(), b"data");
+}
+
+fn capability(mode: csi::volume_capability::access_mode::Mode) -> csi::VolumeCapability {
+    csi::VolumeCapability {
+        access_type: Some(csi::volume_capability::AccessType::Mount(Default::default())),
+        access_mode: Some(csi::volume_capability::AccessMode { mode: mode as i32 }),
+    }
+}
+
+fn claim(
+    name: &str,
+    params: &[(&str, &str)],
+    mode: csi::volume_capability::access_mode::Mode,
+) -> csi::CreateVolumeRequest {
+    csi::CreateVolumeRequest {
+        name: name.into(),
+        capacity_range: Some(csi::CapacityRange {
+            required_bytes: 1 << 30,
+            limit_bytes: 0,
+        }),
+        volume_capabilities: vec![capability(mode)],
+        parameters: params
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect(),
+        ..Default::default()
+    }
+}
+
+/// The provisioning flow the external-provisioner and kubelet drive: a claim of a
+/// StorageClass naming `imagenet` (no version) gets the version that was latest when it
+/// was provisioned, and keeps it after a newer one is committed; a pod of that volume
+/// reads that version's bytes; writer modes, block volumes, clones and unknown datasets
+/// are refused for what they are; deleting the volume leaves the dataset alone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_keeps_the_version_latest_was_at_provisioning_and_writer_modes_are_refused() {
+    use csi::volume_capability::access_mode::Mode;
+    let h = Harness::new("csi-provision");
+    let m = h.start_metadata("meta", MetadataOpts::with_tokens()).await;
+    let n = h.start_node("n1", &m, NodeOpts::host(1)).await;
+    let (v1, v2) = (h.path("src-v1"), h.path("src-v2"));
+    make_tree(&v1, 9);
+    make_tree(&v2, 4);
+    std::fs::write(v2.join("only-in-v2.txt"), b"2").unwrap();
+    let o = import(&m, "imagenet", &v1, &["--replicas", "1"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+
+    let sock = h.path("csi/csi.sock");
+    let _driver = MountingProcess {
+        child: spawn_driver(&h, &m, &n, "all"),
+        root: h.path(""),
+    };
+    wait_until("the CSI socket", Duration::from_secs(10), || async {
+        sock.exists().then_some(())
+    })
+    .await;
+    let channel = locus_proto::client::unix_channel(&sock);
+    let mut id = csi::identity_client::IdentityClient::new(channel.clone());
+    let mut ctl = csi::controller_client::ControllerClient::new(channel.clone());
+    let mut node = csi::node_client::NodeClient::new(channel);
+
+    let caps = id
+        .get_plugin_capabilities(csi::GetPluginCapabilitiesRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(caps.capabilities.len(), 1, "{caps:?}");
+    let ccaps = ctl
+        .controller_get_capabilities(csi::ControllerGetCapabilitiesRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    use csi::controller_service_capability::{rpc::Type, Type as Cap};
+    let offered: Vec<i32> = ccaps
+        .capabilities
+        .iter()
+        .filter_map(|c| c.r#type.as_ref().map(|Cap::Rpc(r)| r.r#type))
+        .collect();
+    assert_eq!(offered, vec![Type::CreateDeleteVolume as i32]);
+
+    // Provisioned while version 1 is the latest; a retry of the same claim gets the same
+    // volume, another claim another volume of the same version.
+    let params = [("dataset", "imagenet")];
+    let create = |r: csi::CreateVolumeRequest| {
+        let mut ctl = ctl.clone();
+        async move { ctl.create_volume(r).await.map(|r| r.into_inner().volume.unwrap()) }
+    };
+    let first = create(claim("pvc-1", &params, Mode::MultiNodeReaderOnly))
+        .await
+        .unwrap();
+    assert_eq!(
+        first.volume_context.get("dataset").map(String::as_str),
+        Some("imagenet@1")
+    );
+    assert!(first.volume_id.starts_with("imagenet@1:"), "{}", first.volume_id);
+    assert_eq!(first.capacity_bytes, 0, "capacity is reported unknown");
+    let again = create(claim("pvc-1", &params, Mode::MultiNodeReaderOnly))
+        .await
+        .unwrap();
+    assert_eq!(again.volume_id, first.volume_id);
+    let other = create(claim("pvc-other", &params, Mode::SingleNodeReaderOnly))
+        .await
+        .unwrap();
+    assert_ne!(other.volume_id, first.volume_id);
+
+    // Version 2 is committed: a new claim gets it, the old volume still shows version 1.
+    let o = import(&m, "imagenet", &v2, &["--replicas", "1"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let second = create(claim("pvc-2", &params, Mode::MultiNodeReaderOnly))
+        .await
+        .unwrap();
+    assert_eq!(
+        second.volume_context.get("dataset").map(String::as_str),
+        Some("imagenet@2")
+    );
+    let pinned = create(claim(
+        "pvc-pinned",
+        &[("dataset", "imagenet"), ("version", "1")],
+        Mode::MultiNodeReaderOnly,
+    ))
+    .await
+    .unwrap();
+    assert_eq!(
+        pinned.volume_context.get("dataset").map(String::as_str),
+        Some("imagenet@1")
+    );
+
+    // Kubelet publishes each volume with the context the provisioner recorded in its PV.
+    let kubelet = h.path("kubelet");
+    let target = |pod: &str| kubelet.join(format!("pods/{pod}/volumes/kubernetes.io~csi/pv/mount"));
+    for (pod, vol) in [("p1", &first), ("p2", &second)] {
+        node.node_publish_volume(csi::NodePublishVolumeRequest {
+            volume_id: vol.volume_id.clone(),
+            target_path: target(pod).display().to_string(),
+            volume_capability: Some(capability(Mode::MultiNodeReaderOnly)),
+            readonly: true,
+            volume_context: vol.volume_context.clone(),
+            ..Default::default()
+        })
+        .await
+        .unwrap_or_else(|e| panic!("publish {pod}: {e:?}"));
+    }
+    assert_same_tree(&v1, &target("p1"));
+    assert_same_tree(&v2, &target("p2"));
+
+    // Validation: read-only mount capabilities are confirmed, a writer mode is not, and
+    // a volume that does not exist is NOT_FOUND.
+    let validate = |id: &str, mode: Mode| {
+        let mut ctl = ctl.clone();
+        let id = id.to_string();
+        async move {
+            ctl.validate_volume_capabilities(csi::ValidateVolumeCapabilitiesRequest {
+                volume_id: id,
+                volume_capabilities: vec![capability(mode)],
+                ..Default::default()
+            })
+            .await
+            .map(|r| r.into_inner())
+        }
+    };
+    let ok = validate(&first.volume_id, Mode::MultiNodeReaderOnly)
+        .await
+        .unwrap();
+    assert!(ok.confirmed.is_some(), "{ok:?}");
+    let writer = validate(&first.volume_id, Mode::SingleNodeWriter).await.unwrap();
+    assert!(
+        writer.confirmed.is_none() && writer.message.contains("SINGLE_NODE_WRITER"),
+        "{writer:?}"
+    );
+    for missing in ["imagenet@9:0123456789abcdef", "not-a-locus-volume"] {
+        let e = validate(missing, Mode::MultiNodeReaderOnly).await.unwrap_err();
+        assert_eq!(e.code(), tonic::Code::NotFound, "{missing}: {e:?}");
+    }
+
+    // Refusals, each for its own reason, and none of them provisions anything.
+    let mut block = claim("pvc-b", &params, Mode::MultiNodeReaderOnly);
+    block.volume_capabilities[0].access_type =
+        Some(csi::volume_capability::AccessType::Block(Default::default()));
+    let mut clone = claim("pvc-c", &params, Mode::MultiNodeReaderOnly);
+    clone.volume_content_source = Some(csi::VolumeContentSource {
+        r#type: Some(csi::volume_content_source::Type::Volume(
+            csi::volume_content_source::VolumeSource {
+                volume_id: first.volume_id.clone(),
+            },
+        )),
+    });
+    let mut no_caps = claim("pvc-n", &params, Mode::MultiNodeReaderOnly);
+    no_caps.volume_capabilities.clear();
+    let cases = [
+        (
+            claim("pvc-w", &params, Mode::SingleNodeWriter),
+            tonic::Code::InvalidArgument,
+            "ReadOnlyMany",
+        ),
+        (
+            claim("pvc-m", &params, Mode::MultiNodeMultiWriter),
+            tonic::Code::InvalidArgument,
+            "MULTI_NODE_MULTI_WRITER",
+        ),
+        (block, tonic::Code::InvalidArgument, "block device"),
+        (clone, tonic::Code::InvalidArgument, "snapshot or another volume"),
+        (no_caps, tonic::Code::InvalidArgument, "volume_capabilities"),
+        (
+            claim("", &params, Mode::MultiNodeReaderOnly),
+            tonic::Code::InvalidArgument,
+            "name",
+        ),
+        (
+            claim("pvc-x", &[("dataset", "nosuch")], Mode::MultiNodeReaderOnly),
+            tonic::Code::NotFound,
+            "nosuch",
+        ),
+        (
+            claim(
+                "pvc-y",
+                &[("dataset", "imagenet"), ("version", "7")],
+                Mode::MultiNodeReaderOnly,
+            ),
+            tonic::Code::NotFound,
+            "imagenet",
+        ),
+        (
+            claim("pvc-z", &[("datasett", "imagenet")], Mode::MultiNodeReaderOnly),
+            tonic::Code::InvalidArgument,
+            "datasett",
+        ),
+    ];
+    for (req, want, says) in cases {
+        let e = create(req.clone()).await.unwrap_err();
+        assert_eq!(e.code(), want, "{req:?}: {e:?}");
+        assert!(
+            e.message().contains(says),
+            "{:?} does not say {says:?}",
+            e.message()
+        );
+    }
+
+    // Deleting volumes (twice, and one never made) frees nothing and deletes no data.
+    for vol in [&first.volume_id, &first.volume_id, &"made-up".to_string()] {
+        ctl.delete_volume(csi::DeleteVolumeRequest {
+            volume_id: vol.clone(),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    }
+    let e = ctl
+        .delete_volume(csi::DeleteVolumeRequest::default())
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), tonic::Code::InvalidArgument);
+    assert_same_tree(&v1, &target("p1"));
+    let o = m.cli(&["dataset", "show", "imagenet@1"]);
+    assert!(
+        o.status.success(),
+        "the dataset went with its volume: {}",
+        stderr(&o)
+    );
+}
+
+/// `--mode controller` serves Identity and Controller only: it needs no node socket, no
+/// kubelet directory, and answers Node calls with UNIMPLEMENTED.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_controller_alone_serves_no_node_calls_and_needs_no_host_paths() {
+    let h = Harness::new("csi-controller");
+    let m = h.start_metadata("meta", MetadataOpts::with_tokens()).await;
+    let sock = h.path("ctl.sock");
+    let mut child = Command::new(locus())
+        .args(["csi", "--mode", "controller", "--endpoint"])
+        .arg(format!("unix://{}", sock.display()))
+        .args([
+            "--state-dir",
+            "/nonexistent/state",
+            "--kubelet-dir",
+            "/nonexistent/kubelet",
+        ])
+        .env("LOCUS_METADATA", m.url())
+        .env("LOCUS_TOKEN", m.token("reader").unwrap())
+        .env_remove("LOCUS_CONFIG")
+        .spawn()
+        .unwrap();
+    wait_until("the controller socket", Duration::from_secs(10), || async {
+        sock.exists().then_some(())
+    })
+    .await;
+    let channel = locus_proto::client::unix_channel(&sock);
+    let mut ctl = csi::controller_client::ControllerClient::new(channel.clone());
+    let caps = ctl
+        .controller_get_capabilities(csi::ControllerGetCapabilitiesRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(caps.capabilities.len(), 1);
+    let e = csi::node_client::NodeClient::new(channel)
+        .node_get_info(csi::NodeGetInfoRequest {})
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), tonic::Code::Unimplemented, "{e:?}");
+    assert!(!Path::new("/nonexistent/state").exists());
+    let _ = child.kill();
+    let _ = child.wait();
 }

@@ -18,7 +18,7 @@ use std::collections::BTreeSet;
 
 use serde_json::{json, Map, Value};
 
-pub const CSI_DRIVER: &str = "csi.locus.io";
+pub use super::csi::DRIVER as CSI_DRIVER;
 pub const DATASET_ANNOTATION: &str = "locus.io/dataset";
 pub const LOCALITY_ANNOTATION: &str = "locus.io/locality";
 pub const MIN_FRACTION_ANNOTATION: &str = "locus.io/min-fraction";

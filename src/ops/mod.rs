@@ -9,6 +9,7 @@
 pub mod admission;
 pub mod backup;
 pub mod cluster;
+pub mod csi;
 pub mod import;
 pub mod remote;
 pub mod restore;

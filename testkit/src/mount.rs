@@ -1,7 +1,7 @@
 //! `locus mount` as an operator runs it, and what a test reads of it.
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::{Child, Command, Output};
 use std::time::Duration;
 
 use super::*;
@@ -208,4 +208,31 @@ pub fn drop_page_cache(path: &Path) {
             libc::posix_fadvise(f.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED);
         }
     }
+}
+
+/// A process that makes mounts (the CSI driver), killed when the test ends however it
+/// ends, and every mount under `root` lazily unmounted after it.
+pub struct MountingProcess {
+    pub child: Child,
+    pub root: PathBuf,
+}
+
+impl Drop for MountingProcess {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        for m in mounts_under(&self.root).into_iter().rev() {
+            let _ = Command::new("umount").arg("-l").arg(&m).status();
+        }
+    }
+}
+
+/// Mount points under `root`, outermost first.
+pub fn mounts_under(root: &Path) -> Vec<PathBuf> {
+    let text = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
+    text.lines()
+        .filter_map(|l| l.split(' ').nth(4))
+        .map(PathBuf::from)
+        .filter(|p| p.starts_with(root))
+        .collect()
 }
