@@ -309,3 +309,153 @@ async fn pods_using_locus_volumes_get_affinity_to_their_data_and_are_never_held_
     let _ = hook.kill();
     let _ = hook.wait();
 }
+
+/// A stand-in for the Kubernetes API server's read side (no API server runs here): the
+/// objects a pod's claims lead to, served only with the right bearer token; every
+/// request's path is recorded.
+async fn kube_api(
+    objects: Value,
+    token: &'static str,
+) -> (String, std::sync::Arc<std::sync::Mutex<Vec<String>>>) {
+    use axum::http::{HeaderMap, StatusCode, Uri};
+    let seen = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let log = seen.clone();
+    let app = axum::Router::new().fallback(move |uri: Uri, headers: HeaderMap| {
+        let (objects, log) = (objects.clone(), log.clone());
+        async move {
+            log.lock().unwrap().push(uri.path().to_string());
+            let auth = headers.get("authorization").and_then(|v| v.to_str().ok());
+            if auth != Some(&format!("Bearer {token}")) {
+                return (StatusCode::UNAUTHORIZED, "Unauthorized".to_string());
+            }
+            match &objects[uri.path()] {
+                Value::Null => (
+                    StatusCode::NOT_FOUND,
+                    r#"{"kind":"Status","code":404}"#.to_string(),
+                ),
+                Value::String(s) if s == "forbidden" => (StatusCode::FORBIDDEN, "forbidden".to_string()),
+                o => (StatusCode::OK, o.to_string()),
+            }
+        }
+    });
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    (url, seen)
+}
+
+/// A pod whose data comes through a PersistentVolumeClaim: the webhook reads the claim,
+/// its bound Locus volume (the version it was provisioned with) or, unbound, its Locus
+/// StorageClass, with the service account's token, and places the pod as it places one
+/// with an inline volume. Claims of other drivers and missing claims change nothing; an
+/// API that refuses leaves the pod unchanged with a warning saying so.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pods_using_a_claim_of_a_locus_storage_class_are_placed_near_its_version() {
+    let h = Harness::new("webhook-claims");
+    let m = h.start_metadata("meta", MetadataOpts::default()).await;
+    let _n1 = h.start_node("n1", &m, NodeOpts::host(1)).await;
+    let src = h.path("src");
+    make_tree(&src, 10);
+    let out = import(&m, "ds", &src, &["--replicas", "1"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+
+    let ns = "/api/v1/namespaces/training/persistentvolumeclaims";
+    let objects = json!({
+        format!("{ns}/bound"): {"metadata": {"name": "bound"}, "spec": {"volumeName": "pv-bound", "storageClassName": "locus-ds"}},
+        "/api/v1/persistentvolumes/pv-bound": {"spec": {"csi": {"driver": "csi.locus.io", "volumeHandle": "ds@1:0123456789abcdef", "volumeAttributes": {"dataset": "ds@1"}}}},
+        format!("{ns}/pending"): {"metadata": {"name": "pending"}, "spec": {"storageClassName": "locus-ds"}},
+        "/apis/storage.k8s.io/v1/storageclasses/locus-ds": {"provisioner": "csi.locus.io", "parameters": {"dataset": "ds"}},
+        format!("{ns}/ebs"): {"metadata": {"name": "ebs"}, "spec": {"volumeName": "pv-ebs"}},
+        "/api/v1/persistentvolumes/pv-ebs": {"spec": {"csi": {"driver": "ebs.csi.aws.com", "volumeHandle": "vol-1"}}},
+        format!("{ns}/secret"): "forbidden",
+    });
+    let (api, seen) = kube_api(objects, "sa-token").await;
+    let token_file = h.path("token");
+    std::fs::write(&token_file, "sa-token\n").unwrap();
+
+    let port = free_low_port();
+    let log = std::fs::File::create(h.path("webhook.log")).unwrap();
+    let mut hook = Command::new(locus())
+        .args([
+            "webhook",
+            "--listen",
+            &format!("127.0.0.1:{port}"),
+            "--timeout",
+            "3s",
+        ])
+        .args(["--kube-api", &api, "--kube-token-file"])
+        .arg(&token_file)
+        .env("LOCUS_METADATA", m.url())
+        .env_remove("LOCUS_TOKEN")
+        .env_remove("LOCUS_CONFIG")
+        .stdout(log.try_clone().unwrap())
+        .stderr(log)
+        .spawn()
+        .expect("start locus webhook");
+    let url = format!("http://127.0.0.1:{port}/mutate");
+    wait_until("the webhook to listen", Duration::from_secs(20), || {
+        let ok = std::net::TcpStream::connect(("127.0.0.1", port)).is_ok();
+        async move { ok.then_some(()) }
+    })
+    .await;
+    let no_ca = h.path("no-ca.pem");
+    let claim_pod = |claim: &str| {
+        pod(
+            json!({}),
+            json!([{"name": "data", "persistentVolumeClaim": {"claimName": claim, "readOnly": true}}]),
+        )
+    };
+
+    // Bound: placed for the version its volume was provisioned with.
+    // Unbound: for what its StorageClass will provision (the latest).
+    for (claim, placed_for) in [("bound", "ds@1"), ("pending", "ds@latest")] {
+        let p = claim_pod(claim);
+        let (code, a) = post(&url, &no_ca, &review(claim, &p));
+        assert_eq!(code, 200, "{a}");
+        let (r, ops) = response(&a, claim);
+        assert!(r["warnings"].is_null(), "{claim}: {r}");
+        let mut placed = p.clone();
+        apply(&mut placed, &ops);
+        assert_eq!(
+            placed["metadata"]["annotations"]["locus.io/placed-for"], placed_for,
+            "{claim}"
+        );
+        let terms =
+            &placed["spec"]["affinity"]["nodeAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"];
+        assert_eq!(
+            terms[0]["preference"]["matchExpressions"][0]["values"][0], "h1",
+            "{claim}: {placed}"
+        );
+        // Re-admission of the placed pod adds nothing.
+        let (_, again) = post(&url, &no_ca, &review("again", &placed));
+        assert!(
+            response(&again, "again").1.is_empty(),
+            "{claim}: re-admission adds nothing"
+        );
+    }
+
+    // Another driver's claim, and a claim that does not exist: untouched, no warning.
+    for claim in ["ebs", "missing"] {
+        let (_, a) = post(&url, &no_ca, &review(claim, &claim_pod(claim)));
+        let (r, ops) = response(&a, claim);
+        assert!(ops.is_empty() && r["warnings"].is_null(), "{claim}: {r}");
+    }
+    // The API refuses: admitted unchanged, and told why.
+    let (_, a) = post(&url, &no_ca, &review("secret", &claim_pod("secret")));
+    let (r, ops) = response(&a, "secret");
+    assert!(ops.is_empty(), "{r}");
+    let w = r["warnings"][0].as_str().unwrap_or("");
+    assert!(w.contains("claims were not followed") && w.contains("403"), "{r}");
+
+    let paths = seen.lock().unwrap().clone();
+    assert!(
+        paths.contains(&format!("{ns}/bound"))
+            && paths.contains(&"/api/v1/persistentvolumes/pv-bound".to_string()),
+        "{paths:?}"
+    );
+    // The class is read for the unbound claim only (its admission and re-admission).
+    let class_reads = paths.iter().filter(|p| p.contains("/storageclasses/")).count();
+    assert_eq!(class_reads, 2, "a bound claim's class is not read: {paths:?}");
+    let _ = hook.kill();
+    let _ = hook.wait();
+}

@@ -8,6 +8,11 @@
 //! `MAX_BODY` are refused before they are read whole. The API server only calls webhooks
 //! over HTTPS: serve with --tls-cert/--tls-key (a certificate for the Service's DNS name),
 //! and register it with deploy/kubernetes/webhook.yaml (failurePolicy: Ignore).
+//!
+//! PersistentVolumeClaims are followed through the Kubernetes API (in-cluster: the pod's
+//! service account, which needs get on persistentvolumeclaims, persistentvolumes and
+//! storageclasses; or `--kube-api`). Without it, pods using claims are admitted as they
+//! come, and the log says so once at start.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -20,6 +25,7 @@ use locus_proto::pb;
 
 use crate::config::{Resolved, ServerTlsArgs};
 use locus::ops::admission;
+use locus::ops::kube::{is_object_name, KubeApi};
 
 /// Largest AdmissionReview read: a pod with every field filled is tens of KiB.
 pub const MAX_BODY: usize = 256 << 10;
@@ -33,6 +39,17 @@ pub struct WebhookArgs {
     /// unchanged. Keep it under the webhook's timeoutSeconds (at most 30 s; deploy/ sets 5).
     #[arg(long, default_value = "2s", value_name = "DURATION")]
     pub timeout: String,
+    /// The Kubernetes API, to follow pods' PersistentVolumeClaims to Locus volumes.
+    /// Default: the cluster this runs in (its service account), when it runs in one.
+    /// `http://127.0.0.1:8001` reads through `kubectl proxy`.
+    #[arg(long, value_name = "URL")]
+    pub kube_api: Option<String>,
+    /// Bearer token for --kube-api (a file, re-read at each call).
+    #[arg(long, value_name = "FILE", requires = "kube_api")]
+    pub kube_token_file: Option<std::path::PathBuf>,
+    /// CA certificate (PEM) for an https --kube-api.
+    #[arg(long, value_name = "FILE", requires = "kube_api")]
+    pub kube_ca: Option<std::path::PathBuf>,
     #[command(flatten)]
     pub tls: ServerTlsArgs,
 }
@@ -42,6 +59,8 @@ struct Hook {
     timeout: Duration,
     /// A client once one connected; dropped after a failure, so the next pod tries again.
     client: tokio::sync::Mutex<Option<locus_proto::client::MetadataClient>>,
+    /// Where claims are read; None: they are not followed.
+    kube: Option<KubeApi>,
 }
 
 pub async fn run(a: WebhookArgs, cfg: &Resolved) -> anyhow::Result<()> {
@@ -60,10 +79,26 @@ pub async fn run(a: WebhookArgs, cfg: &Resolved) -> anyhow::Result<()> {
         .await
         .map_err(|e| anyhow::anyhow!("cannot listen on {addr}: {e}"))?;
     let bound = listener.local_addr()?;
+    let kube = match &a.kube_api {
+        Some(url) => Some(KubeApi::new(
+            url,
+            a.kube_token_file.as_deref(),
+            a.kube_ca.as_deref(),
+        )?),
+        None => KubeApi::in_cluster().transpose()?,
+    };
+    match &kube {
+        Some(k) => tracing::info!(api = %k.base(), "PersistentVolumeClaims are followed through the Kubernetes API"),
+        None => tracing::warn!(
+            "not in a Kubernetes cluster and no --kube-api: pods using PersistentVolumeClaims are admitted unplaced \
+             (inline CSI volumes and the locus.io/dataset annotation still work)"
+        ),
+    }
     let hook = Arc::new(Hook {
         cfg: cfg.clone(),
         timeout,
         client: tokio::sync::Mutex::new(None),
+        kube,
     });
     let app = axum::Router::new()
         .route("/healthz", axum::routing::get(|| async { "ok\n" }))
@@ -114,7 +149,7 @@ pub async fn run(a: WebhookArgs, cfg: &Resolved) -> anyhow::Result<()> {
 
 impl Hook {
     async fn mutate(&self, body: Bytes) -> Response {
-        let req = match admission::read_review(&body) {
+        let mut req = match admission::read_review(&body) {
             Ok(r) => r,
             Err(e) => return (StatusCode::BAD_REQUEST, format!("{e}\n")).into_response(),
         };
@@ -123,10 +158,25 @@ impl Hook {
             .or(req.pod["metadata"]["generateName"].as_str())
             .unwrap_or("")
             .to_string();
-        let (ops, warnings) = if req.datasets.is_empty() || req.already_placed {
+        // One time budget for the claims and the placement together.
+        let deadline = tokio::time::Instant::now() + self.timeout;
+        let mut claim_trouble = None;
+        if let (false, Some(kube)) = (req.claims.is_empty(), &self.kube) {
+            match tokio::time::timeout_at(deadline, claim_datasets(kube, &req.namespace, &req.claims)).await {
+                Ok(Ok(found)) => req.add_datasets(found),
+                Ok(Err(e)) => claim_trouble = Some(e.to_string()),
+                Err(_) => {
+                    claim_trouble = Some(format!(
+                        "the Kubernetes API did not answer within {:?}",
+                        self.timeout
+                    ))
+                }
+            }
+        }
+        let (ops, mut warnings) = if req.datasets.is_empty() || req.already_placed {
             (Vec::new(), Vec::new())
         } else {
-            match tokio::time::timeout(self.timeout, self.hosts(&req.datasets)).await {
+            match tokio::time::timeout_at(deadline, self.hosts(&req.datasets)).await {
                 Ok(Ok(hosts)) => {
                     let out = admission::placement(&req, &hosts);
                     tracing::info!(pod = %name, datasets = %req.datasets.join(","), hosts = hosts.len(), "placed");
@@ -139,6 +189,10 @@ impl Hook {
                 }
             }
         };
+        if let Some(why) = claim_trouble {
+            tracing::warn!(pod = %name, claims = %req.claims.join(","), "claims not followed: {why}");
+            warnings.push(format!("locus: the pod's claims were not followed: {why}"));
+        }
         axum::Json(admission::answer(&req.uid, &ops, &warnings)).into_response()
     }
 
@@ -197,4 +251,42 @@ impl Hook {
             })
             .collect())
     }
+}
+
+/// The datasets behind `claims` in `namespace` (claims that are not Locus volumes, or do
+/// not exist yet, add none).
+async fn claim_datasets(kube: &KubeApi, namespace: &str, claims: &[String]) -> anyhow::Result<Vec<String>> {
+    anyhow::ensure!(
+        is_object_name(namespace),
+        "namespace {namespace:?} is not an object name"
+    );
+    let mut out = Vec::new();
+    for claim in claims {
+        anyhow::ensure!(is_object_name(claim), "claim {claim:?} is not an object name");
+        let Some(pvc) = kube
+            .get(&format!(
+                "/api/v1/namespaces/{namespace}/persistentvolumeclaims/{claim}"
+            ))
+            .await?
+        else {
+            continue;
+        };
+        let pv = match pvc["spec"]["volumeName"].as_str().filter(|v| !v.is_empty()) {
+            Some(v) if is_object_name(v) => kube.get(&format!("/api/v1/persistentvolumes/{v}")).await?,
+            _ => None,
+        };
+        let class = match (&pv, pvc["spec"]["storageClassName"].as_str()) {
+            (None, Some(c)) if is_object_name(c) => {
+                kube.get(&format!("/apis/storage.k8s.io/v1/storageclasses/{c}"))
+                    .await?
+            }
+            _ => None,
+        };
+        if let Some(d) =
+            admission::claim_dataset(&pvc, pv.as_ref(), class.as_ref()).map_err(anyhow::Error::msg)?
+        {
+            out.push(d);
+        }
+    }
+    Ok(out)
 }

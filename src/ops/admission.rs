@@ -11,8 +11,9 @@
 //! `locus.io/min-fraction` (default 0.5) of them, ANDed into any required terms the pod
 //! has. The pod is annotated with what the affinity was computed for, and a pod that
 //! already carries that annotation is left alone (re-admission changes nothing).
-//! PersistentVolumeClaims are not followed (the webhook would need API access to read
-//! them): such pods name their dataset with the annotation.
+//! A PersistentVolumeClaim is followed when the webhook can read the Kubernetes API
+//! ([`claim_dataset`]): to its bound PersistentVolume of `csi.locus.io` (the version it
+//! was provisioned with), or, while unbound, to its Locus StorageClass's parameters.
 
 use std::collections::BTreeSet;
 
@@ -40,6 +41,54 @@ pub struct PodRequest {
     pub min_fraction: f64,
     /// The pod was already placed for exactly these datasets.
     pub already_placed: bool,
+    /// The namespace the pod is created in (where its claims are).
+    pub namespace: String,
+    /// Names of the PersistentVolumeClaims its volumes use, sorted, without repeats; each
+    /// may be a Locus volume ([`claim_dataset`]).
+    pub claims: Vec<String>,
+}
+
+impl PodRequest {
+    /// Adds datasets found behind the pod's claims, and decides again whether the pod
+    /// was placed for exactly what it uses.
+    pub fn add_datasets(&mut self, more: impl IntoIterator<Item = String>) {
+        let all: BTreeSet<String> = self.datasets.drain(..).chain(more).collect();
+        self.datasets = all.into_iter().collect();
+        self.already_placed = !self.datasets.is_empty()
+            && self.pod["metadata"]["annotations"][PLACED_ANNOTATION].as_str()
+                == Some(&self.datasets.join(","));
+    }
+}
+
+/// What a claim's objects say about it: the dataset version of its bound Locus volume,
+/// or (unbound) what its Locus StorageClass will provision; None when it is not Locus's.
+/// `pv` is the bound PersistentVolume, `class` the claim's StorageClass, each when read.
+pub fn claim_dataset(
+    pvc: &Value,
+    pv: Option<&Value>,
+    class: Option<&Value>,
+) -> Result<Option<String>, String> {
+    if let Some(pv) = pv {
+        let csi = &pv["spec"]["csi"];
+        if csi["driver"] != CSI_DRIVER {
+            return Ok(None);
+        }
+        return Ok(csi["volumeAttributes"]["dataset"].as_str().map(str::to_string));
+    }
+    let Some(class) = class else { return Ok(None) };
+    if class["provisioner"] != CSI_DRIVER {
+        return Ok(None);
+    }
+    let params: std::collections::HashMap<String, String> = class["parameters"]
+        .as_object()
+        .into_iter()
+        .flatten()
+        .filter_map(|(k, v)| Some((k.clone(), v.as_str()?.to_string())))
+        .collect();
+    let name = pvc["metadata"]["name"].as_str().unwrap_or("?");
+    super::csi::dataset_of(&params)
+        .map(|r| Some(r.to_string()))
+        .map_err(|e| format!("claim {name}: {}", e.message()))
 }
 
 /// Reads an AdmissionReview; an error says what is wrong with it (the caller answers
@@ -63,6 +112,11 @@ pub fn read_review(body: &[u8]) -> Result<PodRequest, String> {
         .filter(|o| o.is_object())
         .cloned()
         .unwrap_or(Value::Null);
+    let namespace = req["namespace"]
+        .as_str()
+        .or(pod["metadata"]["namespace"].as_str())
+        .unwrap_or("default")
+        .to_string();
     let is_pod = req["kind"]["kind"] == "Pod" || pod["kind"] == "Pod";
     if !is_pod || pod.is_null() {
         // Not ours to place (the configuration should send only pods): allowed as is.
@@ -73,6 +127,8 @@ pub fn read_review(body: &[u8]) -> Result<PodRequest, String> {
             required: false,
             min_fraction: 0.5,
             already_placed: false,
+            namespace,
+            claims: Vec::new(),
         });
     }
     let annotations = &pod["metadata"]["annotations"];
@@ -85,7 +141,11 @@ pub fn read_review(body: &[u8]) -> Result<PodRequest, String> {
                 .map(String::from),
         );
     }
+    let mut claims = BTreeSet::new();
     for vol in pod["spec"]["volumes"].as_array().into_iter().flatten() {
+        if let Some(c) = vol["persistentVolumeClaim"]["claimName"].as_str() {
+            claims.insert(c.to_string());
+        }
         let csi = &vol["csi"];
         if csi["driver"] == CSI_DRIVER {
             if let Some(d) = csi["volumeAttributes"]["dataset"].as_str() {
@@ -93,21 +153,23 @@ pub fn read_review(body: &[u8]) -> Result<PodRequest, String> {
             }
         }
     }
-    let datasets: Vec<String> = datasets.into_iter().collect();
     let min_fraction = annotations[MIN_FRACTION_ANNOTATION]
         .as_str()
         .and_then(|s| s.trim().parse::<f64>().ok())
         .filter(|f| (0.0..=1.0).contains(f))
         .unwrap_or(0.5);
-    Ok(PodRequest {
+    let mut r = PodRequest {
         uid,
-        already_placed: !datasets.is_empty()
-            && annotations[PLACED_ANNOTATION].as_str() == Some(&datasets.join(",")),
+        already_placed: false,
         required: annotations[LOCALITY_ANNOTATION].as_str() == Some("required"),
         min_fraction,
         pod,
-        datasets,
-    })
+        datasets: Vec::new(),
+        namespace,
+        claims: claims.into_iter().collect(),
+    };
+    r.add_datasets(datasets);
+    Ok(r)
 }
 
 /// JSON Patch operations that place `req`'s pod near `hosts` — (host name, share of the
@@ -245,6 +307,44 @@ mod tests {
             {"name": "data", "csi": {"driver": CSI_DRIVER, "volumeAttributes": {"dataset": dataset}}},
             {"name": "scratch", "emptyDir": {}}
         ]}})
+    }
+
+    #[test]
+    fn a_claim_leads_to_its_bound_locus_volume_or_its_storage_class() {
+        let mut pod = pod_with_volume("imagenet@3");
+        pod["spec"]["volumes"]
+            .as_array_mut()
+            .unwrap()
+            .push(json!({"name": "c", "persistentVolumeClaim": {"claimName": "captions", "readOnly": true}}));
+        let mut r = read_review(&review(pod)).unwrap();
+        assert_eq!(r.claims, vec!["captions"]);
+        assert_eq!(r.namespace, "default");
+        let pvc = json!({"metadata": {"name": "captions"}, "spec": {"volumeName": "pv-1"}});
+        let bound = json!({"spec": {"csi": {"driver": CSI_DRIVER, "volumeHandle": "captions@2:00", "volumeAttributes": {"dataset": "captions@2"}}}});
+        assert_eq!(
+            claim_dataset(&pvc, Some(&bound), None),
+            Ok(Some("captions@2".into()))
+        );
+        let other = json!({"spec": {"csi": {"driver": "ebs.csi.aws.com"}}});
+        assert_eq!(claim_dataset(&pvc, Some(&other), None), Ok(None));
+        let class = json!({"provisioner": CSI_DRIVER, "parameters": {"dataset": "captions"}});
+        assert_eq!(
+            claim_dataset(&pvc, None, Some(&class)),
+            Ok(Some("captions@latest".into()))
+        );
+        let bad = json!({"provisioner": CSI_DRIVER, "parameters": {"datset": "captions"}});
+        assert!(claim_dataset(&pvc, None, Some(&bad))
+            .unwrap_err()
+            .contains("claim captions"));
+        let foreign = json!({"provisioner": "ebs.csi.aws.com", "parameters": {"dataset": "x"}});
+        assert_eq!(claim_dataset(&pvc, None, Some(&foreign)), Ok(None));
+        // Placed for what the claims add too: re-admission sees the whole set.
+        r.add_datasets(["captions@2".to_string()]);
+        assert_eq!(r.datasets, vec!["captions@2", "imagenet@3"]);
+        assert!(!r.already_placed);
+        r.pod["metadata"]["annotations"] = json!({PLACED_ANNOTATION: "captions@2,imagenet@3"});
+        r.add_datasets([]);
+        assert!(r.already_placed);
     }
 
     #[test]

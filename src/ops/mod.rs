@@ -11,6 +11,7 @@ pub mod backup;
 pub mod cluster;
 pub mod csi;
 pub mod import;
+pub mod kube;
 pub mod remote;
 pub mod restore;
 pub mod scan;
