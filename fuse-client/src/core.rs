@@ -191,11 +191,8 @@ pub struct Settings {
     /// Generation number for every inode (the version number: inode numbers are stable
     /// within a version only).
     pub generation: u64,
-    /// Every READDIRPLUS answer carries as many entries with attributes as fit, rather
-    /// than a page's worth (`fs::READDIRPLUS_ENTRIES`): walks that stat every entry then
-    /// need no LOOKUP each, but the kernel makes an inode for every entry listed, which
-    /// walks of names alone pay for.
-    pub readdirplus_all: bool,
+    /// What directory listings tell the kernel (see `fs::plus`).
+    pub readdirplus: crate::fs::Readdirplus,
 }
 
 pub struct Core {

@@ -47,7 +47,10 @@ use crate::metrics::Metrics;
 use crate::namespace::{Attr, Kind, Namespace};
 use crate::reader::Remote;
 
+mod plus;
 mod takeover;
+
+pub use plus::Readdirplus;
 pub use takeover::{BackingObserver, Negotiated};
 
 /// The one place a core error becomes what the kernel sees.
@@ -66,7 +69,7 @@ fn errno(e: &FsError) -> Errno {
 /// Nothing in a mounted version ever changes, so the kernel may keep what it learns.
 const TTL: Duration = Duration::from_secs(24 * 3600);
 
-/// Children per READDIRPLUS answer (unless `Settings::readdirplus_all`). The kernel makes an inode and a dentry for every
+/// Children per READDIRPLUS answer under `Readdirplus::Auto`. The kernel makes an inode and a dentry for every
 /// entry such an answer carries, which costs a walk that reads only names (`find`,
 /// `os.walk`, `scandir`) far more than the walk itself when one answer holds a whole
 /// large directory (newer kernels ask with buffers of many pages). Answering a page's
@@ -120,6 +123,8 @@ pub struct Mount {
     /// Told of every backing id registered (`Some`) or closed (`None`), before the kernel
     /// hears of it: the holder of the connection keeps the list for the next process.
     backing_observer: Option<BackingObserver>,
+    /// Whether listings carry attributes now (`Readdirplus::Adaptive`).
+    listing: plus::Adaptive,
 }
 
 impl std::ops::Deref for Mount {
@@ -166,6 +171,7 @@ impl LocusFs {
                 next_fh: AtomicU64::new(1),
                 handles: Mutex::new(HashMap::new()),
                 backing: Mutex::new(HashMap::new()),
+                listing: plus::Adaptive::default(),
                 inherited: Mutex::new(HashMap::new()),
                 backing_observer: None,
             }),
@@ -411,7 +417,12 @@ impl Filesystem for LocusFs {
         // Capabilities are wishes: what this kernel lacks is simply not used.
         let _ = config.add_capabilities(InitFlags::FUSE_CACHE_SYMLINKS);
         let _ = config.add_capabilities(InitFlags::FUSE_PARALLEL_DIROPS);
-        let _ = config.add_capabilities(InitFlags::FUSE_DO_READDIRPLUS | InitFlags::FUSE_READDIRPLUS_AUTO);
+        // Adaptive decides per entry in every READDIRPLUS answer, so the kernel is to ask
+        // READDIRPLUS always; Auto leaves the choice per directory to the kernel.
+        let _ = config.add_capabilities(match self.settings.readdirplus {
+            Readdirplus::Auto => InitFlags::FUSE_DO_READDIRPLUS | InitFlags::FUSE_READDIRPLUS_AUTO,
+            Readdirplus::All | Readdirplus::Adaptive => InitFlags::FUSE_DO_READDIRPLUS,
+        });
         let _ = config
             .set_max_readahead(u32::MAX)
             .or_else(|max| config.set_max_readahead(max));
@@ -445,6 +456,12 @@ impl Filesystem for LocusFs {
             .to_str()
             .and_then(|n| self.ns.lookup(parent.0, n))
             .and_then(|ino| self.ns.attr(ino));
+        self.metrics.looked_up();
+        if self.settings.readdirplus == Readdirplus::Adaptive {
+            if let Some(a) = &found {
+                self.listing.looked_up(parent.0, a.kind != Kind::Dir);
+            }
+        }
         match found {
             Some(a) => reply.entry(&TTL, &self.file_attr(&a), Generation(self.settings.generation)),
             None => reply.error(Errno::ENOENT),
@@ -665,22 +682,29 @@ impl Filesystem for LocusFs {
         let Some(children) = self.ns.readdir(ino, pos - 2) else {
             return reply.error(Errno::ENOTDIR);
         };
+        let (limit, attributes) = match self.settings.readdirplus {
+            Readdirplus::Auto => (READDIRPLUS_ENTRIES, true),
+            Readdirplus::All => (usize::MAX, true),
+            Readdirplus::Adaptive => (usize::MAX, self.listing.attributes_for(ino)),
+        };
+        let mut listed = 0;
         for (i, (child, name, _)) in children.enumerate() {
-            if i >= READDIRPLUS_ENTRIES && !self.settings.readdirplus_all {
+            if i >= limit {
                 break;
             }
             let Some(a) = self.ns.attr(child) else { continue };
-            if reply.add(
-                INodeNo(child),
-                (pos + i + 1) as u64,
-                name,
-                &TTL,
-                &self.file_attr(&a),
-                gen,
-            ) {
+            let (offset, attr) = ((pos + i + 1) as u64, self.file_attr(&a));
+            let full = if attributes {
+                reply.add(INodeNo(child), offset, name, &TTL, &attr, gen)
+            } else {
+                reply.add_name_only(INodeNo(child), offset, name, &attr)
+            };
+            if full {
                 break;
             }
+            listed += 1;
         }
+        self.metrics.listed(attributes, listed);
         reply.ok();
     }
 

@@ -23,7 +23,7 @@ pub mod reader;
 
 use std::path::Path;
 
-pub use fs::{LocusFs, Settings};
+pub use fs::{LocusFs, Readdirplus, Settings};
 pub use load::{Opened, Sources};
 pub use namespace::Namespace;
 pub use reader::{Place, Remote, Topology};

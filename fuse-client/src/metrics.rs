@@ -10,6 +10,8 @@
 //! | locus_mount_source_failures_total | counter | attempts | remote reads that failed and moved on to another replica |
 //! | locus_mount_corrupt_chunks_total | counter | chunks | chunks whose bytes did not match their hash (never returned) |
 //! | locus_mount_readahead_skipped_total | counter | times | read-ahead not started because the shared read-ahead budget was in use |
+//! | locus_mount_listed_entries_total | counter | entries | entries of READDIRPLUS answers by what they carry (`attributes`: the kernel makes an inode for each; `names`: name and type only) |
+//! | locus_mount_lookups_total | counter | calls | LOOKUPs answered (a stat or open of a path the kernel had no entry for) |
 //! | locus_mount_read_seconds | histogram | seconds | latency of read calls served by the mount |
 //! | locus_mount_fetch_seconds | histogram | seconds | latency of remote chunk fetches |
 
@@ -36,10 +38,17 @@ pub struct Metrics {
     source_failures: Counter,
     corrupt: Counter,
     readahead_skipped: Counter,
+    listed: Family<With, Counter>,
+    lookups: Counter,
     read_seconds: Histogram,
     fetch_seconds: Histogram,
     // Plain totals for the status file (prometheus-client cannot be read back cheaply).
-    totals: [AtomicU64; 11],
+    totals: [AtomicU64; 14],
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct With {
+    pub with: &'static str,
 }
 
 /// Indexes into `totals`.
@@ -54,6 +63,9 @@ const READS: usize = 7;
 const FAILOVERS: usize = 8;
 const BYTES_ORIGIN: usize = 9;
 const CORRUPT: usize = 10;
+const LISTED_ATTRIBUTES: usize = 11;
+const LISTED_NAMES: usize = 12;
+const LOOKUPS: usize = 13;
 
 impl Default for Metrics {
     fn default() -> Self {
@@ -67,6 +79,8 @@ impl Default for Metrics {
             source_failures: Counter::default(),
             corrupt: Counter::default(),
             readahead_skipped: Counter::default(),
+            listed: Family::default(),
+            lookups: Counter::default(),
             // 10 µs .. ~5 s
             read_seconds: Histogram::new(exponential_buckets(1e-5, 3.0, 12)),
             fetch_seconds: Histogram::new(exponential_buckets(1e-4, 3.0, 11)),
@@ -91,6 +105,12 @@ impl Default for Metrics {
             "Read-ahead not started because the shared read-ahead budget was in use",
             m.readahead_skipped.clone(),
         );
+        r.register(
+            "listed_entries",
+            "Entries of directory listings by what they carry",
+            m.listed.clone(),
+        );
+        r.register("lookups", "LOOKUPs answered", m.lookups.clone());
         r.register("read_seconds", "Latency of read calls", m.read_seconds.clone());
         r.register(
             "fetch_seconds",
@@ -120,6 +140,13 @@ pub struct Totals {
     /// Chunks a source sent whose bytes did not hash right (never returned to a reader).
     #[serde(default)]
     pub corrupt_chunks: u64,
+    /// Entries listed with attributes (the kernel made an inode for each) and as names only.
+    #[serde(default)]
+    pub listed_with_attributes: u64,
+    #[serde(default)]
+    pub listed_names_only: u64,
+    #[serde(default)]
+    pub lookups: u64,
 }
 
 impl Metrics {
@@ -192,6 +219,22 @@ impl Metrics {
         self.readahead_skipped.inc();
     }
 
+    /// `n` entries of one READDIRPLUS answer, with attributes or as names only.
+    pub fn listed(&self, attributes: bool, n: u64) {
+        let (with, i) = if attributes {
+            ("attributes", LISTED_ATTRIBUTES)
+        } else {
+            ("names", LISTED_NAMES)
+        };
+        self.listed.get_or_create(&With { with }).inc_by(n);
+        self.add(i, n);
+    }
+
+    pub fn looked_up(&self) {
+        self.lookups.inc();
+        self.add(LOOKUPS, 1);
+    }
+
     pub fn totals(&self) -> Totals {
         let t = |i: usize| self.totals[i].load(Ordering::Relaxed);
         Totals {
@@ -206,6 +249,9 @@ impl Metrics {
             failovers: t(FAILOVERS),
             bytes_origin: t(BYTES_ORIGIN),
             corrupt_chunks: t(CORRUPT),
+            listed_with_attributes: t(LISTED_ATTRIBUTES),
+            listed_names_only: t(LISTED_NAMES),
+            lookups: t(LOOKUPS),
         }
     }
 

@@ -57,15 +57,14 @@ pub struct MountArgs {
     /// mean file size is at least --passthrough-min-size, else kernel.
     #[arg(long, value_enum, value_name = "WHO", default_value = "auto")]
     pub opens: Opens,
-    /// What a directory listing tells the kernel. all: every entry with its attributes,
-    /// so walks that stat every entry (ls -l, du, rsync) and the opens of a job that lists
-    /// its files and then reads them all need no round trip per file; the kernel makes an
-    /// inode for every entry listed. auto: the first entries of each listing with their
-    /// attributes, the rest as names unless lookups in the directory show attributes are
-    /// wanted: walks of names alone (find, os.walk, scandir) over huge trees run about
-    /// four times faster cold and the kernel keeps no inode per entry listed, but each
-    /// later stat or open of an entry costs a round trip.
-    #[arg(long, value_enum, value_name = "WHAT", default_value = "all")]
+    /// What a directory listing tells the kernel. adaptive: names only, until stats or
+    /// opens of the files listed show attributes are wanted, then every entry with its
+    /// attributes for a while: walks of names alone (find, os.walk, scandir) and walks
+    /// that stat or open every file (ls -l, du, rsync, a job reading all it lists) both
+    /// run near their best. all: every entry with its attributes (the kernel makes an
+    /// inode for each, which names-only walks pay for). auto: the first entries of each
+    /// listing with attributes, the rest as the kernel's per-directory heuristic decides.
+    #[arg(long, value_enum, value_name = "WHAT", default_value = "adaptive")]
     pub readdirplus: Readdirplus,
     /// Never hand local files to the kernel; read them with pread instead.
     #[arg(long)]
@@ -128,8 +127,9 @@ fn default_threads() -> usize {
 /// What a directory listing tells the kernel (`--readdirplus`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum Readdirplus {
-    Auto,
+    Adaptive,
     All,
+    Auto,
 }
 
 /// Who opens files of a mount (`--opens`).
@@ -345,7 +345,11 @@ async fn serve(a: MountArgs, mountpoint: PathBuf, cfg: &Resolved) -> anyhow::Res
             reopen_ttl: locus_proto::human::parse_duration(&a.reopen_cache)
                 .map_err(|e| anyhow::anyhow!("--reopen-cache: {}", e.reason))?,
             generation: v.version,
-            readdirplus_all: a.readdirplus == Readdirplus::All,
+            readdirplus: match a.readdirplus {
+                Readdirplus::Adaptive => locus_fuse::Readdirplus::Adaptive,
+                Readdirplus::All => locus_fuse::Readdirplus::All,
+                Readdirplus::Auto => locus_fuse::Readdirplus::Auto,
+            },
         },
     );
     let passthrough = fs.passthrough_state();

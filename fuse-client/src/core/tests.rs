@@ -210,7 +210,7 @@ fn fixture(chunks: usize, n1: Behave, n2: Behave, local: Option<LocalBehave>) ->
         local_patience: Duration::from_millis(300),
         reopen_ttl: Duration::from_secs(60),
         generation: 1,
-        readdirplus_all: false,
+        readdirplus: Default::default(),
     };
     let core = Arc::new(Core::new(
         ns,
@@ -511,7 +511,7 @@ fn the_first_open_in_a_shard_learns_its_siblings_paths_and_a_changed_sibling_is_
         local_patience: Duration::from_secs(2),
         reopen_ttl: Duration::from_secs(60),
         generation: 1,
-        readdirplus_all: false,
+        readdirplus: Default::default(),
     };
     let core = Arc::new(Core::new(
         ns.clone(),

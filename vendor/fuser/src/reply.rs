@@ -781,6 +781,31 @@ impl ReplyDirectoryPlus {
         ))
     }
 
+    /// Like [`ReplyDirectoryPlus::add`], but the kernel gets the name and type only and
+    /// makes no dentry or inode for it (the entry's nodeid is sent as 0): what a READDIR
+    /// answer carries, inside a READDIRPLUS answer.
+    pub fn add_name_only<T: AsRef<OsStr>>(
+        &mut self,
+        ino: INodeNo,
+        offset: u64,
+        name: T,
+        attr: &FileAttr,
+    ) -> bool {
+        let name = name.as_ref();
+        self.buf.push(
+            &DirEntryPlus::new(
+                ino,
+                Generation(0),
+                DirEntOffset(offset),
+                name,
+                Duration::ZERO,
+                attr.into(),
+                Duration::ZERO,
+            )
+            .without_link(),
+        )
+    }
+
     /// Reply to a request with the filled directory buffer
     pub fn ok(self) {
         let response: ll::ResponseData = self.buf.into();

@@ -472,9 +472,19 @@ pub(crate) struct DirEntryPlus<T: AsRef<Path>> {
     entry_valid: Duration,
     attr: Attr,
     attr_valid: Duration,
+    /// Whether the kernel is to make a dentry and inode from it (nodeid set); without,
+    /// the entry is a name and type only, as in a READDIR answer.
+    link: bool,
 }
 
 impl<T: AsRef<Path>> DirEntryPlus<T> {
+    /// The entry as a name and type only: its nodeid is sent as 0, which the kernel reads
+    /// as "no attributes for this one" and links nothing.
+    pub(crate) fn without_link(mut self) -> Self {
+        self.link = false;
+        self
+    }
+
     pub(crate) fn new(
         ino: INodeNo,
         generation: Generation,
@@ -492,6 +502,7 @@ impl<T: AsRef<Path>> DirEntryPlus<T> {
             entry_valid,
             attr,
             attr_valid,
+            link: true,
         }
     }
 }
@@ -518,7 +529,7 @@ impl DirEntPlusList {
         let name = x.name.as_ref().as_os_str().as_bytes();
         let header = abi::fuse_direntplus {
             entry_out: abi::fuse_entry_out {
-                nodeid: x.attr.attr.ino,
+                nodeid: if x.link { x.attr.attr.ino } else { 0 },
                 generation: x.generation.into(),
                 entry_valid: x.entry_valid.as_secs(),
                 attr_valid: x.attr_valid.as_secs(),
