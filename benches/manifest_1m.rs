@@ -15,6 +15,18 @@ use std::time::Instant;
 use locus_proto::pb;
 use support::*;
 
+/// Bytes of the files in `p` whose names end with `suffix` (RocksDB's tables: `.sst`;
+/// its write-ahead log: `.log`).
+fn bytes_ending(p: &std::path::Path, suffix: &str) -> u64 {
+    std::fs::read_dir(p)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter(|e| e.file_name().to_string_lossy().ends_with(suffix))
+        .map(|e| e.metadata().map_or(0, |m| m.len()))
+        .sum()
+}
+
 fn dir_bytes(p: &std::path::Path) -> u64 {
     let mut total = 0;
     for e in std::fs::read_dir(p).into_iter().flatten().flatten() {
@@ -139,6 +151,10 @@ async fn main() {
     }
     let dir_each = t.elapsed() / rounds as u32;
     let db = dir_bytes(&m.data_dir.join("db"));
+    let (sst, wal) = (
+        bytes_ending(&m.data_dir.join("db"), ".sst"),
+        bytes_ending(&m.data_dir.join("db"), ".log"),
+    );
     let rss = peak_rss_mib(m_pid(&m));
 
     // Backups: the catalogue export (one RocksDB snapshot, streamed over gRPC), the plan a
@@ -210,6 +226,13 @@ async fn main() {
         "| RocksDB directory size | {:.1} MiB | {:.0} B/entry |",
         db as f64 / 1048576.0,
         db as f64 / total as f64
+    );
+    println!(
+        "| of which tables (.sst) / write-ahead log (.log) | {:.1} / {:.1} MiB | {:.0} / {:.0} B/entry |",
+        sst as f64 / 1048576.0,
+        wal as f64 / 1048576.0,
+        sst as f64 / total as f64,
+        wal as f64 / total as f64
     );
     println!("| metadata service peak RSS | {rss:.0} MiB | |");
     println!(

@@ -215,8 +215,15 @@ impl ImportCluster for GrpcCluster {
         Box::pin(async move { Ok(self.meta.clone().begin_version(r).await?.into_inner().session_id) })
     }
 
-    fn put_entries(&self, session: u64, entries: Vec<pb::Entry>) -> BoxFuture<'_, Result<(), tonic::Status>> {
+    fn put_entries(
+        &self,
+        session: u64,
+        mut entries: Vec<pb::Entry>,
+    ) -> BoxFuture<'_, Result<(), tonic::Status>> {
         Box::pin(async move {
+            // In the catalogue's key order, the service stores each page without looking
+            // every path up for a duplicate (any order is accepted; this one is cheapest).
+            entries.sort_unstable_by(|a, b| locus_proto::sealed::canonical_cmp(&a.path, &b.path));
             locus_proto::client::put_entries_paged(&mut self.meta.clone(), session, entries).await?;
             Ok(())
         })

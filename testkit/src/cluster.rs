@@ -44,9 +44,13 @@ pub fn synthetic_manifest(
         s.files += 1;
         let name = format!("top/d{:05}/{seed}-f{i:07}.bin", i / per_dir);
         let blob = BlobHash::of(name.as_bytes());
-        let chunks = (0..size.div_ceil(u64::from(chunk_size)))
-            .map(|c| BlobHash::of(format!("{name}#{c}").as_bytes()))
-            .collect();
+        // As in real data, a file of one chunk has the blob's hash as its chunk's.
+        let chunks = match size.div_ceil(u64::from(chunk_size)) {
+            1 => vec![blob],
+            n => (0..n)
+                .map(|c| BlobHash::of(format!("{name}#{c}").as_bytes()))
+                .collect(),
+        };
         entries.push(pb::Entry::from(Entry {
             path: RelPath::try_from(name).unwrap(),
             kind: EntryKind::File {
@@ -59,6 +63,8 @@ pub fn synthetic_manifest(
             mtime_ns: 1_700_000_000_000_000_000 + i as i64,
         }));
     }
+    // The order importers upload in (the catalogue's).
+    entries.sort_unstable_by(|a, b| locus_proto::sealed::canonical_cmp(&a.path, &b.path));
     (entries, shards)
 }
 
