@@ -99,13 +99,27 @@ pub struct EntryRecord {
     pub mtime_ns: i64,
     #[prost(bytes = "vec", tag = "5")]
     pub blob: Vec<u8>,
-    /// Chunk hashes, 32 bytes each, concatenated.
+    /// Chunk hashes, 32 bytes each, concatenated; empty for a file of one chunk whose
+    /// hash is the blob's (see [`EntryRecord::chunk_hashes`]).
     #[prost(bytes = "vec", tag = "6")]
     pub chunks: Vec<u8>,
     #[prost(string, tag = "7")]
     pub target: String,
     #[prost(uint32, tag = "8")]
     pub shard: u32,
+}
+
+impl EntryRecord {
+    /// The file's chunk hashes. A file of one chunk has the blob's hash as its chunk's
+    /// (the same bytes hashed), so that one is not stored twice: a file with bytes and no
+    /// stored chunks has exactly one, the blob's. (Records from before this carry it
+    /// stored; both read the same.)
+    pub fn chunk_hashes(&self) -> Vec<Vec<u8>> {
+        if self.chunks.is_empty() && self.size > 0 && !self.blob.is_empty() {
+            return vec![self.blob.clone()];
+        }
+        self.chunks.chunks(32).map(<[u8]>::to_vec).collect()
+    }
 }
 
 #[derive(Clone, PartialEq, prost::Message)]
@@ -140,6 +154,12 @@ pub struct SessionRecord {
     pub entries: u64,
     #[prost(string, tag = "10")]
     pub opened_by: String,
+    /// The highest entry key stored, while every page so far came in ascending key order
+    /// (the catalogue's order, which importers send): a key above it cannot be a
+    /// duplicate, so it is stored without a lookup. Empty once entries have come out of
+    /// order (every later entry is looked up), and in sessions opened before it existed.
+    #[prost(bytes = "vec", tag = "11")]
+    pub ordered_up_to: Vec<u8>,
 }
 
 /// `backups` value: the last snapshot committed to (or restored from) a backup target.

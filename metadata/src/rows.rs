@@ -72,6 +72,7 @@ pub fn check_row(t: Table, k: &[u8], v: &[u8]) -> Result<(), String> {
             if !r.chunks.len().is_multiple_of(32) {
                 return Err("chunk hashes are not whole hashes".into());
             }
+            let chunks = r.chunk_hashes();
             let e = pb::Entry {
                 path: keys::join(dir, name),
                 kind: r.kind as i32,
@@ -79,7 +80,7 @@ pub fn check_row(t: Table, k: &[u8], v: &[u8]) -> Result<(), String> {
                 mode: r.mode,
                 mtime_ns: r.mtime_ns,
                 blob: r.blob,
-                chunks: r.chunks.chunks(32).map(<[u8]>::to_vec).collect(),
+                chunks,
                 symlink_target: r.target,
                 shard: r.shard,
             };

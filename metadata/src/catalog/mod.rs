@@ -548,7 +548,10 @@ fn entry_record(e: &Entry) -> EntryRecord {
             r.kind = KIND_FILE;
             r.size = *size;
             r.blob = blob.0.to_vec();
-            r.chunks = chunks.iter().flat_map(|c| c.0).collect();
+            // A single chunk is the blob itself (`EntryRecord::chunk_hashes`).
+            if !(chunks.len() == 1 && chunks[0].0 == blob.0) {
+                r.chunks = chunks.iter().flat_map(|c| c.0).collect();
+            }
             r.shard = *shard;
         }
         EntryKind::Dir => r.kind = KIND_DIR,
@@ -566,6 +569,11 @@ pub(crate) fn entry_pb(path: String, r: EntryRecord, with_chunks: bool) -> pb::E
         KIND_DIR => pb::EntryKind::Dir,
         _ => pb::EntryKind::Symlink,
     };
+    let chunks = if with_chunks && kind == pb::EntryKind::File {
+        r.chunk_hashes()
+    } else {
+        Vec::new()
+    };
     pb::Entry {
         path,
         kind: kind as i32,
@@ -573,11 +581,7 @@ pub(crate) fn entry_pb(path: String, r: EntryRecord, with_chunks: bool) -> pb::E
         mode: r.mode,
         mtime_ns: r.mtime_ns,
         blob: r.blob,
-        chunks: if with_chunks {
-            r.chunks.chunks(32).map(<[u8]>::to_vec).collect()
-        } else {
-            Vec::new()
-        },
+        chunks,
         symlink_target: r.target,
         shard: r.shard,
     }

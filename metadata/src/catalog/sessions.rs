@@ -6,6 +6,9 @@ use super::*;
 /// Largest sealed namespace the catalogue keeps itself (a version without files).
 pub const MAX_INLINE_NAMESPACE: u64 = 4 << 20;
 
+/// A commit of at least this many entries flushes the store (`KvStore::flush`).
+const FLUSH_AFTER_ENTRIES: u64 = 100_000;
+
 /// A version's namespace fields, as `bind_namespace` checked them.
 pub(super) struct NamespaceFields {
     blob: Vec<u8>,
@@ -95,6 +98,7 @@ impl Catalog {
             next_shard_page: 0,
             entries: 0,
             opened_by: principal.to_string(),
+            ordered_up_to: Vec::new(),
         };
         let mut b = Batch::default();
         b.put(Table::Meta, keys::META_NEXT_UID, (uid + 1).to_be_bytes().to_vec());
@@ -118,19 +122,33 @@ impl Catalog {
             )));
         }
         let mut b = Batch::default();
-        let mut seen = HashSet::with_capacity(entries.len());
         let mut shard_blobs = Vec::with_capacity(entries.len());
         let mut blob_shards = Vec::with_capacity(entries.len());
-        for (i, e) in entries.iter().enumerate() {
+        let keys: Vec<Vec<u8>> = entries
+            .iter()
+            .map(|e| keys::entry(session, e.path.as_str()))
+            .collect();
+        // Importers send the catalogue's key order. While every key is above the last one
+        // stored, none can be a duplicate, and a 10M-entry upload skips 10M lookups (each
+        // searching the memtable and every level's filters). Out of order, every entry of
+        // this and later pages is looked up (`ordered_up_to` then stays empty).
+        let was_ordered = !rec.ordered_up_to.is_empty() || rec.entries == 0;
+        let ordered = was_ordered
+            && keys.first().is_none_or(|k| *k > rec.ordered_up_to)
+            && keys.windows(2).all(|w| w[0] < w[1]);
+        let mut seen = HashSet::new();
+        for (i, (e, key)) in entries.iter().zip(keys).enumerate() {
             e.check_chunks(rec.chunk_size)
                 .map_err(|x| x.within(format_args!("entries[{i}]")))?;
-            let key = keys::entry(session, e.path.as_str());
-            if !seen.insert(key.clone()) || self.store.get(Table::Entries, &key)?.is_some() {
+            if !ordered && (!seen.insert(key.clone()) || self.store.get(Table::Entries, &key)?.is_some()) {
                 return Err(InvalidInput::new(
                     format!("entries[{i}].path"),
                     format!("{} appears more than once in the manifest", e.path),
                 )
                 .into());
+            }
+            if ordered {
+                rec.ordered_up_to.clone_from(&key);
             }
             b.put(Table::Entries, key, entry_record(e).encode_to_vec());
             if let EntryKind::File {
@@ -154,6 +172,9 @@ impl Catalog {
         }
         for k in blob_shards {
             b.put(Table::BlobShards, k, Vec::new());
+        }
+        if !ordered {
+            rec.ordered_up_to.clear();
         }
         rec.entries += entries.len() as u64;
         rec.next_entry_page += 1;
@@ -362,6 +383,15 @@ impl Catalog {
         b.put(Table::Datasets, rec.dataset.as_bytes(), ds.encode_to_vec());
         b.delete(Table::Sessions, keys::uid(uid));
         self.store.write(b, true)?;
+        if files + dirs + symlinks >= FLUSH_AFTER_ENTRIES {
+            // The version's rows are in the tables from here on, not also in the log.
+            if let Err(e) = self.store.flush() {
+                tracing::warn!(
+                    "flushing after the commit of {} entries: {e}",
+                    files + dirs + symlinks
+                );
+            }
+        }
         Ok(Self::version_pb(&rec.dataset, number, &vrec))
     }
 

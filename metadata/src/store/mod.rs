@@ -158,6 +158,12 @@ pub trait KvStore: Send + Sync + 'static {
     fn write(&self, batch: Batch, sync: bool) -> Result<(), StoreError>;
     /// Approximate bytes on disk, for status and benchmarks.
     fn size_on_disk(&self) -> u64;
+    /// Moves what is only in memory and the write-ahead log into the tables, so the log
+    /// can go (a large commit's rows would otherwise sit in both until later writes push
+    /// them out, and be replayed from the log at a restart). Nothing to do by default.
+    fn flush(&self) -> Result<(), StoreError> {
+        Ok(())
+    }
     /// Visits every row of `tables` as of one instant (writes that land meanwhile are not
     /// seen), table by table in the order given, keys ascending. For backups.
     fn export(&self, tables: &[Table], visit: &mut ExportVisitor<'_>) -> Result<(), StoreError>;
