@@ -29,38 +29,9 @@ fn mount_request(volume: &str, target: &Path, dataset: Option<&str>) -> csi::Nod
     }
 }
 
-/// `locus csi` for node `n`, as kubelet runs it: socket `csi/csi.sock`, state in
-/// `csi-state`, kubelet's dir `kubelet` (all under the harness), a reader's token.
+/// `locus csi` for node `n`, as kubelet runs it (see [`spawn_csi_driver`]).
 fn spawn_plugin(h: &Harness, m: &Metadata, n: &Node) -> Child {
-    spawn_driver(h, m, n, "node")
-}
-
-/// `locus csi --mode MODE`, otherwise as [`spawn_plugin`].
-fn spawn_driver(h: &Harness, m: &Metadata, n: &Node, mode: &str) -> Child {
-    let kubelet = h.path("kubelet");
-    std::fs::create_dir_all(kubelet.join("pods")).unwrap();
-    Command::new(locus())
-        .args(["csi", "--mode", mode, "--endpoint"])
-        .arg(format!("unix://{}", h.path("csi/csi.sock").display()))
-        .args(["--node-id", "n1", "--node-socket"])
-        .arg(&n.socket)
-        .arg("--state-dir")
-        .arg(h.path("csi-state"))
-        .arg("--kubelet-dir")
-        .arg(&kubelet)
-        .env("LOCUS_METADATA", m.url())
-        .env("LOCUS_TOKEN", m.token("reader").unwrap())
-        .env("LOCUS_RUNTIME_DIR", h.path("runtime"))
-        .env_remove("LOCUS_CONFIG")
-        .stderr(
-            std::fs::OpenOptions::new()
-                .create(true)
-                .append(true)
-                .open(h.path("csi.log"))
-                .unwrap(),
-        )
-        .spawn()
-        .unwrap()
+    spawn_csi_driver(h, m, n, "node")
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -85,10 +56,7 @@ async fn csi_publishes_shared_counted_mounts_that_outlive_a_plugin_restart_and_r
         child: spawn(),
         root: h.path(""),
     };
-    wait_until("the CSI socket", Duration::from_secs(10), || async {
-        sock.exists().then_some(())
-    })
-    .await;
+    wait_for_socket(&sock).await;
     let channel = locus_proto::client::unix_channel(&sock);
     let mut id = csi::identity_client::IdentityClient::new(channel.clone());
     let mut node = csi::node_client::NodeClient::new(channel);
@@ -296,10 +264,7 @@ async fn a_pods_volume_never_runs_a_setuid_binary_as_root_and_holds_no_device_fi
         root: h.path(""),
     };
     let sock = h.path("csi/csi.sock");
-    wait_until("the CSI socket", Duration::from_secs(10), || async {
-        sock.exists().then_some(())
-    })
-    .await;
+    wait_for_socket(&sock).await;
     let mut node = csi::node_client::NodeClient::new(locus_proto::client::unix_channel(&sock));
     let target = h.path("kubelet/pods/p1/volumes/kubernetes.io~csi/data/mount");
     node.node_publish_volume(mount_request("vol-p1", &target, Some("ds@1")))
@@ -394,13 +359,10 @@ async fn a_claim_keeps_the_version_latest_was_at_provisioning_and_writer_modes_a
 
     let sock = h.path("csi/csi.sock");
     let _driver = MountingProcess {
-        child: spawn_driver(&h, &m, &n, "all"),
+        child: spawn_csi_driver(&h, &m, &n, "all"),
         root: h.path(""),
     };
-    wait_until("the CSI socket", Duration::from_secs(10), || async {
-        sock.exists().then_some(())
-    })
-    .await;
+    wait_for_socket(&sock).await;
     let channel = locus_proto::client::unix_channel(&sock);
     let mut id = csi::identity_client::IdentityClient::new(channel.clone());
     let mut ctl = csi::controller_client::ControllerClient::new(channel.clone());
@@ -626,10 +588,7 @@ async fn the_controller_alone_serves_no_node_calls_and_needs_no_host_paths() {
         .env_remove("LOCUS_CONFIG")
         .spawn()
         .unwrap();
-    wait_until("the controller socket", Duration::from_secs(10), || async {
-        sock.exists().then_some(())
-    })
-    .await;
+    wait_for_socket(&sock).await;
     let channel = locus_proto::client::unix_channel(&sock);
     let mut ctl = csi::controller_client::ControllerClient::new(channel.clone());
     let caps = ctl

@@ -18,7 +18,6 @@
 use locus_testkit as support;
 
 use std::process::Command;
-use std::time::Duration;
 
 use support::*;
 
@@ -55,29 +54,10 @@ async fn csi_sanity_passes_every_spec_for_the_capabilities_the_driver_advertises
     std::fs::create_dir_all(kubelet.join("pods/sanity")).unwrap();
     let sock = h.path("csi/csi.sock");
     let _driver = MountingProcess {
-        child: Command::new(locus())
-            .args(["csi", "--mode", "all", "--node-id", "n1", "--endpoint"])
-            .arg(format!("unix://{}", sock.display()))
-            .arg("--node-socket")
-            .arg(&n.socket)
-            .arg("--state-dir")
-            .arg(h.path("csi-state"))
-            .arg("--kubelet-dir")
-            .arg(&kubelet)
-            .env("LOCUS_METADATA", m.url())
-            .env("LOCUS_TOKEN", m.token("reader").unwrap())
-            .env("LOCUS_RUNTIME_DIR", h.path("runtime"))
-            .env_remove("LOCUS_CONFIG")
-            .stdout(std::process::Stdio::null())
-            .stderr(std::fs::File::create(h.path("csi.log")).unwrap())
-            .spawn()
-            .unwrap(),
+        child: spawn_csi_driver(&h, &m, &n, "all"),
         root: h.path(""),
     };
-    wait_until("the CSI socket", Duration::from_secs(10), || async {
-        sock.exists().then_some(())
-    })
-    .await;
+    wait_for_socket(&sock).await;
 
     let params = h.path("params.yaml");
     std::fs::write(&params, "dataset: sanity\n").unwrap();

@@ -56,6 +56,45 @@ fn post_with(url: &str, ca: &Path, body: &[u8], extra: &[&str]) -> (u16, String)
     (code.trim().parse().unwrap_or(0), answer)
 }
 
+/// `locus webhook` on a free loopback port with `--timeout timeout` and `extra`
+/// arguments, in front of `m`, once it listens; its log is `webhook.log`.
+async fn start_webhook(
+    h: &Harness,
+    m: &Metadata,
+    timeout: &str,
+    extra: &[std::ffi::OsString],
+) -> (std::process::Child, u16) {
+    let port = free_low_port();
+    let log = std::fs::File::create(h.path("webhook.log")).unwrap();
+    let mut cmd = Command::new(locus());
+    let ca = m.dir.join("ca.pem");
+    if ca.exists() {
+        cmd.env("LOCUS_CA_CERT", ca);
+    }
+    let hook = cmd
+        .args([
+            "webhook",
+            "--listen",
+            &format!("127.0.0.1:{port}"),
+            "--timeout",
+            timeout,
+        ])
+        .args(extra)
+        .env("LOCUS_METADATA", m.url())
+        .env_remove("LOCUS_TOKEN")
+        .env_remove("LOCUS_CONFIG")
+        .stdout(log.try_clone().unwrap())
+        .stderr(log)
+        .spawn()
+        .expect("start locus webhook");
+    wait_until("the webhook to listen", Duration::from_secs(20), || {
+        let ok = std::net::TcpStream::connect(("127.0.0.1", port)).is_ok();
+        async move { ok.then_some(()) }
+    })
+    .await;
+    (hook, port)
+}
+
 fn review(uid: &str, pod: &Value) -> Vec<u8> {
     serde_json::to_vec(&json!({
         "apiVersion": "admission.k8s.io/v1",
@@ -147,35 +186,15 @@ async fn pods_using_locus_volumes_get_affinity_to_their_data_and_are_never_held_
     let dir = h.path("webhook");
     std::fs::create_dir_all(&dir).unwrap();
     let (cert, key) = m.issue_cert("webhook", "127.0.0.1", &dir);
-    let port = free_low_port();
-    let log = std::fs::File::create(h.path("webhook.log")).unwrap();
-    let mut hook = Command::new(locus())
-        .args([
-            "webhook",
-            "--listen",
-            &format!("127.0.0.1:{port}"),
-            "--timeout",
-            "2s",
-        ])
-        .arg("--tls-cert")
-        .arg(&cert)
-        .arg("--tls-key")
-        .arg(&key)
-        .env("LOCUS_METADATA", m.url())
-        .env("LOCUS_CA_CERT", m.dir.join("ca.pem"))
-        .env_remove("LOCUS_TOKEN")
-        .env_remove("LOCUS_CONFIG")
-        .stdout(log.try_clone().unwrap())
-        .stderr(log)
-        .spawn()
-        .expect("start locus webhook");
+    let tls = [
+        "--tls-cert".into(),
+        cert.into_os_string(),
+        "--tls-key".into(),
+        key.into_os_string(),
+    ];
+    let (mut hook, port) = start_webhook(&h, &m, "2s", &tls).await;
     let ca = m.dir.join("ca.pem");
     let url = format!("https://127.0.0.1:{port}/mutate");
-    wait_until("the webhook to listen", Duration::from_secs(20), || {
-        let ok = std::net::TcpStream::connect(("127.0.0.1", port)).is_ok();
-        async move { ok.then_some(()) }
-    })
-    .await;
 
     // Where the bytes are, as the operator's CLI sees it.
     let o = m.cli(&["locality", "ds@1", "--json"]);
@@ -373,31 +392,14 @@ async fn pods_using_a_claim_of_a_locus_storage_class_are_placed_near_its_version
     let token_file = h.path("token");
     std::fs::write(&token_file, "sa-token\n").unwrap();
 
-    let port = free_low_port();
-    let log = std::fs::File::create(h.path("webhook.log")).unwrap();
-    let mut hook = Command::new(locus())
-        .args([
-            "webhook",
-            "--listen",
-            &format!("127.0.0.1:{port}"),
-            "--timeout",
-            "3s",
-        ])
-        .args(["--kube-api", &api, "--kube-token-file"])
-        .arg(&token_file)
-        .env("LOCUS_METADATA", m.url())
-        .env_remove("LOCUS_TOKEN")
-        .env_remove("LOCUS_CONFIG")
-        .stdout(log.try_clone().unwrap())
-        .stderr(log)
-        .spawn()
-        .expect("start locus webhook");
+    let kube = [
+        "--kube-api".into(),
+        api.into(),
+        "--kube-token-file".into(),
+        token_file.into_os_string(),
+    ];
+    let (mut hook, port) = start_webhook(&h, &m, "3s", &kube).await;
     let url = format!("http://127.0.0.1:{port}/mutate");
-    wait_until("the webhook to listen", Duration::from_secs(20), || {
-        let ok = std::net::TcpStream::connect(("127.0.0.1", port)).is_ok();
-        async move { ok.then_some(()) }
-    })
-    .await;
     let no_ca = h.path("no-ca.pem");
     let claim_pod = |claim: &str| {
         pod(

@@ -236,3 +236,44 @@ pub fn mounts_under(root: &Path) -> Vec<PathBuf> {
         .filter(|p| p.starts_with(root))
         .collect()
 }
+
+/// `locus csi --mode MODE` for node `n`, as kubelet runs the node plugin: socket
+/// `csi/csi.sock`, state in `csi-state`, kubelet's dir `kubelet` (all under the
+/// harness), a reader's token; its log in `csi.log`.
+pub fn spawn_csi_driver(h: &Harness, m: &Metadata, n: &Node, mode: &str) -> Child {
+    let kubelet = h.path("kubelet");
+    std::fs::create_dir_all(kubelet.join("pods")).unwrap();
+    Command::new(locus())
+        .args(["csi", "--mode", mode, "--endpoint"])
+        .arg(format!("unix://{}", h.path("csi/csi.sock").display()))
+        .args(["--node-id", "n1", "--node-socket"])
+        .arg(&n.socket)
+        .arg("--state-dir")
+        .arg(h.path("csi-state"))
+        .arg("--kubelet-dir")
+        .arg(&kubelet)
+        .env("LOCUS_METADATA", m.url())
+        .env("LOCUS_TOKEN", m.token("reader").unwrap())
+        .env("LOCUS_RUNTIME_DIR", h.path("runtime"))
+        .env_remove("LOCUS_CONFIG")
+        .stdout(std::process::Stdio::null())
+        .stderr(
+            std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(h.path("csi.log"))
+                .unwrap(),
+        )
+        .spawn()
+        .unwrap()
+}
+
+/// Waits until a Unix socket exists at `sock` (a daemon is listening).
+pub async fn wait_for_socket(sock: &Path) {
+    wait_until(
+        &format!("the socket {}", sock.display()),
+        Duration::from_secs(10),
+        || async { sock.exists().then_some(()) },
+    )
+    .await
+}
