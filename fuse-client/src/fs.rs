@@ -618,35 +618,8 @@ impl Filesystem for LocusFs {
         }
     }
 
-    fn readdir(&self, _req: &Request, ino: INodeNo, _fh: FileHandle, offset: u64, mut reply: ReplyDirectory) {
-        let ino = ino.0;
-        let Some(parent) = self.ns.parent(ino) else {
-            return reply.error(Errno::ENOENT);
-        };
-        // Positions: 0 ".", 1 "..", 2.. the children; an entry's offset is the next position.
-        let mut pos = offset as usize;
-        if pos == 0 {
-            if reply.add(INodeNo(ino), 1, FileType::Directory, ".") {
-                return reply.ok();
-            }
-            pos = 1;
-        }
-        if pos == 1 {
-            let up = if parent == 0 { ino } else { parent };
-            if reply.add(INodeNo(up), 2, FileType::Directory, "..") {
-                return reply.ok();
-            }
-            pos = 2;
-        }
-        let Some(children) = self.ns.readdir(ino, pos - 2) else {
-            return reply.error(Errno::ENOTDIR);
-        };
-        for (i, (child, name, kind)) in children.enumerate() {
-            if reply.add(INodeNo(child), (pos + i + 1) as u64, file_type(kind), name) {
-                break;
-            }
-        }
-        reply.ok();
+    fn readdir(&self, _req: &Request, ino: INodeNo, _fh: FileHandle, offset: u64, reply: ReplyDirectory) {
+        self.list(ino.0, offset, reply);
     }
 
     fn readdirplus(
@@ -655,57 +628,9 @@ impl Filesystem for LocusFs {
         ino: INodeNo,
         _fh: FileHandle,
         offset: u64,
-        mut reply: ReplyDirectoryPlus,
+        reply: ReplyDirectoryPlus,
     ) {
-        let ino = ino.0;
-        let gen = Generation(self.settings.generation);
-        let (Some(parent), Some(me)) = (self.ns.parent(ino), self.ns.attr(ino)) else {
-            return reply.error(Errno::ENOENT);
-        };
-        let mut pos = offset as usize;
-        if pos == 0 {
-            if reply.add(INodeNo(ino), 1, ".", &TTL, &self.file_attr(&me), gen) {
-                return reply.ok();
-            }
-            pos = 1;
-        }
-        if pos == 1 {
-            let up = if parent == 0 { ino } else { parent };
-            let Some(ua) = self.ns.attr(up) else {
-                return reply.error(Errno::EIO);
-            };
-            if reply.add(INodeNo(up), 2, "..", &TTL, &self.file_attr(&ua), gen) {
-                return reply.ok();
-            }
-            pos = 2;
-        }
-        let Some(children) = self.ns.readdir(ino, pos - 2) else {
-            return reply.error(Errno::ENOTDIR);
-        };
-        let (limit, attributes) = match self.settings.readdirplus {
-            Readdirplus::Auto => (READDIRPLUS_ENTRIES, true),
-            Readdirplus::All => (usize::MAX, true),
-            Readdirplus::Adaptive => (usize::MAX, self.listing.attributes_for(ino)),
-        };
-        let mut listed = 0;
-        for (i, (child, name, _)) in children.enumerate() {
-            if i >= limit {
-                break;
-            }
-            let Some(a) = self.ns.attr(child) else { continue };
-            let (offset, attr) = ((pos + i + 1) as u64, self.file_attr(&a));
-            let full = if attributes {
-                reply.add(INodeNo(child), offset, name, &TTL, &attr, gen)
-            } else {
-                reply.add_name_only(INodeNo(child), offset, name, &attr)
-            };
-            if full {
-                break;
-            }
-            listed += 1;
-        }
-        self.metrics.listed(attributes, listed);
-        reply.ok();
+        self.list_plus(ino.0, offset, reply);
     }
 
     fn statfs(&self, _req: &Request, _ino: INodeNo, reply: ReplyStatfs) {

@@ -23,6 +23,10 @@ use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::Mutex;
 use std::time::Instant;
 
+use fuser::{Errno, FileType, Generation, INodeNo, ReplyDirectory, ReplyDirectoryPlus};
+
+use super::{file_type, READDIRPLUS_ENTRIES, TTL};
+
 /// The policy (`Settings::readdirplus`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub enum Readdirplus {
@@ -116,6 +120,91 @@ impl Adaptive {
     /// Whether attributes are on now.
     pub fn is_on(&self) -> bool {
         self.now_ms() < self.on_until.load(Ordering::Relaxed)
+    }
+}
+
+impl super::Mount {
+    /// READDIR: names and types.
+    pub(super) fn list(&self, ino: u64, offset: u64, mut reply: ReplyDirectory) {
+        let Some(parent) = self.ns.parent(ino) else {
+            return reply.error(Errno::ENOENT);
+        };
+        // Positions: 0 ".", 1 "..", 2.. the children; an entry's offset is the next position.
+        let mut pos = offset as usize;
+        if pos == 0 {
+            if reply.add(INodeNo(ino), 1, FileType::Directory, ".") {
+                return reply.ok();
+            }
+            pos = 1;
+        }
+        if pos == 1 {
+            let up = if parent == 0 { ino } else { parent };
+            if reply.add(INodeNo(up), 2, FileType::Directory, "..") {
+                return reply.ok();
+            }
+            pos = 2;
+        }
+        let Some(children) = self.ns.readdir(ino, pos - 2) else {
+            return reply.error(Errno::ENOTDIR);
+        };
+        for (i, (child, name, kind)) in children.enumerate() {
+            if reply.add(INodeNo(child), (pos + i + 1) as u64, file_type(kind), name) {
+                break;
+            }
+        }
+        reply.ok();
+    }
+
+    /// READDIRPLUS: names with attributes or without, as the policy decides.
+    pub(super) fn list_plus(&self, ino: u64, offset: u64, mut reply: ReplyDirectoryPlus) {
+        let gen = Generation(self.settings.generation);
+        let (Some(parent), Some(me)) = (self.ns.parent(ino), self.ns.attr(ino)) else {
+            return reply.error(Errno::ENOENT);
+        };
+        let mut pos = offset as usize;
+        if pos == 0 {
+            if reply.add(INodeNo(ino), 1, ".", &TTL, &self.file_attr(&me), gen) {
+                return reply.ok();
+            }
+            pos = 1;
+        }
+        if pos == 1 {
+            let up = if parent == 0 { ino } else { parent };
+            let Some(ua) = self.ns.attr(up) else {
+                return reply.error(Errno::EIO);
+            };
+            if reply.add(INodeNo(up), 2, "..", &TTL, &self.file_attr(&ua), gen) {
+                return reply.ok();
+            }
+            pos = 2;
+        }
+        let Some(children) = self.ns.readdir(ino, pos - 2) else {
+            return reply.error(Errno::ENOTDIR);
+        };
+        let (limit, attributes) = match self.settings.readdirplus {
+            Readdirplus::Auto => (READDIRPLUS_ENTRIES, true),
+            Readdirplus::All => (usize::MAX, true),
+            Readdirplus::Adaptive => (usize::MAX, self.listing.attributes_for(ino)),
+        };
+        let mut listed = 0;
+        for (i, (child, name, _)) in children.enumerate() {
+            if i >= limit {
+                break;
+            }
+            let Some(a) = self.ns.attr(child) else { continue };
+            let (offset, attr) = ((pos + i + 1) as u64, self.file_attr(&a));
+            let full = if attributes {
+                reply.add(INodeNo(child), offset, name, &TTL, &attr, gen)
+            } else {
+                reply.add_name_only(INodeNo(child), offset, name, &attr)
+            };
+            if full {
+                break;
+            }
+            listed += 1;
+        }
+        self.metrics.listed(attributes, listed);
+        reply.ok();
     }
 }
 

@@ -605,4 +605,6 @@ fn new_cluster_id() -> String {
 }
 
 #[cfg(test)]
+mod session_tests;
+#[cfg(test)]
 mod tests;
