@@ -14,6 +14,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     tonic_prost_build::configure()
         .bytes(".locus.node.v1.BlobData.data")
         .bytes(".locus.node.v1.WriteBlobMessage.data")
+        .bytes(".locus.node.v1.SmallBlob.data")
         .compile_protos(&protos, &["proto"])?;
     Ok(())
 }

@@ -88,14 +88,20 @@ impl Progress {
         let terminal = std::io::stderr().is_terminal();
         let d = done.clone();
         let task = tokio::spawn(async move {
+            // Looked at four times a second either way, so that the time of the last
+            // move is known to that much even when a log gets a line every ten seconds.
             let every = Duration::from_millis(if terminal { 250 } else { 10_000 });
-            let (mut last, mut moved) = (0, Instant::now());
+            let (mut last, mut moved, mut printed) = (0, Instant::now(), Instant::now());
             loop {
-                tokio::time::sleep(every).await;
+                tokio::time::sleep(Duration::from_millis(250)).await;
                 let n = d.load(Ordering::Relaxed);
                 if n != last {
                     (last, moved) = (n, Instant::now());
                 }
+                if printed.elapsed() < every {
+                    continue;
+                }
+                printed = Instant::now();
                 let rate = n as f64 / start.elapsed().as_secs_f64().max(0.001);
                 // An object-store source's total is not known before it is listed.
                 let of = if total == 0 {

@@ -1666,7 +1666,7 @@ async fn a_batch_of_small_blobs_is_stored_together_and_a_bad_one_fails_it_whole(
         blobs: range
             .map(|i| nodepb::SmallBlob {
                 hash: blake3::hash(&blob(i)).as_bytes().to_vec(),
-                data: blob(i),
+                data: blob(i).into(),
             })
             .collect(),
         chunk_size: 0,
@@ -1687,7 +1687,7 @@ async fn a_batch_of_small_blobs_is_stored_together_and_a_bad_one_fails_it_whole(
     let wrong = blake3::hash(b"what the name claims").as_bytes().to_vec();
     bad.blobs.push(nodepb::SmallBlob {
         hash: wrong.clone(),
-        data: b"other bytes".to_vec(),
+        data: b"other bytes".to_vec().into(),
     });
     let e = c.write_blobs(bad).await.unwrap_err();
     assert_eq!(e.code(), tonic::Code::InvalidArgument, "{e:?}");
@@ -1721,7 +1721,7 @@ async fn a_batch_of_small_blobs_is_stored_together_and_a_bad_one_fails_it_whole(
         .write_blobs(nodepb::WriteBlobsRequest {
             blobs: vec![nodepb::SmallBlob {
                 hash: blake3::hash(&big).as_bytes().to_vec(),
-                data: big,
+                data: big.into(),
             }],
             chunk_size: 0,
             pin: true,

@@ -60,7 +60,8 @@ pub trait ImportCluster: Send + Sync {
     fn have<'a>(&'a self, node: &'a str, blobs: Vec<BlobHash>) -> BoxFuture<'a, Result<Vec<bool>, String>>;
     /// Stores one blob on the node (which verifies it).
     fn send<'a>(&'a self, node: &'a str, blob: Upload) -> BoxFuture<'a, Result<(), String>>;
-    /// Stores many small local blobs on the node in one group commit (each verified).
+    /// Stores many small blobs (local files or bytes in memory) on the node in one group
+    /// commit (each verified).
     /// Clusters without one send them one by one.
     fn send_small<'a>(&'a self, node: &'a str, blobs: Vec<Upload>) -> BoxFuture<'a, Result<(), String>> {
         Box::pin(async move {
@@ -387,19 +388,23 @@ impl ImportCluster for GrpcCluster {
                 pin: true,
             };
             for b in &blobs {
-                let BlobSource::Local(path) = &b.source else {
-                    return Err(format!(
-                        "{} is not a local file; WriteBlobs takes local files",
-                        b.source
-                    ));
+                let data = match &b.source {
+                    BlobSource::Memory(data) => data.clone(),
+                    BlobSource::Local(path) => tokio::fs::read(path)
+                        .await
+                        .map_err(|e| format!("cannot read {}: {e}", path.display()))?
+                        .into(),
+                    BlobSource::Remote(_) => {
+                        return Err(format!(
+                            "{} is not read yet; WriteBlobs takes local files and bytes in memory",
+                            b.source
+                        ))
+                    }
                 };
-                let data = tokio::fs::read(path)
-                    .await
-                    .map_err(|e| format!("cannot read {}: {e}", path.display()))?;
                 if data.len() as u64 != b.size {
                     return Err(format!(
                         "{} changed size during the import ({} bytes, {} when hashed); rerun it",
-                        path.display(),
+                        b.source,
                         data.len(),
                         b.size
                     ));

@@ -1,19 +1,20 @@
 //! Import: a directory or an object-store prefix becomes the next version of a dataset,
 //! its blobs replicated onto cache nodes.
 //!
-//! Order of work for a directory, chosen so that nothing half-done is ever visible: hash
-//! everything, open an import session and upload the manifest, ask for a placement (and
-//! stop, aborting the session, if any shard cannot be placed), send each node the blobs
-//! its shards need that it does not already have (nodes verify every byte), then record
-//! the replicas and commit. An object-store source is read once instead (see
-//! `import_remote`): placed from its listing, each object hashed as it streams in and sent
-//! from memory, the manifest committed last. An interrupted import leaves only an uncommitted session, which the service
-//! discards; rerunning it skips every blob the nodes already hold. A node that takes no
-//! bytes for `LOCUS_PEER_TIMEOUT` fails the import instead of stalling it.
+//! Both kinds of source are read once, in the same order of work, chosen so that nothing
+//! half-done is ever visible: list the source (names and sizes), group files into shards
+//! by size and place the shards (stopping, and aborting the session, if any cannot be
+//! placed), then read each file, hashing it as it comes in, and send it to its shard's
+//! nodes, which verify every byte; the manifest of what was read is uploaded with the
+//! replicas and committed last. A directory is read by this client (`local`); an object
+//! store by the nodes or by this client (`import_remote`, `pull`). An interrupted import
+//! leaves only an uncommitted session, which the service discards; rerunning it skips
+//! every blob the nodes already hold. A node that takes no bytes for `LOCUS_PEER_TIMEOUT`
+//! fails the import instead of stalling it. A version read back from a backup, already
+//! hashed, goes through `commit_scanned`.
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -123,23 +124,6 @@ pub async fn import(
             format!("{} does not exist", source.display())
         }));
     }
-    let (chunk_size, shard_size) = (o.chunk_size, o.shard_size.max(1));
-
-    // 1. Hash.
-    let done = obs.start("hashing", dir_bytes(&source));
-    let hashing_started = Instant::now();
-    let src = source.clone();
-    let threads = std::thread::available_parallelism().map_or(2, |n| n.get());
-    let scanned = tokio::task::spawn_blocking(move || {
-        super::scan::scan_dir_parallel(&src, chunk_size, shard_size, threads, &|n| {
-            done.store(n, Ordering::Relaxed)
-        })
-    })
-    .await
-    .map_err(|e| ImportError::Source(SourceError(format!("hashing failed: {e}"))))?;
-    obs.end("hashing");
-    let scanned = scanned?;
-    let hash_time = hashing_started.elapsed();
     // Where the bytes came from: the mount's last source when no node has them.
     let abs = std::fs::canonicalize(&source)
         .or_else(|_| std::env::current_dir().map(|d| d.join(&source)))
@@ -148,7 +132,80 @@ pub async fn import(
         "file://{}",
         locus_backup::origin::encode_path(&abs.display().to_string())
     );
-    commit_scanned(cluster, o, &scanned, None, origin, obs, started, hash_time).await
+    local::import_local(cluster, o, source, origin, obs, started).await
+}
+
+/// Each shard's bytes, from the shard of each entry and its size.
+fn shard_bytes(groups: &[Option<u32>], sizes: &[Option<u64>]) -> Vec<u64> {
+    let mut shard_bytes: Vec<u64> = Vec::new();
+    for (g, size) in groups.iter().zip(sizes) {
+        if let (Some(g), Some(size)) = (g, size) {
+            if shard_bytes.len() <= *g as usize {
+                shard_bytes.push(0);
+            }
+            shard_bytes[*g as usize] += size;
+        }
+    }
+    shard_bytes
+}
+
+/// Places shards of `shard_bytes`, preferring the nodes of `prefer`; refuses (naming
+/// them) when any finds no room.
+async fn place(
+    cluster: &Arc<dyn ImportCluster>,
+    o: &ImportOptions,
+    shard_bytes: &[u64],
+    prefer: &HashMap<u32, Vec<String>>,
+) -> Result<Placement> {
+    let placed = cluster
+        .place(pb::PlaceShardsRequest {
+            shards: shard_bytes
+                .iter()
+                .enumerate()
+                .map(|(id, bytes)| pb::ShardSize {
+                    id: id as u32,
+                    bytes: *bytes,
+                    prefer: prefer.get(&(id as u32)).cloned().unwrap_or_default(),
+                })
+                .collect(),
+            replication: o.replicas,
+        })
+        .await?;
+    placed_or_refused(placed, shard_bytes.len())
+}
+
+/// The end of a one-pass import, every blob on its nodes: the manifest of what was read
+/// (its shards are the ones placed, which depend on the sizes alone) is uploaded with
+/// the placement, sealed and committed. The caller aborts the session on an error.
+async fn commit_read(
+    cluster: &Arc<dyn ImportCluster>,
+    o: &ImportOptions,
+    session: u64,
+    found: Vec<super::scan::Found>,
+    hashes: Vec<Option<locus_proto::manifest::FileHashes>>,
+    shard_bytes: &[u64],
+    placement: &Placement,
+) -> Result<(Scanned, pb::Version)> {
+    let scanned = super::scan::assemble(found, hashes, o.shard_size.max(1))?;
+    if scanned
+        .shards
+        .iter()
+        .map(|s| s.bytes)
+        .ne(shard_bytes.iter().copied())
+    {
+        return Err(ImportError::Source(SourceError(
+            "files changed size during the import; rerun it".into(),
+        )));
+    }
+    cluster.put_entries(session, scanned.entries.clone()).await?;
+    let mut shards = scanned.shards.clone();
+    for s in &mut shards {
+        s.replicas = placement.get(&s.id).cloned().unwrap_or_default();
+    }
+    cluster.put_shards(session, shards).await?;
+    let namespace = super::seal::seal_and_store(cluster, o, &scanned, placement).await?;
+    let version = cluster.commit(session, namespace).await?;
+    Ok((scanned, version))
 }
 
 /// An object-store import, reading each object once: list (sizes only), group into
@@ -173,15 +230,7 @@ async fn import_remote(
             .map_err(|e| ImportError::Source(SourceError(format!("{:?}: {}", f.rel, e.reason))))?;
     }
     let groups = super::scan::group_shards(&sizes, shard_size);
-    let mut shard_bytes: Vec<u64> = Vec::new();
-    for (g, size) in groups.iter().zip(&sizes) {
-        if let (Some(g), Some(size)) = (g, size) {
-            if shard_bytes.len() <= *g as usize {
-                shard_bytes.push(0);
-            }
-            shard_bytes[*g as usize] += size;
-        }
-    }
+    let shard_bytes = shard_bytes(&groups, &sizes);
     let prefer = previous_holders(cluster.as_ref(), &o.name, &found, &sizes, &groups).await;
     let session = cluster
         .begin(pb::BeginVersionRequest {
@@ -192,21 +241,7 @@ async fn import_remote(
         })
         .await?;
     let work = async {
-        let placed = cluster
-            .place(pb::PlaceShardsRequest {
-                shards: shard_bytes
-                    .iter()
-                    .enumerate()
-                    .map(|(id, bytes)| pb::ShardSize {
-                        id: id as u32,
-                        bytes: *bytes,
-                        prefer: prefer.get(&(id as u32)).cloned().unwrap_or_default(),
-                    })
-                    .collect(),
-                replication: o.replicas,
-            })
-            .await?;
-        let placement = placed_or_refused(placed, shard_bytes.len())?;
+        let placement = place(cluster, o, &shard_bytes, &prefer).await?;
         let total: u64 = sizes.iter().flatten().sum();
         let done = obs.start("importing", total);
         let todo: Vec<pull::Todo> = found
@@ -231,40 +266,12 @@ async fn import_remote(
         };
         obs.end("importing");
         let hashes = read?;
-        // The manifest of what was read; its shards are the ones placed, since they
-        // depend on the sizes alone.
-        let scanned = super::scan::assemble(found, hashes, shard_size)?;
-        if scanned
-            .shards
-            .iter()
-            .map(|s| s.bytes)
-            .ne(shard_bytes.iter().copied())
-        {
-            return Err(ImportError::Source(SourceError(
-                "objects changed size during the import; rerun it".into(),
-            )));
-        }
-        cluster.put_entries(session, scanned.entries.clone()).await?;
-        let mut shards = scanned.shards.clone();
-        for s in &mut shards {
-            s.replicas = placement.get(&s.id).cloned().unwrap_or_default();
-        }
-        cluster.put_shards(session, shards).await?;
-        Ok::<_, ImportError>((scanned, total, placement))
+        let (scanned, version) =
+            commit_read(cluster, o, session, found, hashes, &shard_bytes, &placement).await?;
+        Ok::<_, ImportError>((scanned, version, total))
     };
-    let (scanned, total, placement) = match work.await {
+    let (scanned, version, total) = match work.await {
         Ok(x) => x,
-        Err(e) => {
-            cluster.abort(session).await;
-            return Err(e);
-        }
-    };
-    let committed = async {
-        let namespace = super::seal::seal_and_store(cluster, o, &scanned, &placement).await?;
-        Ok::<_, ImportError>(cluster.commit(session, namespace).await?)
-    };
-    let version = match committed.await {
-        Ok(v) => v,
         Err(e) => {
             cluster.abort(session).await;
             return Err(e);
@@ -462,20 +469,6 @@ pub async fn commit_scanned(
     })
 }
 
-fn dir_bytes(p: &std::path::Path) -> u64 {
-    let mut total = 0;
-    for e in std::fs::read_dir(p).into_iter().flatten().flatten() {
-        if let Ok(m) = std::fs::symlink_metadata(e.path()) {
-            if m.is_dir() {
-                total += dir_bytes(&e.path());
-            } else if m.is_file() {
-                total += m.len();
-            }
-        }
-    }
-    total
-}
-
 pub(crate) type Placement = BTreeMap<u32, Vec<String>>;
 
 /// Uploads the manifest, places shards and sends blobs. Returns the placement and the
@@ -615,6 +608,7 @@ async fn previous_holders(
     holders_of(cluster, hints).await.unwrap_or_default()
 }
 
+mod local;
 mod pull;
 mod send;
 

@@ -1,6 +1,7 @@
 //! Builds a manifest from a source: walks a local directory (or, in `remote`, lists an
-//! object-store prefix), hashes every file with BLAKE3 (whole blob and fixed-size chunks)
-//! and groups files into shards in path order.
+//! object-store prefix) with each file's size, groups files into shards in path order
+//! from the sizes alone, and assembles the manifest once every file is hashed (BLAKE3,
+//! whole blob and fixed-size chunks; the import hashes each file as it reads it).
 //!
 //! Never follows symlinks (they are recorded as links) and never leaves the root.
 
@@ -58,61 +59,27 @@ pub enum FoundKind {
     File(BlobSource),
 }
 
-fn hash_file(path: &Path, chunk_size: u32) -> Result<FileHashes> {
-    locus_proto::manifest::hash_file(path, chunk_size).explain(|| format!("cannot read {}", path.display()))
+/// A directory as walked, before any file is read: its entries in path order, each
+/// file's size as listed (None for directories and links), and what a version cannot
+/// hold (FIFOs, sockets, devices).
+pub struct Listing {
+    pub found: Vec<Found>,
+    pub sizes: Vec<Option<u64>>,
+    pub left_out: Vec<String>,
 }
 
-/// Scans `root` into a manifest with `chunk_size` chunks and shards of about `shard_size`,
-/// hashing files on `threads` threads. `progress` is told the bytes hashed so far.
-pub fn scan_dir_parallel(
-    root: &Path,
-    chunk_size: u32,
-    shard_size: u64,
-    threads: usize,
-    progress: &(dyn Fn(u64) + Sync),
-) -> Result<Scanned> {
-    use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+/// Walks `root` (never following links, never leaving it) into a [`Listing`].
+pub fn list_dir(root: &Path) -> Result<Listing> {
     let mut found = Vec::new();
     let mut left_out = Vec::new();
     walk(root, "", &mut found, &mut left_out)?;
-    found.sort_by(|a, b| a.rel.cmp(&b.rel));
-    let files_idx: Vec<usize> = (0..found.len())
-        .filter(|i| matches!(found[*i].kind, FoundKind::File(_)))
-        .collect();
-    let next = AtomicUsize::new(0);
-    let done = AtomicU64::new(0);
-    let results: Vec<std::sync::Mutex<Option<FileHashes>>> =
-        (0..found.len()).map(|_| std::sync::Mutex::new(None)).collect();
-    let first_err: std::sync::Mutex<Option<SourceError>> = std::sync::Mutex::new(None);
-    std::thread::scope(|s| {
-        for _ in 0..threads.max(1) {
-            s.spawn(|| loop {
-                let k = next.fetch_add(1, Ordering::Relaxed);
-                let Some(&i) = files_idx.get(k) else { break };
-                match hash_file(&root.join(&found[i].rel), chunk_size) {
-                    Ok(r) => {
-                        progress(done.fetch_add(r.0, Ordering::Relaxed) + r.0);
-                        *results[i].lock().expect("no panics while held") = Some(r);
-                    }
-                    Err(e) => {
-                        first_err.lock().expect("no panics while held").get_or_insert(e);
-                        next.store(usize::MAX / 2, Ordering::Relaxed);
-                        break;
-                    }
-                }
-            });
-        }
-    });
-    if let Some(e) = first_err.into_inner().expect("threads joined") {
-        return Err(e);
-    }
-    let hashes = results
-        .into_iter()
-        .map(|m| m.into_inner().expect("threads joined"))
-        .collect();
-    let mut scanned = assemble(found, hashes, shard_size)?;
-    scanned.left_out = left_out;
-    Ok(scanned)
+    found.sort_by(|a, b| a.0.rel.cmp(&b.0.rel));
+    let (found, sizes) = found.into_iter().unzip();
+    Ok(Listing {
+        found,
+        sizes,
+        left_out,
+    })
 }
 
 /// Turns sorted found entries and their hashes (`Some` for every file) into a manifest
@@ -205,7 +172,12 @@ pub fn assemble(found: Vec<Found>, hashes: Vec<Option<FileHashes>>, shard_size: 
     })
 }
 
-fn walk(root: &Path, rel: &str, out: &mut Vec<Found>, left_out: &mut Vec<String>) -> Result<()> {
+fn walk(
+    root: &Path,
+    rel: &str,
+    out: &mut Vec<(Found, Option<u64>)>,
+    left_out: &mut Vec<String>,
+) -> Result<()> {
     let dir = if rel.is_empty() {
         root.to_path_buf()
     } else {
@@ -250,12 +222,16 @@ fn walk(root: &Path, rel: &str, out: &mut Vec<Found>, left_out: &mut Vec<String>
             continue;
         };
         let is_dir = matches!(kind, FoundKind::Dir);
-        out.push(Found {
-            rel: child.clone(),
-            kind,
-            mode: meta.permissions().mode() & 0o7777,
-            mtime_ns: meta.mtime() * 1_000_000_000 + meta.mtime_nsec(),
-        });
+        let size = matches!(kind, FoundKind::File(_)).then(|| meta.len());
+        out.push((
+            Found {
+                rel: child.clone(),
+                kind,
+                mode: meta.permissions().mode() & 0o7777,
+                mtime_ns: meta.mtime() * 1_000_000_000 + meta.mtime_nsec(),
+            },
+            size,
+        ));
         if is_dir {
             walk(root, &child, out, left_out)?;
         }
@@ -275,7 +251,19 @@ mod tests {
         std::fs::write(d.path().join("a/small"), b"hello").unwrap();
         std::fs::write(d.path().join("empty"), b"").unwrap();
         std::os::unix::fs::symlink("a/small", d.path().join("link")).unwrap();
-        let s = scan_dir_parallel(d.path(), 1 << 16, 200_000, 2, &|_| {}).unwrap();
+        let l = list_dir(d.path()).unwrap();
+        assert_eq!(l.sizes, vec![None, None, Some(300_000), Some(5), Some(0), None]);
+        let hashes = l
+            .found
+            .iter()
+            .map(|f| match &f.kind {
+                FoundKind::File(BlobSource::Local(p)) => {
+                    Some(locus_proto::manifest::hash_file(p, 1 << 16).unwrap())
+                }
+                _ => None,
+            })
+            .collect();
+        let s = assemble(l.found, hashes, 200_000).unwrap();
         let paths: Vec<_> = s.entries.iter().map(|e| e.path.as_str()).collect();
         assert_eq!(paths, vec!["a", "a/b", "a/b/big", "a/small", "empty", "link"]);
         let big = &s.entries[2];

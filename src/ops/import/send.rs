@@ -17,9 +17,9 @@ pub(super) const SENDING: &str = "sending to nodes";
 /// Files up to this size go to a node in batches (`WriteBlobs`): one group commit on the
 /// node for a batch instead of two fsyncs per file, which made a node take small files
 /// at about 800 a second.
-const SMALL: u64 = 256 << 10;
-const BATCH_BLOBS: usize = 1024;
-const BATCH_BYTES: u64 = 8 << 20;
+pub(super) const SMALL: u64 = 256 << 10;
+pub(super) const BATCH_BLOBS: usize = 1024;
+pub(super) const BATCH_BYTES: u64 = 8 << 20;
 
 enum Send {
     One(String, BlobHash),

@@ -515,3 +515,45 @@ async fn in_auto_an_object_that_is_wrong_whoever_reads_it_fails_without_a_second
     );
     assert!(log.contains(&"abort 7".to_string()), "{log:?}");
 }
+
+#[tokio::test]
+async fn content_in_many_files_goes_to_each_node_once_and_every_file_names_it() {
+    let (d, o, blobs) = source();
+    // Two more files with the first's bytes, one of them past the batched size.
+    std::fs::write(d.path().join("g0"), vec![0u8; 1000]).unwrap();
+    let big = vec![9u8; (super::send::SMALL + 1) as usize];
+    std::fs::write(d.path().join("h-big"), &big).unwrap();
+    std::fs::write(d.path().join("h-big2"), &big).unwrap();
+    let (r, log) = run(Fake::default(), &o).await;
+    let r = r.unwrap();
+    assert_eq!(r.distinct_blobs, 4);
+    for h in blobs.iter().chain([&BlobHash::of(&big)]) {
+        for n in ["a", "b"] {
+            let sends = log.iter().filter(|l| **l == format!("send {n} {h}")).count();
+            assert_eq!(sends, 1, "{n} got {h} once: {log:?}");
+        }
+    }
+    assert_eq!(r.uploaded_bytes, 2 * (1000 + 1001 + 1002 + big.len() as u64));
+}
+
+#[test]
+fn a_file_read_at_another_size_than_listed_is_refused_naming_it() {
+    let d = tempfile::tempdir().unwrap();
+    let p = d.path().join("grew");
+    std::fs::write(&p, b"123456").unwrap();
+    for listed in [5, 7, super::send::SMALL + 10] {
+        match super::local::read_file(&p, listed, 1 << 16) {
+            Err(ImportError::Source(e)) => assert!(
+                e.0.contains("grew")
+                    && e.0.contains("changed size during the import")
+                    && e.0.contains("6 bytes"),
+                "{e}"
+            ),
+            Err(other) => panic!("listed {listed}: expected a source error, got {other:?}"),
+            Ok(_) => panic!("listed {listed}: a file of 6 bytes was read as {listed}"),
+        }
+    }
+    let (h, data) = super::local::read_file(&p, 6, 1 << 16).unwrap();
+    assert_eq!((h.0, h.1), (6, BlobHash::of(b"123456")));
+    assert_eq!(data.as_deref(), Some(&b"123456"[..]));
+}
