@@ -17,9 +17,12 @@ pub(super) struct NamespaceFields {
     inline: Vec<u8>,
 }
 
+/// Entries handed to the sealing thread at a time.
+const SEAL_BATCH: usize = 4096;
+
 /// A stored entry as the sealed namespace's writer takes it.
-fn sealable(dir: &str, name: &str, e: EntryRecord) -> Result<Entry> {
-    Entry::try_from(entry_pb(keys::join(dir, name), e, true)).map_err(|x| CatalogError::Corrupt {
+fn sealable(path: String, e: EntryRecord) -> Result<Entry> {
+    Entry::try_from(entry_pb(path, e, true)).map_err(|x| CatalogError::Corrupt {
         table: "entries",
         reason: x.to_string(),
     })
@@ -244,51 +247,85 @@ impl Catalog {
         let uid = session;
 
         // One pass over the manifest: parents exist and are directories, tallies per shard,
-        // and the sealed namespace built as it goes (entries come in its order).
+        // and the sealed namespace built as it goes (entries come in its order). The
+        // sealing (each entry converted, checked, encoded and hashed) runs on a second
+        // thread fed in batches while this one reads the store: at 10M entries the pass
+        // took 12.4 s on one thread.
         let (from, to) = keys::uid_range(uid);
-        let mut group: Option<Vec<u8>> = None;
         let (mut files, mut dirs, mut symlinks, mut bytes) = (0u64, 0u64, 0u64, 0u64);
         let mut per_shard: BTreeMap<u32, (u64, u64)> = BTreeMap::new();
-        let mut sealer =
-            locus_proto::sealed::Writer::new(std::io::sink(), rec.chunk_size).map_err(sealing)?;
-        for kv in self.store.scan(Table::Entries, &from, Some(&to)) {
-            let (k, v) = kv?;
-            let (dir, name) = keys::split_entry(&k).ok_or_else(|| CatalogError::Corrupt {
-                table: "entries",
-                reason: "malformed key".into(),
-            })?;
-            let dir_key = &k[..8 + dir.len()];
-            if group.as_deref() != Some(dir_key) {
-                if !dir.is_empty() {
-                    let parent = self
-                        .store
-                        .get(Table::Entries, &keys::entry(uid, dir))?
-                        .map(|b| decode::<EntryRecord>(Table::Entries, &b))
-                        .transpose()?;
-                    if parent.as_ref().map(|p| p.kind) != Some(KIND_DIR) {
-                        return Err(CatalogError::Precondition(format!(
-                            "manifest is incomplete: {} is inside {dir:?}, which is not a \
-                             directory in the manifest",
-                            keys::join(dir, name)
-                        )));
+        let (tx, rx) = std::sync::mpsc::sync_channel::<Vec<(String, EntryRecord)>>(8);
+        let chunk_size = rec.chunk_size;
+        let (read, sealed) = std::thread::scope(|scope| {
+            let sealing_thread = scope.spawn(move || {
+                let mut sealer =
+                    locus_proto::sealed::Writer::new(std::io::sink(), chunk_size).map_err(sealing)?;
+                for batch in rx {
+                    for (path, e) in batch {
+                        sealer.push(&sealable(path, e)?).map_err(sealing)?;
                     }
                 }
-                group = Some(dir_key.to_vec());
-            }
-            let e: EntryRecord = decode(Table::Entries, &v)?;
-            sealer.push(&sealable(dir, name, e.clone())?).map_err(sealing)?;
-            match e.kind {
-                KIND_FILE => {
-                    files += 1;
-                    bytes += e.size;
-                    let t = per_shard.entry(e.shard).or_default();
-                    t.0 += e.size;
-                    t.1 += 1;
+                Ok::<_, CatalogError>(sealer)
+            });
+            let read = (|| {
+                let mut group: Option<Vec<u8>> = None;
+                let mut batch = Vec::with_capacity(SEAL_BATCH);
+                for kv in self.store.scan(Table::Entries, &from, Some(&to)) {
+                    let (k, v) = kv?;
+                    let (dir, name) = keys::split_entry(&k).ok_or_else(|| CatalogError::Corrupt {
+                        table: "entries",
+                        reason: "malformed key".into(),
+                    })?;
+                    let dir_key = &k[..8 + dir.len()];
+                    if group.as_deref() != Some(dir_key) {
+                        if !dir.is_empty() {
+                            let parent = self
+                                .store
+                                .get(Table::Entries, &keys::entry(uid, dir))?
+                                .map(|b| decode::<EntryRecord>(Table::Entries, &b))
+                                .transpose()?;
+                            if parent.as_ref().map(|p| p.kind) != Some(KIND_DIR) {
+                                return Err(CatalogError::Precondition(format!(
+                                    "manifest is incomplete: {} is inside {dir:?}, which is not a \
+                                     directory in the manifest",
+                                    keys::join(dir, name)
+                                )));
+                            }
+                        }
+                        group = Some(dir_key.to_vec());
+                    }
+                    let e: EntryRecord = decode(Table::Entries, &v)?;
+                    match e.kind {
+                        KIND_FILE => {
+                            files += 1;
+                            bytes += e.size;
+                            let t = per_shard.entry(e.shard).or_default();
+                            t.0 += e.size;
+                            t.1 += 1;
+                        }
+                        KIND_DIR => dirs += 1,
+                        _ => symlinks += 1,
+                    }
+                    batch.push((keys::join(dir, name), e));
+                    if batch.len() == SEAL_BATCH && tx.send(std::mem::take(&mut batch)).is_err() {
+                        // The sealing thread stopped on an error, which is the one reported.
+                        return Ok(());
+                    }
+                    if batch.capacity() == 0 {
+                        batch.reserve(SEAL_BATCH);
+                    }
                 }
-                KIND_DIR => dirs += 1,
-                _ => symlinks += 1,
-            }
-        }
+                if !batch.is_empty() {
+                    let _ = tx.send(batch);
+                }
+                Ok(())
+            })();
+            drop(tx);
+            let sealer = sealing_thread.join().expect("the sealing thread does not panic");
+            (read, sealer)
+        });
+        read?;
+        let sealer = sealed?;
 
         let mut shards: Vec<(u32, ShardRecord)> = Vec::new();
         for kv in self.store.scan(Table::Shards, &from, Some(&to)) {
@@ -526,7 +563,7 @@ impl Catalog {
                 reason: "malformed key".into(),
             })?;
             let e: EntryRecord = decode(Table::Entries, &v)?;
-            w.push(&sealable(dir, name, e)?).map_err(sealing)?;
+            w.push(&sealable(keys::join(dir, name), e)?).map_err(sealing)?;
         }
         w.finish(dataset, &self.cluster_id).map_err(sealing)
     }
