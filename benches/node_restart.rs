@@ -1,10 +1,12 @@
 //! A node holding millions of blobs: how long until it serves again after a restart,
-//! and what the store's group commit takes for small blobs against one-by-one writes.
+//! and what the store takes small blobs at: packed, group-committed files, one by one.
 //!
 //! 1. Fills a node's data dir with N small blobs (`LOCUS_BENCH_BLOBS`, default 1,000,000;
-//!    80 bytes each, cached, not pinned) through the store's own write path:
-//!    `finish_staged` + `commit_batch`, 1,000 blobs a batch, two writer threads. The first
-//!    2,000 are written one by one with `finish` as the reference in the same run.
+//!    80 bytes each, cached, not pinned) through the store's own write paths: the first
+//!    2,000 one by one (`finish`), the next 20,000 a file each with group commit
+//!    (`finish_staged` + `commit_batch`, 1,000 a batch), the rest in packs of 4,096
+//!    (`write_packed`, what a `WriteBlobs` call of an import becomes); two writer threads
+//!    for the batched ways.
 //! 2. Starts a metadata service and `locus node serve` on that dir, stops the node,
 //!    drops the page cache (cold; needs root, else says warm), and restarts it.
 //! 3. From the restart: when the node listens, and when its first read is answered — a
@@ -13,7 +15,7 @@
 //!    directories took (the node's log), which is what a restart paid before it served.
 //!
 //! Run: `cargo bench --bench node_restart`, or `LOCUS_BENCH_BLOBS=10000000 cargo bench
-//! --bench node_restart` (about 40 GB of disk and 10M inodes: one 4 KiB block each).
+//! --bench node_restart` (packed: about 1 GB of packs and 2 GB of index).
 
 use locus_testkit as support;
 
@@ -26,6 +28,10 @@ use locus_proto::{nodepb, BlobHash};
 use support::*;
 
 const BATCH: usize = 1000;
+/// Blobs per pack: the most one `WriteBlobs` call carries.
+const PACK: usize = 4096;
+/// Blobs written a file each with group commit, as the reference for packs.
+const GROUPED: u64 = 20_000;
 
 fn blob(i: u64) -> Vec<u8> {
     format!("blob {i:012} of the node-restart bench, eighty bytes long with padding.......\n").into_bytes()
@@ -98,6 +104,29 @@ fn rss_mib(pid: u32) -> f64 {
         .map_or(0.0, |kib| kib / 1024.0)
 }
 
+/// Writes blobs `from..to` in packs from two threads; blobs per second.
+fn packed(s: &Arc<BlobStore>, from: u64, to: u64) -> f64 {
+    let t = Instant::now();
+    let next = std::sync::atomic::AtomicU64::new(from);
+    std::thread::scope(|sc| {
+        for _ in 0..2 {
+            sc.spawn(|| loop {
+                let start = next.fetch_add(PACK as u64, std::sync::atomic::Ordering::Relaxed);
+                if start >= to {
+                    break;
+                }
+                let data: Vec<Vec<u8>> = (start..(start + PACK as u64).min(to)).map(blob).collect();
+                let refs: Vec<(BlobHash, &[u8])> = data.iter().map(|d| (BlobHash::of(d), &d[..])).collect();
+                s.write_packed(&refs, 1 << 16, false).unwrap();
+                if start % 1_000_000 < PACK as u64 {
+                    eprintln!("  {start} blobs written, {:.0}s", t.elapsed().as_secs_f64());
+                }
+            });
+        }
+    });
+    (to - from) as f64 / t.elapsed().as_secs_f64()
+}
+
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() {
     let n = env_u64("LOCUS_BENCH_BLOBS", 1_000_000);
@@ -106,16 +135,24 @@ async fn main() {
     std::fs::create_dir_all(&data).unwrap();
     println!("node restart with {n} blobs of {} bytes", blob(0).len());
 
-    let (single, grouped) = {
+    assert!(
+        n > 2000 + GROUPED,
+        "LOCUS_BENCH_BLOBS: more than {}",
+        2000 + GROUPED
+    );
+    let (single, grouped, packs) = {
         let s = open(&data);
         let single = one_by_one(&s, 0, 2000);
-        let grouped = batched(&s, 2000, n);
-        (single, grouped)
+        let grouped = batched(&s, 2000, 2000 + GROUPED);
+        let packs = packed(&s, 2000 + GROUPED, n);
+        (single, grouped, packs)
     };
     println!(
-        "  writing: one by one (finish) {single:.0} blobs/s; group commit of {BATCH} \
-         (finish_staged + commit_batch, 2 threads) {grouped:.0} blobs/s ({:.1}x)",
-        grouped / single
+        "  writing: one by one (finish) {single:.0} blobs/s; a file each with group commit of \
+         {BATCH} (finish_staged + commit_batch, 2 threads) {grouped:.0} blobs/s ({:.1}x); packs \
+         of {PACK} (write_packed, 2 threads) {packs:.0} blobs/s ({:.1}x)",
+        grouped / single,
+        packs / single
     );
 
     let m = h.start_metadata("meta", MetadataOpts::default()).await;
@@ -138,10 +175,11 @@ async fn main() {
                 hash: hash.0.to_vec(),
                 size: want.len() as u64,
                 chunk_size: 1 << 16,
+                packed_ok: true,
             })
             .await
         {
-            Ok(r) => break r.into_inner().path,
+            Ok(r) => break r.into_inner(),
             Err(e) if t.elapsed() < Duration::from_secs(600) => {
                 if e.code() != tonic::Code::Unavailable {
                     panic!("first read: {e}");
@@ -151,11 +189,14 @@ async fn main() {
             Err(e) => panic!("no answer in 10 minutes: {e}"),
         }
     };
-    assert_eq!(
-        std::fs::read(&path).unwrap(),
-        want,
-        "the first read is the blob's bytes"
-    );
+    let mut got = vec![0u8; want.len()];
+    std::os::unix::fs::FileExt::read_exact_at(
+        &std::fs::File::open(&path.path).unwrap(),
+        &mut got,
+        path.offset,
+    )
+    .unwrap();
+    assert_eq!(got, want, "the first read is the blob's bytes");
     let first_read = t.elapsed();
     let rss = rss_mib(node.daemon.pid());
     println!(

@@ -99,11 +99,7 @@ async fn main() {
         let out = m.cli(&["warm", "ds@1", "--nodes", &node.id, "--json"]);
         let took = t.elapsed();
         assert!(out.status.success(), "warm: {}", stderr(&out));
-        let held: u64 = node
-            .blob_files()
-            .values()
-            .map(|p| std::fs::metadata(p).unwrap().len())
-            .sum();
+        let held: u64 = node.blob_files().values().map(|b| b.size).sum();
         assert_eq!(held, total, "{} holds every byte", node.id);
         let rate = mbs(total, took);
         println!(

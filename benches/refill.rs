@@ -159,19 +159,15 @@ async fn main() {
     let mut c = m.client(None).await;
     let before = replicas(&shards(&mut c, "ds", 1).await);
     let want: BTreeSet<String> = nodes[1].blob_files().into_keys().collect();
-    let bytes: u64 = nodes[1]
-        .blob_files()
-        .values()
-        .map(|p| std::fs::metadata(p).unwrap().len())
-        .sum();
+    let bytes: u64 = nodes[1].blob_files().values().map(|b| b.size).sum();
 
     // Physical reference: n2's blob files read cold, one after another, from the disk the
     // copies read them from.
     drop_caches();
     let t = Instant::now();
     let mut raw_bytes = 0u64;
-    for p in nodes[1].blob_files().values() {
-        raw_bytes += std::fs::read(p).unwrap().len() as u64;
+    for b in nodes[1].blob_files().values() {
+        raw_bytes += b.read().len() as u64;
     }
     let raw = t.elapsed();
 
@@ -179,9 +175,9 @@ async fn main() {
     let blobs: Vec<nodepb::BlobRef> = nodes[1]
         .blob_files()
         .iter()
-        .map(|(name, p)| nodepb::BlobRef {
+        .map(|(name, b)| nodepb::BlobRef {
             hash: blake3::Hash::from_hex(name).unwrap().as_bytes().to_vec(),
-            size: std::fs::metadata(p).unwrap().len(),
+            size: b.size,
             ..Default::default()
         })
         .collect();

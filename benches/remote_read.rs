@@ -57,7 +57,15 @@ async fn main() {
         "1",
     ]);
     assert!(out.status.success(), "{}", stderr(&out));
-    let blob_files: Vec<PathBuf> = n0.blob_files().into_values().collect();
+    // Large files: each blob a file of its own, read whole as the disk reference.
+    let blob_files: Vec<PathBuf> = n0
+        .blob_files()
+        .into_values()
+        .map(|b| {
+            assert!(!b.packed, "a large blob in a pack");
+            b.path
+        })
+        .collect();
     let total: u64 = blob_files
         .iter()
         .map(|p| std::fs::metadata(p).unwrap().len())

@@ -15,8 +15,8 @@ use locus_proto::{nodepb, pb, BlobHash};
 use support::*;
 use tokio_stream::StreamExt;
 
-fn rehash_ok(path: &Path, name: &str) -> bool {
-    blake3::hash(&std::fs::read(path).unwrap()).to_hex().as_str() == name
+fn rehash_ok(b: &OnDisk, name: &str) -> bool {
+    blake3::hash(&b.read()).to_hex().as_str() == name
 }
 
 /// shard id → its distinct blob hashes (hex), from the manifest.
@@ -221,16 +221,13 @@ async fn a_flipped_byte_is_quarantined_never_served_and_restored() {
     assert!(out.status.success(), "{}", stderr(&out));
     let n = &nodes[0];
     // A blob of more than one chunk; damage its last chunk.
-    let (name, path) = n
+    let (name, blob) = n
         .blob_files()
         .into_iter()
-        .find(|(_, p)| std::fs::metadata(p).unwrap().len() > 140_000)
+        .find(|(_, b)| b.size > 140_000)
         .expect("a multi-chunk blob");
-    let good = std::fs::read(&path).unwrap();
-    let mut bad = good.clone();
-    let at = bad.len() - 10;
-    bad[at] ^= 0x40;
-    std::fs::write(&path, &bad).unwrap();
+    let good = blob.read();
+    blob.flip(blob.size - 10);
 
     // Reading it never yields the damaged bytes: the stream fails with DATA_LOSS.
     let mut client = n.client().await;
@@ -269,9 +266,9 @@ async fn a_flipped_byte_is_quarantined_never_served_and_restored() {
         "the quarantined blob to be restored",
         Duration::from_secs(30),
         || {
-            let path = path.clone();
+            let back = n.blob_files().get(&name).map(OnDisk::read);
             let good = good.clone();
-            async move { (std::fs::read(&path).ok()? == good).then_some(()) }
+            async move { (back? == good).then_some(()) }
         },
     )
     .await;
@@ -313,15 +310,9 @@ async fn scrub_finds_corruption_nobody_read() {
     let out = import(&m, "ds", &src, &["--replicas", "2"]);
     assert!(out.status.success(), "{}", stderr(&out));
     let n = &nodes[1];
-    let (_, path) = n
-        .blob_files()
-        .into_iter()
-        .find(|(_, p)| std::fs::metadata(p).unwrap().len() > 1000)
-        .unwrap();
-    let good = std::fs::read(&path).unwrap();
-    let mut bad = good.clone();
-    bad[0] ^= 1;
-    std::fs::write(&path, &bad).unwrap();
+    let (name, blob) = n.blob_files().into_iter().find(|(_, b)| b.size > 1000).unwrap();
+    let good = blob.read();
+    blob.flip(0);
     wait_until(
         "scrub to quarantine the blob",
         Duration::from_secs(30),
@@ -329,9 +320,9 @@ async fn scrub_finds_corruption_nobody_read() {
     )
     .await;
     wait_until("the blob to be restored", Duration::from_secs(30), || {
-        let path = path.clone();
+        let back = n.blob_files().get(&name).map(OnDisk::read);
         let good = good.clone();
-        async move { (std::fs::read(&path).ok()? == good).then_some(()) }
+        async move { (back? == good).then_some(()) }
     })
     .await;
     // The scrub keeps going over every blob, pass after pass, and says how far it got.
@@ -549,8 +540,9 @@ async fn a_node_killed_mid_import_keeps_what_it_took_and_a_rerun_completes_the_i
     assert_eq!(stdout(&list).trim(), "[]", "no version from the failed import");
 
     nodes[0].restart().await;
-    // Files renamed into place by a batch the kill cut short (never acknowledged) are
-    // adopted by the check that runs after the node serves: wait for it.
+    // Files and packs renamed into place by a batch the kill cut short (never
+    // acknowledged) are adopted: packs before the node serves, files by the check that
+    // runs after: wait for it.
     let log = nodes[0].daemon.log.clone();
     wait_until("the restarted node's blob check", Duration::from_secs(60), || {
         let checks = std::fs::read_to_string(&log)
@@ -1046,18 +1038,42 @@ async fn a_same_host_client_gets_a_verified_local_path_over_the_unix_socket() {
     } else {
         (0, 1)
     };
-    let (name, path) = nodes[holder]
+    // The import sent the holder its small files as one batch, which it keeps as a pack.
+    let (name, row) = nodes[holder]
         .blob_files()
         .into_iter()
-        .find(|(_, p)| std::fs::metadata(p).unwrap().len() > 1000)
-        .unwrap();
-    let data = std::fs::read(&path).unwrap();
+        .find(|(_, b)| b.packed && b.size > 1000)
+        .expect("the small files are kept packed");
+    let data = row.read();
     let chunk_size = 64 * 1024;
     let req = nodepb::EnsureLocalRequest {
         hash: blake3::Hash::from_hex(&name).unwrap().as_bytes().to_vec(),
         size: data.len() as u64,
         chunk_size,
+        packed_ok: true,
     };
+
+    // On the holder, the blob is a range of its pack: a client that reads whole files is
+    // refused it, one that reads ranges gets the pack, the offset, and the blob's bytes.
+    let mut at_holder = locus_proto::client::connect_local_node(&nodes[holder].socket);
+    let whole_only = nodepb::EnsureLocalRequest {
+        packed_ok: false,
+        ..req.clone()
+    };
+    let e = at_holder.ensure_local(whole_only).await.unwrap_err();
+    assert_eq!(e.code(), tonic::Code::FailedPrecondition, "{e:?}");
+    assert!(e.message().contains("packed"), "{e:?}");
+    let got = at_holder.ensure_local(req.clone()).await.unwrap().into_inner();
+    assert!(got.packed);
+    assert_eq!(got.offset, row.offset);
+    let mut range = vec![0u8; data.len()];
+    std::os::unix::fs::FileExt::read_exact_at(
+        &std::fs::File::open(&got.path).unwrap(),
+        &mut range,
+        got.offset,
+    )
+    .unwrap();
+    assert_eq!(range, data, "the blob's range of the pack");
 
     // Over TCP the call is refused: only same-host clients may ask for paths.
     let e = nodes[other]

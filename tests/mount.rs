@@ -19,11 +19,22 @@ async fn every_file_reads_back_identical_with_and_without_a_local_node() {
     let (m, nodes) = cluster(&h, 3, NodeOpts::host).await;
     let src = h.path("src");
     make_tree(&src, 600);
+    // Files an import sends alone (above 256 KiB); the smaller ones go in batches and the
+    // node keeps them packed, many to a file.
+    std::fs::create_dir_all(src.join("large")).unwrap();
+    for i in 0..20 {
+        std::fs::write(
+            src.join(format!("large/{i:02}.bin")),
+            pseudo_random(700 + i, 300_000),
+        )
+        .unwrap();
+    }
     let out = import(&m, "mixed", &src, &["--replicas", "2", "--shard-size", "2MiB"]);
     assert!(out.status.success(), "{}", stderr(&out));
 
-    // Every open asks the mount: files of 140 KB and more are passed through, smaller
-    // ones read by the mount.
+    // Every open asks the mount: files of 128 KiB and more in a file of their own on the
+    // node are passed through (the 20 large ones, and the 140 KB+ ones of shards the
+    // node copies from a peer); packed ones and smaller ones are read by the mount.
     let local = m.mount(
         "local",
         "mixed@1",
@@ -42,7 +53,7 @@ async fn every_file_reads_back_identical_with_and_without_a_local_node() {
         .status_when(
             "the local mount to hand large files to the kernel and read small ones",
             |s| {
-                s["totals"]["opens_passthrough"].as_u64() >= Some(60)
+                s["totals"]["opens_passthrough"].as_u64() >= Some(20)
                     && s["totals"]["opens_local"].as_u64() >= Some(450)
             },
         )
@@ -63,7 +74,7 @@ async fn every_file_reads_back_identical_with_and_without_a_local_node() {
         .await;
     assert_eq!(ks["kernel_opens"], true, "{ks}");
     assert_eq!(ks["passthrough"], false, "{ks}");
-    assert!(ks["totals"]["opens_local"].as_u64() <= Some(540), "{ks}");
+    assert!(ks["totals"]["opens_local"].as_u64() <= Some(560), "{ks}");
     assert_eq!(ks["totals"]["opens_passthrough"], 0, "{ks}");
     assert_eq!(ks["totals"]["opens_remote"], 0, "{ks}");
     assert_eq!(ks["totals"]["read_errors"], 0, "{ks}");
@@ -407,7 +418,8 @@ async fn a_damaged_namespace_on_the_local_node_is_refused_and_fetched_from_a_pee
         .as_str()
         .expect("a sealed namespace")
         .to_string();
-    let on_n1 = nodes[0].blob_files()[&ns].clone();
+    // Sent alone, so a file of its own (a mount maps it whole).
+    let on_n1 = nodes[0].blob_files()[&ns].path.clone();
     let good = std::fs::read(&on_n1).unwrap();
     assert!(
         nodes[1].blob_files().contains_key(&ns),
@@ -462,14 +474,22 @@ async fn corrupted_blobs(opens: &str) {
     let (m, nodes) = cluster(&h, 2, NodeOpts::host).await;
     let src = h.path("src");
     make_tree(&src, 40);
+    // Two files larger than an import sends in batches: each blob a file of its own,
+    // which the mount may hand to the kernel (the small files' blobs are kept packed).
+    for i in 0..2 {
+        std::fs::write(
+            src.join(format!("large-{i}.bin")),
+            pseudo_random(900 + i, 300_000),
+        )
+        .unwrap();
+    }
     let out = import(&m, "mixed", &src, &["--replicas", "2"]);
     assert!(out.status.success(), "{}", stderr(&out));
     let files = files_of(&src);
     // Every blob is on both nodes. Corrupt two files' blobs on n1, in place.
     let big: Vec<_> = files
         .iter()
-        .filter(|(p, _)| std::fs::metadata(src.join(p)).unwrap().len() > 100_000)
-        .take(2)
+        .filter(|(p, _)| std::fs::metadata(src.join(p)).unwrap().len() > 256 << 10)
         .collect();
     assert_eq!(big.len(), 2);
     let on_n1 = nodes[0].blob_files();
@@ -477,11 +497,12 @@ async fn corrupted_blobs(opens: &str) {
         let hash = blake3::hash(&std::fs::read(src.join(rel)).unwrap())
             .to_hex()
             .to_string();
-        flip_byte(&on_n1[&hash], 70_000);
+        assert!(!on_n1[&hash].packed);
+        on_n1[&hash].flip(70_000);
     }
     // Through n1 as local node: the node re-verifies the changed file, quarantines it and
-    // fetches a good copy from n2. Asked at every open, the mount passes the 140 KB+
-    // files through to the kernel and reads smaller ones itself.
+    // fetches a good copy from n2. Asked at every open, the mount passes the 300 KB files
+    // through to the kernel and reads smaller ones itself.
     let local = m.mount(
         "local",
         "mixed@1",
@@ -499,20 +520,24 @@ async fn corrupted_blobs(opens: &str) {
     // every open, the mount fails that open's reads (the handle holds the damaged file);
     // without handles, the kernel retries the failed page at once and the retry already
     // has the node re-check and refetch the blob. Either way the next read is right.
-    let cut_short = |blob: &Path| {
-        let len = std::fs::metadata(blob).unwrap().len();
+    // These blobs are in a pack: cut short, it ends inside the blob (and what follows it
+    // in the pack is gone too, so the blob cut is the last of the two in the pack).
+    let cut_short = |blob: &OnDisk| {
         std::fs::OpenOptions::new()
             .write(true)
-            .open(blob)
-            .and_then(|f| f.set_len(len / 2))
+            .open(&blob.path)
+            .and_then(|f| f.set_len(blob.offset + blob.size / 2))
             .unwrap();
     };
-    let flip_a_byte = |blob: &Path| flip_byte(blob, 5_000);
-    let damages: [&dyn Fn(&Path); 2] = [&cut_short, &flip_a_byte];
-    let small = files
+    let flip_a_byte = |blob: &OnDisk| blob.flip(5_000);
+    let damages: [&dyn Fn(&OnDisk); 2] = [&cut_short, &flip_a_byte];
+    let mut small: Vec<_> = files
         .iter()
-        .filter(|(p, _)| (10_000..100_000).contains(&std::fs::metadata(src.join(p)).unwrap().len()));
-    for (i, ((rel, want), damage)) in small.zip(damages).enumerate() {
+        .filter(|(p, _)| (10_000..100_000).contains(&std::fs::metadata(src.join(p)).unwrap().len()))
+        .collect();
+    small.sort_by_key(|(_, want)| std::cmp::Reverse(on_n1[want].offset));
+    assert!(on_n1[&small[0].1].packed && on_n1[&small[1].1].packed);
+    for (i, ((rel, want), damage)) in small.into_iter().zip(damages).enumerate() {
         let read = || std::fs::read(local.path.join(rel));
         assert_eq!(blake3::hash(&read().unwrap()).to_hex().as_str(), want);
         drop_page_cache(&local.path.join(rel));
@@ -625,7 +650,7 @@ async fn a_peer_that_sends_wrong_bytes_is_passed_over_and_nothing_wrong_is_kept(
         .into_inner();
     assert_eq!(r.fetched, 1, "{r:?}");
     let files = n3.blob_files();
-    let stored = std::fs::read(&files[&blake3::hash(&big).to_hex().to_string()]).unwrap();
+    let stored = files[&blake3::hash(&big).to_hex().to_string()].read();
     assert!(stored == big, "n3 stored wrong bytes");
 }
 

@@ -460,6 +460,7 @@ async fn announcing_a_huge_size_evicts_no_cached_blob() {
                 hash: b.clone(),
                 size: *size,
                 chunk_size: 0,
+                packed_ok: true,
             })
             .await
             .expect("cache a blob on n1");
@@ -488,6 +489,7 @@ async fn announcing_a_huge_size_evicts_no_cached_blob() {
             hash: b.clone(),
             size: 3 << 20,
             chunk_size: 0,
+            packed_ok: true,
         })
         .await
         .expect("a blob asked for with a wrong size is still served, at its own size");
@@ -532,7 +534,8 @@ async fn node_data_is_private_and_secrets_never_come_from_the_command_line() {
     make_tree(&src, 5);
     let o = import(&m, "ds", &src, &["--replicas", "1"]);
     assert!(o.status.success(), "{}", stderr(&o));
-    let (_, file) = n.blob_files().into_iter().next().expect("a blob file");
+    let (_, blob) = n.blob_files().into_iter().next().expect("a blob file");
+    let file = blob.path;
     let as_nobody = |p: &std::path::Path| {
         std::process::Command::new("setpriv")
             .args(["--reuid=65534", "--regid=65534", "--clear-groups", "cat"])

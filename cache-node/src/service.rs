@@ -126,7 +126,7 @@ impl NodeService {
     }
 
     /// `BlobStore::verified_path` off the async threads: it may hash a whole blob.
-    async fn verified_path(&self, h: BlobHash) -> Result<Option<std::path::PathBuf>, Status> {
+    async fn verified_path(&self, h: BlobHash) -> Result<Option<crate::store::Located>, Status> {
         let store = self.store.clone();
         let metrics = self.metrics.clone();
         let before = store.stats().quarantined;
@@ -440,18 +440,21 @@ impl Node for NodeService {
         }
         let hashes = q.hashes.iter().map(|h| hash(h)).collect::<Result<Vec<_>, _>>()?;
         let store = self.store.clone();
+        let packed_ok = q.packed_ok;
         let paths = tokio::task::spawn_blocking(move || {
             hashes
                 .iter()
                 .map(|h| match store.trusted_path(h) {
-                    Some((p, s)) => nodepb::LocalPath {
-                        path: p.display().to_string(),
+                    Some((at, s)) if packed_ok || !at.packed => nodepb::LocalPath {
+                        path: at.path.display().to_string(),
                         ino: s.ino,
                         ctime_s: s.ctime_s,
                         ctime_ns: s.ctime_ns,
                         size: s.size,
+                        offset: at.offset,
+                        packed: at.packed,
                     },
-                    None => nodepb::LocalPath::default(),
+                    _ => nodepb::LocalPath::default(),
                 })
                 .collect()
         })
@@ -471,10 +474,21 @@ impl Node for NodeService {
         }
         let q = req.into_inner();
         let h = hash(&q.hash)?;
-        if let Some(p) = self.verified_path(h).await? {
-            return Ok(Response::new(nodepb::EnsureLocalResponse {
-                path: p.display().to_string(),
-            }));
+        let answer = |at: crate::store::Located| {
+            if at.packed && !q.packed_ok {
+                return Err(Status::failed_precondition(format!(
+                    "blob {h} is stored packed with other blobs; this client reads whole \
+                     files only (read it with ReadBlob, or upgrade the client)"
+                )));
+            }
+            Ok(Response::new(nodepb::EnsureLocalResponse {
+                path: at.path.display().to_string(),
+                offset: at.offset,
+                packed: at.packed,
+            }))
+        };
+        if let Some(at) = self.verified_path(h).await? {
+            return answer(at);
         }
         // Whoever can reach the socket names the blob, never its size: that would decide
         // how much of this node's cache is evicted for it. The size is the manifest's.
@@ -505,9 +519,7 @@ impl Node for NodeService {
             self.metrics.wrote(kind, size)
         }
         match self.verified_path(h).await? {
-            Some(p) => Ok(Response::new(nodepb::EnsureLocalResponse {
-                path: p.display().to_string(),
-            })),
+            Some(at) => answer(at),
             None => Err(Status::unavailable(format!(
                 "blob {h} was copied but failed its check here; try again"
             ))),

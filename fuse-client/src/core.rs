@@ -54,12 +54,32 @@ pub enum FsError {
 pub trait LocalNode: Send + Sync + 'static {
     /// Has the node make `blob` present and verified and returns its file's path, within
     /// `limit`. Blocking (it may copy the blob from a peer first).
-    fn ensure_local(&self, blob: BlobHash, size: u64, limit: Duration) -> Result<PathBuf, String>;
+    fn ensure_local(&self, blob: BlobHash, size: u64, limit: Duration) -> Result<NodeBlob, String>;
     /// For each blob, the node's verified file and its identity at the check, if the node
     /// has it verified now (it fetches and hashes nothing); within `limit`. Blocking.
     fn local_paths(&self, blobs: &[BlobHash], limit: Duration) -> Result<Vec<Option<KnownPath>>, String> {
         let _ = (blobs, limit);
         Err("this node lists no paths".into())
+    }
+}
+
+/// Where the node keeps a verified blob: a file of its own, or a range of a pack of
+/// small blobs (`packed`: only `[offset, offset + size)` of the file is the blob's).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NodeBlob {
+    pub path: PathBuf,
+    pub offset: u64,
+    pub packed: bool,
+}
+
+impl NodeBlob {
+    /// A blob in a file of its own.
+    pub fn whole(path: PathBuf) -> Self {
+        NodeBlob {
+            path,
+            offset: 0,
+            packed: false,
+        }
     }
 }
 
@@ -71,16 +91,24 @@ pub struct GrpcLocalNode {
 }
 
 impl LocalNode for GrpcLocalNode {
-    fn ensure_local(&self, blob: BlobHash, size: u64, limit: Duration) -> Result<PathBuf, String> {
+    fn ensure_local(&self, blob: BlobHash, size: u64, limit: Duration) -> Result<NodeBlob, String> {
         let mut node = self.client.clone();
         let req = nodepb::EnsureLocalRequest {
             hash: blob.0.to_vec(),
             size,
             chunk_size: self.chunk_size,
+            packed_ok: true,
         };
         self.rt.block_on(async move {
             match tokio::time::timeout(limit, node.ensure_local(req)).await {
-                Ok(Ok(r)) => Ok(PathBuf::from(r.into_inner().path)),
+                Ok(Ok(r)) => {
+                    let r = r.into_inner();
+                    Ok(NodeBlob {
+                        path: PathBuf::from(r.path),
+                        offset: r.offset,
+                        packed: r.packed,
+                    })
+                }
                 Ok(Err(s)) => Err(format!("{:?}: {}", s.code(), s.message())),
                 Err(_) => Err(format!("no answer within {limit:?}")),
             }
@@ -93,6 +121,7 @@ impl LocalNode for GrpcLocalNode {
             let mut node = self.client.clone();
             let req = nodepb::LocalPathsRequest {
                 hashes: batch.iter().map(|h| h.0.to_vec()).collect(),
+                packed_ok: true,
             };
             let paths = self.rt.block_on(async move {
                 match tokio::time::timeout(limit, node.local_paths(req)).await {
@@ -111,6 +140,8 @@ impl LocalNode for GrpcLocalNode {
                     ctime_s: p.ctime_s,
                     ctime_ns: p.ctime_ns,
                     size: p.size,
+                    offset: p.offset,
+                    packed: p.packed,
                 })
             }));
         }
@@ -123,13 +154,22 @@ pub(crate) struct NodeFile {
     pub(crate) file: File,
     /// (inode, size, mtime) when opened, right after the node's check.
     pub(crate) seen: Option<(u64, u64, i64, i64)>,
+    /// Where the blob starts in the file, and whether the file holds other blobs too
+    /// (a pack: never the kernel's backing file, never read past the blob).
+    pub(crate) base: u64,
+    pub(crate) packed: bool,
 }
 
 impl NodeFile {
-    pub(crate) fn open(path: &std::path::Path) -> std::io::Result<NodeFile> {
-        let file = File::open(path)?;
+    pub(crate) fn open(at: &NodeBlob) -> std::io::Result<NodeFile> {
+        let file = File::open(&at.path)?;
         let seen = file_id(&file);
-        Ok(NodeFile { file, seen })
+        Ok(NodeFile {
+            file,
+            seen,
+            base: at.offset,
+            packed: at.packed,
+        })
     }
 
     /// Whether the file is as it was when opened. Read after the bytes were: any write
@@ -261,17 +301,17 @@ impl Core {
         blob: BlobHash,
         size: u64,
     ) -> Option<Arc<NodeFile>> {
-        let path = match node.ensure_local(blob, size, self.settings.open_timeout) {
-            Ok(p) => p,
+        let at = match node.ensure_local(blob, size, self.settings.open_timeout) {
+            Ok(at) => at,
             Err(e) => {
                 tracing::warn!(ino, blob = %blob, "the local node cannot provide the blob, reading from replicas: {e}");
                 return None;
             }
         };
-        let file = match NodeFile::open(&path) {
+        let file = match NodeFile::open(&at) {
             Ok(f) => Arc::new(f),
             Err(e) => {
-                tracing::warn!(path = %path.display(), "cannot open the node's blob file, reading from replicas: {e}");
+                tracing::warn!(path = %at.path.display(), "cannot open the node's blob file, reading from replicas: {e}");
                 return None;
             }
         };
@@ -394,12 +434,14 @@ impl Core {
         // the reply's buffer (no page-cache pages to allocate, fill, copy and drop again;
         // a quarter less mount CPU per cold small file). Other reads keep the kernel's
         // read-ahead.
-        let direct = direct && file.seen.is_some_and(|(_, len, ..)| offset + want == len);
+        let direct = direct && !file.packed && file.seen.is_some_and(|(_, len, ..)| offset + want == len);
         let read = match direct
             .then(|| pread_direct(&file.file, offset, want as usize))
             .flatten()
         {
             Some(r) => r,
+            // A packed blob's neighbour starts where it ends: never more than the blob.
+            None if file.packed => pread(&file.file, file.base + offset, want as u32).map(Bytes::from),
             None => pread(&file.file, offset, size).map(Bytes::from),
         };
         match read {

@@ -229,7 +229,11 @@ impl Mount {
     /// (passthrough) when allowed and the file is large enough, else read here with pread
     /// into pages the kernel keeps across opens.
     fn open_file(&self, ino: u64, size: u64, file: Arc<NodeFile>, reply: ReplyOpen) {
-        if size >= self.settings.passthrough_min_size && self.passthrough.load(Ordering::Relaxed) {
+        // A pack is many blobs in one file: the kernel would read past this one's end.
+        if size >= self.settings.passthrough_min_size
+            && !file.packed
+            && self.passthrough.load(Ordering::Relaxed)
+        {
             let mut backing = self.backing.lock().unwrap();
             let id = match backing.get_mut(&ino) {
                 Some((id, n)) => {
@@ -344,7 +348,7 @@ impl Mount {
         if want == 0 {
             return self.finish_read("local", Ok(Vec::new()), started, reply);
         }
-        if let Some(data) = pread_cached(&file.file, offset, want as usize) {
+        if let Some(data) = pread_cached(&file.file, file.base + offset, want as usize) {
             let r = self.check_unchanged(ino, &file).map(|()| data);
             return self.finish_read("local", r, started, reply);
         }

@@ -231,6 +231,9 @@ async fn local_path(
         hash: want.0.to_vec(),
         size,
         chunk_size,
+        // The namespace is mapped whole from the path: a packed copy is read from
+        // replicas instead (namespaces are written alone, never packed, by this build).
+        packed_ok: false,
     });
     let r = tokio::time::timeout(LOCAL_LIMIT, ask)
         .await

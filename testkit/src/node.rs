@@ -362,16 +362,23 @@ impl Node {
         }
     }
 
-    /// The blobs on disk: hash (from the file name) → path.
-    pub fn blob_files(&self) -> std::collections::BTreeMap<String, PathBuf> {
-        let mut out = std::collections::BTreeMap::new();
-        let blobs = self.data_dir.join("blobs");
-        for sub in std::fs::read_dir(&blobs).into_iter().flatten().flatten() {
-            for f in std::fs::read_dir(sub.path()).into_iter().flatten().flatten() {
-                out.insert(f.file_name().to_string_lossy().into_owned(), f.path());
-            }
-        }
-        out
+    /// Every blob the node's index names whose bytes are on disk — in a file of its own
+    /// or a range of a pack — by hash (hex). Read from the index read-only, so it works
+    /// while the node runs and after it died.
+    pub fn blob_files(&self) -> std::collections::BTreeMap<String, OnDisk> {
+        locus_cache_node::store::indexed_blobs(std::slice::from_ref(&self.data_dir))
+            .unwrap_or_else(|e| panic!("{}'s blob index: {e}", self.id))
+            .into_iter()
+            .map(|(h, at, size)| {
+                let d = OnDisk {
+                    path: at.path,
+                    offset: at.offset,
+                    size,
+                    packed: at.packed,
+                };
+                (h.to_hex(), d)
+            })
+            .collect()
     }
 
     /// Whether the node's log says `text` (its log file read whole).
@@ -381,5 +388,41 @@ impl Node {
 
     pub fn quarantined(&self) -> usize {
         std::fs::read_dir(self.data_dir.join("quarantine")).map_or(0, |d| d.count())
+    }
+}
+
+/// Where a node keeps one blob: a file of its own, or a range of a pack of small blobs.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct OnDisk {
+    pub path: PathBuf,
+    pub offset: u64,
+    pub size: u64,
+    pub packed: bool,
+}
+
+impl OnDisk {
+    /// The blob's bytes as they are on disk now.
+    pub fn read(&self) -> Vec<u8> {
+        use std::os::unix::fs::FileExt;
+        let mut buf = vec![0u8; self.size as usize];
+        std::fs::File::open(&self.path)
+            .and_then(|f| f.read_exact_at(&mut buf, self.offset))
+            .unwrap_or_else(|e| panic!("reading {}: {e}", self.path.display()));
+        buf
+    }
+
+    /// Flips the byte at `at` in the blob, in place (the file's size is unchanged, as
+    /// when bits rot).
+    pub fn flip(&self, at: u64) {
+        use std::os::unix::fs::FileExt;
+        assert!(at < self.size, "byte {at} of a {}-byte blob", self.size);
+        let f = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(&self.path)
+            .unwrap();
+        let mut b = [0u8];
+        f.read_exact_at(&mut b, self.offset + at).unwrap();
+        f.write_all_at(&[b[0] ^ 0xff], self.offset + at).unwrap();
     }
 }

@@ -1,8 +1,9 @@
-//! `WriteBlobs`: many small blobs in one call, staged one by one (each verified against
-//! its name) and made durable and visible together by the store's group commit
-//! (`store::BlobStore::commit_batch`) — what an import of small files sends.
+//! `WriteBlobs`: many small blobs in one call, each verified against its name and all made
+//! durable and visible together — as one pack (`store::BlobStore::write_packed`) when
+//! there are many, else a file each with the store's group commit
+//! (`store::BlobStore::commit_batch`). What an import of small files sends.
 
-use locus_proto::nodepb;
+use locus_proto::{nodepb, BlobHash};
 use tonic::Status;
 
 use super::{hash, to_status, NodeService};
@@ -11,6 +12,10 @@ use super::{hash, to_status, NodeService};
 /// message, held whole in memory, and its commit one batch.
 pub const MAX_BLOBS: usize = 4096;
 pub const MAX_BLOB: usize = 1 << 20;
+/// A call with at least this many blobs is stored as one pack (`store::pack`); fewer are
+/// written a file each and committed together: a pack pays off over many files, and a
+/// file of its own is what a mount can hand the kernel whole.
+pub const PACK_MIN: usize = 16;
 
 impl NodeService {
     pub(super) async fn write_small(
@@ -38,6 +43,11 @@ impl NodeService {
         let store = self.store.clone();
         let (chunk_size, pin) = (q.chunk_size, q.pin);
         let r = tokio::task::spawn_blocking(move || {
+            if blobs.len() >= PACK_MIN {
+                let refs: Vec<(BlobHash, &[u8])> = blobs.iter().map(|(h, d)| (*h, &d[..])).collect();
+                let w = store.write_packed(&refs, chunk_size, pin)?;
+                return Ok((w.stored, w.already_present, w.bytes));
+            }
             let mut staged = Vec::with_capacity(blobs.len());
             let mut already = 0u32;
             let mut bytes = 0u64;

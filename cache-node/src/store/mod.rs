@@ -1,7 +1,8 @@
 //! The blob store: BLAKE3-addressed blobs on one or more local data directories.
 //!
 //! Layout of each data dir (format version 1, in `LOCUS_BLOBSTORE`):
-//! `blobs/<h[0..2]>/<hash>` complete, verified blobs; `tmp/` blobs being written;
+//! `blobs/<h[0..2]>/<hash>` complete, verified blobs; `packs/<id>` many small complete
+//! blobs in one file (`pack.rs`); `tmp/` blobs and packs being written;
 //! `quarantine/<hash>.<ms>` blobs that failed verification. The first data dir also holds
 //! `index/`, a RocksDB map hash → (size, dir, pinned, chunk size, chunk hashes), so a
 //! restart reads the index and lists directory names instead of re-hashing every blob.
@@ -31,6 +32,7 @@ use prost::Message;
 mod batch;
 mod direct;
 mod open;
+mod pack;
 pub(crate) mod read;
 mod record;
 mod scrub;
@@ -38,6 +40,8 @@ mod space;
 mod write;
 
 pub use batch::Staged;
+pub use open::indexed_blobs;
+pub use pack::{read_pack_table, PackRow, PackedWrite};
 pub use read::BlobReader;
 pub use record::FileStamp;
 use record::{chunk_hashes, stamp, BlobRecord};
@@ -186,8 +190,20 @@ pub struct Reconcile {
     /// adopted, or quarantined.
     pub adopted: usize,
     pub quarantined: usize,
-    /// Leftover partial writes removed from tmp/.
+    /// Leftover partial writes removed from tmp/, and packs no index record names that
+    /// held no blob to adopt.
     pub tmp_removed: usize,
+}
+
+/// Where a complete blob's bytes are: its own file, or a range of a pack.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Located {
+    pub path: PathBuf,
+    /// Where the blob starts in the file (0 unless packed).
+    pub offset: u64,
+    /// In a pack: the file holds other blobs too, so only `[offset, offset + size)` of it
+    /// is this blob (never hand the whole file to the kernel as the blob's).
+    pub packed: bool,
 }
 
 #[derive(Debug, Clone, Copy, Default)]
@@ -211,6 +227,8 @@ pub struct BlobStore {
     /// writes cannot both count the same evictable bytes.
     evicting: Mutex<()>,
     tick: AtomicU64,
+    /// Live blobs per pack. Lock order: after a shard and `books`' callers, never before.
+    packs: Mutex<pack::Packs>,
     /// Blobs hashed whole by `verify` (scrub and first direct reads) since open.
     whole_hashes: AtomicU64,
     /// Woken whenever a blob is quarantined, so the owner can refetch it at once.
@@ -276,7 +294,7 @@ impl BlobStore {
         }
         for d in &cfg.dirs {
             check_format(d)?;
-            for sub in ["blobs", "tmp", "quarantine", "partial"] {
+            for sub in ["blobs", pack::PACKS, "tmp", "quarantine", "partial"] {
                 fs::create_dir_all(d.join(sub)).map_err(|e| StoreError::DataDir {
                     path: d.display().to_string(),
                     reason: e.to_string(),
@@ -296,6 +314,7 @@ impl BlobStore {
             books: Mutex::default(),
             evicting: Mutex::new(()),
             tick: AtomicU64::new(1),
+            packs: Mutex::default(),
             whole_hashes: AtomicU64::new(0),
             quarantine_events: tokio::sync::Notify::new(),
             opened: std::time::SystemTime::now(),
@@ -357,23 +376,53 @@ impl BlobStore {
             sh.untrack(h, old);
         }
         let mut b = self.books();
-        if let Some(old) = old {
+        if let Some(old) = &old {
             b.remove(old.rec.size, old.rec.pinned);
         }
         b.add(size, pinned);
+        drop(b);
+        drop(sh);
+        // The same blob stored twice at once (two batches racing): the older copy's
+        // pack no longer holds it.
+        if let Some(old) = old.filter(|o| o.rec.pack != 0) {
+            self.release_and_remove(old.rec.pack);
+        }
+    }
+
+    /// `release_packed`, removing the pack's file when that was its last blob.
+    fn release_and_remove(&self, pack: u64) {
+        if let Some(p) = self.release_packed(pack) {
+            let _ = fs::remove_file(p);
+        }
     }
 
     pub fn contains(&self, h: &BlobHash) -> bool {
         self.shard(h).blobs.contains_key(h)
     }
 
-    /// Path of a present blob (for same-host readers), marking it recently used.
-    pub fn path_of(&self, h: &BlobHash) -> Option<PathBuf> {
+    /// Where a present blob's bytes are (for same-host readers), marking it recently used.
+    pub fn locate(&self, h: &BlobHash) -> Option<Located> {
         let mut sh = self.shard(h);
-        let dir = sh.blobs.get(h)?.rec.dir;
+        let at = self.location(h, &sh.blobs.get(h)?.rec);
         sh.touch(h, self.tick.fetch_add(1, Ordering::Relaxed));
-        drop(sh);
-        Some(self.blob_path_in(dir, h))
+        Some(at)
+    }
+
+    /// The file and offset of a complete blob with record `rec`.
+    fn location(&self, h: &BlobHash, rec: &BlobRecord) -> Located {
+        if rec.pack != 0 {
+            Located {
+                path: self.pack_path_in(rec.dir, rec.pack),
+                offset: rec.offset,
+                packed: true,
+            }
+        } else {
+            Located {
+                path: self.blob_path_in(rec.dir, h),
+                offset: 0,
+                packed: false,
+            }
+        }
     }
 
     /// Size of a blob that is here, completely or partly.
@@ -496,7 +545,16 @@ impl BlobStore {
 
     fn corrupt(&self, h: &BlobHash, path: &Path, what: String) -> StoreError {
         tracing::error!(blob = %h, "{what}; quarantining");
-        self.move_to_quarantine(path, h);
+        let packed = self
+            .shard(h)
+            .blobs
+            .get(h)
+            .filter(|m| m.rec.pack != 0)
+            .map(|m| (m.rec.offset, m.rec.size));
+        match packed {
+            Some((offset, size)) => self.copy_to_quarantine(path, offset, size, h),
+            None => self.move_to_quarantine(path, h),
+        }
         self.forget(h);
         self.books().quarantined += 1;
         self.quarantine_events.notify_one();
@@ -521,12 +579,16 @@ impl BlobStore {
     fn forget(&self, h: &BlobHash) {
         let mut sh = self.shard(h);
         sh.verified.remove(h);
-        if let Some(m) = sh.blobs.remove(h).or_else(|| sh.partials.remove(h)) {
-            sh.untrack(*h, &m);
+        let removed = sh.blobs.remove(h).or_else(|| sh.partials.remove(h));
+        if let Some(m) = &removed {
+            sh.untrack(*h, m);
             self.books().remove(m.rec.size, m.rec.pinned);
         }
         drop(sh);
         let _ = self.index.delete(h.0);
+        if let Some(m) = removed.filter(|m| m.rec.pack != 0) {
+            self.release_and_remove(m.rec.pack);
+        }
     }
 }
 
@@ -578,6 +640,7 @@ fn restrict(d: &Path, readers_gid: Option<u32>) -> Result<(), StoreError> {
         (d.to_path_buf(), open),
         (d.join("blobs"), open),
         (d.join("partial"), open),
+        (d.join(pack::PACKS), open),
         (d.join("tmp"), 0o700),
         (d.join("quarantine"), 0o700),
     ] {

@@ -39,15 +39,24 @@ impl BlobStore {
             let b = sc.spawn(|| self.load_index(0x80, 0x100));
             [a.join(), b.join()]
         });
+        let mut packs: HashMap<u64, (u32, u32)> = HashMap::new();
         for h in halves {
-            let (indexed, books) =
+            let (indexed, books, live) =
                 h.map_err(|_| StoreError::Index("loading the index panicked".into()))??;
             rep.indexed += indexed;
             let mut b = self.books();
             b.used += books.used;
             b.pinned += books.pinned;
+            for (id, (dir, n)) in live {
+                packs.entry(id).or_insert((dir, 0)).1 += n;
+            }
         }
         release_freed_memory();
+        // Packs are few (thousands of blobs each): compared with the index before serving.
+        let (dropped, adopted, removed) = self.reconcile_packs(packs)?;
+        rep.missing += dropped;
+        rep.adopted += adopted;
+        rep.tmp_removed += removed;
         // The cheap part of the comparison with the directories, before serving: leftover
         // partial and temporary files (a write this process has not started yet cannot
         // own them). The blob directories themselves are compared by `check_dirs`, in the
@@ -86,7 +95,8 @@ impl BlobStore {
     /// times). Keys arrive in hash order and every loaded blob's tick is 0, so each
     /// shard's eviction order is built from a sorted run and merged in bulk
     /// (`BTreeSet::append`), not inserted key by key.
-    fn load_index(&self, from: u16, to: u16) -> Result<(usize, Books), StoreError> {
+    #[allow(clippy::type_complexity)]
+    fn load_index(&self, from: u16, to: u16) -> Result<(usize, Books, HashMap<u64, (u32, u32)>), StoreError> {
         #[derive(Default)]
         struct Staged {
             blobs: Vec<(BlobHash, Meta)>,
@@ -97,6 +107,8 @@ impl BlobStore {
         let mut staged: Vec<Staged> = (0..SHARDS).map(|_| Staged::default()).collect();
         let mut indexed = 0;
         let mut books = Books::default();
+        // Live blobs per pack (and the pack's data dir).
+        let mut packs: HashMap<u64, (u32, u32)> = HashMap::new();
         let start = [from as u8];
         let mode = rocksdb::IteratorMode::From(&start, rocksdb::Direction::Forward);
         let mut opts = rocksdb::ReadOptions::default();
@@ -133,6 +145,9 @@ impl BlobStore {
                 continue;
             }
             books.add(rec.size, rec.pinned);
+            if rec.pack != 0 {
+                packs.entry(rec.pack).or_insert((rec.dir, 0)).1 += 1;
+            }
             let st = &mut staged[usize::from(h.0[0]) % SHARDS];
             // Only a hint: `verified_path` compares it with the file as it is now, and any
             // change while the node was down (a write, a copy, a restored file) differs.
@@ -158,7 +173,7 @@ impl BlobStore {
             sh.verified.extend(st.verified);
             sh.lru.append(&mut lru);
         }
-        Ok((indexed, books))
+        Ok((indexed, books, packs))
     }
 
     /// Compares the blob directories with the index, by names (no indexed blob is read):
@@ -195,7 +210,8 @@ impl BlobStore {
         }
         let mut missing = Vec::new();
         self.each_meta(|h, m, partial| {
-            if !partial && !on_disk.contains(h) {
+            // Packs were compared with the index when the store opened.
+            if !partial && m.rec.pack == 0 && !on_disk.contains(h) {
                 missing.push((*h, m.rec.dir));
             }
         });
@@ -232,4 +248,49 @@ impl BlobStore {
         }
         Ok(rep)
     }
+}
+
+/// Every complete blob a store's index names whose bytes are on disk, with where they
+/// are and its size: for tests and tools that look at a node's data dirs from outside the
+/// node. Opens the index read-only, so it works while the node runs (a snapshot of that
+/// moment) and after it died. No index yet: nothing.
+pub fn indexed_blobs(dirs: &[PathBuf]) -> Result<Vec<(BlobHash, Located, u64)>, StoreError> {
+    let Some(first) = dirs.first() else {
+        return Ok(Vec::new());
+    };
+    let index_dir = first.join("index");
+    if !index_dir.join("CURRENT").exists() {
+        return Ok(Vec::new());
+    }
+    let db = rocksdb::DB::open_for_read_only(&rocksdb::Options::default(), &index_dir, false)
+        .map_err(|e| StoreError::Index(e.into_string()))?;
+    let mut out = Vec::new();
+    for kv in db.iterator(rocksdb::IteratorMode::Start) {
+        let (k, v) = kv.map_err(|e| StoreError::Index(e.into_string()))?;
+        let (Ok(h), Ok(rec)) = (<[u8; 32]>::try_from(&k[..]), BlobRecord::decode_checked(&v)) else {
+            continue;
+        };
+        let Some(d) = dirs.get(rec.dir as usize).filter(|_| !rec.partial) else {
+            continue;
+        };
+        let h = BlobHash(h);
+        let hex = hex(&h);
+        let at = if rec.pack != 0 {
+            Located {
+                path: d.join(super::pack::PACKS).join(format!("{:016x}", rec.pack)),
+                offset: rec.offset,
+                packed: true,
+            }
+        } else {
+            Located {
+                path: d.join("blobs").join(&hex[..2]).join(&hex),
+                offset: 0,
+                packed: false,
+            }
+        };
+        if at.path.exists() {
+            out.push((h, at, rec.size));
+        }
+    }
+    Ok(out)
 }

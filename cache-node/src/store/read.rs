@@ -2,8 +2,7 @@
 //! verification (scrub, first direct reads) and the verified path same-host readers get.
 
 use std::fs::File;
-use std::io::Read;
-use std::path::PathBuf;
+use std::os::unix::fs::FileExt;
 use std::sync::Arc;
 
 use locus_proto::BlobHash;
@@ -33,18 +32,29 @@ impl BlobStore {
         offset: u64,
         len: u64,
     ) -> Result<BlobReader, StoreError> {
-        let (rec, path) = {
+        let (rec, at) = {
             let mut st = self.shard(h);
             let tick = self.tick.fetch_add(1, Ordering::Relaxed);
-            let (rec, path) = if let Some(m) = st.blobs.get(h) {
-                (m.rec.clone(), self.blob_path_in(m.rec.dir, h))
+            let (rec, at) = if let Some(m) = st.blobs.get(h) {
+                (m.rec.clone(), self.location(h, &m.rec))
             } else {
                 let m = st.partials.get(h).ok_or(StoreError::NotFound(*h))?;
-                (m.rec.clone(), self.partial_path_in(m.rec.dir, h))
+                let path = self.partial_path_in(m.rec.dir, h);
+                (
+                    m.rec.clone(),
+                    Located {
+                        path,
+                        offset: 0,
+                        packed: false,
+                    },
+                )
             };
             st.touch(h, tick);
-            (rec, path)
+            (rec, at)
         };
+        let Located {
+            path, offset: base, ..
+        } = at;
         let end = if len == 0 {
             rec.size
         } else {
@@ -84,6 +94,7 @@ impl BlobStore {
             size: rec.size,
             path,
             file,
+            base,
             pos: offset.min(end),
             end,
             checked: None,
@@ -96,14 +107,21 @@ impl BlobStore {
     /// when it no longer matches; partly present blobs are checked chunk by chunk on
     /// every read instead.
     pub fn verify(&self, h: &BlobHash) -> Result<bool, StoreError> {
-        let (rec, path) = {
+        let (
+            rec,
+            Located {
+                path,
+                offset: base,
+                packed,
+            },
+        ) = {
             let st = self.shard(h);
             match st.blobs.get(h) {
-                Some(m) => (m.rec.clone(), self.blob_path_in(m.rec.dir, h)),
+                Some(m) => (m.rec.clone(), self.location(h, &m.rec)),
                 None => return Ok(true),
             }
         };
-        let mut f = match File::open(&path) {
+        let f = match File::open(&path) {
             Ok(f) => f,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
                 self.forget(h);
@@ -114,10 +132,20 @@ impl BlobStore {
         self.whole_hashes.fetch_add(1, Ordering::Relaxed);
         // Bytes appended to the file would be read by the kernel through passthrough.
         let len = f.metadata().map_err(io)?.len();
-        if len != rec.size {
-            self.corrupt(h, &path, format!("file is {len} bytes, the blob {}", rec.size));
+        let fits = if packed {
+            len >= base + rec.size
+        } else {
+            len == rec.size
+        };
+        if !fits {
+            self.corrupt(
+                h,
+                &path,
+                format!("file is {len} bytes, the blob {} at {base}", rec.size),
+            );
             return Ok(false);
         }
+        let mut at = base;
         let hashes = chunk_hashes(&rec.chunks);
         let cs = u64::from(rec.chunk_size);
         // Hashed through a bounded buffer whatever the chunk size (up to 1 GiB).
@@ -130,12 +158,13 @@ impl BlobStore {
             let mut done = 0;
             while done < clen {
                 let n = (buf.len() as u64).min(clen - done) as usize;
-                if let Err(e) = f.read_exact(&mut buf[..n]) {
+                if let Err(e) = f.read_exact_at(&mut buf[..n], at) {
                     self.corrupt(h, &path, format!("chunk {c} unreadable: {e}"));
                     return Ok(false);
                 }
                 hasher.update(&buf[..n]);
                 done += n as u64;
+                at += n as u64;
             }
             if hashes.get(c).map(|x| x.0) != Some(*hasher.finalize().as_bytes()) {
                 self.corrupt(h, &path, format!("chunk {c} hash mismatch"));
@@ -157,11 +186,11 @@ impl BlobStore {
     /// then reads it without us). The first request after any change to the file hashes
     /// it whole; later ones only compare the file's stamp. None when the blob is absent
     /// or failed the check (it is then quarantined and must be fetched again).
-    pub fn verified_path(&self, h: &BlobHash) -> Result<Option<PathBuf>, StoreError> {
-        let Some(path) = self.path_of(h) else {
+    pub fn verified_path(&self, h: &BlobHash) -> Result<Option<Located>, StoreError> {
+        let Some(at) = self.locate(h) else {
             return Ok(None);
         };
-        let before = match stamp(&path) {
+        let before = match stamp(&at.path) {
             Ok(s) => s,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
                 self.forget(h);
@@ -170,7 +199,7 @@ impl BlobStore {
             Err(e) => return Err(io(e)),
         };
         if self.shard(h).verified.get(h) == Some(&before) {
-            return Ok(Some(path));
+            return Ok(Some(at));
         }
         if !self.verify(h)? {
             return Ok(None);
@@ -178,17 +207,17 @@ impl BlobStore {
         // The stamp from before hashing: a write during the hash changes the ctime, so
         // the next request hashes again.
         self.record_stamp(h, before);
-        Ok(Some(path))
+        Ok(Some(at))
     }
 
     /// The path of a complete blob whose file still has the stamp of its last whole-blob
     /// check, with that stamp; None when it is absent, partial or changed since (the
     /// caller then asks `verified_path`, which hashes). Marks it recently used. Never
     /// hashes: one stat per blob.
-    pub fn trusted_path(&self, h: &BlobHash) -> Option<(PathBuf, FileStamp)> {
-        let path = self.path_of(h)?;
-        let now = stamp(&path).ok()?;
-        (self.shard(h).verified.get(h) == Some(&now)).then_some((path, now))
+    pub fn trusted_path(&self, h: &BlobHash) -> Option<(Located, FileStamp)> {
+        let at = self.locate(h)?;
+        let now = stamp(&at.path).ok()?;
+        (self.shard(h).verified.get(h) == Some(&now)).then_some((at, now))
     }
 
     /// Remembers a verified file's stamp, in memory and in the blob's index record.
@@ -223,8 +252,10 @@ pub struct BlobReader {
     hashes: Vec<BlobHash>,
     chunk_size: u64,
     size: u64,
-    path: PathBuf,
+    path: std::path::PathBuf,
     file: File,
+    /// Where the blob starts in `file` (0 unless packed).
+    base: u64,
     pos: u64,
     end: u64,
     /// A large chunk already hashed whole, and the file's stamp from before that hash:
@@ -255,10 +286,10 @@ impl BlobReader {
         self.store.corrupt(&self.hash, &self.path, what)
     }
 
+    /// Reads blob bytes at `at` (an offset in the blob).
     fn read_at(&self, buf: &mut [u8], at: u64, c: u64) -> Result<(), StoreError> {
-        use std::os::unix::fs::FileExt;
         self.file
-            .read_exact_at(buf, at)
+            .read_exact_at(buf, self.base + at)
             .map_err(|e| self.corrupt(format!("chunk {c} unreadable: {e}")))
     }
 

@@ -36,6 +36,12 @@ pub(super) struct BlobRecord {
     /// its reservation forever.
     #[prost(bool, tag = "9")]
     pub(super) pin_when_complete: bool,
+    /// Nonzero: the blob's bytes are at `offset` inside pack file `pack` (`pack.rs`), not
+    /// in a file of their own. Only complete blobs are packed.
+    #[prost(uint64, tag = "10")]
+    pub(super) pack: u64,
+    #[prost(uint64, tag = "11")]
+    pub(super) offset: u64,
 }
 
 #[derive(Clone, PartialEq, prost::Message)]
@@ -92,6 +98,12 @@ impl BlobRecord {
         {
             return Err(format!("chunk size {} is not one the store writes", r.chunk_size));
         }
+        if r.pack != 0 && (r.partial || r.offset < super::pack::header_len(1)) {
+            return Err(format!(
+                "a packed blob must be complete and after its pack's header (offset {})",
+                r.offset
+            ));
+        }
         let want = locus_proto::manifest::chunk_count(r.size, r.chunk_size);
         if r.chunk_count() != want {
             return Err(format!(
@@ -115,6 +127,8 @@ impl BlobRecord {
             present: Vec::new(),
             verified: None,
             pin_when_complete: false,
+            pack: 0,
+            offset: 0,
         }
     }
 
@@ -186,11 +200,20 @@ mod tests {
         let h = BlobHash::of(b"x");
         let good = BlobRecord::complete(100_000, 0, false, 1 << 16, &[h, h]);
         assert!(BlobRecord::decode_checked(&good.encode_to_vec()).is_ok());
-        let damage: [fn(&mut BlobRecord); 4] = [
+        let damage: [fn(&mut BlobRecord); 6] = [
             |r| r.chunks.push(7),
             |r| r.chunk_size = 0,
             |r| r.chunk_size = 3 << 16,
             |r| r.size = 200_000,
+            |r| {
+                r.pack = 1;
+                r.offset = 3
+            },
+            |r| {
+                r.pack = 1;
+                r.offset = 4096;
+                r.partial = true
+            },
         ];
         for (i, d) in damage.iter().enumerate() {
             let mut r = good.clone();

@@ -91,26 +91,22 @@ impl BlobStore {
             need
         };
         while need > 0 {
-            let Some((size, path)) = self.evict_oldest() else {
+            let Some((size, h, file)) = self.evict_oldest() else {
                 break;
             };
-            victims.push(path);
+            victims.push((h, file));
             need = need.saturating_sub(size);
         }
         if need == 0 {
             self.books().reserved += size;
         }
         drop(serial);
-        for path in victims {
-            let _ = fs::remove_file(&path);
-            if let Some(h) = path
-                .file_name()
-                .and_then(|n| n.to_str())
-                .and_then(|n| BlobHash::from_hex(n).ok())
-            {
-                let _ = self.index.delete(h.0);
-                tracing::debug!(blob = %h, "evicted");
+        for (h, file) in victims {
+            if let Some(path) = file {
+                let _ = fs::remove_file(&path);
             }
+            let _ = self.index.delete(h.0);
+            tracing::debug!(blob = %h, "evicted");
         }
         if need > 0 {
             // Blobs were pinned between the check and the evictions.
@@ -125,8 +121,9 @@ impl BlobStore {
 
 impl BlobStore {
     /// Removes the least recently used unpinned blob from the maps and the books; its
-    /// size and file, which the caller deletes. None when nothing is evictable.
-    fn evict_oldest(&self) -> Option<(u64, PathBuf)> {
+    /// size, hash and the file the caller deletes (a packed blob's pack only when it was
+    /// the pack's last). None when nothing is evictable.
+    fn evict_oldest(&self) -> Option<(u64, BlobHash, Option<PathBuf>)> {
         loop {
             // Ticks are global, so the oldest blob is the oldest of the shards' oldest.
             let (key, i) = self
@@ -142,17 +139,21 @@ impl BlobStore {
             }
             let h = key.1;
             let (m, path) = if let Some(m) = sh.blobs.remove(&h) {
-                let p = self.blob_path_in(m.rec.dir, &h);
+                let p = if m.rec.pack != 0 {
+                    self.release_packed(m.rec.pack)
+                } else {
+                    Some(self.blob_path_in(m.rec.dir, &h))
+                };
                 (m, p)
             } else if let Some(m) = sh.partials.remove(&h) {
                 let p = self.partial_path_in(m.rec.dir, &h);
-                (m, p)
+                (m, Some(p))
             } else {
                 continue;
             };
             sh.verified.remove(&h);
             self.books().remove(m.rec.size, m.rec.pinned);
-            return Some((m.rec.size, path));
+            return Some((m.rec.size, h, path));
         }
     }
 }

@@ -2,7 +2,7 @@
 
 use super::*;
 
-fn open(dir: &Path, capacity: u64) -> Arc<BlobStore> {
+pub(super) fn open(dir: &Path, capacity: u64) -> Arc<BlobStore> {
     BlobStore::open(StoreConfig {
         dirs: vec![dir.to_path_buf()],
         capacity,
@@ -61,7 +61,7 @@ fn corruption_is_quarantined_and_never_served() {
     let s = open(d.path(), 1 << 30);
     let data = vec![42u8; 150_000];
     let h = put(&s, &data, true).unwrap();
-    let p = s.path_of(&h).unwrap();
+    let p = s.locate(&h).unwrap().path;
     let mut bytes = fs::read(&p).unwrap();
     bytes[140_000] ^= 1;
     fs::write(&p, bytes).unwrap();
@@ -171,11 +171,11 @@ fn a_verified_blob_is_not_hashed_again_until_its_file_changes() {
     drop(s);
     // A byte changed in place while the node was down changes the file's ctime: the
     // stamp no longer matches, the blob is hashed, fails and is quarantined.
-    let mut bytes = fs::read(&path).unwrap();
+    let mut bytes = fs::read(&path.path).unwrap();
     bytes[123_456] ^= 1;
     fs::OpenOptions::new()
         .write(true)
-        .open(&path)
+        .open(&path.path)
         .and_then(|mut f| std::io::Write::write_all(&mut f, &bytes))
         .unwrap();
     let s = open(d.path(), 1 << 30);
@@ -192,7 +192,7 @@ fn restart_reconciles_index_and_directory() {
         let s = open(d.path(), 1 << 30);
         a = put(&s, b"first blob", true).unwrap();
         b = put(&s, b"second blob", false).unwrap();
-        fs::remove_file(s.path_of(&b).unwrap()).unwrap();
+        fs::remove_file(s.locate(&b).unwrap().path).unwrap();
         fs::write(d.path().join("tmp/leftover"), b"partial").unwrap();
     }
     // A verified blob that reached the directory but not the index is adopted.
@@ -236,7 +236,7 @@ fn a_blob_missing_on_disk_before_the_walk_is_forgotten_when_read() {
     {
         let s = open(d.path(), 1 << 30);
         b = put(&s, b"soon gone", false).unwrap();
-        fs::remove_file(s.path_of(&b).unwrap()).unwrap();
+        fs::remove_file(s.locate(&b).unwrap().path).unwrap();
     }
     let s = open(d.path(), 1 << 30);
     assert!(s.contains(&b), "the index still names it");
@@ -418,7 +418,7 @@ fn a_large_chunk_is_served_in_bounded_pieces_and_checked_before_any_byte() {
     );
 
     // A flipped byte at the end of the large chunk fails the read of its first byte.
-    let path = s.path_of(&h).unwrap();
+    let path = s.locate(&h).unwrap().path;
     let mut bytes = std::fs::read(&path).unwrap();
     bytes[(32 << 20) - 1] ^= 1;
     std::fs::write(&path, &bytes).unwrap();
@@ -429,7 +429,7 @@ fn a_large_chunk_is_served_in_bounded_pieces_and_checked_before_any_byte() {
 
 /// The store's in-memory books, checked against its maps: bytes used and pinned, and the
 /// eviction order holding exactly the unpinned blobs at their last access.
-fn check_books(s: &BlobStore) {
+pub(super) fn check_books(s: &BlobStore) {
     let (mut used, mut pinned) = (0, 0);
     let mut want = std::collections::BTreeSet::new();
     s.each_meta(|h, m, _| {

@@ -52,6 +52,8 @@ impl BlobStore {
             present: vec![0u8; want.div_ceil(8) as usize],
             verified: None,
             pin_when_complete: pin,
+            pack: 0,
+            offset: 0,
         };
         self.index
             .put(hash.0, rec.encode_to_vec())

@@ -28,6 +28,9 @@ pub struct KnownPath {
     pub ctime_s: i64,
     pub ctime_ns: i64,
     pub size: u64,
+    /// Where the blob starts in the file; `packed`: the file holds other blobs too.
+    pub offset: u64,
+    pub packed: bool,
 }
 
 /// What the mount has learned: paths by inode, and the shards already asked about.
@@ -57,7 +60,12 @@ impl Core {
     /// identity the node verified; None when nothing is learned or the file changed.
     pub(crate) fn known_file(&self, ino: u64) -> Option<Arc<NodeFile>> {
         let k = self.known.lock().unwrap().paths.remove(&ino)?;
-        let f = NodeFile::open(&k.path).ok()?;
+        let f = NodeFile::open(&super::NodeBlob {
+            path: k.path.clone(),
+            offset: k.offset,
+            packed: k.packed,
+        })
+        .ok()?;
         let m = f.file.metadata().ok()?;
         if (m.ino(), m.ctime(), m.ctime_nsec(), m.len()) != (k.ino, k.ctime_s, k.ctime_ns, k.size) {
             tracing::debug!(ino, path = %k.path.display(), "the node's file changed since it was verified; asking the node");

@@ -113,10 +113,10 @@ struct FakeLocal {
 }
 
 impl LocalNode for FakeLocal {
-    fn ensure_local(&self, _blob: BlobHash, _size: u64, limit: Duration) -> Result<PathBuf, String> {
+    fn ensure_local(&self, _blob: BlobHash, _size: u64, limit: Duration) -> Result<NodeBlob, String> {
         self.calls.fetch_add(1, Ordering::SeqCst);
         match &self.behave {
-            LocalBehave::File(p) => Ok(p.clone()),
+            LocalBehave::File(p) => Ok(NodeBlob::whole(p.clone())),
             LocalBehave::Hang => {
                 std::thread::sleep(limit);
                 Err(format!("no answer within {limit:?}"))
@@ -432,9 +432,9 @@ impl DirLocal {
 }
 
 impl LocalNode for DirLocal {
-    fn ensure_local(&self, blob: BlobHash, _size: u64, _limit: Duration) -> Result<PathBuf, String> {
+    fn ensure_local(&self, blob: BlobHash, _size: u64, _limit: Duration) -> Result<NodeBlob, String> {
         self.ensured.fetch_add(1, Ordering::SeqCst);
-        Ok(self.file(&blob))
+        Ok(NodeBlob::whole(self.file(&blob)))
     }
 
     fn local_paths(&self, blobs: &[BlobHash], _limit: Duration) -> Result<Vec<Option<KnownPath>>, String> {
@@ -450,6 +450,8 @@ impl LocalNode for DirLocal {
                     ctime_s: m.ctime(),
                     ctime_ns: m.ctime_nsec(),
                     size: m.len(),
+                    offset: 0,
+                    packed: false,
                 })
             })
             .collect())
