@@ -7,17 +7,60 @@
 //! the import's own split (hashing, sending, commit) from its JSON report. Reference in
 //! the same run: the same files written and fsynced one by one into a directory on the
 //! same disk (a node's cost per file before group commit: a file fsync and a directory
-//! fsync each), over the first 2,000 files.
+//! fsync each), over the first 2,000 files; and the bound on the reading side: the source
+//! tree read cold (page cache dropped, as before the import), every directory listed,
+//! every file stat'ed and read whole, by as many threads as the import reads with (8),
+//! with the CPU that took. An import cannot beat that read: its own reading is the same.
 //!
 //! Run: `cargo bench --bench import_small` (200,000 files), or
 //! `LOCUS_BENCH_FILES=1000000 cargo bench --bench import_small`.
 
 use locus_testkit as support;
 
-use std::io::Write;
+use std::io::{Read, Write};
+use std::path::Path;
 use std::time::Instant;
 
 use support::*;
+
+/// Threads the reference reads the tree with: the import's readers.
+const READERS: usize = 8;
+
+/// Reads every file under `root` (one level of directories, as generated) whole, after
+/// listing and stat'ing it, from `READERS` threads; files read.
+fn read_tree(root: &Path) -> usize {
+    let dirs: Vec<_> = std::fs::read_dir(root)
+        .unwrap()
+        .flatten()
+        .map(|d| d.path())
+        .collect();
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    std::thread::scope(|sc| {
+        let handles: Vec<_> = (0..READERS)
+            .map(|_| {
+                sc.spawn(|| {
+                    let (mut files, mut buf) = (0, Vec::with_capacity(4096));
+                    while let Some(d) = dirs.get(next.fetch_add(1, std::sync::atomic::Ordering::Relaxed)) {
+                        for e in std::fs::read_dir(d).unwrap().flatten() {
+                            let p = e.path();
+                            let _ = std::fs::symlink_metadata(&p).unwrap();
+                            buf.clear();
+                            std::fs::File::open(&p).unwrap().read_to_end(&mut buf).unwrap();
+                            files += 1;
+                        }
+                    }
+                    files
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).sum()
+    })
+}
+
+/// CPU seconds this process has used (user + system).
+fn own_cpu() -> f64 {
+    cpu_seconds(std::process::id())
+}
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() {
@@ -48,6 +91,18 @@ async fn main() {
     }
     let fsync_rate = k as f64 / t.elapsed().as_secs_f64();
     println!("  reference: a file and its directory fsynced one by one: {fsync_rate:.0} files/s");
+
+    // The reading bound, cold like the import's source.
+    drop_caches();
+    let (t, c) = (Instant::now(), own_cpu());
+    assert_eq!(read_tree(&src), n);
+    let (read_took, read_cpu) = (t.elapsed().as_secs_f64(), own_cpu() - c);
+    let read_rate = n as f64 / read_took;
+    println!(
+        "  reference: the source read cold ({READERS} threads: list, stat, read): {read_rate:.0} files/s, \
+         {:.3}s CPU per 1,000 files",
+        read_cpu / n as f64 * 1000.0
+    );
 
     let m = h.start_metadata("meta", MetadataOpts::default()).await;
     let n1 = h
@@ -94,9 +149,11 @@ async fn main() {
     let cpu: Vec<f64> = after.iter().zip(&before).map(|(a, b)| a - b).collect();
     let per_k = |s: f64| s / n as f64 * 1000.0;
     println!(
-        "  import: {took:.1}s, {:.0} files/s ({:.1}x the one-by-one fsync reference); hashing {:.1}s, sending {:.1}s",
+        "  import: {took:.1}s, {:.0} files/s ({:.1}x the one-by-one fsync reference, {:.2}x the cold \
+         read of the source); hashing {:.1}s, sending {:.1}s",
         n as f64 / took,
         n as f64 / took / fsync_rate,
+        n as f64 / took / read_rate,
         r["hash_seconds"].as_f64().unwrap_or(0.0),
         r["upload_seconds"].as_f64().unwrap_or(0.0),
     );

@@ -226,6 +226,19 @@ impl ChunkHasher {
     }
 }
 
+/// The hashes of bytes held whole in memory. A blob of one chunk is hashed once: its
+/// chunk's hash is its own (for 1 KiB files, half the hashing).
+pub fn hash_bytes(data: &[u8], chunk_size: u32) -> FileHashes {
+    if data.len() as u64 <= u64::from(chunk_size.max(1)) {
+        let whole = BlobHash::of(data);
+        let chunks = if data.is_empty() { Vec::new() } else { vec![whole] };
+        return (data.len() as u64, whole, chunks);
+    }
+    let mut h = ChunkHasher::new(chunk_size);
+    h.update(data);
+    h.finish()
+}
+
 /// Hashes a file in one pass: its size, its BLAKE3 and the BLAKE3 of each chunk.
 pub fn hash_file(path: &std::path::Path, chunk_size: u32) -> std::io::Result<FileHashes> {
     use std::io::Read;
@@ -448,6 +461,12 @@ mod tests {
             0,
             "an empty blob has no chunks"
         );
+        // Held whole: the same hashes, whether one chunk (hashed once) or many.
+        for len in [0, 1, 65_535, 65_536, 65_537, 300_001] {
+            let mut h = ChunkHasher::new(65536);
+            h.update(&data[..len]);
+            assert_eq!(hash_bytes(&data[..len], 65536), h.finish(), "{len} bytes");
+        }
     }
 
     #[test]

@@ -198,8 +198,10 @@ fn walk(
         } else {
             format!("{rel}/{name}")
         };
-        let meta =
-            std::fs::symlink_metadata(e.path()).explain(|| format!("cannot stat {}", e.path().display()))?;
+        // Relative to the open directory (fstatat), not a walk of the whole path.
+        let meta = e
+            .metadata()
+            .explain(|| format!("cannot stat {}", e.path().display()))?;
         let ft = meta.file_type();
         let kind = if ft.is_dir() {
             FoundKind::Dir

@@ -146,26 +146,10 @@ impl BlobStore {
         let mut new: Vec<(BlobHash, &[u8], Vec<BlobHash>)> = Vec::with_capacity(blobs.len());
         let mut seen = HashSet::with_capacity(blobs.len());
         for (h, data) in blobs {
-            let chunks = if data.len() as u64 <= u64::from(chunk_size) {
-                // One chunk: its hash is the blob's (one pass over the bytes, not two).
-                let got = BlobHash::of(data);
-                if got != *h {
-                    return Err(mismatch(*h, got));
-                }
-                if data.is_empty() {
-                    Vec::new()
-                } else {
-                    vec![got]
-                }
-            } else {
-                let mut hasher = locus_proto::manifest::ChunkHasher::new(chunk_size);
-                hasher.update(data);
-                let (_, got, chunks) = hasher.finish();
-                if got != *h {
-                    return Err(mismatch(*h, got));
-                }
-                chunks
-            };
+            let (_, got, chunks) = locus_proto::manifest::hash_bytes(data, chunk_size);
+            if got != *h {
+                return Err(mismatch(*h, got));
+            }
             if !seen.insert(*h) {
                 continue;
             }
@@ -389,9 +373,7 @@ impl BlobStore {
             }
             let mut data = vec![0u8; row.size as usize];
             f.read_exact_at(&mut data, row.offset).map_err(io)?;
-            let mut hasher = locus_proto::manifest::ChunkHasher::new(chunk_size);
-            hasher.update(&data);
-            let (_, got, chunks) = hasher.finish();
+            let (_, got, chunks) = locus_proto::manifest::hash_bytes(&data, chunk_size);
             if got != row.hash {
                 tracing::warn!(pack = %path.display(), blob = %row.hash, "a blob in an unindexed pack does not match its name; not adopted");
                 continue;

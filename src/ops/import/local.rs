@@ -24,7 +24,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
-use locus_proto::manifest::{ChunkHasher, FileHashes};
+use locus_proto::manifest::{hash_bytes, FileHashes};
 use locus_proto::{pb, BlobHash};
 use tokio::task::JoinSet;
 
@@ -215,16 +215,25 @@ pub(super) fn read_file(
         };
     }
     let mut f = std::fs::File::open(path).explain(|| format!("cannot read {}", path.display()))?;
-    // One byte more than listed, so that a file grown since is seen in the same reads.
-    let mut buf = Vec::with_capacity(listed as usize + 1);
-    f.read_to_end(&mut buf)
-        .explain(|| format!("cannot read {}", path.display()))?;
-    if buf.len() as u64 != listed {
-        return Err(changed(buf.len() as u64));
+    // One byte more than listed, so that a file grown since is seen in the same read;
+    // a read short of the buffer is the file's end (a regular file gives what it has),
+    // so an unchanged file costs one read, not a second one that returns nothing.
+    let mut buf = vec![0u8; listed as usize + 1];
+    let mut got = 0;
+    loop {
+        let n = f
+            .read(&mut buf[got..])
+            .explain(|| format!("cannot read {}", path.display()))?;
+        got += n;
+        if n == 0 || got as u64 == listed || got == buf.len() {
+            break;
+        }
     }
-    let mut h = ChunkHasher::new(chunk_size);
-    h.update(&buf);
-    Ok((h.finish(), Some(buf.into())))
+    if got as u64 != listed {
+        return Err(changed(got as u64));
+    }
+    buf.truncate(got);
+    Ok((hash_bytes(&buf, chunk_size), Some(buf.into())))
 }
 
 /// Turns files as they are read into sends: small ones gathered per node into batches,
