@@ -115,6 +115,11 @@ pub fn print_report(r: &ImportReport, cfg: &Resolved) -> anyhow::Result<()> {
             "left_out": r.left_out,
             "hash_seconds": r.hash_time.as_secs_f64(),
             "upload_seconds": r.upload_time.as_secs_f64(),
+            "phases": r
+                .phases
+                .iter()
+                .map(|(p, d)| serde_json::json!({"phase": p, "seconds": d.as_secs_f64()}))
+                .collect::<Vec<_>>(),
             "seconds": secs,
             "throughput_bytes_per_second": (v.bytes as f64 / secs) as u64,
         }));

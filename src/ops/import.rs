@@ -70,6 +70,9 @@ pub struct ImportReport {
     pub hash_time: Duration,
     pub upload_time: Duration,
     pub total_time: Duration,
+    /// Where the time went, phase by phase in order, where the import knows (a local
+    /// directory: listing, reading and sending, committing).
+    pub phases: Vec<(&'static str, Duration)>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -197,13 +200,22 @@ async fn commit_read(
             "files changed size during the import; rerun it".into(),
         )));
     }
-    cluster.put_entries(session, scanned.entries.clone()).await?;
     let mut shards = scanned.shards.clone();
     for s in &mut shards {
         s.replicas = placement.get(&s.id).cloned().unwrap_or_default();
     }
-    cluster.put_shards(session, shards).await?;
-    let namespace = super::seal::seal_and_store(cluster, o, &scanned, placement).await?;
+    // The manifest goes to the metadata service while this client seals the namespace
+    // and stores it on the nodes: neither needs the other, and each waits on a different
+    // process.
+    let upload = async {
+        cluster.put_entries(session, scanned.entries.clone()).await?;
+        cluster.put_shards(session, shards).await?;
+        Ok::<(), ImportError>(())
+    };
+    let ((), namespace) = tokio::try_join!(
+        upload,
+        super::seal::seal_and_store(cluster, o, &scanned, placement)
+    )?;
     let version = cluster.commit(session, namespace).await?;
     Ok((scanned, version))
 }
@@ -288,6 +300,7 @@ async fn import_remote(
         hash_time: took,
         upload_time: took,
         total_time: took,
+        phases: Vec::new(),
     })
 }
 
@@ -466,6 +479,7 @@ pub async fn commit_scanned(
         hash_time,
         upload_time,
         total_time: started.elapsed(),
+        phases: Vec::new(),
     })
 }
 

@@ -8,6 +8,7 @@
 use std::collections::{HashMap, HashSet};
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 
 use super::{Explain, SourceError};
 
@@ -68,12 +69,54 @@ pub struct Listing {
     pub left_out: Vec<String>,
 }
 
-/// Walks `root` (never following links, never leaving it) into a [`Listing`].
-pub fn list_dir(root: &Path) -> Result<Listing> {
+/// Threads listing directories at once: a cold directory's inodes are read at the disk's
+/// random-read latency, which only more reads in flight hide (one thread listed 1M cold
+/// files of 1 KiB in about half the time the whole import then took to read and send
+/// them).
+const LISTERS: usize = 8;
+
+/// Walks `root` (never following links, never leaving it) into a [`Listing`]; `listed`
+/// counts the bytes of the files found so far (for progress).
+pub fn list_dir(root: &Path, listed: &AtomicU64) -> Result<Listing> {
     let mut found = Vec::new();
     let mut left_out = Vec::new();
-    walk(root, "", &mut found, &mut left_out)?;
+    // Level by level: every directory of a level is listed by the pool, and their
+    // subdirectories make the next level (a dataset's tree is wide, not deep).
+    let mut level = vec![String::new()];
+    while !level.is_empty() {
+        let next = AtomicUsize::new(0);
+        let lists: Vec<Result<Listed>> = std::thread::scope(|sc| {
+            let workers: Vec<_> = (0..LISTERS.min(level.len()))
+                .map(|_| {
+                    sc.spawn(|| {
+                        let mut mine = Vec::new();
+                        while let Some(rel) = level.get(next.fetch_add(1, Ordering::Relaxed)) {
+                            let l = list_one(root, rel, listed);
+                            let failed = l.is_err();
+                            mine.push(l);
+                            if failed {
+                                break;
+                            }
+                        }
+                        mine
+                    })
+                })
+                .collect();
+            workers
+                .into_iter()
+                .flat_map(|w| w.join().expect("a lister does not panic"))
+                .collect()
+        });
+        level = Vec::new();
+        for l in lists {
+            let l = l?;
+            found.extend(l.found);
+            left_out.extend(l.left_out);
+            level.extend(l.dirs);
+        }
+    }
     found.sort_by(|a, b| a.0.rel.cmp(&b.0.rel));
+    left_out.sort();
     let (found, sizes) = found.into_iter().unzip();
     Ok(Listing {
         found,
@@ -172,16 +215,24 @@ pub fn assemble(found: Vec<Found>, hashes: Vec<Option<FileHashes>>, shard_size: 
     })
 }
 
-fn walk(
-    root: &Path,
-    rel: &str,
-    out: &mut Vec<(Found, Option<u64>)>,
-    left_out: &mut Vec<String>,
-) -> Result<()> {
+/// What one directory holds.
+struct Listed {
+    found: Vec<(Found, Option<u64>)>,
+    left_out: Vec<String>,
+    /// Its subdirectories (relative to the root), to list next.
+    dirs: Vec<String>,
+}
+
+fn list_one(root: &Path, rel: &str, listed: &AtomicU64) -> Result<Listed> {
     let dir = if rel.is_empty() {
         root.to_path_buf()
     } else {
         root.join(rel)
+    };
+    let mut out = Listed {
+        found: Vec::new(),
+        left_out: Vec::new(),
+        dirs: Vec::new(),
     };
     let rd = std::fs::read_dir(&dir).explain(|| format!("cannot list {}", dir.display()))?;
     for e in rd {
@@ -220,25 +271,25 @@ fn walk(
                 "skipping {}: not a file, directory or symlink",
                 e.path().display()
             );
-            left_out.push(child);
+            out.left_out.push(child);
             continue;
         };
-        let is_dir = matches!(kind, FoundKind::Dir);
+        if matches!(kind, FoundKind::Dir) {
+            out.dirs.push(child.clone());
+        }
         let size = matches!(kind, FoundKind::File(_)).then(|| meta.len());
-        out.push((
+        listed.fetch_add(size.unwrap_or(0), Ordering::Relaxed);
+        out.found.push((
             Found {
-                rel: child.clone(),
+                rel: child,
                 kind,
                 mode: meta.permissions().mode() & 0o7777,
                 mtime_ns: meta.mtime() * 1_000_000_000 + meta.mtime_nsec(),
             },
             size,
         ));
-        if is_dir {
-            walk(root, &child, out, left_out)?;
-        }
     }
-    Ok(())
+    Ok(out)
 }
 
 #[cfg(test)]
@@ -253,7 +304,7 @@ mod tests {
         std::fs::write(d.path().join("a/small"), b"hello").unwrap();
         std::fs::write(d.path().join("empty"), b"").unwrap();
         std::os::unix::fs::symlink("a/small", d.path().join("link")).unwrap();
-        let l = list_dir(d.path()).unwrap();
+        let l = list_dir(d.path(), &AtomicU64::new(0)).unwrap();
         assert_eq!(l.sizes, vec![None, None, Some(300_000), Some(5), Some(0), None]);
         let hashes = l
             .found

@@ -63,13 +63,20 @@ pub(super) async fn import_local(
 ) -> Result<ImportReport> {
     let shard_size = o.shard_size.max(1);
     let walked = root.clone();
+    let mut phases = Vec::new();
+    let mut mark = Instant::now();
+    let listed = obs.start("listing", 0);
+    let listing = tokio::task::spawn_blocking(move || crate::ops::scan::list_dir(&walked, &listed))
+        .await
+        .map_err(|e| ImportError::Source(SourceError(format!("listing failed: {e}"))));
+    obs.end("listing");
     let Listing {
         found,
         sizes,
         left_out,
-    } = tokio::task::spawn_blocking(move || crate::ops::scan::list_dir(&walked))
-        .await
-        .map_err(|e| ImportError::Source(SourceError(format!("listing failed: {e}"))))??;
+    } = listing??;
+    phases.push(("listing", mark.elapsed()));
+    mark = Instant::now();
     // A name a version cannot hold is refused before anything is read or sent.
     for f in &found {
         locus_proto::manifest::RelPath::try_from(f.rel.as_str())
@@ -108,8 +115,11 @@ pub(super) async fn import_local(
         let sent = read_and_send(cluster, o, files, found.len(), &done).await;
         obs.end("importing");
         let (hashes, uploaded, skipped) = sent?;
+        phases.push(("placing, reading and sending", mark.elapsed()));
+        mark = Instant::now();
         let (scanned, version) =
             super::commit_read(cluster, o, session, found, hashes, &shard_bytes, &placement).await?;
+        phases.push(("uploading the manifest and committing", mark.elapsed()));
         Ok::<_, ImportError>((scanned, version, uploaded, skipped))
     };
     let (scanned, version, uploaded, skipped) = match work.await {
@@ -130,6 +140,7 @@ pub(super) async fn import_local(
         hash_time: took,
         upload_time: took,
         total_time: took,
+        phases,
     })
 }
 
