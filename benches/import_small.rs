@@ -158,7 +158,11 @@ async fn main() {
         r["upload_seconds"].as_f64().unwrap_or(0.0),
     );
     for p in r["phases"].as_array().into_iter().flatten() {
-        println!("    {}: {:.1}s", p["phase"].as_str().unwrap_or("?"), p["seconds"].as_f64().unwrap_or(0.0));
+        println!(
+            "    {}: {:.1}s",
+            p["phase"].as_str().unwrap_or("?"),
+            p["seconds"].as_f64().unwrap_or(0.0)
+        );
     }
     println!(
         "  CPU per 1,000 files: CLI {:.3}s (at least; sampled every 50 ms), nodes {:.3}s + {:.3}s, metadata {:.3}s",

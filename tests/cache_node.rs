@@ -515,9 +515,8 @@ async fn a_node_killed_mid_import_keeps_what_it_took_and_a_rerun_completes_the_i
         "2",
         "--json",
     ];
-    let import = std::process::Command::new(locus())
-        .args(args)
-        .env("LOCUS_METADATA", m.url())
+    let import = m
+        .cli_command(&args, &[])
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())
         .spawn()

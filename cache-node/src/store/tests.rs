@@ -3,6 +3,11 @@
 use super::*;
 
 pub(super) fn open(dir: &Path, capacity: u64) -> Arc<BlobStore> {
+    open_reporting(dir, capacity).0
+}
+
+/// `open`, with what the start found.
+pub(super) fn open_reporting(dir: &Path, capacity: u64) -> (Arc<BlobStore>, Reconcile) {
     BlobStore::open(StoreConfig {
         dirs: vec![dir.to_path_buf()],
         capacity,
@@ -10,7 +15,6 @@ pub(super) fn open(dir: &Path, capacity: u64) -> Arc<BlobStore> {
         readers_gid: None,
     })
     .unwrap()
-    .0
 }
 
 fn put(s: &Arc<BlobStore>, data: &[u8], pin: bool) -> Result<BlobHash, StoreError> {
@@ -208,13 +212,7 @@ fn restart_reconciles_index_and_directory() {
         .unwrap();
     f.set_modified(back).unwrap();
     drop(f);
-    let (s, rep) = BlobStore::open(StoreConfig {
-        dirs: vec![d.path().to_path_buf()],
-        capacity: 1 << 30,
-        reserve: 0,
-        readers_gid: None,
-    })
-    .unwrap();
+    let (s, rep) = open_reporting(d.path(), 1 << 30);
     assert_eq!((rep.indexed, rep.tmp_removed), (2, 1), "{rep:?}");
     // Open serves at once, from the index: the directories are walked after.
     assert!(s.contains(&a) && s.is_pinned(&a));

@@ -229,10 +229,7 @@ impl Catalog {
             if rec.kind != KIND_FILE || rec.shard != shard || rec.blob.len() != 32 {
                 continue;
             }
-            let (dir, name) = keys::split_entry(&k).ok_or_else(|| CatalogError::Corrupt {
-                table: "entries",
-                reason: "malformed key".into(),
-            })?;
+            let (dir, name) = super::sessions::split_entry(&k)?;
             let hash = BlobHash(rec.blob[..].try_into().expect("32 bytes"));
             paths.entry(hash).or_insert_with(|| keys::join(dir, name));
         }

@@ -28,6 +28,14 @@ fn sealable(path: String, e: EntryRecord) -> Result<Entry> {
     })
 }
 
+/// An entry key's directory and name, or the table is corrupt.
+pub(super) fn split_entry(k: &[u8]) -> Result<(&str, &str)> {
+    keys::split_entry(k).ok_or_else(|| CatalogError::Corrupt {
+        table: "entries",
+        reason: "malformed key".into(),
+    })
+}
+
 fn sealing(e: locus_proto::sealed::SealError) -> CatalogError {
     CatalogError::Precondition(format!("the manifest cannot be sealed: {e}"))
 }
@@ -272,10 +280,7 @@ impl Catalog {
                 let mut batch = Vec::with_capacity(SEAL_BATCH);
                 for kv in self.store.scan(Table::Entries, &from, Some(&to)) {
                     let (k, v) = kv?;
-                    let (dir, name) = keys::split_entry(&k).ok_or_else(|| CatalogError::Corrupt {
-                        table: "entries",
-                        reason: "malformed key".into(),
-                    })?;
+                    let (dir, name) = split_entry(&k)?;
                     let dir_key = &k[..8 + dir.len()];
                     if group.as_deref() != Some(dir_key) {
                         if !dir.is_empty() {
@@ -558,10 +563,7 @@ impl Catalog {
         let (from, to) = keys::uid_range(uid);
         for kv in self.store.scan(Table::Entries, &from, Some(&to)) {
             let (k, v) = kv?;
-            let (dir, name) = keys::split_entry(&k).ok_or_else(|| CatalogError::Corrupt {
-                table: "entries",
-                reason: "malformed key".into(),
-            })?;
+            let (dir, name) = split_entry(&k)?;
             let e: EntryRecord = decode(Table::Entries, &v)?;
             w.push(&sealable(keys::join(dir, name), e)?).map_err(sealing)?;
         }

@@ -189,10 +189,7 @@ impl Catalog {
                 more = true;
                 break;
             }
-            let (dir, name) = keys::split_entry(&k).ok_or_else(|| CatalogError::Corrupt {
-                table: "entries",
-                reason: "malformed key".into(),
-            })?;
+            let (dir, name) = super::sessions::split_entry(&k)?;
             let rec: EntryRecord = decode(Table::Entries, &val)?;
             out.push(entry_pb(keys::join(dir, name), rec, with_chunks));
             last = k.to_vec();

@@ -1,7 +1,7 @@
 //! Packs on real files: written once, read by offset, checked blob by blob, reconciled
 //! at a start, removed with their last blob.
 
-use super::super::tests::{check_books, open};
+use super::super::tests::{check_books, open, open_reporting};
 use super::*;
 
 /// `n` distinct small blobs, `tag` making each call's set different.
@@ -189,13 +189,7 @@ fn a_start_drops_records_of_a_lost_pack_adopts_an_unindexed_one_and_removes_a_re
     // And a pack nothing in which is new.
     let redundant = pb.with_file_name("00000000000000ff");
     fs::copy(&pb, &redundant).unwrap();
-    let (s, rep) = BlobStore::open(StoreConfig {
-        dirs: vec![d.path().to_path_buf()],
-        capacity: 1 << 30,
-        reserve: 0,
-        readers_gid: None,
-    })
-    .unwrap();
+    let (s, rep) = open_reporting(d.path(), 1 << 30);
     assert_eq!(rep.missing, 20, "the lost pack's blobs");
     assert_eq!(rep.adopted, 20, "the unindexed pack's blobs");
     assert_eq!(rep.tmp_removed, 1, "the redundant pack");
