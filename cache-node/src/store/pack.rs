@@ -177,19 +177,19 @@ impl BlobStore {
             p.next += 1;
             p.next
         };
-        let mut file = Vec::with_capacity((head + data_bytes) as usize);
-        file.extend_from_slice(MAGIC);
-        file.extend_from_slice(&(new.len() as u32).to_le_bytes());
-        file.extend_from_slice(&chunk_size.to_le_bytes());
+        // The header and table are built here; the blobs go from the buffers they arrived
+        // in straight to the file (one `writev` per 1,024 of them): copying them into one
+        // new buffer first cost a node a copy and a fresh, zeroed page per 4 KiB of it.
+        let mut table = Vec::with_capacity(head as usize);
+        table.extend_from_slice(MAGIC);
+        table.extend_from_slice(&(new.len() as u32).to_le_bytes());
+        table.extend_from_slice(&chunk_size.to_le_bytes());
         let mut at = head;
         for (h, d, _) in &new {
-            file.extend_from_slice(&h.0);
-            file.extend_from_slice(&at.to_le_bytes());
-            file.extend_from_slice(&(d.len() as u64).to_le_bytes());
+            table.extend_from_slice(&h.0);
+            table.extend_from_slice(&at.to_le_bytes());
+            table.extend_from_slice(&(d.len() as u64).to_le_bytes());
             at += d.len() as u64;
-        }
-        for (_, d, _) in &new {
-            file.extend_from_slice(d);
         }
         let tmp = self.cfg.dirs[dir as usize]
             .join("tmp")
@@ -197,7 +197,13 @@ impl BlobStore {
         let dest = self.pack_path_in(dir, id);
         let written = (|| {
             let mut f = fs::File::create_new(&tmp)?;
-            std::io::Write::write_all(&mut f, &file)?;
+            let mut parts: Vec<std::io::IoSlice<'_>> = std::iter::once(&table[..])
+                .chain(new.iter().map(|(_, d, _)| *d))
+                // An empty slice would read as a write of nothing at the end.
+                .filter(|d| !d.is_empty())
+                .map(std::io::IoSlice::new)
+                .collect();
+            write_all_vectored(&mut f, &mut parts)?;
             f.sync_data()?;
             fs::rename(&tmp, &dest)
         })();
@@ -205,7 +211,6 @@ impl BlobStore {
             let _ = fs::remove_file(&tmp);
             return Err(io(e));
         }
-        drop(file);
         let published = fsync_dir(dest.parent().expect("packs have a parent")).and_then(|()| {
             // The stamp after the rename (which changes the ctime): the bytes were hashed on
             // the way in, as for a blob written alone (`BlobWriter::record`).
@@ -402,6 +407,22 @@ impl BlobStore {
         }
         Ok(n)
     }
+}
+
+/// Writes every slice, in as few `writev` calls as the kernel allows (at most 1,024
+/// slices each).
+fn write_all_vectored(f: &mut fs::File, mut parts: &mut [std::io::IoSlice<'_>]) -> std::io::Result<()> {
+    use std::io::Write;
+    while !parts.is_empty() {
+        let n = parts.len().min(1024);
+        match f.write_vectored(&parts[..n]) {
+            Ok(0) => return Err(std::io::ErrorKind::WriteZero.into()),
+            Ok(written) => std::io::IoSlice::advance_slices(&mut parts, written),
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
 }
 
 fn mismatch(want: BlobHash, got: BlobHash) -> StoreError {

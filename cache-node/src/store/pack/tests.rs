@@ -77,6 +77,21 @@ fn a_batch_is_one_pack_file_whose_blobs_read_back_after_a_restart() {
 }
 
 #[test]
+fn a_pack_holds_empty_blobs_and_more_than_one_writev_of_blobs() {
+    let d = tempfile::tempdir().unwrap();
+    let s = open(d.path(), 1 << 30);
+    let mut b = blobs(3000, 9);
+    b.push((BlobHash::of(b""), Vec::new()));
+    b.swap(0, 3000);
+    s.write_packed(&refs(&b), 0, false).unwrap();
+    assert_eq!(files_in(d.path(), PACKS), 1);
+    for (h, data) in &b {
+        assert_eq!(&s.read_range(h, 0, 0).unwrap(), data);
+    }
+    check_books(&s);
+}
+
+#[test]
 fn a_batch_with_one_wrong_blob_stores_nothing() {
     let d = tempfile::tempdir().unwrap();
     let s = open(d.path(), 1 << 30);
