@@ -282,13 +282,7 @@ async fn import_remote(
             commit_read(cluster, o, session, found, hashes, &shard_bytes, &placement).await?;
         Ok::<_, ImportError>((scanned, version, total))
     };
-    let (scanned, version, total) = match work.await {
-        Ok(x) => x,
-        Err(e) => {
-            cluster.abort(session).await;
-            return Err(e);
-        }
-    };
+    let (scanned, version, total) = in_session(cluster, session, work).await?;
     let took = started.elapsed();
     Ok(ImportReport {
         version,
@@ -444,15 +438,12 @@ pub async fn commit_scanned(
             replication: o.replicas,
         })
         .await?;
-    let result = import_into_session(o, store, cluster, session, scanned, obs).await;
-    let (placement, uploaded, skipped, upload_time) = match result {
-        Ok(r) => r,
-        Err(e) => {
-            // Leave nothing behind: the session's manifest is dropped now, not at expiry.
-            cluster.abort(session).await;
-            return Err(e);
-        }
-    };
+    let (placement, uploaded, skipped, upload_time) = in_session(
+        cluster,
+        session,
+        import_into_session(o, store, cluster, session, scanned, obs),
+    )
+    .await?;
     let mut shards = scanned.shards.clone();
     for s in &mut shards {
         s.replicas = placement.get(&s.id).cloned().unwrap_or_default();
@@ -462,13 +453,7 @@ pub async fn commit_scanned(
         let namespace = super::seal::seal_and_store(cluster, o, scanned, &placement).await?;
         Ok::<_, ImportError>(cluster.commit(session, namespace).await?)
     };
-    let version = match committed.await {
-        Ok(v) => v,
-        Err(e) => {
-            cluster.abort(session).await;
-            return Err(e);
-        }
-    };
+    let version = in_session(cluster, session, committed).await?;
     Ok(ImportReport {
         version,
         replicas: o.replicas,
@@ -481,6 +466,20 @@ pub async fn commit_scanned(
         total_time: started.elapsed(),
         phases: Vec::new(),
     })
+}
+
+/// An import's work on an open session: the session is dropped at once if the work
+/// fails (else it would hold its manifest until it expires).
+pub(super) async fn in_session<T>(
+    cluster: &Arc<dyn ImportCluster>,
+    session: u64,
+    work: impl std::future::Future<Output = Result<T>>,
+) -> Result<T> {
+    let r = work.await;
+    if r.is_err() {
+        cluster.abort(session).await;
+    }
+    r
 }
 
 pub(crate) type Placement = BTreeMap<u32, Vec<String>>;

@@ -561,16 +561,20 @@ impl BlobStore {
         StoreError::Corrupt { hash: *h, what }
     }
 
-    fn move_to_quarantine(&self, path: &Path, h: &BlobHash) {
-        // The data dir the file lives in keeps it, so the rename never crosses devices.
-        let dir = self
-            .cfg
+    /// Where blob `h`, now in the file at `path`, is set aside: the quarantine of the data
+    /// dir the file lives in, so a rename never crosses devices.
+    fn quarantine_dest(&self, path: &Path, h: &BlobHash) -> PathBuf {
+        self.cfg
             .dirs
             .iter()
             .find(|d| path.starts_with(d))
             .unwrap_or(&self.cfg.dirs[0])
-            .join("quarantine");
-        let dest = dir.join(format!("{}.{}", hex(h), now_ms()));
+            .join("quarantine")
+            .join(format!("{}.{}", hex(h), now_ms()))
+    }
+
+    fn move_to_quarantine(&self, path: &Path, h: &BlobHash) {
+        let dest = self.quarantine_dest(path, h);
         if fs::rename(path, &dest).is_err() {
             let _ = fs::remove_file(path);
         }

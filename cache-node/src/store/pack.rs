@@ -270,20 +270,13 @@ impl BlobStore {
     /// fine until their own checks say otherwise).
     pub(super) fn copy_to_quarantine(&self, pack: &std::path::Path, offset: u64, size: u64, h: &BlobHash) {
         use std::os::unix::fs::FileExt;
-        let dir = self
-            .cfg
-            .dirs
-            .iter()
-            .find(|d| pack.starts_with(d))
-            .unwrap_or(&self.cfg.dirs[0])
-            .join("quarantine");
+        let dest = self.quarantine_dest(pack, h);
         let mut buf = vec![0u8; size.min(64 << 20) as usize];
         let read = fs::File::open(pack).and_then(|f| {
             let n = f.read_at(&mut buf, offset)?;
             buf.truncate(n);
             Ok(())
         });
-        let dest = dir.join(format!("{}.{}", hex(h), now_ms()));
         if let Err(e) = read.and_then(|()| fs::write(&dest, &buf)) {
             tracing::warn!(blob = %h, "cannot keep the packed blob's bytes in quarantine: {e}");
         }

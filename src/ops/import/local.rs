@@ -122,13 +122,7 @@ pub(super) async fn import_local(
         phases.push(("uploading the manifest and committing", mark.elapsed()));
         Ok::<_, ImportError>((scanned, version, uploaded, skipped))
     };
-    let (scanned, version, uploaded, skipped) = match work.await {
-        Ok(x) => x,
-        Err(e) => {
-            cluster.abort(session).await;
-            return Err(e);
-        }
-    };
+    let (scanned, version, uploaded, skipped) = super::in_session(cluster, session, work).await?;
     let took = started.elapsed();
     Ok(ImportReport {
         version,
