@@ -49,7 +49,10 @@ use space::Reservation;
 pub use write::{BlobWriter, Stored};
 
 pub const FORMAT_FILE: &str = "LOCUS_BLOBSTORE";
-pub const FORMAT_VERSION: u32 = 1;
+/// 2: blobs may live in packs (`pack.rs`, index fields 10 and 11). A build of format 1
+/// would take every packed blob for missing and fetch it all again, so a store is marked
+/// 2 when this build opens it, and format 1 builds refuse it by name.
+pub const FORMAT_VERSION: u32 = 2;
 
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
@@ -674,8 +677,14 @@ fn check_format(d: &Path) -> Result<(), StoreError> {
                 .and_then(|v| v.parse::<u32>().ok());
             match v {
                 Some(FORMAT_VERSION) => Ok(()),
+                // Format 1 is format 2 without packs: nothing to convert, only the mark.
+                Some(1) => {
+                    write_format(d, &f).map_err(|e| err(e.to_string()))?;
+                    tracing::info!(dir = %d.display(), "blob store format 1 marked {FORMAT_VERSION} (packs)");
+                    Ok(())
+                }
                 Some(other) => Err(err(format!(
-                    "blob store format {other}; this build reads format {FORMAT_VERSION}"
+                    "blob store format {other}; this build reads formats 1 and {FORMAT_VERSION}"
                 ))),
                 None => Err(err(format!("{FORMAT_FILE} is not a Locus format marker"))),
             }
@@ -687,14 +696,18 @@ fn check_format(d: &Path) -> Result<(), StoreError> {
                     "not empty and has no {FORMAT_FILE}; refusing to use a directory Locus did not create"
                 )));
             }
-            let tmp = d.join(format!("{FORMAT_FILE}.tmp"));
-            fs::write(&tmp, format!("locus-blobstore {FORMAT_VERSION}\n"))
-                .and_then(|_| File::open(&tmp)?.sync_all())
-                .and_then(|_| fs::rename(&tmp, &f))
-                .map_err(|e| err(e.to_string()))?;
-            fsync_dir(d)
+            write_format(d, &f).map_err(|e| err(e.to_string()))
         }
     }
+}
+
+/// Writes this build's format marker (`f`, in data dir `d`) whole or not at all.
+fn write_format(d: &Path, f: &Path) -> std::io::Result<()> {
+    let tmp = d.join(format!("{FORMAT_FILE}.tmp"));
+    fs::write(&tmp, format!("locus-blobstore {FORMAT_VERSION}\n"))?;
+    File::open(&tmp)?.sync_all()?;
+    fs::rename(&tmp, f)?;
+    File::open(d)?.sync_all()
 }
 
 #[cfg(test)]

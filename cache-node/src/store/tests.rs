@@ -387,6 +387,30 @@ fn refuses_foreign_directories() {
 }
 
 #[test]
+fn a_format_1_store_opens_and_is_marked_2_and_an_unknown_format_is_refused_by_name() {
+    let d = tempfile::tempdir().unwrap();
+    let s = open(d.path(), 1 << 30);
+    let h = put(&s, b"kept across the upgrade", true).unwrap();
+    drop(s);
+    let marker = d.path().join(FORMAT_FILE);
+    fs::write(&marker, "locus-blobstore 1\n").unwrap();
+    let s = open(d.path(), 1 << 30);
+    assert_eq!(s.read_range(&h, 0, 0).unwrap(), b"kept across the upgrade");
+    assert_eq!(fs::read_to_string(&marker).unwrap(), "locus-blobstore 2\n");
+    drop(s);
+    fs::write(&marker, "locus-blobstore 3\n").unwrap();
+    let Err(StoreError::DataDir { reason, .. }) = BlobStore::open(StoreConfig {
+        dirs: vec![d.path().to_path_buf()],
+        capacity: 1 << 30,
+        reserve: 0,
+        readers_gid: None,
+    }) else {
+        panic!("a store of a later format must be refused");
+    };
+    assert!(reason.contains("format 3"), "{reason}");
+}
+
+#[test]
 fn a_large_chunk_is_served_in_bounded_pieces_and_checked_before_any_byte() {
     let d = tempfile::tempdir().unwrap();
     let s = open(d.path(), 1 << 30);
