@@ -180,6 +180,7 @@ async fn place(
 /// The end of a one-pass import, every blob on its nodes: the manifest of what was read
 /// (its shards are the ones placed, which depend on the sizes alone) is uploaded with
 /// the placement, sealed and committed. The caller aborts the session on an error.
+#[allow(clippy::too_many_arguments)]
 async fn commit_read(
     cluster: &Arc<dyn ImportCluster>,
     o: &ImportOptions,
@@ -188,8 +189,15 @@ async fn commit_read(
     hashes: Vec<Option<locus_proto::manifest::FileHashes>>,
     shard_bytes: &[u64],
     placement: &Placement,
+    phases: &mut Vec<(&'static str, Duration)>,
 ) -> Result<(Scanned, pb::Version)> {
+    let mut mark = Instant::now();
+    let mut phase = |name: &'static str, phases: &mut Vec<_>| {
+        phases.push((name, mark.elapsed()));
+        mark = Instant::now();
+    };
     let scanned = super::scan::assemble(found, hashes, o.shard_size.max(1))?;
+    phase("assembling the manifest", phases);
     if scanned
         .shards
         .iter()
@@ -216,7 +224,12 @@ async fn commit_read(
         upload,
         super::seal::seal_and_store(cluster, o, &scanned, placement)
     )?;
+    phase(
+        "uploading the manifest, sealing and storing the namespace",
+        phases,
+    );
     let version = cluster.commit(session, namespace).await?;
+    phase("committing", phases);
     Ok((scanned, version))
 }
 
@@ -278,8 +291,17 @@ async fn import_remote(
         };
         obs.end("importing");
         let hashes = read?;
-        let (scanned, version) =
-            commit_read(cluster, o, session, found, hashes, &shard_bytes, &placement).await?;
+        let (scanned, version) = commit_read(
+            cluster,
+            o,
+            session,
+            found,
+            hashes,
+            &shard_bytes,
+            &placement,
+            &mut Vec::new(),
+        )
+        .await?;
         Ok::<_, ImportError>((scanned, version, total))
     };
     let (scanned, version, total) = in_session(cluster, session, work).await?;

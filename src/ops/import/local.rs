@@ -116,10 +116,17 @@ pub(super) async fn import_local(
         obs.end("importing");
         let (hashes, uploaded, skipped) = sent?;
         phases.push(("placing, reading and sending", mark.elapsed()));
-        mark = Instant::now();
-        let (scanned, version) =
-            super::commit_read(cluster, o, session, found, hashes, &shard_bytes, &placement).await?;
-        phases.push(("uploading the manifest and committing", mark.elapsed()));
+        let (scanned, version) = super::commit_read(
+            cluster,
+            o,
+            session,
+            found,
+            hashes,
+            &shard_bytes,
+            &placement,
+            &mut phases,
+        )
+        .await?;
         Ok::<_, ImportError>((scanned, version, uploaded, skipped))
     };
     let (scanned, version, uploaded, skipped) = super::in_session(cluster, session, work).await?;
