@@ -15,6 +15,7 @@
 
 mod access;
 pub mod agent;
+mod bulk;
 pub mod identity;
 pub mod metrics;
 pub mod refill;
@@ -301,19 +302,51 @@ impl Peers {
         addr: &str,
         connect_timeout: Duration,
     ) -> Result<locus_proto::client::NodeClient, Status> {
-        let links = self
-            .links
+        self.links()
+            .await?
+            .get("*", addr, locus_proto::grant::Op::Read, "", connect_timeout)
+            .await
+            .map_err(Status::unavailable)
+    }
+
+    async fn links(&self) -> Result<&locus_proto::grant::NodeLinks, Status> {
+        self.links
             .get_or_try_init(|| async {
                 let m = self.metadata().await?;
                 Ok::<_, Status>(locus_proto::grant::NodeLinks::new(
                     locus_proto::grant::Grants::new(m, self.opts.token.as_deref()),
                 ))
             })
-            .await?;
-        links
-            .get("*", addr, locus_proto::grant::Op::Read, "", connect_timeout)
             .await
-            .map_err(Status::unavailable)
+    }
+
+    /// Bytes `[offset, offset+len)` of blob `h` from the peer at `addr` over the bulk
+    /// path (`len` 0: to its end), presenting a read grant. `Unsupported`: ask it over
+    /// gRPC ([`Peers::peer`]).
+    pub async fn bulk_read(
+        &self,
+        addr: &str,
+        h: &BlobHash,
+        offset: u64,
+        len: u64,
+        idle: Duration,
+    ) -> Result<locus_proto::bulk::Reading, locus_proto::bulk::BulkError> {
+        let links = self
+            .links()
+            .await
+            .map_err(|s| locus_proto::bulk::BulkError::Unreachable(s.message().to_string()))?;
+        let r = links
+            .bulk_read("*", addr, locus_proto::grant::Op::Read, "", h, offset, len, idle)
+            .await;
+        if let Err(e) = &r {
+            if !matches!(
+                e,
+                locus_proto::bulk::BulkError::Unsupported(_) | locus_proto::bulk::BulkError::Missing(_)
+            ) {
+                links.failed(addr);
+            }
+        }
+        r
     }
 
     /// The peer at `addr` refused the grant this node presented: the next `peer` call
@@ -649,7 +682,18 @@ pub async fn serve(
         stop_rx.clone(),
     ));
 
-    let incoming = tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
+    // Blob bytes in plaintext take the bulk path on this same port; with TLS on, only
+    // gRPC (clients reach the node as https:// and never try the bulk path).
+    let bulk = cfg.tls.is_none().then(|| {
+        bulk::BulkServer::new(
+            store.clone(),
+            peers.clone(),
+            cfg.require_grants,
+            metrics.clone(),
+            cfg.peer_idle,
+        )
+    });
+    let incoming = bulk::incoming(listener, bulk, stop_rx.clone());
     let mut builder = tonic::transport::Server::builder();
     if let Some(tls) = &cfg.tls {
         builder = builder

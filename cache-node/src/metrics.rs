@@ -2,7 +2,9 @@
 //!
 //! | name | type | unit | meaning |
 //! |---|---|---|---|
-//! | locus_node_read_bytes_total | counter | bytes | blob bytes served (ReadBlob) |
+//! | locus_node_read_bytes_total | counter | bytes | blob bytes served (ReadBlob and the bulk path) |
+//! | locus_node_bulk_sent_bytes_total | counter | bytes | of those, bytes sent over the bulk path |
+//! | locus_node_bulk_connections | gauge | connections | bulk-path connections open now (a thread each) |
 //! | locus_node_written_bytes_total | counter | bytes | blob bytes stored, verified (WriteBlob, fetches) |
 //! | locus_node_blobs_written_total | counter | blobs | blobs stored by how they came (client, peer, backup, origin) |
 //! | locus_node_write_refusals_total | counter | calls | writes refused by reason (full, mismatch) |
@@ -42,6 +44,8 @@ pub struct DirLabel {
 pub struct Metrics {
     registry: Registry,
     pub read_bytes: Counter,
+    pub bulk_bytes: Counter,
+    pub bulk_connections: Gauge,
     pub written_bytes: Counter,
     pub blobs_written: Family<KindLabel, Counter>,
     pub write_refusals: Family<KindLabel, Counter>,
@@ -77,6 +81,8 @@ impl Metrics {
         let m = Metrics {
             registry: Registry::default(),
             read_bytes: Counter::default(),
+            bulk_bytes: Counter::default(),
+            bulk_connections: Gauge::default(),
             written_bytes: Counter::default(),
             blobs_written: Family::default(),
             write_refusals: Family::default(),
@@ -98,6 +104,16 @@ impl Metrics {
             dir_size: Family::default(),
         };
         r.register("read_bytes", "Blob bytes served", m.read_bytes.clone());
+        r.register(
+            "bulk_sent_bytes",
+            "Blob bytes sent over the bulk path",
+            m.bulk_bytes.clone(),
+        );
+        r.register(
+            "bulk_connections",
+            "Bulk-path connections open now",
+            m.bulk_connections.clone(),
+        );
         r.register(
             "written_bytes",
             "Blob bytes stored, verified",

@@ -113,6 +113,39 @@ impl NodeService {
         Ok(Response::new(resp))
     }
 
+    /// Chunk `c` (of `cs` bytes) of blob `h` from the peer at `source`: over the bulk
+    /// path, or over gRPC to a peer without it. Never more than the chunk: a peer that
+    /// offers more is cut off before it can grow the buffer.
+    async fn chunk_from(&self, source: &str, h: &BlobHash, c: u64, cs: u64) -> Result<bytes::Bytes, Status> {
+        use locus_proto::bulk::BulkError;
+        let too_much = || {
+            Status::data_loss(format!(
+                "{source} sent more than the {cs} bytes of chunk {c} of blob {h}"
+            ))
+        };
+        match self.peers.bulk_read(source, h, c * cs, cs, self.peer_idle).await {
+            Ok(r) if r.len() > cs => return Err(too_much()),
+            Ok(r) => return r.all().await.map_err(crate::transfer::bulk_status),
+            Err(BulkError::Unsupported(_)) => {}
+            Err(e) => return Err(crate::transfer::bulk_status(e)),
+        }
+        let mut peer = self.peers.peer(source, Duration::from_secs(5)).await?;
+        let req = nodepb::ReadBlobRequest {
+            hash: h.0.to_vec(),
+            offset: c * cs,
+            length: cs,
+        };
+        let mut s = open_read(&mut peer, req, self.peer_idle).await?;
+        let mut buf = Vec::with_capacity(cs as usize);
+        while let Some(m) = next_within(&mut s, self.peer_idle).await? {
+            if (buf.len() + m.data.len()) as u64 > cs {
+                return Err(too_much());
+            }
+            buf.extend_from_slice(&m.data);
+        }
+        Ok(buf.into())
+    }
+
     /// The Unix socket serves what a same-host mount needs (reads, EnsureLocal,
     /// LocalPaths) and nothing that writes, fetches from an address, or sends to a URL:
     /// whoever can reach the socket gets no more than a reader.
@@ -271,7 +304,6 @@ impl Node for NodeService {
                 .await;
         }
         self.peers.check_source(&q.source).await?;
-        let peer = self.peers.peer(&q.source, Duration::from_secs(5)).await?;
         let mut resp = nodepb::FetchBlobsResponse::default();
         // A few transfers at once keep the link busy without unbounded memory.
         let mut set = tokio::task::JoinSet::new();
@@ -279,13 +311,12 @@ impl Node for NodeService {
         loop {
             while set.len() < 4 {
                 let Some((h, size)) = iter.next() else { break };
-                let store = self.store.clone();
-                let mut p = peer.clone();
+                let (store, peers, source) = (self.store.clone(), self.peers.clone(), q.source.clone());
                 let (cs, pin, idle) = (q.chunk_size, q.pin, self.peer_idle);
                 set.spawn(async move {
                     (
                         size,
-                        fetch_from_peer(&store, &mut p, h, size, cs, pin, idle, None).await,
+                        fetch_from_peer(&store, &peers, &source, h, size, cs, pin, idle, None).await,
                     )
                 });
             }
@@ -362,28 +393,10 @@ impl Node for NodeService {
                 .collect()
         };
         let cs = self.store.chunk_size_of(&h).unwrap_or(1);
-        let mut peer = self.peers.peer(&q.source, Duration::from_secs(5)).await?;
         let mut fetched = 0;
         for c in want {
             let from = |s: Status| Status::new(s.code(), format!("from {}: {}", q.source, s.message()));
-            let req = nodepb::ReadBlobRequest {
-                hash: h.0.to_vec(),
-                offset: c * cs,
-                length: cs,
-            };
-            let mut s = open_read(&mut peer, req, self.peer_idle).await.map_err(from)?;
-            let mut buf = Vec::with_capacity(cs as usize);
-            while let Some(m) = next_within(&mut s, self.peer_idle).await.map_err(from)? {
-                // A peer that sends more than the chunk it was asked for is cut off
-                // here, before it can grow the buffer past one chunk.
-                if (buf.len() + m.data.len()) as u64 > cs {
-                    return Err(Status::data_loss(format!(
-                        "{} sent more than the {cs} bytes of chunk {c} of blob {h}",
-                        q.source
-                    )));
-                }
-                buf.extend_from_slice(&m.data);
-            }
+            let buf = self.chunk_from(&q.source, &h, c, cs).await.map_err(from)?;
             let st = self.store.clone();
             let len = buf.len() as u64;
             tokio::task::spawn_blocking(move || st.write_chunk(&h, c, &buf))

@@ -218,10 +218,71 @@ pub async fn open_read(
     }
 }
 
-/// Copies one blob from a peer into the local store, verifying it. Returns false if it was
-/// already here. With `limit`, every piece is paid for before it is written.
+/// Copies one blob from the peer at `addr` into the local store, verifying it: over the
+/// bulk path (the peer sends from its file, the bytes are received into the buffers the
+/// store's writer hashes and writes), or over gRPC to a peer without it. Returns false
+/// if it was already here. With `limit`, every piece is paid for before it is written.
 #[allow(clippy::too_many_arguments)]
 pub async fn fetch_from_peer(
+    store: &Arc<BlobStore>,
+    peers: &Peers,
+    addr: &str,
+    h: BlobHash,
+    size: u64,
+    chunk_size: u32,
+    pin: bool,
+    idle: Duration,
+    limit: Option<&RateLimit>,
+) -> Result<bool, Status> {
+    use locus_proto::bulk::BulkError;
+    let mut reading = match peers.bulk_read(addr, &h, 0, 0, idle).await {
+        Ok(r) => r,
+        Err(BulkError::Unsupported(_)) => {
+            let mut peer = peers.peer(addr, idle.min(CONNECT)).await?;
+            return fetch_over_grpc(store, &mut peer, h, size, chunk_size, pin, idle, limit).await;
+        }
+        Err(e) => return Err(bulk_status(e)),
+    };
+    if reading.len() != size {
+        return Err(Status::data_loss(format!(
+            "the peer offers {} bytes of blob {h}, the manifest says {size}",
+            reading.len()
+        )));
+    }
+    let Some(writer) = begin_write(store, h, size, chunk_size, pin).await? else {
+        return Ok(false);
+    };
+    let mut sink = Sink::new(writer);
+    while let Some(b) = reading.next(PEER_PIECE).await.map_err(bulk_status)? {
+        if let Some(l) = limit {
+            l.take(b.len() as u64).await;
+        }
+        sink.write(b).await?;
+    }
+    sink.finish().await?;
+    Ok(true)
+}
+
+/// Bytes received from a peer per write to the store.
+const PEER_PIECE: usize = 512 << 10;
+
+/// A bulk-path failure as the status a copy reports (UNAUTHENTICATED makes the caller
+/// drop the grant it presented).
+pub(crate) fn bulk_status(e: locus_proto::bulk::BulkError) -> Status {
+    use locus_proto::bulk::BulkError;
+    match e {
+        BulkError::Missing(m) => Status::not_found(m),
+        BulkError::Grant(m) => Status::unauthenticated(m),
+        BulkError::DataLoss(m) => Status::data_loss(m),
+        BulkError::Unsupported(m) | BulkError::Unreachable(m) | BulkError::Refused(m) => {
+            Status::unavailable(m)
+        }
+    }
+}
+
+/// `fetch_from_peer` over a peer's ReadBlob stream.
+#[allow(clippy::too_many_arguments)]
+async fn fetch_over_grpc(
     store: &Arc<BlobStore>,
     peer: &mut locus_proto::client::NodeClient,
     h: BlobHash,
@@ -323,15 +384,7 @@ pub async fn copy_from_anywhere(
         if id == o.me {
             continue;
         }
-        let mut peer = match peers.peer(&addr, o.idle.min(CONNECT)).await {
-            Ok(p) => p,
-            Err(e) => {
-                tracing::warn!(blob = %h, peer = %id, "cannot connect, trying another source: {e}");
-                last = Status::unavailable(format!("{id}: {e}"));
-                continue;
-            }
-        };
-        match fetch_from_peer(store, &mut peer, h, size, chunk_size, o.pin, o.idle, o.limit).await {
+        match fetch_from_peer(store, peers, &addr, h, size, chunk_size, o.pin, o.idle, o.limit).await {
             Ok(true) => return Ok(Source::Peer(id)),
             Ok(false) => return Ok(Source::Here),
             Err(s) => {

@@ -11,9 +11,18 @@ use locus_proto::BlobHash;
 /// reads; pieces are 2 MiB) is answered with a slice of it, so the bytes go from the
 /// receive buffer to the kernel without another copy.
 #[derive(Clone, Debug, Default)]
-pub struct Pieces(Arc<[Bytes]>);
+pub struct Pieces(Arc<[Bytes]>, Option<BlobHash>);
 
 impl Pieces {
+    /// Pieces hashed as they arrived (each while it was still in the CPU's cache):
+    /// `hasher` must have been fed exactly `parts`, in order. The hash is this
+    /// process's own, from the bytes themselves, so it is as good as hashing them again.
+    pub fn hashed(parts: Vec<Bytes>, hasher: &blake3::Hasher) -> Self {
+        let p = Pieces(parts.into(), Some(BlobHash(*hasher.finalize().as_bytes())));
+        debug_assert_eq!(p.1, Some(Pieces(p.0.clone(), None).hash()));
+        p
+    }
+
     pub fn len(&self) -> usize {
         self.0.iter().map(Bytes::len).sum()
     }
@@ -29,6 +38,9 @@ impl Pieces {
 
     /// BLAKE3 of the whole chunk.
     pub fn hash(&self) -> BlobHash {
+        if let Some(h) = self.1 {
+            return h;
+        }
         if let [one] = &*self.0 {
             return BlobHash::of(one);
         }
@@ -63,13 +75,13 @@ impl Pieces {
 
 impl From<Bytes> for Pieces {
     fn from(b: Bytes) -> Self {
-        Pieces(Arc::from([b]))
+        Pieces(Arc::from([b]), None)
     }
 }
 
 impl From<Vec<Bytes>> for Pieces {
     fn from(v: Vec<Bytes>) -> Self {
-        Pieces(v.into())
+        Pieces(v.into(), None)
     }
 }
 

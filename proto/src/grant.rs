@@ -357,6 +357,8 @@ pub struct NodeLinks {
     /// By (address, operation, target): the grant the connection presents, and it.
     links:
         tokio::sync::Mutex<std::collections::HashMap<LinkScope, (Option<String>, crate::client::NodeClient)>>,
+    /// Bulk-path connections (blob bytes), presenting the same grants.
+    bulk: std::sync::Arc<crate::bulk::Pool>,
 }
 
 /// (address, operation, target).
@@ -379,7 +381,42 @@ impl NodeLinks {
         NodeLinks {
             grants,
             links: Default::default(),
+            bulk: crate::bulk::Pool::new(),
         }
+    }
+
+    /// Bytes `[offset, offset+len)` of blob `h` from the node at `addr` over the bulk
+    /// path, presenting the grant for (`node`, `op`, `target`). `Unsupported`: the node
+    /// is to be asked over gRPC ([`NodeLinks::link`]).
+    #[allow(clippy::too_many_arguments)]
+    pub async fn bulk_read(
+        &self,
+        node: &str,
+        addr: &str,
+        op: Op,
+        target: &str,
+        h: &crate::BlobHash,
+        offset: u64,
+        len: u64,
+        idle: Duration,
+    ) -> Result<crate::bulk::Reading, crate::bulk::BulkError> {
+        use crate::bulk::BulkError;
+        if !self.bulk.speaks(addr) {
+            return Err(BulkError::Unsupported(format!("{addr} is asked over gRPC")));
+        }
+        let grant = self.grants.get(node, op, target).await.map_err(|s| {
+            BulkError::Grant(format!(
+                "no {} grant for node {node}: {}",
+                op.as_str(),
+                s.message()
+            ))
+        })?;
+        self.bulk.open(addr, grant.as_deref(), h, offset, len, idle).await
+    }
+
+    /// The node at `addr` failed: its kept bulk connections are closed.
+    pub fn failed(&self, addr: &str) {
+        self.bulk.forget(addr);
     }
 
     /// A connection to the node at `addr` presenting a grant for `op` on `target`, issued
@@ -431,6 +468,7 @@ impl NodeLinks {
     /// the next `get` presents a fresh one.
     pub async fn refused(&self, node: &str, addr: &str, op: Op, target: &str) {
         self.grants.forget(node, op, target).await;
+        self.bulk.forget(addr);
         self.links
             .lock()
             .await

@@ -9,6 +9,7 @@
 //! This crate must never depend on another Locus crate.
 
 pub mod auth;
+pub mod bulk;
 pub mod client;
 pub mod grant;
 pub mod hex;

@@ -282,6 +282,29 @@ impl BlobReader {
         self.end - self.pos
     }
 
+    /// For a range that needs no hashing on the way out (the file is unchanged since
+    /// its last whole-blob check): the open file and where the remaining bytes start in
+    /// it, for a caller that hands them to the kernel (`sendfile`) instead of reading
+    /// them through [`BlobReader::next_piece`]. None: pieces must be hashed.
+    pub fn trusted_span(&self) -> Option<(&File, u64)> {
+        self.trusted.map(|_| (&self.file, self.base + self.pos))
+    }
+
+    /// After the rest of a trusted span was sent by the caller: whether the file kept the
+    /// stamp it was trusted under while it was read (a changed file goes to quarantine,
+    /// and the bytes sent must be thrown away by whoever got them).
+    pub fn finish_span(&mut self) -> Result<(), StoreError> {
+        let Some(before) = self.trusted else {
+            return Ok(());
+        };
+        if record::stamp_file(&self.file).map_err(io)? != before {
+            let c = self.pos / self.chunk_size;
+            return Err(self.corrupt(format!("chunk {c} changed while it was being read")));
+        }
+        self.pos = self.end;
+        Ok(())
+    }
+
     fn corrupt(&self, what: String) -> StoreError {
         self.store.corrupt(&self.hash, &self.path, what)
     }

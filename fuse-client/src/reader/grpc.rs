@@ -1,6 +1,6 @@
-//! The mount's remote source over gRPC: chunks read from cache nodes (each connection
-//! presenting a read grant), and the metadata service asked where blobs are and what the
-//! version's shards and nodes look like.
+//! The mount's remote source: chunks read from cache nodes over the bulk path (gRPC for
+//! a node without it), each connection presenting a read grant; and the metadata service
+//! asked over gRPC where blobs are and what the version's shards and nodes look like.
 
 use std::time::Duration;
 
@@ -8,6 +8,10 @@ use locus_proto::client::{MetadataClient, NodeClient};
 use locus_proto::{nodepb, pb, BlobHash};
 
 use super::*;
+
+/// Bytes per received piece: the largest read the kernel sends a mount (1 MiB), so an
+/// aligned read is one piece.
+const BULK_PIECE: usize = 1 << 20;
 
 /// The cluster's replicas over gRPC: node connections kept per address, the metadata
 /// service for locations and topology. Nodes are sent a read grant (renewed while the
@@ -49,6 +53,46 @@ impl GrpcReplicas {
     }
 
     async fn read_from(&self, addr: &str, c: ChunkRef, idle: Duration) -> Result<Pieces, SourceError> {
+        use locus_proto::bulk::BulkError;
+        // The bulk path first: the node sends from its file and the bytes land in one
+        // buffer here, which is what gets verified and cached.
+        match self
+            .links
+            .bulk_read(
+                "*",
+                addr,
+                locus_proto::grant::Op::Read,
+                "",
+                &c.blob,
+                c.offset,
+                c.len,
+                idle,
+            )
+            .await
+        {
+            Ok(mut r) => {
+                // In pieces of the kernel's read size, each hashed as it arrives while
+                // it is still in the CPU's cache (a whole chunk received first and
+                // hashed after is read back from memory: measurably dearer per byte),
+                // and each answering one aligned kernel read without a copy.
+                let mut parts = Vec::with_capacity(r.len().div_ceil(BULK_PIECE as u64) as usize);
+                let mut hasher = blake3::Hasher::new();
+                loop {
+                    match r.next(BULK_PIECE).await {
+                        Ok(Some(b)) => {
+                            hasher.update(&b);
+                            parts.push(b);
+                        }
+                        Ok(None) => return Ok(Pieces::hashed(parts, &hasher)),
+                        Err(e) => return Err(SourceError::Unreachable(e.to_string())),
+                    }
+                }
+            }
+            Err(BulkError::Unsupported(_)) => {}
+            Err(BulkError::Missing(m)) => return Err(SourceError::Missing(m)),
+            Err(BulkError::Grant(m)) => return Err(SourceError::Grant(m)),
+            Err(e) => return Err(SourceError::Unreachable(e.to_string())),
+        }
         let mut client = self.client(addr).await?;
         let mut stream = tokio::time::timeout(
             idle,
@@ -92,6 +136,7 @@ impl Replicas for GrpcReplicas {
 
     fn forget<'a>(&'a self, addr: &'a str) -> BoxFuture<'a, ()> {
         // The grant too: a node that refused it (a revoked key) must see a fresh one.
+        // `refused` also closes the kept bulk connections.
         Box::pin(self.links.refused("*", addr, locus_proto::grant::Op::Read, ""))
     }
 

@@ -1,0 +1,210 @@
+//! CPU per MiB of moving blob bytes between processes: what a remote byte costs both ends,
+//! judged against a plain TCP copy plus one BLAKE3 pass measured in the same run.
+//!
+//! One metadata service and one cache node n0 holding `LOCUS_BENCH_MIB` MiB (default
+//! 1024) in 4 files; everything on loopback (on a shared 2-core machine throughput
+//! measures CPU, so CPU time per MiB of every process involved is the figure). Each
+//! round, with the page cache dropped before each part:
+//! - reference: the blob files sent over one loopback TCP connection with `sendfile`,
+//!   received into a reused buffer (this process, both ends), and one BLAKE3 pass over
+//!   the same bytes on one thread;
+//! - remote read, bulk path and gRPC (`LOCUS_BULK=off`): a fresh mount with no local
+//!   node reads every file once in 1 MiB reads; CPU of n0 and of the mount process;
+//! - peer copy: a fresh node copies every blob from n0 (FetchBlobs: verified, written and
+//!   fsynced); CPU of both nodes.
+//!
+//! Run:
+//!
+//!     cargo bench --bench data_plane
+//!     LOCUS_BENCH_MIB=1024 LOCUS_BENCH_ROUNDS=3 cargo bench --bench data_plane
+//!
+//! Needs root to drop the page cache (without it the figures are warm, and say so).
+
+use locus_testkit as support;
+
+use std::path::PathBuf;
+
+use locus_proto::nodepb;
+use support::*;
+
+fn ms_per_mib(cpu: f64, bytes: u64) -> f64 {
+    cpu * 1000.0 / (bytes as f64 / (1 << 20) as f64)
+}
+
+/// Blob bytes node `n` has served so far (its read_bytes counter).
+async fn served(n: &Node) -> u64 {
+    let text = http_get(n.http, "/metrics").await;
+    text.lines()
+        .find_map(|l| l.strip_prefix("locus_node_read_bytes_total ")?.parse().ok())
+        .expect("locus_node_read_bytes_total")
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    v[v.len() / 2]
+}
+
+#[tokio::main]
+async fn main() {
+    let mib = env_u64("LOCUS_BENCH_MIB", 1024);
+    let rounds = env_u64("LOCUS_BENCH_ROUNDS", 3);
+    let files = 4usize;
+    let each = ((mib as usize) << 20) / files;
+
+    let h = Harness::new("bench-data-plane");
+    let src = h.path("src");
+    write_random_files(&src, "part-", files, each, 4100);
+    let m = h.start_metadata("meta", MetadataOpts::default()).await;
+    let n0 = h
+        .start_node("n0", &m, NodeOpts::host(0).with_capacity("64GiB"))
+        .await;
+    let out = m.cli(&[
+        "dataset",
+        "import",
+        "ds",
+        src.to_str().unwrap(),
+        "--replicas",
+        "1",
+    ]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    // The data files' blobs (the version's namespace is a blob too).
+    let mut blobs = n0.blob_files();
+    blobs.retain(|_, b| b.size == each as u64);
+    let blob_paths: Vec<PathBuf> = blobs.values().map(|b| b.path.clone()).collect();
+    let total: u64 = blobs.values().map(|b| b.size).sum();
+    assert_eq!(total, (each * files) as u64);
+    let cold = drop_caches();
+    println!(
+        "\ndata_plane: {} MiB in {files} files, one node, loopback; page cache {}\n",
+        total >> 20,
+        if cold {
+            "dropped before each part"
+        } else {
+            "NOT dropped (not root): warm figures"
+        }
+    );
+    println!("| round | part | CPU ms/MiB: sender | receiver | both | × reference |");
+    println!("|---|---|---|---|---|---|");
+
+    let mut rows: std::collections::BTreeMap<&str, Vec<f64>> = Default::default();
+    for round in 1..=rounds {
+        drop_caches();
+        let (got, tcp, tcp_receiver) = tcp_copy_cpu(&blob_paths);
+        assert_eq!(got, total);
+        let b3 = blake3_cpu(&blob_paths);
+        let reference = ms_per_mib(tcp + b3, total);
+        println!(
+            "| {round} | reference: TCP copy (sendfile → recv) {:.3} + BLAKE3 {:.3} | {:.3} | {:.3} + {:.3} | {reference:.3} | 1.00× |",
+            ms_per_mib(tcp, total),
+            ms_per_mib(b3, total),
+            ms_per_mib(tcp - tcp_receiver, total),
+            ms_per_mib(tcp_receiver, total),
+            ms_per_mib(b3, total),
+        );
+        rows.entry("reference").or_default().push(reference);
+
+        for (name, bulk) in [("remote read, bulk path", true), ("remote read, gRPC", false)] {
+            set_bulk(bulk);
+            drop_caches();
+            let mnt = m.mount(&format!("r{round}-{bulk}"), "ds@1", None, &[]);
+            let paths: Vec<PathBuf> = (0..files)
+                .map(|i| mnt.path.join(format!("part-{i:03}.bin")))
+                .collect();
+            let (np, mp) = (n0.daemon.pid(), mnt.server_pid());
+            let sent_before = served(&n0).await;
+            let perf = profile(&format!("data-plane-{round}-{bulk}"));
+            let (n_before, m_before) = (cpu_seconds(np), cpu_seconds(mp));
+            let (b, t) = read_sequentially(&paths);
+            assert_eq!(b, total);
+            let (n_cpu, m_cpu) = (cpu_seconds(np) - n_before, cpu_seconds(mp) - m_before);
+            stop_profile(perf);
+            let moved = served(&n0).await - sent_before;
+            drop(mnt);
+            let both = ms_per_mib(n_cpu + m_cpu, total);
+            if std::env::var_os("LOCUS_BENCH_PERF").is_some() {
+                println!("(node pid {np}, mount pid {mp})");
+            }
+            println!(
+                "| {round} | {name} ({:.0} MiB/s, {:.2}× the bytes read moved) | {:.3} | {:.3} | {both:.3} | {:.2}× |",
+                mbs(b, t),
+                moved as f64 / total as f64,
+                ms_per_mib(n_cpu, total),
+                ms_per_mib(m_cpu, total),
+                both / reference
+            );
+            rows.entry(name).or_default().push(both / reference);
+        }
+
+        for (name, bulk) in [("peer copy, bulk path", true), ("peer copy, gRPC", false)] {
+            set_bulk(bulk);
+            let n1 = h
+                .start_node(
+                    &format!("c{round}{}", if bulk { "b" } else { "g" }),
+                    &m,
+                    NodeOpts::host(0).with_capacity("64GiB"),
+                )
+                .await;
+            drop_caches();
+            let (p0, p1) = (n0.daemon.pid(), n1.daemon.pid());
+            let perf = profile(&format!("data-plane-copy-{round}-{bulk}"));
+            if std::env::var_os("LOCUS_BENCH_PERF").is_some() {
+                println!("(source pid {p0}, copying node pid {p1})");
+            }
+            let (b0, b1) = (cpu_seconds(p0), cpu_seconds(p1));
+            let t = std::time::Instant::now();
+            let r = n1
+                .client()
+                .await
+                .fetch_blobs(nodepb::FetchBlobsRequest {
+                    source: n0.address(),
+                    blobs: blobs
+                        .iter()
+                        .map(|(hex, b)| nodepb::BlobRef {
+                            hash: locus_proto::BlobHash::from_hex(hex).unwrap().0.to_vec(),
+                            size: b.size,
+                            origin_path: String::new(),
+                        })
+                        .collect(),
+                    pin: true,
+                    ..Default::default()
+                })
+                .await
+                .expect("FetchBlobs")
+                .into_inner();
+            let took = t.elapsed();
+            assert_eq!(r.bytes, total);
+            let (c0, c1) = (cpu_seconds(p0) - b0, cpu_seconds(p1) - b1);
+            stop_profile(perf);
+            drop(n1);
+            let both = ms_per_mib(c0 + c1, total);
+            println!(
+                "| {round} | {name} ({:.0} MiB/s) | {:.3} | {:.3} | {both:.3} | {:.2}× |",
+                mbs(total, took),
+                ms_per_mib(c0, total),
+                ms_per_mib(c1, total),
+                both / reference
+            );
+            rows.entry(name).or_default().push(both / reference);
+        }
+    }
+    println!("\nmedians over {rounds} rounds:");
+    for (k, v) in rows {
+        if k == "reference" {
+            println!("- reference: {:.3} ms/MiB", median(v));
+        } else {
+            println!("- {k}: {:.2}× the reference", median(v));
+        }
+    }
+    drop(n0);
+    drop(m);
+}
+
+/// Whether the processes started from now on use the bulk path (they read
+/// `LOCUS_BULK` at start).
+fn set_bulk(on: bool) {
+    if on {
+        std::env::remove_var(locus_proto::bulk::ENV_SWITCH);
+    } else {
+        std::env::set_var(locus_proto::bulk::ENV_SWITCH, "off");
+    }
+}

@@ -1,0 +1,401 @@
+//! The node's end of the bulk path (`locus_proto::bulk`): blob bytes sent from the file
+//! to the socket with `sendfile`, no user-space copy, on the same TCP port as gRPC.
+//!
+//! The port's accept loop peeks at each connection's first bytes: the bulk MAGIC goes
+//! here, anything else (HTTP/2, a TLS hello) to gRPC. A node with TLS on does not serve
+//! the bulk path in plaintext: its clients reach it as `https://` and use gRPC.
+//!
+//! Each bulk connection has a thread of its own with blocking I/O: `sendfile` of a file
+//! that is not in the page cache blocks on the disk, which must not stall the async
+//! runtime, and a blocking socket with send/receive timeouts gives the idle rules for
+//! free. Connections are few (a handful per mount and per peer) and bounded by
+//! `MAX_CONNECTIONS`; beyond it a client is answered BUSY and uses gRPC.
+//!
+//! What is sent: a complete blob whose file is unchanged since its last whole-blob check
+//! goes out by `sendfile` unhashed (the receiver verifies every byte, and bit rot under
+//! an unchanged stamp is the scrub's to find, as for gRPC reads and same-host clients);
+//! anything else (a partial blob, a file changed since its check) goes through the
+//! store's verified reader, and a range whose first chunk fails is answered DATA_LOSS.
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::os::fd::AsRawFd;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use locus_proto::bulk::{self, Code};
+use locus_proto::BlobHash;
+
+use crate::store::{BlobStore, StoreError};
+
+/// Bulk connections served at once.
+const MAX_CONNECTIONS: usize = 4096;
+/// A connection with no request for this long is closed (clients keep theirs ≤ 60 s).
+const IDLE_CLOSE: Duration = Duration::from_secs(120);
+
+pub(crate) struct BulkServer {
+    pub(crate) store: Arc<BlobStore>,
+    pub(crate) peers: Arc<crate::Peers>,
+    /// Whether a grant is required (as for the node's gRPC calls).
+    pub(crate) require_grants: bool,
+    pub(crate) metrics: Arc<crate::metrics::Metrics>,
+    /// A client that takes nothing for this long loses its connection.
+    pub(crate) idle: Duration,
+    live: AtomicUsize,
+    /// Every live connection, to be shut down when the node stops.
+    conns: Mutex<Vec<(u64, TcpStream)>>,
+    next: std::sync::atomic::AtomicU64,
+}
+
+impl BulkServer {
+    pub(crate) fn new(
+        store: Arc<BlobStore>,
+        peers: Arc<crate::Peers>,
+        require_grants: bool,
+        metrics: Arc<crate::metrics::Metrics>,
+        idle: Duration,
+    ) -> Arc<Self> {
+        Arc::new(BulkServer {
+            store,
+            peers,
+            require_grants,
+            metrics,
+            idle,
+            live: AtomicUsize::new(0),
+            conns: Mutex::new(Vec::new()),
+            next: Default::default(),
+        })
+    }
+
+    /// Takes a connection whose first bytes are the bulk MAGIC.
+    pub(crate) fn serve(self: &Arc<Self>, s: tokio::net::TcpStream) {
+        let s = match s.into_std().and_then(|s| s.set_nonblocking(false).map(|_| s)) {
+            Ok(s) => s,
+            Err(e) => {
+                tracing::warn!("bulk connection: {e}");
+                return;
+            }
+        };
+        let id = self.next.fetch_add(1, Ordering::Relaxed);
+        if let Ok(c) = s.try_clone() {
+            self.conns.lock().unwrap().push((id, c));
+        }
+        let busy = self.live.fetch_add(1, Ordering::SeqCst) >= MAX_CONNECTIONS;
+        self.metrics.bulk_connections.inc();
+        let me = self.clone();
+        let spawned = std::thread::Builder::new().name("bulk".into()).spawn(move || {
+            let peer = s.peer_addr().map(|a| a.to_string()).unwrap_or_default();
+            if let Err(e) = me.connection(s, busy) {
+                tracing::debug!(%peer, "bulk connection closed: {e}");
+            }
+            me.live.fetch_sub(1, Ordering::SeqCst);
+            me.metrics.bulk_connections.dec();
+            me.conns.lock().unwrap().retain(|(i, _)| *i != id);
+        });
+        if spawned.is_err() {
+            self.live.fetch_sub(1, Ordering::SeqCst);
+            self.metrics.bulk_connections.dec();
+            self.conns.lock().unwrap().retain(|(i, _)| *i != id);
+        }
+    }
+
+    /// Ends every connection (the node is stopping).
+    pub(crate) fn stop(&self) {
+        for (_, c) in self.conns.lock().unwrap().drain(..) {
+            let _ = c.shutdown(std::net::Shutdown::Both);
+        }
+    }
+
+    fn connection(&self, mut s: TcpStream, busy: bool) -> std::io::Result<()> {
+        s.set_read_timeout(Some(self.idle))?;
+        s.set_write_timeout(Some(self.idle))?;
+        let mut magic = [0u8; 8];
+        s.read_exact(&mut magic)?;
+        let mut n = [0u8; 2];
+        s.read_exact(&mut n)?;
+        let n = u16::from_le_bytes(n) as usize;
+        if n > bulk::MAX_GRANT {
+            return hello(
+                &mut s,
+                Code::Invalid,
+                &format!("a grant of {n} bytes is too long"),
+            );
+        }
+        let mut grant = vec![0u8; n];
+        s.read_exact(&mut grant)?;
+        if busy {
+            return hello(&mut s, Code::Busy, "too many bulk connections; use gRPC");
+        }
+        // The grant's end: requests after it are refused and the client fetches a new one.
+        let until = if self.require_grants {
+            match self
+                .peers
+                .grants
+                .verify(&grant, bulk::GRANT_METHOD, locus_proto::grant::now_ms())
+            {
+                Ok((_, g)) => Some(g.expires_unix_ms),
+                Err(e @ locus_proto::grant::GrantError::WrongMethod { .. }) => {
+                    tracing::warn!(peer = ?s.peer_addr().ok(), "bulk connection refused: {e}");
+                    return hello(&mut s, Code::PermissionDenied, &e.to_string());
+                }
+                Err(e) => {
+                    tracing::warn!(peer = ?s.peer_addr().ok(), "bulk connection refused: {e}");
+                    return hello(&mut s, Code::Unauthenticated, &e.to_string());
+                }
+            }
+        } else {
+            None
+        };
+        hello(&mut s, Code::Ok, "")?;
+        s.set_read_timeout(Some(IDLE_CLOSE))?;
+        loop {
+            let mut op = [0u8; 1];
+            match s.read(&mut op)? {
+                0 => return Ok(()),
+                _ if op[0] != bulk::OP_READ => {
+                    s.write_all(&bulk::encode_error(
+                        Code::Invalid,
+                        &format!("unknown operation {}", op[0]),
+                    ))?;
+                    close_gently(&mut s);
+                    return Ok(());
+                }
+                _ => {}
+            }
+            let mut body = [0u8; bulk::REQUEST_BODY];
+            s.set_read_timeout(Some(self.idle))?;
+            s.read_exact(&mut body)?;
+            s.set_read_timeout(Some(IDLE_CLOSE))?;
+            if until.is_some_and(|u| u <= locus_proto::grant::now_ms()) {
+                s.write_all(&bulk::encode_error(
+                    Code::Unauthenticated,
+                    "the grant has expired; present a fresh one",
+                ))?;
+                return Ok(());
+            }
+            let (h, offset, len) = bulk::decode_read(&body);
+            self.read(&mut s, h, offset, len)?;
+        }
+    }
+
+    /// Answers one read. An error that leaves the connection in an unknown state (the
+    /// answer's head was sent and its bytes were not) is returned and closes it.
+    fn read(&self, s: &mut TcpStream, h: BlobHash, offset: u64, len: u64) -> std::io::Result<()> {
+        let refuse = |s: &mut TcpStream, e: StoreError| {
+            let code = match &e {
+                StoreError::NotFound(_) => Code::NotFound,
+                StoreError::NotPresent { .. } => Code::NotPresent,
+                StoreError::Corrupt { .. } => Code::DataLoss,
+                StoreError::Mismatch { .. } => Code::Invalid,
+                _ => {
+                    tracing::error!("bulk read of {h}: {e}");
+                    Code::Internal
+                }
+            };
+            s.write_all(&bulk::encode_error(code, &e.to_string()))
+        };
+        let Some(size) = self.store.size_of(&h) else {
+            return refuse(s, StoreError::NotFound(h));
+        };
+        if offset > size {
+            return s.write_all(&bulk::encode_error(
+                Code::Invalid,
+                &format!("offset {offset} is past the blob's end ({size} bytes)"),
+            ));
+        }
+        let mut r = match self.store.open_reader(&h, offset, len) {
+            Ok(r) => r,
+            Err(e) => return refuse(s, e),
+        };
+        let n = r.remaining();
+        self.metrics.read_bytes.inc_by(n);
+        self.metrics.bulk_bytes.inc_by(n);
+        if let Some((file, at)) = r.trusted_span() {
+            // Each request opens the file afresh, so the kernel's read-ahead would start
+            // small every time: ask for the whole range at once instead.
+            advise_willneed(file, at, n);
+            head(s, n)?;
+            send_file(s, file, at, n)?;
+            if let Err(e) = r.finish_span() {
+                // The bytes sent may not be the blob's: the receiver's check throws them
+                // away; the connection ends so nothing after them is trusted either.
+                return Err(std::io::Error::other(e.to_string()));
+            }
+            return Ok(());
+        }
+        // Hashed on the way out: the first piece before the answer's head, so a range
+        // that fails in its first chunk (every one-chunk read) gets a clean DATA_LOSS.
+        let first = match r.next_piece() {
+            Ok(p) => p,
+            Err(e) => return refuse(s, e),
+        };
+        head(s, n)?;
+        let mut piece = first;
+        while let Some(p) = piece {
+            s.write_all(&p)?;
+            piece = r.next_piece().map_err(|e| std::io::Error::other(e.to_string()))?;
+        }
+        Ok(())
+    }
+}
+
+fn hello(s: &mut TcpStream, code: Code, msg: &str) -> std::io::Result<()> {
+    let mut out = bulk::MAGIC.to_vec();
+    if code == Code::Ok {
+        out.push(Code::Ok as u8);
+        return s.write_all(&out);
+    }
+    out.extend_from_slice(&bulk::encode_error(code, msg));
+    s.write_all(&out)?;
+    close_gently(s);
+    Ok(())
+}
+
+/// Ends a connection after a refusal so the client reads the answer: closing a socket
+/// with unread bytes in it sends a reset, which can destroy the answer before the
+/// client reads it. What the client sent is read and dropped for at most a second.
+fn close_gently(s: &mut TcpStream) {
+    let _ = s.shutdown(std::net::Shutdown::Write);
+    let _ = s.set_read_timeout(Some(Duration::from_secs(1)));
+    let mut sink = [0u8; 4096];
+    let mut left = 1 << 20;
+    while left > 0 {
+        match s.read(&mut sink) {
+            Ok(0) | Err(_) => break,
+            Ok(n) => left -= n.min(left),
+        }
+    }
+}
+
+/// An OK answer's head, sent with MSG_MORE so it leaves in one segment with the first
+/// bytes of the blob.
+fn head(s: &mut TcpStream, n: u64) -> std::io::Result<()> {
+    use nix::sys::socket::{send, MsgFlags};
+    let mut b = [0u8; 9];
+    b[1..].copy_from_slice(&n.to_le_bytes());
+    // nix names no MSG_MORE; the bit is the kernel's.
+    let flags = if n > 0 {
+        MsgFlags::from_bits_retain(libc::MSG_MORE)
+    } else {
+        MsgFlags::empty()
+    };
+    let mut at = 0;
+    while at < b.len() {
+        match send(s.as_raw_fd(), &b[at..], flags) {
+            Ok(k) => at += k,
+            Err(nix::errno::Errno::EINTR) => continue,
+            Err(e) => return Err(e.into()),
+        }
+    }
+    Ok(())
+}
+
+/// Starts reading `[at, at+n)` of `file` into the page cache in the background.
+fn advise_willneed(file: &std::fs::File, at: u64, n: u64) {
+    if n < (256 << 10) {
+        return;
+    }
+    // Advice only: a kernel that ignores it reads as it would have anyway.
+    let _ = nix::fcntl::posix_fadvise(
+        file,
+        at as libc::off_t,
+        n as libc::off_t,
+        nix::fcntl::PosixFadviseAdvice::POSIX_FADV_WILLNEED,
+    );
+}
+
+/// `n` bytes of `file` from `at` to the socket, by the kernel. The socket's send timeout
+/// bounds every wait for a slow reader.
+fn send_file(s: &mut TcpStream, file: &std::fs::File, at: u64, n: u64) -> std::io::Result<()> {
+    let mut off = at as libc::off_t;
+    let end = at + n;
+    while (off as u64) < end {
+        let count = ((end - off as u64).min(1 << 30)) as usize;
+        match nix::sys::sendfile::sendfile(&*s, file, Some(&mut off), count) {
+            Ok(0) => {
+                return Err(std::io::Error::new(
+                    std::io::ErrorKind::UnexpectedEof,
+                    "the blob file is shorter than its record",
+                ))
+            }
+            Ok(_) => {}
+            Err(nix::errno::Errno::EINTR) => continue,
+            Err(nix::errno::Errno::EAGAIN) => {
+                return Err(std::io::Error::new(
+                    std::io::ErrorKind::TimedOut,
+                    "the reader took nothing within the idle timeout",
+                ))
+            }
+            Err(e) => return Err(e.into()),
+        }
+    }
+    Ok(())
+}
+
+/// The node's TCP connections, sorted: the bulk path's to `bulk`, the rest handed on for
+/// gRPC. A connection that sends nothing is handed on after a few seconds (gRPC's own
+/// timeouts then apply).
+pub(crate) fn incoming(
+    listener: tokio::net::TcpListener,
+    bulk: Option<Arc<BulkServer>>,
+    mut stop: tokio::sync::watch::Receiver<bool>,
+) -> tokio_stream::wrappers::ReceiverStream<std::io::Result<tokio::net::TcpStream>> {
+    let (tx, rx) = tokio::sync::mpsc::channel(128);
+    tokio::spawn(async move {
+        loop {
+            let accepted = tokio::select! {
+                a = listener.accept() => a,
+                _ = stop.wait_for(|s| *s) => break,
+            };
+            let s = match accepted {
+                Ok((s, _)) => s,
+                Err(e) => {
+                    // Out of descriptors and the like: a moment, then on.
+                    tracing::warn!("accept: {e}");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            };
+            let _ = s.set_nodelay(true);
+            let Some(b) = bulk.clone() else {
+                if tx.send(Ok(s)).await.is_err() {
+                    break;
+                }
+                continue;
+            };
+            let tx = tx.clone();
+            tokio::spawn(async move {
+                if is_bulk(&s).await {
+                    b.serve(s);
+                } else {
+                    let _ = tx.send(Ok(s)).await;
+                }
+            });
+        }
+        if let Some(b) = bulk {
+            b.stop();
+        }
+    });
+    tokio_stream::wrappers::ReceiverStream::new(rx)
+}
+
+/// Whether a connection opens with the bulk MAGIC (looked at, not taken).
+async fn is_bulk(s: &tokio::net::TcpStream) -> bool {
+    let mut buf = [0u8; 8];
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    loop {
+        let n = match tokio::time::timeout_at(deadline, s.peek(&mut buf)).await {
+            Ok(Ok(n)) => n,
+            _ => return false,
+        };
+        if n == 0 || buf[..n] != bulk::MAGIC[..n] {
+            return false;
+        }
+        if n == buf.len() {
+            return true;
+        }
+        // Part of the magic so far; peek returns at once while those bytes wait.
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+}

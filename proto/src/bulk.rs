@@ -1,0 +1,681 @@
+//! The bulk path for blob bytes: a plain framed protocol beside gRPC, on the node's own
+//! port, so the sender can hand a blob file to the socket with `sendfile` and the
+//! receiver can read it straight into the buffer it verifies and keeps. gRPC stays the
+//! control plane; this carries only "send me bytes [offset, offset+len) of blob H".
+//!
+//! Why not gRPC for the bytes: every 2 MiB went through a user-space read on the node,
+//! protobuf framing, HTTP/2 framing and a copy out of the decoder on the receiver —
+//! about twice the CPU per byte of a plain TCP copy (docs/architecture.md, "The bulk
+//! path").
+//!
+//! The wire (integers little-endian):
+//!
+//! ```text
+//! client hello   MAGIC(8) grant_len(u16) grant(grant_len)      grant: "" when none
+//! server hello   MAGIC(8) code(u8) [msg_len(u16) msg]           msg only when code != OK
+//! request        op(u8)=READ hash(32) offset(u64) len(u64)      len 0: to the blob's end
+//! answer         code(u8) then OK: n(u64) and exactly n bytes; else msg_len(u16) msg
+//! ```
+//!
+//! Requests on one connection are served one after another; the client keeps
+//! connections per node and reuses them. Nothing the node sends is trusted: the caller
+//! verifies every byte against the manifest's hashes, as for gRPC. A node that does not
+//! speak this (an older build) answers the hello with something other than MAGIC, and
+//! the client goes back to gRPC for that node ([`BulkError::Unsupported`]).
+//!
+//! The transport sits behind this module's small surface (`Pool::open` and a `Reading`
+//! that yields verified-later buffers), which is the seam an RDMA implementation would
+//! fill (docs/architecture.md).
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+use crate::BlobHash;
+
+/// The first bytes of every bulk connection, from both ends.
+pub const MAGIC: [u8; 8] = *b"LOCUSBK1";
+/// The one operation so far: bytes of a blob.
+pub const OP_READ: u8 = 1;
+/// Bytes of a request after the op byte.
+pub const REQUEST_BODY: usize = 32 + 8 + 8;
+/// Longest grant a hello may carry.
+pub const MAX_GRANT: usize = 8 << 10;
+/// Grants for the bulk path are checked as grants for this call (a read grant).
+pub const GRANT_METHOD: &str = "ReadBlob";
+
+/// Answer codes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+pub enum Code {
+    Ok = 0,
+    /// The node does not hold the blob.
+    NotFound = 1,
+    /// The node holds part of the blob, not the asked range.
+    NotPresent = 2,
+    /// The node's copy failed its check (now quarantined).
+    DataLoss = 3,
+    /// No grant, or one the node does not accept (expired, unknown key).
+    Unauthenticated = 4,
+    /// A grant that does not allow this.
+    PermissionDenied = 5,
+    /// A malformed request.
+    Invalid = 6,
+    Internal = 7,
+    /// The node serves as many bulk connections as it will: use gRPC.
+    Busy = 8,
+}
+
+impl Code {
+    pub fn from_u8(b: u8) -> Option<Code> {
+        use Code::*;
+        Some(match b {
+            0 => Ok,
+            1 => NotFound,
+            2 => NotPresent,
+            3 => DataLoss,
+            4 => Unauthenticated,
+            5 => PermissionDenied,
+            6 => Invalid,
+            7 => Internal,
+            8 => Busy,
+            _ => return None,
+        })
+    }
+}
+
+/// An error answer: code, then the message (cut to what a u16 length holds).
+pub fn encode_error(code: Code, msg: &str) -> Vec<u8> {
+    let mut m = msg.as_bytes();
+    if m.len() > 1024 {
+        m = &m[..1024];
+    }
+    let mut out = Vec::with_capacity(3 + m.len());
+    out.push(code as u8);
+    out.extend_from_slice(&(m.len() as u16).to_le_bytes());
+    out.extend_from_slice(m);
+    out
+}
+
+/// A request, as sent.
+pub fn encode_read(h: &BlobHash, offset: u64, len: u64) -> [u8; 1 + REQUEST_BODY] {
+    let mut out = [0u8; 1 + REQUEST_BODY];
+    out[0] = OP_READ;
+    out[1..33].copy_from_slice(&h.0);
+    out[33..41].copy_from_slice(&offset.to_le_bytes());
+    out[41..49].copy_from_slice(&len.to_le_bytes());
+    out
+}
+
+/// A request body (after the op byte), decoded: (hash, offset, len).
+pub fn decode_read(b: &[u8; REQUEST_BODY]) -> (BlobHash, u64, u64) {
+    let mut h = [0u8; 32];
+    h.copy_from_slice(&b[..32]);
+    let offset = u64::from_le_bytes(b[32..40].try_into().unwrap());
+    let len = u64::from_le_bytes(b[40..48].try_into().unwrap());
+    (BlobHash(h), offset, len)
+}
+
+/// Why a bulk read gave no bytes, sorted by whose fault it is.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum BulkError {
+    /// The node does not serve the bulk path (an older build, TLS, or it is busy): ask
+    /// it over gRPC.
+    #[error("the node does not serve the bulk path: {0}")]
+    Unsupported(String),
+    /// Not reachable, silent, or it broke the protocol.
+    #[error("{0}")]
+    Unreachable(String),
+    /// It does not hold the blob, or not that range.
+    #[error("does not hold it: {0}")]
+    Missing(String),
+    /// It refused the grant presented (or there was none).
+    #[error("grant: {0}")]
+    Grant(String),
+    /// Its copy is corrupt (it quarantined it).
+    #[error("its copy is corrupt: {0}")]
+    DataLoss(String),
+    /// It refused the request (malformed, internal error).
+    #[error("{0}")]
+    Refused(String),
+}
+
+/// Longest wait for a connection to open (as for gRPC node connections).
+const CONNECT: Duration = Duration::from_secs(3);
+/// How long an address that did not speak the bulk path is asked over gRPC only.
+const UNSUPPORTED_FOR: Duration = Duration::from_secs(600);
+/// Idle connections kept per node.
+const KEEP_PER_NODE: usize = 8;
+/// Requests in flight to one node at once, from one client. Eight 4 MiB requests keep a
+/// 100 Gbit/s link with a millisecond of delay full; more would only cost the node
+/// threads.
+const IN_USE_PER_NODE: usize = 8;
+/// An idle connection older than this is closed rather than reused (the node closes
+/// its end after two minutes without a request).
+const KEEP_IDLE: Duration = Duration::from_secs(60);
+
+struct Idle {
+    grant: Option<String>,
+    stream: TcpStream,
+    since: Instant,
+}
+
+/// Bulk connections to nodes, kept and reused: what every reader of remote blob bytes
+/// holds one of.
+#[derive(Default)]
+pub struct Pool {
+    idle: Mutex<HashMap<String, Vec<Idle>>>,
+    /// Addresses that did not speak the bulk path, and until when they are not asked.
+    unsupported: Mutex<HashMap<String, Instant>>,
+    /// Room for connections in use, per node: a client never has more than
+    /// `IN_USE_PER_NODE` requests on one node at once (each costs the node a thread),
+    /// the rest wait their turn.
+    slots: Mutex<HashMap<String, Arc<tokio::sync::Semaphore>>>,
+    /// When a request to each node last failed on the connection (not a refusal): a
+    /// request that waited for room finds out at once that its node went bad meanwhile,
+    /// instead of queueing behind timeouts (a pulled cable costs one timeout, not one
+    /// per request in the queue).
+    failed: Mutex<HashMap<String, Instant>>,
+    /// `LOCUS_BULK=off` in the environment: every node is asked over gRPC (to compare
+    /// the two paths, or to go around a fault in this one).
+    off: bool,
+}
+
+/// The environment variable that turns the bulk path off in a client (`off`).
+pub const ENV_SWITCH: &str = "LOCUS_BULK";
+
+impl std::fmt::Debug for Pool {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("bulk::Pool").finish_non_exhaustive()
+    }
+}
+
+impl Pool {
+    pub fn new() -> Arc<Pool> {
+        Arc::new(Pool {
+            off: std::env::var(ENV_SWITCH).is_ok_and(|v| v == "off"),
+            ..Pool::default()
+        })
+    }
+
+    /// Whether to try the bulk path with the node at `addr`: a plaintext address
+    /// (`HOST:PORT`) not known to lack it. A TLS node (`https://`) is asked over gRPC.
+    pub fn speaks(&self, addr: &str) -> bool {
+        if self.off || addr.contains("://") {
+            return false;
+        }
+        let mut u = self.unsupported.lock().unwrap();
+        match u.get(addr) {
+            Some(until) if *until > Instant::now() => false,
+            Some(_) => {
+                u.remove(addr);
+                true
+            }
+            None => true,
+        }
+    }
+
+    /// Drops every idle connection to `addr` (it failed), and fails the requests
+    /// waiting for room on it.
+    pub fn forget(&self, addr: &str) {
+        self.idle.lock().unwrap().remove(addr);
+        self.failed(addr);
+    }
+
+    fn failed(&self, addr: &str) {
+        self.failed
+            .lock()
+            .unwrap()
+            .insert(addr.to_string(), Instant::now());
+    }
+
+    fn take(&self, addr: &str, grant: Option<&str>) -> Option<TcpStream> {
+        let mut idle = self.idle.lock().unwrap();
+        let list = idle.get_mut(addr)?;
+        while let Some(c) = list.pop() {
+            if c.grant.as_deref() == grant && c.since.elapsed() < KEEP_IDLE {
+                return Some(c.stream);
+            }
+        }
+        None
+    }
+
+    fn give_back(&self, addr: &str, grant: Option<String>, stream: TcpStream) {
+        let mut idle = self.idle.lock().unwrap();
+        let list = idle.entry(addr.to_string()).or_default();
+        if list.len() < KEEP_PER_NODE {
+            list.push(Idle {
+                grant,
+                stream,
+                since: Instant::now(),
+            });
+        }
+    }
+
+    /// Asks the node at `addr` for bytes `[offset, offset+len)` of blob `h` (`len` 0: to
+    /// its end), presenting `grant`. A node silent for `idle` at any step is given up
+    /// on. The answer's bytes are read with [`Reading::next`] or [`Reading::all`].
+    pub async fn open(
+        self: &Arc<Self>,
+        addr: &str,
+        grant: Option<&str>,
+        h: &BlobHash,
+        offset: u64,
+        len: u64,
+        idle: Duration,
+    ) -> Result<Reading, BulkError> {
+        let slots = self
+            .slots
+            .lock()
+            .unwrap()
+            .entry(addr.to_string())
+            .or_insert_with(|| Arc::new(tokio::sync::Semaphore::new(IN_USE_PER_NODE)))
+            .clone();
+        let asked = Instant::now();
+        let slot = slots.acquire_owned().await.expect("never closed");
+        if let Some(at) = self.failed.lock().unwrap().get(addr) {
+            if *at >= asked {
+                return Err(BulkError::Unreachable(format!(
+                    "{addr} failed while this request waited its turn"
+                )));
+            }
+        }
+        let r = self.ask_on(addr, grant, h, offset, len, idle, slot).await;
+        if matches!(r, Err(BulkError::Unreachable(_))) {
+            self.failed(addr);
+        }
+        r
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    async fn ask_on(
+        self: &Arc<Self>,
+        addr: &str,
+        grant: Option<&str>,
+        h: &BlobHash,
+        offset: u64,
+        len: u64,
+        idle: Duration,
+        slot: tokio::sync::OwnedSemaphorePermit,
+    ) -> Result<Reading, BulkError> {
+        let req = encode_read(h, offset, len);
+        // A kept connection the node has closed since fails at once; one fresh try.
+        if let Some(mut s) = self.take(addr, grant) {
+            match ask(&mut s, &req, idle).await {
+                Ok(Some(n)) => return self.reading(addr, grant, s, n, len, idle, slot),
+                // The node answered: the connection is good for the next request.
+                Err(e) if !matches!(e, BulkError::Unreachable(_)) => {
+                    self.give_back(addr, grant.map(str::to_string), s);
+                    return Err(e);
+                }
+                _ => {}
+            }
+        }
+        let mut s = connect(addr, grant, idle).await.inspect_err(|e| {
+            if matches!(e, BulkError::Unsupported(_)) {
+                self.unsupported
+                    .lock()
+                    .unwrap()
+                    .insert(addr.to_string(), Instant::now() + UNSUPPORTED_FOR);
+            }
+        })?;
+        match ask(&mut s, &req, idle).await {
+            Ok(Some(n)) => self.reading(addr, grant, s, n, len, idle, slot),
+            Ok(None) => Err(BulkError::Unreachable("the node closed the connection".into())),
+            Err(e) => {
+                if !matches!(e, BulkError::Unreachable(_)) {
+                    self.give_back(addr, grant.map(str::to_string), s);
+                }
+                Err(e)
+            }
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn reading(
+        self: &Arc<Self>,
+        addr: &str,
+        grant: Option<&str>,
+        stream: TcpStream,
+        n: u64,
+        asked: u64,
+        idle: Duration,
+        slot: tokio::sync::OwnedSemaphorePermit,
+    ) -> Result<Reading, BulkError> {
+        if asked != 0 && n > asked {
+            return Err(BulkError::Unreachable(format!(
+                "the node offered {n} bytes, {asked} were asked for"
+            )));
+        }
+        Ok(Reading {
+            pool: self.clone(),
+            addr: addr.to_string(),
+            grant: grant.map(str::to_string),
+            stream: Some(stream),
+            left: n,
+            len: n,
+            idle,
+            slot: Some(slot),
+        })
+    }
+}
+
+/// Opens a connection and says hello.
+async fn connect(addr: &str, grant: Option<&str>, idle: Duration) -> Result<TcpStream, BulkError> {
+    let g = grant.unwrap_or("").as_bytes();
+    if g.len() > MAX_GRANT {
+        return Err(BulkError::Refused(format!(
+            "a grant of {} bytes is too long",
+            g.len()
+        )));
+    }
+    let wait = idle.min(CONNECT);
+    let s = tokio::time::timeout(wait, TcpStream::connect(addr))
+        .await
+        .map_err(|_| BulkError::Unreachable(format!("{addr}: no connection within {wait:?}")))?
+        .map_err(|e| BulkError::Unreachable(format!("{addr}: {e}")))?;
+    let _ = s.set_nodelay(true);
+    let mut s = s;
+    let mut hello = Vec::with_capacity(10 + g.len());
+    hello.extend_from_slice(&MAGIC);
+    hello.extend_from_slice(&(g.len() as u16).to_le_bytes());
+    hello.extend_from_slice(g);
+    within(idle, s.write_all(&hello)).await?;
+    let mut back = [0u8; 9];
+    match within(idle, s.read_exact(&mut back)).await {
+        Ok(_) => {}
+        // An older node's gRPC server hangs up on a connection that is not HTTP/2.
+        Err(BulkError::Unreachable(_)) => {
+            return Err(BulkError::Unsupported(format!("{addr} closed the hello")))
+        }
+        Err(e) => return Err(e),
+    }
+    if back[..8] != MAGIC {
+        return Err(BulkError::Unsupported(format!("{addr} answered something else")));
+    }
+    match Code::from_u8(back[8]) {
+        Some(Code::Ok) => Ok(s),
+        Some(Code::Busy) => Err(BulkError::Unsupported(format!("{addr} is busy"))),
+        Some(c) => Err(error_of(c, read_message(&mut s, idle).await?)),
+        None => Err(BulkError::Unreachable(format!(
+            "{addr}: unknown answer {}",
+            back[8]
+        ))),
+    }
+}
+
+/// Sends a request and reads the answer's head: Some(n) for n bytes to follow, None
+/// when the connection was closed before any answer (a kept connection the node timed
+/// out); an error answer as its error.
+async fn ask(s: &mut TcpStream, req: &[u8], idle: Duration) -> Result<Option<u64>, BulkError> {
+    if s.write_all(req).await.is_err() {
+        return Ok(None);
+    }
+    let mut code = [0u8; 1];
+    match within(idle, s.read_exact(&mut code)).await {
+        Ok(_) => {}
+        Err(BulkError::Unreachable(_)) => return Ok(None),
+        Err(e) => return Err(e),
+    }
+    match Code::from_u8(code[0]) {
+        Some(Code::Ok) => {
+            let mut n = [0u8; 8];
+            within(idle, s.read_exact(&mut n)).await?;
+            Ok(Some(u64::from_le_bytes(n)))
+        }
+        Some(c) => Err(error_of(c, read_message(s, idle).await?)),
+        None => Err(BulkError::Unreachable(format!("unknown answer {}", code[0]))),
+    }
+}
+
+async fn read_message(s: &mut TcpStream, idle: Duration) -> Result<String, BulkError> {
+    let mut n = [0u8; 2];
+    within(idle, s.read_exact(&mut n)).await?;
+    let mut m = vec![0u8; u16::from_le_bytes(n) as usize];
+    within(idle, s.read_exact(&mut m)).await?;
+    Ok(String::from_utf8_lossy(&m).into_owned())
+}
+
+fn error_of(c: Code, m: String) -> BulkError {
+    match c {
+        Code::NotFound | Code::NotPresent => BulkError::Missing(m),
+        Code::Unauthenticated | Code::PermissionDenied => BulkError::Grant(m),
+        Code::DataLoss => BulkError::DataLoss(m),
+        Code::Busy => BulkError::Unsupported(m),
+        Code::Invalid | Code::Internal | Code::Ok => BulkError::Refused(m),
+    }
+}
+
+async fn within<T>(
+    idle: Duration,
+    f: impl std::future::Future<Output = std::io::Result<T>>,
+) -> Result<T, BulkError> {
+    match tokio::time::timeout(idle, f).await {
+        Ok(Ok(v)) => Ok(v),
+        Ok(Err(e)) => Err(BulkError::Unreachable(e.to_string())),
+        Err(_) => Err(BulkError::Unreachable(format!(
+            "the node sent nothing for {idle:?}"
+        ))),
+    }
+}
+
+/// The bytes of one answer, as they arrive. Reading them all gives the connection back
+/// to the pool; dropping it early closes the connection.
+pub struct Reading {
+    pool: Arc<Pool>,
+    addr: String,
+    grant: Option<String>,
+    stream: Option<TcpStream>,
+    left: u64,
+    len: u64,
+    idle: Duration,
+    /// Its room among the requests in flight to this node, given back at the end.
+    slot: Option<tokio::sync::OwnedSemaphorePermit>,
+}
+
+impl std::fmt::Debug for Reading {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("bulk::Reading")
+            .field("addr", &self.addr)
+            .field("len", &self.len)
+            .field("left", &self.left)
+            .finish()
+    }
+}
+
+impl Reading {
+    /// Bytes the node said it sends.
+    pub fn len(&self) -> u64 {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The next `max` bytes (fewer only at the end), received straight into one buffer;
+    /// None once all were read.
+    pub async fn next(&mut self, max: usize) -> Result<Option<Bytes>, BulkError> {
+        if self.left == 0 {
+            self.done();
+            return Ok(None);
+        }
+        let n = (max as u64).min(self.left) as usize;
+        let Some(s) = self.stream.as_mut() else {
+            return Err(BulkError::Unreachable("the connection failed earlier".into()));
+        };
+        let mut buf = buffers().take(n);
+        while buf.len() < n {
+            let got = tokio::time::timeout(self.idle, s.read_buf(&mut buf)).await;
+            if !matches!(got, Ok(Ok(n)) if n > 0) {
+                self.pool.failed(&self.addr);
+            }
+            match got {
+                Ok(Ok(0)) => {
+                    self.stream = None;
+                    return Err(BulkError::Unreachable(format!(
+                        "the node stopped after {} of {} bytes",
+                        self.len - self.left + buf.len() as u64,
+                        self.len
+                    )));
+                }
+                Ok(Ok(_)) => {}
+                Ok(Err(e)) => {
+                    self.stream = None;
+                    return Err(BulkError::Unreachable(e.to_string()));
+                }
+                Err(_) => {
+                    self.stream = None;
+                    return Err(BulkError::Unreachable(format!(
+                        "the node sent nothing for {:?}",
+                        self.idle
+                    )));
+                }
+            }
+        }
+        self.left -= n as u64;
+        if self.left == 0 {
+            self.done();
+        }
+        Ok(Some(Bytes::from_owner(Pooled(buf))))
+    }
+
+    /// Every byte of the answer in one buffer.
+    pub async fn all(mut self) -> Result<Bytes, BulkError> {
+        let n = usize::try_from(self.left).map_err(|_| BulkError::Refused("too long to hold".into()))?;
+        Ok(self.next(n).await?.unwrap_or_default())
+    }
+
+    fn done(&mut self) {
+        if let Some(s) = self.stream.take() {
+            self.pool.give_back(&self.addr, self.grant.take(), s);
+        }
+        self.slot = None;
+    }
+}
+
+/// Receive buffers, kept for reuse once every `Bytes` made from one is dropped. A fresh
+/// multi-MiB buffer costs a page fault and a zeroed page per 4 KiB on its first write
+/// (the allocator hands such blocks back to the kernel on free): about a fifth of a
+/// receiver's CPU per byte before these were kept.
+struct Buffers {
+    free: Mutex<Free>,
+}
+
+/// Free buffers by size class (capacity a power of two), and their bytes in all.
+#[derive(Default)]
+struct Free(HashMap<usize, Vec<Vec<u8>>>, usize);
+
+/// Bytes of free buffers kept at most.
+const KEEP_FREE: usize = 64 << 20;
+/// Smallest and largest buffers kept; others are allocated and freed as usual.
+const POOLED_MIN: usize = 256 << 10;
+const POOLED_MAX: usize = 64 << 20;
+
+fn buffers() -> &'static Buffers {
+    static B: std::sync::OnceLock<Buffers> = std::sync::OnceLock::new();
+    B.get_or_init(|| Buffers {
+        free: Mutex::new(Free::default()),
+    })
+}
+
+impl Buffers {
+    /// An empty buffer with room for at least `n` bytes.
+    fn take(&self, n: usize) -> Vec<u8> {
+        if !(POOLED_MIN..=POOLED_MAX).contains(&n) {
+            return Vec::with_capacity(n);
+        }
+        let class = n.next_power_of_two();
+        let mut f = self.free.lock().unwrap();
+        if let Some(b) = f.0.get_mut(&class).and_then(Vec::pop) {
+            f.1 -= class;
+            return b;
+        }
+        drop(f);
+        Vec::with_capacity(class)
+    }
+
+    fn give(&self, mut b: Vec<u8>) {
+        let class = b.capacity();
+        if !class.is_power_of_two() || !(POOLED_MIN..=POOLED_MAX).contains(&class) {
+            return;
+        }
+        b.clear();
+        let mut f = self.free.lock().unwrap();
+        if f.1 + class <= KEEP_FREE {
+            f.1 += class;
+            f.0.entry(class).or_default().push(b);
+        }
+    }
+}
+
+/// A received buffer behind `Bytes`: back to `Buffers` when the last reference goes.
+struct Pooled(Vec<u8>);
+
+impl AsRef<[u8]> for Pooled {
+    fn as_ref(&self) -> &[u8] {
+        &self.0
+    }
+}
+
+impl Drop for Pooled {
+    fn drop(&mut self) {
+        buffers().give(std::mem::take(&mut self.0));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_request_decodes_to_what_was_encoded() {
+        let h = BlobHash([7; 32]);
+        let r = encode_read(&h, 1 << 40, 65536);
+        assert_eq!(r[0], OP_READ);
+        let body: [u8; REQUEST_BODY] = r[1..].try_into().unwrap();
+        assert_eq!(decode_read(&body), (h, 1 << 40, 65536));
+    }
+
+    #[test]
+    fn an_error_message_is_cut_to_fit_its_length() {
+        let e = encode_error(Code::NotFound, &"x".repeat(5000));
+        assert_eq!(e[0], Code::NotFound as u8);
+        assert_eq!(u16::from_le_bytes([e[1], e[2]]) as usize, e.len() - 3);
+        assert_eq!(e.len(), 3 + 1024);
+    }
+
+    #[test]
+    fn a_buffer_comes_back_for_reuse_once_its_last_bytes_are_dropped() {
+        let mut b = buffers().take(3 << 20);
+        assert!(b.capacity() >= 3 << 20 && b.is_empty());
+        b.resize(3 << 20, 7);
+        let ptr = b.as_ptr();
+        let bytes = Bytes::from_owner(Pooled(b));
+        let half = bytes.slice(..10);
+        drop(bytes);
+        // Still referenced: not free yet, so a take gets another buffer.
+        let other = buffers().take(3 << 20);
+        assert_ne!(other.as_ptr(), ptr);
+        drop(half);
+        let again = buffers().take(3 << 20);
+        assert_eq!(again.as_ptr(), ptr, "the freed buffer is reused");
+        buffers().give(other);
+    }
+
+    #[test]
+    fn only_plaintext_addresses_are_asked_over_the_bulk_path() {
+        let p = Pool::new();
+        assert!(p.speaks("10.0.0.1:7070"));
+        assert!(!p.speaks("https://10.0.0.1:7070"));
+        p.unsupported
+            .lock()
+            .unwrap()
+            .insert("10.0.0.1:7070".into(), Instant::now() + Duration::from_secs(5));
+        assert!(!p.speaks("10.0.0.1:7070"));
+    }
+}

@@ -1,0 +1,292 @@
+//! The bulk path for blob bytes, end to end: real `locus node serve` processes serving it
+//! on their gRPC port, read by the client the mount and peer copies use; what it refuses
+//! and why; and that a mount's remote reads take it (and still work over gRPC without).
+
+use locus_testkit as support;
+
+use std::io::{Read, Write};
+use std::time::Duration;
+
+use locus_proto::bulk::{self, BulkError, Pool};
+use locus_proto::{pb, BlobHash};
+use support::*;
+
+const IDLE: Duration = Duration::from_secs(10);
+
+/// The value of a counter in a node's /metrics.
+async fn counter(n: &Node, name: &str) -> u64 {
+    let text = http_get(n.http, "/metrics").await;
+    text.lines()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
+        .unwrap_or_else(|| panic!("{name} is not in the node's metrics"))
+}
+
+/// One file imported as its own blob on one node: (metadata, node, the bytes, their hash).
+async fn one_blob(h: &Harness, m_opts: MetadataOpts, size: usize) -> (Metadata, Node, Vec<u8>, BlobHash) {
+    let (m, mut nodes) = cluster_with(h, m_opts, 1, NodeOpts::host).await;
+    let src = h.path("src");
+    std::fs::create_dir_all(&src).unwrap();
+    let data = pseudo_random(31, size);
+    std::fs::write(src.join("big.bin"), &data).unwrap();
+    let out = import(&m, "ds", &src, &["--replicas", "1"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let hash = BlobHash(*blake3::hash(&data).as_bytes());
+    (m, nodes.remove(0), data, hash)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_bulk_read_returns_exactly_the_asked_range_and_reuses_its_connection() {
+    let h = Harness::new("bulk-range");
+    let (_m, n, data, hash) = one_blob(&h, MetadataOpts::default(), 3 << 20).await;
+    let pool = Pool::new();
+    let addr = n.grpc.to_string();
+    assert!(pool.speaks(&addr));
+    // Ranges: inside one chunk, across chunks, to the end (len 0), empty at the end.
+    for (off, len) in [(0u64, 100u64), (65_000, 200_000), (1 << 20, 0), (3 << 20, 0)] {
+        let r = pool.open(&addr, None, &hash, off, len, IDLE).await.unwrap();
+        let end = if len == 0 { data.len() as u64 } else { off + len };
+        assert_eq!(r.len(), end - off);
+        let got = r.all().await.unwrap();
+        assert_eq!(&got[..], &data[off as usize..end as usize], "range {off}+{len}");
+    }
+    // Four reads, one after another, held one connection open: the node counts one.
+    let open = http_get(n.http, "/metrics").await;
+    assert!(
+        open.lines().any(|l| l == "locus_node_bulk_connections 1"),
+        "{}",
+        open.lines()
+            .filter(|l| l.contains("bulk"))
+            .collect::<Vec<_>>()
+            .join("\n")
+    );
+    assert_eq!(
+        counter(&n, "locus_node_bulk_sent_bytes_total").await,
+        100 + 200_000 + (2 << 20)
+    );
+    // Streaming in pieces gives the same bytes.
+    let mut r = pool.open(&addr, None, &hash, 0, 0, IDLE).await.unwrap();
+    let mut all = Vec::new();
+    while let Some(b) = r.next(1 << 20).await.unwrap() {
+        all.extend_from_slice(&b);
+    }
+    assert_eq!(all, data);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bulk_requests_are_refused_for_the_right_reason_and_grpc_shares_the_port() {
+    let h = Harness::new("bulk-refusals");
+    let (_m, n, data, hash) = one_blob(&h, MetadataOpts::default(), 1 << 20).await;
+    let pool = Pool::new();
+    let addr = n.grpc.to_string();
+    match pool.open(&addr, None, &BlobHash([9; 32]), 0, 0, IDLE).await {
+        Err(BulkError::Missing(m)) => assert!(m.contains("not found") || m.contains("0909"), "{m}"),
+        other => panic!("an unknown blob: {other:?}"),
+    }
+    match pool
+        .open(&addr, None, &hash, data.len() as u64 + 1, 0, IDLE)
+        .await
+    {
+        Err(BulkError::Refused(m)) => assert!(m.contains("past the blob's end"), "{m}"),
+        other => panic!("an offset past the end: {other:?}"),
+    }
+    // The connection that carried those refusals still serves.
+    let got = pool
+        .open(&addr, None, &hash, 0, 10, IDLE)
+        .await
+        .unwrap()
+        .all()
+        .await
+        .unwrap();
+    assert_eq!(&got[..], &data[..10]);
+
+    // By hand: a grant longer than allowed, and an operation that does not exist.
+    let mut s = std::net::TcpStream::connect(n.grpc).unwrap();
+    s.set_read_timeout(Some(IDLE)).unwrap();
+    s.write_all(&bulk::MAGIC).unwrap();
+    s.write_all(&(u16::MAX).to_le_bytes()).unwrap();
+    let mut back = Vec::new();
+    s.read_to_end(&mut back).unwrap();
+    assert_eq!(&back[..8], &bulk::MAGIC);
+    assert_eq!(back[8], bulk::Code::Invalid as u8);
+    assert!(String::from_utf8_lossy(&back[11..]).contains("too long"));
+
+    let mut s = std::net::TcpStream::connect(n.grpc).unwrap();
+    s.set_read_timeout(Some(IDLE)).unwrap();
+    s.write_all(&bulk::MAGIC).unwrap();
+    s.write_all(&0u16.to_le_bytes()).unwrap();
+    let mut hello = [0u8; 9];
+    s.read_exact(&mut hello).unwrap();
+    assert_eq!(hello[8], bulk::Code::Ok as u8);
+    s.write_all(&[77u8; 49]).unwrap();
+    let mut back = Vec::new();
+    s.read_to_end(&mut back).unwrap();
+    assert_eq!(back[0], bulk::Code::Invalid as u8);
+    assert!(String::from_utf8_lossy(&back[3..]).contains("unknown operation 77"));
+
+    // gRPC on the same port is untouched by all of that.
+    let mut c = n.client().await;
+    let have = c
+        .have_blobs(locus_proto::nodepb::HaveBlobsRequest {
+            hashes: vec![hash.0.to_vec()],
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(have.present, vec![true]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_that_checks_grants_refuses_a_bulk_connection_without_a_valid_read_grant() {
+    let h = Harness::new("bulk-grants");
+    let (m, n, data, hash) = one_blob(&h, MetadataOpts::with_tokens(), 1 << 20).await;
+    let pool = Pool::new();
+    let addr = n.grpc.to_string();
+    match pool.open(&addr, None, &hash, 0, 0, IDLE).await {
+        Err(BulkError::Grant(m)) => assert!(m.contains("grant"), "{m}"),
+        other => panic!("no grant: {other:?}"),
+    }
+    match pool.open(&addr, Some("lg1.not-a-grant"), &hash, 0, 0, IDLE).await {
+        Err(BulkError::Grant(_)) => {}
+        other => panic!("a forged grant: {other:?}"),
+    }
+    // A token is not a grant, whatever its role.
+    let admin = m.token("admin").unwrap();
+    assert!(matches!(
+        pool.open(&addr, Some(&admin), &hash, 0, 0, IDLE).await,
+        Err(BulkError::Grant(_))
+    ));
+    let mut c = m.client(Some("admin")).await;
+    let issue = |op: &str| pb::IssueGrantRequest {
+        node: "*".into(),
+        operation: op.into(),
+        target: String::new(),
+        ttl_ms: 0,
+    };
+    // An import grant opens writes, not reads.
+    let import = c.issue_grant(pb::IssueGrantRequest {
+        node: n.id.clone(),
+        ..issue("import")
+    });
+    let import = import.await.unwrap().into_inner().grant;
+    match pool.open(&addr, Some(&import), &hash, 0, 0, IDLE).await {
+        Err(BulkError::Grant(m)) => assert!(m.contains("does not allow"), "{m}"),
+        other => panic!("an import grant: {other:?}"),
+    }
+    let read = c.issue_grant(issue("read")).await.unwrap().into_inner().grant;
+    let got = pool
+        .open(&addr, Some(&read), &hash, 0, 0, IDLE)
+        .await
+        .unwrap()
+        .all()
+        .await
+        .unwrap();
+    assert_eq!(&got[..], &data[..]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_corrupt_blob_is_never_sent_over_the_bulk_path_and_is_quarantined() {
+    let h = Harness::new("bulk-corrupt");
+    let (_m, mut nodes) = cluster(&h, 1, NodeOpts::host).await;
+    let n = nodes.remove(0);
+    let src = h.path("src");
+    std::fs::create_dir_all(&src).unwrap();
+    let (a, b) = (pseudo_random(41, 1 << 20), pseudo_random(42, 1 << 20));
+    std::fs::write(src.join("a.bin"), &a).unwrap();
+    std::fs::write(src.join("b.bin"), &b).unwrap();
+    // 64 KiB chunks: the node checks each before it sends it.
+    let out = import(&_m, "ds", &src, &["--replicas", "1"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let (ha, hb) = (
+        BlobHash(*blake3::hash(&a).as_bytes()),
+        BlobHash(*blake3::hash(&b).as_bytes()),
+    );
+    let mut files = n.blob_files();
+    let (fa, fb) = (
+        files.remove(&ha.to_hex()).unwrap(),
+        files.remove(&hb.to_hex()).unwrap(),
+    );
+    // A later clock tick than the node's write: file times move in ticks of a few ms,
+    // and a change within the write's own tick would leave the file's stamp as it was
+    // (the node would then send the file as trusted, and the receiver's check, not this
+    // node, would catch it: bit rot's case, which the scrub covers).
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    fa.flip(1_000); // in the first chunk
+    fb.flip(300_000); // in the fifth
+    let pool = Pool::new();
+    let addr = n.grpc.to_string();
+    // A range whose first chunk fails is refused before any byte is promised.
+    match pool.open(&addr, None, &ha, 0, 0, IDLE).await {
+        Err(BulkError::DataLoss(m)) => assert!(m.contains("mismatch"), "{m}"),
+        other => panic!("a blob corrupt in its first chunk: {other:?}"),
+    }
+    // One that fails later ends the connection after the good chunks: the reader gets
+    // an error, never the damaged chunk.
+    let mut r = pool.open(&addr, None, &hb, 0, 0, IDLE).await.unwrap();
+    let mut got = Vec::new();
+    let e = loop {
+        match r.next(64 << 10).await {
+            Ok(Some(p)) => got.extend_from_slice(&p),
+            Ok(None) => panic!("the whole corrupt blob was sent"),
+            Err(e) => break e,
+        }
+    };
+    assert!(matches!(e, BulkError::Unreachable(_)), "{e:?}");
+    assert!(
+        got.len() <= 256 << 10,
+        "{} bytes came before the bad chunk",
+        got.len()
+    );
+    assert_eq!(&got[..], &b[..got.len()]);
+    assert_eq!(n.quarantined(), 2);
+    for h in [ha, hb] {
+        assert!(matches!(
+            pool.open(&addr, None, &h, 0, 0, IDLE).await,
+            Err(BulkError::Missing(_))
+        ));
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_that_only_speaks_grpc_is_told_apart_and_asked_over_grpc() {
+    // What an older node looks like to the bulk client: a gRPC server on the port.
+    let old = EndlessPeer::start().await;
+    let pool = Pool::new();
+    let addr = old.addr.to_string();
+    match pool.open(&addr, None, &BlobHash([1; 32]), 0, 0, IDLE).await {
+        Err(BulkError::Unsupported(_)) => {}
+        other => panic!("a gRPC-only server: {other:?}"),
+    }
+    assert!(
+        !pool.speaks(&addr),
+        "remembered, so the next read goes to gRPC at once"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_mount_reads_remote_files_over_the_bulk_path_and_over_grpc_when_it_is_off() {
+    let h = Harness::new("bulk-mount");
+    let (m, n, data, _hash) = one_blob(&h, MetadataOpts::default(), 5 << 20).await;
+    let before = counter(&n, "locus_node_bulk_sent_bytes_total").await;
+    let mnt = m.mount("bulk", "ds@1", None, &[]);
+    assert_eq!(std::fs::read(mnt.path.join("big.bin")).unwrap(), data);
+    let sent = counter(&n, "locus_node_bulk_sent_bytes_total").await - before;
+    assert!(
+        sent >= data.len() as u64,
+        "the mount's reads sent {sent} bytes over the bulk path, the file is {}",
+        data.len()
+    );
+    drop(mnt);
+
+    std::env::set_var(bulk::ENV_SWITCH, "off");
+    let mnt = m.mount("grpc", "ds@1", None, &[]);
+    std::env::remove_var(bulk::ENV_SWITCH);
+    let read_before = counter(&n, "locus_node_read_bytes_total").await;
+    let bulk_before = counter(&n, "locus_node_bulk_sent_bytes_total").await;
+    assert_eq!(std::fs::read(mnt.path.join("big.bin")).unwrap(), data);
+    assert_eq!(
+        counter(&n, "locus_node_bulk_sent_bytes_total").await,
+        bulk_before,
+        "LOCUS_BULK=off still took the bulk path"
+    );
+    assert!(counter(&n, "locus_node_read_bytes_total").await - read_before >= data.len() as u64);
+}
