@@ -17,6 +17,7 @@
 //!
 //!     cargo bench --bench data_plane
 //!     LOCUS_BENCH_MIB=1024 LOCUS_BENCH_ROUNDS=3 cargo bench --bench data_plane
+//!     LOCUS_BENCH_PARTS=copy cargo bench --bench data_plane     # read, copy, or both
 //!
 //! Needs root to drop the page cache (without it the figures are warm, and say so).
 
@@ -103,7 +104,11 @@ async fn main() {
         );
         rows.entry("reference").or_default().push(reference);
 
+        let parts = std::env::var("LOCUS_BENCH_PARTS").unwrap_or_else(|_| "read,copy".into());
         for (name, bulk) in [("remote read, bulk path", true), ("remote read, gRPC", false)] {
+            if !parts.contains("read") {
+                break;
+            }
             set_bulk(bulk);
             drop_caches();
             let mnt = m.mount(&format!("r{round}-{bulk}"), "ds@1", None, &[]);
@@ -136,6 +141,9 @@ async fn main() {
         }
 
         for (name, bulk) in [("peer copy, bulk path", true), ("peer copy, gRPC", false)] {
+            if !parts.contains("copy") {
+                break;
+            }
             set_bulk(bulk);
             let n1 = h
                 .start_node(

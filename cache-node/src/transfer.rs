@@ -252,8 +252,25 @@ pub async fn fetch_from_peer(
     let Some(writer) = begin_write(store, h, size, chunk_size, pin).await? else {
         return Ok(false);
     };
+    // The socket is drained by a task of its own while the store writes: a receiver
+    // that stops reading while it writes lets the connection stall and refill in
+    // bursts.
+    let (tx, mut rx) = tokio::sync::mpsc::channel(RECEIVED_AHEAD);
+    let receiver = tokio::spawn(async move {
+        loop {
+            let piece = reading.next(PEER_PIECE).await;
+            let end = !matches!(piece, Ok(Some(_)));
+            if tx.send(piece).await.is_err() || end {
+                return;
+            }
+        }
+    });
+    let _stop = AbortOnDrop(receiver);
     let mut sink = Sink::new(writer);
-    while let Some(b) = reading.next(PEER_PIECE).await.map_err(bulk_status)? {
+    while let Some(piece) = rx.recv().await {
+        let Some(b) = piece.map_err(bulk_status)? else {
+            break;
+        };
         if let Some(l) = limit {
             l.take(b.len() as u64).await;
         }
@@ -261,6 +278,19 @@ pub async fn fetch_from_peer(
     }
     sink.finish().await?;
     Ok(true)
+}
+
+/// Pieces received ahead of the store's writes, per copy.
+const RECEIVED_AHEAD: usize = 8;
+
+/// Stops a task when its owner goes (a copy that failed must not leave its receiver
+/// reading).
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
 }
 
 /// Bytes received from a peer per write to the store.
