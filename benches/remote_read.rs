@@ -58,9 +58,11 @@ async fn main() {
     ]);
     assert!(out.status.success(), "{}", stderr(&out));
     // Large files: each blob a file of its own, read whole as the disk reference.
+    // The data files' blobs (the version's namespace is a blob too).
     let blob_files: Vec<PathBuf> = n0
         .blob_files()
         .into_values()
+        .filter(|b| b.size == each as u64)
         .map(|b| {
             assert!(!b.packed, "a large blob in a pack");
             b.path
