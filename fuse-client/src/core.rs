@@ -54,12 +54,47 @@ pub enum FsError {
 pub trait LocalNode: Send + Sync + 'static {
     /// Has the node make `blob` present and verified and returns its file's path, within
     /// `limit`. Blocking (it may copy the blob from a peer first).
-    fn ensure_local(&self, blob: BlobHash, size: u64, limit: Duration) -> Result<NodeBlob, String>;
+    fn ensure_local(&self, blob: BlobHash, size: u64, limit: Duration) -> Result<NodeBlob, LocalError>;
     /// For each blob, the node's verified file and its identity at the check, if the node
     /// has it verified now (it fetches and hashes nothing); within `limit`. Blocking.
-    fn local_paths(&self, blobs: &[BlobHash], limit: Duration) -> Result<Vec<Option<KnownPath>>, String> {
+    fn local_paths(&self, blobs: &[BlobHash], limit: Duration) -> Result<Vec<Option<KnownPath>>, LocalError> {
         let _ = (blobs, limit);
-        Err("this node lists no paths".into())
+        Err(LocalError::Refused("this node lists no paths".into()))
+    }
+}
+
+/// Why the same host's node gave no file for a blob: what the log says, and whether the
+/// node itself is in trouble (`Unreachable`) or only this blob is (`Missing`, `Corrupt`).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum LocalError {
+    /// Not answering, or not within the time allowed.
+    #[error("the node is not answering: {0}")]
+    Unreachable(String),
+    /// Neither the node nor any source it can reach holds the blob (NOT_FOUND).
+    #[error("no source the node can reach holds it: {0}")]
+    Missing(String),
+    /// Every copy the node found failed verification (DATA_LOSS).
+    #[error("no copy the node found was intact: {0}")]
+    Corrupt(String),
+    /// It refused: a full data dir, a client it does not serve, a packed blob for a client
+    /// that reads whole files.
+    #[error("the node refused: {0}")]
+    Refused(String),
+}
+
+impl LocalError {
+    /// A node's gRPC answer, sorted by what it means for the mount.
+    pub fn from_status(s: &tonic::Status) -> Self {
+        let m = format!("{:?}: {}", s.code(), s.message());
+        match s.code() {
+            tonic::Code::NotFound => LocalError::Missing(m),
+            tonic::Code::DataLoss => LocalError::Corrupt(m),
+            tonic::Code::Unavailable
+            | tonic::Code::DeadlineExceeded
+            | tonic::Code::Unknown
+            | tonic::Code::Cancelled => LocalError::Unreachable(m),
+            _ => LocalError::Refused(m),
+        }
     }
 }
 
@@ -91,7 +126,7 @@ pub struct GrpcLocalNode {
 }
 
 impl LocalNode for GrpcLocalNode {
-    fn ensure_local(&self, blob: BlobHash, size: u64, limit: Duration) -> Result<NodeBlob, String> {
+    fn ensure_local(&self, blob: BlobHash, size: u64, limit: Duration) -> Result<NodeBlob, LocalError> {
         let mut node = self.client.clone();
         let req = nodepb::EnsureLocalRequest {
             hash: blob.0.to_vec(),
@@ -109,13 +144,13 @@ impl LocalNode for GrpcLocalNode {
                         packed: r.packed,
                     })
                 }
-                Ok(Err(s)) => Err(format!("{:?}: {}", s.code(), s.message())),
-                Err(_) => Err(format!("no answer within {limit:?}")),
+                Ok(Err(s)) => Err(LocalError::from_status(&s)),
+                Err(_) => Err(LocalError::Unreachable(format!("no answer within {limit:?}"))),
             }
         })
     }
 
-    fn local_paths(&self, blobs: &[BlobHash], limit: Duration) -> Result<Vec<Option<KnownPath>>, String> {
+    fn local_paths(&self, blobs: &[BlobHash], limit: Duration) -> Result<Vec<Option<KnownPath>>, LocalError> {
         let mut out = Vec::with_capacity(blobs.len());
         for batch in blobs.chunks(10_000) {
             let mut node = self.client.clone();
@@ -126,12 +161,16 @@ impl LocalNode for GrpcLocalNode {
             let paths = self.rt.block_on(async move {
                 match tokio::time::timeout(limit, node.local_paths(req)).await {
                     Ok(Ok(r)) => Ok(r.into_inner().paths),
-                    Ok(Err(s)) => Err(format!("{:?}: {}", s.code(), s.message())),
-                    Err(_) => Err(format!("no answer within {limit:?}")),
+                    Ok(Err(s)) => Err(LocalError::from_status(&s)),
+                    Err(_) => Err(LocalError::Unreachable(format!("no answer within {limit:?}"))),
                 }
             })?;
             if paths.len() != batch.len() {
-                return Err(format!("{} paths for {} blobs", paths.len(), batch.len()));
+                return Err(LocalError::Refused(format!(
+                    "{} paths for {} blobs",
+                    paths.len(),
+                    batch.len()
+                )));
             }
             out.extend(paths.into_iter().map(|p| {
                 (!p.path.is_empty()).then(|| KnownPath {

@@ -35,8 +35,10 @@ pub const SOURCE_PREFIX: &str = "locus:";
 
 #[derive(Debug, thiserror::Error)]
 pub enum LoadError {
-    #[error("{0}")]
-    Status(String),
+    /// The metadata service's answer, with its code (NOT_FOUND: no such dataset or
+    /// version; UNAVAILABLE: not reachable; PERMISSION_DENIED: the token).
+    #[error("{}", .0.message())]
+    Status(tonic::Status),
     #[error("the version is invalid: {0}")]
     Invalid(String),
     /// Committed before versions carried a sealed namespace.
@@ -49,7 +51,7 @@ pub enum LoadError {
 
 impl From<tonic::Status> for LoadError {
     fn from(s: tonic::Status) -> Self {
-        LoadError::Status(s.message().to_string())
+        LoadError::Status(s)
     }
 }
 

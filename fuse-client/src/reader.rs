@@ -231,10 +231,13 @@ pub trait Replicas: Send + Sync + 'static {
     ) -> BoxFuture<'a, Result<Pieces, SourceError>>;
     /// The node at `addr` failed: drop whatever connection is kept to it.
     fn forget<'a>(&'a self, addr: &'a str) -> BoxFuture<'a, ()>;
-    /// Where `blob` is now: live (node id, address) pairs, and backup URLs.
-    fn locate<'a>(&'a self, blob: BlobHash, timeout: Duration) -> BoxFuture<'a, Result<Located, String>>;
+    /// Where `blob` is now: live (node id, address) pairs, and backup URLs. An error is
+    /// the metadata service's (`Unreachable`: down or slow; `Grant`: it refused this
+    /// mount's token).
+    fn locate<'a>(&'a self, blob: BlobHash, timeout: Duration)
+        -> BoxFuture<'a, Result<Located, SourceError>>;
     /// The version's shard replica sets and the cluster's nodes, afresh.
-    fn topology<'a>(&'a self, place: &'a Place) -> BoxFuture<'a, Result<Topology, String>>;
+    fn topology<'a>(&'a self, place: &'a Place) -> BoxFuture<'a, Result<Topology, SourceError>>;
 }
 
 /// Why a node did not serve a chunk: what decides whether it is passed over for a while.
@@ -367,7 +370,7 @@ impl Remote {
     }
 
     /// Re-reads shard replica sets and nodes (after repair, nodes joining).
-    pub async fn refresh(&self) -> Result<(), String> {
+    pub async fn refresh(&self) -> Result<(), SourceError> {
         let t = self.sources.topology(&self.place).await?;
         *self.topology.write().unwrap() = t;
         Ok(())
@@ -569,7 +572,7 @@ impl Remote {
         Ok(b)
     }
 
-    async fn locate(&self, blob: &BlobHash) -> Result<Vec<(String, NodeInfo)>, String> {
+    async fn locate(&self, blob: &BlobHash) -> Result<Vec<(String, NodeInfo)>, SourceError> {
         let r = self.sources.locate(*blob, self.timeout).await?;
         {
             let mut known = self.backups.lock().unwrap();

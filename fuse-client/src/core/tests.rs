@@ -91,13 +91,17 @@ impl Replicas for FakeReplicas {
         Box::pin(async {})
     }
 
-    fn locate<'a>(&'a self, _blob: BlobHash, _timeout: Duration) -> BoxFuture<'a, Result<Located, String>> {
+    fn locate<'a>(
+        &'a self,
+        _blob: BlobHash,
+        _timeout: Duration,
+    ) -> BoxFuture<'a, Result<Located, SourceError>> {
         // Repair moved nothing: the same replicas.
         Box::pin(async { Ok(Located::default()) })
     }
 
-    fn topology<'a>(&'a self, _place: &'a Place) -> BoxFuture<'a, Result<Topology, String>> {
-        Box::pin(async { Err("not used here".to_string()) })
+    fn topology<'a>(&'a self, _place: &'a Place) -> BoxFuture<'a, Result<Topology, SourceError>> {
+        Box::pin(async { Err(SourceError::Unreachable("not used here".to_string())) })
     }
 }
 
@@ -113,13 +117,13 @@ struct FakeLocal {
 }
 
 impl LocalNode for FakeLocal {
-    fn ensure_local(&self, _blob: BlobHash, _size: u64, limit: Duration) -> Result<NodeBlob, String> {
+    fn ensure_local(&self, _blob: BlobHash, _size: u64, limit: Duration) -> Result<NodeBlob, LocalError> {
         self.calls.fetch_add(1, Ordering::SeqCst);
         match &self.behave {
             LocalBehave::File(p) => Ok(NodeBlob::whole(p.clone())),
             LocalBehave::Hang => {
                 std::thread::sleep(limit);
-                Err(format!("no answer within {limit:?}"))
+                Err(LocalError::Unreachable(format!("no answer within {limit:?}")))
             }
         }
     }
@@ -432,12 +436,16 @@ impl DirLocal {
 }
 
 impl LocalNode for DirLocal {
-    fn ensure_local(&self, blob: BlobHash, _size: u64, _limit: Duration) -> Result<NodeBlob, String> {
+    fn ensure_local(&self, blob: BlobHash, _size: u64, _limit: Duration) -> Result<NodeBlob, LocalError> {
         self.ensured.fetch_add(1, Ordering::SeqCst);
         Ok(NodeBlob::whole(self.file(&blob)))
     }
 
-    fn local_paths(&self, blobs: &[BlobHash], _limit: Duration) -> Result<Vec<Option<KnownPath>>, String> {
+    fn local_paths(
+        &self,
+        blobs: &[BlobHash],
+        _limit: Duration,
+    ) -> Result<Vec<Option<KnownPath>>, LocalError> {
         use std::os::unix::fs::MetadataExt;
         Ok(blobs
             .iter()
@@ -610,4 +618,48 @@ fn a_read_that_ends_the_file_is_read_direct_with_the_same_bytes() {
         let r = pread_direct(&file, 4096, data.len() - 4096).unwrap().unwrap();
         assert_eq!(&r[..], &data[4096..5000]);
     }
+}
+
+/// The node's answers sorted by what they mean for the mount: its own trouble (not
+/// answering) apart from one blob's (no source has it, every copy corrupt) and from a
+/// refusal; the message keeps the code for the log.
+#[test]
+fn a_local_nodes_errors_say_whether_the_node_or_the_blob_is_at_fault() {
+    use tonic::Status;
+    let cases = [
+        (
+            Status::not_found("no live node or backup holds blob x"),
+            "missing",
+        ),
+        (Status::data_loss("chunk 3 hash mismatch"), "corrupt"),
+        (Status::unavailable("connection refused"), "unreachable"),
+        (Status::deadline_exceeded("slow"), "unreachable"),
+        (Status::failed_precondition("packed"), "refused"),
+        (Status::resource_exhausted("full"), "refused"),
+        (Status::permission_denied("not on the socket"), "refused"),
+    ];
+    for (s, want) in cases {
+        let e = LocalError::from_status(&s);
+        let got = match &e {
+            LocalError::Missing(_) => "missing",
+            LocalError::Corrupt(_) => "corrupt",
+            LocalError::Unreachable(_) => "unreachable",
+            LocalError::Refused(_) => "refused",
+        };
+        assert_eq!(got, want, "{s:?}");
+        assert!(e.to_string().contains(s.message()), "{e}");
+        assert!(e.to_string().contains(&format!("{:?}", s.code())), "{e}");
+    }
+}
+
+/// A failed load keeps the service's code, so the CLI can tell "no such version" from
+/// "the service is down".
+#[test]
+fn a_load_error_keeps_the_services_code() {
+    let e = crate::LoadError::from(tonic::Status::not_found("dataset ds has no version 9"));
+    match &e {
+        crate::LoadError::Status(s) => assert_eq!(s.code(), tonic::Code::NotFound),
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(e.to_string(), "dataset ds has no version 9");
 }

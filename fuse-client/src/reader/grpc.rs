@@ -140,7 +140,11 @@ impl Replicas for GrpcReplicas {
         Box::pin(self.links.refused("*", addr, locus_proto::grant::Op::Read, ""))
     }
 
-    fn locate<'a>(&'a self, blob: BlobHash, timeout: Duration) -> BoxFuture<'a, Result<Located, String>> {
+    fn locate<'a>(
+        &'a self,
+        blob: BlobHash,
+        timeout: Duration,
+    ) -> BoxFuture<'a, Result<Located, SourceError>> {
         Box::pin(async move {
             let mut m = self.metadata.clone();
             let ask = m.locate_blobs(pb::LocateBlobsRequest {
@@ -149,8 +153,12 @@ impl Replicas for GrpcReplicas {
             // A reader is waiting: a hung metadata service costs it one timeout.
             let r = tokio::time::timeout(timeout, ask)
                 .await
-                .map_err(|_| format!("the metadata service did not answer within {timeout:?}"))?
-                .map_err(|s| s.message().to_string())?
+                .map_err(|_| {
+                    SourceError::Unreachable(format!(
+                        "the metadata service did not answer within {timeout:?}"
+                    ))
+                })?
+                .map_err(|s| SourceError::from_status(&s))?
                 .into_inner();
             Ok(Located {
                 nodes: r
@@ -163,14 +171,18 @@ impl Replicas for GrpcReplicas {
         })
     }
 
-    fn topology<'a>(&'a self, place: &'a Place) -> BoxFuture<'a, Result<Topology, String>> {
+    fn topology<'a>(&'a self, place: &'a Place) -> BoxFuture<'a, Result<Topology, SourceError>> {
         Box::pin(async move {
             let mut c = self.metadata.clone();
             // A metadata service that hangs must not stall the mount's housekeeping.
             tokio::time::timeout(REFRESH_TIMEOUT, Topology::load(&mut c, &self.version, place))
                 .await
-                .map_err(|_| format!("the metadata service did not answer within {REFRESH_TIMEOUT:?}"))?
-                .map_err(|s| s.message().to_string())
+                .map_err(|_| {
+                    SourceError::Unreachable(format!(
+                        "the metadata service did not answer within {REFRESH_TIMEOUT:?}"
+                    ))
+                })?
+                .map_err(|s| SourceError::from_status(&s))
         })
     }
 }
