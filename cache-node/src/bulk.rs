@@ -212,9 +212,13 @@ impl BulkServer {
         self.metrics.read_bytes.inc_by(n);
         self.metrics.bulk_bytes.inc_by(n);
         if let Some((file, at)) = r.trusted_span() {
-            // Each request opens the file afresh, so the kernel's read-ahead would start
-            // small every time: ask for the whole range at once instead.
-            advise_willneed(file, at, n);
+            // Each request opens the file afresh, so its read-ahead would start small:
+            // say the file is read sequentially (a wider window at once). Not WILLNEED:
+            // that allocates the range's page cache a page at a time, synchronously,
+            // where read-ahead takes large folios (measured: the node's CPU per MiB
+            // 0.44–0.49 with SEQUENTIAL, 0.51–0.56 with no advice, 0.64–0.75 with
+            // WILLNEED; data_plane, reads only).
+            advise_sequential(file, at, n);
             head(s, n)?;
             send_file(s, file, at, n)?;
             if let Err(e) = r.finish_span() {
@@ -291,8 +295,8 @@ fn head(s: &mut TcpStream, n: u64) -> std::io::Result<()> {
     Ok(())
 }
 
-/// Starts reading `[at, at+n)` of `file` into the page cache in the background.
-fn advise_willneed(file: &std::fs::File, at: u64, n: u64) {
+/// Tells the kernel `[at, at+n)` of `file` is about to be read front to back.
+fn advise_sequential(file: &std::fs::File, at: u64, n: u64) {
     if n < (256 << 10) {
         return;
     }
@@ -301,7 +305,7 @@ fn advise_willneed(file: &std::fs::File, at: u64, n: u64) {
         file,
         at as libc::off_t,
         n as libc::off_t,
-        nix::fcntl::PosixFadviseAdvice::POSIX_FADV_WILLNEED,
+        nix::fcntl::PosixFadviseAdvice::POSIX_FADV_SEQUENTIAL,
     );
 }
 
