@@ -18,6 +18,7 @@
 //!     cargo bench --bench data_plane
 //!     LOCUS_BENCH_MIB=1024 LOCUS_BENCH_ROUNDS=3 cargo bench --bench data_plane
 //!     LOCUS_BENCH_PARTS=copy cargo bench --bench data_plane     # read, copy, or both
+//!     LOCUS_BENCH_MOUNT_ARGS="--cache-size 256MiB" cargo bench --bench data_plane
 //!
 //! Needs root to drop the page cache (without it the figures are warm, and say so).
 
@@ -49,6 +50,11 @@ fn median(mut v: Vec<f64>) -> f64 {
 async fn main() {
     let mib = env_u64("LOCUS_BENCH_MIB", 1024);
     let rounds = env_u64("LOCUS_BENCH_ROUNDS", 3);
+    // E.g. "--cache-size 256MiB": with the default 1 GiB chunk cache a 1 GiB read fills
+    // fresh memory throughout (a page fault per 4 KiB); a smaller cache is recycled, as
+    // in a long job's steady state.
+    let mount_args_s = std::env::var("LOCUS_BENCH_MOUNT_ARGS").unwrap_or_default();
+    let mount_args: Vec<&str> = mount_args_s.split_whitespace().collect();
     let files = 4usize;
     let each = ((mib as usize) << 20) / files;
 
@@ -76,7 +82,7 @@ async fn main() {
     assert_eq!(total, (each * files) as u64);
     let cold = drop_caches();
     println!(
-        "\ndata_plane: {} MiB in {files} files, one node, loopback; page cache {}\n",
+        "\ndata_plane: {} MiB in {files} files, one node, loopback; mount flags {mount_args:?}; page cache {}\n",
         total >> 20,
         if cold {
             "dropped before each part"
@@ -111,7 +117,7 @@ async fn main() {
             }
             set_bulk(bulk);
             drop_caches();
-            let mnt = m.mount(&format!("r{round}-{bulk}"), "ds@1", None, &[]);
+            let mnt = m.mount(&format!("r{round}-{bulk}"), "ds@1", None, &mount_args);
             let paths: Vec<PathBuf> = (0..files)
                 .map(|i| mnt.path.join(format!("part-{i:03}.bin")))
                 .collect();
