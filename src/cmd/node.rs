@@ -86,7 +86,9 @@ pub struct ServeArgs {
         hide_default_value = true
     )]
     pub labels: String,
-    /// Node API listen address.
+    /// Node API listen address: gRPC, and on the same port the bulk path that carries
+    /// blob bytes to mounts and peers (sendfile; plaintext only: with --tls-cert, blob
+    /// bytes go over gRPC). Clients turn the bulk path off with LOCUS_BULK=off.
     #[arg(
         long,
         env = "LOCUS_NODE_LISTEN",
