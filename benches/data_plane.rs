@@ -35,10 +35,30 @@ fn ms_per_mib(cpu: f64, bytes: u64) -> f64 {
 
 /// Blob bytes node `n` has served so far (its read_bytes counter).
 async fn served(n: &Node) -> u64 {
+    counter(n, "locus_node_read_bytes_total").await
+}
+
+/// Of those, bytes sent over the bulk path.
+async fn bulk_sent(n: &Node) -> u64 {
+    counter(n, "locus_node_bulk_sent_bytes_total").await
+}
+
+async fn counter(n: &Node, name: &str) -> u64 {
     let text = http_get(n.http, "/metrics").await;
     text.lines()
-        .find_map(|l| l.strip_prefix("locus_node_read_bytes_total ")?.parse().ok())
-        .expect("locus_node_read_bytes_total")
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
+        .unwrap_or_else(|| panic!("{name}"))
+}
+
+/// Checks a part took the path its row names: every byte over the bulk path, or none.
+fn took_path(name: &str, bulk: bool, bulk_bytes: u64, total: u64) {
+    match bulk {
+        true => assert!(
+            bulk_bytes >= total,
+            "{name}: {bulk_bytes} of {total} bytes over the bulk path"
+        ),
+        false => assert_eq!(bulk_bytes, 0, "{name}: bytes went over the bulk path"),
+    }
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -115,14 +135,20 @@ async fn main() {
             if !parts.contains("read") {
                 break;
             }
-            set_bulk(bulk);
             drop_caches();
-            let mnt = m.mount(&format!("r{round}-{bulk}"), "ds@1", None, &mount_args);
+            let mnt = m.mount_with_env(
+                &format!("r{round}-{bulk}"),
+                "ds@1",
+                None,
+                &mount_args,
+                &switch(bulk),
+            );
             let paths: Vec<PathBuf> = (0..files)
                 .map(|i| mnt.path.join(format!("part-{i:03}.bin")))
                 .collect();
             let (np, mp) = (n0.daemon.pid(), mnt.server_pid());
             let sent_before = served(&n0).await;
+            let bulk_before = bulk_sent(&n0).await;
             let perf = profile(&format!("data-plane-{round}-{bulk}"));
             let (n_before, m_before) = (cpu_seconds(np), cpu_seconds(mp));
             let (b, t) = read_sequentially(&paths);
@@ -130,6 +156,7 @@ async fn main() {
             let (n_cpu, m_cpu) = (cpu_seconds(np) - n_before, cpu_seconds(mp) - m_before);
             stop_profile(perf);
             let moved = served(&n0).await - sent_before;
+            took_path(name, bulk, bulk_sent(&n0).await - bulk_before, total);
             drop(mnt);
             let both = ms_per_mib(n_cpu + m_cpu, total);
             if std::env::var_os("LOCUS_BENCH_PERF").is_some() {
@@ -150,13 +177,13 @@ async fn main() {
             if !parts.contains("copy") {
                 break;
             }
-            set_bulk(bulk);
+            let mut opts = NodeOpts::host(1).with_capacity("64GiB");
+            opts.env = switch(bulk)
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect();
             let n1 = h
-                .start_node(
-                    &format!("c{round}{}", if bulk { "b" } else { "g" }),
-                    &m,
-                    NodeOpts::host(0).with_capacity("64GiB"),
-                )
+                .start_node(&format!("c{round}{}", if bulk { "b" } else { "g" }), &m, opts)
                 .await;
             drop_caches();
             let (p0, p1) = (n0.daemon.pid(), n1.daemon.pid());
@@ -165,6 +192,7 @@ async fn main() {
                 println!("(source pid {p0}, copying node pid {p1})");
             }
             let (b0, b1) = (cpu_seconds(p0), cpu_seconds(p1));
+            let bulk_before = bulk_sent(&n0).await;
             let t = std::time::Instant::now();
             let r = n1
                 .client()
@@ -189,6 +217,7 @@ async fn main() {
             assert_eq!(r.bytes, total);
             let (c0, c1) = (cpu_seconds(p0) - b0, cpu_seconds(p1) - b1);
             stop_profile(perf);
+            took_path(name, bulk, bulk_sent(&n0).await - bulk_before, total);
             drop(n1);
             let both = ms_per_mib(c0 + c1, total);
             println!(
@@ -213,12 +242,11 @@ async fn main() {
     drop(m);
 }
 
-/// Whether the processes started from now on use the bulk path (they read
+/// The environment that makes a client process use the bulk path or not (it reads
 /// `LOCUS_BULK` at start).
-fn set_bulk(on: bool) {
-    if on {
-        std::env::remove_var(locus_proto::bulk::ENV_SWITCH);
-    } else {
-        std::env::set_var(locus_proto::bulk::ENV_SWITCH, "off");
+fn switch(bulk: bool) -> Vec<(&'static str, &'static str)> {
+    match bulk {
+        true => vec![],
+        false => vec![(locus_proto::bulk::ENV_SWITCH, "off")],
     }
 }

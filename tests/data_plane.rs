@@ -277,9 +277,7 @@ async fn a_mount_reads_remote_files_over_the_bulk_path_and_over_grpc_when_it_is_
     );
     drop(mnt);
 
-    std::env::set_var(bulk::ENV_SWITCH, "off");
-    let mnt = m.mount("grpc", "ds@1", None, &[]);
-    std::env::remove_var(bulk::ENV_SWITCH);
+    let mnt = m.mount_with_env("grpc", "ds@1", None, &[], &[(bulk::ENV_SWITCH, "off")]);
     let read_before = counter(&n, "locus_node_read_bytes_total").await;
     let bulk_before = counter(&n, "locus_node_bulk_sent_bytes_total").await;
     assert_eq!(std::fs::read(mnt.path.join("big.bin")).unwrap(), data);

@@ -54,6 +54,21 @@ impl Metadata {
         o.0
     }
 
+    /// `mount` with more environment for the mount process (`LOCUS_BULK=off`, say),
+    /// without touching this process's own.
+    pub fn mount_with_env(
+        &self,
+        name: &str,
+        target: &str,
+        node: Option<&Node>,
+        extra: &[&str],
+        env: &[(&str, &str)],
+    ) -> Mount {
+        let o = self.try_mount_env(None, name, target, node, extra, env);
+        assert!(o.1.status.success(), "mount failed: {}", stderr(&o.1));
+        o.0
+    }
+
     fn try_mount_on(
         &self,
         on: Option<&Host>,
@@ -61,6 +76,18 @@ impl Metadata {
         target: &str,
         node: Option<&Node>,
         extra: &[&str],
+    ) -> (Mount, Output) {
+        self.try_mount_env(on, name, target, node, extra, &[])
+    }
+
+    fn try_mount_env(
+        &self,
+        on: Option<&Host>,
+        name: &str,
+        target: &str,
+        node: Option<&Node>,
+        extra: &[&str],
+        env: &[(&str, &str)],
     ) -> (Mount, Output) {
         let path = self.dir.parent().unwrap().join(name);
         std::fs::create_dir_all(&path).unwrap();
@@ -99,6 +126,7 @@ impl Metadata {
             Some(t) if !extra.contains(&"--token-file") => cmd.env("LOCUS_TOKEN", t),
             _ => cmd.env_remove("LOCUS_TOKEN"),
         };
+        cmd.envs(env.iter().copied());
         let out = cmd.output().expect("run locus mount");
         (
             Mount {
