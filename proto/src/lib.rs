@@ -18,6 +18,7 @@ pub mod keyfile;
 pub mod manifest;
 pub mod names;
 pub mod net;
+pub mod outboard;
 pub mod sealed;
 pub mod tls;
 
