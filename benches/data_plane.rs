@@ -13,11 +13,14 @@
 //! - peer copy: a fresh node copies every blob from n0 (FetchBlobs: verified, written and
 //!   fsynced); CPU of both nodes.
 //!
+//! Then, once: random 64 KiB and 4 KiB reads through a mount with no local node, bytes
+//! the node served per byte read and the median latency, at 4 MiB and 64 KiB chunks.
+//!
 //! Run:
 //!
 //!     cargo bench --bench data_plane
 //!     LOCUS_BENCH_MIB=1024 LOCUS_BENCH_ROUNDS=3 cargo bench --bench data_plane
-//!     LOCUS_BENCH_PARTS=copy cargo bench --bench data_plane     # read, copy, or both
+//!     LOCUS_BENCH_PARTS=copy cargo bench --bench data_plane     # any of read,copy,random
 //!     LOCUS_BENCH_MOUNT_ARGS="--cache-size 256MiB" cargo bench --bench data_plane
 //!
 //! Needs root to drop the page cache (without it the figures are warm, and say so).
@@ -114,6 +117,7 @@ async fn main() {
     println!("|---|---|---|---|---|---|");
 
     let mut rows: std::collections::BTreeMap<&str, Vec<f64>> = Default::default();
+    let parts = std::env::var("LOCUS_BENCH_PARTS").unwrap_or_else(|_| "read,copy,random".into());
     for round in 1..=rounds {
         drop_caches();
         let (got, tcp, tcp_receiver) = tcp_copy_cpu(&blob_paths);
@@ -130,7 +134,6 @@ async fn main() {
         );
         rows.entry("reference").or_default().push(reference);
 
-        let parts = std::env::var("LOCUS_BENCH_PARTS").unwrap_or_else(|_| "read,copy".into());
         for (name, bulk) in [("remote read, bulk path", true), ("remote read, gRPC", false)] {
             if !parts.contains("read") {
                 break;
@@ -230,6 +233,9 @@ async fn main() {
             rows.entry(name).or_default().push(both / reference);
         }
     }
+    if parts.contains("random") {
+        random_reads(&m, &n0, &src, files, each as u64).await;
+    }
     println!("\nmedians over {rounds} rounds:");
     for (k, v) in rows {
         if k == "reference" {
@@ -240,6 +246,64 @@ async fn main() {
     }
     drop(n0);
     drop(m);
+}
+
+/// Random reads from a mount with no local node: `LOCUS_BENCH_RANDOM` (default 200)
+/// reads of 64 KiB and as many of 4 KiB at random offsets, the reader's read-ahead off
+/// (`POSIX_FADV_RANDOM`), page cache dropped first; bytes the node served per byte read,
+/// and the median latency. Once with the dataset as imported (4 MiB chunks), once
+/// imported again with 64 KiB chunks: the chunk is the unit a mount fetches and verifies.
+async fn random_reads(m: &Metadata, n0: &Node, src: &std::path::Path, files: usize, each: u64) {
+    use std::os::unix::fs::FileExt;
+    let count = env_u64("LOCUS_BENCH_RANDOM", 200) as usize;
+    let out = m.cli(&[
+        "dataset",
+        "import",
+        "ds64k",
+        src.to_str().unwrap(),
+        "--replicas",
+        "1",
+        "--chunk-size",
+        "64KiB",
+    ]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    println!("\n| dataset | read size | reads | bytes moved / bytes read | median latency |");
+    println!("|---|---|---|---|---|");
+    for (ds, chunk) in [("ds@1", "4 MiB chunks"), ("ds64k@1", "64 KiB chunks")] {
+        for size in [64usize << 10, 4 << 10] {
+            drop_caches();
+            let mnt = m.mount(&format!("random-{}-{size}", &ds[..ds.len() - 2]), ds, None, &[]);
+            let opened: Vec<std::fs::File> = (0..files)
+                .map(|i| std::fs::File::open(mnt.path.join(format!("part-{i:03}.bin"))).unwrap())
+                .collect();
+            for f in &opened {
+                let _ = nix::fcntl::posix_fadvise(f, 0, 0, nix::fcntl::PosixFadviseAdvice::POSIX_FADV_RANDOM);
+            }
+            let before = served(n0).await;
+            let mut buf = vec![0u8; size];
+            let mut lat = Vec::with_capacity(count);
+            let mut x = 0x2545f4914f6cdd1du64;
+            for _ in 0..count {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                let f = &opened[(x % files as u64) as usize];
+                let at = (x >> 8) % (each - size as u64);
+                let t = std::time::Instant::now();
+                f.read_exact_at(&mut buf, at).unwrap();
+                lat.push(t.elapsed().as_secs_f64() * 1e3);
+            }
+            let moved = served(n0).await - before;
+            drop(opened);
+            drop(mnt);
+            println!(
+                "| {chunk} | {} KiB | {count} | {:.1}× | {:.2} ms |",
+                size >> 10,
+                moved as f64 / (count * size) as f64,
+                median(lat)
+            );
+        }
+    }
 }
 
 /// The environment that makes a client process use the bulk path or not (it reads
