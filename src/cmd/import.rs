@@ -28,7 +28,10 @@ pub struct ImportArgs {
     /// bytes; a larger file is a shard of its own.
     #[arg(long, default_value = "1GiB", value_name = "SIZE")]
     pub shard_size: String,
-    /// Chunk size for hashes and partial transfers (power of two, 64KiB..1GiB).
+    /// Chunk size for hashes and partial transfers (power of two, 64KiB..1GiB). A mount
+    /// with no local copy fetches and verifies whole chunks: for data read at random
+    /// offsets (Parquet pages, LMDB, HDF5, indexed TFRecord or tar) 64KiB moves about
+    /// 2x the bytes of each 64 KiB read where the default moves about 45x.
     #[arg(long, default_value = "4MiB", value_name = "SIZE")]
     pub chunk_size: String,
     /// Blob uploads (or, read by the nodes, objects) in flight at once.
