@@ -20,7 +20,7 @@
 //!
 //!     cargo bench --bench data_plane
 //!     LOCUS_BENCH_MIB=1024 LOCUS_BENCH_ROUNDS=3 cargo bench --bench data_plane
-//!     LOCUS_BENCH_PARTS=copy cargo bench --bench data_plane     # any of read,copy,random
+//!     LOCUS_BENCH_PARTS=copy cargo bench --bench data_plane     # any of read,copy,random,outboard
 //!     LOCUS_BENCH_MOUNT_ARGS="--cache-size 256MiB" cargo bench --bench data_plane
 //!
 //! Needs root to drop the page cache (without it the figures are warm, and say so).
@@ -117,7 +117,7 @@ async fn main() {
     println!("|---|---|---|---|---|---|");
 
     let mut rows: std::collections::BTreeMap<&str, Vec<f64>> = Default::default();
-    let parts = std::env::var("LOCUS_BENCH_PARTS").unwrap_or_else(|_| "read,copy,random".into());
+    let parts = std::env::var("LOCUS_BENCH_PARTS").unwrap_or_else(|_| "read,copy,random,outboard".into());
     for round in 1..=rounds {
         drop_caches();
         let (got, tcp, tcp_receiver) = tcp_copy_cpu(&blob_paths);
@@ -232,6 +232,15 @@ async fn main() {
             );
             rows.entry(name).or_default().push(both / reference);
         }
+    }
+    if parts.contains("outboard") {
+        let (ob, per_mib) = outboard_cpu(&blob_paths);
+        let plain = blake3_cpu(&blob_paths);
+        println!(
+            "\none pass computing root and outboard (16 KiB groups): {:.3} ms/MiB, {per_mib:.0} outboard bytes per MiB; plain BLAKE3 in the same run: {:.3} ms/MiB",
+            ms_per_mib(ob, total),
+            ms_per_mib(plain, total)
+        );
     }
     if parts.contains("random") {
         random_reads(&m, &n0, &src, files, each as u64).await;

@@ -304,6 +304,23 @@ pub fn tcp_copy_cpu(files: &[PathBuf]) -> (u64, f64, f64) {
     (got, cpu_seconds(std::process::id()) - before, receiver)
 }
 
+/// CPU seconds of one pass computing each file's BLAKE3 root and its outboard together
+/// (`locus_proto::outboard`), one thread, files read into memory first; and the outboard
+/// bytes per MiB.
+pub fn outboard_cpu(files: &[PathBuf]) -> (f64, f64) {
+    let (mut cpu, mut ob, mut total) = (0.0, 0usize, 0usize);
+    for p in files {
+        let data = std::fs::read(p).unwrap();
+        let before = cpu_seconds(std::process::id());
+        let (root, o) = locus_proto::outboard::outboard(&data);
+        cpu += cpu_seconds(std::process::id()) - before;
+        assert_eq!(root.0, *blake3::hash(&data).as_bytes());
+        ob += o.len();
+        total += data.len();
+    }
+    (cpu, ob as f64 / (total as f64 / (1 << 20) as f64))
+}
+
 /// CPU seconds the calling thread has used.
 fn thread_cpu_seconds() -> f64 {
     let stat = std::fs::read_to_string("/proc/thread-self/stat").unwrap_or_default();
