@@ -172,6 +172,7 @@ impl BulkServer {
                     Code::Unauthenticated,
                     "the grant has expired; present a fresh one",
                 ))?;
+                close_gently(&mut s);
                 return Ok(());
             }
             let (h, offset, len) = bulk::decode_read(&body);

@@ -510,7 +510,11 @@ impl Reading {
         };
         let mut buf = buffers().take(n);
         while buf.len() < n {
-            let got = tokio::time::timeout(self.idle, s.read_buf(&mut buf)).await;
+            // Never past this piece: the buffer's capacity may be larger (a size class),
+            // and what follows on the connection is the next piece of this answer.
+            let want = n - buf.len();
+            let got =
+                tokio::time::timeout(self.idle, s.read_buf(&mut bytes::BufMut::limit(&mut buf, want))).await;
             if !matches!(got, Ok(Ok(n)) if n > 0) {
                 self.pool.failed(&self.addr);
             }

@@ -92,14 +92,18 @@ pub fn rounded(start: u64, end: u64, len: u64) -> (u64, u64) {
 }
 
 /// The pairs a reader of `[start, end)` needs (in pre-order, as [`verify`] takes them),
-/// cut from a blob's whole `outboard`. `len` is the blob's size.
-pub fn proof(outboard: &[u8], len: u64, start: u64, end: u64) -> Vec<u8> {
+/// cut from a blob's whole `outboard`. `len` is the blob's size. None when the outboard
+/// is not the size a blob of `len` bytes has (a truncated or foreign file).
+pub fn proof(outboard: &[u8], len: u64, start: u64, end: u64) -> Option<Vec<u8>> {
+    if outboard.len() != outboard_len(len) {
+        return None;
+    }
     let mut out = Vec::new();
     if len > GROUP {
         let mut at = 0;
         walk_proof(outboard, &mut at, 0, len, start, end, &mut out);
     }
-    out
+    Some(out)
 }
 
 fn walk_proof(ob: &[u8], at: &mut usize, offset: u64, len: u64, start: u64, end: u64, out: &mut Vec<u8>) {
@@ -319,7 +323,7 @@ mod tests {
                     continue;
                 }
                 let (s, e) = rounded(a, b, len);
-                let p = proof(&ob, len, s, e);
+                let p = proof(&ob, len, s, e).unwrap();
                 let bytes = &d[s as usize..e as usize];
                 assert_eq!(
                     verify(&root, len, s, e, bytes, &p),
@@ -369,6 +373,15 @@ mod tests {
     }
 
     #[test]
+    fn an_outboard_of_the_wrong_size_gives_no_proof() {
+        let d = data(100_000);
+        let (_, ob) = outboard(&d);
+        assert!(proof(&ob, 100_000, 0, GROUP).is_some());
+        assert!(proof(&ob[..ob.len() - 1], 100_000, 0, GROUP).is_none());
+        assert!(proof(&ob, 1 << 20, 0, GROUP).is_none());
+    }
+
+    #[test]
     fn a_range_of_another_blob_or_another_place_does_not_verify() {
         let (a, b) = (data(1 << 20), {
             let mut v = data(1 << 20);
@@ -380,10 +393,10 @@ mod tests {
         let (_, ob) = outboard(&b);
         let (s, e) = rounded(688_128, 688_128 + GROUP, len);
         // b's bytes and b's proof for a range where b differs: not a's.
-        let p = proof(&ob, len, s, e);
+        let p = proof(&ob, len, s, e).unwrap();
         assert!(verify(&ra, len, s, e, &b[s as usize..e as usize], &p).is_err());
         // a's own group, claimed to sit one group later.
-        let p2 = proof(&oa, len, s + GROUP, e + GROUP);
+        let p2 = proof(&oa, len, s + GROUP, e + GROUP).unwrap();
         assert!(verify(&ra, len, s + GROUP, e + GROUP, &a[s as usize..e as usize], &p2).is_err());
     }
 }
