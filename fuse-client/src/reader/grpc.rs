@@ -54,8 +54,8 @@ impl GrpcReplicas {
 
     async fn read_from(&self, addr: &str, c: ChunkRef, idle: Duration) -> Result<Pieces, SourceError> {
         use locus_proto::bulk::BulkError;
-        // The bulk path first: the node sends from its file and the bytes land in one
-        // buffer here, which is what gets verified and cached.
+        // The bulk path first: the node sends from its file and the bytes land straight
+        // in the pieces that are verified and cached.
         match self
             .links
             .bulk_read(
