@@ -1251,11 +1251,14 @@ async fn a_refilling_node_stays_up_serves_mounts_and_nothing_is_re_placed() {
     for (name, p) in nodes[0].blob_files() {
         assert!(rehash_ok(&p, &name), "{name} refilled wrong");
     }
-    // Blobs are located in batches, not one LocateBlobs call per blob (the mount's three
-    // reads ask for theirs on their own).
+    // Blobs are located in batches, not one LocateBlobs call per blob (which would be 24,
+    // plus the mount's three reads that ask for theirs on their own). How many batches
+    // depends on how pin sync's passes split the missing blobs, which load on the machine
+    // moves (12 was seen once in a loaded full run, with no copy failing): the bound is
+    // one per blob, not a batch count.
     let locates = locate_calls(&m).await - locates_before;
     assert!(
-        (1..12).contains(&locates),
+        (1..24).contains(&locates),
         "{locates} LocateBlobs calls to refill 24 blobs"
     );
     let metrics = http_get(nodes[0].http, "/metrics").await;
