@@ -259,7 +259,8 @@ async fn main() {
 
 /// Random reads from a mount with no local node: `LOCUS_BENCH_RANDOM` (default 200)
 /// reads of 64 KiB and as many of 4 KiB at random offsets, the reader's read-ahead off
-/// (`POSIX_FADV_RANDOM`), page cache dropped first; bytes the node served per byte read,
+/// (`POSIX_FADV_RANDOM`), page cache dropped first; bytes the node sent (data, proofs,
+/// framing) per byte read,
 /// and the median latency. Once with the dataset as imported (4 MiB chunks), once
 /// imported again with 64 KiB chunks: the chunk is the unit a mount fetches and verifies.
 async fn random_reads(m: &Metadata, n0: &Node, src: &std::path::Path, files: usize, each: u64) {
@@ -288,7 +289,8 @@ async fn random_reads(m: &Metadata, n0: &Node, src: &std::path::Path, files: usi
             for f in &opened {
                 let _ = nix::fcntl::posix_fadvise(f, 0, 0, nix::fcntl::PosixFadviseAdvice::POSIX_FADV_RANDOM);
             }
-            let before = served(n0).await;
+            let before = bulk_sent(n0).await;
+            let served_before = served(n0).await;
             let mut buf = vec![0u8; size];
             let mut lat = Vec::with_capacity(count);
             let mut x = 0x2545f4914f6cdd1du64;
@@ -302,7 +304,12 @@ async fn random_reads(m: &Metadata, n0: &Node, src: &std::path::Path, files: usi
                 f.read_exact_at(&mut buf, at).unwrap();
                 lat.push(t.elapsed().as_secs_f64() * 1e3);
             }
-            let moved = served(n0).await - before;
+            // Everything the node sent over the bulk path: ranges' proofs and framing too.
+            let moved = bulk_sent(n0).await - before;
+            assert!(
+                served(n0).await - served_before <= moved,
+                "some reads went over gRPC: not what this measures"
+            );
             drop(opened);
             drop(mnt);
             println!(

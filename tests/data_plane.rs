@@ -295,3 +295,155 @@ async fn a_mount_reads_remote_files_over_the_bulk_path_and_over_grpc_when_it_is_
     );
     assert!(counter(&n, "locus_node_read_bytes_total").await - read_before >= data.len() as u64);
 }
+
+/// A RANGE request for `[start, end)` of the chunk `[chunk_offset, +chunk_len)`.
+fn range_of(hash: BlobHash, chunk_offset: u64, chunk_len: u64, start: u64, end: u64) -> bulk::RangeRequest {
+    bulk::RangeRequest {
+        hash,
+        chunk_offset,
+        chunk_len,
+        start,
+        end,
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_range_comes_with_the_proof_that_checks_it_against_its_chunk_and_bad_ones_are_refused() {
+    use locus_proto::outboard::{self, GROUP};
+    let h = Harness::new("bulk-ranges");
+    // 6 MiB: two chunks of the import's 4 MiB.
+    let (_m, n, data, hash) = one_blob(&h, MetadataOpts::default(), 6 << 20).await;
+    let pool = Pool::new();
+    let addr = n.grpc.to_string();
+    let sent = || counter(&n, "locus_node_bulk_sent_bytes_total");
+    // The chunk geometry is the reader's: the import's 4 MiB chunks, or 1 MiB ones (the
+    // same blob imported by another version with another chunk size).
+    for (c_off, c_len) in [(0u64, 4u64 << 20), (4 << 20, 2 << 20), (1 << 20, 1 << 20)] {
+        let chunk = &data[c_off as usize..(c_off + c_len) as usize];
+        let chunk_hash = BlobHash(*blake3::hash(chunk).as_bytes());
+        for (s, e) in [(0, GROUP), (5 * GROUP, 9 * GROUP), (c_len - GROUP, c_len)] {
+            let before = sent().await;
+            let r = pool
+                .range(&addr, None, &range_of(hash, c_off, c_len, s, e), IDLE)
+                .await
+                .unwrap();
+            assert_eq!(
+                &r.data[..],
+                &chunk[s as usize..e as usize],
+                "{c_off}+{c_len} {s}..{e}"
+            );
+            assert_eq!(
+                outboard::verify(&chunk_hash, c_len, s, e, &r.data, &r.proof),
+                Ok(())
+            );
+            // The group and its proof, not the chunk.
+            let moved = sent().await - before;
+            assert_eq!(moved, 4 + r.proof.len() as u64 + (e - s));
+            assert!(r.proof.len() <= 12 * 64, "a proof of {} bytes", r.proof.len());
+        }
+    }
+    // Refused for what is wrong with them, and the connection goes on serving.
+    let refused = |r: Result<bulk::Ranged, BulkError>| match r {
+        Err(BulkError::Refused(m)) => m,
+        other => panic!("expected a refusal, got {other:?}"),
+    };
+    let m = refused(
+        pool.range(&addr, None, &range_of(hash, 0, 4 << 20, 100, GROUP), IDLE)
+            .await,
+    );
+    assert!(m.contains("whole groups"), "{m}");
+    let m = refused(
+        pool.range(&addr, None, &range_of(hash, 4 << 20, 4 << 20, 0, GROUP), IDLE)
+            .await,
+    );
+    assert!(m.contains("not within the blob"), "{m}");
+    let m = refused(
+        pool.range(&addr, None, &range_of(hash, 0, 1 << 20, GROUP, GROUP), IDLE)
+            .await,
+    );
+    assert!(m.contains("whole groups"), "{m}");
+    match pool
+        .range(
+            &addr,
+            None,
+            &range_of(BlobHash([7; 32]), 0, 1 << 20, 0, GROUP),
+            IDLE,
+        )
+        .await
+    {
+        Err(BulkError::Missing(_)) => {}
+        other => panic!("an unknown blob: {other:?}"),
+    }
+    let r = pool
+        .range(&addr, None, &range_of(hash, 0, 4 << 20, 0, GROUP), IDLE)
+        .await
+        .unwrap();
+    assert_eq!(&r.data[..], &data[..GROUP as usize]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_range_of_a_corrupt_blob_is_never_sent_and_the_blob_is_quarantined() {
+    use locus_proto::outboard::GROUP;
+    let h = Harness::new("bulk-range-corrupt");
+    let (_m, n, _data, hash) = one_blob(&h, MetadataOpts::default(), 3 << 20).await;
+    let pool = Pool::new();
+    let addr = n.grpc.to_string();
+    let len = 3 << 20;
+    // The chunk's outboard is computed and kept by the first range...
+    pool.range(&addr, None, &range_of(hash, 0, len, 0, GROUP), IDLE)
+        .await
+        .unwrap();
+    // ...then a bit of group 40 rots: that group's bytes no longer match the tree.
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    n.blob_files()
+        .remove(&hash.to_hex())
+        .unwrap()
+        .flip(40 * GROUP + 3);
+    match pool
+        .range(&addr, None, &range_of(hash, 0, len, 40 * GROUP, 41 * GROUP), IDLE)
+        .await
+    {
+        Err(BulkError::DataLoss(m)) => assert!(m.contains("do not match"), "{m}"),
+        other => panic!("a range with a flipped bit: {other:?}"),
+    }
+    assert_eq!(n.quarantined(), 1);
+    assert!(matches!(
+        pool.range(&addr, None, &range_of(hash, 0, len, 0, GROUP), IDLE)
+            .await,
+        Err(BulkError::Missing(_))
+    ));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_random_reader_through_a_mount_moves_the_groups_it_reads_not_whole_chunks() {
+    use std::os::unix::fs::FileExt;
+    let h = Harness::new("bulk-random");
+    let size = 64usize << 20;
+    let (m, n, data, _hash) = one_blob(&h, MetadataOpts::default(), size).await;
+    let mnt = m.mount("random", "ds@1", None, &[]);
+    let f = std::fs::File::open(mnt.path.join("big.bin")).unwrap();
+    nix::fcntl::posix_fadvise(&f, 0, 0, nix::fcntl::PosixFadviseAdvice::POSIX_FADV_RANDOM).unwrap();
+    let mut x = 0x9e3779b97f4a7c15u64;
+    for read in [64usize << 10, 4 << 10] {
+        let before = counter(&n, "locus_node_bulk_sent_bytes_total").await;
+        let count = 40;
+        let mut buf = vec![0u8; read];
+        for _ in 0..count {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            let at = (x >> 8) as usize % (size - read);
+            f.read_exact_at(&mut buf, at as u64).unwrap();
+            assert!(buf[..] == data[at..at + read], "{read} bytes at {at}");
+        }
+        let moved = counter(&n, "locus_node_bulk_sent_bytes_total").await - before;
+        let ratio = moved as f64 / (count * read) as f64;
+        // 4 MiB chunks would be 64× and 1,024×: the verification groups read (16 KiB,
+        // two where a read straddles them) and their proofs are what moved.
+        let most = if read == 4096 { 8.0 } else { 1.5 };
+        assert!(
+            ratio >= 1.0 && ratio <= most,
+            "{read}-byte reads moved {ratio:.2}× their bytes"
+        );
+    }
+}

@@ -16,6 +16,8 @@
 //! an unchanged stamp is the scrub's to find, as for gRPC reads and same-host clients);
 //! anything else (a partial blob, a file changed since its check) goes through the
 //! store's verified reader, and a range whose first chunk fails is answered DATA_LOSS.
+//! A RANGE (a few verification groups of one chunk, with their proof) is read from the
+//! file and checked against the chunk's outboard (`crate::ranges`) before it is sent.
 
 use std::io::{Read, Write};
 use std::net::TcpStream;
@@ -25,8 +27,9 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use locus_proto::bulk::{self, Code};
-use locus_proto::BlobHash;
+use locus_proto::{outboard, BlobHash};
 
+use crate::ranges::Outboards;
 use crate::store::{BlobStore, StoreError};
 
 /// Bulk connections served at once.
@@ -42,6 +45,8 @@ pub(crate) struct BulkServer {
     pub(crate) metrics: Arc<crate::metrics::Metrics>,
     /// A client that takes nothing for this long loses its connection.
     pub(crate) idle: Duration,
+    /// Outboards of the chunks clients asked ranges of.
+    outboards: Outboards,
     live: AtomicUsize,
     /// Every live connection, to be shut down when the node stops.
     conns: Mutex<Vec<(u64, TcpStream)>>,
@@ -62,6 +67,7 @@ impl BulkServer {
             require_grants,
             metrics,
             idle,
+            outboards: Outboards::new(crate::ranges::OUTBOARDS_KEPT),
             live: AtomicUsize::new(0),
             conns: Mutex::new(Vec::new()),
             next: Default::default(),
@@ -153,7 +159,7 @@ impl BulkServer {
             let mut op = [0u8; 1];
             match s.read(&mut op)? {
                 0 => return Ok(()),
-                _ if op[0] != bulk::OP_READ => {
+                _ if op[0] != bulk::OP_READ && op[0] != bulk::OP_RANGE => {
                     s.write_all(&bulk::encode_error(
                         Code::Invalid,
                         &format!("unknown operation {}", op[0]),
@@ -163,9 +169,13 @@ impl BulkServer {
                 }
                 _ => {}
             }
-            let mut body = [0u8; bulk::REQUEST_BODY];
+            let mut body = [0u8; bulk::RANGE_BODY];
+            let body = match op[0] {
+                bulk::OP_READ => &mut body[..bulk::REQUEST_BODY],
+                _ => &mut body[..],
+            };
             s.set_read_timeout(Some(self.idle))?;
-            s.read_exact(&mut body)?;
+            s.read_exact(body)?;
             s.set_read_timeout(Some(IDLE_CLOSE))?;
             if until.is_some_and(|u| u <= locus_proto::grant::now_ms()) {
                 s.write_all(&bulk::encode_error(
@@ -175,27 +185,57 @@ impl BulkServer {
                 close_gently(&mut s);
                 return Ok(());
             }
-            let (h, offset, len) = bulk::decode_read(&body);
+            if op[0] == bulk::OP_RANGE {
+                let r = bulk::RangeRequest::decode((&*body).try_into().expect("sized by op"));
+                self.range(&mut s, &r)?;
+                continue;
+            }
+            let (h, offset, len) = bulk::decode_read((&*body).try_into().expect("sized by op"));
             self.read(&mut s, h, offset, len)?;
         }
+    }
+
+    /// Answers one RANGE: the proof from the chunk's outboard, then the bytes, which are
+    /// checked against it first (a node never sends bytes of a range it knows are
+    /// wrong; the client checks them again, since nothing a node sends is trusted).
+    fn range(&self, s: &mut TcpStream, r: &bulk::RangeRequest) -> std::io::Result<()> {
+        let Some(size) = self.store.size_of(&r.hash) else {
+            return refuse(s, &r.hash, StoreError::NotFound(r.hash));
+        };
+        if let Some(why) = r.invalid(size) {
+            return s.write_all(&bulk::encode_error(Code::Invalid, &why));
+        }
+        let ob = match self.outboards.of(&self.store, r) {
+            Ok(o) => o,
+            Err(e) => return refuse(s, &r.hash, e),
+        };
+        let Some(proof) = outboard::proof(&ob.pairs, r.chunk_len, r.start, r.end) else {
+            return refuse(s, &r.hash, StoreError::Io("an outboard of the wrong size".into()));
+        };
+        let (at, n) = (r.chunk_offset + r.start, r.end - r.start);
+        let data = match self.store.open_reader(&r.hash, at, n).and_then(|mut rd| {
+            let data = rd.unchecked_rest()?;
+            match outboard::verify(&ob.root, r.chunk_len, r.start, r.end, &data, &proof) {
+                Ok(()) => Ok(data),
+                Err(e) => Err(rd.reject(format!("bytes {at}..{} do not match the tree: {e}", at + n))),
+            }
+        }) {
+            Ok(d) => d,
+            Err(e) => return refuse(s, &r.hash, e),
+        };
+        let total = 4 + proof.len() as u64 + n;
+        self.metrics.read_bytes.inc_by(n);
+        self.metrics.bulk_bytes.inc_by(total);
+        head(s, total)?;
+        s.write_all(&(proof.len() as u32).to_le_bytes())?;
+        s.write_all(&proof)?;
+        s.write_all(&data)
     }
 
     /// Answers one read. An error that leaves the connection in an unknown state (the
     /// answer's head was sent and its bytes were not) is returned and closes it.
     fn read(&self, s: &mut TcpStream, h: BlobHash, offset: u64, len: u64) -> std::io::Result<()> {
-        let refuse = |s: &mut TcpStream, e: StoreError| {
-            let code = match &e {
-                StoreError::NotFound(_) => Code::NotFound,
-                StoreError::NotPresent { .. } => Code::NotPresent,
-                StoreError::Corrupt { .. } => Code::DataLoss,
-                StoreError::Mismatch { .. } => Code::Invalid,
-                _ => {
-                    tracing::error!("bulk read of {h}: {e}");
-                    Code::Internal
-                }
-            };
-            s.write_all(&bulk::encode_error(code, &e.to_string()))
-        };
+        let refuse = |s: &mut TcpStream, e: StoreError| refuse(s, &h, e);
         let Some(size) = self.store.size_of(&h) else {
             return refuse(s, StoreError::NotFound(h));
         };
@@ -243,6 +283,21 @@ impl BulkServer {
         }
         Ok(())
     }
+}
+
+/// Answers a request with the store's reason for not serving it.
+fn refuse(s: &mut TcpStream, h: &BlobHash, e: StoreError) -> std::io::Result<()> {
+    let code = match &e {
+        StoreError::NotFound(_) => Code::NotFound,
+        StoreError::NotPresent { .. } => Code::NotPresent,
+        StoreError::Corrupt { .. } => Code::DataLoss,
+        StoreError::Mismatch { .. } => Code::Invalid,
+        _ => {
+            tracing::error!("bulk read of {h}: {e}");
+            Code::Internal
+        }
+    };
+    s.write_all(&bulk::encode_error(code, &e.to_string()))
 }
 
 fn hello(s: &mut TcpStream, code: Code, msg: &str) -> std::io::Result<()> {

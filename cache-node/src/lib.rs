@@ -19,6 +19,7 @@ mod bulk;
 pub mod identity;
 pub mod metrics;
 mod peers;
+mod ranges;
 pub mod refill;
 pub mod scrub;
 pub mod service;

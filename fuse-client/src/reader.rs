@@ -24,8 +24,9 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 
 pub use crate::pieces::Pieces;
+pub use locus_proto::bulk::Ranged;
 use locus_proto::client::MetadataClient;
-use locus_proto::{pb, BlobHash};
+use locus_proto::{outboard, pb, BlobHash};
 use tokio::sync::OnceCell;
 
 use crate::metrics::Metrics;
@@ -229,6 +230,21 @@ pub trait Replicas: Send + Sync + 'static {
         c: ChunkRef,
         idle: Duration,
     ) -> BoxFuture<'a, Result<Pieces, SourceError>>;
+    /// Bytes `[start, end)` of chunk `c` (whole verification groups, see
+    /// `outboard::rounded`) and the proof that checks them against the chunk's hash, as
+    /// the node at `addr` sends them. `Ok(None)`: this source serves no ranges, read the
+    /// whole chunk.
+    fn read_range<'a>(
+        &'a self,
+        addr: &'a str,
+        c: ChunkRef,
+        start: u64,
+        end: u64,
+        idle: Duration,
+    ) -> BoxFuture<'a, Result<Option<Ranged>, SourceError>> {
+        let _ = (addr, c, start, end, idle);
+        Box::pin(async { Ok(None) })
+    }
     /// The node at `addr` failed: drop whatever connection is kept to it.
     fn forget<'a>(&'a self, addr: &'a str) -> BoxFuture<'a, ()>;
     /// Where `blob` is now: live (node id, address) pairs, and backup URLs. An error is
@@ -432,6 +448,62 @@ impl Remote {
         }
     }
 
+    /// Whether a chunk is in the cache or being fetched into it.
+    pub fn has(&self, c: &ChunkRef) -> bool {
+        self.cache.known(&(c.blob, c.index))
+    }
+
+    /// Bytes `[from, to)` of chunk `c` (offsets within the chunk), for a reader that
+    /// jumps around: only the verification groups they fall in are fetched, with the
+    /// proof that checks them against the chunk's hash, and nothing is cached (the
+    /// kernel keeps what it read). A source that serves no ranges, or none that can, and
+    /// the read takes the whole chunk by the usual path (every replica, backups, the
+    /// origin), so a range is never less available than its chunk.
+    pub async fn range(self: &Arc<Self>, c: ChunkRef, from: u64, to: u64) -> Result<Bytes, ReadError> {
+        let (start, end) = outboard::rounded(from, to, c.len);
+        let started = Instant::now();
+        for (id, info) in self.ordered(c.shard, &c.blob) {
+            let why = match self
+                .sources
+                .read_range(&info.addr, c, start, end, self.timeout)
+                .await
+            {
+                Ok(None) => break,
+                Ok(Some(r)) => match outboard::verify(&c.hash, c.len, start, end, &r.data, &r.proof) {
+                    Ok(()) => {
+                        self.metrics
+                            .remote_read(r.data.len() + r.proof.len(), started.elapsed());
+                        return Ok(r.data.slice((from - start) as usize..(to - start) as usize));
+                    }
+                    Err(e) => {
+                        self.metrics.corrupt();
+                        SourceError::Wrong(format!("range {start}..{end}: {e}"))
+                    }
+                },
+                Err(e) => e,
+            };
+            tracing::warn!(node = %id, blob = %c.blob, chunk = c.index, "range read failed, trying another replica: {why}");
+            self.metrics.source_failure();
+            self.failed(&id, &info.addr, &why).await;
+        }
+        let (p, _) = self.chunk(c).await?;
+        Ok(p.range(from as usize, to as usize))
+    }
+
+    /// A node failed a read: passed over for a while if it is at fault, its connection
+    /// (and the grant it presents) dropped unless it merely lacks the blob.
+    async fn failed(&self, id: &str, addr: &str, e: &SourceError) {
+        if e.blames_node() {
+            self.bad
+                .lock()
+                .unwrap()
+                .insert(id.to_string(), Instant::now() + BAD_NODE_PAUSE);
+        }
+        if !matches!(e, SourceError::Missing(_)) {
+            self.sources.forget(addr).await;
+        }
+    }
+
     fn ordered(&self, shard: u32, blob: &BlobHash) -> Vec<(String, NodeInfo)> {
         let mut cands = self.topology.read().unwrap().candidates(shard);
         let now = Instant::now();
@@ -481,18 +553,7 @@ impl Remote {
                     Err(e) => {
                         tracing::warn!(node = %id, blob = %c.blob, chunk = c.index, "read failed, trying another replica: {e}");
                         self.metrics.source_failure();
-                        // Only a node at fault is passed over for a while; one that lacks
-                        // the blob, or whose grant was the problem, is healthy.
-                        if e.blames_node() {
-                            self.bad
-                                .lock()
-                                .unwrap()
-                                .insert(id.clone(), Instant::now() + BAD_NODE_PAUSE);
-                        }
-                        if !matches!(e, SourceError::Missing(_)) {
-                            // The connection, and with it the grant it presents.
-                            self.sources.forget(&info.addr).await;
-                        }
+                        self.failed(&id, &info.addr, &e).await;
                         last = format!("{id}: {e}");
                     }
                 }

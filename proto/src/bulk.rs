@@ -14,8 +14,17 @@
 //! client hello   MAGIC(8) grant_len(u16) grant(grant_len)      grant: "" when none
 //! server hello   MAGIC(8) code(u8) [msg_len(u16) msg]           msg only when code != OK
 //! request        op(u8)=READ hash(32) offset(u64) len(u64)      len 0: to the blob's end
+//!                op(u8)=RANGE hash(32) chunk_offset(u64) chunk_len(u64) start(u64) end(u64)
 //! answer         code(u8) then OK: n(u64) and exactly n bytes; else msg_len(u16) msg
+//!                RANGE's n bytes: proof_len(u32) proof data
 //! ```
+//!
+//! RANGE asks for bytes `[start, end)` of one chunk (the chunk is `[chunk_offset,
+//! chunk_offset + chunk_len)` of the blob; `start`/`end` are within it and whole
+//! verification groups, see `outboard::rounded`) with the proof that checks them
+//! against the chunk's hash (`outboard::verify`): a random reader moves the groups it
+//! reads, not the whole chunk. A node that predates RANGE answers INVALID; the client
+//! then reads whole chunks from it ([`Pool::range`]).
 //!
 //! Requests on one connection are served one after another; the client keeps
 //! connections per node and reuses them. Nothing the node sends is trusted: the caller
@@ -39,10 +48,14 @@ use crate::BlobHash;
 
 /// The first bytes of every bulk connection, from both ends.
 pub const MAGIC: [u8; 8] = *b"LOCUSBK1";
-/// The one operation so far: bytes of a blob.
+/// Bytes of a blob.
 pub const OP_READ: u8 = 1;
-/// Bytes of a request after the op byte.
+/// A verified range of a chunk: proof and bytes.
+pub const OP_RANGE: u8 = 2;
+/// Bytes of a READ request after the op byte.
 pub const REQUEST_BODY: usize = 32 + 8 + 8;
+/// Bytes of a RANGE request after the op byte.
+pub const RANGE_BODY: usize = 32 + 4 * 8;
 /// Longest grant a hello may carry.
 pub const MAX_GRANT: usize = 8 << 10;
 /// Grants for the bulk path are checked as grants for this call (a read grant).
@@ -120,6 +133,79 @@ pub fn decode_read(b: &[u8; REQUEST_BODY]) -> (BlobHash, u64, u64) {
     (BlobHash(h), offset, len)
 }
 
+/// A RANGE request: bytes `[start, end)` of the chunk `[chunk_offset, chunk_offset +
+/// chunk_len)` of blob `hash`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RangeRequest {
+    pub hash: BlobHash,
+    pub chunk_offset: u64,
+    pub chunk_len: u64,
+    pub start: u64,
+    pub end: u64,
+}
+
+impl RangeRequest {
+    pub fn encode(&self) -> [u8; 1 + RANGE_BODY] {
+        let mut out = [0u8; 1 + RANGE_BODY];
+        out[0] = OP_RANGE;
+        out[1..33].copy_from_slice(&self.hash.0);
+        for (i, v) in [self.chunk_offset, self.chunk_len, self.start, self.end]
+            .into_iter()
+            .enumerate()
+        {
+            out[33 + 8 * i..41 + 8 * i].copy_from_slice(&v.to_le_bytes());
+        }
+        out
+    }
+
+    /// A request body (after the op byte), decoded.
+    pub fn decode(b: &[u8; RANGE_BODY]) -> Self {
+        let mut h = [0u8; 32];
+        h.copy_from_slice(&b[..32]);
+        let at = |i: usize| u64::from_le_bytes(b[32 + 8 * i..40 + 8 * i].try_into().unwrap());
+        RangeRequest {
+            hash: BlobHash(h),
+            chunk_offset: at(0),
+            chunk_len: at(1),
+            start: at(2),
+            end: at(3),
+        }
+    }
+
+    /// Why a node cannot answer it as asked, if it cannot (the blob is `size` bytes).
+    pub fn invalid(&self, size: u64) -> Option<String> {
+        let c_end = self.chunk_offset.checked_add(self.chunk_len);
+        if self.chunk_len == 0 || c_end.is_none_or(|e| e > size) {
+            return Some(format!(
+                "chunk {}+{} is not within the blob ({size} bytes)",
+                self.chunk_offset, self.chunk_len
+            ));
+        }
+        if self.start >= self.end
+            || (self.start, self.end) != crate::outboard::rounded(self.start, self.end, self.chunk_len)
+        {
+            return Some(format!(
+                "{}..{} is not a range of whole groups of a {}-byte chunk",
+                self.start, self.end, self.chunk_len
+            ));
+        }
+        None
+    }
+
+    /// Most bytes a RANGE answer can carry: the length prefix, the largest proof, the data.
+    pub fn answer_max(&self) -> u64 {
+        4 + crate::outboard::outboard_len(self.chunk_len) as u64 + (self.end - self.start)
+    }
+}
+
+/// A verified-later range: the proof and the bytes as the node sent them (the caller
+/// checks them with `outboard::verify`).
+#[derive(Debug, Clone)]
+pub struct Ranged {
+    pub proof: Bytes,
+    pub data: Bytes,
+}
+
 /// Why a bulk read gave no bytes, sorted by whose fault it is.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum BulkError {
@@ -180,6 +266,8 @@ pub struct Pool {
     /// instead of queueing behind timeouts (a pulled cable costs one timeout, not one
     /// per request in the queue).
     failed: Mutex<HashMap<String, Instant>>,
+    /// Addresses that answered RANGE as an unknown operation, and until when.
+    no_ranges: Mutex<HashMap<String, Instant>>,
     /// `LOCUS_BULK=off` in the environment: every node is asked over gRPC (to compare
     /// the two paths, or to go around a fault in this one).
     off: bool,
@@ -268,6 +356,61 @@ impl Pool {
         len: u64,
         idle: Duration,
     ) -> Result<Reading, BulkError> {
+        self.request(addr, grant, &encode_read(h, offset, len), len, idle)
+            .await
+    }
+
+    /// Asks the node at `addr` for a verified range (see [`RangeRequest`]); the answer is
+    /// not checked here. A node that does not serve ranges (an older build) is
+    /// remembered, and its answer is `Unsupported`: read the whole chunk from it.
+    pub async fn range(
+        self: &Arc<Self>,
+        addr: &str,
+        grant: Option<&str>,
+        r: &RangeRequest,
+        idle: Duration,
+    ) -> Result<Ranged, BulkError> {
+        if self
+            .no_ranges
+            .lock()
+            .unwrap()
+            .get(addr)
+            .is_some_and(|until| *until > Instant::now())
+        {
+            return Err(BulkError::Unsupported(format!("{addr} serves no ranges")));
+        }
+        let answer = match self.request(addr, grant, &r.encode(), r.answer_max(), idle).await {
+            Ok(reading) => reading.all().await?,
+            Err(BulkError::Refused(m)) if m.contains("unknown operation") => {
+                self.no_ranges
+                    .lock()
+                    .unwrap()
+                    .insert(addr.to_string(), Instant::now() + UNSUPPORTED_FOR);
+                return Err(BulkError::Unsupported(m));
+            }
+            Err(e) => return Err(e),
+        };
+        let bad = || BulkError::Unreachable("the node's range answer is malformed".into());
+        let n = u32::from_le_bytes(answer.get(..4).ok_or_else(bad)?.try_into().unwrap()) as usize;
+        if answer.len() < 4 + n {
+            return Err(bad());
+        }
+        Ok(Ranged {
+            proof: answer.slice(4..4 + n),
+            data: answer.slice(4 + n..),
+        })
+    }
+
+    /// Sends one request (`req`, encoded) to `addr`; at most `most` bytes may answer it
+    /// (0: any).
+    async fn request(
+        self: &Arc<Self>,
+        addr: &str,
+        grant: Option<&str>,
+        req: &[u8],
+        most: u64,
+        idle: Duration,
+    ) -> Result<Reading, BulkError> {
         let slots = self
             .slots
             .lock()
@@ -284,7 +427,7 @@ impl Pool {
                 )));
             }
         }
-        let r = self.ask_on(addr, grant, h, offset, len, idle, slot).await;
+        let r = self.ask_on(addr, grant, req, most, idle, slot).await;
         if matches!(r, Err(BulkError::Unreachable(_))) {
             self.failed(addr);
         }
@@ -296,20 +439,19 @@ impl Pool {
         self: &Arc<Self>,
         addr: &str,
         grant: Option<&str>,
-        h: &BlobHash,
-        offset: u64,
+        req: &[u8],
         len: u64,
         idle: Duration,
         slot: tokio::sync::OwnedSemaphorePermit,
     ) -> Result<Reading, BulkError> {
-        let req = encode_read(h, offset, len);
         // A kept connection the node has closed since fails at once; one fresh try.
         if let Some(mut s) = self.take(addr, grant) {
-            match ask(&mut s, &req, idle).await {
+            match ask(&mut s, req, idle).await {
                 Ok(Some(n)) => return self.reading(addr, grant, s, n, len, idle, slot),
-                // The node answered: the connection is good for the next request.
                 Err(e) if !matches!(e, BulkError::Unreachable(_)) => {
-                    self.give_back(addr, grant.map(str::to_string), s);
+                    if keeps_connection(&e) {
+                        self.give_back(addr, grant.map(str::to_string), s);
+                    }
                     return Err(e);
                 }
                 _ => {}
@@ -323,11 +465,11 @@ impl Pool {
                     .insert(addr.to_string(), Instant::now() + UNSUPPORTED_FOR);
             }
         })?;
-        match ask(&mut s, &req, idle).await {
+        match ask(&mut s, req, idle).await {
             Ok(Some(n)) => self.reading(addr, grant, s, n, len, idle, slot),
             Ok(None) => Err(BulkError::Unreachable("the node closed the connection".into())),
             Err(e) => {
-                if !matches!(e, BulkError::Unreachable(_)) {
+                if keeps_connection(&e) {
                     self.give_back(addr, grant.map(str::to_string), s);
                 }
                 Err(e)
@@ -362,6 +504,13 @@ impl Pool {
             slot: Some(slot),
         })
     }
+}
+
+/// Whether the node goes on serving a connection after answering with this error: it
+/// does after "not here" and "corrupt"; after a refused grant or a request it does not
+/// understand it closes its end.
+fn keeps_connection(e: &BulkError) -> bool {
+    matches!(e, BulkError::Missing(_) | BulkError::DataLoss(_))
 }
 
 /// Opens a connection and says hello.

@@ -400,18 +400,46 @@ impl NodeLinks {
         len: u64,
         idle: Duration,
     ) -> Result<crate::bulk::Reading, crate::bulk::BulkError> {
+        let grant = self.bulk_grant(node, addr, op, target).await?;
+        self.bulk.open(addr, grant.as_deref(), h, offset, len, idle).await
+    }
+
+    /// A verified range of a chunk (see `bulk::RangeRequest`) from the node at `addr`,
+    /// unchecked: the caller verifies it against the chunk's hash. `Unsupported`: read
+    /// the whole chunk instead.
+    pub async fn bulk_range(
+        &self,
+        node: &str,
+        addr: &str,
+        op: Op,
+        target: &str,
+        r: &crate::bulk::RangeRequest,
+        idle: Duration,
+    ) -> Result<crate::bulk::Ranged, crate::bulk::BulkError> {
+        let grant = self.bulk_grant(node, addr, op, target).await?;
+        self.bulk.range(addr, grant.as_deref(), r, idle).await
+    }
+
+    /// The grant a bulk request to `addr` presents; `Unsupported` when `addr` is asked
+    /// over gRPC only.
+    async fn bulk_grant(
+        &self,
+        node: &str,
+        addr: &str,
+        op: Op,
+        target: &str,
+    ) -> Result<Option<String>, crate::bulk::BulkError> {
         use crate::bulk::BulkError;
         if !self.bulk.speaks(addr) {
             return Err(BulkError::Unsupported(format!("{addr} is asked over gRPC")));
         }
-        let grant = self.grants.get(node, op, target).await.map_err(|s| {
+        self.grants.get(node, op, target).await.map_err(|s| {
             BulkError::Grant(format!(
                 "no {} grant for node {node}: {}",
                 op.as_str(),
                 s.message()
             ))
-        })?;
-        self.bulk.open(addr, grant.as_deref(), h, offset, len, idle).await
+        })
     }
 
     /// The node at `addr` failed: its kept bulk connections are closed.

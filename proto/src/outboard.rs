@@ -14,7 +14,9 @@
 //! root is exactly `blake3::hash(blob)`.
 //!
 //! Built on blake3's `hazmat` API; every shape is tested against `blake3::hash`.
-//! Not yet used by the store or the wire (docs/architecture.md, "The bulk path").
+//! Nodes compute outboards of the chunks mounts ask ranges of ([`outboard_from`], a
+//! piece at a time) and send the proof with each range; docs/architecture.md, "Verified
+//! ranges".
 
 use blake3::hazmat::{
     left_subtree_len, merge_subtrees_non_root, merge_subtrees_root, ChainingValue, HasherExt, Mode,
@@ -37,10 +39,61 @@ pub fn outboard(data: &[u8]) -> (BlobHash, Vec<u8>) {
         let at = reserve(&mut out);
         let lcv = subtree(&data[..l as usize], 0, &mut out);
         let rcv = subtree(&data[l as usize..], l, &mut out);
-        fill(&mut out, at, &lcv, &rcv);
+        fill_pair(&mut out, at, &lcv, &rcv);
         *merge_subtrees_root(&lcv, &rcv, Mode::Hash).as_bytes()
     };
     (BlobHash(root), out)
+}
+
+/// Bytes [`outboard_from`] holds in memory at once: subtrees up to this size are read
+/// whole and hashed from memory.
+pub const STREAM_PIECE: u64 = 1 << 20;
+
+/// The outboard and root of a blob of `len` bytes whose bytes `fill` gives front to back
+/// (each call fills the whole buffer it is handed with the next bytes): a blob of any
+/// size with at most [`STREAM_PIECE`] of it in memory. The same result as [`outboard`].
+pub fn outboard_from<E>(
+    len: u64,
+    mut fill: impl FnMut(&mut [u8]) -> Result<(), E>,
+) -> Result<(BlobHash, Vec<u8>), E> {
+    if len <= STREAM_PIECE {
+        let mut buf = vec![0u8; len as usize];
+        fill(&mut buf)?;
+        return Ok(outboard(&buf));
+    }
+    let mut out = Vec::with_capacity(outboard_len(len));
+    let mut buf = Vec::new();
+    let (l, r) = split(len);
+    let at = reserve(&mut out);
+    let lcv = subtree_from(l, 0, &mut fill, &mut buf, &mut out)?;
+    let rcv = subtree_from(r, l, &mut fill, &mut buf, &mut out)?;
+    fill_pair(&mut out, at, &lcv, &rcv);
+    Ok((
+        BlobHash(*merge_subtrees_root(&lcv, &rcv, Mode::Hash).as_bytes()),
+        out,
+    ))
+}
+
+/// `subtree`, for bytes that `fill` gives in order (the recursion visits leaves left to
+/// right, so the blob is read front to back).
+fn subtree_from<E>(
+    len: u64,
+    offset: u64,
+    fill: &mut impl FnMut(&mut [u8]) -> Result<(), E>,
+    buf: &mut Vec<u8>,
+    out: &mut Vec<u8>,
+) -> Result<ChainingValue, E> {
+    if len <= STREAM_PIECE {
+        buf.resize(len as usize, 0);
+        fill(buf)?;
+        return Ok(subtree(buf, offset, out));
+    }
+    let (l, r) = split(len);
+    let at = reserve(out);
+    let lcv = subtree_from(l, offset, fill, buf, out)?;
+    let rcv = subtree_from(r, offset + l, fill, buf, out)?;
+    fill_pair(out, at, &lcv, &rcv);
+    Ok(merge_subtrees_non_root(&lcv, &rcv, Mode::Hash))
 }
 
 /// Bytes of the outboard of a blob of `len` bytes: one pair per parent above the groups.
@@ -59,7 +112,7 @@ fn reserve(out: &mut Vec<u8>) -> usize {
     out.len() - PAIR
 }
 
-fn fill(out: &mut [u8], at: usize, l: &ChainingValue, r: &ChainingValue) {
+fn fill_pair(out: &mut [u8], at: usize, l: &ChainingValue, r: &ChainingValue) {
     out[at..at + 32].copy_from_slice(l);
     out[at + 32..at + PAIR].copy_from_slice(r);
 }
@@ -73,7 +126,7 @@ fn subtree(data: &[u8], offset: u64, out: &mut Vec<u8>) -> ChainingValue {
     let at = reserve(out);
     let lcv = subtree(&data[..l as usize], offset, out);
     let rcv = subtree(&data[l as usize..], offset + l, out);
-    fill(out, at, &lcv, &rcv);
+    fill_pair(out, at, &lcv, &rcv);
     merge_subtrees_non_root(&lcv, &rcv, Mode::Hash)
 }
 
@@ -370,6 +423,37 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn an_outboard_read_a_piece_at_a_time_is_the_one_built_from_memory() {
+        for n in [
+            0usize,
+            5000,
+            1 << 20,
+            (1 << 20) + 1,
+            3 * (1 << 20) + 12_345,
+            9 << 20,
+        ] {
+            let d = data(n);
+            let mut at = 0;
+            let mut largest = 0;
+            let streamed = outboard_from::<()>(n as u64, |buf| {
+                buf.copy_from_slice(&d[at..at + buf.len()]);
+                at += buf.len();
+                largest = largest.max(buf.len());
+                Ok(())
+            })
+            .unwrap();
+            assert_eq!(at, n, "size {n}: every byte read once");
+            assert!(
+                largest as u64 <= STREAM_PIECE,
+                "size {n}: {largest} bytes at once"
+            );
+            assert_eq!(streamed, outboard(&d), "size {n}");
+        }
+        // A failed read ends it with that error.
+        assert_eq!(outboard_from(4 << 20, |_| Err("disk")), Err("disk"));
     }
 
     #[test]

@@ -309,6 +309,29 @@ impl BlobReader {
         self.store.corrupt(&self.hash, &self.path, what)
     }
 
+    /// The rest of the range read from the file as it is, unhashed: for a caller that
+    /// checks the bytes itself (a verified range, against the chunk's outboard) and calls
+    /// [`BlobReader::reject`] when they fail. At most `WHOLE_CHUNK_MAX` bytes.
+    pub fn unchecked_rest(&mut self) -> Result<Vec<u8>, StoreError> {
+        let n = self.remaining();
+        if n > WHOLE_CHUNK_MAX {
+            return Err(StoreError::Io(format!(
+                "{n} bytes are more than one unchecked read may take"
+            )));
+        }
+        let mut buf = vec![0u8; n as usize];
+        let c = self.pos / self.chunk_size;
+        self.read_at(&mut buf, self.pos, c)?;
+        self.pos = self.end;
+        Ok(buf)
+    }
+
+    /// The caller found the bytes it read wrong: the blob goes to quarantine, as when a
+    /// chunk fails its hash here.
+    pub fn reject(&self, what: String) -> StoreError {
+        self.corrupt(what)
+    }
+
     /// Reads blob bytes at `at` (an offset in the blob).
     fn read_at(&self, buf: &mut [u8], at: u64, c: u64) -> Result<(), StoreError> {
         self.file

@@ -13,7 +13,9 @@ use locus_proto::manifest::{EntryKind, RelPath};
 use locus_proto::{BlobHash, Entry};
 
 use super::*;
-use crate::reader::{BoxFuture, ChunkRef, Located, Pieces, Place, Remote, Replicas, SourceError, Topology};
+use crate::reader::{
+    BoxFuture, ChunkRef, Located, Pieces, Place, Ranged, Remote, Replicas, SourceError, Topology,
+};
 
 const CHUNK: u32 = 4096;
 
@@ -28,13 +30,22 @@ enum Behave {
     Missing,
     /// No grant could be presented (the metadata service did not issue one).
     NoGrant,
+    /// Whole chunks are right; a range comes with one proof node flipped.
+    WrongProof,
+    /// Whole chunks are right; a range is one byte short.
+    Truncated,
+    /// Serves no ranges (an older node): whole chunks only.
+    NoRanges,
 }
 
 /// Replicas serving one blob, each node behaving as told; every request is logged.
 struct FakeReplicas {
     data: Vec<u8>,
+    chunk: u64,
     behave: Mutex<HashMap<String, Behave>>,
     log: Mutex<Vec<(String, u32)>>,
+    /// Ranges asked for: (address, chunk, start, end).
+    range_log: Mutex<Vec<(String, u32, u64, u64)>>,
 }
 
 impl FakeReplicas {
@@ -68,7 +79,9 @@ impl Replicas for FakeReplicas {
             let part = || self.data[c.offset as usize..(c.offset + c.len) as usize].to_vec();
             match how {
                 // In uneven pieces, as a node's messages arrive.
-                Behave::Good => Ok(in_pieces(part())),
+                Behave::Good | Behave::WrongProof | Behave::Truncated | Behave::NoRanges => {
+                    Ok(in_pieces(part()))
+                }
                 Behave::Fail => Err(SourceError::Unreachable("connection refused".into())),
                 Behave::Missing => Err(SourceError::from_status(&tonic::Status::not_found(
                     "no such blob",
@@ -84,6 +97,51 @@ impl Replicas for FakeReplicas {
                     Err(SourceError::Unreachable(format!("stalled for {idle:?}")))
                 }
             }
+        })
+    }
+
+    fn read_range<'a>(
+        &'a self,
+        addr: &'a str,
+        c: ChunkRef,
+        start: u64,
+        end: u64,
+        idle: Duration,
+    ) -> BoxFuture<'a, Result<Option<Ranged>, SourceError>> {
+        Box::pin(async move {
+            let how = *self.behave.lock().unwrap().get(addr).unwrap_or(&Behave::Fail);
+            if how == Behave::NoRanges {
+                return Ok(None);
+            }
+            self.range_log
+                .lock()
+                .unwrap()
+                .push((addr.to_string(), c.index, start, end));
+            assert_eq!(c.len, self.chunk.min(self.data.len() as u64 - c.offset));
+            let chunk = &self.data[c.offset as usize..(c.offset + c.len) as usize];
+            let (_, ob) = locus_proto::outboard::outboard(chunk);
+            let mut proof = locus_proto::outboard::proof(&ob, c.len, start, end).unwrap();
+            let mut data = chunk[start as usize..end as usize].to_vec();
+            match how {
+                Behave::Good => {}
+                Behave::Corrupt => data[(end - start) as usize / 2] ^= 1,
+                Behave::WrongProof => proof[5] ^= 0x10,
+                Behave::Truncated => {
+                    data.pop();
+                }
+                Behave::Fail => return Err(SourceError::Unreachable("connection refused".into())),
+                Behave::Missing => return Err(SourceError::Missing("no such blob".into())),
+                Behave::NoGrant => return Err(SourceError::Grant("no read grant".into())),
+                Behave::Hang => {
+                    tokio::time::sleep(idle).await;
+                    return Err(SourceError::Unreachable(format!("stalled for {idle:?}")));
+                }
+                Behave::NoRanges => unreachable!(),
+            }
+            Ok(Some(Ranged {
+                proof: proof.into(),
+                data: data.into(),
+            }))
         })
     }
 
@@ -150,10 +208,15 @@ impl Drop for Fixture {
 
 /// One file of `chunks` chunks on shard 0, replicated on n1 (cheapest) and n2.
 fn fixture(chunks: usize, n1: Behave, n2: Behave, local: Option<LocalBehave>) -> Fixture {
-    let data: Vec<u8> = (0..chunks * CHUNK as usize - 100)
+    fixture_sized(CHUNK, chunks, n1, n2, local)
+}
+
+/// `fixture` with chunks of `chunk` bytes.
+fn fixture_sized(chunk: u32, chunks: usize, n1: Behave, n2: Behave, local: Option<LocalBehave>) -> Fixture {
+    let data: Vec<u8> = (0..chunks * chunk as usize - 100)
         .map(|i| (i * 7 % 251) as u8)
         .collect();
-    let hashes: Vec<BlobHash> = data.chunks(CHUNK as usize).map(BlobHash::of).collect();
+    let hashes: Vec<BlobHash> = data.chunks(chunk as usize).map(BlobHash::of).collect();
     let entry = Entry {
         path: RelPath::try_from("f").unwrap(),
         kind: EntryKind::File {
@@ -165,12 +228,14 @@ fn fixture(chunks: usize, n1: Behave, n2: Behave, local: Option<LocalBehave>) ->
         mode: 0o644,
         mtime_ns: 1,
     };
-    let ns = Arc::new(Namespace::build(vec![entry], CHUNK).unwrap());
+    let ns = Arc::new(Namespace::build(vec![entry], chunk).unwrap());
     let ino = ns.lookup(crate::namespace::ROOT, "f").unwrap();
     let replicas = Arc::new(FakeReplicas {
         data: data.clone(),
+        chunk: u64::from(chunk),
         behave: Mutex::new(HashMap::from([("a1".to_string(), n1), ("a2".to_string(), n2)])),
         log: Mutex::new(Vec::new()),
+        range_log: Mutex::new(Vec::new()),
     });
     let topo = Topology::from_parts(
         HashMap::from([(0, vec!["n1".to_string(), "n2".to_string()])]),
@@ -422,6 +487,108 @@ fn sequential_reads_fetch_the_next_chunks_ahead() {
     );
 }
 
+/// Chunk size for the range tests: many verification groups per chunk.
+const BIG: u32 = 256 << 10;
+
+/// `len` bytes at `at` through the core, checked against the file.
+fn read_at(f: &Fixture, at: u64, len: u32) -> Result<(), FsError> {
+    let (b, _) = f.core.read_by_inode(f.ino, at, len)?;
+    assert!(
+        b[..] == f.data[at as usize..at as usize + len as usize],
+        "bytes at {at}"
+    );
+    Ok(())
+}
+
+#[test]
+fn a_reader_that_jumps_is_sent_the_groups_it_reads_and_a_sequential_one_whole_chunks() {
+    // 64 MiB: reads far apart are further than the kernel's read-ahead reorders reads.
+    let f = fixture_sized(BIG, 256, Behave::Good, Behave::Good, None);
+    // Far into the file: 4 KiB that straddle two verification groups, then 64 KiB.
+    read_at(&f, 200 * u64::from(BIG) + 16_000, 4096).unwrap();
+    read_at(&f, 10 * u64::from(BIG) + 100_000, 65_536).unwrap();
+    assert_eq!(
+        *f.replicas.range_log.lock().unwrap(),
+        vec![
+            ("a1".to_string(), 200, 0, 32 << 10),
+            ("a1".to_string(), 10, 96 << 10, 176 << 10)
+        ]
+    );
+    assert!(
+        f.replicas.log.lock().unwrap().is_empty(),
+        "no whole chunk was fetched"
+    );
+    // A reader going front to back from the start takes whole chunks and reads ahead.
+    let g = fixture_sized(BIG, 256, Behave::Good, Behave::Good, None);
+    for i in 0..8u64 {
+        read_at(&g, i * (128 << 10), 128 << 10).unwrap();
+    }
+    assert!(g.replicas.range_log.lock().unwrap().is_empty());
+    assert!(g.replicas.requests_for(0) == 1 && g.replicas.requests_for(3) == 1);
+    // A random reader stays one when a read lands near an earlier one by chance (24
+    // near 20, 45 near 60, then 45 again): no whole chunk, no read-ahead.
+    let r = fixture_sized(BIG, 256, Behave::Good, Behave::Good, None);
+    let at = [200u64, 100, 20, 150, 24, 60, 45, 45];
+    for c in at {
+        read_at(&r, c * u64::from(BIG) + 70_000, 4096).unwrap();
+    }
+    std::thread::sleep(Duration::from_millis(100));
+    assert!(
+        r.replicas.log.lock().unwrap().is_empty(),
+        "{:?}",
+        r.replicas.log.lock().unwrap()
+    );
+    assert_eq!(r.replicas.range_log.lock().unwrap().len(), at.len());
+}
+
+#[test]
+fn a_range_with_a_flipped_bit_a_wrong_proof_node_or_cut_short_is_dropped_for_another_replica() {
+    for bad in [
+        Behave::Corrupt,
+        Behave::WrongProof,
+        Behave::Truncated,
+        Behave::Hang,
+    ] {
+        let f = fixture_sized(BIG, 64, bad, Behave::Good, None);
+        read_at(&f, 30 * u64::from(BIG) + 5_000, 8192).unwrap();
+        let asked: Vec<String> = f
+            .replicas
+            .range_log
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|r| r.0.clone())
+            .collect();
+        assert_eq!(asked, ["a1", "a2"], "{bad:?}");
+        let m = f.core.metrics.encode();
+        let corrupt = bad != Behave::Hang;
+        assert_eq!(
+            m.contains("locus_mount_corrupt_chunks_total 1"),
+            corrupt,
+            "{bad:?}: {m}"
+        );
+    }
+}
+
+#[test]
+fn a_range_no_replica_serves_right_is_read_as_a_whole_chunk_or_fails_eio() {
+    // Both send bad ranges; whole chunks from the second are right.
+    let f = fixture_sized(BIG, 64, Behave::WrongProof, Behave::Truncated, None);
+    read_at(&f, 30 * u64::from(BIG) + 5_000, 8192).unwrap();
+    assert_eq!(f.replicas.requests_for(30), 1, "the whole chunk, once");
+    // A node without ranges: the whole chunk from it, no range asked of the next.
+    let g = fixture_sized(BIG, 64, Behave::NoRanges, Behave::Good, None);
+    read_at(&g, 30 * u64::from(BIG) + 5_000, 8192).unwrap();
+    assert!(g.replicas.range_log.lock().unwrap().is_empty());
+    assert_eq!(first_asked(&g, 30), "a1");
+    // Nothing right anywhere: EIO, never wrong bytes.
+    let h = fixture_sized(BIG, 64, Behave::Corrupt, Behave::Corrupt, None);
+    match h.core.read_by_inode(h.ino, 30 * u64::from(BIG) + 5_000, 8192) {
+        Err(FsError::Io(why)) => assert!(why.contains("no source could serve it"), "{why}"),
+        other => panic!("expected an I/O error, got {other:?}"),
+    }
+}
+
 /// A node holding one file per blob in a directory, verified as they are now; counts the
 /// `EnsureLocal` calls it answers.
 struct DirLocal {
@@ -500,8 +667,10 @@ fn the_first_open_in_a_shard_learns_its_siblings_paths_and_a_changed_sibling_is_
     let remote = Remote::new(
         Arc::new(FakeReplicas {
             data: Vec::new(),
+            chunk: u64::from(CHUNK),
             behave: Mutex::new(HashMap::new()),
             log: Mutex::new(Vec::new()),
+            range_log: Mutex::new(Vec::new()),
         }),
         Place::default(),
         Topology::default(),

@@ -134,6 +134,38 @@ impl Replicas for GrpcReplicas {
         Box::pin(self.read_from(addr, c, idle))
     }
 
+    fn read_range<'a>(
+        &'a self,
+        addr: &'a str,
+        c: ChunkRef,
+        start: u64,
+        end: u64,
+        idle: Duration,
+    ) -> BoxFuture<'a, Result<Option<Ranged>, SourceError>> {
+        Box::pin(async move {
+            use locus_proto::bulk::{BulkError, RangeRequest};
+            let r = RangeRequest {
+                hash: c.blob,
+                chunk_offset: c.offset,
+                chunk_len: c.len,
+                start,
+                end,
+            };
+            match self
+                .links
+                .bulk_range("*", addr, locus_proto::grant::Op::Read, "", &r, idle)
+                .await
+            {
+                Ok(r) => Ok(Some(r)),
+                // gRPC has no ranges with proofs: the whole chunk, then.
+                Err(BulkError::Unsupported(_)) => Ok(None),
+                Err(BulkError::Missing(m)) => Err(SourceError::Missing(m)),
+                Err(BulkError::Grant(m)) => Err(SourceError::Grant(m)),
+                Err(e) => Err(SourceError::Unreachable(e.to_string())),
+            }
+        })
+    }
+
     fn forget<'a>(&'a self, addr: &'a str) -> BoxFuture<'a, ()> {
         // The grant too: a node that refused it (a revoked key) must see a fresh one.
         // `refused` also closes the kept bulk connections.
