@@ -88,11 +88,17 @@ pub async fn run(a: ImportArgs, cfg: &Resolved) -> anyhow::Result<()> {
         Ok(r) => r,
         // Failures once bytes move: what was sent stays on the nodes, the version does not
         // exist, and the same command picks up where this one stopped.
-        Err(e @ (ImportError::Transfer(_) | ImportError::Metadata(_))) => bail!(
-            "{e}\nnothing was committed: {} has no new version. Rerun the same command once \
-             that is fixed; blobs the nodes already received are not sent again",
-            o.name
-        ),
+        Err(e @ (ImportError::Transfer { .. } | ImportError::Metadata(_))) => {
+            let advice = match &e {
+                ImportError::Transfer { cause, .. } => format!("\n{}.", cause.advice()),
+                _ => String::new(),
+            };
+            bail!(
+                "{e}{advice}\nnothing was committed: {} has no new version. Rerun the same command \
+                 once that is fixed; blobs the nodes already received are not sent again",
+                o.name
+            )
+        }
         Err(e) => return Err(e.into()),
     };
     print_report(&r, cfg)

@@ -16,6 +16,72 @@ use locus_proto::{nodepb, pb, BlobHash};
 
 use super::scan::BlobSource;
 
+/// Why a node did not take, copy or upload blobs, sorted by whose fault it is, so the
+/// import or backup says what to do about it (and the tests can tell the causes apart).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum NodeError {
+    /// The import's own input: a source file unreadable, or changed since it was hashed.
+    /// No node is at fault.
+    #[error("{0}")]
+    Source(String),
+    /// Not reachable, silent past the peer timeout, or failing inside.
+    #[error("{0}")]
+    Unreachable(String),
+    /// No grant for the node (the metadata service refused this client one), or the node
+    /// refused the grant presented.
+    #[error("{0}")]
+    Grant(String),
+    /// The node has no room for it.
+    #[error("{0}")]
+    Full(String),
+    /// The node received bytes that are not the blob's and kept nothing.
+    #[error("{0}")]
+    Rejected(String),
+    /// This cluster's nodes cannot do that at all.
+    #[error("{0}")]
+    Unsupported(String),
+}
+
+impl NodeError {
+    /// The same cause with its message rewritten.
+    pub fn map(self, f: impl FnOnce(String) -> String) -> Self {
+        use NodeError::*;
+        match self {
+            Source(m) => Source(f(m)),
+            Unreachable(m) => Unreachable(f(m)),
+            Grant(m) => Grant(f(m)),
+            Full(m) => Full(f(m)),
+            Rejected(m) => Rejected(f(m)),
+            Unsupported(m) => Unsupported(f(m)),
+        }
+    }
+
+    /// A node's gRPC answer, sorted; the message names the node.
+    pub fn from_status(node: &str, s: &tonic::Status) -> Self {
+        use tonic::Code;
+        let m = format!("node {node}: {}", s.message());
+        match s.code() {
+            Code::ResourceExhausted => NodeError::Full(m),
+            Code::Unauthenticated | Code::PermissionDenied => NodeError::Grant(m),
+            Code::InvalidArgument | Code::DataLoss => NodeError::Rejected(m),
+            Code::Unimplemented => NodeError::Unsupported(m),
+            _ => NodeError::Unreachable(m),
+        }
+    }
+
+    /// What the operator can do about it, in a sentence.
+    pub fn advice(&self) -> &'static str {
+        match self {
+            NodeError::Source(_) => "the source changed or could not be read while it was imported; rerun once it is stable",
+            NodeError::Unreachable(_) => "check that the node is up and reachable (`locus status`); LOCUS_PEER_TIMEOUT sets how long a silent node is waited for",
+            NodeError::Grant(_) => "the node or the metadata service refused this client's credentials: importing needs an admin token, and the node must trust the service's grant key",
+            NodeError::Full(_) => "a node is out of room: free space on it, add nodes, or import with fewer --replicas",
+            NodeError::Rejected(_) => "the node received bytes that are not the file's: the source changed while it was imported, or the network corrupted them",
+            NodeError::Unsupported(_) => "this cluster's nodes are too old for this; upgrade them",
+        }
+    }
+}
+
 /// A boxed future, for the object-safe trait.
 pub type BoxFuture<'a, T> = std::pin::Pin<Box<dyn std::future::Future<Output = T> + Send + 'a>>;
 
@@ -57,13 +123,14 @@ pub trait ImportCluster: Send + Sync {
     /// Drops the session's manifest now rather than at its expiry; best effort.
     fn abort(&self, session: u64) -> BoxFuture<'_, ()>;
     /// Which of `blobs` the node holds already.
-    fn have<'a>(&'a self, node: &'a str, blobs: Vec<BlobHash>) -> BoxFuture<'a, Result<Vec<bool>, String>>;
+    fn have<'a>(&'a self, node: &'a str, blobs: Vec<BlobHash>)
+        -> BoxFuture<'a, Result<Vec<bool>, NodeError>>;
     /// Stores one blob on the node (which verifies it).
-    fn send<'a>(&'a self, node: &'a str, blob: Upload) -> BoxFuture<'a, Result<(), String>>;
+    fn send<'a>(&'a self, node: &'a str, blob: Upload) -> BoxFuture<'a, Result<(), NodeError>>;
     /// Stores many small blobs (local files or bytes in memory) on the node in one group
     /// commit (each verified).
     /// Clusters without one send them one by one.
-    fn send_small<'a>(&'a self, node: &'a str, blobs: Vec<Upload>) -> BoxFuture<'a, Result<(), String>> {
+    fn send_small<'a>(&'a self, node: &'a str, blobs: Vec<Upload>) -> BoxFuture<'a, Result<(), NodeError>> {
         Box::pin(async move {
             for b in blobs {
                 self.send(node, b).await?;
@@ -94,9 +161,13 @@ pub trait ImportCluster: Send + Sync {
         from: &'a str,
         blob: nodepb::BlobRef,
         chunk_size: u32,
-    ) -> BoxFuture<'a, Result<(), String>> {
+    ) -> BoxFuture<'a, Result<(), NodeError>> {
         let _ = (node, from, blob, chunk_size);
-        Box::pin(async { Err("this cluster's nodes do not copy from each other".to_string()) })
+        Box::pin(async {
+            Err(NodeError::Unsupported(
+                "this cluster's nodes do not copy from each other".to_string(),
+            ))
+        })
     }
 }
 
@@ -122,7 +193,7 @@ pub trait BackupCluster: Send + Sync {
         node: &'a str,
         r: nodepb::UploadBlobsRequest,
         done: &'a AtomicU64,
-    ) -> BoxFuture<'a, Result<nodepb::UploadProgress, String>>;
+    ) -> BoxFuture<'a, Result<nodepb::UploadProgress, NodeError>>;
 }
 
 /// The cluster over gRPC: the metadata service, and node connections opened once per
@@ -143,7 +214,7 @@ impl GrpcCluster {
         }
     }
 
-    async fn address(&self, node: &str) -> Result<String, String> {
+    async fn address(&self, node: &str) -> Result<String, NodeError> {
         let addresses = self
             .addresses
             .get_or_try_init(|| async {
@@ -151,26 +222,30 @@ impl GrpcCluster {
                 let nodes = m
                     .list_nodes(pb::ListNodesRequest {})
                     .await
-                    .map_err(|s| super::status_sentence(&s))?
+                    .map_err(|s| NodeError::Unreachable(super::status_sentence(&s)))?
                     .into_inner()
                     .nodes;
-                Ok::<_, String>(nodes.into_iter().map(|n| (n.id, n.address)).collect())
+                Ok::<_, NodeError>(nodes.into_iter().map(|n| (n.id, n.address)).collect())
             })
             .await?;
         addresses
             .get(node)
             .cloned()
-            .ok_or_else(|| format!("node {node} has no address"))
+            .ok_or_else(|| NodeError::Unreachable(format!("node {node} has no address")))
     }
 
     /// A connection to `node` that presents a grant for `op` on `target`; its address.
-    async fn node(&self, node: &str, op: Op, target: &str) -> Result<(NodeClient, String), String> {
+    async fn node(&self, node: &str, op: Op, target: &str) -> Result<(NodeClient, String), NodeError> {
+        use locus_proto::grant::LinkError;
         let addr = self.address(node).await?;
         let c = self
             .nodes
-            .get(node, &addr, op, target, Duration::from_secs(5))
+            .link(node, &addr, op, target, Duration::from_secs(5))
             .await
-            .map_err(|e| format!("node {node}: {e}"))?;
+            .map_err(|e| match e {
+                LinkError::NoGrant(m) => NodeError::Grant(format!("node {node}: {m}")),
+                LinkError::Connect(m) => NodeError::Unreachable(format!("node {node}: {m}")),
+            })?;
         Ok((c, addr))
     }
 
@@ -289,7 +364,11 @@ impl ImportCluster for GrpcCluster {
         })
     }
 
-    fn have<'a>(&'a self, node: &'a str, blobs: Vec<BlobHash>) -> BoxFuture<'a, Result<Vec<bool>, String>> {
+    fn have<'a>(
+        &'a self,
+        node: &'a str,
+        blobs: Vec<BlobHash>,
+    ) -> BoxFuture<'a, Result<Vec<bool>, NodeError>> {
         Box::pin(async move {
             let (mut c, addr) = self.node(node, Op::Import, "").await?;
             let idle = locus_proto::net::peer_idle();
@@ -301,12 +380,12 @@ impl ImportCluster for GrpcCluster {
                 let have = tokio::time::timeout(idle, ask)
                     .await
                     .map_err(|_| {
-                        format!(
+                        NodeError::Unreachable(format!(
                             "node {node} at {addr} did not answer within {}s (LOCUS_PEER_TIMEOUT)",
                             idle.as_secs_f64()
-                        )
+                        ))
                     })?
-                    .map_err(|s| format!("node {node}: {}", s.message()))?
+                    .map_err(|s| NodeError::from_status(node, &s))?
                     .into_inner()
                     .present;
                 out.extend(have);
@@ -324,7 +403,7 @@ impl ImportCluster for GrpcCluster {
             let (mut c, _) = self
                 .node(node, Op::Import, &r.origin)
                 .await
-                .map_err(tonic::Status::unavailable)?;
+                .map_err(|e| tonic::Status::unavailable(e.to_string()))?;
             // A node gives up on a silent source after its own peer timeout; this bounds a
             // node that stops answering: a minute plus the bytes at a slow 20 MB/s.
             let limit = Duration::from_secs(60) + Duration::from_secs_f64(r.size as f64 / 20e6);
@@ -359,7 +438,7 @@ impl ImportCluster for GrpcCluster {
         from: &'a str,
         blob: nodepb::BlobRef,
         chunk_size: u32,
-    ) -> BoxFuture<'a, Result<(), String>> {
+    ) -> BoxFuture<'a, Result<(), NodeError>> {
         Box::pin(async move {
             let (mut c, _) = self.node(node, Op::Import, "").await?;
             let source = self.address(from).await?;
@@ -373,13 +452,17 @@ impl ImportCluster for GrpcCluster {
             });
             tokio::time::timeout(limit, call)
                 .await
-                .map_err(|_| format!("node {node}: no answer within {}s", limit.as_secs()))?
-                .map_err(|s| format!("node {node} copying from {from}: {}", super::status_sentence(&s)))?;
+                .map_err(|_| {
+                    NodeError::Unreachable(format!("node {node}: no answer within {}s", limit.as_secs()))
+                })?
+                .map_err(|s| {
+                    NodeError::from_status(node, &s).map(|m| format!("{m} (copying from {from})"))
+                })?;
             Ok(())
         })
     }
 
-    fn send_small<'a>(&'a self, node: &'a str, blobs: Vec<Upload>) -> BoxFuture<'a, Result<(), String>> {
+    fn send_small<'a>(&'a self, node: &'a str, blobs: Vec<Upload>) -> BoxFuture<'a, Result<(), NodeError>> {
         Box::pin(async move {
             let (mut c, _) = self.node(node, Op::Import, "").await?;
             let mut req = nodepb::WriteBlobsRequest {
@@ -392,22 +475,22 @@ impl ImportCluster for GrpcCluster {
                     BlobSource::Memory(data) => data.clone(),
                     BlobSource::Local(path) => tokio::fs::read(path)
                         .await
-                        .map_err(|e| format!("cannot read {}: {e}", path.display()))?
+                        .map_err(|e| NodeError::Source(format!("cannot read {}: {e}", path.display())))?
                         .into(),
                     BlobSource::Remote(_) => {
-                        return Err(format!(
+                        return Err(NodeError::Source(format!(
                             "{} is not read yet; WriteBlobs takes local files and bytes in memory",
                             b.source
-                        ))
+                        )))
                     }
                 };
                 if data.len() as u64 != b.size {
-                    return Err(format!(
+                    return Err(NodeError::Source(format!(
                         "{} changed size during the import ({} bytes, {} when hashed); rerun it",
                         b.source,
                         data.len(),
                         b.size
-                    ));
+                    )));
                 }
                 req.blobs.push(nodepb::SmallBlob {
                     hash: b.hash.0.to_vec(),
@@ -419,13 +502,13 @@ impl ImportCluster for GrpcCluster {
             let idle = locus_proto::net::peer_idle_setting().unwrap_or(Duration::from_secs(60));
             match tokio::time::timeout(idle, c.write_blobs(req)).await {
                 Ok(Ok(_)) => {}
-                Ok(Err(s)) => return Err(format!("node {node}: {}", s.message())),
+                Ok(Err(s)) => return Err(NodeError::from_status(node, &s)),
                 Err(_) => {
-                    return Err(format!(
+                    return Err(NodeError::Unreachable(format!(
                     "node {node} did not answer a batch of {} small files within {}s (LOCUS_PEER_TIMEOUT)",
                     blobs.len(),
                     idle.as_secs()
-                ))
+                )))
                 }
             }
             for b in &blobs {
@@ -435,19 +518,10 @@ impl ImportCluster for GrpcCluster {
         })
     }
 
-    fn send<'a>(&'a self, node: &'a str, blob: Upload) -> BoxFuture<'a, Result<(), String>> {
+    fn send<'a>(&'a self, node: &'a str, blob: Upload) -> BoxFuture<'a, Result<(), NodeError>> {
         Box::pin(async move {
             let (c, _) = self.node(node, Op::Import, "").await?;
-            send_blob(
-                c,
-                blob.store,
-                &blob.source,
-                blob.hash,
-                blob.size,
-                blob.chunk_size,
-                blob.done,
-            )
-            .await
+            send_blob(node, c, blob).await
         })
     }
 }
@@ -506,38 +580,37 @@ impl BackupCluster for GrpcCluster {
         node: &'a str,
         r: nodepb::UploadBlobsRequest,
         done: &'a AtomicU64,
-    ) -> BoxFuture<'a, Result<nodepb::UploadProgress, String>> {
+    ) -> BoxFuture<'a, Result<nodepb::UploadProgress, NodeError>> {
         Box::pin(async move {
             use futures_util::StreamExt;
-            let (mut c, addr) = self
-                .node(node, Op::Backup, &r.target)
-                .await
-                .map_err(|e| format!("cannot reach it: {e}"))?;
+            let (mut c, addr) = self.node(node, Op::Backup, &r.target).await?;
             // A working node reports at least every 5 s (UploadBlobs); one silent for the
             // peer timeout hangs, and the run says so instead of waiting.
             let idle = locus_proto::net::peer_idle().max(Duration::from_secs(10));
             let silent = || {
-                format!(
+                NodeError::Unreachable(format!(
                     "{addr} sent no progress for {}s (LOCUS_PEER_TIMEOUT)",
                     idle.as_secs_f64()
-                )
+                ))
             };
             let mut s = tokio::time::timeout(idle, c.upload_blobs(r))
                 .await
                 .map_err(|_| silent())?
-                .map_err(|s| s.message().to_string())?
+                .map_err(|s| NodeError::from_status(node, &s))?
                 .into_inner();
             let mut last = nodepb::UploadProgress::default();
             let mut counted = 0;
             while let Some(p) = tokio::time::timeout(idle, s.next()).await.map_err(|_| silent())? {
-                let p = p.map_err(|s| s.message().to_string())?;
+                let p = p.map_err(|s| NodeError::from_status(node, &s))?;
                 let now = p.bytes_uploaded + p.bytes_skipped;
                 done.fetch_add(now.saturating_sub(counted), Ordering::Relaxed);
                 counted = now;
                 last = p;
             }
             if !last.finished {
-                return Err("the node ended the upload without finishing it".to_string());
+                return Err(NodeError::Unreachable(format!(
+                    "node {node} ended the upload without finishing it"
+                )));
             }
             Ok(last)
         })
@@ -545,18 +618,19 @@ impl BackupCluster for GrpcCluster {
 }
 
 /// Streams one file or object to a node as a pinned blob; the node verifies it against `h`.
-async fn send_blob(
-    mut client: NodeClient,
-    remote: Option<Arc<dyn object_store::ObjectStore>>,
-    source: &BlobSource,
-    h: BlobHash,
-    size: u64,
-    chunk_size: u32,
-    done: Arc<AtomicU64>,
-) -> Result<(), String> {
+async fn send_blob(node: &str, mut client: NodeClient, blob: Upload) -> Result<(), NodeError> {
     use futures_util::StreamExt;
     use nodepb::write_blob_message::Msg;
     use tokio::io::AsyncReadExt;
+    let Upload {
+        hash: h,
+        size,
+        chunk_size,
+        source,
+        store: remote,
+        done,
+    } = blob;
+    let source = &source;
     let (tx, rx) = tokio::sync::mpsc::channel(4);
     tx.send(nodepb::WriteBlobMessage {
         msg: Some(Msg::Header(nodepb::WriteBlobHeader {
@@ -587,7 +661,7 @@ async fn send_blob(
         BlobSource::Local(path) => {
             let mut file = tokio::fs::File::open(path)
                 .await
-                .map_err(|e| format!("cannot open {}: {e}", path.display()))?;
+                .map_err(|e| NodeError::Source(format!("cannot open {}: {e}", path.display())))?;
             tokio::spawn(async move {
                 loop {
                     // A fresh buffer per message, frozen and handed over without a copy.
@@ -617,7 +691,7 @@ async fn send_blob(
             })
         }
         BlobSource::Remote(path) => {
-            let store = remote.ok_or("an object-store blob without its store")?;
+            let store = remote.ok_or(NodeError::Source("an object-store blob without its store".into()))?;
             let path = path.clone();
             tokio::spawn(async move {
                 let s = super::remote::open_object(&store, &path)
@@ -644,21 +718,15 @@ async fn send_blob(
         Ok(r) => r,
         Err(()) => {
             reader.abort();
-            return Err(format!(
-                "no bytes reached the node for {}s: it or the source is stalled (LOCUS_PEER_TIMEOUT)",
+            return Err(NodeError::Unreachable(format!(
+                "no bytes reached node {node} for {}s: it or the source is stalled (LOCUS_PEER_TIMEOUT)",
                 idle.as_secs_f64()
-            ));
+            )));
         }
     };
     reader
         .await
-        .map_err(|e| format!("reading the source failed: {e}"))??;
-    match resp {
-        Ok(_) => Ok(()),
-        Err(s) if s.code() == tonic::Code::InvalidArgument => Err(format!(
-            "{} (did the source change while importing?)",
-            s.message()
-        )),
-        Err(s) => Err(s.message().to_string()),
-    }
+        .map_err(|e| NodeError::Source(format!("reading the source failed: {e}")))?
+        .map_err(NodeError::Source)?;
+    resp.map(|_| ()).map_err(|s| NodeError::from_status(node, &s))
 }

@@ -21,7 +21,7 @@ use std::time::{Duration, Instant};
 use locus_proto::{pb, BlobHash};
 use tokio::task::JoinSet;
 
-use super::cluster::{ImportCluster, Upload};
+use super::cluster::{ImportCluster, NodeError, Upload};
 use super::scan::Scanned;
 use super::{status_sentence, Observer, SourceError};
 
@@ -87,9 +87,22 @@ pub enum ImportError {
     Unplaced(String),
     #[error("{}", status_sentence(.0))]
     Metadata(#[from] tonic::Status),
-    /// Sending blobs to a node failed (it refused, stalled, or the bytes did not match).
+    /// Sending blobs to a node failed: what was being done, and why (whose fault it is:
+    /// the source's, the node's, its room, the grant).
+    #[error("{context}: {cause}")]
+    Transfer { context: String, cause: NodeError },
+    /// A task of the import itself failed (a panic): a bug, not the cluster's fault.
     #[error("{0}")]
-    Transfer(String),
+    Internal(String),
+}
+
+impl ImportError {
+    pub(crate) fn transfer(context: impl Into<String>, cause: NodeError) -> Self {
+        ImportError::Transfer {
+            context: context.into(),
+            cause,
+        }
+    }
 }
 
 type Result<T, E = ImportError> = std::result::Result<T, E>;
@@ -357,7 +370,7 @@ async fn read_and_send(
                 });
             }
             let Some(r) = set.join_next().await else { break };
-            let staged = r.map_err(|e| ImportError::Transfer(format!("read task failed: {e}")))??;
+            let staged = r.map_err(|e| ImportError::Internal(format!("read task failed: {e}")))??;
             if tx.send(staged).await.is_err() {
                 break; // the sends failed; their error is the one reported
             }
@@ -371,7 +384,7 @@ async fn read_and_send(
         loop {
             tokio::select! {
                 Some(r) = set.join_next(), if !set.is_empty() => {
-                    let (i, h) = r.map_err(|e| ImportError::Transfer(format!("send task failed: {e}")))??;
+                    let (i, h) = r.map_err(|e| ImportError::Internal(format!("send task failed: {e}")))??;
                     hashes[i] = Some(h);
                 }
                 m = rx.recv(), if open && set.len() < parallel => match m {
@@ -398,7 +411,7 @@ async fn read_and_send(
                             });
                             for r in futures_util::future::join_all(sends).await {
                                 r.map_err(|(node, e)| {
-                                    ImportError::Transfer(format!("sending {path} to node {node}: {e}"))
+                                    ImportError::transfer(format!("sending {path} to node {node}"), e)
                                 })?;
                             }
                             Ok((i, st.hashes))

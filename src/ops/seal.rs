@@ -17,7 +17,7 @@ use locus_proto::{pb, Entry};
 
 use locus_proto::BlobHash;
 
-use super::cluster::{ImportCluster, Upload};
+use super::cluster::{ImportCluster, NodeError, Upload};
 use super::import::ImportError;
 use super::scan::Scanned;
 
@@ -194,7 +194,7 @@ pub(crate) async fn store_namespace(
         done: Arc::new(std::sync::atomic::AtomicU64::new(0)),
     };
     let failed =
-        |n: &str, e: String| ImportError::Transfer(format!("storing the sealed namespace on {n}: {e}"));
+        |n: &str, e: NodeError| ImportError::transfer(format!("storing the sealed namespace on {n}"), e);
     let Some((first, rest)) = nodes.split_first() else {
         return Err(ImportError::Unplaced("the first shard has no replicas".into()));
     };

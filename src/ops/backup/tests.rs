@@ -4,6 +4,7 @@
 //! only what the last committed snapshot lacks, and verify's repair replaces a corrupt
 //! object. The fake nodes upload through the same `locus_backup::blob` calls real ones do.
 
+use crate::ops::cluster::NodeError;
 use std::collections::{HashMap, HashSet};
 use std::sync::Mutex;
 
@@ -122,9 +123,9 @@ impl BackupCluster for Fake {
         node: &'a str,
         r: nodepb::UploadBlobsRequest,
         done: &'a std::sync::atomic::AtomicU64,
-    ) -> BoxFuture<'a, Result<nodepb::UploadProgress, String>> {
+    ) -> BoxFuture<'a, Result<nodepb::UploadProgress, NodeError>> {
         Box::pin(async move {
-            let t = Target::open(&r.target).map_err(|e| e.to_string())?;
+            let t = Target::open(&r.target).map_err(|e| NodeError::Unreachable(e.to_string()))?;
             let mut p = nodepb::UploadProgress::default();
             for b in r.blobs {
                 let h = BlobHash::from_slice("hash", &b.hash).unwrap();
@@ -135,14 +136,20 @@ impl BackupCluster for Fake {
                     });
                     continue;
                 }
-                if r.skip_existing && blob::exists(&t, &h, b.size).await.map_err(|e| e.to_string())? {
+                if r.skip_existing
+                    && blob::exists(&t, &h, b.size)
+                        .await
+                        .map_err(|e| NodeError::Unreachable(e.to_string()))?
+                {
                     p.blobs_skipped += 1;
                     p.bytes_skipped += b.size;
                     continue;
                 }
                 let data = bytes::Bytes::from(self.blobs[&h].clone());
                 let s = futures_util::stream::iter([Ok::<_, std::io::Error>(data)]);
-                blob::upload(&t, &h, b.size, s).await.map_err(|e| e.to_string())?;
+                blob::upload(&t, &h, b.size, s)
+                    .await
+                    .map_err(|e| NodeError::Unreachable(e.to_string()))?;
                 self.sent.lock().unwrap().push((node.to_string(), h));
                 p.blobs_uploaded += 1;
                 p.bytes_uploaded += b.size;

@@ -397,7 +397,7 @@ impl Sender {
             let held = cluster
                 .have(&node, uploads.iter().map(|u| u.hash).collect())
                 .await
-                .map_err(ImportError::Transfer)?;
+                .map_err(|e| ImportError::transfer(format!("asking node {node} what it holds"), e))?;
             let (mut missing, mut skipped) = (Vec::new(), 0);
             for (u, here) in uploads.into_iter().zip(held) {
                 if here {
@@ -413,12 +413,13 @@ impl Sender {
                 1 if !matches!(missing[0].source, BlobSource::Memory(_)) => {
                     let u = missing.pop().expect("one");
                     let source = u.source.to_string();
-                    cluster.send(&node, u).await.map_err(|e| {
-                        ImportError::Transfer(format!("sending {source} to node {node}: {e}"))
-                    })?;
+                    cluster
+                        .send(&node, u)
+                        .await
+                        .map_err(|e| ImportError::transfer(format!("sending {source} to node {node}"), e))?;
                 }
                 n => cluster.send_small(&node, missing).await.map_err(|e| {
-                    ImportError::Transfer(format!("sending a batch of {n} small files to node {node}: {e}"))
+                    ImportError::transfer(format!("sending a batch of {n} small files to node {node}"), e)
                 })?,
             }
             Ok((sent, skipped))
@@ -427,7 +428,7 @@ impl Sender {
     }
 
     fn count(&mut self, r: Result<Result<(u64, u64)>, tokio::task::JoinError>) -> Result<()> {
-        let (sent, skipped) = r.map_err(|e| ImportError::Transfer(format!("send task failed: {e}")))??;
+        let (sent, skipped) = r.map_err(|e| ImportError::Internal(format!("send task failed: {e}")))??;
         self.uploaded += sent;
         self.skipped += skipped;
         Ok(())

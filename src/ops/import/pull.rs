@@ -59,7 +59,7 @@ pub(super) async fn pull_by_nodes(
             });
         }
         let Some(r) = set.join_next().await else { break };
-        let (t, r) = r.map_err(|e| ImportError::Transfer(format!("read task failed: {e}")))?;
+        let (t, r) = r.map_err(|e| ImportError::Internal(format!("read task failed: {e}")))?;
         match r {
             Ok(h) => {
                 done.fetch_add(t.3, Ordering::Relaxed);
@@ -78,12 +78,11 @@ pub(super) async fn pull_by_nodes(
             }
             Err(s) => {
                 set.abort_all();
-                return Err(ImportError::Transfer(format!(
-                    "node {} reading {}: {}",
-                    t.4[0],
-                    t.2,
-                    crate::ops::status_sentence(&s)
-                )));
+                return Err(ImportError::transfer(
+                    format!("node {} reading {}", t.4[0], t.2),
+                    crate::ops::cluster::NodeError::from_status(&t.4[0], &s)
+                        .map(|_| crate::ops::status_sentence(&s)),
+                ));
             }
         }
     }

@@ -71,7 +71,7 @@ pub(super) async fn send_missing(
         let have = cluster
             .have(&node, blobs.clone())
             .await
-            .map_err(ImportError::Transfer)?;
+            .map_err(|e| ImportError::transfer(format!("asking node {node} what it holds"), e))?;
         for (h, here) in blobs.iter().zip(have) {
             if here {
                 skipped += scanned.blobs[h].1;
@@ -106,9 +106,10 @@ pub(super) async fn send_missing(
                     let u = upload(&h);
                     set.spawn(async move {
                         let source = u.source.to_string();
-                        cluster.send(&node, u).await.map_err(|e| {
-                            ImportError::Transfer(format!("sending {source} to node {node}: {e}"))
-                        })
+                        cluster
+                            .send(&node, u)
+                            .await
+                            .map_err(|e| ImportError::transfer(format!("sending {source} to node {node}"), e))
                     });
                 }
                 Send::Batch(node, hs) => {
@@ -116,9 +117,10 @@ pub(super) async fn send_missing(
                     set.spawn(async move {
                         let n = us.len();
                         cluster.send_small(&node, us).await.map_err(|e| {
-                            ImportError::Transfer(format!(
-                                "sending a batch of {n} small files to node {node}: {e}"
-                            ))
+                            ImportError::transfer(
+                                format!("sending a batch of {n} small files to node {node}"),
+                                e,
+                            )
                         })
                     });
                 }
@@ -128,7 +130,7 @@ pub(super) async fn send_missing(
             None => break,
             Some(r) => {
                 let r = r
-                    .map_err(|e| ImportError::Transfer(format!("upload task failed: {e}")))
+                    .map_err(|e| ImportError::Internal(format!("upload task failed: {e}")))
                     .and_then(|x| x);
                 if let Err(e) = r {
                     set.abort_all();

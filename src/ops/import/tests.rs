@@ -130,7 +130,11 @@ impl ImportCluster for Fake {
         self.said(&format!("abort {session}"));
         Box::pin(async {})
     }
-    fn have<'a>(&'a self, node: &'a str, blobs: Vec<BlobHash>) -> BoxFuture<'a, Result<Vec<bool>, String>> {
+    fn have<'a>(
+        &'a self,
+        node: &'a str,
+        blobs: Vec<BlobHash>,
+    ) -> BoxFuture<'a, Result<Vec<bool>, NodeError>> {
         Box::pin(async move {
             Ok(blobs
                 .iter()
@@ -168,17 +172,20 @@ impl ImportCluster for Fake {
         from: &'a str,
         blob: locus_proto::nodepb::BlobRef,
         _chunk_size: u32,
-    ) -> BoxFuture<'a, Result<(), String>> {
+    ) -> BoxFuture<'a, Result<(), NodeError>> {
         Box::pin(async move {
             let h = BlobHash::from_slice("hash", &blob.hash).unwrap();
             self.said(&format!("copy {node}<-{from} {h}"));
             Ok(())
         })
     }
-    fn send<'a>(&'a self, node: &'a str, blob: Upload) -> BoxFuture<'a, Result<(), String>> {
+    fn send<'a>(&'a self, node: &'a str, blob: Upload) -> BoxFuture<'a, Result<(), NodeError>> {
         Box::pin(async move {
             if self.refuse == Some(node) {
-                return Err("refused: the disk is full".into());
+                return Err(NodeError::from_status(
+                    node,
+                    &tonic::Status::resource_exhausted("refused: the disk is full"),
+                ));
             }
             // What a node would receive must hash to the blob's name.
             let bytes = match &blob.source {
@@ -294,8 +301,19 @@ async fn a_node_that_refuses_a_blob_aborts_the_session_and_nothing_is_committed(
     )
     .await;
     match r {
-        Err(ImportError::Transfer(why)) => {
-            assert!(why.contains("node b") && why.contains("disk is full"), "{why}")
+        Err(e @ ImportError::Transfer { .. }) => {
+            let why = e.to_string();
+            assert!(why.contains("node b") && why.contains("disk is full"), "{why}");
+            assert!(
+                matches!(
+                    e,
+                    ImportError::Transfer {
+                        cause: NodeError::Full(_),
+                        ..
+                    }
+                ),
+                "a full node is told apart: {e:?}"
+            );
         }
         other => panic!("expected a transfer error, got {other:?}"),
     }
@@ -394,8 +412,19 @@ async fn an_object_store_import_a_node_refuses_aborts_and_commits_nothing() {
     let cluster: Arc<dyn ImportCluster> = fake.clone();
     let r = import_remote(&cluster, &remote_options(), remote, &Quiet, Instant::now()).await;
     match r {
-        Err(ImportError::Transfer(why)) => {
-            assert!(why.contains("node a") && why.contains("disk is full"), "{why}")
+        Err(e @ ImportError::Transfer { .. }) => {
+            let why = e.to_string();
+            assert!(why.contains("node a") && why.contains("disk is full"), "{why}");
+            assert!(
+                matches!(
+                    e,
+                    ImportError::Transfer {
+                        cause: NodeError::Full(_),
+                        ..
+                    }
+                ),
+                "{e:?}"
+            );
         }
         other => panic!("expected a transfer error, got {other:?}"),
     }
@@ -490,7 +519,19 @@ async fn read_by_the_nodes_only_a_node_that_cannot_read_fails_the_import_and_com
     };
     let (log, r, _) = pulled(fake, ReadBy::Nodes).await;
     match r {
-        Err(ImportError::Transfer(why)) => assert!(why.contains("node a reading sub/o"), "{why}"),
+        Err(e @ ImportError::Transfer { .. }) => {
+            assert!(e.to_string().contains("node a reading sub/o"), "{e}");
+            assert!(
+                matches!(
+                    e,
+                    ImportError::Transfer {
+                        cause: NodeError::Grant(_),
+                        ..
+                    }
+                ),
+                "a refusal of the node's credentials: {e:?}"
+            );
+        }
         other => panic!("expected a transfer error, got {other:?}"),
     }
     assert!(log.contains(&"abort 7".to_string()), "{log:?}");
@@ -508,7 +549,16 @@ async fn in_auto_an_object_that_is_wrong_whoever_reads_it_fails_without_a_second
         ..Default::default()
     };
     let (log, r, _) = pulled(fake, ReadBy::Auto).await;
-    assert!(matches!(r, Err(ImportError::Transfer(_))), "{r:?}");
+    assert!(
+        matches!(
+            r,
+            Err(ImportError::Transfer {
+                cause: NodeError::Rejected(_),
+                ..
+            })
+        ),
+        "{r:?}"
+    );
     assert!(
         !log.iter().any(|l| l.starts_with("send")),
         "read again by the client: {log:?}"
