@@ -447,3 +447,59 @@ async fn a_random_reader_through_a_mount_moves_the_groups_it_reads_not_whole_chu
         );
     }
 }
+
+/// What a node of the previous build does with a RANGE: hello OK, then "unknown
+/// operation" and the connection closed (its code, byte for byte). Counts connections.
+fn previous_build_node() -> (
+    std::net::SocketAddr,
+    std::sync::Arc<std::sync::atomic::AtomicUsize>,
+) {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = l.local_addr().unwrap();
+    let conns = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let counted = conns.clone();
+    std::thread::spawn(move || {
+        for s in l.incoming() {
+            let Ok(mut s) = s else { return };
+            counted.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            let mut hello = [0u8; 10];
+            if s.read_exact(&mut hello).is_err() {
+                continue;
+            }
+            let mut grant = vec![0u8; u16::from_le_bytes([hello[8], hello[9]]) as usize];
+            let _ = s.read_exact(&mut grant);
+            let mut back = bulk::MAGIC.to_vec();
+            back.push(bulk::Code::Ok as u8);
+            let _ = s.write_all(&back);
+            let mut op = [0u8; 1];
+            if s.read_exact(&mut op).is_ok() && op[0] != bulk::OP_READ {
+                let _ = s.write_all(&bulk::encode_error(
+                    bulk::Code::Invalid,
+                    &format!("unknown operation {}", op[0]),
+                ));
+                let _ = s.shutdown(std::net::Shutdown::Write);
+            }
+        }
+    });
+    (addr, conns)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_of_the_previous_build_is_told_to_serve_no_ranges_and_is_not_asked_again() {
+    use locus_proto::outboard::GROUP;
+    let (addr, conns) = previous_build_node();
+    let addr = addr.to_string();
+    let pool = Pool::new();
+    let r = range_of(BlobHash([3; 32]), 0, 4 << 20, 0, GROUP);
+    match pool.range(&addr, None, &r, IDLE).await {
+        Err(BulkError::Unsupported(m)) => assert!(m.contains("unknown operation 2"), "{m}"),
+        other => panic!("a node without ranges: {other:?}"),
+    }
+    // Remembered: the mount reads whole chunks from it without asking again.
+    match pool.range(&addr, None, &r, IDLE).await {
+        Err(BulkError::Unsupported(_)) => {}
+        other => panic!("asked again: {other:?}"),
+    }
+    assert_eq!(conns.load(std::sync::atomic::Ordering::SeqCst), 1);
+    assert!(pool.speaks(&addr), "whole reads still take the bulk path");
+}
