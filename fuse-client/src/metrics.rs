@@ -8,7 +8,8 @@
 //! | locus_mount_read_bytes_total | counter | bytes | bytes by source: local (pread of the node's file), remote (fetched from replicas), origin (from a backup or the version's import source, verified), cache (bytes returned from chunks already in memory or already on their way) |
 //! | locus_mount_read_errors_total | counter | calls | reads answered with EIO |
 //! | locus_mount_source_failures_total | counter | attempts | remote reads that failed and moved on to another replica |
-//! | locus_mount_corrupt_chunks_total | counter | chunks | chunks whose bytes did not match their hash (never returned) |
+//! | locus_mount_corrupt_chunks_total | counter | chunks | chunks (or ranges of them) whose bytes did not match their hash (never returned) |
+//! | locus_mount_range_reads_total | counter | fetches | remote fetches of a random reader's verification groups with their proof, instead of whole chunks |
 //! | locus_mount_readahead_skipped_total | counter | times | read-ahead not started because the shared read-ahead budget was in use |
 //! | locus_mount_listed_entries_total | counter | entries | entries of READDIRPLUS answers by what they carry (`attributes`: the kernel makes an inode for each; `names`: name and type only) |
 //! | locus_mount_lookups_total | counter | calls | LOOKUPs answered (a stat or open of a path the kernel had no entry for) |
@@ -38,6 +39,7 @@ pub struct Metrics {
     source_failures: Counter,
     corrupt: Counter,
     readahead_skipped: Counter,
+    range_reads: Counter,
     listed: Family<With, Counter>,
     lookups: Counter,
     read_seconds: Histogram,
@@ -79,6 +81,7 @@ impl Default for Metrics {
             source_failures: Counter::default(),
             corrupt: Counter::default(),
             readahead_skipped: Counter::default(),
+            range_reads: Counter::default(),
             listed: Family::default(),
             lookups: Counter::default(),
             // 10 µs .. ~5 s
@@ -104,6 +107,11 @@ impl Default for Metrics {
             "readahead_skipped",
             "Read-ahead not started because the shared read-ahead budget was in use",
             m.readahead_skipped.clone(),
+        );
+        r.register(
+            "range_reads",
+            "Remote fetches of verified ranges instead of whole chunks",
+            m.range_reads.clone(),
         );
         r.register(
             "listed_entries",
@@ -213,6 +221,11 @@ impl Metrics {
     pub fn corrupt(&self) {
         self.corrupt.inc();
         self.add(CORRUPT, 1);
+    }
+
+    /// A random reader's read was fetched as a verified range.
+    pub fn range_read(&self) {
+        self.range_reads.inc();
     }
 
     pub fn readahead_skipped(&self) {

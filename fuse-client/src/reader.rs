@@ -473,6 +473,7 @@ impl Remote {
                     Ok(()) => {
                         self.metrics
                             .remote_read(r.data.len() + r.proof.len(), started.elapsed());
+                        self.metrics.range_read();
                         return Ok(r.data.slice((from - start) as usize..(to - start) as usize));
                     }
                     Err(e) => {

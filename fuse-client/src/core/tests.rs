@@ -518,6 +518,8 @@ fn a_reader_that_jumps_is_sent_the_groups_it_reads_and_a_sequential_one_whole_ch
         f.replicas.log.lock().unwrap().is_empty(),
         "no whole chunk was fetched"
     );
+    let m = f.core.metrics.encode();
+    assert!(m.contains("locus_mount_range_reads_total 2"), "{m}");
     // A reader going front to back from the start takes whole chunks and reads ahead.
     let g = fixture_sized(BIG, 256, Behave::Good, Behave::Good, None);
     for i in 0..8u64 {
