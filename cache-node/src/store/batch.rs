@@ -59,7 +59,7 @@ impl BlobStore {
             syncfs(&self.cfg.dirs[*d as usize])?;
         }
         // Where each written blob now is (None: the store held it already).
-        let mut dests: Vec<Option<PathBuf>> = Vec::with_capacity(staged.len());
+        let mut dests: Vec<Option<(Option<FileStamp>, PathBuf)>> = Vec::with_capacity(staged.len());
         for s in &mut staged {
             let Some(tmp) = s.tmp.take() else {
                 dests.push(None);
@@ -77,7 +77,7 @@ impl BlobStore {
                 s.tmp = Some(tmp);
                 return Err(io(e));
             }
-            dests.push(Some(dest));
+            dests.push(Some((stamp(&dest).ok(), dest)));
         }
         for d in &dirs {
             syncfs(&self.cfg.dirs[*d as usize])?;
@@ -85,9 +85,9 @@ impl BlobStore {
         let mut batch = rocksdb::WriteBatch::default();
         let mut records = Vec::with_capacity(staged.len());
         for (s, dest) in staged.iter().zip(&dests) {
-            let Some(dest) = dest else { continue };
+            let Some((renamed, dest)) = dest else { continue };
             let mut rec = BlobRecord::complete(s.size, s.dir, s.pin, s.chunk_size, &s.chunks);
-            rec.verified = stamp(dest).ok().map(Into::into);
+            rec.verified = record::stamp_published(*renamed, dest).map(Into::into);
             batch.put(s.hash.0, rec.encode_to_vec());
             records.push((s.hash, rec));
         }

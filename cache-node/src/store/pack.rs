@@ -205,16 +205,21 @@ impl BlobStore {
                 .collect();
             write_all_vectored(&mut f, &mut parts)?;
             f.sync_data()?;
-            fs::rename(&tmp, &dest)
+            fs::rename(&tmp, &dest)?;
+            Ok(stamp(&dest).ok())
         })();
-        if let Err(e) = written {
-            let _ = fs::remove_file(&tmp);
-            return Err(io(e));
-        }
+        let renamed = match written {
+            Ok(r) => r,
+            Err(e) => {
+                let _ = fs::remove_file(&tmp);
+                return Err(io(e));
+            }
+        };
         let published = fsync_dir(dest.parent().expect("packs have a parent")).and_then(|()| {
-            // The stamp after the rename (which changes the ctime): the bytes were hashed on
-            // the way in, as for a blob written alone (`BlobWriter::record`).
-            let verified = stamp(&dest).ok().map(Into::into);
+            // The stamp after the rename (which changes the ctime), if nobody wrote since:
+            // the bytes were hashed on the way in, as for a blob written alone
+            // (`BlobWriter::record`).
+            let verified = record::stamp_published(renamed, &dest).map(Into::into);
             let mut batch = rocksdb::WriteBatch::default();
             let mut records = Vec::with_capacity(new.len());
             let mut at = head;

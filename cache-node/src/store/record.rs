@@ -169,6 +169,16 @@ pub(super) fn stamp(p: &Path) -> std::io::Result<FileStamp> {
     })
 }
 
+/// The stamp to record for a file this store just published, whose bytes were hashed on
+/// the way in: `at_rename` is its stamp taken right after the rename (which changes the
+/// ctime), and it counts only if the file still has it now, after the syncs that follow.
+/// A write by anyone in between (the syncs can take long on a busy disk) leaves it
+/// unstamped, so its first use hashes it whole instead of trusting the changed bytes.
+pub(super) fn stamp_published(at_rename: Option<FileStamp>, dest: &Path) -> Option<FileStamp> {
+    let now = stamp(dest).ok()?;
+    (at_rename == Some(now)).then_some(now)
+}
+
 /// The stamp of an open file (same meaning as `stamp`).
 pub(super) fn stamp_file(f: &fs::File) -> std::io::Result<FileStamp> {
     use std::os::unix::fs::MetadataExt;
@@ -190,6 +200,28 @@ pub(super) fn chunk_hashes(b: &[u8]) -> Vec<BlobHash> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_file_changed_after_its_rename_is_not_stamped_as_verified() {
+        let d = tempfile::tempdir().unwrap();
+        let p = d.path().join("blob");
+        fs::write(&p, vec![7u8; 6000]).unwrap();
+        let renamed = stamp(&p).ok();
+        assert_eq!(
+            stamp_published(renamed, &p),
+            renamed,
+            "untouched: its stamp counts"
+        );
+        // Someone truncates it before the syncs are done.
+        fs::OpenOptions::new()
+            .write(true)
+            .open(&p)
+            .unwrap()
+            .set_len(100)
+            .unwrap();
+        assert_eq!(stamp_published(renamed, &p), None);
+        assert_eq!(stamp_published(None, &p), None);
+    }
     use prost::Message;
 
     /// What the `index_record` fuzz target guards: a damaged record is refused, not used

@@ -131,9 +131,10 @@ impl BlobStore {
         let parent = dest.parent().expect("blob paths have a parent");
         fs::create_dir_all(parent).map_err(io)?;
         fs::rename(&path, &dest).map_err(io)?;
+        let renamed = stamp(&dest).ok();
         fsync_dir(parent)?;
         // Just hashed whole (see `BlobWriter::finish`).
-        let verified = stamp(&dest).ok();
+        let verified = record::stamp_published(renamed, &dest);
         let pin = rec.pin_when_complete;
         let done = BlobRecord {
             partial: false,
@@ -281,8 +282,9 @@ impl BlobWriter {
         let parent = dest.parent().expect("blob paths have a parent");
         fs::create_dir_all(parent).map_err(io)?;
         fs::rename(&self.tmp, &dest).map_err(io)?;
+        let renamed = stamp(&dest).ok();
         fsync_dir(parent)?;
-        let rec = self.record(&chunks, &dest);
+        let rec = self.record(&chunks, &dest, renamed);
         self.store.insert(got, rec)?;
         Ok(Stored {
             hash: got,
@@ -335,15 +337,15 @@ impl BlobWriter {
     }
 
     /// The index record of the blob now at `dest`.
-    fn record(&self, chunks: &[BlobHash], dest: &std::path::Path) -> BlobRecord {
+    fn record(&self, chunks: &[BlobHash], dest: &std::path::Path, renamed: Option<FileStamp>) -> BlobRecord {
         let mut rec = BlobRecord::complete(self.size, self.dir, self.pin, self.chunk_size, chunks);
         // The bytes were hashed on the way in, so the first `verified_path` after an
         // import or a copy from a peer need not read the file whole again (what made a
         // cold passthrough open of a large file cost a full read before the kernel's
-        // own). The stamp is taken after the rename, which changes the ctime; a write by
-        // someone else between the fsync and this stamp, microseconds apart, would go
-        // unnoticed until the scrub.
-        rec.verified = stamp(dest).ok().map(Into::into);
+        // own). Only if nobody wrote to the file between its rename and now: the
+        // directory's fsync in between once let a file truncated by someone else right
+        // after the rename be recorded as verified, and served short.
+        rec.verified = record::stamp_published(renamed, dest).map(Into::into);
         rec
     }
 }
