@@ -434,7 +434,6 @@ impl Pool {
         r
     }
 
-    #[allow(clippy::too_many_arguments)]
     async fn ask_on(
         self: &Arc<Self>,
         addr: &str,
