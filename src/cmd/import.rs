@@ -29,9 +29,11 @@ pub struct ImportArgs {
     #[arg(long, default_value = "1GiB", value_name = "SIZE")]
     pub shard_size: String,
     /// Chunk size for hashes and partial transfers (power of two, 64KiB..1GiB). A mount
-    /// with no local copy fetches and verifies whole chunks: for data read at random
-    /// offsets (Parquet pages, LMDB, HDF5, indexed TFRecord or tar) 64KiB moves about
-    /// 2x the bytes of each 64 KiB read where the default moves about 45x.
+    /// with no local copy fetches whole chunks for sequential readers; a reader that
+    /// jumps around (Parquet pages, LMDB, HDF5, indexed TFRecord or tar) is sent only the
+    /// 16 KiB groups it reads, with their proof, whatever the chunk size: about 1.3x the
+    /// bytes of each 64 KiB read and 5x of each 4 KiB one (nodes of this build; older
+    /// ones send whole chunks).
     #[arg(long, default_value = "4MiB", value_name = "SIZE")]
     pub chunk_size: String,
     /// Blob uploads (or, read by the nodes, objects) in flight at once.
