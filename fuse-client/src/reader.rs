@@ -17,7 +17,7 @@
 //! share a single fetch. Sequential readers get read-ahead: the next chunks are fetched
 //! in the background, in parallel, while the current one is consumed.
 
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
@@ -27,7 +27,6 @@ pub use crate::pieces::Pieces;
 pub use locus_proto::bulk::Ranged;
 use locus_proto::client::MetadataClient;
 use locus_proto::{outboard, pb, BlobHash};
-use tokio::sync::OnceCell;
 
 use crate::metrics::Metrics;
 
@@ -167,53 +166,8 @@ pub enum ReadError {
     },
 }
 
-type Key = (BlobHash, u32);
-
-/// Verified chunks, bounded by bytes, evicted oldest first (mounts mostly stream).
-struct ChunkCache {
-    budget: usize,
-    inner: Mutex<CacheInner>,
-}
-
-#[derive(Default)]
-struct CacheInner {
-    cells: HashMap<Key, Arc<OnceCell<Pieces>>>,
-    order: VecDeque<Key>,
-    bytes: usize,
-}
-
-impl ChunkCache {
-    fn cell(&self, k: Key) -> Arc<OnceCell<Pieces>> {
-        self.inner.lock().unwrap().cells.entry(k).or_default().clone()
-    }
-
-    /// Whether a chunk is cached or being fetched. Looks without inserting: an empty cell
-    /// left by a look would sit outside the FIFO (only filled cells enter it), never
-    /// evicted.
-    fn known(&self, k: &Key) -> bool {
-        self.inner.lock().unwrap().cells.contains_key(k)
-    }
-
-    fn filled(&self, k: Key, len: usize) {
-        let mut c = self.inner.lock().unwrap();
-        c.order.push_back(k);
-        c.bytes += len;
-        while c.bytes > self.budget {
-            let Some(old) = c.order.pop_front() else { break };
-            if let Some(cell) = c.cells.remove(&old) {
-                c.bytes -= cell.get().map_or(0, Pieces::len);
-            }
-        }
-    }
-
-    /// Drops a cell whose fetch failed, so the next reader tries afresh.
-    fn failed(&self, k: Key) {
-        let mut c = self.inner.lock().unwrap();
-        if c.cells.get(&k).is_some_and(|cell| !cell.initialized()) {
-            c.cells.remove(&k);
-        }
-    }
-}
+mod cache;
+use cache::ChunkCache;
 
 /// A boxed future, for the object-safe source traits.
 pub type BoxFuture<'a, T> = std::pin::Pin<Box<dyn std::future::Future<Output = T> + Send + 'a>>;
@@ -678,38 +632,5 @@ impl Remote {
             return Err(SourceError::Wrong("bytes do not match the chunk's hash".into()));
         }
         Ok(buf)
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// Looking whether a chunk is there (read-ahead does, for every chunk it considers)
-    /// must leave nothing behind: a cell that no fill ever enters into the FIFO would
-    /// never be evicted, and a long read with its budget full would grow the map forever.
-    #[test]
-    fn a_look_at_the_cache_leaves_no_cell_behind() {
-        let cache = ChunkCache {
-            budget: 10,
-            inner: Mutex::default(),
-        };
-        let k = |i: u32| (BlobHash([1; 32]), i);
-        for i in 0..1000 {
-            assert!(!cache.known(&k(i)));
-        }
-        assert!(cache.inner.lock().unwrap().cells.is_empty());
-        // A cell being filled is known, and once the fills pass the budget the oldest go.
-        let c = cache.cell(k(0));
-        assert!(cache.known(&k(0)));
-        c.set(Pieces::from(vec![bytes::Bytes::from(vec![0u8; 8])]))
-            .unwrap();
-        cache.filled(k(0), 8);
-        let c = cache.cell(k(1));
-        c.set(Pieces::from(vec![bytes::Bytes::from(vec![0u8; 8])]))
-            .unwrap();
-        cache.filled(k(1), 8);
-        assert!(!cache.known(&k(0)), "the oldest was evicted");
-        assert!(cache.known(&k(1)));
     }
 }

@@ -1,0 +1,166 @@
+//! The bulk path's wire format (see the parent module's table): constants, answer
+//! codes, and requests as bytes.
+
+use bytes::Bytes;
+
+use crate::BlobHash;
+
+/// The first bytes of every bulk connection, from both ends.
+pub const MAGIC: [u8; 8] = *b"LOCUSBK1";
+/// Bytes of a blob.
+pub const OP_READ: u8 = 1;
+/// A verified range of a chunk: proof and bytes.
+pub const OP_RANGE: u8 = 2;
+/// Bytes of a READ request after the op byte.
+pub const REQUEST_BODY: usize = 32 + 8 + 8;
+/// Bytes of a RANGE request after the op byte.
+pub const RANGE_BODY: usize = 32 + 4 * 8;
+/// Longest grant a hello may carry.
+pub const MAX_GRANT: usize = 8 << 10;
+/// Grants for the bulk path are checked as grants for this call (a read grant).
+pub const GRANT_METHOD: &str = "ReadBlob";
+
+/// Answer codes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+pub enum Code {
+    Ok = 0,
+    /// The node does not hold the blob.
+    NotFound = 1,
+    /// The node holds part of the blob, not the asked range.
+    NotPresent = 2,
+    /// The node's copy failed its check (now quarantined).
+    DataLoss = 3,
+    /// No grant, or one the node does not accept (expired, unknown key).
+    Unauthenticated = 4,
+    /// A grant that does not allow this.
+    PermissionDenied = 5,
+    /// A malformed request.
+    Invalid = 6,
+    Internal = 7,
+    /// The node serves as many bulk connections as it will: use gRPC.
+    Busy = 8,
+}
+
+impl Code {
+    pub fn from_u8(b: u8) -> Option<Code> {
+        use Code::*;
+        Some(match b {
+            0 => Ok,
+            1 => NotFound,
+            2 => NotPresent,
+            3 => DataLoss,
+            4 => Unauthenticated,
+            5 => PermissionDenied,
+            6 => Invalid,
+            7 => Internal,
+            8 => Busy,
+            _ => return None,
+        })
+    }
+}
+
+/// An error answer: code, then the message (cut to what a u16 length holds).
+pub fn encode_error(code: Code, msg: &str) -> Vec<u8> {
+    let mut m = msg.as_bytes();
+    if m.len() > 1024 {
+        m = &m[..1024];
+    }
+    let mut out = Vec::with_capacity(3 + m.len());
+    out.push(code as u8);
+    out.extend_from_slice(&(m.len() as u16).to_le_bytes());
+    out.extend_from_slice(m);
+    out
+}
+
+/// A request, as sent.
+pub fn encode_read(h: &BlobHash, offset: u64, len: u64) -> [u8; 1 + REQUEST_BODY] {
+    let mut out = [0u8; 1 + REQUEST_BODY];
+    out[0] = OP_READ;
+    out[1..33].copy_from_slice(&h.0);
+    out[33..41].copy_from_slice(&offset.to_le_bytes());
+    out[41..49].copy_from_slice(&len.to_le_bytes());
+    out
+}
+
+/// A request body (after the op byte), decoded: (hash, offset, len).
+pub fn decode_read(b: &[u8; REQUEST_BODY]) -> (BlobHash, u64, u64) {
+    let mut h = [0u8; 32];
+    h.copy_from_slice(&b[..32]);
+    let offset = u64::from_le_bytes(b[32..40].try_into().unwrap());
+    let len = u64::from_le_bytes(b[40..48].try_into().unwrap());
+    (BlobHash(h), offset, len)
+}
+
+/// A RANGE request: bytes `[start, end)` of the chunk `[chunk_offset, chunk_offset +
+/// chunk_len)` of blob `hash`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RangeRequest {
+    pub hash: BlobHash,
+    pub chunk_offset: u64,
+    pub chunk_len: u64,
+    pub start: u64,
+    pub end: u64,
+}
+
+impl RangeRequest {
+    pub fn encode(&self) -> [u8; 1 + RANGE_BODY] {
+        let mut out = [0u8; 1 + RANGE_BODY];
+        out[0] = OP_RANGE;
+        out[1..33].copy_from_slice(&self.hash.0);
+        for (i, v) in [self.chunk_offset, self.chunk_len, self.start, self.end]
+            .into_iter()
+            .enumerate()
+        {
+            out[33 + 8 * i..41 + 8 * i].copy_from_slice(&v.to_le_bytes());
+        }
+        out
+    }
+
+    /// A request body (after the op byte), decoded.
+    pub fn decode(b: &[u8; RANGE_BODY]) -> Self {
+        let mut h = [0u8; 32];
+        h.copy_from_slice(&b[..32]);
+        let at = |i: usize| u64::from_le_bytes(b[32 + 8 * i..40 + 8 * i].try_into().unwrap());
+        RangeRequest {
+            hash: BlobHash(h),
+            chunk_offset: at(0),
+            chunk_len: at(1),
+            start: at(2),
+            end: at(3),
+        }
+    }
+
+    /// Why a node cannot answer it as asked, if it cannot (the blob is `size` bytes).
+    pub fn invalid(&self, size: u64) -> Option<String> {
+        let c_end = self.chunk_offset.checked_add(self.chunk_len);
+        if self.chunk_len == 0 || c_end.is_none_or(|e| e > size) {
+            return Some(format!(
+                "chunk {}+{} is not within the blob ({size} bytes)",
+                self.chunk_offset, self.chunk_len
+            ));
+        }
+        if self.start >= self.end
+            || (self.start, self.end) != crate::outboard::rounded(self.start, self.end, self.chunk_len)
+        {
+            return Some(format!(
+                "{}..{} is not a range of whole groups of a {}-byte chunk",
+                self.start, self.end, self.chunk_len
+            ));
+        }
+        None
+    }
+
+    /// Most bytes a RANGE answer can carry: the length prefix, the largest proof, the data.
+    pub fn answer_max(&self) -> u64 {
+        4 + crate::outboard::outboard_len(self.chunk_len) as u64 + (self.end - self.start)
+    }
+}
+
+/// A verified-later range: the proof and the bytes as the node sent them (the caller
+/// checks them with `outboard::verify`).
+#[derive(Debug, Clone)]
+pub struct Ranged {
+    pub proof: Bytes,
+    pub data: Bytes,
+}
