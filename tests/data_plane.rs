@@ -362,6 +362,18 @@ async fn a_range_comes_with_the_proof_that_checks_it_against_its_chunk_and_bad_o
             .await,
     );
     assert!(m.contains("whole groups"), "{m}");
+    // What one request may cost the node is bounded: no chunk past the largest chunk
+    // size (its outboard would be kept in memory), no range past 8 MiB.
+    let m = refused(
+        pool.range(&addr, None, &range_of(hash, 0, 2 << 30, 0, GROUP), IDLE)
+            .await,
+    );
+    assert!(m.contains("larger than chunks may be"), "{m}");
+    let m = refused(
+        pool.range(&addr, None, &range_of(hash, 0, 1 << 30, 0, 9 << 20), IDLE)
+            .await,
+    );
+    assert!(m.contains("longer than"), "{m}");
     match pool
         .range(
             &addr,

@@ -200,6 +200,7 @@ pub(super) fn chunk_hashes(b: &[u8]) -> Vec<BlobHash> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use prost::Message;
 
     #[test]
     fn a_file_changed_after_its_rename_is_not_stamped_as_verified() {
@@ -222,7 +223,6 @@ mod tests {
         assert_eq!(stamp_published(renamed, &p), None);
         assert_eq!(stamp_published(None, &p), None);
     }
-    use prost::Message;
 
     /// What the `index_record` fuzz target guards: a damaged record is refused, not used
     /// (a chunk list of 33 bytes sliced into hashes panicked; a chunk size of 0 divided by

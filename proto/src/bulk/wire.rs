@@ -13,6 +13,9 @@ pub const OP_READ: u8 = 1;
 pub const OP_RANGE: u8 = 2;
 /// Bytes of a READ request after the op byte.
 pub const REQUEST_BODY: usize = 32 + 8 + 8;
+/// Longest RANGE a node answers (a mount asks for at most a kernel read, 1 MiB, rounded
+/// out to whole groups).
+pub const RANGE_MAX: u64 = 8 << 20;
 /// Bytes of a RANGE request after the op byte.
 pub const RANGE_BODY: usize = 32 + 4 * 8;
 /// Longest grant a hello may carry.
@@ -133,6 +136,21 @@ impl RangeRequest {
 
     /// Why a node cannot answer it as asked, if it cannot (the blob is `size` bytes).
     pub fn invalid(&self, size: u64) -> Option<String> {
+        // Bounds on what one request may cost the node: the outboard it computes and
+        // keeps (1/256 of the chunk) and the bytes it reads and checks in one buffer.
+        if self.chunk_len > u64::from(crate::MAX_CHUNK_SIZE) {
+            return Some(format!(
+                "a chunk of {} bytes is larger than chunks may be ({} bytes)",
+                self.chunk_len,
+                crate::MAX_CHUNK_SIZE
+            ));
+        }
+        if self.end.saturating_sub(self.start) > RANGE_MAX {
+            return Some(format!(
+                "a range of {} bytes is longer than {RANGE_MAX}; read longer spans with READ",
+                self.end - self.start
+            ));
+        }
         let c_end = self.chunk_offset.checked_add(self.chunk_len);
         if self.chunk_len == 0 || c_end.is_none_or(|e| e > size) {
             return Some(format!(
