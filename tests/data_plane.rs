@@ -362,13 +362,8 @@ async fn a_range_comes_with_the_proof_that_checks_it_against_its_chunk_and_bad_o
             .await,
     );
     assert!(m.contains("whole groups"), "{m}");
-    // What one request may cost the node is bounded: no chunk past the largest chunk
-    // size (its outboard would be kept in memory), no range past 8 MiB.
-    let m = refused(
-        pool.range(&addr, None, &range_of(hash, 0, 2 << 30, 0, GROUP), IDLE)
-            .await,
-    );
-    assert!(m.contains("larger than chunks may be"), "{m}");
+    // What one request may cost the node is bounded: no range past 8 MiB (and no
+    // outboard computed for a chunk past the largest chunk size: `wire.rs`'s tests).
     let m = refused(
         pool.range(&addr, None, &range_of(hash, 0, 1 << 30, 0, 9 << 20), IDLE)
             .await,
@@ -400,8 +395,9 @@ async fn a_range_of_a_corrupt_blob_is_never_sent_and_the_blob_is_quarantined() {
     let (_m, n, _data, hash) = one_blob(&h, MetadataOpts::default(), 3 << 20).await;
     let pool = Pool::new();
     let addr = n.grpc.to_string();
-    let len = 3 << 20;
-    // The chunk's outboard is computed and kept by the first range...
+    // A chunk's outboard (not the whole blob's, which the store keeps on disk) is
+    // computed and kept in memory by the first range...
+    let len = 2 << 20;
     pool.range(&addr, None, &range_of(hash, 0, len, 0, GROUP), IDLE)
         .await
         .unwrap();
@@ -458,6 +454,111 @@ async fn a_random_reader_through_a_mount_moves_the_groups_it_reads_not_whole_chu
             "{read}-byte reads moved {ratio:.2}× their bytes"
         );
     }
+}
+
+fn kept_outboard(n: &Node, hash: &BlobHash) -> std::path::PathBuf {
+    let x = hash.to_hex();
+    n.data_dir.join("outboards").join(&x[..2]).join(x)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_range_of_an_imported_blob_is_proved_from_the_outboard_kept_on_disk_without_reading_the_blob() {
+    use locus_proto::outboard::{self, GROUP};
+    let h = Harness::new("bulk-kept-outboard");
+    let (_m, mut n, data, hash) = one_blob(&h, MetadataOpts::default(), 6 << 20).await;
+    let len = data.len() as u64;
+    let path = kept_outboard(&n, &hash);
+    // Written by the import, in the pass that hashed the blob.
+    let (_, tree) = outboard::outboard(&data);
+    assert_eq!(std::fs::read(&path).unwrap(), tree);
+    let pool = Pool::new();
+    let addr = n.grpc.to_string();
+    let kept = || counter(&n, "locus_node_range_kept_outboard_total");
+    let computed = || counter(&n, "locus_node_range_outboards_computed_total");
+    let read = || counter(&n, "locus_node_read_bytes_total");
+    for (s, e) in [(0, GROUP), (200 * GROUP, 203 * GROUP), (len - GROUP, len)] {
+        let before = read().await;
+        let r = pool
+            .range(&addr, None, &range_of(hash, 0, len, s, e), IDLE)
+            .await
+            .unwrap();
+        assert_eq!(&r.data[..], &data[s as usize..e as usize]);
+        assert_eq!(outboard::verify(&hash, len, s, e, &r.data, &r.proof), Ok(()));
+        // Only the range's bytes were read, not the blob to compute its tree.
+        assert_eq!(read().await - before, e - s);
+    }
+    assert_eq!((kept().await, computed().await), (3, 0));
+
+    // A damaged outboard (one pair's byte flipped, same size) costs a recomputation from
+    // the blob's verified bytes, never the blob: the range is right, nothing quarantined,
+    // and the file is replaced by the right one.
+    let mut bad = tree.clone();
+    bad[tree.len() - 10] ^= 1;
+    std::fs::write(&path, &bad).unwrap();
+    let (s, e) = (len - GROUP, len);
+    let r = pool
+        .range(&addr, None, &range_of(hash, 0, len, s, e), IDLE)
+        .await
+        .unwrap();
+    assert_eq!(outboard::verify(&hash, len, s, e, &r.data, &r.proof), Ok(()));
+    assert_eq!(n.quarantined(), 0);
+    assert_eq!(computed().await, 1);
+    assert_eq!(std::fs::read(&path).unwrap(), tree);
+
+    // A blob stored with no outboard (a store of an earlier build; restarted, so none is
+    // in memory either) gets one kept by the first range of it, which the next range is
+    // proved from.
+    std::fs::remove_file(&path).unwrap();
+    n.daemon.kill9();
+    n.restart().await;
+    let addr = n.grpc.to_string();
+    let r = pool
+        .range(&addr, None, &range_of(hash, 0, len, 0, GROUP), IDLE)
+        .await
+        .unwrap();
+    assert_eq!(&r.data[..], &data[..GROUP as usize]);
+    let computed = || counter(&n, "locus_node_range_outboards_computed_total");
+    let kept = || counter(&n, "locus_node_range_kept_outboard_total");
+    assert_eq!((kept().await, computed().await), (0, 1));
+    assert_eq!(std::fs::read(&path).unwrap(), tree);
+    pool.range(&addr, None, &range_of(hash, 0, len, GROUP, 2 * GROUP), IDLE)
+        .await
+        .unwrap();
+    assert_eq!((kept().await, computed().await), (1, 1));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_range_of_a_blob_rotten_under_its_kept_outboard_is_never_sent_and_the_blob_is_quarantined() {
+    use locus_proto::outboard::GROUP;
+    let h = Harness::new("bulk-range-rot");
+    let (_m, n, _data, hash) = one_blob(&h, MetadataOpts::default(), 3 << 20).await;
+    let pool = Pool::new();
+    let addr = n.grpc.to_string();
+    let len = 3 << 20;
+    assert!(kept_outboard(&n, &hash).exists());
+    n.blob_files()
+        .remove(&hash.to_hex())
+        .unwrap()
+        .flip(100 * GROUP + 3);
+    // The bytes do not match the kept tree; the node checks the blob itself before it
+    // blames either, and the blob fails.
+    match pool
+        .range(
+            &addr,
+            None,
+            &range_of(hash, 0, len, 100 * GROUP, 101 * GROUP),
+            IDLE,
+        )
+        .await
+    {
+        Err(BulkError::DataLoss(m)) => assert!(m.contains("failed verification"), "{m}"),
+        other => panic!("a range with a flipped bit: {other:?}"),
+    }
+    assert_eq!(n.quarantined(), 1);
+    assert!(
+        !kept_outboard(&n, &hash).exists(),
+        "the outboard went with its blob"
+    );
 }
 
 /// What a node of the previous build does with a RANGE: hello OK, then "unknown

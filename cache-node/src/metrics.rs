@@ -46,6 +46,8 @@ pub struct Metrics {
     pub read_bytes: Counter,
     pub bulk_bytes: Counter,
     pub bulk_connections: Gauge,
+    pub outboards_kept_used: Counter,
+    pub outboards_computed: Counter,
     pub written_bytes: Counter,
     pub blobs_written: Family<KindLabel, Counter>,
     pub write_refusals: Family<KindLabel, Counter>,
@@ -83,6 +85,8 @@ impl Metrics {
             read_bytes: Counter::default(),
             bulk_bytes: Counter::default(),
             bulk_connections: Gauge::default(),
+            outboards_kept_used: Counter::default(),
+            outboards_computed: Counter::default(),
             written_bytes: Counter::default(),
             blobs_written: Family::default(),
             write_refusals: Family::default(),
@@ -108,6 +112,16 @@ impl Metrics {
             "bulk_sent_bytes",
             "Blob bytes sent over the bulk path",
             m.bulk_bytes.clone(),
+        );
+        r.register(
+            "range_kept_outboard",
+            "Ranges proved from an outboard kept on disk beside the blob",
+            m.outboards_kept_used.clone(),
+        );
+        r.register(
+            "range_outboards_computed",
+            "Outboards computed by reading a blob or chunk whole, for a range asked of it",
+            m.outboards_computed.clone(),
         );
         r.register(
             "bulk_connections",

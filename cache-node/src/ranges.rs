@@ -1,7 +1,8 @@
-//! Verified ranges on the node: the outboard of a chunk (`locus_proto::outboard`),
-//! computed the first time a client asks for a range of it and kept in memory, so that
-//! a random reader is sent the 16 KiB groups it reads and the proof that checks them,
-//! not the whole chunk.
+//! Verified ranges on the node: outboards (`locus_proto::outboard`) that are not kept on
+//! disk beside their blob (`store/outboards.rs`) — a chunk's, or a small, packed or
+//! older blob's — computed the first time a client asks for a range of them and kept in
+//! memory, so a random reader is sent the 16 KiB groups it reads and the proof that
+//! checks them, not the whole chunk.
 //!
 //! An outboard is computed from the store's verified reader (the chunk's bytes are
 //! checked against the node's own chunk hashes on the way, or come from a file
@@ -9,12 +10,12 @@
 //! keyed by the blob and the chunk's place in it, not by the node's chunk record: a
 //! blob imported by two versions with different chunk sizes is asked for ranges of
 //! either geometry. Content never changes under a blob hash, so a kept outboard is never
-//! stale; the bytes of each range are checked against it before they are sent.
+//! stale; the bytes of each range are checked against it before they are sent. One
+//! computed for a whole blob is handed to the store to keep on disk as well.
 //!
-//! Kept in memory only, bounded (`Outboards::new`): 64 MiB of outboards cover 16 GiB of
+//! Kept in memory, bounded (`Outboards::new`): 64 MiB of outboards cover 16 GiB of
 //! chunks. A node restart or an eviction costs one read of the chunk at the next range
-//! of it. Keeping them on disk beside the blobs (written at import, in the pass that
-//! hashes the bytes) is the next step; docs/architecture.md, "Verified ranges".
+//! of it.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex};
@@ -57,15 +58,24 @@ impl Outboards {
     }
 
     /// The outboard of the chunk `r` names, kept or computed now (blocking I/O: a
-    /// bulk connection's thread). A chunk that fails the store's check is quarantined
-    /// and the error says so.
-    pub(crate) fn of(&self, store: &Arc<BlobStore>, r: &RangeRequest) -> Result<Arc<Outboard>, StoreError> {
+    /// bulk connection's thread), and whether it was computed now. A chunk that fails the
+    /// store's check is quarantined and the error says so. An outboard computed for a
+    /// whole blob is also kept on disk by the store (a blob stored before outboards
+    /// were), so the next range of it after a restart costs no read of the blob.
+    pub(crate) fn of(
+        &self,
+        store: &Arc<BlobStore>,
+        r: &RangeRequest,
+    ) -> Result<(Arc<Outboard>, bool), StoreError> {
         let key = (r.hash, r.chunk_offset, r.chunk_len);
         if let Some(o) = self.inner.lock().unwrap().map.get(&key) {
-            return Ok(o.clone());
+            return Ok((o.clone(), false));
         }
         // Two readers of one new chunk may both compute it: the same bytes, kept once.
         let o = Arc::new(compute(store, r)?);
+        if r.chunk_offset == 0 && store.size_of(&r.hash) == Some(r.chunk_len) {
+            store.keep_outboard(&r.hash, &o.pairs);
+        }
         let mut k = self.inner.lock().unwrap();
         if !k.map.contains_key(&key) {
             k.bytes += o.pairs.len();
@@ -78,7 +88,16 @@ impl Outboards {
                 }
             }
         }
-        Ok(o)
+        Ok((o, true))
+    }
+
+    /// Drops the outboard kept in memory for `r`'s chunk (its disk copy was found wrong).
+    pub(crate) fn forget(&self, r: &RangeRequest) {
+        let mut k = self.inner.lock().unwrap();
+        if let Some(gone) = k.map.remove(&(r.hash, r.chunk_offset, r.chunk_len)) {
+            k.bytes -= gone.pairs.len();
+            k.order.retain(|x| *x != (r.hash, r.chunk_offset, r.chunk_len));
+        }
     }
 
     /// Chunks whose outboards are kept.
@@ -148,7 +167,7 @@ mod tests {
         let kept = Outboards::new(2 * outboard::outboard_len(1 << 20));
         for i in 0..3 {
             let r = chunk(i);
-            let o = kept.of(&store, &r).unwrap();
+            let (o, _) = kept.of(&store, &r).unwrap();
             let bytes = &data[r.chunk_offset as usize..(r.chunk_offset + r.chunk_len) as usize];
             let (root, pairs) = outboard::outboard(bytes);
             assert!(o.root == root && o.pairs == pairs, "chunk {i}");

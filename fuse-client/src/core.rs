@@ -536,6 +536,7 @@ impl Core {
             offset,
             len: cs.min(a.size - offset),
             hash: chunks.get(index as usize)?,
+            size: a.size,
         })
     }
 }

@@ -280,6 +280,7 @@ async fn fetch(
                 offset,
                 len: cs.min(size - offset),
                 hash: chunks[next],
+                size,
             };
             let r = remote.clone();
             pending.push_back(tokio::spawn(async move { r.fetch_uncached(c).await }));

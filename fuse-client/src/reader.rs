@@ -24,7 +24,7 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 
 pub use crate::pieces::Pieces;
-pub use locus_proto::bulk::Ranged;
+pub use locus_proto::bulk::{RangeRequest, Ranged};
 use locus_proto::client::MetadataClient;
 use locus_proto::{outboard, pb, BlobHash};
 
@@ -154,6 +154,8 @@ pub struct ChunkRef {
     pub offset: u64,
     pub len: u64,
     pub hash: BlobHash,
+    /// The whole blob's size (ranges are verified against the blob's tree).
+    pub size: u64,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -184,19 +186,16 @@ pub trait Replicas: Send + Sync + 'static {
         c: ChunkRef,
         idle: Duration,
     ) -> BoxFuture<'a, Result<Pieces, SourceError>>;
-    /// Bytes `[start, end)` of chunk `c` (whole verification groups, see
-    /// `outboard::rounded`) and the proof that checks them against the chunk's hash, as
-    /// the node at `addr` sends them. `Ok(None)`: this source serves no ranges, read the
-    /// whole chunk.
+    /// The bytes and proof of range `r` (whole verification groups of the blob, see
+    /// `bulk::RangeRequest`) as the node at `addr` sends them, unchecked. `Ok(None)`:
+    /// this source serves no ranges, read the whole chunk.
     fn read_range<'a>(
         &'a self,
         addr: &'a str,
-        c: ChunkRef,
-        start: u64,
-        end: u64,
+        r: RangeRequest,
         idle: Duration,
     ) -> BoxFuture<'a, Result<Option<Ranged>, SourceError>> {
-        let _ = (addr, c, start, end, idle);
+        let _ = (addr, r, idle);
         Box::pin(async { Ok(None) })
     }
     /// The node at `addr` failed: drop whatever connection is kept to it.
@@ -409,26 +408,31 @@ impl Remote {
 
     /// Bytes `[from, to)` of chunk `c` (offsets within the chunk), for a reader that
     /// jumps around: only the verification groups they fall in are fetched, with the
-    /// proof that checks them against the chunk's hash, and nothing is cached (the
-    /// kernel keeps what it read). A source that serves no ranges, or none that can, and
-    /// the read takes the whole chunk by the usual path (every replica, backups, the
-    /// origin), so a range is never less available than its chunk.
+    /// proof that checks them against the blob's own hash (the whole blob's tree, whose
+    /// outboard nodes keep on disk), and nothing is cached (the kernel keeps what it
+    /// read). A source that serves no ranges, or none that can, and the read takes the
+    /// whole chunk by the usual path (every replica, backups, the origin), so a range is
+    /// never less available than its chunk.
     pub async fn range(self: &Arc<Self>, c: ChunkRef, from: u64, to: u64) -> Result<Bytes, ReadError> {
-        let (start, end) = outboard::rounded(from, to, c.len);
+        let (from_b, to_b) = (c.offset + from, c.offset + to);
+        let (start, end) = outboard::rounded(from_b, to_b, c.size);
+        let r = RangeRequest {
+            hash: c.blob,
+            chunk_offset: 0,
+            chunk_len: c.size,
+            start,
+            end,
+        };
         let started = Instant::now();
         for (id, info) in self.ordered(c.shard, &c.blob) {
-            let why = match self
-                .sources
-                .read_range(&info.addr, c, start, end, self.timeout)
-                .await
-            {
+            let why = match self.sources.read_range(&info.addr, r, self.timeout).await {
                 Ok(None) => break,
-                Ok(Some(r)) => match outboard::verify(&c.hash, c.len, start, end, &r.data, &r.proof) {
+                Ok(Some(got)) => match outboard::verify(&c.blob, c.size, start, end, &got.data, &got.proof) {
                     Ok(()) => {
                         self.metrics
-                            .remote_read(r.data.len() + r.proof.len(), started.elapsed());
+                            .remote_read(got.data.len() + got.proof.len(), started.elapsed());
                         self.metrics.range_read();
-                        return Ok(r.data.slice((from - start) as usize..(to - start) as usize));
+                        return Ok(got.data.slice((from_b - start) as usize..(to_b - start) as usize));
                     }
                     Err(e) => {
                         self.metrics.corrupt();

@@ -174,28 +174,59 @@ pub type FileHashes = (u64, BlobHash, Vec<BlobHash>);
 /// of each `chunk_size` chunk.
 #[derive(Debug, Clone)]
 pub struct ChunkHasher {
-    chunk_size: u64,
     whole: blake3::Hasher,
-    chunk: blake3::Hasher,
-    in_chunk: u64,
-    chunks: Vec<BlobHash>,
-    size: u64,
+    chunks: Chunks,
 }
 
 impl ChunkHasher {
     pub fn new(chunk_size: u32) -> Self {
         ChunkHasher {
-            chunk_size: u64::from(chunk_size.max(1)),
             whole: blake3::Hasher::new(),
+            chunks: Chunks::new(chunk_size),
+        }
+    }
+
+    pub fn update(&mut self, data: &[u8]) {
+        self.whole.update(data);
+        self.chunks.update(data);
+    }
+
+    pub fn size(&self) -> u64 {
+        self.chunks.size
+    }
+
+    pub fn finish(self) -> FileHashes {
+        (
+            self.chunks.size,
+            BlobHash(*self.whole.finalize().as_bytes()),
+            self.chunks.finish(),
+        )
+    }
+}
+
+/// The BLAKE3 of each `chunk_size` chunk of a byte stream fed in pieces of any size
+/// (the whole-blob hash is someone else's: a plain hasher, or an outboard's builder).
+#[derive(Debug, Clone)]
+pub struct Chunks {
+    chunk_size: u64,
+    chunk: blake3::Hasher,
+    in_chunk: u64,
+    done: Vec<BlobHash>,
+    size: u64,
+}
+
+impl Chunks {
+    pub fn new(chunk_size: u32) -> Self {
+        Chunks {
+            chunk_size: u64::from(chunk_size.max(1)),
             chunk: blake3::Hasher::new(),
             in_chunk: 0,
-            chunks: Vec::new(),
+            done: Vec::new(),
             size: 0,
         }
     }
 
     pub fn update(&mut self, mut data: &[u8]) {
-        self.whole.update(data);
         self.size += data.len() as u64;
         while !data.is_empty() {
             let take = (self.chunk_size - self.in_chunk).min(data.len() as u64) as usize;
@@ -203,26 +234,18 @@ impl ChunkHasher {
             self.in_chunk += take as u64;
             data = &data[take..];
             if self.in_chunk == self.chunk_size {
-                self.chunks.push(BlobHash(*self.chunk.finalize().as_bytes()));
+                self.done.push(BlobHash(*self.chunk.finalize().as_bytes()));
                 self.chunk.reset();
                 self.in_chunk = 0;
             }
         }
     }
 
-    pub fn size(&self) -> u64 {
-        self.size
-    }
-
-    pub fn finish(mut self) -> FileHashes {
+    pub fn finish(mut self) -> Vec<BlobHash> {
         if self.in_chunk > 0 {
-            self.chunks.push(BlobHash(*self.chunk.finalize().as_bytes()));
+            self.done.push(BlobHash(*self.chunk.finalize().as_bytes()));
         }
-        (
-            self.size,
-            BlobHash(*self.whole.finalize().as_bytes()),
-            self.chunks,
-        )
+        self.done
     }
 }
 

@@ -13,16 +13,20 @@
 //! subtree holds the largest power-of-two number of chunks less than the whole), so the
 //! root is exactly `blake3::hash(blob)`.
 //!
-//! Built on blake3's `hazmat` API; every shape is tested against `blake3::hash`.
-//! Nodes compute outboards of the chunks mounts ask ranges of ([`outboard_from`], a
-//! piece at a time) and send the proof with each range; docs/architecture.md, "Verified
-//! ranges".
+//! Built on blake3's `hazmat` API; every shape is tested against `blake3::hash`. A
+//! node's store builds a blob's outboard as the blob arrives ([`Builder`], in the pass
+//! that hashes it) and keeps it beside the blob; nodes compute the others a range is
+//! asked of ([`outboard_from`], a piece at a time) and send the proof with each range;
+//! docs/architecture.md, "Verified ranges".
 
 use blake3::hazmat::{
     left_subtree_len, merge_subtrees_non_root, merge_subtrees_root, ChainingValue, HasherExt, Mode,
 };
 
 use crate::BlobHash;
+
+mod build;
+pub use build::{Builder, Sink};
 
 /// Bytes per verification group: the unit a range is rounded to.
 pub const GROUP: u64 = 16 * 1024;
@@ -56,44 +60,16 @@ pub fn outboard_from<E>(
     len: u64,
     mut fill: impl FnMut(&mut [u8]) -> Result<(), E>,
 ) -> Result<(BlobHash, Vec<u8>), E> {
-    if len <= STREAM_PIECE {
-        let mut buf = vec![0u8; len as usize];
-        fill(&mut buf)?;
-        return Ok(outboard(&buf));
+    let mut b = Builder::new(len, Vec::with_capacity(outboard_len(len)));
+    let mut buf = vec![0u8; len.min(STREAM_PIECE) as usize];
+    let mut left = len;
+    while left > 0 {
+        let n = left.min(STREAM_PIECE) as usize;
+        fill(&mut buf[..n])?;
+        b.update(&buf[..n]);
+        left -= n as u64;
     }
-    let mut out = Vec::with_capacity(outboard_len(len));
-    let mut buf = Vec::new();
-    let (l, r) = split(len);
-    let at = reserve(&mut out);
-    let lcv = subtree_from(l, 0, &mut fill, &mut buf, &mut out)?;
-    let rcv = subtree_from(r, l, &mut fill, &mut buf, &mut out)?;
-    fill_pair(&mut out, at, &lcv, &rcv);
-    Ok((
-        BlobHash(*merge_subtrees_root(&lcv, &rcv, Mode::Hash).as_bytes()),
-        out,
-    ))
-}
-
-/// `subtree`, for bytes that `fill` gives in order (the recursion visits leaves left to
-/// right, so the blob is read front to back).
-fn subtree_from<E>(
-    len: u64,
-    offset: u64,
-    fill: &mut impl FnMut(&mut [u8]) -> Result<(), E>,
-    buf: &mut Vec<u8>,
-    out: &mut Vec<u8>,
-) -> Result<ChainingValue, E> {
-    if len <= STREAM_PIECE {
-        buf.resize(len as usize, 0);
-        fill(buf)?;
-        return Ok(subtree(buf, offset, out));
-    }
-    let (l, r) = split(len);
-    let at = reserve(out);
-    let lcv = subtree_from(l, offset, fill, buf, out)?;
-    let rcv = subtree_from(r, offset + l, fill, buf, out)?;
-    fill_pair(out, at, &lcv, &rcv);
-    Ok(merge_subtrees_non_root(&lcv, &rcv, Mode::Hash))
+    Ok(b.finish().expect("exactly `len` bytes were pushed"))
 }
 
 /// Bytes of the outboard of a blob of `len` bytes: one pair per parent above the groups.
@@ -151,17 +127,41 @@ pub fn proof(outboard: &[u8], len: u64, start: u64, end: u64) -> Option<Vec<u8>>
     if outboard.len() != outboard_len(len) {
         return None;
     }
+    proof_with(len, start, end, |at| {
+        let mut p = [0u8; PAIR];
+        p.copy_from_slice(&outboard[at..at + PAIR]);
+        Ok::<_, std::convert::Infallible>(p)
+    })
+    .ok()
+}
+
+/// [`proof`], reading each pair it needs with `pair(byte offset in the outboard)`: for an
+/// outboard kept in a file, of which a range needs a few pages.
+pub fn proof_with<E>(
+    len: u64,
+    start: u64,
+    end: u64,
+    mut pair: impl FnMut(usize) -> Result<[u8; PAIR], E>,
+) -> Result<Vec<u8>, E> {
     let mut out = Vec::new();
     if len > GROUP {
         let mut at = 0;
-        walk_proof(outboard, &mut at, 0, len, start, end, &mut out);
+        walk_proof(&mut pair, &mut at, 0, len, start, end, &mut out)?;
     }
-    Some(out)
+    Ok(out)
 }
 
-fn walk_proof(ob: &[u8], at: &mut usize, offset: u64, len: u64, start: u64, end: u64, out: &mut Vec<u8>) {
+fn walk_proof<E>(
+    pair: &mut impl FnMut(usize) -> Result<[u8; PAIR], E>,
+    at: &mut usize,
+    offset: u64,
+    len: u64,
+    start: u64,
+    end: u64,
+    out: &mut Vec<u8>,
+) -> Result<(), E> {
     if len <= GROUP {
-        return;
+        return Ok(());
     }
     let here = *at;
     *at += PAIR;
@@ -169,20 +169,21 @@ fn walk_proof(ob: &[u8], at: &mut usize, offset: u64, len: u64, start: u64, end:
     let wanted = |o: u64, n: u64| o < end && start < o + n;
     let (lw, rw) = (wanted(offset, l), wanted(offset + l, r));
     if lw || rw {
-        out.extend_from_slice(&ob[here..here + PAIR]);
+        out.extend_from_slice(&pair(here)?);
     }
     // Skipped subtrees are skipped in the outboard too (pre-order: a subtree's pairs are
     // contiguous).
     if lw {
-        walk_proof(ob, at, offset, l, start, end, out);
+        walk_proof(pair, at, offset, l, start, end, out)?;
     } else {
         *at += outboard_len(l);
     }
     if rw {
-        walk_proof(ob, at, offset + l, r, start, end, out);
+        walk_proof(pair, at, offset + l, r, start, end, out)?;
     } else {
         *at += outboard_len(r);
     }
+    Ok(())
 }
 
 /// Why a range did not verify.
@@ -245,7 +246,7 @@ pub fn verify(
 }
 
 /// Bytes of the proof for `[start, end)` of a blob of `len` bytes.
-fn proof_len(len: u64, start: u64, end: u64) -> usize {
+pub fn proof_len(len: u64, start: u64, end: u64) -> usize {
     fn walk(offset: u64, len: u64, start: u64, end: u64) -> usize {
         if len <= GROUP {
             return 0;

@@ -26,6 +26,7 @@ pub(super) fn restrict(d: &Path, readers_gid: Option<u32>) -> Result<(), StoreEr
         (d.join("partial"), open),
         (d.join(super::pack::PACKS), open),
         (d.join("tmp"), 0o700),
+        (d.join("outboards"), 0o700),
         (d.join("quarantine"), 0o700),
     ] {
         if let (Some(gid), true) = (readers_gid, mode == 0o750) {

@@ -1,9 +1,11 @@
 //! The blob store: BLAKE3-addressed blobs on one or more local data directories.
 //!
-//! Layout of each data dir (format version 1, in `LOCUS_BLOBSTORE`):
+//! Layout of each data dir (format version 2, in `LOCUS_BLOBSTORE`):
 //! `blobs/<h[0..2]>/<hash>` complete, verified blobs; `packs/<id>` many small complete
 //! blobs in one file (`pack.rs`); `tmp/` blobs and packs being written;
-//! `quarantine/<hash>.<ms>` blobs that failed verification. The first data dir also holds
+//! `quarantine/<hash>.<ms>` blobs that failed verification; `outboards/<h[0..2]>/<hash>`
+//! the BLAKE3 tree of each blob over 1 MiB in `blobs/` (derived data, `outboards.rs`;
+//! an earlier build ignores the directory). The first data dir also holds
 //! `index/`, a RocksDB map hash → (size, dir, pinned, chunk size, chunk hashes), so a
 //! restart reads the index and lists directory names instead of re-hashing every blob.
 //!
@@ -33,6 +35,7 @@ mod batch;
 mod datadir;
 mod direct;
 mod open;
+mod outboards;
 mod pack;
 pub(crate) mod read;
 mod record;
@@ -43,6 +46,7 @@ mod write;
 pub use batch::Staged;
 use datadir::{check_format, restrict, set_mode};
 pub use open::indexed_blobs;
+pub use outboards::KEEP_ABOVE as OUTBOARD_KEPT_ABOVE;
 pub use pack::{read_pack_table, PackRow, PackedWrite};
 pub use read::BlobReader;
 pub use record::FileStamp;
@@ -299,7 +303,7 @@ impl BlobStore {
         }
         for d in &cfg.dirs {
             check_format(d)?;
-            for sub in ["blobs", pack::PACKS, "tmp", "quarantine", "partial"] {
+            for sub in ["blobs", pack::PACKS, "tmp", "quarantine", "partial", "outboards"] {
                 fs::create_dir_all(d.join(sub)).map_err(|e| StoreError::DataDir {
                     path: d.display().to_string(),
                     reason: e.to_string(),
@@ -595,6 +599,9 @@ impl BlobStore {
         }
         drop(sh);
         let _ = self.index.delete(h.0);
+        if let Some(m) = removed.as_ref().filter(|m| m.rec.pack == 0 && !m.rec.partial) {
+            Self::remove_outboard_of(&self.blob_path_in(m.rec.dir, h));
+        }
         if let Some(m) = removed.filter(|m| m.rec.pack != 0) {
             self.release_and_remove(m.rec.pack);
         }

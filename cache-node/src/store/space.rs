@@ -104,6 +104,7 @@ impl BlobStore {
         for (h, file) in victims {
             if let Some(path) = file {
                 let _ = fs::remove_file(&path);
+                Self::remove_outboard_of(&path);
             }
             let _ = self.index.delete(h.0);
             tracing::debug!(blob = %h, "evicted");

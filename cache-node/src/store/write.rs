@@ -5,9 +5,11 @@ use std::fs::{self, File};
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use locus_proto::BlobHash;
+use locus_proto::manifest::Chunks;
+use locus_proto::{outboard, BlobHash};
 use prost::Message;
 
+use super::outboards::OutboardFile;
 use super::*;
 
 impl BlobStore {
@@ -202,8 +204,18 @@ impl BlobStore {
             Some(h) => format!("{}.{tick}", hex(h)),
             None => format!("unnamed.{tick}"),
         };
-        let tmp = self.cfg.dirs[dir as usize].join("tmp").join(name);
+        let tmp = self.cfg.dirs[dir as usize].join("tmp").join(&name);
         let file = super::direct::BlobFile::create(&tmp, size).map_err(io)?;
+        let whole = match size > super::outboards::KEEP_ABOVE {
+            true => match OutboardFile::create(tmp.with_file_name(format!("{name}.ob"))) {
+                Ok(f) => Whole::Tree(Box::new(outboard::Builder::new(size, f))),
+                Err(e) => {
+                    tracing::warn!("cannot start an outboard file; the blob keeps none: {e}");
+                    Whole::Plain(Box::default())
+                }
+            },
+            false => Whole::Plain(Box::default()),
+        };
         Ok(BlobWriter {
             store: self.clone(),
             hash,
@@ -213,7 +225,10 @@ impl BlobStore {
             dir,
             tmp,
             file: Some(file),
-            hasher: locus_proto::manifest::ChunkHasher::new(chunk_size),
+            whole,
+            // A blob of one chunk: its chunk's hash is the whole blob's, hashed once.
+            chunks: (size > u64::from(chunk_size)).then(|| Chunks::new(chunk_size)),
+            written: 0,
             reservation,
         })
     }
@@ -240,20 +255,30 @@ pub struct BlobWriter {
     dir: u32,
     tmp: PathBuf,
     file: Option<super::direct::BlobFile>,
-    hasher: locus_proto::manifest::ChunkHasher,
+    /// The whole blob's hash, with its outboard for a blob that keeps one.
+    whole: Whole,
+    /// Chunk hashes; None for a blob of one chunk.
+    chunks: Option<Chunks>,
+    written: u64,
     /// Grows as bytes arrive.
     reservation: Reservation,
 }
 
+enum Whole {
+    Plain(Box<blake3::Hasher>),
+    Tree(Box<outboard::Builder<OutboardFile>>),
+    Taken,
+}
+
 impl BlobWriter {
     pub fn write(&mut self, data: &[u8]) -> Result<(), StoreError> {
-        if self.hasher.size() + data.len() as u64 > self.size {
+        if self.written + data.len() as u64 > self.size {
             return Err(StoreError::Mismatch {
                 hash: self.hash.unwrap_or(BlobHash([0; 32])),
                 what: "more bytes than announced".into(),
             });
         }
-        let written = self.hasher.size();
+        let written = self.written;
         self.reservation
             .grow_to(written, written + data.len() as u64, self.size)?;
         self.file
@@ -261,7 +286,17 @@ impl BlobWriter {
             .expect("open until finish")
             .write_all(data)
             .map_err(io)?;
-        self.hasher.update(data);
+        self.written += data.len() as u64;
+        match &mut self.whole {
+            Whole::Plain(h) => {
+                h.update(data);
+            }
+            Whole::Tree(b) => b.update(data),
+            Whole::Taken => {}
+        }
+        if let Some(c) = &mut self.chunks {
+            c.update(data);
+        }
         Ok(())
     }
 
@@ -272,12 +307,20 @@ impl BlobWriter {
 
     /// `finish`, saying what was stored.
     pub fn finish_stored(mut self) -> Result<Stored, StoreError> {
-        let (got, chunks, file) = match self.verify()? {
+        let (got, chunks, file, outboard) = match self.verify()? {
             Verified::Here(stored) => return Ok(stored),
-            Verified::Written { got, chunks, file } => (got, chunks, file),
+            Verified::Written {
+                got,
+                chunks,
+                file,
+                outboard,
+            } => (got, chunks, file, outboard),
         };
         file.sync_all().map_err(io)?;
         drop(file);
+        if let Some(ob) = outboard {
+            self.store.publish_outboard(&ob, self.dir, &got);
+        }
         let dest = self.store.blob_path_in(self.dir, &got);
         let parent = dest.parent().expect("blob paths have a parent");
         fs::create_dir_all(parent).map_err(io)?;
@@ -296,7 +339,7 @@ impl BlobWriter {
     /// Checks what arrived: the announced size, and the name it must hash to. A blob
     /// named only now that the store holds already is dropped here (and pinned if asked).
     pub(super) fn verify(&mut self) -> Result<Verified, StoreError> {
-        if self.hasher.size() != self.size {
+        if self.written != self.size {
             // Not how many arrived: for a write the node fills from an origin that would
             // tell the caller the size of a file it may not read.
             return Err(StoreError::Mismatch {
@@ -304,7 +347,19 @@ impl BlobWriter {
                 what: "fewer bytes than announced".into(),
             });
         }
-        let (_, got, chunks) = self.hasher.clone().finish();
+        let (got, outboard) = match std::mem::replace(&mut self.whole, Whole::Taken) {
+            Whole::Plain(h) => (BlobHash(*h.finalize().as_bytes()), None),
+            Whole::Tree(b) => {
+                let (root, f) = b.finish().expect("the announced size arrived");
+                (root, Some(f))
+            }
+            Whole::Taken => unreachable!("verified once"),
+        };
+        let chunks = match self.chunks.take() {
+            Some(c) => c.finish(),
+            None if self.size == 0 => Vec::new(),
+            None => vec![got],
+        };
         match self.hash {
             Some(want) if got != want => {
                 return Err(StoreError::Mismatch {
@@ -333,7 +388,18 @@ impl BlobWriter {
             .expect("open until finish")
             .finish()
             .map_err(io)?;
-        Ok(Verified::Written { got, chunks, file })
+        // Derived data: a failed outboard write costs a recomputation, not the blob.
+        let outboard = outboard.and_then(|f| {
+            f.done()
+                .map_err(|e| tracing::warn!(blob = %got, "cannot write the blob's outboard: {e}"))
+                .ok()
+        });
+        Ok(Verified::Written {
+            got,
+            chunks,
+            file,
+            outboard,
+        })
     }
 
     /// The index record of the blob now at `dest`.
@@ -356,8 +422,18 @@ impl BlobWriter {
     pub fn finish_staged(mut self) -> Result<super::batch::Staged, StoreError> {
         let (hash, chunks, tmp, reservation) = match self.verify()? {
             Verified::Here(s) => (s.hash, s.chunks, None, None),
-            Verified::Written { got, chunks, file } => {
+            Verified::Written {
+                got,
+                chunks,
+                file,
+                outboard,
+            } => {
                 drop(file);
+                // Before the batch commits: an outboard of a blob that then fails to
+                // commit is only a file for bytes this node does not hold.
+                if let Some(ob) = outboard {
+                    self.store.publish_outboard(&ob, self.dir, &got);
+                }
                 // The batch owns the file and the space now (this writer's drop
                 // removes a file only while it still holds it open).
                 (
@@ -389,6 +465,8 @@ pub(super) enum Verified {
         got: BlobHash,
         chunks: Vec<BlobHash>,
         file: File,
+        /// The blob's outboard, written to its temporary file.
+        outboard: Option<PathBuf>,
     },
 }
 

@@ -14,7 +14,8 @@ use locus_proto::{BlobHash, Entry};
 
 use super::*;
 use crate::reader::{
-    BoxFuture, ChunkRef, Located, Pieces, Place, Ranged, Remote, Replicas, SourceError, Topology,
+    BoxFuture, ChunkRef, Located, Pieces, Place, RangeRequest, Ranged, Remote, Replicas, SourceError,
+    Topology,
 };
 
 const CHUNK: u32 = 4096;
@@ -41,11 +42,12 @@ enum Behave {
 /// Replicas serving one blob, each node behaving as told; every request is logged.
 struct FakeReplicas {
     data: Vec<u8>,
-    chunk: u64,
     behave: Mutex<HashMap<String, Behave>>,
     log: Mutex<Vec<(String, u32)>>,
-    /// Ranges asked for: (address, chunk, start, end).
-    range_log: Mutex<Vec<(String, u32, u64, u64)>>,
+    /// Ranges asked for: (address, start, end), offsets in the blob.
+    range_log: Mutex<Vec<(String, u64, u64)>>,
+    /// The blob's outboard, made at the first range asked.
+    tree: std::sync::OnceLock<Vec<u8>>,
 }
 
 impl FakeReplicas {
@@ -103,9 +105,7 @@ impl Replicas for FakeReplicas {
     fn read_range<'a>(
         &'a self,
         addr: &'a str,
-        c: ChunkRef,
-        start: u64,
-        end: u64,
+        r: RangeRequest,
         idle: Duration,
     ) -> BoxFuture<'a, Result<Option<Ranged>, SourceError>> {
         Box::pin(async move {
@@ -113,15 +113,18 @@ impl Replicas for FakeReplicas {
             if how == Behave::NoRanges {
                 return Ok(None);
             }
+            let (start, end) = (r.start, r.end);
             self.range_log
                 .lock()
                 .unwrap()
-                .push((addr.to_string(), c.index, start, end));
-            assert_eq!(c.len, self.chunk.min(self.data.len() as u64 - c.offset));
-            let chunk = &self.data[c.offset as usize..(c.offset + c.len) as usize];
-            let (_, ob) = locus_proto::outboard::outboard(chunk);
-            let mut proof = locus_proto::outboard::proof(&ob, c.len, start, end).unwrap();
-            let mut data = chunk[start as usize..end as usize].to_vec();
+                .push((addr.to_string(), start, end));
+            // Ranges of the whole blob, checked against its own hash.
+            assert_eq!((r.chunk_offset, r.chunk_len), (0, self.data.len() as u64));
+            let ob = self
+                .tree
+                .get_or_init(|| locus_proto::outboard::outboard(&self.data).1);
+            let mut proof = locus_proto::outboard::proof(ob, r.chunk_len, start, end).unwrap();
+            let mut data = self.data[start as usize..end as usize].to_vec();
             match how {
                 Behave::Good => {}
                 Behave::Corrupt => data[(end - start) as usize / 2] ^= 1,
@@ -232,10 +235,10 @@ fn fixture_sized(chunk: u32, chunks: usize, n1: Behave, n2: Behave, local: Optio
     let ino = ns.lookup(crate::namespace::ROOT, "f").unwrap();
     let replicas = Arc::new(FakeReplicas {
         data: data.clone(),
-        chunk: u64::from(chunk),
         behave: Mutex::new(HashMap::from([("a1".to_string(), n1), ("a2".to_string(), n2)])),
         log: Mutex::new(Vec::new()),
         range_log: Mutex::new(Vec::new()),
+        tree: Default::default(),
     });
     let topo = Topology::from_parts(
         HashMap::from([(0, vec!["n1".to_string(), "n2".to_string()])]),

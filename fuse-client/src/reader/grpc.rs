@@ -137,20 +137,11 @@ impl Replicas for GrpcReplicas {
     fn read_range<'a>(
         &'a self,
         addr: &'a str,
-        c: ChunkRef,
-        start: u64,
-        end: u64,
+        r: RangeRequest,
         idle: Duration,
     ) -> BoxFuture<'a, Result<Option<Ranged>, SourceError>> {
         Box::pin(async move {
-            use locus_proto::bulk::{BulkError, RangeRequest};
-            let r = RangeRequest {
-                hash: c.blob,
-                chunk_offset: c.offset,
-                chunk_len: c.len,
-                start,
-                end,
-            };
+            use locus_proto::bulk::BulkError;
             match self
                 .links
                 .bulk_range("*", addr, locus_proto::grant::Op::Read, "", &r, idle)
@@ -159,6 +150,9 @@ impl Replicas for GrpcReplicas {
                 Ok(r) => Ok(Some(r)),
                 // gRPC has no ranges with proofs: the whole chunk, then.
                 Err(BulkError::Unsupported(_)) => Ok(None),
+                // It cannot prove this range (a blob over 1 GiB stored by a build that
+                // kept no outboards): nothing wrong with the node, the whole chunk then.
+                Err(BulkError::Refused(_)) => Ok(None),
                 Err(BulkError::Missing(m)) => Err(SourceError::Missing(m)),
                 Err(BulkError::Grant(m)) => Err(SourceError::Grant(m)),
                 Err(e) => Err(SourceError::Unreachable(e.to_string())),

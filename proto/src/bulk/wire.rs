@@ -136,15 +136,7 @@ impl RangeRequest {
 
     /// Why a node cannot answer it as asked, if it cannot (the blob is `size` bytes).
     pub fn invalid(&self, size: u64) -> Option<String> {
-        // Bounds on what one request may cost the node: the outboard it computes and
-        // keeps (1/256 of the chunk) and the bytes it reads and checks in one buffer.
-        if self.chunk_len > u64::from(crate::MAX_CHUNK_SIZE) {
-            return Some(format!(
-                "a chunk of {} bytes is larger than chunks may be ({} bytes)",
-                self.chunk_len,
-                crate::MAX_CHUNK_SIZE
-            ));
-        }
+        // A bound on the bytes a node reads and checks in one buffer for one request.
         if self.end.saturating_sub(self.start) > RANGE_MAX {
             return Some(format!(
                 "a range of {} bytes is longer than {RANGE_MAX}; read longer spans with READ",
@@ -169,9 +161,23 @@ impl RangeRequest {
         None
     }
 
-    /// Most bytes a RANGE answer can carry: the length prefix, the largest proof, the data.
+    /// Why a node does not compute this chunk's outboard to answer it, if it does not: the
+    /// outboard it would read the chunk for and keep in memory (1/256 of the chunk) is
+    /// bounded. A whole blob whose outboard the node keeps on disk has no such bound.
+    pub fn too_dear_to_compute(&self) -> Option<String> {
+        (self.chunk_len > u64::from(crate::MAX_CHUNK_SIZE)).then(|| {
+            format!(
+                "no outboard is kept for this blob, and one for {} bytes is not computed on request (at most {})",
+                self.chunk_len,
+                crate::MAX_CHUNK_SIZE
+            )
+        })
+    }
+
+    /// The bytes a RANGE answer carries: the length prefix, the proof, the data.
     pub fn answer_max(&self) -> u64 {
-        4 + crate::outboard::outboard_len(self.chunk_len) as u64 + (self.end - self.start)
+        let proof = crate::outboard::proof_len(self.chunk_len, self.start, self.end);
+        4 + proof as u64 + (self.end - self.start)
     }
 }
 
@@ -181,4 +187,44 @@ impl RangeRequest {
 pub struct Ranged {
     pub proof: Bytes,
     pub data: Bytes,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::outboard::{self, GROUP};
+
+    fn req(chunk_len: u64, start: u64, end: u64) -> RangeRequest {
+        RangeRequest {
+            hash: BlobHash([1; 32]),
+            chunk_offset: 0,
+            chunk_len,
+            start,
+            end,
+        }
+    }
+
+    #[test]
+    fn an_answer_carries_exactly_the_proof_of_its_range_however_large_the_blob() {
+        let data: Vec<u8> = (0..(5u32 << 20)).map(|i| (i % 241) as u8).collect();
+        let (_, ob) = outboard::outboard(&data);
+        let len = data.len() as u64;
+        for (s, e) in [(0, GROUP), (7 * GROUP, 70 * GROUP), (len - GROUP, len)] {
+            let p = outboard::proof(&ob, len, s, e).unwrap();
+            assert_eq!(req(len, s, e).answer_max(), 4 + p.len() as u64 + (e - s));
+        }
+        // A whole blob of 64 GiB: a 16 KiB range's answer is a few pairs over its bytes,
+        // not the blob's 256 MiB outboard.
+        assert!(req(64 << 30, 0, GROUP).answer_max() < GROUP + 64 * 64);
+    }
+
+    #[test]
+    fn only_an_outboard_past_the_largest_chunk_size_is_too_dear_to_compute() {
+        let most = u64::from(crate::MAX_CHUNK_SIZE);
+        assert!(req(most, 0, GROUP).too_dear_to_compute().is_none());
+        let why = req(most + 1, 0, GROUP).too_dear_to_compute().unwrap();
+        assert!(why.contains("not computed on request"), "{why}");
+        // Not a shape error: the request itself is well formed.
+        assert!(req(most + 1, 0, GROUP).invalid(most + 1).is_none());
+    }
 }

@@ -81,10 +81,10 @@ fn the_first_open_in_a_shard_learns_its_siblings_paths_and_a_changed_sibling_is_
     let remote = Remote::new(
         Arc::new(FakeReplicas {
             data: Vec::new(),
-            chunk: u64::from(CHUNK),
             behave: Mutex::new(HashMap::new()),
             log: Mutex::new(Vec::new()),
             range_log: Mutex::new(Vec::new()),
+            tree: Default::default(),
         }),
         Place::default(),
         Topology::default(),

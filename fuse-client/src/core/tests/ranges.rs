@@ -28,8 +28,16 @@ fn a_reader_that_jumps_is_sent_the_groups_it_reads_and_a_sequential_one_whole_ch
     assert_eq!(
         *f.replicas.range_log.lock().unwrap(),
         vec![
-            ("a1".to_string(), 200, 0, 32 << 10),
-            ("a1".to_string(), 10, 96 << 10, 176 << 10)
+            (
+                "a1".to_string(),
+                200 * u64::from(BIG),
+                200 * u64::from(BIG) + (32 << 10)
+            ),
+            (
+                "a1".to_string(),
+                10 * u64::from(BIG) + (96 << 10),
+                10 * u64::from(BIG) + (176 << 10)
+            )
         ]
     );
     assert!(

@@ -1,0 +1,243 @@
+//! Building an outboard from bytes pushed front to back ([`Builder`]), in the pass that
+//! hashes them: what a node's store does as a blob arrives, so the outboard costs no read
+//! and no hash of its own. The outboard goes to a [`Sink`] as it is made (a file, for a
+//! blob of any size, or memory), never whole in memory.
+//!
+//! Pre-order puts a parent's pair before its children's, but the pair is known only after
+//! them: the builder reserves the pair's place when it enters the subtree and patches it
+//! when the subtree is done. Below [`STREAM_PIECE`] a subtree is hashed from one buffer
+//! (its pairs are written at once), so a sink sees a few writes per MiB.
+
+use blake3::hazmat::{merge_subtrees_non_root, merge_subtrees_root, ChainingValue, Mode};
+
+use super::{outboard, outboard_len, split, subtree, PAIR, STREAM_PIECE};
+use crate::BlobHash;
+
+/// Where a [`Builder`] writes the outboard: `append` extends it, `patch` fills a pair
+/// reserved earlier (at a byte offset `append` already passed). A sink that can fail
+/// keeps its first error for its owner to report; the builder never stops for it.
+pub trait Sink {
+    fn append(&mut self, bytes: &[u8]);
+    fn patch(&mut self, at: u64, pair: &[u8; PAIR]);
+}
+
+impl Sink for Vec<u8> {
+    fn append(&mut self, bytes: &[u8]) {
+        self.extend_from_slice(bytes);
+    }
+
+    fn patch(&mut self, at: u64, pair: &[u8; PAIR]) {
+        self[at as usize..at as usize + PAIR].copy_from_slice(pair);
+    }
+}
+
+/// A parent on the path from the root to the subtree being read.
+struct Frame {
+    /// Where its pair goes in the outboard.
+    at: u64,
+    offset: u64,
+    len: u64,
+    /// Its left child's chaining value, once that subtree is done.
+    left: Option<ChainingValue>,
+}
+
+/// Hashes a blob of a known length pushed in pieces of any size, writing its outboard to
+/// `S`. The root is exactly `blake3::hash` of the bytes and the outboard exactly
+/// [`outboard`]'s.
+pub struct Builder<S: Sink> {
+    len: u64,
+    sink: S,
+    /// Bytes of outboard appended so far (reserved pairs included).
+    written: u64,
+    frames: Vec<Frame>,
+    /// The subtree being read: its offset and length (at most `STREAM_PIECE`, or the
+    /// whole blob when that is smaller).
+    leaf: (u64, u64),
+    buf: Vec<u8>,
+    fed: u64,
+    pairs: Vec<u8>,
+    root: Option<BlobHash>,
+}
+
+impl<S: Sink> Builder<S> {
+    pub fn new(len: u64, sink: S) -> Self {
+        let mut b = Builder {
+            len,
+            sink,
+            written: 0,
+            frames: Vec::new(),
+            leaf: (0, len),
+            buf: Vec::new(),
+            fed: 0,
+            pairs: Vec::new(),
+            root: None,
+        };
+        b.descend(0, len);
+        b
+    }
+
+    /// Bytes pushed so far.
+    pub fn fed(&self) -> u64 {
+        self.fed
+    }
+
+    /// The next bytes of the blob. Bytes past its announced length are ignored (the
+    /// caller checks the length; `finish` then says the tree is not this blob's).
+    pub fn update(&mut self, mut data: &[u8]) {
+        let room = self.len - self.fed.min(self.len);
+        if data.len() as u64 > room {
+            self.fed += data.len() as u64 - room;
+            data = &data[..room as usize];
+        }
+        self.fed += data.len() as u64;
+        if self.frames.is_empty() {
+            // A blob of one leaf: hashed whole at the end, as the root.
+            self.buf.extend_from_slice(data);
+            return;
+        }
+        while !data.is_empty() {
+            let want = (self.leaf.1 - self.buf.len() as u64) as usize;
+            let cv = if self.buf.is_empty() && data.len() >= want {
+                // The whole leaf is here: hashed where it lies, not copied first.
+                let cv = self.leaf_cv(&data[..want]);
+                data = &data[want..];
+                cv
+            } else {
+                let take = want.min(data.len());
+                self.buf.extend_from_slice(&data[..take]);
+                data = &data[take..];
+                if self.buf.len() < self.leaf.1 as usize {
+                    return;
+                }
+                let buf = std::mem::take(&mut self.buf);
+                let cv = self.leaf_cv(&buf);
+                self.buf = buf;
+                self.buf.clear();
+                cv
+            };
+            self.leaf_done(cv);
+        }
+    }
+
+    /// The root and the sink, once exactly the announced length was pushed; None
+    /// otherwise (fewer or more bytes: the outboard in the sink is not the blob's).
+    pub fn finish(mut self) -> Option<(BlobHash, S)> {
+        if self.fed != self.len {
+            return None;
+        }
+        if self.frames.is_empty() && self.root.is_none() {
+            let (root, pairs) = outboard(&self.buf);
+            self.sink.append(&pairs);
+            return Some((root, self.sink));
+        }
+        debug_assert_eq!(self.written, outboard_len(self.len) as u64);
+        self.root.map(|r| (r, self.sink))
+    }
+
+    /// Enters the subtree at `offset`, reserving the pair of each parent on the way down
+    /// its left edge to the first leaf.
+    fn descend(&mut self, offset: u64, mut len: u64) {
+        while len > STREAM_PIECE {
+            let at = self.written;
+            self.sink.append(&[0u8; PAIR]);
+            self.written += PAIR as u64;
+            self.frames.push(Frame {
+                at,
+                offset,
+                len,
+                left: None,
+            });
+            len = split(len).0;
+        }
+        self.leaf = (offset, len);
+    }
+
+    fn leaf_cv(&mut self, bytes: &[u8]) -> ChainingValue {
+        self.pairs.clear();
+        let cv = subtree(bytes, self.leaf.0, &mut self.pairs);
+        self.sink.append(&self.pairs);
+        self.written += self.pairs.len() as u64;
+        cv
+    }
+
+    /// Climbs from a finished subtree: a parent whose left child it was moves on to its
+    /// right one; a parent whose right child it was is done too.
+    fn leaf_done(&mut self, mut cv: ChainingValue) {
+        while let Some(f) = self.frames.last_mut() {
+            match f.left {
+                None => {
+                    f.left = Some(cv);
+                    let l = split(f.len).0;
+                    let (offset, len) = (f.offset + l, f.len - l);
+                    self.descend(offset, len);
+                    return;
+                }
+                Some(l) => {
+                    let mut pair = [0u8; PAIR];
+                    pair[..32].copy_from_slice(&l);
+                    pair[32..].copy_from_slice(&cv);
+                    self.sink.patch(f.at, &pair);
+                    self.frames.pop();
+                    if self.frames.is_empty() {
+                        self.root = Some(BlobHash(*merge_subtrees_root(&l, &cv, Mode::Hash).as_bytes()));
+                        self.leaf = (self.len, 0);
+                        return;
+                    }
+                    cv = merge_subtrees_non_root(&l, &cv, Mode::Hash);
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn data(n: usize) -> Vec<u8> {
+        (0..n as u64)
+            .map(|i| (i.wrapping_mul(2654435761) >> 13) as u8)
+            .collect()
+    }
+
+    #[test]
+    fn pushed_in_any_pieces_the_tree_is_the_one_built_from_memory() {
+        for n in [
+            0usize,
+            1,
+            16 * 1024,
+            16 * 1024 + 1,
+            (1 << 20) - 1,
+            1 << 20,
+            (1 << 20) + 1,
+            3 * (1 << 20) + 12_345,
+            9 << 20,
+            (16 << 20) + 16 * 1024,
+        ] {
+            let d = data(n);
+            let want = outboard(&d);
+            for piece in [1usize << 20, 4096, 333_333, 5 << 20, n.max(1)] {
+                let mut b = Builder::new(n as u64, Vec::new());
+                for p in d.chunks(piece) {
+                    b.update(p);
+                }
+                let (root, ob) = b.finish().unwrap();
+                assert_eq!((root, ob), want, "size {n}, pieces of {piece}");
+            }
+        }
+    }
+
+    #[test]
+    fn too_few_or_too_many_bytes_give_no_tree() {
+        let d = data(3 << 20);
+        let mut short = Builder::new(d.len() as u64, Vec::new());
+        short.update(&d[..d.len() - 1]);
+        assert!(short.finish().is_none());
+        let mut long = Builder::new(d.len() as u64 - 1, Vec::new());
+        long.update(&d);
+        assert!(long.finish().is_none());
+        let mut small = Builder::new(10, Vec::new());
+        small.update(&d[..11]);
+        assert!(small.finish().is_none());
+    }
+}
