@@ -6,7 +6,8 @@
 //! hash of their own. Kept only for blobs over [`KEEP_ABOVE`]; a smaller blob's outboard
 //! costs one read of at most that much, and a file per small blob would cost an import of
 //! small files a file creation each. A blob stored before this existed gets its outboard
-//! the first time a range of it is asked for (`crate::ranges`).
+//! from the first whole check of it (`verify`: the scrub's pass, or a passthrough open),
+//! or the first time a range of it is asked for (`crate::ranges`).
 //!
 //! Derived data: never fsynced, never trusted. A missing or wrong-sized file is computed
 //! again; a range whose bytes do not match a kept outboard is checked again against an
@@ -202,11 +203,7 @@ impl BlobStore {
             return;
         }
         let dir = self.dir_of(&dest);
-        let tmp = self.cfg.dirs[dir].join("tmp").join(format!(
-            "{}.{}.ob",
-            hex(h),
-            self.tick.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
-        ));
+        let tmp = self.outboard_tmp(dir, h);
         match fs::write(&tmp, pairs) {
             Ok(()) => self.publish_outboard(&tmp, dir as u32, h),
             Err(e) => {
@@ -214,6 +211,18 @@ impl BlobStore {
                 let _ = fs::remove_file(&tmp);
             }
         }
+    }
+
+    /// A file to write blob `h`'s outboard to, when it should keep one and has none.
+    pub(super) fn missing_outboard(&self, h: &BlobHash) -> Option<OutboardFile> {
+        let (dest, _) = self.kept_outboard(h)?;
+        if dest.exists() {
+            return None;
+        }
+        let tmp = self.outboard_tmp(self.dir_of(&dest), h);
+        OutboardFile::create(tmp)
+            .map_err(|e| tracing::warn!(blob = %h, "cannot start its outboard: {e}"))
+            .ok()
     }
 
     /// Removes blob `h`'s kept outboard (found wrong), so the next range computes it.
@@ -238,6 +247,12 @@ impl BlobStore {
         if let Some(d) = blobs.parent() {
             let _ = fs::remove_file(d.join("outboards").join(sub_name).join(name));
         }
+    }
+
+    /// A fresh temporary file name for blob `h`'s outboard in data dir `dir`.
+    fn outboard_tmp(&self, dir: usize, h: &BlobHash) -> PathBuf {
+        let n = self.tick.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.cfg.dirs[dir].join("tmp").join(format!("{}.{n}.ob", hex(h)))
     }
 
     /// The index of the data dir a path is in.

@@ -5,7 +5,7 @@ use std::fs::File;
 use std::os::unix::fs::FileExt;
 use std::sync::Arc;
 
-use locus_proto::BlobHash;
+use locus_proto::{outboard, BlobHash};
 use prost::Message;
 
 use super::*;
@@ -148,6 +148,12 @@ impl BlobStore {
         let mut at = base;
         let hashes = chunk_hashes(&rec.chunks);
         let cs = u64::from(rec.chunk_size);
+        // A blob that should keep an outboard and has none (stored by an earlier build,
+        // or its file was lost): built in this pass, so the scrub converts an old store
+        // in one round, whatever the blobs' sizes.
+        let mut tree = self
+            .missing_outboard(h)
+            .map(|f| outboard::Builder::new(rec.size, f));
         // Hashed through a bounded buffer whatever the chunk size (up to 1 GiB).
         let mut buf = vec![0u8; cs.min(rec.size).min(WHOLE_CHUNK_MAX) as usize];
         let mut start = 0;
@@ -163,6 +169,9 @@ impl BlobStore {
                     return Ok(false);
                 }
                 hasher.update(&buf[..n]);
+                if let Some(t) = &mut tree {
+                    t.update(&buf[..n]);
+                }
                 done += n as u64;
                 at += n as u64;
             }
@@ -172,6 +181,16 @@ impl BlobStore {
             }
             start += clen;
             c += 1;
+        }
+        if let Some((root, f)) = tree.and_then(outboard::Builder::finish) {
+            // Equal, as every chunk matched; checked anyway, as it is kept.
+            match (root == *h, f.done()) {
+                (true, Ok(tmp)) => self.publish_outboard(&tmp, rec.dir, h),
+                (_, Ok(tmp)) => {
+                    let _ = std::fs::remove_file(tmp);
+                }
+                (_, Err(e)) => tracing::warn!(blob = %h, "cannot write the blob's outboard: {e}"),
+            }
         }
         Ok(true)
     }

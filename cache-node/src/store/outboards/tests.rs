@@ -126,3 +126,29 @@ fn the_outboard_goes_with_its_blob_when_evicted_or_quarantined() {
     assert!(matches!(s.read_range(&b, 0, 10), Err(StoreError::Corrupt { .. })));
     assert!(!kept_path(d.path(), &b).exists(), "quarantined with its blob");
 }
+
+#[test]
+fn a_whole_check_of_a_blob_without_its_outboard_writes_it_in_the_same_pass() {
+    let d = tempfile::tempdir().unwrap();
+    let s = open(d.path(), 1 << 30);
+    // Chunks of 1 MiB: the check hashes each, the outboard's builder sees every byte.
+    let big = data((6 << 20) + 5_000, 8);
+    let h = put(&s, &big, 1 << 20, false);
+    let path = kept_path(d.path(), &h);
+    let want = fs::read(&path).unwrap();
+    fs::remove_file(&path).unwrap();
+    let before = s.whole_hashes();
+    assert!(s.verify(&h).unwrap());
+    assert_eq!(s.whole_hashes(), before + 1);
+    assert_eq!(fs::read(&path).unwrap(), want, "the scrub's pass kept it again");
+    // A blob that fails the check keeps none, and leaves nothing in tmp/.
+    let bad = put(&s, &data(3 << 20, 9), 1 << 20, false);
+    fs::remove_file(kept_path(d.path(), &bad)).unwrap();
+    let p = s.locate(&bad).unwrap().path;
+    let mut bytes = fs::read(&p).unwrap();
+    bytes[(2 << 20) + 7] ^= 1;
+    fs::write(&p, bytes).unwrap();
+    assert!(!s.verify(&bad).unwrap());
+    assert!(!kept_path(d.path(), &bad).exists());
+    assert_eq!(fs::read_dir(d.path().join("tmp")).unwrap().count(), 0);
+}
