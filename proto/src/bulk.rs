@@ -496,47 +496,72 @@ impl Reading {
             return Ok(None);
         }
         let n = (max as u64).min(self.left) as usize;
-        let Some(s) = self.stream.as_mut() else {
-            return Err(BulkError::Unreachable("the connection failed earlier".into()));
-        };
         let mut buf = buffers().take(n);
         while buf.len() < n {
+            let Some(s) = self.stream.as_mut() else {
+                return Err(BulkError::Unreachable("the connection failed earlier".into()));
+            };
             // Never past this piece: the buffer's capacity may be larger (a size class),
             // and what follows on the connection is the next piece of this answer.
             let want = n - buf.len();
             let got =
                 tokio::time::timeout(self.idle, s.read_buf(&mut bytes::BufMut::limit(&mut buf, want))).await;
-            if !matches!(got, Ok(Ok(n)) if n > 0) {
-                self.pool.failed(&self.addr);
-            }
-            match got {
-                Ok(Ok(0)) => {
-                    self.stream = None;
-                    return Err(BulkError::Unreachable(format!(
-                        "the node stopped after {} of {} bytes",
-                        self.len - self.left + buf.len() as u64,
-                        self.len
-                    )));
-                }
-                Ok(Ok(_)) => {}
-                Ok(Err(e)) => {
-                    self.stream = None;
-                    return Err(BulkError::Unreachable(e.to_string()));
-                }
-                Err(_) => {
-                    self.stream = None;
-                    return Err(BulkError::Unreachable(format!(
-                        "the node sent nothing for {:?}",
-                        self.idle
-                    )));
-                }
-            }
+            self.took(got, buf.len() as u64)?;
         }
         self.left -= n as u64;
         if self.left == 0 {
             self.done();
         }
         Ok(Some(Bytes::from_owner(Pooled(buf))))
+    }
+
+    /// Receives the next bytes of the answer straight into `buf` (what one read of the
+    /// socket gives, at most `buf.len()`, never past the answer's end): for a caller
+    /// that keeps them in a buffer of its own, such as the store's aligned write buffer.
+    /// 0 once all were read.
+    pub async fn read_into(&mut self, buf: &mut [u8]) -> Result<usize, BulkError> {
+        if self.left == 0 {
+            self.done();
+            return Ok(0);
+        }
+        let want = (buf.len() as u64).min(self.left) as usize;
+        let Some(s) = self.stream.as_mut() else {
+            return Err(BulkError::Unreachable("the connection failed earlier".into()));
+        };
+        let got = tokio::time::timeout(self.idle, s.read(&mut buf[..want])).await;
+        let n = self.took(got, 0)?;
+        self.left -= n as u64;
+        if self.left == 0 {
+            self.done();
+        }
+        Ok(n)
+    }
+
+    /// What one read of the socket gave: the bytes it moved, or the error that ends this
+    /// answer and its connection (`had`: bytes of the current piece already received,
+    /// for the message).
+    fn took(
+        &mut self,
+        got: Result<std::io::Result<usize>, tokio::time::error::Elapsed>,
+        had: u64,
+    ) -> Result<usize, BulkError> {
+        if !matches!(got, Ok(Ok(n)) if n > 0) {
+            self.pool.failed(&self.addr);
+            self.stream = None;
+        }
+        match got {
+            Ok(Ok(0)) => Err(BulkError::Unreachable(format!(
+                "the node stopped after {} of {} bytes",
+                self.len - self.left + had,
+                self.len
+            ))),
+            Ok(Ok(n)) => Ok(n),
+            Ok(Err(e)) => Err(BulkError::Unreachable(e.to_string())),
+            Err(_) => Err(BulkError::Unreachable(format!(
+                "the node sent nothing for {:?}",
+                self.idle
+            ))),
+        }
     }
 
     /// Every byte of the answer in one buffer.

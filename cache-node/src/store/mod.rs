@@ -45,6 +45,7 @@ mod write;
 
 pub use batch::Staged;
 use datadir::{check_format, restrict, set_mode};
+pub use direct::Block as WriteBlock;
 pub use open::indexed_blobs;
 pub use outboards::KEEP_ABOVE as OUTBOARD_KEPT_ABOVE;
 pub use pack::{read_pack_table, PackRow, PackedWrite};

@@ -272,20 +272,43 @@ enum Whole {
 
 impl BlobWriter {
     pub fn write(&mut self, data: &[u8]) -> Result<(), StoreError> {
-        if self.written + data.len() as u64 > self.size {
-            return Err(StoreError::Mismatch {
-                hash: self.hash.unwrap_or(BlobHash([0; 32])),
-                what: "more bytes than announced".into(),
-            });
-        }
-        let written = self.written;
-        self.reservation
-            .grow_to(written, written + data.len() as u64, self.size)?;
+        self.admit(data.len())?;
         self.file
             .as_mut()
             .expect("open until finish")
             .write_all(data)
             .map_err(io)?;
+        self.absorb(data);
+        Ok(())
+    }
+
+    /// `write` of a block a receiver filled straight from its socket: a full one goes to
+    /// the device from the block's own buffer, with no copy.
+    pub fn write_block(&mut self, b: &super::direct::Block) -> Result<(), StoreError> {
+        self.admit(b.data().len())?;
+        self.file
+            .as_mut()
+            .expect("open until finish")
+            .write_block(b)
+            .map_err(io)?;
+        self.absorb(b.data());
+        Ok(())
+    }
+
+    /// Room for `n` more bytes: no more than announced, and their space reserved.
+    fn admit(&mut self, n: usize) -> Result<(), StoreError> {
+        if self.written + n as u64 > self.size {
+            return Err(StoreError::Mismatch {
+                hash: self.hash.unwrap_or(BlobHash([0; 32])),
+                what: "more bytes than announced".into(),
+            });
+        }
+        self.reservation
+            .grow_to(self.written, self.written + n as u64, self.size)
+    }
+
+    /// Hashes bytes written: the whole blob's hash (and outboard) and the chunks'.
+    fn absorb(&mut self, data: &[u8]) {
         self.written += data.len() as u64;
         match &mut self.whole {
             Whole::Plain(h) => {
@@ -297,7 +320,6 @@ impl BlobWriter {
         if let Some(c) = &mut self.chunks {
             c.update(data);
         }
-        Ok(())
     }
 
     /// Verifies, syncs and publishes the blob.
