@@ -151,6 +151,52 @@ async fn every_acknowledged_commit_survives_kill9_of_the_leader_and_numbers_stay
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_member_that_starts_while_the_group_has_no_leader_waits_and_serves_once_it_has_one() {
+    let h = Harness::new("group-late");
+    let mut ms = h.prepare_group("meta", 3, MetadataOpts::default());
+    let mut late = ms.remove(0);
+    // m2 and m3 are a quorum: they elect a leader and set the catalogue up.
+    let others = launch_group(ms).await;
+    group_leader(&others).await;
+    // Then both freeze, and m1 starts: no catalogue in its state yet, no leader to ask.
+    // It must wait for one, not set the catalogue up itself (a follower's write is
+    // refused: a member restarted before it applied that entry, while the group had no
+    // leader, once exited with "has to forward request to: None").
+    for o in &others {
+        o.daemon.sigstop();
+    }
+    late.spawn();
+    // Past its start's greetings to the frozen members (a few seconds) to the catalogue.
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    let exited = late.daemon.exited();
+    for o in &others {
+        o.daemon.sigcont();
+    }
+    assert!(
+        !exited,
+        "m1 exited while the group had no leader: {}",
+        std::fs::read_to_string(&late.log).unwrap_or_default()
+    );
+    late.wait_ready().await;
+    let mut ms = vec![late];
+    ms.extend(others);
+    let l = group_leader(&ms).await;
+    let mut c = ms[l].own_client().await;
+    let (e, s) = synthetic_manifest("together", 10, 10, 10, 1 << 16);
+    assert_eq!(commit(&mut c, "ds", 1 << 16, e, s).await.unwrap().version, 1);
+    let c1 = ms[0].own_client().await;
+    wait_until(
+        "m1 to serve the committed version",
+        Duration::from_secs(30),
+        || {
+            let mut c = c1.clone();
+            async move { (versions(&mut c, "ds").await == vec![1]).then_some(()) }
+        },
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_minority_refuses_writes_and_the_majority_goes_on() {
     let h = Harness::new("group-minority");
     let ms = h.start_group("meta", 3, MetadataOpts::default()).await;

@@ -108,6 +108,12 @@ impl Harness {
     /// Every member's `url()` is the whole group's comma-separated list, so clients, nodes
     /// and the CLI started against any of them reach whichever members are alive.
     pub async fn start_group(&self, name: &str, n: usize, opts: MetadataOpts) -> Vec<Metadata> {
+        launch_group(self.prepare_group(name, n, opts)).await
+    }
+
+    /// The members of a new group of `n`, ready to `spawn` (ports chosen, files written),
+    /// none running; `launch_group` starts them all.
+    pub fn prepare_group(&self, name: &str, n: usize, opts: MetadataOpts) -> Vec<Metadata> {
         let mut opts = opts;
         if !opts.tokens.is_empty() && !opts.tokens.iter().any(|t| t.role == "member") {
             opts.tokens.push(member_token());
@@ -148,7 +154,7 @@ impl Harness {
             }
             members.push(m);
         }
-        launch_group(members).await
+        members
     }
 
     /// A metadata service ready to `spawn` or `start` (ports chosen, files written), not running.
@@ -603,7 +609,7 @@ pub(crate) fn as_member(opts: &MetadataOpts, i: usize, cluster: &[String]) -> Me
 
 /// Starts prepared members together (a member's port opens only once a majority is up),
 /// waits for each, and gives each the group's URL list.
-pub(crate) async fn launch_group(mut members: Vec<Metadata>) -> Vec<Metadata> {
+pub async fn launch_group(mut members: Vec<Metadata>) -> Vec<Metadata> {
     for m in members.iter_mut() {
         m.spawn();
     }
