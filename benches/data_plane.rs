@@ -23,7 +23,9 @@
 //!     LOCUS_BENCH_PARTS=copy cargo bench --bench data_plane     # any of read,copy,random,outboard
 //!     LOCUS_BENCH_MOUNT_ARGS="--cache-size 256MiB" cargo bench --bench data_plane
 //!
-//! Needs root to drop the page cache (without it the figures are warm, and say so).
+//! Needs root to drop the page cache (without it the figures are warm, and say so), and
+//! to stop a virtual machine's free page reporting for the run (`SteadyMemory`; its
+//! first step touches `LOCUS_BENCH_PRETOUCH_MIB`, default 6 GiB, once).
 
 use locus_testkit as support;
 
@@ -71,6 +73,9 @@ fn median(mut v: Vec<f64>) -> f64 {
 
 #[tokio::main]
 async fn main() {
+    // Before anything is measured, and for the whole run: memory freed by one part must
+    // not be charged to the next (`SteadyMemory`).
+    let _memory = SteadyMemory::hold();
     let mib = env_u64("LOCUS_BENCH_MIB", 1024);
     let rounds = env_u64("LOCUS_BENCH_ROUNDS", 3);
     // E.g. "--cache-size 256MiB": with the default 1 GiB chunk cache a 1 GiB read fills
