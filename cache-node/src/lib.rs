@@ -175,6 +175,7 @@ pub async fn serve(
                     missing = rep.missing,
                     adopted = rep.adopted,
                     quarantined = rep.quarantined,
+                    stray_outboards = rep.stray_outboards,
                     "blob directories checked against the index in {:.1}s",
                     started.elapsed().as_secs_f64()
                 );

@@ -203,6 +203,9 @@ pub struct Reconcile {
     /// Leftover partial writes removed from tmp/, and packs no index record names that
     /// held no blob to adopt.
     pub tmp_removed: usize,
+    /// Outboards whose blob is not in the index in their data dir (a crash between the
+    /// outboard's rename and the blob's, or a blob an earlier build evicted): removed.
+    pub stray_outboards: usize,
 }
 
 /// Where a complete blob's bytes are: its own file, or a range of a pack.

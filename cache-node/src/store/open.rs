@@ -246,6 +246,7 @@ impl BlobStore {
                 }
             }
         }
+        rep.stray_outboards = self.sweep_outboards();
         Ok(rep)
     }
 }

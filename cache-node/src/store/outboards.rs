@@ -13,7 +13,8 @@
 //! again; a range whose bytes do not match a kept outboard is checked again against an
 //! outboard computed from the blob's verified bytes before the blob is blamed, so a torn
 //! or damaged outboard costs a recomputation, never a good blob. The file goes with the
-//! blob (eviction, quarantine, a blob found missing).
+//! blob (eviction, quarantine, a blob found missing); one whose blob is not held is
+//! removed by the walk after a restart (`sweep_outboards`).
 
 use std::fs::{self, File};
 use std::os::unix::fs::FileExt;
@@ -247,6 +248,40 @@ impl BlobStore {
         if let Some(d) = blobs.parent() {
             let _ = fs::remove_file(d.join("outboards").join(sub_name).join(name));
         }
+    }
+
+    /// Removes outboards whose blob this data dir does not hold (older than the store's
+    /// opening: one written since may belong to a blob being published right now).
+    /// Derived data only: a wrong guess costs a recomputation. Returns how many went.
+    pub(super) fn sweep_outboards(&self) -> usize {
+        let mut removed = 0;
+        for (di, d) in self.cfg.dirs.iter().enumerate() {
+            let Ok(subs) = fs::read_dir(d.join("outboards")) else {
+                continue;
+            };
+            for f in subs
+                .flatten()
+                .filter_map(|s| fs::read_dir(s.path()).ok())
+                .flatten()
+                .flatten()
+            {
+                let h = f.file_name().to_str().and_then(|n| BlobHash::from_hex(n).ok());
+                let held = h.is_some_and(|h| {
+                    self.shard(&h)
+                        .blobs
+                        .get(&h)
+                        .is_some_and(|m| m.rec.dir as usize == di && m.rec.pack == 0)
+                });
+                let older = f
+                    .metadata()
+                    .and_then(|m| m.modified())
+                    .is_ok_and(|t| t < self.opened);
+                if !held && older && fs::remove_file(f.path()).is_ok() {
+                    removed += 1;
+                }
+            }
+        }
+        removed
     }
 
     /// A fresh temporary file name for blob `h`'s outboard in data dir `dir`.

@@ -152,3 +152,26 @@ fn a_whole_check_of_a_blob_without_its_outboard_writes_it_in_the_same_pass() {
     assert!(!kept_path(d.path(), &bad).exists());
     assert_eq!(fs::read_dir(d.path().join("tmp")).unwrap().count(), 0);
 }
+
+#[test]
+fn the_walk_after_a_restart_removes_outboards_whose_blob_is_not_here_and_keeps_the_rest() {
+    let d = tempfile::tempdir().unwrap();
+    let s = open(d.path(), 1 << 30);
+    let big = data(2 << 20, 10);
+    let h = put(&s, &big, 0, false);
+    drop(s);
+    // Left by a crash between the outboard's rename and the blob's, or by a build that
+    // evicted the blob without knowing about outboards.
+    let gone = BlobHash([0xab; 32]);
+    let stray = kept_path(d.path(), &gone);
+    fs::create_dir_all(stray.parent().unwrap()).unwrap();
+    fs::write(&stray, vec![0u8; 64]).unwrap();
+    let s = open(d.path(), 1 << 30);
+    let rep = s.check_dirs().unwrap();
+    assert_eq!(rep.stray_outboards, 1, "{rep:?}");
+    assert!(!stray.exists());
+    assert_eq!(
+        fs::read(kept_path(d.path(), &h)).unwrap(),
+        outboard::outboard(&big).1
+    );
+}
