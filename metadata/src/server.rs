@@ -153,7 +153,7 @@ pub async fn serve(
             }
         };
     if let Some(g) = &group {
-        catalogue_set_up(g, &store, stop_rx.clone()).await?;
+        g.catalogue_ready(stop_rx.clone()).await?;
     }
     let catalog = {
         let (store, config) = (store.clone(), config.catalog.clone());
@@ -308,38 +308,6 @@ pub async fn serve(
 
 /// Starts this member's Raft (and its Raft port) and waits until the catalogue can be
 /// opened: the schema has reached this member, or it leads a new group and writes it.
-/// Waits until the group's catalogue is set up in this member's state, or this member
-/// leads (and sets it up itself when `Catalog::open` finds none). A member that is not
-/// the leader cannot set it up — its write is refused as a follower's — so one that
-/// starts before the entry reached it (a member of a new group, or one killed before it
-/// applied that entry and restarted while the group had no leader) used to exit with
-/// "has to forward request to: None".
-async fn catalogue_set_up(
-    g: &Arc<crate::group::Group>,
-    store: &Arc<dyn crate::store::KvStore>,
-    mut stop: tokio::sync::watch::Receiver<bool>,
-) -> Result<(), ServerError> {
-    let mut waited = false;
-    loop {
-        let here = store
-            .get(crate::store::Table::Meta, crate::keys::META_SCHEMA)
-            .map_err(|e| ServerError::Serve(format!("reading this member's state: {e}")))?;
-        if here.is_some() || (g.is_leader() && g.linearize().await.is_ok()) {
-            return Ok(());
-        }
-        if !waited {
-            tracing::info!("waiting for the group's catalogue to reach this member");
-            waited = true;
-        }
-        tokio::select! {
-            _ = tokio::time::sleep(std::time::Duration::from_millis(100)) => {}
-            _ = stop.wait_for(|s| *s) => {
-                return Err(ServerError::Serve("stopped while waiting for the group's catalogue".into()))
-            }
-        }
-    }
-}
-
 async fn start_group(
     g: &crate::group::GroupConfig,
     config: &ServerConfig,
