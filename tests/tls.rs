@@ -91,6 +91,9 @@ async fn with_tls_on_every_hop_no_token_crosses_a_tcp_connection_in_clear() {
             node_bytes += t.get(|s| &s.bytes);
         }
     }
+    // Blob bytes to and between TLS nodes took the bulk path, inside TLS.
+    let bulk: u64 = taps.iter().map(|t| t.get(|s| &s.bulk_tls_connections)).sum();
+    assert!(bulk > 0, "no bulk connection reached a TLS node");
     let src_bytes: u64 = walk(&src, false).values().map(|f| f.1).sum();
     // Import (two replicas), repair, mount read and backup each moved the data once.
     assert!(

@@ -2,8 +2,10 @@
 //! to the socket with `sendfile`, no user-space copy, on the same TCP port as gRPC.
 //!
 //! The port's accept loop peeks at each connection's first bytes: the bulk MAGIC goes
-//! here, anything else (HTTP/2, a TLS hello) to gRPC. A node with TLS on does not serve
-//! the bulk path in plaintext: its clients reach it as `https://` and use gRPC.
+//! here, anything else (HTTP/2, a TLS hello) to gRPC. A node with TLS on serves the bulk
+//! path only inside TLS: its clients open with MAGIC_TLS, then a TLS handshake with the
+//! node's certificate (and theirs, where mutual TLS is on), then the bulk path as over
+//! plaintext; a plaintext MAGIC goes to gRPC, whose TLS refuses it (`conn`).
 //!
 //! Each bulk connection has a thread of its own with blocking I/O: `sendfile` of a file
 //! that is not in the page cache blocks on the disk, which must not stall the async
@@ -21,7 +23,6 @@
 
 use std::io::{Read, Write};
 use std::net::TcpStream;
-use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -31,6 +32,10 @@ use locus_proto::{outboard, BlobHash};
 
 use crate::ranges::Outboards;
 use crate::store::{BlobStore, StoreError};
+
+mod conn;
+
+use conn::Conn;
 
 /// Bulk connections served at once.
 const MAX_CONNECTIONS: usize = 4096;
@@ -47,6 +52,8 @@ pub(crate) struct BulkServer {
     pub(crate) idle: Duration,
     /// Outboards of the chunks clients asked ranges of.
     outboards: Outboards,
+    /// The node's TLS, when it serves TLS: then bulk connections are TLS only.
+    tls: Option<Arc<locus_proto::tls::rustls::ServerConfig>>,
     live: AtomicUsize,
     /// Every live connection, to be shut down when the node stops.
     conns: Mutex<Vec<(u64, TcpStream)>>,
@@ -60,6 +67,7 @@ impl BulkServer {
         require_grants: bool,
         metrics: Arc<crate::metrics::Metrics>,
         idle: Duration,
+        tls: Option<Arc<locus_proto::tls::rustls::ServerConfig>>,
     ) -> Arc<Self> {
         Arc::new(BulkServer {
             store,
@@ -67,6 +75,7 @@ impl BulkServer {
             require_grants,
             metrics,
             idle,
+            tls,
             outboards: Outboards::new(crate::ranges::OUTBOARDS_KEPT),
             live: AtomicUsize::new(0),
             conns: Mutex::new(Vec::new()),
@@ -74,7 +83,7 @@ impl BulkServer {
         })
     }
 
-    /// Takes a connection whose first bytes are the bulk MAGIC.
+    /// Takes a connection whose first bytes are the bulk MAGIC (MAGIC_TLS on a TLS node).
     pub(crate) fn serve(self: &Arc<Self>, s: tokio::net::TcpStream) {
         let s = match s.into_std().and_then(|s| s.set_nonblocking(false).map(|_| s)) {
             Ok(s) => s,
@@ -106,6 +115,15 @@ impl BulkServer {
         }
     }
 
+    /// What a bulk connection to this node opens with: MAGIC_TLS when it serves TLS (a
+    /// plaintext bulk hello then goes to gRPC, whose TLS refuses it).
+    fn magic(&self) -> &'static [u8; 8] {
+        match self.tls {
+            Some(_) => &bulk::MAGIC_TLS,
+            None => &bulk::MAGIC,
+        }
+    }
+
     /// Ends every connection (the node is stopping).
     pub(crate) fn stop(&self) {
         for (_, c) in self.conns.lock().unwrap().drain(..) {
@@ -113,11 +131,21 @@ impl BulkServer {
         }
     }
 
-    fn connection(&self, mut s: TcpStream, busy: bool) -> std::io::Result<()> {
-        s.set_read_timeout(Some(self.idle))?;
-        s.set_write_timeout(Some(self.idle))?;
+    fn connection(&self, mut tcp: TcpStream, busy: bool) -> std::io::Result<()> {
+        tcp.set_read_timeout(Some(self.idle))?;
+        tcp.set_write_timeout(Some(self.idle))?;
         let mut magic = [0u8; 8];
+        let mut s = match &self.tls {
+            None => Conn::Plain(tcp),
+            Some(cfg) => {
+                tcp.read_exact(&mut magic)?;
+                Conn::tls(tcp, cfg)?
+            }
+        };
         s.read_exact(&mut magic)?;
+        if magic != bulk::MAGIC {
+            return Err(std::io::Error::other("no bulk hello"));
+        }
         let mut n = [0u8; 2];
         s.read_exact(&mut n)?;
         let n = u16::from_le_bytes(n) as usize;
@@ -142,11 +170,11 @@ impl BulkServer {
             {
                 Ok((_, g)) => Some(g.expires_unix_ms),
                 Err(e @ locus_proto::grant::GrantError::WrongMethod { .. }) => {
-                    tracing::warn!(peer = ?s.peer_addr().ok(), "bulk connection refused: {e}");
+                    tracing::warn!(peer = ?s.tcp().peer_addr().ok(), "bulk connection refused: {e}");
                     return hello(&mut s, Code::PermissionDenied, &e.to_string());
                 }
                 Err(e) => {
-                    tracing::warn!(peer = ?s.peer_addr().ok(), "bulk connection refused: {e}");
+                    tracing::warn!(peer = ?s.tcp().peer_addr().ok(), "bulk connection refused: {e}");
                     return hello(&mut s, Code::Unauthenticated, &e.to_string());
                 }
             }
@@ -154,7 +182,7 @@ impl BulkServer {
             None
         };
         hello(&mut s, Code::Ok, "")?;
-        s.set_read_timeout(Some(IDLE_CLOSE))?;
+        s.set_read_timeout(IDLE_CLOSE)?;
         loop {
             let mut op = [0u8; 1];
             match s.read(&mut op)? {
@@ -164,7 +192,7 @@ impl BulkServer {
                         Code::Invalid,
                         &format!("unknown operation {}", op[0]),
                     ))?;
-                    close_gently(&mut s);
+                    s.close_gently();
                     return Ok(());
                 }
                 _ => {}
@@ -174,15 +202,15 @@ impl BulkServer {
                 bulk::OP_READ => &mut body[..bulk::REQUEST_BODY],
                 _ => &mut body[..],
             };
-            s.set_read_timeout(Some(self.idle))?;
+            s.set_read_timeout(self.idle)?;
             s.read_exact(body)?;
-            s.set_read_timeout(Some(IDLE_CLOSE))?;
+            s.set_read_timeout(IDLE_CLOSE)?;
             if until.is_some_and(|u| u <= locus_proto::grant::now_ms()) {
                 s.write_all(&bulk::encode_error(
                     Code::Unauthenticated,
                     "the grant has expired; present a fresh one",
                 ))?;
-                close_gently(&mut s);
+                s.close_gently();
                 return Ok(());
             }
             if op[0] == bulk::OP_RANGE {
@@ -198,7 +226,7 @@ impl BulkServer {
     /// Answers one RANGE: the proof from the chunk's outboard, then the bytes, which are
     /// checked against it first (a node never sends bytes of a range it knows are
     /// wrong; the client checks them again, since nothing a node sends is trusted).
-    fn range(&self, s: &mut TcpStream, r: &bulk::RangeRequest) -> std::io::Result<()> {
+    fn range(&self, s: &mut Conn, r: &bulk::RangeRequest) -> std::io::Result<()> {
         let Some(size) = self.store.size_of(&r.hash) else {
             return refuse(s, &r.hash, StoreError::NotFound(r.hash));
         };
@@ -260,21 +288,22 @@ impl BulkServer {
         self.send_range(s, &proof, &data)
     }
 
-    fn send_range(&self, s: &mut TcpStream, proof: &[u8], data: &[u8]) -> std::io::Result<()> {
+    fn send_range(&self, s: &mut Conn, proof: &[u8], data: &[u8]) -> std::io::Result<()> {
         let n = data.len() as u64;
         let total = 4 + proof.len() as u64 + n;
         self.metrics.read_bytes.inc_by(n);
         self.metrics.bulk_bytes.inc_by(total);
-        head(s, total)?;
+        s.head(total)?;
         s.write_all(&(proof.len() as u32).to_le_bytes())?;
         s.write_all(proof)?;
-        s.write_all(data)
+        s.write_all(data)?;
+        s.flush()
     }
 
     /// Answers one read. An error that leaves the connection in an unknown state (the
     /// answer's head was sent and its bytes were not) is returned and closes it.
-    fn read(&self, s: &mut TcpStream, h: BlobHash, offset: u64, len: u64) -> std::io::Result<()> {
-        let refuse = |s: &mut TcpStream, e: StoreError| refuse(s, &h, e);
+    fn read(&self, s: &mut Conn, h: BlobHash, offset: u64, len: u64) -> std::io::Result<()> {
+        let refuse = |s: &mut Conn, e: StoreError| refuse(s, &h, e);
         let Some(size) = self.store.size_of(&h) else {
             return refuse(s, StoreError::NotFound(h));
         };
@@ -299,8 +328,8 @@ impl BulkServer {
             // 0.44–0.49 with SEQUENTIAL, 0.51–0.56 with no advice, 0.64–0.75 with
             // WILLNEED; data_plane, reads only).
             advise_sequential(file, at, n);
-            head(s, n)?;
-            send_file(s, file, at, n)?;
+            s.head(n)?;
+            s.send_file(file, at, n)?;
             if let Err(e) = r.finish_span() {
                 // The bytes sent may not be the blob's: the receiver's check throws them
                 // away; the connection ends so nothing after them is trusted either.
@@ -314,18 +343,18 @@ impl BulkServer {
             Ok(p) => p,
             Err(e) => return refuse(s, e),
         };
-        head(s, n)?;
+        s.head(n)?;
         let mut piece = first;
         while let Some(p) = piece {
             s.write_all(&p)?;
             piece = r.next_piece().map_err(|e| std::io::Error::other(e.to_string()))?;
         }
-        Ok(())
+        s.flush()
     }
 }
 
 /// Answers a request with the store's reason for not serving it.
-fn refuse(s: &mut TcpStream, h: &BlobHash, e: StoreError) -> std::io::Result<()> {
+fn refuse(s: &mut Conn, h: &BlobHash, e: StoreError) -> std::io::Result<()> {
     let code = match &e {
         StoreError::NotFound(_) => Code::NotFound,
         StoreError::NotPresent { .. } => Code::NotPresent,
@@ -336,57 +365,20 @@ fn refuse(s: &mut TcpStream, h: &BlobHash, e: StoreError) -> std::io::Result<()>
             Code::Internal
         }
     };
-    s.write_all(&bulk::encode_error(code, &e.to_string()))
+    s.write_all(&bulk::encode_error(code, &e.to_string()))?;
+    s.flush()
 }
 
-fn hello(s: &mut TcpStream, code: Code, msg: &str) -> std::io::Result<()> {
+fn hello(s: &mut Conn, code: Code, msg: &str) -> std::io::Result<()> {
     let mut out = bulk::MAGIC.to_vec();
     if code == Code::Ok {
         out.push(Code::Ok as u8);
-        return s.write_all(&out);
+        s.write_all(&out)?;
+        return s.flush();
     }
     out.extend_from_slice(&bulk::encode_error(code, msg));
     s.write_all(&out)?;
-    close_gently(s);
-    Ok(())
-}
-
-/// Ends a connection after a refusal so the client reads the answer: closing a socket
-/// with unread bytes in it sends a reset, which can destroy the answer before the
-/// client reads it. What the client sent is read and dropped for at most a second.
-fn close_gently(s: &mut TcpStream) {
-    let _ = s.shutdown(std::net::Shutdown::Write);
-    let _ = s.set_read_timeout(Some(Duration::from_secs(1)));
-    let mut sink = [0u8; 4096];
-    let mut left = 1 << 20;
-    while left > 0 {
-        match s.read(&mut sink) {
-            Ok(0) | Err(_) => break,
-            Ok(n) => left -= n.min(left),
-        }
-    }
-}
-
-/// An OK answer's head, sent with MSG_MORE so it leaves in one segment with the first
-/// bytes of the blob.
-fn head(s: &mut TcpStream, n: u64) -> std::io::Result<()> {
-    use nix::sys::socket::{send, MsgFlags};
-    let mut b = [0u8; 9];
-    b[1..].copy_from_slice(&n.to_le_bytes());
-    // nix names no MSG_MORE; the bit is the kernel's.
-    let flags = if n > 0 {
-        MsgFlags::from_bits_retain(libc::MSG_MORE)
-    } else {
-        MsgFlags::empty()
-    };
-    let mut at = 0;
-    while at < b.len() {
-        match send(s.as_raw_fd(), &b[at..], flags) {
-            Ok(k) => at += k,
-            Err(nix::errno::Errno::EINTR) => continue,
-            Err(e) => return Err(e.into()),
-        }
-    }
+    s.close_gently();
     Ok(())
 }
 
@@ -402,34 +394,6 @@ fn advise_sequential(file: &std::fs::File, at: u64, n: u64) {
         n as libc::off_t,
         nix::fcntl::PosixFadviseAdvice::POSIX_FADV_SEQUENTIAL,
     );
-}
-
-/// `n` bytes of `file` from `at` to the socket, by the kernel. The socket's send timeout
-/// bounds every wait for a slow reader.
-fn send_file(s: &mut TcpStream, file: &std::fs::File, at: u64, n: u64) -> std::io::Result<()> {
-    let mut off = at as libc::off_t;
-    let end = at + n;
-    while (off as u64) < end {
-        let count = ((end - off as u64).min(1 << 30)) as usize;
-        match nix::sys::sendfile::sendfile(&*s, file, Some(&mut off), count) {
-            Ok(0) => {
-                return Err(std::io::Error::new(
-                    std::io::ErrorKind::UnexpectedEof,
-                    "the blob file is shorter than its record",
-                ))
-            }
-            Ok(_) => {}
-            Err(nix::errno::Errno::EINTR) => continue,
-            Err(nix::errno::Errno::EAGAIN) => {
-                return Err(std::io::Error::new(
-                    std::io::ErrorKind::TimedOut,
-                    "the reader took nothing within the idle timeout",
-                ))
-            }
-            Err(e) => return Err(e.into()),
-        }
-    }
-    Ok(())
 }
 
 /// The node's TCP connections, sorted: the bulk path's to `bulk`, the rest handed on for
@@ -465,7 +429,7 @@ pub(crate) fn incoming(
             };
             let tx = tx.clone();
             tokio::spawn(async move {
-                if is_bulk(&s).await {
+                if opens_with(&s, b.magic()).await {
                     b.serve(s);
                 } else {
                     let _ = tx.send(Ok(s)).await;
@@ -479,8 +443,8 @@ pub(crate) fn incoming(
     tokio_stream::wrappers::ReceiverStream::new(rx)
 }
 
-/// Whether a connection opens with the bulk MAGIC (looked at, not taken).
-async fn is_bulk(s: &tokio::net::TcpStream) -> bool {
+/// Whether a connection opens with `magic` (looked at, not taken).
+async fn opens_with(s: &tokio::net::TcpStream, magic: &[u8; 8]) -> bool {
     let mut buf = [0u8; 8];
     let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
     loop {
@@ -488,7 +452,7 @@ async fn is_bulk(s: &tokio::net::TcpStream) -> bool {
             Ok(Ok(n)) => n,
             _ => return false,
         };
-        if n == 0 || buf[..n] != bulk::MAGIC[..n] {
+        if n == 0 || buf[..n] != magic[..n] {
             return false;
         }
         if n == buf.len() {

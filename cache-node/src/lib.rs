@@ -373,17 +373,22 @@ pub async fn serve(
         stop_rx.clone(),
     ));
 
-    // Blob bytes in plaintext take the bulk path on this same port; with TLS on, only
-    // gRPC (clients reach the node as https:// and never try the bulk path).
-    let bulk = cfg.tls.is_none().then(|| {
-        bulk::BulkServer::new(
-            store.clone(),
-            peers.clone(),
-            cfg.require_grants,
-            metrics.clone(),
-            cfg.peer_idle,
-        )
-    });
+    // Blob bytes take the bulk path on this same port; with TLS on, inside TLS.
+    let bulk_tls = match &cfg.tls {
+        Some(t) => Some(
+            t.bulk_config()
+                .map_err(|e| NodeError::Config(format!("TLS: {e}")))?,
+        ),
+        None => None,
+    };
+    let bulk = Some(bulk::BulkServer::new(
+        store.clone(),
+        peers.clone(),
+        cfg.require_grants,
+        metrics.clone(),
+        cfg.peer_idle,
+        bulk_tls,
+    ));
     let incoming = bulk::incoming(listener, bulk, stop_rx.clone());
     let mut builder = tonic::transport::Server::builder();
     if let Some(tls) = &cfg.tls {

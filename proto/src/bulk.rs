@@ -11,6 +11,7 @@
 //! The wire (integers little-endian):
 //!
 //! ```text
+//! [to a TLS node: MAGIC_TLS(8) in clear, then a TLS handshake; all below inside TLS]
 //! client hello   MAGIC(8) grant_len(u16) grant(grant_len)      grant: "" when none
 //! server hello   MAGIC(8) code(u8) [msg_len(u16) msg]           msg only when code != OK
 //! request        op(u8)=READ hash(32) offset(u64) len(u64)      len 0: to the blob's end
@@ -41,22 +42,23 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::TcpStream;
+use tokio::io::AsyncReadExt;
 
 use crate::BlobHash;
 
 mod buffers;
+mod stream;
 mod wire;
 
 use buffers::{buffers, Pooled};
+use stream::Stream;
 pub use wire::*;
 
 /// Why a bulk read gave no bytes, sorted by whose fault it is.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum BulkError {
-    /// The node does not serve the bulk path (an older build, TLS, or it is busy): ask
-    /// it over gRPC.
+    /// The node does not serve the bulk path (an older build, a TLS node this process
+    /// has no CA for, or it is busy): ask it over gRPC.
     #[error("the node does not serve the bulk path: {0}")]
     Unsupported(String),
     /// Not reachable, silent, or it broke the protocol.
@@ -92,7 +94,7 @@ const KEEP_IDLE: Duration = Duration::from_secs(60);
 
 struct Idle {
     grant: Option<String>,
-    stream: TcpStream,
+    stream: Stream,
     since: Instant,
 }
 
@@ -117,6 +119,9 @@ pub struct Pool {
     /// `LOCUS_BULK=off` in the environment: every node is asked over gRPC (to compare
     /// the two paths, or to go around a fault in this one).
     off: bool,
+    /// The client side of TLS to `https://` nodes, made from the process's client TLS
+    /// on first use (None: no CA, so TLS nodes are asked over gRPC).
+    tls: std::sync::OnceLock<Option<Arc<tokio_rustls::rustls::ClientConfig>>>,
 }
 
 /// The environment variable that turns the bulk path off in a client (`off`).
@@ -137,10 +142,16 @@ impl Pool {
     }
 
     /// Whether to try the bulk path with the node at `addr`: a plaintext address
-    /// (`HOST:PORT`) not known to lack it. A TLS node (`https://`) is asked over gRPC.
+    /// (`HOST:PORT`), or a TLS one (`https://HOST:PORT`) when this process has a CA to
+    /// check it with, not known to lack it.
     pub fn speaks(&self, addr: &str) -> bool {
-        if self.off || addr.contains("://") {
+        if self.off {
             return false;
+        }
+        match addr.split_once("://") {
+            None => {}
+            Some(("https", _)) if self.tls().is_some() => {}
+            Some(_) => return false,
         }
         let mut u = self.unsupported.lock().unwrap();
         match u.get(addr) {
@@ -160,6 +171,18 @@ impl Pool {
         self.failed(addr);
     }
 
+    /// The client TLS config for `https://` nodes (see `tls`).
+    fn tls(&self) -> Option<&Arc<tokio_rustls::rustls::ClientConfig>> {
+        self.tls
+            .get_or_init(|| {
+                crate::tls::bulk_client_config().unwrap_or_else(|e| {
+                    tracing::warn!("TLS nodes are read over gRPC: the client TLS settings: {e}");
+                    None
+                })
+            })
+            .as_ref()
+    }
+
     fn failed(&self, addr: &str) {
         self.failed
             .lock()
@@ -167,7 +190,7 @@ impl Pool {
             .insert(addr.to_string(), Instant::now());
     }
 
-    fn take(&self, addr: &str, grant: Option<&str>) -> Option<TcpStream> {
+    fn take(&self, addr: &str, grant: Option<&str>) -> Option<Stream> {
         let mut idle = self.idle.lock().unwrap();
         let list = idle.get_mut(addr)?;
         while let Some(c) = list.pop() {
@@ -178,7 +201,7 @@ impl Pool {
         None
     }
 
-    fn give_back(&self, addr: &str, grant: Option<String>, stream: TcpStream) {
+    fn give_back(&self, addr: &str, grant: Option<String>, stream: Stream) {
         let mut idle = self.idle.lock().unwrap();
         let list = idle.entry(addr.to_string()).or_default();
         if list.len() < KEEP_PER_NODE {
@@ -302,7 +325,7 @@ impl Pool {
                 _ => {}
             }
         }
-        let mut s = connect(addr, grant, idle).await.inspect_err(|e| {
+        let mut s = connect(addr, self.tls(), grant, idle).await.inspect_err(|e| {
             if matches!(e, BulkError::Unsupported(_)) {
                 self.unsupported
                     .lock()
@@ -327,7 +350,7 @@ impl Pool {
         self: &Arc<Self>,
         addr: &str,
         grant: Option<&str>,
-        stream: TcpStream,
+        stream: Stream,
         n: u64,
         asked: u64,
         idle: Duration,
@@ -359,7 +382,12 @@ fn keeps_connection(e: &BulkError) -> bool {
 }
 
 /// Opens a connection and says hello.
-async fn connect(addr: &str, grant: Option<&str>, idle: Duration) -> Result<TcpStream, BulkError> {
+async fn connect(
+    addr: &str,
+    tls: Option<&Arc<tokio_rustls::rustls::ClientConfig>>,
+    grant: Option<&str>,
+    idle: Duration,
+) -> Result<Stream, BulkError> {
     let g = grant.unwrap_or("").as_bytes();
     if g.len() > MAX_GRANT {
         return Err(BulkError::Refused(format!(
@@ -367,18 +395,12 @@ async fn connect(addr: &str, grant: Option<&str>, idle: Duration) -> Result<TcpS
             g.len()
         )));
     }
-    let wait = idle.min(CONNECT);
-    let s = tokio::time::timeout(wait, TcpStream::connect(addr))
-        .await
-        .map_err(|_| BulkError::Unreachable(format!("{addr}: no connection within {wait:?}")))?
-        .map_err(|e| BulkError::Unreachable(format!("{addr}: {e}")))?;
-    let _ = s.set_nodelay(true);
-    let mut s = s;
+    let mut s = stream::open(addr, tls, idle.min(CONNECT)).await?;
     let mut hello = Vec::with_capacity(10 + g.len());
     hello.extend_from_slice(&MAGIC);
     hello.extend_from_slice(&(g.len() as u16).to_le_bytes());
     hello.extend_from_slice(g);
-    within(idle, s.write_all(&hello)).await?;
+    within(idle, s.send(&hello)).await?;
     let mut back = [0u8; 9];
     match within(idle, s.read_exact(&mut back)).await {
         Ok(_) => {}
@@ -405,8 +427,8 @@ async fn connect(addr: &str, grant: Option<&str>, idle: Duration) -> Result<TcpS
 /// Sends a request and reads the answer's head: Some(n) for n bytes to follow, None
 /// when the connection was closed before any answer (a kept connection the node timed
 /// out); an error answer as its error.
-async fn ask(s: &mut TcpStream, req: &[u8], idle: Duration) -> Result<Option<u64>, BulkError> {
-    if s.write_all(req).await.is_err() {
+async fn ask(s: &mut Stream, req: &[u8], idle: Duration) -> Result<Option<u64>, BulkError> {
+    if s.send(req).await.is_err() {
         return Ok(None);
     }
     let mut code = [0u8; 1];
@@ -426,7 +448,7 @@ async fn ask(s: &mut TcpStream, req: &[u8], idle: Duration) -> Result<Option<u64
     }
 }
 
-async fn read_message(s: &mut TcpStream, idle: Duration) -> Result<String, BulkError> {
+async fn read_message(s: &mut Stream, idle: Duration) -> Result<String, BulkError> {
     let mut n = [0u8; 2];
     within(idle, s.read_exact(&mut n)).await?;
     let mut m = vec![0u8; u16::from_le_bytes(n) as usize];
@@ -463,7 +485,7 @@ pub struct Reading {
     pool: Arc<Pool>,
     addr: String,
     grant: Option<String>,
-    stream: Option<TcpStream>,
+    stream: Option<Stream>,
     left: u64,
     len: u64,
     idle: Duration,
@@ -603,10 +625,23 @@ mod tests {
     }
 
     #[test]
-    fn only_plaintext_addresses_are_asked_over_the_bulk_path() {
+    fn tls_addresses_are_asked_over_the_bulk_path_only_with_a_ca_to_check_them() {
         let p = Pool::new();
         assert!(p.speaks("10.0.0.1:7070"));
+        // This test process has no client TLS: no CA, so a TLS node is asked over gRPC.
         assert!(!p.speaks("https://10.0.0.1:7070"));
+        let with_ca = Pool::new();
+        let cfg = tokio_rustls::rustls::ClientConfig::builder_with_provider(Arc::new(crate::tls::provider()))
+            .with_safe_default_protocol_versions()
+            .unwrap()
+            .with_root_certificates(tokio_rustls::rustls::RootCertStore::empty())
+            .with_no_client_auth();
+        with_ca.tls.set(Some(Arc::new(cfg))).unwrap();
+        assert!(with_ca.speaks("https://10.0.0.1:7070"));
+        assert!(
+            !with_ca.speaks("http://10.0.0.1:7070"),
+            "a scheme it does not know"
+        );
         p.unsupported
             .lock()
             .unwrap()

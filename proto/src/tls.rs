@@ -17,6 +17,9 @@
 use std::path::Path;
 use std::sync::OnceLock;
 
+/// The TLS library, for crates that serve over it (the node's bulk path).
+pub use tokio_rustls::rustls;
+
 use tonic::transport::{Certificate, ClientTlsConfig, Identity, ServerTlsConfig};
 
 /// How this process connects as a client.
@@ -177,17 +180,34 @@ impl ServerTls {
         Ok(tokio_rustls::TlsAcceptor::from(std::sync::Arc::new(cfg)))
     }
 
+    /// For the bulk path's TLS connections (`crate::bulk`): the node's certificate, and
+    /// with mutual TLS on, a client certificate of the cluster CA demanded as on gRPC, so
+    /// the bulk path is no way around it.
+    pub fn bulk_config(&self) -> Result<std::sync::Arc<tokio_rustls::rustls::ServerConfig>, String> {
+        use tokio_rustls::rustls;
+        let Some(ca) = &self.client_ca_pem else {
+            return self.rustls().map(std::sync::Arc::new);
+        };
+        let provider = std::sync::Arc::new(provider());
+        let verifier = rustls::server::WebPkiClientVerifier::builder_with_provider(
+            std::sync::Arc::new(roots(ca)?),
+            provider.clone(),
+        )
+        .build()
+        .map_err(|e| format!("client CA: {e}"))?;
+        let (certs, key) = chain_and_key(&self.cert_pem, &self.key_pem)?;
+        rustls::ServerConfig::builder_with_provider(provider)
+            .with_safe_default_protocol_versions()
+            .map_err(|e| e.to_string())?
+            .with_client_cert_verifier(verifier)
+            .with_single_cert(certs, key)
+            .map(std::sync::Arc::new)
+            .map_err(|e| e.to_string())
+    }
+
     fn rustls(&self) -> Result<tokio_rustls::rustls::ServerConfig, String> {
         use tokio_rustls::rustls;
-        use tokio_rustls::rustls::pki_types::pem::PemObject;
-        use tokio_rustls::rustls::pki_types::{CertificateDer, PrivateKeyDer};
-        let certs = CertificateDer::pem_slice_iter(&self.cert_pem)
-            .collect::<Result<Vec<_>, _>>()
-            .map_err(|e| format!("certificate: {e}"))?;
-        if certs.is_empty() {
-            return Err("no certificate in the certificate file".into());
-        }
-        let key = PrivateKeyDer::from_pem_slice(&self.key_pem).map_err(|e| format!("key: {e}"))?;
+        let (certs, key) = chain_and_key(&self.cert_pem, &self.key_pem)?;
         let provider = std::sync::Arc::new(provider());
         rustls::ServerConfig::builder_with_provider(provider)
             .with_safe_default_protocol_versions()
@@ -196,6 +216,64 @@ impl ServerTls {
             .with_single_cert(certs, key)
             .map_err(|e| e.to_string())
     }
+}
+
+type ChainAndKey = (
+    Vec<tokio_rustls::rustls::pki_types::CertificateDer<'static>>,
+    tokio_rustls::rustls::pki_types::PrivateKeyDer<'static>,
+);
+
+/// A certificate chain and its key, from PEM.
+fn chain_and_key(cert_pem: &[u8], key_pem: &[u8]) -> Result<ChainAndKey, String> {
+    use tokio_rustls::rustls::pki_types::pem::PemObject;
+    use tokio_rustls::rustls::pki_types::{CertificateDer, PrivateKeyDer};
+    let certs = CertificateDer::pem_slice_iter(cert_pem)
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| format!("certificate: {e}"))?;
+    if certs.is_empty() {
+        return Err("no certificate in the certificate file".into());
+    }
+    let key = PrivateKeyDer::from_pem_slice(key_pem).map_err(|e| format!("key: {e}"))?;
+    Ok((certs, key))
+}
+
+/// The certificates of a CA file (PEM) as trust roots.
+fn roots(ca_pem: &[u8]) -> Result<tokio_rustls::rustls::RootCertStore, String> {
+    use tokio_rustls::rustls::pki_types::pem::PemObject;
+    use tokio_rustls::rustls::pki_types::CertificateDer;
+    let mut roots = tokio_rustls::rustls::RootCertStore::empty();
+    for c in CertificateDer::pem_slice_iter(ca_pem) {
+        roots
+            .add(c.map_err(|e| format!("CA: {e}"))?)
+            .map_err(|e| format!("CA: {e}"))?;
+    }
+    if roots.is_empty() {
+        return Err("no certificate in the CA file".into());
+    }
+    Ok(roots)
+}
+
+/// The client side of the bulk path's TLS, from this process's client TLS
+/// ([`client`]): its CA, and its certificate when it has one. None without a CA: an
+/// `https://` node is then asked over gRPC, whose error says what is missing.
+pub fn bulk_client_config() -> Result<Option<std::sync::Arc<tokio_rustls::rustls::ClientConfig>>, String> {
+    use tokio_rustls::rustls;
+    let c = client();
+    let Some(ca) = &c.ca_pem else {
+        return Ok(None);
+    };
+    let b = rustls::ClientConfig::builder_with_provider(std::sync::Arc::new(provider()))
+        .with_safe_default_protocol_versions()
+        .map_err(|e| e.to_string())?
+        .with_root_certificates(roots(ca)?);
+    let cfg = match &c.identity {
+        Some((cert, key)) => {
+            let (certs, key) = chain_and_key(cert, key)?;
+            b.with_client_auth_cert(certs, key).map_err(|e| e.to_string())?
+        }
+        None => b.with_no_client_auth(),
+    };
+    Ok(Some(std::sync::Arc::new(cfg)))
 }
 
 /// When each certificate in a PEM file stops being valid (its notAfter), as Unix

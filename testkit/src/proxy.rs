@@ -247,7 +247,7 @@ impl locus_proto::nodepb::node_server::Node for Endless {
 /// A TCP proxy that lets only TLS through and watches what crosses it: put one in front of
 /// each daemon (nodes `--advertise` it, clients get its URL) and every hop of a test
 /// cluster is on the record. A connection whose first bytes are not a TLS handshake record
-/// is refused (counted, closed, never forwarded), so a hop that would have gone in clear
+/// (after the bulk path's `MAGIC_TLS`, for a bulk connection) is refused (counted, closed, never forwarded), so a hop that would have gone in clear
 /// fails the operation; both directions of every forwarded connection are scanned for the
 /// cluster's token secrets and for HTTP/2's cleartext preface.
 pub struct WireTap {
@@ -261,6 +261,8 @@ pub struct WireTap {
 pub struct TapStats {
     /// Connections that began with a TLS handshake and were forwarded.
     pub tls_connections: AtomicU64,
+    /// Of those, bulk-path connections: `MAGIC_TLS` in clear, then the TLS handshake.
+    pub bulk_tls_connections: AtomicU64,
     /// Connections refused for not beginning with one.
     pub plaintext_refused: AtomicU64,
     /// Bytes forwarded, both directions.
@@ -321,11 +323,25 @@ fn is_tls_hello(first: &[u8]) -> bool {
 }
 
 async fn tap(mut client: TcpStream, to: SocketAddr, st: Arc<TapStats>, needles: Arc<Vec<Vec<u8>>>) {
-    let mut first = [0u8; 3];
+    let mut first = vec![0u8; 3];
     if client.read_exact(&mut first).await.is_err() {
         return;
     }
-    if !is_tls_hello(&first) {
+    // A bulk connection to a TLS node names itself in clear, then starts TLS.
+    let magic = &locus_proto::bulk::MAGIC_TLS;
+    let bulk = first[..] == magic[..3];
+    if bulk {
+        let mut rest = vec![0u8; magic.len()];
+        if client.read_exact(&mut rest).await.is_err() {
+            return;
+        }
+        first.extend_from_slice(&rest);
+        if first[..magic.len()] != magic[..] {
+            st.plaintext_refused.fetch_add(1, Ordering::SeqCst);
+            return;
+        }
+    }
+    if !is_tls_hello(&first[first.len() - 3..]) {
         st.plaintext_refused.fetch_add(1, Ordering::SeqCst);
         return;
     }
@@ -338,6 +354,9 @@ async fn tap(mut client: TcpStream, to: SocketAddr, st: Arc<TapStats>, needles: 
         return;
     }
     st.tls_connections.fetch_add(1, Ordering::SeqCst);
+    if bulk {
+        st.bulk_tls_connections.fetch_add(1, Ordering::SeqCst);
+    }
     let (mut cr, mut cw) = client.into_split();
     let (mut sr, mut sw) = server.into_split();
     let up = scan_copy(&mut cr, &mut sw, &st, &needles);

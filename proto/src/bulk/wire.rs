@@ -7,6 +7,10 @@ use crate::BlobHash;
 
 /// The first bytes of every bulk connection, from both ends.
 pub const MAGIC: [u8; 8] = *b"LOCUSBK1";
+/// The first bytes of a bulk connection to a node that serves TLS, in clear, from the
+/// client only; a TLS handshake follows, and then the bulk path as over plaintext
+/// (hello with MAGIC and all). The same port tells it from gRPC's own TLS hello.
+pub const MAGIC_TLS: [u8; 8] = *b"LOCUSBKT";
 /// Bytes of a blob.
 pub const OP_READ: u8 = 1;
 /// A verified range of a chunk: proof and bytes.
