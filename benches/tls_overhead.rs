@@ -3,12 +3,14 @@
 //! alternated round by round in one run on the multi-host test bed.
 //!
 //! Host h0 runs one cache node of each cluster (both holding every blob), h1 the mounts;
-//! both metadata services sit on the bed's gateway. Each round drops the page cache,
-//! reads every file once through a fresh plaintext mount, drops it again and reads through
-//! a fresh TLS mount (one sequential reader, 1 MiB reads). The figure is TLS / plaintext
-//! of the same round, on the unshaped veth (where CPU, not the link, bounds the read: the
-//! worst case for TLS) and with h1's link shaped to `LOCUS_BENCH_LINK_MBIT` (default 2000;
-//! 0 skips it).
+//! both metadata services sit on the bed's gateway. Each round drops the page cache and
+//! reads every file once through a fresh mount (one sequential reader, 1 MiB reads) three
+//! ways: plaintext (bulk path), TLS (bulk path inside TLS) and TLS over gRPC
+//! (`LOCUS_BULK=off`, how a TLS cluster read before the bulk path served TLS). Figures:
+//! MiB/s, and CPU per MiB of the node and the mount (from /proc; both ends' CPU is what
+//! the data path costs, whatever the core count); TLS / plaintext of the same round, on
+//! the unshaped veth (where CPU, not the link, bounds the read: the worst case for TLS)
+//! and with h1's link shaped to `LOCUS_BENCH_LINK_MBIT` (default 2000; 0 skips it).
 //!
 //!     cargo bench --bench tls_overhead
 //!     LOCUS_BENCH_MIB=2048 LOCUS_BENCH_ROUNDS=3 cargo bench --bench tls_overhead
@@ -26,6 +28,8 @@ async fn main() {
     if !bed_bench_starts("tls_overhead") {
         return;
     }
+    // Memory freed by one read must not be charged to the next (`SteadyMemory`).
+    let _memory = SteadyMemory::hold();
     let mib = env_u64("LOCUS_BENCH_MIB", 1024);
     let rounds = env_u64("LOCUS_BENCH_ROUNDS", 3);
     let shaped = env_u64("LOCUS_BENCH_LINK_MBIT", 2000);
@@ -83,10 +87,16 @@ async fn main() {
         if cold { "dropped before each read" } else { "NOT dropped (not root)" }
     );
     println!("TLS cluster: TLS 1.3 (rustls, aws-lc-rs) on node and metadata hops, mutual TLS, tokens\n");
-    println!("| link | round | plaintext MiB/s | TLS MiB/s | TLS / plaintext |");
-    println!("|---|---|---|---|---|");
+    println!("| link | round | read | MiB/s | CPU ms/MiB: node | mount | both | × plaintext (CPU) | × plaintext (MiB/s) |");
+    println!("|---|---|---|---|---|---|---|---|---|");
     let links: &[u64] = if shaped == 0 { &[0] } else { &[0, shaped] };
-    let mut ratios = Vec::new();
+    // (link, read, CPU ratio, throughput ratio) of every round.
+    let mut ratios: Vec<(u64, &str, f64, f64)> = Vec::new();
+    let ways: [(&str, &Metadata, &Node, &[(&str, &str)]); 3] = [
+        ("plaintext, bulk", &plain, &n_plain, &[]),
+        ("TLS, bulk", &tls, &n_tls, &[]),
+        ("TLS, gRPC", &tls, &n_tls, &[(locus_proto::bulk::ENV_SWITCH, "off")]),
+    ];
     for &mbit in links {
         bed.shape_host(1, mbit).unwrap();
         let name = if mbit == 0 {
@@ -95,43 +105,71 @@ async fn main() {
             format!("tbf {mbit} Mbit/s")
         };
         for round in 1..=rounds {
-            let rate = |m: &Metadata, what: &str| {
+            let mut base = None;
+            for (i, (what, m, n, env)) in ways.iter().enumerate() {
                 drop_caches();
-                let mnt = m.mount_on(
+                let mnt = m.mount_on_with_env(
                     &bed.hosts[1],
-                    &format!("{what}-{mbit}-{round}"),
+                    &format!("r{i}-{mbit}-{round}"),
                     "ds@1",
-                    None,
                     &[],
+                    env,
                 );
                 let paths: Vec<PathBuf> = (0..files)
                     .map(|i| mnt.path.join(format!("part-{i:03}.bin")))
                     .collect();
+                let (np, mp) = (n.daemon.pid(), mnt.server_pid());
+                let (n0, m0) = (cpu_seconds(np), cpu_seconds(mp));
                 let (b, t) = read_sequentially(&paths);
                 assert_eq!(b, total);
+                let (nc, mc) = (cpu_seconds(np) - n0, cpu_seconds(mp) - m0);
                 drop(mnt);
-                mbs(b, t)
-            };
-            let p = rate(&plain, "plain");
-            let t = rate(&tls, "tls");
-            ratios.push((mbit, t / p));
-            println!("| {name} | {round} | {p:.0} | {t:.0} | {:.2}× |", t / p);
+                let per = |c: f64| c * 1000.0 / (total >> 20) as f64;
+                let (rate, both) = (mbs(b, t), per(nc + mc));
+                let (cpu_x, rate_x) = match base {
+                    None => {
+                        base = Some((both, rate));
+                        (1.0, 1.0)
+                    }
+                    Some((c, r)) => (both / c, rate / r),
+                };
+                ratios.push((mbit, what, cpu_x, rate_x));
+                println!(
+                    "| {name} | {round} | {what} | {rate:.0} | {:.3} | {:.3} | {both:.3} | {cpu_x:.2}× | {rate_x:.2}× |",
+                    per(nc),
+                    per(mc)
+                );
+            }
         }
     }
+    println!();
     for &mbit in links {
-        let mut r: Vec<f64> = ratios.iter().filter(|x| x.0 == mbit).map(|x| x.1).collect();
-        r.sort_by(f64::total_cmp);
-        println!(
-            "link {}: TLS / plaintext min {:.2}× median {:.2}× max {:.2}×",
-            if mbit == 0 {
-                "unshaped".to_string()
-            } else {
-                format!("{mbit} Mbit/s")
-            },
-            r[0],
-            r[r.len() / 2],
-            r[r.len() - 1]
-        );
+        for (what, ..) in &ways[1..] {
+            let pick = |f: fn(&(u64, &str, f64, f64)) -> f64| {
+                let mut r: Vec<f64> = ratios
+                    .iter()
+                    .filter(|x| x.0 == mbit && x.1 == *what)
+                    .map(f)
+                    .collect();
+                r.sort_by(f64::total_cmp);
+                (r[0], r[r.len() / 2], r[r.len() - 1])
+            };
+            let (c, t) = (pick(|x| x.2), pick(|x| x.3));
+            println!(
+                "link {}, {what} / plaintext: CPU min {:.2}× median {:.2}× max {:.2}×; MiB/s min {:.2}× median {:.2}× max {:.2}×",
+                if mbit == 0 {
+                    "unshaped".to_string()
+                } else {
+                    format!("{mbit} Mbit/s")
+                },
+                c.0,
+                c.1,
+                c.2,
+                t.0,
+                t.1,
+                t.2
+            );
+        }
     }
     drop(n_plain);
     drop(n_tls);

@@ -69,6 +69,20 @@ impl Metadata {
         o.0
     }
 
+    /// `mount_on` with more environment for the mount process.
+    pub fn mount_on_with_env(
+        &self,
+        on: &Host,
+        name: &str,
+        target: &str,
+        extra: &[&str],
+        env: &[(&str, &str)],
+    ) -> Mount {
+        let o = self.try_mount_env(Some(on), name, target, None, extra, env);
+        assert!(o.1.status.success(), "mount failed: {}", stderr(&o.1));
+        o.0
+    }
+
     fn try_mount_on(
         &self,
         on: Option<&Host>,
