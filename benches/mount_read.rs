@@ -273,6 +273,8 @@ async fn main() {
         println!("mount_read: bench");
         return;
     }
+    // Memory freed by one part must not be charged to the next (`SteadyMemory`).
+    let _memory = SteadyMemory::hold();
     let only_s = std::env::var("LOCUS_BENCH_ONLY").unwrap_or_else(|_| "large,mixed,small".into());
     let only: Vec<&str> = only_s.split(',').map(str::trim).collect();
     if let Some(bad) = only.iter().find(|w| !["large", "mixed", "small"].contains(w)) {

@@ -49,6 +49,8 @@ async fn main() {
     if !bed_bench_starts("peer_copy") {
         return;
     }
+    // Memory freed by one part must not be charged to the next (`SteadyMemory`).
+    let _memory = SteadyMemory::hold();
     let mib = env_u64("LOCUS_BENCH_MIB", 1024);
     let shaped = env_u64("LOCUS_BENCH_LINK_MBIT", 2000);
     let files = 16usize;

@@ -32,6 +32,8 @@ async fn main() {
     if !bed_bench_starts("remote_read") {
         return;
     }
+    // Memory freed by one part must not be charged to the next (`SteadyMemory`).
+    let _memory = SteadyMemory::hold();
     let mib = env_u64("LOCUS_BENCH_MIB", 1024);
     let rounds = env_u64("LOCUS_BENCH_ROUNDS", 2);
     let shaped = env_u64("LOCUS_BENCH_LINK_MBIT", 2000);
