@@ -15,6 +15,10 @@
 //!
 //! First, once: random 64 KiB and 4 KiB reads through a mount with no local node, bytes
 //! the node served per byte read and the median latency, at 4 MiB and 64 KiB chunks.
+//! Then, per round (part `import`): `locus dataset import` of a fresh local directory of
+//! the same size (new bytes each round, so nothing is already on the node), files read
+//! cold; CPU of the CLI (from the rusage of its children) and of n0, against the
+//! reference measured over the same files in the same round.
 //!
 //! Run:
 //!
@@ -122,11 +126,23 @@ async fn main() {
     println!("|---|---|---|---|---|---|");
 
     let mut rows: std::collections::BTreeMap<&str, Vec<f64>> = Default::default();
-    let parts = std::env::var("LOCUS_BENCH_PARTS").unwrap_or_else(|_| "read,copy,random,outboard".into());
+    let parts =
+        std::env::var("LOCUS_BENCH_PARTS").unwrap_or_else(|_| "read,copy,random,outboard,import".into());
     // Before the rounds: the copy part's nodes stay registered for a while after they
     // stop, and an import would place blobs on them.
     if parts.contains("random") {
         random_reads(&m, &n0, &src, files, each as u64).await;
+    }
+    if parts.contains("import") {
+        for round in 1..=rounds {
+            let (reference, import) = import_cpu(&h, &m, &n0, round, files, each);
+            rows.entry("reference (import rounds)")
+                .or_default()
+                .push(reference);
+            rows.entry("import from a local directory")
+                .or_default()
+                .push(import / reference);
+        }
     }
     for round in 1..=rounds {
         drop_caches();
@@ -254,8 +270,8 @@ async fn main() {
     }
     println!("\nmedians over {rounds} rounds:");
     for (k, v) in rows {
-        if k == "reference" {
-            println!("- reference: {:.3} ms/MiB", median(v));
+        if k.starts_with("reference") {
+            println!("- {k}: {:.3} ms/MiB", median(v));
         } else {
             println!("- {k}: {:.2}× the reference", median(v));
         }
@@ -327,6 +343,59 @@ async fn random_reads(m: &Metadata, n0: &Node, src: &std::path::Path, files: usi
             );
         }
     }
+}
+
+/// One round of the import part: fresh files (so the node holds none of them), the
+/// reference over them, then `locus dataset import` of them with the page cache dropped.
+/// Returns the reference's and the import's CPU ms/MiB (CLI + node).
+fn import_cpu(h: &Harness, m: &Metadata, n0: &Node, round: u64, files: usize, each: usize) -> (f64, f64) {
+    let dir = h.path(&format!("import-{round}"));
+    write_random_files(&dir, "part-", files, each, 9000 + 100 * round);
+    let paths: Vec<PathBuf> = (0..files).map(|i| dir.join(format!("part-{i:03}.bin"))).collect();
+    let total = (files * each) as u64;
+    drop_caches();
+    let (got, tcp, tcp_receiver) = tcp_copy_cpu(&paths);
+    assert_eq!(got, total);
+    let b3 = blake3_cpu(&paths);
+    let reference = ms_per_mib(tcp + b3, total);
+    println!(
+        "| {round} | reference over the import's files: TCP copy {:.3} + BLAKE3 {:.3} | {:.3} | {:.3} + {:.3} | {reference:.3} | 1.00× |",
+        ms_per_mib(tcp, total),
+        ms_per_mib(b3, total),
+        ms_per_mib(tcp - tcp_receiver, total),
+        ms_per_mib(tcp_receiver, total),
+        ms_per_mib(b3, total),
+    );
+    drop_caches();
+    let (np, mp) = (n0.daemon.pid(), m.pid());
+    let (n_before, m_before, c_before) = (cpu_seconds(np), cpu_seconds(mp), children_cpu_seconds());
+    let t = std::time::Instant::now();
+    let out = m.cli(&[
+        "dataset",
+        "import",
+        &format!("imported-{round}"),
+        dir.to_str().unwrap(),
+        "--replicas",
+        "1",
+    ]);
+    let took = t.elapsed();
+    assert!(out.status.success(), "{}", stderr(&out));
+    let (n_cpu, m_cpu, c_cpu) = (
+        cpu_seconds(np) - n_before,
+        cpu_seconds(mp) - m_before,
+        children_cpu_seconds() - c_before,
+    );
+    let both = ms_per_mib(c_cpu + n_cpu, total);
+    println!(
+        "| {round} | import from a local directory ({:.0} MiB/s; metadata service {:.3}) | CLI {:.3} | node {:.3} | {both:.3} | {:.2}× |",
+        mbs(total, took),
+        ms_per_mib(m_cpu, total),
+        ms_per_mib(c_cpu, total),
+        ms_per_mib(n_cpu, total),
+        both / reference
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+    (reference, both)
 }
 
 /// The environment that makes a client process use the bulk path or not (it reads

@@ -23,6 +23,9 @@ use std::path::PathBuf;
 
 use support::*;
 
+/// One way to read: its name, the cluster, its node, the mount's extra environment.
+type Way<'a> = (&'a str, &'a Metadata, &'a Node, &'a [(&'a str, &'a str)]);
+
 #[tokio::main]
 async fn main() {
     if !bed_bench_starts("tls_overhead") {
@@ -92,10 +95,15 @@ async fn main() {
     let links: &[u64] = if shaped == 0 { &[0] } else { &[0, shaped] };
     // (link, read, CPU ratio, throughput ratio) of every round.
     let mut ratios: Vec<(u64, &str, f64, f64)> = Vec::new();
-    let ways: [(&str, &Metadata, &Node, &[(&str, &str)]); 3] = [
+    let ways: [Way; 3] = [
         ("plaintext, bulk", &plain, &n_plain, &[]),
         ("TLS, bulk", &tls, &n_tls, &[]),
-        ("TLS, gRPC", &tls, &n_tls, &[(locus_proto::bulk::ENV_SWITCH, "off")]),
+        (
+            "TLS, gRPC",
+            &tls,
+            &n_tls,
+            &[(locus_proto::bulk::ENV_SWITCH, "off")],
+        ),
     ];
     for &mbit in links {
         bed.shape_host(1, mbit).unwrap();
@@ -108,13 +116,8 @@ async fn main() {
             let mut base = None;
             for (i, (what, m, n, env)) in ways.iter().enumerate() {
                 drop_caches();
-                let mnt = m.mount_on_with_env(
-                    &bed.hosts[1],
-                    &format!("r{i}-{mbit}-{round}"),
-                    "ds@1",
-                    &[],
-                    env,
-                );
+                let mnt =
+                    m.mount_on_with_env(&bed.hosts[1], &format!("r{i}-{mbit}-{round}"), "ds@1", &[], env);
                 let paths: Vec<PathBuf> = (0..files)
                     .map(|i| mnt.path.join(format!("part-{i:03}.bin")))
                     .collect();

@@ -347,6 +347,58 @@ fn not_after(cert: &[u8]) -> Option<i64> {
 mod tests {
     use super::*;
 
+    /// A version 1 certificate made by OpenSSL 3.0 (`openssl x509 -req -signkey`, no
+    /// extensions, so no version field): notAfter 2036-11-30 18:26:20 UTC.
+    const FOREIGN_V1: &str = "-----BEGIN CERTIFICATE-----
+MIIBLzCB1QIUMee2pPySPhgxDoAWOYBbocBBT8QwCgYIKoZIzj0EAwIwGjEYMBYG
+A1UEAwwPZm9yZWlnbi5leGFtcGxlMB4XDTI2MTIwMzE4MjYyMFoXDTM2MTEzMDE4
+MjYyMFowGjEYMBYGA1UEAwwPZm9yZWlnbi5leGFtcGxlMFkwEwYHKoZIzj0CAQYI
+KoZIzj0DAQcDQgAEWjXtj47fl4iouKmZNH83yJQA6uyAOCXG1VVSk0opegWfKvLc
+K+QYEf9+zBEhtazShf1X0dtjKz7XbOFvrGAd3DAKBggqhkjOPQQDAgNJADBGAiEA
+wrteUrJxpgvMI+4Gy03N3w6MXZXIviKoeFR8h33Rci4CIQDSZH+CCOyvGiVwEeT0
+FF8/c35+Ql1F+85BauOVu+4jfQ==
+-----END CERTIFICATE-----
+";
+
+    /// A self-signed certificate whose notAfter is midnight UTC of the given day.
+    fn ending(y: i32, m: u8, d: u8) -> String {
+        let mut p = rcgen::CertificateParams::new(vec!["x.example".into()]).unwrap();
+        p.not_before = rcgen::date_time_ymd(2000, 1, 1);
+        p.not_after = rcgen::date_time_ymd(y, m, d);
+        let key = rcgen::KeyPair::generate().unwrap();
+        p.self_signed(&key).unwrap().pem()
+    }
+
+    #[test]
+    fn certificate_expiry_is_read_from_utc_and_generalized_times_and_from_foreign_certificates() {
+        // RFC 5280 4.1.2.5: UTCTime through 2049, GeneralizedTime from 2050.
+        assert_eq!(
+            certificates_not_after(ending(2030, 6, 7).as_bytes()).unwrap(),
+            vec![1_907_020_800]
+        );
+        assert_eq!(
+            certificates_not_after(ending(2051, 1, 2).as_bytes()).unwrap(),
+            vec![2_556_230_400]
+        );
+        // An expired certificate reads as a time in the past, not as an error: the doctor
+        // must say "expired", not "unreadable".
+        assert_eq!(
+            certificates_not_after(ending(2001, 2, 3).as_bytes()).unwrap(),
+            vec![981_158_400]
+        );
+        // A certificate with no version field, not made by `locus tls`, in a chain file
+        // with another: both read, in file order.
+        let chain = format!("{FOREIGN_V1}{}", ending(2030, 6, 7));
+        assert_eq!(
+            certificates_not_after(chain.as_bytes()).unwrap(),
+            vec![2_111_682_380, 1_907_020_800]
+        );
+        // Not a certificate, and no certificate at all.
+        let junk = "-----BEGIN CERTIFICATE-----\nMAMCAQA=\n-----END CERTIFICATE-----\n";
+        assert!(certificates_not_after(junk.as_bytes()).is_err());
+        assert!(certificates_not_after(b"hello").is_err());
+    }
+
     #[test]
     fn tokens_are_refused_over_plaintext_off_loopback_only() {
         for ok in [

@@ -101,6 +101,23 @@ pub fn cpu_seconds(pid: u32) -> f64 {
     ticks as f64 / if hz > 0 { hz as f64 } else { 100.0 }
 }
 
+/// User plus system CPU seconds of this process's children that have ended and been
+/// waited for: what a CLI command run to its end cost (take the difference around it).
+pub fn children_cpu_seconds() -> f64 {
+    let mut ru = std::mem::MaybeUninit::<libc::rusage>::zeroed();
+    // SAFETY: getrusage writes one rusage into the pointer, which points at a zeroed
+    // value of that type on this frame; it is read only if the call succeeded.
+    #[allow(unsafe_code)]
+    let ru = unsafe {
+        if libc::getrusage(libc::RUSAGE_CHILDREN, ru.as_mut_ptr()) != 0 {
+            return 0.0;
+        }
+        ru.assume_init()
+    };
+    let t = |v: libc::timeval| v.tv_sec as f64 + v.tv_usec as f64 / 1e6;
+    t(ru.ru_utime) + t(ru.ru_stime)
+}
+
 /// One kept-alive HTTP/1.1 connection for benches that time many requests on it (as a
 /// scheduler keeps its connection to the metadata service).
 pub struct KeptAlive {
