@@ -20,6 +20,8 @@
 //! store's verified reader, and a range whose first chunk fails is answered DATA_LOSS.
 //! A RANGE (a few verification groups of one chunk, with their proof) is read from the
 //! file and checked against the chunk's outboard (`crate::ranges`) before it is sent.
+//! A WRITE (an import handing the node a blob, under an import grant) is received into
+//! the store's write blocks (`write`).
 
 use std::io::{Read, Write};
 use std::net::TcpStream;
@@ -34,6 +36,7 @@ use crate::ranges::Outboards;
 use crate::store::{BlobStore, StoreError};
 
 mod conn;
+mod write;
 
 use conn::Conn;
 
@@ -161,25 +164,31 @@ impl BulkServer {
         if busy {
             return hello(&mut s, Code::Busy, "too many bulk connections; use gRPC");
         }
-        // The grant's end: requests after it are refused and the client fetches a new one.
-        let until = if self.require_grants {
-            match self
-                .peers
-                .grants
-                .verify(&grant, bulk::GRANT_METHOD, locus_proto::grant::now_ms())
-            {
-                Ok((_, g)) => Some(g.expires_unix_ms),
-                Err(e @ locus_proto::grant::GrantError::WrongMethod { .. }) => {
-                    tracing::warn!(peer = ?s.tcp().peer_addr().ok(), "bulk connection refused: {e}");
-                    return hello(&mut s, Code::PermissionDenied, &e.to_string());
-                }
+        // The grant's end (requests after it are refused and the client fetches a new
+        // one), and what it opens: reads (a read grant) or writes (an import grant).
+        let (until, reads, writes) = if self.require_grants {
+            use locus_proto::grant::GrantError;
+            let (g, now) = (&self.peers.grants, locus_proto::grant::now_ms());
+            let checked = match g.verify(&grant, bulk::GRANT_METHOD, now) {
+                Ok((_, r)) => Ok((r.expires_unix_ms, true, false)),
+                Err(GrantError::WrongMethod { .. }) => g
+                    .verify(&grant, bulk::WRITE_GRANT_METHOD, now)
+                    .map(|(_, w)| (w.expires_unix_ms, false, true)),
+                Err(e) => Err(e),
+            };
+            match checked {
+                Ok((until, r, w)) => (Some(until), r, w),
                 Err(e) => {
                     tracing::warn!(peer = ?s.tcp().peer_addr().ok(), "bulk connection refused: {e}");
-                    return hello(&mut s, Code::Unauthenticated, &e.to_string());
+                    let code = match e {
+                        GrantError::WrongMethod { .. } => Code::PermissionDenied,
+                        _ => Code::Unauthenticated,
+                    };
+                    return hello(&mut s, code, &e.to_string());
                 }
             }
         } else {
-            None
+            (None, true, true)
         };
         hello(&mut s, Code::Ok, "")?;
         s.set_read_timeout(IDLE_CLOSE)?;
@@ -187,7 +196,7 @@ impl BulkServer {
             let mut op = [0u8; 1];
             match s.read(&mut op)? {
                 0 => return Ok(()),
-                _ if op[0] != bulk::OP_READ && op[0] != bulk::OP_RANGE => {
+                _ if ![bulk::OP_READ, bulk::OP_RANGE, bulk::OP_WRITE].contains(&op[0]) => {
                     s.write_all(&bulk::encode_error(
                         Code::Invalid,
                         &format!("unknown operation {}", op[0]),
@@ -200,6 +209,7 @@ impl BulkServer {
             let mut body = [0u8; bulk::RANGE_BODY];
             let body = match op[0] {
                 bulk::OP_READ => &mut body[..bulk::REQUEST_BODY],
+                bulk::OP_WRITE => &mut body[..bulk::WRITE_BODY],
                 _ => &mut body[..],
             };
             s.set_read_timeout(self.idle)?;
@@ -212,6 +222,28 @@ impl BulkServer {
                 ))?;
                 s.close_gently();
                 return Ok(());
+            }
+            let allowed = if op[0] == bulk::OP_WRITE { writes } else { reads };
+            if !allowed {
+                let what = if writes {
+                    "reads (a read grant)"
+                } else {
+                    "writes (an import grant)"
+                };
+                s.write_all(&bulk::encode_error(
+                    Code::PermissionDenied,
+                    &format!("the grant presented does not allow {what}"),
+                ))?;
+                s.close_gently();
+                return Ok(());
+            }
+            if op[0] == bulk::OP_WRITE {
+                let (h, size, chunk_size, pin) =
+                    bulk::decode_write((&*body).try_into().expect("sized by op"));
+                s.set_read_timeout(self.idle)?;
+                self.write(&mut s, h, size, chunk_size, pin)?;
+                s.set_read_timeout(IDLE_CLOSE)?;
+                continue;
             }
             if op[0] == bulk::OP_RANGE {
                 let r = bulk::RangeRequest::decode((&*body).try_into().expect("sized by op"));
@@ -360,6 +392,7 @@ fn refuse(s: &mut Conn, h: &BlobHash, e: StoreError) -> std::io::Result<()> {
         StoreError::NotPresent { .. } => Code::NotPresent,
         StoreError::Corrupt { .. } => Code::DataLoss,
         StoreError::Mismatch { .. } => Code::Invalid,
+        StoreError::Full { .. } => Code::Full,
         _ => {
             tracing::error!("bulk read of {h}: {e}");
             Code::Internal

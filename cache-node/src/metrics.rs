@@ -4,6 +4,7 @@
 //! |---|---|---|---|
 //! | locus_node_read_bytes_total | counter | bytes | blob bytes served (ReadBlob and the bulk path) |
 //! | locus_node_bulk_sent_bytes_total | counter | bytes | of those, bytes sent over the bulk path |
+//! | locus_node_bulk_received_bytes_total | counter | bytes | blob bytes received over the bulk path (imports) |
 //! | locus_node_bulk_connections | gauge | connections | bulk-path connections open now (a thread each) |
 //! | locus_node_written_bytes_total | counter | bytes | blob bytes stored, verified (WriteBlob, fetches) |
 //! | locus_node_blobs_written_total | counter | blobs | blobs stored by how they came (client, peer, backup, origin) |
@@ -45,6 +46,7 @@ pub struct Metrics {
     registry: Registry,
     pub read_bytes: Counter,
     pub bulk_bytes: Counter,
+    pub bulk_received: Counter,
     pub bulk_connections: Gauge,
     pub outboards_kept_used: Counter,
     pub outboards_computed: Counter,
@@ -84,6 +86,7 @@ impl Metrics {
             registry: Registry::default(),
             read_bytes: Counter::default(),
             bulk_bytes: Counter::default(),
+            bulk_received: Counter::default(),
             bulk_connections: Gauge::default(),
             outboards_kept_used: Counter::default(),
             outboards_computed: Counter::default(),
@@ -112,6 +115,11 @@ impl Metrics {
             "bulk_sent_bytes",
             "Blob bytes sent over the bulk path",
             m.bulk_bytes.clone(),
+        );
+        r.register(
+            "bulk_received_bytes",
+            "Blob bytes received over the bulk path (imports), before verification",
+            m.bulk_received.clone(),
         );
         r.register(
             "range_kept_outboard",

@@ -314,6 +314,7 @@ pub(crate) fn bulk_status(e: locus_proto::bulk::BulkError) -> Status {
         BulkError::Missing(m) => Status::not_found(m),
         BulkError::Grant(m) => Status::unauthenticated(m),
         BulkError::DataLoss(m) => Status::data_loss(m),
+        BulkError::Full(m) => Status::resource_exhausted(m),
         BulkError::Unsupported(m) | BulkError::Unreachable(m) | BulkError::Refused(m) => {
             Status::unavailable(m)
         }

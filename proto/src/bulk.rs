@@ -49,10 +49,12 @@ use crate::BlobHash;
 mod buffers;
 mod stream;
 mod wire;
+mod write;
 
 use buffers::{buffers, Pooled};
 use stream::Stream;
 pub use wire::*;
+pub use write::WriteRequest;
 
 /// Why a bulk read gave no bytes, sorted by whose fault it is.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -73,6 +75,9 @@ pub enum BulkError {
     /// Its copy is corrupt (it quarantined it).
     #[error("its copy is corrupt: {0}")]
     DataLoss(String),
+    /// It has no room for the blob (WRITE).
+    #[error("no room: {0}")]
+    Full(String),
     /// It refused the request (malformed, internal error).
     #[error("{0}")]
     Refused(String),
@@ -116,6 +121,8 @@ pub struct Pool {
     failed: Mutex<HashMap<String, Instant>>,
     /// Addresses that answered RANGE as an unknown operation, and until when.
     no_ranges: Mutex<HashMap<String, Instant>>,
+    /// Addresses that answered WRITE as an unknown operation, and until when.
+    no_writes: Mutex<HashMap<String, Instant>>,
     /// `LOCUS_BULK=off` in the environment: every node is asked over gRPC (to compare
     /// the two paths, or to go around a fault in this one).
     off: bool,
@@ -462,6 +469,7 @@ fn error_of(c: Code, m: String) -> BulkError {
         Code::Unauthenticated | Code::PermissionDenied => BulkError::Grant(m),
         Code::DataLoss => BulkError::DataLoss(m),
         Code::Busy => BulkError::Unsupported(m),
+        Code::Full => BulkError::Full(m),
         Code::Invalid | Code::Internal | Code::Ok => BulkError::Refused(m),
     }
 }

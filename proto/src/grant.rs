@@ -420,6 +420,24 @@ impl NodeLinks {
         self.bulk.range(addr, grant.as_deref(), r, idle).await
     }
 
+    /// Has the node at `addr` store a blob from `file` over the bulk path (an import),
+    /// presenting the grant for (`node`, `op`): see `bulk::Pool::write`. `Unsupported`:
+    /// send it over gRPC.
+    #[allow(clippy::too_many_arguments)]
+    pub async fn bulk_write(
+        &self,
+        node: &str,
+        addr: &str,
+        op: Op,
+        w: crate::bulk::WriteRequest,
+        file: &std::fs::File,
+        idle: Duration,
+        sent: &(dyn Fn(u64) + Send + Sync),
+    ) -> Result<bool, crate::bulk::BulkError> {
+        let grant = self.bulk_grant(node, addr, op, "").await?;
+        self.bulk.write(addr, grant.as_deref(), w, file, idle, sent).await
+    }
+
     /// The grant a bulk request to `addr` presents; `Unsupported` when `addr` is asked
     /// over gRPC only.
     async fn bulk_grant(

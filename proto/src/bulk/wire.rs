@@ -15,6 +15,12 @@ pub const MAGIC_TLS: [u8; 8] = *b"LOCUSBKT";
 pub const OP_READ: u8 = 1;
 /// A verified range of a chunk: proof and bytes.
 pub const OP_RANGE: u8 = 2;
+/// A blob for the node to store (an import): the client sends its bytes.
+pub const OP_WRITE: u8 = 3;
+/// Bytes of a WRITE request after the op byte: hash, size, chunk size, pin.
+pub const WRITE_BODY: usize = 32 + 8 + 4 + 1;
+/// Grants for WRITE are checked as grants for this call (an import grant).
+pub const WRITE_GRANT_METHOD: &str = "WriteBlob";
 /// Bytes of a READ request after the op byte.
 pub const REQUEST_BODY: usize = 32 + 8 + 8;
 /// Longest RANGE a node answers (a mount asks for at most a kernel read, 1 MiB, rounded
@@ -47,6 +53,8 @@ pub enum Code {
     Internal = 7,
     /// The node serves as many bulk connections as it will: use gRPC.
     Busy = 8,
+    /// The node has no room for the blob (WRITE).
+    Full = 9,
 }
 
 impl Code {
@@ -62,6 +70,7 @@ impl Code {
             6 => Invalid,
             7 => Internal,
             8 => Busy,
+            9 => Full,
             _ => return None,
         })
     }
@@ -97,6 +106,27 @@ pub fn decode_read(b: &[u8; REQUEST_BODY]) -> (BlobHash, u64, u64) {
     let offset = u64::from_le_bytes(b[32..40].try_into().unwrap());
     let len = u64::from_le_bytes(b[40..48].try_into().unwrap());
     (BlobHash(h), offset, len)
+}
+
+/// A WRITE request, as sent: store blob `h` of `size` bytes (hashed in chunks of
+/// `chunk_size`), pinned or not.
+pub fn encode_write(h: &BlobHash, size: u64, chunk_size: u32, pin: bool) -> [u8; 1 + WRITE_BODY] {
+    let mut out = [0u8; 1 + WRITE_BODY];
+    out[0] = OP_WRITE;
+    out[1..33].copy_from_slice(&h.0);
+    out[33..41].copy_from_slice(&size.to_le_bytes());
+    out[41..45].copy_from_slice(&chunk_size.to_le_bytes());
+    out[45] = u8::from(pin);
+    out
+}
+
+/// A WRITE request body, decoded: (hash, size, chunk size, pin).
+pub fn decode_write(b: &[u8; WRITE_BODY]) -> (BlobHash, u64, u32, bool) {
+    let mut h = [0u8; 32];
+    h.copy_from_slice(&b[..32]);
+    let size = u64::from_le_bytes(b[32..40].try_into().unwrap());
+    let chunk_size = u32::from_le_bytes(b[40..44].try_into().unwrap());
+    (BlobHash(h), size, chunk_size, b[44] != 0)
 }
 
 /// A RANGE request: bytes `[start, end)` of the chunk `[chunk_offset, chunk_offset +

@@ -1,0 +1,164 @@
+//! WRITE on the bulk path, end to end: an import hands real `locus node serve` processes
+//! its local files over the bulk path (no WriteBlob stream); the node verifies every
+//! blob before it keeps it, refuses a grant that does not open writes, and keeps nothing
+//! of bytes that are not the blob's.
+
+use locus_testkit as support;
+
+use std::time::Duration;
+
+use locus_proto::bulk::{self, BulkError, Pool, WriteRequest};
+use locus_proto::{pb, BlobHash};
+use support::*;
+
+const IDLE: Duration = Duration::from_secs(10);
+
+async fn counter(n: &Node, name: &str) -> u64 {
+    let text = http_get(n.http, "/metrics").await;
+    text.lines()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
+        .unwrap_or_else(|| panic!("{name} is not in the node's metrics"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_import_sends_local_files_over_the_bulk_path_and_over_grpc_when_it_is_off() {
+    let h = Harness::new("bulk-write-import");
+    let (m, nodes) = cluster_with(&h, MetadataOpts::default(), 1, NodeOpts::host).await;
+    let n = &nodes[0];
+    let src = h.path("src");
+    make_tree(&src, 20);
+    let big = [pseudo_random(51, 9 << 20), pseudo_random(52, (5 << 20) + 12_345)];
+    for (i, b) in big.iter().enumerate() {
+        std::fs::write(src.join(format!("big-{i}.bin")), b).unwrap();
+    }
+    let large: u64 = big.iter().map(|b| b.len() as u64).sum();
+    let before = counter(n, "locus_node_bulk_received_bytes_total").await;
+    let out = import(&m, "ds", &src, &["--replicas", "1"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let received = counter(n, "locus_node_bulk_received_bytes_total").await - before;
+    // Small files go in WriteBlobs batches; every large one took the bulk path.
+    assert!(
+        received >= large,
+        "the node received {received} bytes over the bulk path; the large files are {large}"
+    );
+    // What the node kept is exactly the files: its blob files, and a mount of them.
+    let kept = n.blob_files();
+    for b in &big {
+        let hex = BlobHash(*blake3::hash(b).as_bytes()).to_hex();
+        let f = kept.get(&hex).expect("the node keeps every large file");
+        assert_eq!(&std::fs::read(&f.path).unwrap(), b);
+    }
+    let mnt = m.mount("mnt", "ds@1", Some(n), &[]);
+    assert_same_tree(&src, &mnt.path);
+    drop(mnt);
+
+    // `LOCUS_BULK=off`: the same import of new bytes goes over WriteBlob.
+    let src2 = h.path("src2");
+    std::fs::create_dir_all(&src2).unwrap();
+    std::fs::write(src2.join("big.bin"), pseudo_random(53, 6 << 20)).unwrap();
+    let before = counter(n, "locus_node_bulk_received_bytes_total").await;
+    let out = m.cli_env(
+        &[
+            "dataset",
+            "import",
+            "ds2",
+            src2.to_str().unwrap(),
+            "--replicas",
+            "1",
+        ],
+        &[(bulk::ENV_SWITCH, "off".to_string())],
+    );
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert_eq!(
+        counter(n, "locus_node_bulk_received_bytes_total").await,
+        before,
+        "LOCUS_BULK=off still wrote over the bulk path"
+    );
+    let mnt = m.mount("mnt2", "ds2@1", Some(n), &[]);
+    assert_same_tree(&src2, &mnt.path);
+}
+
+async fn grant(m: &Metadata, operation: &str, node: &str) -> String {
+    let mut c = m.client(Some("admin")).await;
+    c.issue_grant(pb::IssueGrantRequest {
+        node: node.into(),
+        operation: operation.into(),
+        target: String::new(),
+        ttl_ms: 0,
+    })
+    .await
+    .unwrap()
+    .into_inner()
+    .grant
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_bulk_write_needs_an_import_grant_and_keeps_nothing_that_is_not_the_blob() {
+    let h = Harness::new("bulk-write-refusals");
+    let (m, nodes) = cluster_with(&h, MetadataOpts::with_tokens(), 1, NodeOpts::host).await;
+    let n = &nodes[0];
+    let addr = n.address();
+    let data = pseudo_random(61, (3 << 20) + 7);
+    let path = h.path("blob.bin");
+    std::fs::write(&path, &data).unwrap();
+    let file = std::fs::File::open(&path).unwrap();
+    let hash = BlobHash(*blake3::hash(&data).as_bytes());
+    let w = WriteRequest {
+        hash,
+        size: data.len() as u64,
+        chunk_size: 1 << 20,
+        pin: true,
+    };
+    let read = grant(&m, "read", "*").await;
+    let import = grant(&m, "import", &n.id).await;
+    let pool = Pool::new();
+    let nothing = |_: u64| {};
+
+    // A read grant opens reads, not writes; no grant opens nothing.
+    match pool.write(&addr, Some(&read), w, &file, IDLE, &nothing).await {
+        Err(BulkError::Grant(m)) => assert!(m.contains("does not allow writes"), "{m}"),
+        other => panic!("a read grant wrote: {other:?}"),
+    }
+    assert!(matches!(
+        pool.write(&addr, None, w, &file, IDLE, &nothing).await,
+        Err(BulkError::Grant(_))
+    ));
+    // And an import grant opens no reads.
+    match pool.open(&addr, Some(&import), &hash, 0, 0, IDLE).await {
+        Err(BulkError::Grant(m)) => assert!(m.contains("does not allow reads"), "{m}"),
+        other => panic!("an import grant read: {other:?}"),
+    }
+
+    // Bytes that are not the named blob: refused after they arrive, nothing kept.
+    let wrong = WriteRequest {
+        hash: BlobHash([7; 32]),
+        ..w
+    };
+    match pool
+        .write(&addr, Some(&import), wrong, &file, IDLE, &nothing)
+        .await
+    {
+        Err(BulkError::Refused(m)) => assert!(m.contains("match") || m.contains("hash"), "{m}"),
+        other => panic!("a wrong blob: {other:?}"),
+    }
+    assert!(!n.blob_files().contains_key(&BlobHash([7; 32]).to_hex()));
+
+    // The right bytes: stored, counted as they went out; a second time, nothing is sent.
+    let sent = std::sync::atomic::AtomicU64::new(0);
+    let count = |k: u64| {
+        sent.fetch_add(k, std::sync::atomic::Ordering::Relaxed);
+    };
+    assert!(pool
+        .write(&addr, Some(&import), w, &file, IDLE, &count)
+        .await
+        .unwrap());
+    assert_eq!(sent.load(std::sync::atomic::Ordering::Relaxed), data.len() as u64);
+    let kept = n.blob_files();
+    assert_eq!(std::fs::read(&kept[&hash.to_hex()].path).unwrap(), data);
+    let before = counter(n, "locus_node_bulk_received_bytes_total").await;
+    assert!(!pool
+        .write(&addr, Some(&import), w, &file, IDLE, &nothing)
+        .await
+        .unwrap());
+    assert_eq!(counter(n, "locus_node_bulk_received_bytes_total").await, before);
+}
