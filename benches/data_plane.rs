@@ -52,13 +52,6 @@ async fn bulk_sent(n: &Node) -> u64 {
     counter(n, "locus_node_bulk_sent_bytes_total").await
 }
 
-async fn counter(n: &Node, name: &str) -> u64 {
-    let text = http_get(n.http, "/metrics").await;
-    text.lines()
-        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
-        .unwrap_or_else(|| panic!("{name}"))
-}
-
 /// Checks a part took the path its row names: every byte over the bulk path, or none.
 fn took_path(name: &str, bulk: bool, bulk_bytes: u64, total: u64) {
     match bulk {

@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use locus_proto::bulk::{self, BulkError, Pool};
 use locus_proto::tls::rustls;
-use locus_proto::{nodepb, pb, BlobHash};
+use locus_proto::{nodepb, BlobHash};
 use support::*;
 
 const IDLE: Duration = Duration::from_secs(10);
@@ -31,7 +31,7 @@ fn tls_node(i: usize) -> NodeOpts {
 }
 
 /// A counter in a TLS node's /metrics (its HTTP port serves TLS with the same CA).
-fn counter(m: &Metadata, n: &Node, name: &str) -> u64 {
+fn tls_counter(m: &Metadata, n: &Node, name: &str) -> u64 {
     let out = std::process::Command::new("curl")
         .args(["-sS", "--max-time", "5", "--cacert"])
         .arg(m.dir.join("ca.pem"))
@@ -42,24 +42,6 @@ fn counter(m: &Metadata, n: &Node, name: &str) -> u64 {
         .lines()
         .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
         .unwrap_or_else(|| panic!("{name} is not in the node's metrics: {}", stderr(&out)))
-}
-
-async fn read_grant(m: &Metadata) -> String {
-    grant(m, "*", "read").await
-}
-
-async fn grant(m: &Metadata, node: &str, operation: &str) -> String {
-    let mut c = m.client(Some("admin")).await;
-    c.issue_grant(pb::IssueGrantRequest {
-        node: node.into(),
-        operation: operation.into(),
-        target: String::new(),
-        ttl_ms: 0,
-    })
-    .await
-    .unwrap()
-    .into_inner()
-    .grant
 }
 
 /// A client config that trusts the cluster CA and presents no certificate.
@@ -97,8 +79,8 @@ async fn a_tls_node_serves_blob_bytes_over_the_bulk_path_inside_tls_and_only_to_
     assert!(addr.starts_with("https://"), "{addr}");
     let pool = Pool::new();
     assert!(pool.speaks(&addr));
-    let grant = read_grant(&m).await;
-    let before = counter(&m, n, "locus_node_bulk_sent_bytes_total");
+    let grant = m.grant("read", "*").await;
+    let before = tls_counter(&m, n, "locus_node_bulk_sent_bytes_total");
     for (off, len) in [(0u64, 100u64), (65_000, 2 << 20), (1 << 20, 0)] {
         let r = pool
             .open(&addr, Some(&grant), &hash, off, len, IDLE)
@@ -121,7 +103,7 @@ async fn a_tls_node_serves_blob_bytes_over_the_bulk_path_inside_tls_and_only_to_
     locus_proto::outboard::verify(&hash, size, rr.start, rr.end, &got.data, &got.proof)
         .expect("the range checks against the blob's hash");
     assert_eq!(&got.data[..], &data[1 << 20..(1 << 20) + (64 << 10)]);
-    let sent = counter(&m, n, "locus_node_bulk_sent_bytes_total") - before;
+    let sent = tls_counter(&m, n, "locus_node_bulk_sent_bytes_total") - before;
     assert!(
         sent >= 100 + (2 << 20) + (2 << 20) + (64 << 10),
         "the node counted {sent} bytes on the bulk path"
@@ -201,11 +183,11 @@ async fn a_mount_and_a_peer_copy_read_tls_nodes_over_the_bulk_path() {
     let (src_node, other) = (&nodes[holder], &nodes[1 - holder]);
 
     // A mount with no local node reads the file from its holder, over the bulk path.
-    let before = counter(&m, src_node, "locus_node_bulk_sent_bytes_total");
+    let before = tls_counter(&m, src_node, "locus_node_bulk_sent_bytes_total");
     let mnt = m.mount("tls", "ds@1", None, &[]);
     assert_eq!(std::fs::read(mnt.path.join("big.bin")).unwrap(), data);
     drop(mnt);
-    let sent = counter(&m, src_node, "locus_node_bulk_sent_bytes_total") - before;
+    let sent = tls_counter(&m, src_node, "locus_node_bulk_sent_bytes_total") - before;
     assert!(
         sent >= data.len() as u64,
         "the mount's reads sent {sent} bytes over the bulk path, the file is {}",
@@ -213,9 +195,9 @@ async fn a_mount_and_a_peer_copy_read_tls_nodes_over_the_bulk_path() {
     );
 
     // A peer copy (what repair, warm and refill do) between TLS nodes: verified, kept.
-    let before = counter(&m, src_node, "locus_node_bulk_sent_bytes_total");
+    let before = tls_counter(&m, src_node, "locus_node_bulk_sent_bytes_total");
     // What the service hands a node's caller for copies: an import grant for it.
-    let g = grant(&m, &other.id, "import").await;
+    let g = m.grant("import", &other.id).await;
     let r = other
         .client_with(Some(&g))
         .await
@@ -233,7 +215,7 @@ async fn a_mount_and_a_peer_copy_read_tls_nodes_over_the_bulk_path() {
         .expect("FetchBlobs")
         .into_inner();
     assert_eq!(r.bytes, data.len() as u64);
-    let sent = counter(&m, src_node, "locus_node_bulk_sent_bytes_total") - before;
+    let sent = tls_counter(&m, src_node, "locus_node_bulk_sent_bytes_total") - before;
     assert!(
         sent >= data.len() as u64,
         "the peer copy moved {sent} bytes over the bulk path"

@@ -8,17 +8,10 @@ use locus_testkit as support;
 use std::time::Duration;
 
 use locus_proto::bulk::{self, BulkError, Pool, WriteRequest};
-use locus_proto::{pb, BlobHash};
+use locus_proto::BlobHash;
 use support::*;
 
 const IDLE: Duration = Duration::from_secs(10);
-
-async fn counter(n: &Node, name: &str) -> u64 {
-    let text = http_get(n.http, "/metrics").await;
-    text.lines()
-        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
-        .unwrap_or_else(|| panic!("{name} is not in the node's metrics"))
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_import_sends_local_files_over_the_bulk_path_and_over_grpc_when_it_is_off() {
@@ -78,20 +71,6 @@ async fn an_import_sends_local_files_over_the_bulk_path_and_over_grpc_when_it_is
     assert_same_tree(&src2, &mnt.path);
 }
 
-async fn grant(m: &Metadata, operation: &str, node: &str) -> String {
-    let mut c = m.client(Some("admin")).await;
-    c.issue_grant(pb::IssueGrantRequest {
-        node: node.into(),
-        operation: operation.into(),
-        target: String::new(),
-        ttl_ms: 0,
-    })
-    .await
-    .unwrap()
-    .into_inner()
-    .grant
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_bulk_write_needs_an_import_grant_and_keeps_nothing_that_is_not_the_blob() {
     let h = Harness::new("bulk-write-refusals");
@@ -109,8 +88,8 @@ async fn a_bulk_write_needs_an_import_grant_and_keeps_nothing_that_is_not_the_bl
         chunk_size: 1 << 20,
         pin: true,
     };
-    let read = grant(&m, "read", "*").await;
-    let import = grant(&m, "import", &n.id).await;
+    let read = m.grant("read", "*").await;
+    let import = m.grant("import", &n.id).await;
     let pool = Pool::new();
     let nothing = |_: u64| {};
 

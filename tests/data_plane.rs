@@ -13,14 +13,6 @@ use support::*;
 
 const IDLE: Duration = Duration::from_secs(10);
 
-/// The value of a counter in a node's /metrics.
-async fn counter(n: &Node, name: &str) -> u64 {
-    let text = http_get(n.http, "/metrics").await;
-    text.lines()
-        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
-        .unwrap_or_else(|| panic!("{name} is not in the node's metrics"))
-}
-
 /// One file imported as its own blob on one node: (metadata, node, the bytes, their hash).
 async fn one_blob(h: &Harness, m_opts: MetadataOpts, size: usize) -> (Metadata, Node, Vec<u8>, BlobHash) {
     let (m, mut nodes) = cluster_with(h, m_opts, 1, NodeOpts::host).await;

@@ -181,6 +181,14 @@ pub async fn http_get(addr: SocketAddr, path: &str) -> String {
     body
 }
 
+/// A counter (or gauge) in a plaintext node's /metrics; panics when it is not there.
+pub async fn counter(n: &Node, name: &str) -> u64 {
+    let text = http_get(n.http, "/metrics").await;
+    text.lines()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
+        .unwrap_or_else(|| panic!("{name} is not in the node's metrics"))
+}
+
 /// A minimal HTTP/1.1 request: (status code, body).
 pub async fn http_request(
     addr: SocketAddr,

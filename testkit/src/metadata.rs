@@ -395,6 +395,23 @@ impl Metadata {
     }
 
     /// A client with the token of `role` ("admin", "node", "reader"), or none.
+    /// A grant for `operation` ("read", "import", …) on node `node` ("*": every node),
+    /// issued to the admin.
+    pub async fn grant(&self, operation: &str, node: &str) -> String {
+        self.client(Some("admin"))
+            .await
+            .issue_grant(pb::IssueGrantRequest {
+                node: node.into(),
+                operation: operation.into(),
+                target: String::new(),
+                ttl_ms: 0,
+            })
+            .await
+            .expect("IssueGrant")
+            .into_inner()
+            .grant
+    }
+
     pub async fn client(&self, role: Option<&str>) -> MetadataClient {
         let token = role.map(|r| self.token(r).unwrap_or_else(|| panic!("no {r} token configured")));
         locus_proto::client::connect(&self.client_options(token))

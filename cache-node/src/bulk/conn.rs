@@ -52,9 +52,20 @@ impl Conn {
         self.tcp().set_read_timeout(Some(d))
     }
 
-    /// An OK answer's head. Plain: sent with MSG_MORE so it leaves in one segment with
-    /// the first bytes of the blob.
+    /// An OK answer's head, followed by `n` bytes from this end. Plain: sent with
+    /// MSG_MORE so it leaves in one segment with the first of them.
     pub(super) fn head(&mut self, n: u64) -> std::io::Result<()> {
+        self.ok(n, n > 0)
+    }
+
+    /// An OK answer carrying `n` with nothing after it from this end (WRITE's "send
+    /// them" and its verdict): never held back for more.
+    pub(super) fn answer(&mut self, n: u64) -> std::io::Result<()> {
+        self.ok(n, false)?;
+        self.flush()
+    }
+
+    fn ok(&mut self, n: u64, more: bool) -> std::io::Result<()> {
         let mut b = [0u8; 9];
         b[1..].copy_from_slice(&n.to_le_bytes());
         let s = match self {
@@ -62,8 +73,9 @@ impl Conn {
             Conn::Tls(_) => return self.write_all(&b),
         };
         use nix::sys::socket::{send, MsgFlags};
-        // nix names no MSG_MORE; the bit is the kernel's.
-        let flags = if n > 0 {
+        // nix names no MSG_MORE; the bit is the kernel's. Held back (up to 200 ms) until
+        // the bytes that follow are sent: only when some do.
+        let flags = if more {
             MsgFlags::from_bits_retain(libc::MSG_MORE)
         } else {
             MsgFlags::empty()

@@ -9,7 +9,7 @@
 //! client; then the node's verdict, `OK 0` once the blob is stored and synced, or an
 //! error (INVALID: the bytes are not the blob's; FULL: no room).
 
-use std::io::{Read, Write};
+use std::io::Read;
 
 use locus_proto::BlobHash;
 
@@ -29,10 +29,7 @@ impl BulkServer {
     ) -> std::io::Result<()> {
         let writer = match self.store.begin_write(h, size, chunk_size, pin) {
             Ok(Some(w)) => w,
-            Ok(None) => {
-                s.head(0)?;
-                return s.flush();
-            }
+            Ok(None) => return s.answer(0),
             Err(e) => {
                 if matches!(e, StoreError::Full { .. }) {
                     self.metrics.refused("full");
@@ -40,8 +37,7 @@ impl BulkServer {
                 return refuse(s, &h, e);
             }
         };
-        s.head(size)?;
-        s.flush()?;
+        s.answer(size)?;
         let mut w = writer;
         let mut block = Box::<WriteBlock>::default();
         let mut left = size;
@@ -70,8 +66,7 @@ impl BulkServer {
         match w.finish_stored() {
             Ok(_) => {
                 self.metrics.wrote("client", size);
-                s.head(0)?;
-                s.flush()
+                s.answer(0)
             }
             Err(e) => {
                 if matches!(e, StoreError::Mismatch { .. }) {
