@@ -128,13 +128,16 @@ async fn main() {
     }
     if parts.contains("import") {
         for round in 1..=rounds {
-            let (reference, import) = import_cpu(&h, &m, &n0, round, files, each);
+            let (reference, bulk, grpc) = import_cpu(&h, &m, &n0, round, files, each).await;
             rows.entry("reference (import rounds)")
                 .or_default()
                 .push(reference);
-            rows.entry("import from a local directory")
+            rows.entry("import, bulk path")
                 .or_default()
-                .push(import / reference);
+                .push(bulk / reference);
+            rows.entry("import, WriteBlob")
+                .or_default()
+                .push(grpc / reference);
         }
     }
     for round in 1..=rounds {
@@ -339,13 +342,26 @@ async fn random_reads(m: &Metadata, n0: &Node, src: &std::path::Path, files: usi
 }
 
 /// One round of the import part: fresh files (so the node holds none of them), the
-/// reference over them, then `locus dataset import` of them with the page cache dropped.
-/// Returns the reference's and the import's CPU ms/MiB (CLI + node).
-fn import_cpu(h: &Harness, m: &Metadata, n0: &Node, round: u64, files: usize, each: usize) -> (f64, f64) {
-    let dir = h.path(&format!("import-{round}"));
-    write_random_files(&dir, "part-", files, each, 9000 + 100 * round);
-    let paths: Vec<PathBuf> = (0..files).map(|i| dir.join(format!("part-{i:03}.bin"))).collect();
+/// reference over them, then `locus dataset import` of them with the page cache dropped,
+/// over the bulk path; then the same over WriteBlob streams (`LOCUS_BULK=off`) with
+/// other fresh files of the same sizes. Returns the reference's CPU ms/MiB and each
+/// import's (CLI + node).
+async fn import_cpu(
+    h: &Harness,
+    m: &Metadata,
+    n0: &Node,
+    round: u64,
+    files: usize,
+    each: usize,
+) -> (f64, f64, f64) {
     let total = (files * each) as u64;
+    let fresh = |k: u64| {
+        let dir = h.path(&format!("import-{round}-{k}"));
+        write_random_files(&dir, "part-", files, each, 9000 + 100 * round + 10 * k);
+        dir
+    };
+    let dir = fresh(0);
+    let paths: Vec<PathBuf> = (0..files).map(|i| dir.join(format!("part-{i:03}.bin"))).collect();
     drop_caches();
     let (got, tcp, tcp_receiver) = tcp_copy_cpu(&paths);
     assert_eq!(got, total);
@@ -359,36 +375,52 @@ fn import_cpu(h: &Harness, m: &Metadata, n0: &Node, round: u64, files: usize, ea
         ms_per_mib(tcp_receiver, total),
         ms_per_mib(b3, total),
     );
-    drop_caches();
-    let (np, mp) = (n0.daemon.pid(), m.pid());
-    let (n_before, m_before, c_before) = (cpu_seconds(np), cpu_seconds(mp), children_cpu_seconds());
-    let t = std::time::Instant::now();
-    let out = m.cli(&[
-        "dataset",
-        "import",
-        &format!("imported-{round}"),
-        dir.to_str().unwrap(),
-        "--replicas",
-        "1",
-    ]);
-    let took = t.elapsed();
-    assert!(out.status.success(), "{}", stderr(&out));
-    let (n_cpu, m_cpu, c_cpu) = (
-        cpu_seconds(np) - n_before,
-        cpu_seconds(mp) - m_before,
-        children_cpu_seconds() - c_before,
-    );
-    let both = ms_per_mib(c_cpu + n_cpu, total);
-    println!(
-        "| {round} | import from a local directory ({:.0} MiB/s; metadata service {:.3}) | CLI {:.3} | node {:.3} | {both:.3} | {:.2}× |",
-        mbs(total, took),
-        ms_per_mib(m_cpu, total),
-        ms_per_mib(c_cpu, total),
-        ms_per_mib(n_cpu, total),
-        both / reference
-    );
-    let _ = std::fs::remove_dir_all(&dir);
-    (reference, both)
+    let mut figures = Vec::new();
+    for (k, bulk) in [(0, true), (1, false)] {
+        let dir = if k == 0 { dir.clone() } else { fresh(k) };
+        drop_caches();
+        let (np, mp) = (n0.daemon.pid(), m.pid());
+        let (n_before, m_before, c_before) = (cpu_seconds(np), cpu_seconds(mp), children_cpu_seconds());
+        let received = counter(n0, "locus_node_bulk_received_bytes_total").await;
+        let t = std::time::Instant::now();
+        let env: Vec<(&str, String)> = switch(bulk)
+            .into_iter()
+            .map(|(k, v)| (k, v.to_string()))
+            .collect();
+        let out = m.cli_env(
+            &[
+                "dataset",
+                "import",
+                &format!("imported-{round}-{k}"),
+                dir.to_str().unwrap(),
+                "--replicas",
+                "1",
+            ],
+            &env,
+        );
+        let took = t.elapsed();
+        assert!(out.status.success(), "{}", stderr(&out));
+        let (n_cpu, m_cpu, c_cpu) = (
+            cpu_seconds(np) - n_before,
+            cpu_seconds(mp) - m_before,
+            children_cpu_seconds() - c_before,
+        );
+        let received = counter(n0, "locus_node_bulk_received_bytes_total").await - received;
+        took_path("import", bulk, received, total);
+        let both = ms_per_mib(c_cpu + n_cpu, total);
+        println!(
+            "| {round} | import from a local directory, {} ({:.0} MiB/s; metadata service {:.3}) | CLI {:.3} | node {:.3} | {both:.3} | {:.2}× |",
+            if bulk { "bulk path" } else { "WriteBlob" },
+            mbs(total, took),
+            ms_per_mib(m_cpu, total),
+            ms_per_mib(c_cpu, total),
+            ms_per_mib(n_cpu, total),
+            both / reference
+        );
+        figures.push(both);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+    (reference, figures[0], figures[1])
 }
 
 /// The environment that makes a client process use the bulk path or not (it reads
