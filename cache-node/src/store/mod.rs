@@ -134,7 +134,8 @@ struct Shard {
     lru: BTreeSet<(u64, BlobHash)>,
 }
 
-/// Byte counts over all shards.
+/// Byte counts over all shards. A blob counts by its footprint (`outboards::footprint`:
+/// its bytes and its kept outboard), in `used` and `pinned` alike.
 #[derive(Default)]
 struct Books {
     used: u64,
@@ -146,16 +147,18 @@ struct Books {
 
 impl Books {
     fn add(&mut self, size: u64, pinned: bool) {
-        self.used += size;
+        let f = outboards::footprint(size);
+        self.used += f;
         if pinned {
-            self.pinned += size;
+            self.pinned += f;
         }
     }
 
     fn remove(&mut self, size: u64, pinned: bool) {
-        self.used -= size;
+        let f = outboards::footprint(size);
+        self.used -= f;
         if pinned {
-            self.pinned -= size;
+            self.pinned -= f;
         }
     }
 }
@@ -529,9 +532,9 @@ impl BlobStore {
         }
         let mut b = self.books();
         if pinned {
-            b.pinned += rec.size;
+            b.pinned += outboards::footprint(rec.size);
         } else {
-            b.pinned -= rec.size;
+            b.pinned -= outboards::footprint(rec.size);
         }
         drop(b);
         drop(sh);

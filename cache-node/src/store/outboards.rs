@@ -28,6 +28,17 @@ use super::{hex, BlobStore};
 /// Blobs larger than this keep their outboard on disk.
 pub const KEEP_ABOVE: u64 = 1 << 20;
 
+/// The bytes a blob of `size` takes in a data dir: the blob, and above `KEEP_ABOVE` its
+/// outboard (about 0.4% of it). What capacity, pinned bytes and eviction count, so a
+/// node filled to its capacity does not overrun it by its outboards.
+pub(crate) fn footprint(size: u64) -> u64 {
+    if size > KEEP_ABOVE {
+        size + locus_proto::outboard::outboard_len(size) as u64
+    } else {
+        size
+    }
+}
+
 /// Outboard bytes gathered before a write to the file.
 const FLUSH: usize = 64 << 10;
 

@@ -15,6 +15,7 @@ impl BlobStore {
     /// Reserves room for `size` bytes, evicting unpinned blobs if needed. The returned
     /// guard releases the reservation when dropped.
     pub(super) fn reserve(self: &Arc<Self>, size: u64) -> Result<(u32, Reservation), StoreError> {
+        let size = outboards::footprint(size);
         let (dir, free) = self.roomiest_dir();
         self.reserve_in(free, size)?;
         Ok((
@@ -154,7 +155,7 @@ impl BlobStore {
             };
             sh.verified.remove(&h);
             self.books().remove(m.rec.size, m.rec.pinned);
-            return Some((m.rec.size, h, path));
+            return Some((outboards::footprint(m.rec.size), h, path));
         }
     }
 }

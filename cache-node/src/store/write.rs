@@ -303,8 +303,14 @@ impl BlobWriter {
                 what: "more bytes than announced".into(),
             });
         }
-        self.reservation
-            .grow_to(self.written, self.written + n as u64, self.size)
+        // The last bytes hold the outboard's room too (`outboards::footprint`), so the
+        // published blob never takes more than was reserved for it.
+        let total = match self.written + n as u64 {
+            t if t == self.size => super::outboards::footprint(t),
+            t => t,
+        };
+        let cap = super::outboards::footprint(self.size);
+        self.reservation.grow_to(self.written, total, cap)
     }
 
     /// Hashes bytes written: the whole blob's hash (and outboard) and the chunks'.

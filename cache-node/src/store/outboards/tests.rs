@@ -107,6 +107,37 @@ fn a_wrong_sized_outboard_is_dropped_and_one_computed_later_is_kept() {
 }
 
 #[test]
+fn a_blob_counts_against_capacity_with_its_outboard_and_the_count_survives_a_restart() {
+    let d = tempfile::tempdir().unwrap();
+    let (big, small) = (data(3 * (1 << 20) + 12_345, 8), data(300_000, 9));
+    let ob = outboard::outboard_len(big.len() as u64) as u64;
+    let (used, pinned) = (big.len() as u64 + ob + small.len() as u64, big.len() as u64 + ob);
+    let h = {
+        let s = open(d.path(), 1 << 30);
+        let h = put(&s, &big, 1 << 20, true);
+        put(&s, &small, 1 << 20, false);
+        assert_eq!(fs::metadata(kept_path(d.path(), &h)).unwrap().len(), ob);
+        let st = s.stats();
+        assert_eq!((st.used, st.pinned), (used, pinned), "the outboard is counted");
+        h
+    };
+    let s = open(d.path(), 1 << 30);
+    let st = s.stats();
+    assert_eq!((st.used, st.pinned), (used, pinned), "the same after a restart");
+    s.set_pinned(&h, false).unwrap();
+    assert_eq!(s.stats().pinned, 0, "unpinned with its outboard");
+    // Room for two blobs' bytes and one outboard: the second blob's write evicts the
+    // first (its outboard would not fit), and the node stays within its capacity.
+    let tight = tempfile::tempdir().unwrap();
+    let cap = 2 * big.len() as u64 + ob;
+    let s = open(tight.path(), cap);
+    let first = put(&s, &data(big.len(), 10), 1 << 20, false);
+    put(&s, &big, 1 << 20, false);
+    assert!(!s.contains(&first), "two blobs and their outboards do not fit");
+    assert!(s.stats().used <= cap, "{} used of {cap}", s.stats().used);
+}
+
+#[test]
 fn the_outboard_goes_with_its_blob_when_evicted_or_quarantined() {
     let d = tempfile::tempdir().unwrap();
     let s = open(d.path(), 5 << 20);
