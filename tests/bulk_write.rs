@@ -141,3 +141,43 @@ async fn a_bulk_write_needs_an_import_grant_and_keeps_nothing_that_is_not_the_bl
         .unwrap());
     assert_eq!(counter(n, "locus_node_bulk_received_bytes_total").await, before);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_bulk_write_larger_than_the_node_has_room_for_is_refused_before_any_byte_moves() {
+    let h = Harness::new("bulk-write-full");
+    let (_m, nodes) = cluster_with(&h, MetadataOpts::default(), 1, |i| {
+        NodeOpts::host(i).with_capacity("4MiB")
+    })
+    .await;
+    let n = &nodes[0];
+    let data = pseudo_random(71, 6 << 20);
+    let path = h.path("big.bin");
+    std::fs::write(&path, &data).unwrap();
+    let file = std::fs::File::open(&path).unwrap();
+    let hash = BlobHash(*blake3::hash(&data).as_bytes());
+    let w = WriteRequest {
+        hash,
+        size: data.len() as u64,
+        chunk_size: 1 << 20,
+        pin: true,
+    };
+    let sent = std::sync::atomic::AtomicU64::new(0);
+    let count = |k: u64| {
+        sent.fetch_add(k, std::sync::atomic::Ordering::Relaxed);
+    };
+    let before = counter(n, "locus_node_bulk_received_bytes_total").await;
+    match Pool::new()
+        .write(&n.address(), None, w, &file, IDLE, &count)
+        .await
+    {
+        Err(BulkError::Full(m)) => assert!(m.contains("capacity"), "{m}"),
+        other => panic!("a blob larger than the node: {other:?}"),
+    }
+    assert_eq!(
+        sent.load(std::sync::atomic::Ordering::Relaxed),
+        0,
+        "no byte was sent"
+    );
+    assert_eq!(counter(n, "locus_node_bulk_received_bytes_total").await, before);
+    assert!(!n.blob_files().contains_key(&hash.to_hex()));
+}
