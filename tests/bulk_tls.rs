@@ -1,7 +1,8 @@
 //! The bulk path to nodes that serve TLS, end to end: real `locus node serve` processes
 //! with certificates of one CA made by `locus tls`, mutual TLS on. Blob bytes go over the
-//! bulk path inside TLS (never in clear, never without the caller's certificate), a mount
-//! with no local node and a peer copy take it, and the bytes are exactly the blob's.
+//! bulk path inside TLS (never in clear, never without the caller's certificate), an
+//! import, a mount with no local node and a peer copy take it, and the bytes are exactly
+//! the blob's.
 
 use locus_testkit as support;
 
@@ -166,7 +167,7 @@ async fn a_tls_node_serves_blob_bytes_over_the_bulk_path_inside_tls_and_only_to_
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_mount_and_a_peer_copy_read_tls_nodes_over_the_bulk_path() {
+async fn an_import_a_mount_and_a_peer_copy_take_the_bulk_path_to_and_between_tls_nodes() {
     let h = Harness::new("bulk-tls-mount");
     let (m, nodes) = cluster_with(&h, mtls(), 2, tls_node).await;
     let src = h.path("src");
@@ -181,6 +182,14 @@ async fn a_mount_and_a_peer_copy_read_tls_nodes_over_the_bulk_path() {
         .position(|n| n.blob_files().contains_key(&hash.to_hex()))
         .expect("a node holds the blob");
     let (src_node, other) = (&nodes[holder], &nodes[1 - holder]);
+    // The import (this test's CLI trusts the CA and presents a certificate) wrote the
+    // file to its node over the bulk path, inside TLS.
+    let received = tls_counter(&m, src_node, "locus_node_bulk_received_bytes_total");
+    assert!(
+        received >= data.len() as u64,
+        "the import sent {received} bytes over the bulk path, the file is {}",
+        data.len()
+    );
 
     // A mount with no local node reads the file from its holder, over the bulk path.
     let before = tls_counter(&m, src_node, "locus_node_bulk_sent_bytes_total");

@@ -141,14 +141,16 @@ async fn send(
             Ok(())
         }
         Stream::Tls(t) => {
-            use std::os::unix::fs::FileExt;
+            // Read off the async threads (a cold page waits for the disk), from the start.
+            use tokio::io::AsyncSeekExt;
+            let reading = |e: std::io::Error| BulkError::Refused(format!("reading the file: {e}"));
+            let mut f = tokio::fs::File::from_std(file.try_clone().map_err(reading)?);
+            f.seek(std::io::SeekFrom::Start(0)).await.map_err(reading)?;
             let mut buf = vec![0u8; TLS_PIECE.min(n as usize)];
             let mut off = 0u64;
             while off < n {
                 let want = ((n - off) as usize).min(buf.len());
-                let got = file
-                    .read_at(&mut buf[..want], off)
-                    .map_err(|e| BulkError::Refused(format!("reading the file: {e}")))?;
+                let got = f.read(&mut buf[..want]).await.map_err(reading)?;
                 if got == 0 {
                     return Err(short());
                 }

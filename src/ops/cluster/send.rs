@@ -22,8 +22,11 @@ impl GrpcCluster {
     ) -> Result<Option<()>, NodeError> {
         use locus_proto::bulk::{BulkError, WriteRequest};
         let addr = self.address(node).await?;
-        let file = std::fs::File::open(path)
-            .map_err(|e| NodeError::Source(format!("cannot open {}: {e}", path.display())))?;
+        let file = tokio::fs::File::open(path)
+            .await
+            .map_err(|e| NodeError::Source(format!("cannot open {}: {e}", path.display())))?
+            .into_std()
+            .await;
         let w = WriteRequest {
             hash: blob.hash,
             size: blob.size,
