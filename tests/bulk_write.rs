@@ -71,23 +71,29 @@ async fn an_import_sends_local_files_over_the_bulk_path_and_over_grpc_when_it_is
     assert_same_tree(&src2, &mnt.path);
 }
 
+/// `size` pseudo-random bytes in a file of the harness: the bytes, the file opened, and
+/// the WRITE that stores them as their blob (pinned, 1 MiB chunks).
+fn blob_file(h: &Harness, seed: u64, size: usize) -> (Vec<u8>, std::fs::File, WriteRequest) {
+    let data = pseudo_random(seed, size);
+    let path = h.path(&format!("blob-{seed}.bin"));
+    std::fs::write(&path, &data).unwrap();
+    let w = WriteRequest {
+        hash: BlobHash(*blake3::hash(&data).as_bytes()),
+        size: data.len() as u64,
+        chunk_size: 1 << 20,
+        pin: true,
+    };
+    (data, std::fs::File::open(&path).unwrap(), w)
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_bulk_write_needs_an_import_grant_and_keeps_nothing_that_is_not_the_blob() {
     let h = Harness::new("bulk-write-refusals");
     let (m, nodes) = cluster_with(&h, MetadataOpts::with_tokens(), 1, NodeOpts::host).await;
     let n = &nodes[0];
     let addr = n.address();
-    let data = pseudo_random(61, (3 << 20) + 7);
-    let path = h.path("blob.bin");
-    std::fs::write(&path, &data).unwrap();
-    let file = std::fs::File::open(&path).unwrap();
-    let hash = BlobHash(*blake3::hash(&data).as_bytes());
-    let w = WriteRequest {
-        hash,
-        size: data.len() as u64,
-        chunk_size: 1 << 20,
-        pin: true,
-    };
+    let (data, file, w) = blob_file(&h, 61, (3 << 20) + 7);
+    let hash = w.hash;
     let read = m.grant("read", "*").await;
     let import = m.grant("import", &n.id).await;
     let pool = Pool::new();
@@ -150,17 +156,8 @@ async fn a_bulk_write_larger_than_the_node_has_room_for_is_refused_before_any_by
     })
     .await;
     let n = &nodes[0];
-    let data = pseudo_random(71, 6 << 20);
-    let path = h.path("big.bin");
-    std::fs::write(&path, &data).unwrap();
-    let file = std::fs::File::open(&path).unwrap();
-    let hash = BlobHash(*blake3::hash(&data).as_bytes());
-    let w = WriteRequest {
-        hash,
-        size: data.len() as u64,
-        chunk_size: 1 << 20,
-        pin: true,
-    };
+    let (_data, file, w) = blob_file(&h, 71, 6 << 20);
+    let hash = w.hash;
     let sent = std::sync::atomic::AtomicU64::new(0);
     let count = |k: u64| {
         sent.fetch_add(k, std::sync::atomic::Ordering::Relaxed);

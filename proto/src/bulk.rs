@@ -119,16 +119,38 @@ pub struct Pool {
     /// instead of queueing behind timeouts (a pulled cable costs one timeout, not one
     /// per request in the queue).
     failed: Mutex<HashMap<String, Instant>>,
-    /// Addresses that answered RANGE as an unknown operation, and until when.
-    no_ranges: Mutex<HashMap<String, Instant>>,
-    /// Addresses that answered WRITE as an unknown operation, and until when.
-    no_writes: Mutex<HashMap<String, Instant>>,
+    /// Addresses that answered RANGE as an unknown operation.
+    no_ranges: Lacking,
+    /// Addresses that answered WRITE as an unknown operation.
+    no_writes: Lacking,
     /// `LOCUS_BULK=off` in the environment: every node is asked over gRPC (to compare
     /// the two paths, or to go around a fault in this one).
     off: bool,
     /// The client side of TLS to `https://` nodes, made from the process's client TLS
     /// on first use (None: no CA, so TLS nodes are asked over gRPC).
     tls: std::sync::OnceLock<Option<Arc<tokio_rustls::rustls::ClientConfig>>>,
+}
+
+/// Nodes that answered an operation as unknown (an older build), each remembered for
+/// `UNSUPPORTED_FOR` so the next request goes the old way at once.
+#[derive(Default)]
+struct Lacking(Mutex<HashMap<String, Instant>>);
+
+impl Lacking {
+    fn lacks(&self, addr: &str) -> bool {
+        self.0
+            .lock()
+            .unwrap()
+            .get(addr)
+            .is_some_and(|until| *until > Instant::now())
+    }
+
+    fn remember(&self, addr: &str) {
+        self.0
+            .lock()
+            .unwrap()
+            .insert(addr.to_string(), Instant::now() + UNSUPPORTED_FOR);
+    }
 }
 
 /// The environment variable that turns the bulk path off in a client (`off`).
@@ -246,22 +268,13 @@ impl Pool {
         r: &RangeRequest,
         idle: Duration,
     ) -> Result<Ranged, BulkError> {
-        if self
-            .no_ranges
-            .lock()
-            .unwrap()
-            .get(addr)
-            .is_some_and(|until| *until > Instant::now())
-        {
+        if self.no_ranges.lacks(addr) {
             return Err(BulkError::Unsupported(format!("{addr} serves no ranges")));
         }
         let answer = match self.request(addr, grant, &r.encode(), r.answer_max(), idle).await {
             Ok(reading) => reading.all().await?,
             Err(BulkError::Refused(m)) if m.contains("unknown operation") => {
-                self.no_ranges
-                    .lock()
-                    .unwrap()
-                    .insert(addr.to_string(), Instant::now() + UNSUPPORTED_FOR);
+                self.no_ranges.remember(addr);
                 return Err(BulkError::Unsupported(m));
             }
             Err(e) => return Err(e),

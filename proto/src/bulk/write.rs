@@ -5,7 +5,7 @@
 //! it is read into a buffer and encrypted.
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
@@ -40,23 +40,14 @@ impl Pool {
         idle: Duration,
         sent: &(dyn Fn(u64) + Send + Sync),
     ) -> Result<bool, BulkError> {
-        if self
-            .no_writes
-            .lock()
-            .unwrap()
-            .get(addr)
-            .is_some_and(|until| *until > Instant::now())
-        {
+        if self.no_writes.lacks(addr) {
             return Err(BulkError::Unsupported(format!("{addr} takes no bulk writes")));
         }
         let req = encode_write(&w.hash, w.size, w.chunk_size, w.pin);
         let mut r = match self.request(addr, grant, &req, w.size, idle).await {
             Ok(r) => r,
             Err(BulkError::Refused(m)) if m.contains("unknown operation") => {
-                self.no_writes
-                    .lock()
-                    .unwrap()
-                    .insert(addr.to_string(), Instant::now() + super::UNSUPPORTED_FOR);
+                self.no_writes.remember(addr);
                 return Err(BulkError::Unsupported(m));
             }
             Err(e) => return Err(e),
