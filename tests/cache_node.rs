@@ -895,6 +895,7 @@ async fn a_blob_can_arrive_chunk_by_chunk_and_serves_only_what_is_there() {
         chunk_hashes: chunk_hashes.clone(),
         chunks,
         pin: false,
+        tree_chunks: false,
     };
     let r = n2.fetch_chunks(req(vec![1])).await.unwrap().into_inner();
     assert_eq!((r.fetched, r.complete, r.missing.clone()), (1, false, vec![0, 2]));
@@ -1747,6 +1748,7 @@ async fn a_peer_streaming_endlessly_is_cut_off_at_what_was_asked() {
             chunk_hashes: (0..4u8).map(|i| blake3::hash(&[i]).as_bytes().to_vec()).collect(),
             chunks: vec![0],
             pin: false,
+            tree_chunks: false,
         })
         .await
         .unwrap_err();

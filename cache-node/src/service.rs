@@ -8,6 +8,7 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
+use locus_proto::chunks::ChunkKind;
 use locus_proto::nodepb::{self, node_server::Node};
 use locus_proto::BlobHash;
 use tokio::sync::mpsc;
@@ -370,9 +371,15 @@ impl Node for NodeService {
                 )))
             }
         }
+        let kind = ChunkKind::from_tree(q.tree_chunks);
+        if kind.is_tree() && !locus_proto::chunks::tree_chunks_match(&h, &chunks) {
+            return Err(Status::invalid_argument(format!(
+                "chunk_hashes: not the tree chunk hashes of blob {h}"
+            )));
+        }
         let st = self.store.clone();
         let (size, cs, pin) = (q.size, q.chunk_size, q.pin);
-        tokio::task::spawn_blocking(move || st.begin_partial(h, size, cs, &chunks, pin))
+        tokio::task::spawn_blocking(move || st.begin_partial(h, size, cs, (kind, &chunks), pin))
             .await
             .map_err(|e| Status::internal(e.to_string()))?
             .map_err(to_status)?;
@@ -455,7 +462,7 @@ impl Node for NodeService {
             &q.origin,
             &q.path,
             q.size,
-            q.chunk_size,
+            (q.chunk_size, ChunkKind::from_tree(q.tree_chunks)),
             q.pin,
             self.peer_idle,
         )
@@ -467,6 +474,7 @@ impl Node for NodeService {
             hash: stored.hash.0.to_vec(),
             chunk_hashes: stored.chunks.iter().map(|c| c.0.to_vec()).collect(),
             already_present: stored.already_present,
+            tree_chunks: q.tree_chunks,
         }))
     }
 

@@ -489,7 +489,7 @@ pub async fn import_from_origin(
     url: &str,
     path: &str,
     size: u64,
-    chunk_size: u32,
+    chunks: (u32, locus_proto::chunks::ChunkKind),
     pin: bool,
     idle: Duration,
 ) -> Result<crate::store::Stored, Status> {
@@ -497,7 +497,7 @@ pub async fn import_from_origin(
         .map_err(|e| Status::invalid_argument(format!("path: {e}")))?;
     let origin = peers.origin_for(url, rel.as_str())?;
     let st = store.clone();
-    let writer = tokio::task::spawn_blocking(move || st.begin_unnamed_write(size, chunk_size, pin))
+    let writer = tokio::task::spawn_blocking(move || st.begin_unnamed_write(size, chunks, pin))
         .await
         .map_err(|e| Status::internal(e.to_string()))?
         .map_err(to_status)?;

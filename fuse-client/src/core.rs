@@ -537,6 +537,7 @@ impl Core {
             len: cs.min(a.size - offset),
             hash: chunks.get(index as usize)?,
             size: a.size,
+            kind: self.ns.chunk_kind(),
         })
     }
 }

@@ -27,6 +27,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use locus_proto::chunks::ChunkKind;
 use locus_proto::client::{MetadataClient, NodeClient};
 use locus_proto::{nodepb, pb, BlobHash};
 
@@ -281,6 +282,8 @@ async fn fetch(
                 len: cs.min(size - offset),
                 hash: chunks[next],
                 size,
+                // A namespace's own chunk hashes are plain (`sealed::Writer`).
+                kind: ChunkKind::Plain,
             };
             let r = remote.clone();
             pending.push_back(tokio::spawn(async move { r.fetch_uncached(c).await }));

@@ -188,6 +188,11 @@ impl Namespace {
         self.ix.chunk_size()
     }
 
+    /// What its files' chunk hashes are (the version's kind).
+    pub fn chunk_kind(&self) -> locus_proto::chunks::ChunkKind {
+        self.ix.chunk_kind()
+    }
+
     pub fn attr(&self, ino: u64) -> Option<Attr> {
         let a = self.ix.attr(ino)?;
         let nlink = match a.kind {

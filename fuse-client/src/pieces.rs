@@ -4,6 +4,7 @@
 use std::sync::Arc;
 
 use bytes::Bytes;
+use locus_proto::chunks::{ChunkAt, ChunkHashing};
 use locus_proto::BlobHash;
 
 /// A chunk's bytes as they arrived: the node's messages kept as they are, never copied
@@ -11,15 +12,15 @@ use locus_proto::BlobHash;
 /// reads; pieces are 2 MiB) is answered with a slice of it, so the bytes go from the
 /// receive buffer to the kernel without another copy.
 #[derive(Clone, Debug, Default)]
-pub struct Pieces(Arc<[Bytes]>, Option<BlobHash>);
+pub struct Pieces(Arc<[Bytes]>, Option<(ChunkAt, BlobHash)>);
 
 impl Pieces {
     /// Pieces hashed as they arrived (each while it was still in the CPU's cache):
-    /// `hasher` must have been fed exactly `parts`, in order. The hash is this
+    /// `hasher` (from `at`) must have been fed exactly `parts`, in order. The hash is this
     /// process's own, from the bytes themselves, so it is as good as hashing them again.
-    pub fn hashed(parts: Vec<Bytes>, hasher: &blake3::Hasher) -> Self {
-        let p = Pieces(parts.into(), Some(BlobHash(*hasher.finalize().as_bytes())));
-        debug_assert_eq!(p.1, Some(Pieces(p.0.clone(), None).hash()));
+    pub fn hashed(parts: Vec<Bytes>, at: ChunkAt, hasher: &ChunkHashing) -> Self {
+        let p = Pieces(parts.into(), Some((at, hasher.finish())));
+        debug_assert_eq!(p.1.map(|x| x.1), Some(Pieces(p.0.clone(), None).hash(at)));
         p
     }
 
@@ -36,19 +37,18 @@ impl Pieces {
         &self.0
     }
 
-    /// BLAKE3 of the whole chunk.
-    pub fn hash(&self) -> BlobHash {
-        if let Some(h) = self.1 {
-            return h;
+    /// The chunk hash of the whole chunk, as the chunk at `at` is hashed.
+    pub fn hash(&self, at: ChunkAt) -> BlobHash {
+        if let Some((was, h)) = self.1 {
+            if was == at {
+                return h;
+            }
         }
-        if let [one] = &*self.0 {
-            return BlobHash::of(one);
-        }
-        let mut h = blake3::Hasher::new();
+        let mut h = at.hasher();
         for p in self.0.iter() {
             h.update(p);
         }
-        BlobHash(*h.finalize().as_bytes())
+        h.finish()
     }
 
     /// Bytes `[from, to)` of the chunk: a slice of one piece when the range lies inside
@@ -95,7 +95,8 @@ mod tests {
         let b = Bytes::from(whole.clone());
         let p = Pieces::from(vec![b.slice(..40), b.slice(40..41), b.slice(41..)]);
         assert_eq!(p.len(), 100);
-        assert_eq!(p.hash(), BlobHash::of(&whole));
+        let whole_at = ChunkAt::new(locus_proto::chunks::ChunkKind::Tree, 0, 100, 100);
+        assert_eq!(p.hash(whole_at), BlobHash::of(&whole));
         let inside = p.range(10, 30);
         assert_eq!(&inside[..], &whole[10..30]);
         assert_eq!(

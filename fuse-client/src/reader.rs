@@ -25,6 +25,7 @@ use bytes::Bytes;
 
 pub use crate::pieces::Pieces;
 pub use locus_proto::bulk::{RangeRequest, Ranged};
+use locus_proto::chunks::{ChunkAt, ChunkKind};
 use locus_proto::client::MetadataClient;
 use locus_proto::{outboard, pb, BlobHash};
 
@@ -156,6 +157,15 @@ pub struct ChunkRef {
     pub hash: BlobHash,
     /// The whole blob's size (ranges are verified against the blob's tree).
     pub size: u64,
+    /// What `hash` is: the version's kind of chunk hashes.
+    pub kind: ChunkKind,
+}
+
+impl ChunkRef {
+    /// How this chunk's bytes are hashed to compare with `hash`.
+    pub fn at(&self) -> ChunkAt {
+        ChunkAt::new(self.kind, self.offset, self.len, self.size)
+    }
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -564,7 +574,7 @@ impl Remote {
         if b.len() as u64 != c.len {
             return Err(format!("{rel}: got {} of {} bytes", b.len(), c.len));
         }
-        if BlobHash::of(&b) != c.hash {
+        if c.at().hash(&b) != c.hash {
             self.metrics.corrupt();
             return Err(format!(
                 "{rel}: bytes at {} no longer match the version (changed since the import?)",
@@ -582,7 +592,7 @@ impl Remote {
         .await
         .map_err(|_| format!("no answer within {:?}", self.timeout * 3))?
         .map_err(|e| e.to_string())?;
-        if b.len() as u64 != c.len || BlobHash::of(&b) != c.hash {
+        if b.len() as u64 != c.len || c.at().hash(&b) != c.hash {
             self.metrics.corrupt();
             return Err(format!(
                 "blob {} at {}: stored bytes do not match",
@@ -631,7 +641,7 @@ impl Remote {
                 c.len
             )));
         }
-        if buf.hash() != c.hash {
+        if buf.hash(c.at()) != c.hash {
             self.metrics.corrupt();
             return Err(SourceError::Wrong("bytes do not match the chunk's hash".into()));
         }

@@ -58,7 +58,7 @@ fn main() {
     }
     let shards = env("LOCUS_BENCH_SHARDS", 10_000) as u32;
     let name = DatasetName::try_from("bench").unwrap();
-    let (s, chunk_size) = cat.begin_version(&name, 0, "", 2, "bench").unwrap();
+    let (s, chunk_size) = cat.begin_version(&name, 0, "", 2, false, "bench").unwrap();
     let mut entries = vec![Entry {
         path: RelPath::try_from("d").unwrap(),
         kind: EntryKind::Dir,

@@ -84,6 +84,9 @@ pub struct VersionRecord {
     /// The namespace's chunk hashes, 32 bytes each (mounts check each piece they fetch).
     #[prost(bytes = "vec", tag = "15")]
     pub namespace_chunks: Vec<u8>,
+    /// Its files' chunk hashes are tree chunk hashes (`locus_proto::chunks`).
+    #[prost(bool, tag = "16")]
+    pub tree_chunks: bool,
 }
 
 /// A manifest entry; its path is the key.
@@ -160,6 +163,9 @@ pub struct SessionRecord {
     /// order (every later entry is looked up), and in sessions opened before it existed.
     #[prost(bytes = "vec", tag = "11")]
     pub ordered_up_to: Vec<u8>,
+    /// The importer sends tree chunk hashes; each file's are checked to merge to its hash.
+    #[prost(bool, tag = "12")]
+    pub tree_chunks: bool,
 }
 
 /// `backups` value: the last snapshot committed to (or restored from) a backup target.

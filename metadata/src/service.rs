@@ -484,14 +484,16 @@ impl pb::metadata_server::Metadata for MetadataService {
         let name = DatasetName::try_from(q.dataset)?;
         let target = name.to_string();
         let who = p.name.clone();
+        let tree_chunks = q.tree_chunks;
         let r = self
-            .run(move |c| c.begin_version(&name, q.chunk_size, &q.origin, q.replication, &who))
+            .run(move |c| c.begin_version(&name, q.chunk_size, &q.origin, q.replication, tree_chunks, &who))
             .await;
         self.audit(&p, "version.begin", &target, &r, |(s, _)| format!("session {s}"));
         let (session_id, chunk_size) = r.map_err(to_status)?;
         Ok(Response::new(pb::BeginVersionResponse {
             session_id,
             chunk_size,
+            tree_chunks,
         }))
     }
 

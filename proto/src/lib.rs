@@ -10,6 +10,7 @@
 
 pub mod auth;
 pub mod bulk;
+pub mod chunks;
 pub mod client;
 pub mod grant;
 pub mod hex;

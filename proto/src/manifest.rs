@@ -167,122 +167,7 @@ pub fn chunk_count(size: u64, chunk_size: u32) -> u64 {
     size.div_ceil(u64::from(chunk_size))
 }
 
-/// A file's size, BLAKE3 hash and the hashes of its `chunk_size` chunks.
-pub type FileHashes = (u64, BlobHash, Vec<BlobHash>);
-
-/// Hashes a byte stream fed in pieces of any size: the whole-blob BLAKE3 and the BLAKE3
-/// of each `chunk_size` chunk.
-#[derive(Debug, Clone)]
-pub struct ChunkHasher {
-    whole: blake3::Hasher,
-    chunks: Chunks,
-}
-
-impl ChunkHasher {
-    pub fn new(chunk_size: u32) -> Self {
-        ChunkHasher {
-            whole: blake3::Hasher::new(),
-            chunks: Chunks::new(chunk_size),
-        }
-    }
-
-    pub fn update(&mut self, data: &[u8]) {
-        self.whole.update(data);
-        self.chunks.update(data);
-    }
-
-    pub fn size(&self) -> u64 {
-        self.chunks.size
-    }
-
-    pub fn finish(self) -> FileHashes {
-        (
-            self.chunks.size,
-            BlobHash(*self.whole.finalize().as_bytes()),
-            self.chunks.finish(),
-        )
-    }
-}
-
-/// The BLAKE3 of each `chunk_size` chunk of a byte stream fed in pieces of any size
-/// (the whole-blob hash is someone else's: a plain hasher, or an outboard's builder).
-#[derive(Debug, Clone)]
-pub struct Chunks {
-    chunk_size: u64,
-    chunk: blake3::Hasher,
-    in_chunk: u64,
-    done: Vec<BlobHash>,
-    size: u64,
-}
-
-impl Chunks {
-    pub fn new(chunk_size: u32) -> Self {
-        Chunks {
-            chunk_size: u64::from(chunk_size.max(1)),
-            chunk: blake3::Hasher::new(),
-            in_chunk: 0,
-            done: Vec::new(),
-            size: 0,
-        }
-    }
-
-    pub fn update(&mut self, mut data: &[u8]) {
-        self.size += data.len() as u64;
-        while !data.is_empty() {
-            let take = (self.chunk_size - self.in_chunk).min(data.len() as u64) as usize;
-            self.chunk.update(&data[..take]);
-            self.in_chunk += take as u64;
-            data = &data[take..];
-            if self.in_chunk == self.chunk_size {
-                self.done.push(BlobHash(*self.chunk.finalize().as_bytes()));
-                self.chunk.reset();
-                self.in_chunk = 0;
-            }
-        }
-    }
-
-    pub fn finish(mut self) -> Vec<BlobHash> {
-        if self.in_chunk > 0 {
-            self.done.push(BlobHash(*self.chunk.finalize().as_bytes()));
-        }
-        self.done
-    }
-}
-
-/// The hashes of bytes held whole in memory. A blob of one chunk is hashed once: its
-/// chunk's hash is its own (for 1 KiB files, half the hashing).
-pub fn hash_bytes(data: &[u8], chunk_size: u32) -> FileHashes {
-    if data.len() as u64 <= u64::from(chunk_size.max(1)) {
-        let whole = BlobHash::of(data);
-        let chunks = if data.is_empty() { Vec::new() } else { vec![whole] };
-        return (data.len() as u64, whole, chunks);
-    }
-    let mut h = ChunkHasher::new(chunk_size);
-    h.update(data);
-    h.finish()
-}
-
-/// Hashes a file in one pass: its size, its BLAKE3 and the BLAKE3 of each chunk.
-pub fn hash_file(path: &std::path::Path, chunk_size: u32) -> std::io::Result<FileHashes> {
-    use std::io::Read;
-    let mut f = std::fs::File::open(path)?;
-    let mut h = ChunkHasher::new(chunk_size);
-    // No larger than the file (and one byte to see its end in the same read): a buffer
-    // of the chunk size, zeroed for each of a million 1 KiB files, was a third of an
-    // import's CPU. A file that grows meanwhile is still read whole, piece by piece.
-    let len = f.metadata().map_or(u64::MAX, |m| m.len());
-    let cap = (chunk_size as usize)
-        .clamp(1 << 16, 8 << 20)
-        .min(usize::try_from(len).unwrap_or(usize::MAX).saturating_add(1));
-    let mut buf = vec![0u8; cap];
-    loop {
-        let n = f.read(&mut buf)?;
-        if n == 0 {
-            return Ok(h.finish());
-        }
-        h.update(&buf[..n]);
-    }
-}
+pub use crate::chunks::{hash_bytes, hash_file, ChunkHasher, ChunkKind, Chunks, FileHashes};
 
 impl Entry {
     pub fn size(&self) -> u64 {
@@ -292,9 +177,14 @@ impl Entry {
         }
     }
 
-    /// Checks what depends on the version: the number of chunk hashes.
-    pub fn check_chunks(&self, chunk_size: u32) -> Result<(), InvalidInput> {
-        if let EntryKind::File { size, chunks, .. } = &self.kind {
+    /// Checks what depends on the version: the number of chunk hashes, and for tree chunk
+    /// hashes that they are the file's (they must merge to its hash: an importer's bug
+    /// or a tampered manifest is refused here rather than found by every mount).
+    pub fn check_chunks(&self, chunk_size: u32, kind: ChunkKind) -> Result<(), InvalidInput> {
+        if let EntryKind::File {
+            size, blob, chunks, ..
+        } = &self.kind
+        {
             let want = chunk_count(*size, chunk_size);
             if chunks.len() as u64 != want {
                 return Err(InvalidInput::new(
@@ -304,6 +194,16 @@ impl Entry {
                          {} hashes were sent",
                         self.path,
                         chunks.len()
+                    ),
+                ));
+            }
+            if kind.is_tree() && !crate::chunks::tree_chunks_match(blob, chunks) {
+                return Err(InvalidInput::new(
+                    "chunks",
+                    format!(
+                        "{}: the chunk hashes are not those of the file's hash {blob} \
+                         (this version records tree chunk hashes)",
+                        self.path
                     ),
                 ));
             }
@@ -454,8 +354,8 @@ mod tests {
     #[test]
     fn entry_round_trip() {
         let e = Entry::try_from(file("a/b")).unwrap();
-        assert!(e.check_chunks(8).is_ok());
-        assert!(e.check_chunks(2).is_err());
+        assert!(e.check_chunks(8, ChunkKind::Plain).is_ok());
+        assert!(e.check_chunks(2, ChunkKind::Plain).is_err());
         assert_eq!(pb::Entry::from(e.clone()), file("a/b"));
         let link = pb::Entry {
             path: "l".into(),
@@ -470,7 +370,7 @@ mod tests {
     #[test]
     fn chunk_hasher_matches_one_shot_hashes() {
         let data: Vec<u8> = (0..300_001u32).map(|i| (i % 253) as u8).collect();
-        let mut h = ChunkHasher::new(65536);
+        let mut h = ChunkHasher::new(65536, ChunkKind::Plain);
         for piece in data.chunks(7777) {
             h.update(piece);
         }
@@ -480,15 +380,19 @@ mod tests {
         let want: Vec<BlobHash> = data.chunks(65536).map(BlobHash::of).collect();
         assert_eq!(chunks, want);
         assert_eq!(
-            ChunkHasher::new(65536).finish().2.len(),
+            ChunkHasher::new(65536, ChunkKind::Plain).finish().2.len(),
             0,
             "an empty blob has no chunks"
         );
         // Held whole: the same hashes, whether one chunk (hashed once) or many.
         for len in [0, 1, 65_535, 65_536, 65_537, 300_001] {
-            let mut h = ChunkHasher::new(65536);
+            let mut h = ChunkHasher::new(65536, ChunkKind::Plain);
             h.update(&data[..len]);
-            assert_eq!(hash_bytes(&data[..len], 65536), h.finish(), "{len} bytes");
+            assert_eq!(
+                hash_bytes(&data[..len], 65536, ChunkKind::Plain),
+                h.finish(),
+                "{len} bytes"
+            );
         }
     }
 

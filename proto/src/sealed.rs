@@ -38,10 +38,16 @@
 use std::collections::HashMap;
 use std::io::Write;
 
+use crate::chunks::ChunkKind;
 use crate::manifest::{BlobHash, Entry, EntryKind};
 
 pub const MAGIC: &[u8; 8] = b"LOCUSNS1";
+/// The layout above, its files' chunk hashes plain (`crate::chunks`).
 pub const FORMAT: u32 = 1;
+/// The same layout, its files' chunk hashes tree chunk hashes. A format of its own, not
+/// a flag, so a mount that predates tree chunk hashes refuses the namespace by name
+/// rather than finding every chunk of every large file wrong.
+pub const FORMAT_TREE: u32 = 2;
 const TRAILER: usize = 96;
 const RECORD: usize = 34;
 const DIR: u64 = 16;
@@ -166,11 +172,18 @@ pub struct Writer<W: Write> {
     runs: Vec<(u32, u32, u32, u32)>,
     last: Option<String>,
     chunk_size: u32,
+    kind: ChunkKind,
     total_bytes: u64,
 }
 
 impl<W: Write> Writer<W> {
+    /// A namespace whose files record plain chunk hashes.
     pub fn new(out: W, chunk_size: u32) -> Result<Self, SealError> {
+        Self::with_kind(out, chunk_size, ChunkKind::Plain)
+    }
+
+    /// A namespace whose files record chunk hashes of `kind` (the version's).
+    pub fn with_kind(out: W, chunk_size: u32, kind: ChunkKind) -> Result<Self, SealError> {
         let mut w = Writer {
             out: Counting {
                 inner: out,
@@ -185,6 +198,7 @@ impl<W: Write> Writer<W> {
             runs: Vec::new(),
             last: None,
             chunk_size,
+            kind,
             total_bytes: 0,
         };
         // The root: inode 1, its own parent.
@@ -328,7 +342,11 @@ impl<W: Write> Writer<W> {
         self.out.put(identity.as_bytes())?;
         let mut t = [0u8; TRAILER];
         t[0..8].copy_from_slice(MAGIC);
-        t[8..12].copy_from_slice(&FORMAT.to_le_bytes());
+        let format = match self.kind {
+            ChunkKind::Plain => FORMAT,
+            ChunkKind::Tree => FORMAT_TREE,
+        };
+        t[8..12].copy_from_slice(&format.to_le_bytes());
         t[16..24].copy_from_slice(&(offsets.len() as u64).to_le_bytes());
         t[24..32].copy_from_slice(&(runs.len() as u64).to_le_bytes());
         t[32..40].copy_from_slice(&offsets_at.to_le_bytes());
@@ -355,14 +373,24 @@ impl<W: Write> Writer<W> {
 /// Seals entries in any order (sorts them first): for importers and tests, which hold
 /// them all.
 pub fn seal(
-    mut entries: Vec<Entry>,
+    entries: Vec<Entry>,
     chunk_size: u32,
+    dataset: &str,
+    cluster_id: &str,
+) -> Result<(Vec<u8>, BlobHash), SealError> {
+    seal_with(entries, (chunk_size, ChunkKind::Plain), dataset, cluster_id)
+}
+
+/// `seal`, for files whose chunk hashes are of `kind`.
+pub fn seal_with(
+    mut entries: Vec<Entry>,
+    (chunk_size, kind): (u32, ChunkKind),
     dataset: &str,
     cluster_id: &str,
 ) -> Result<(Vec<u8>, BlobHash), SealError> {
     entries.sort_unstable_by(|a, b| canonical_cmp(a.path.as_str(), b.path.as_str()));
     let mut out = Vec::new();
-    let mut w = Writer::new(&mut out, chunk_size)?;
+    let mut w = Writer::with_kind(&mut out, chunk_size, kind)?;
     for e in &entries {
         w.push(e)?;
     }

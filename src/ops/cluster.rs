@@ -228,7 +228,20 @@ impl ImportCluster for GrpcCluster {
     }
 
     fn begin(&self, r: pb::BeginVersionRequest) -> BoxFuture<'_, Result<u64, tonic::Status>> {
-        Box::pin(async move { Ok(self.meta.clone().begin_version(r).await?.into_inner().session_id) })
+        Box::pin(async move {
+            let tree = r.tree_chunks;
+            let s = self.meta.clone().begin_version(r).await?.into_inner();
+            if s.tree_chunks != tree {
+                // A service that predates tree chunk hashes would take this client's for
+                // plain ones, and every mount would find every chunk wrong.
+                self.abort(s.session_id).await;
+                return Err(tonic::Status::failed_precondition(
+                    "the metadata service predates tree chunk hashes, which this client's \
+                     imports record: upgrade the metadata service first",
+                ));
+            }
+            Ok(s.session_id)
+        })
     }
 
     fn put_entries(
@@ -347,7 +360,7 @@ impl ImportCluster for GrpcCluster {
             // A node gives up on a silent source after its own peer timeout; this bounds a
             // node that stops answering: a minute plus the bytes at a slow 20 MB/s.
             let limit = Duration::from_secs(60) + Duration::from_secs_f64(r.size as f64 / 20e6);
-            let (size, chunk_size) = (r.size, r.chunk_size);
+            let (size, chunk_size, tree) = (r.size, r.chunk_size, r.tree_chunks);
             let resp = tokio::time::timeout(limit, c.import_object(r))
                 .await
                 .map_err(|_| {
@@ -362,6 +375,12 @@ impl ImportCluster for GrpcCluster {
                 .map(|c| BlobHash::from_slice("chunk_hashes", c))
                 .collect::<Result<Vec<_>, _>>()
                 .map_err(|e| tonic::Status::internal(e.to_string()))?;
+            if resp.tree_chunks != tree {
+                // A node that predates them answered plain chunk hashes.
+                return Err(tonic::Status::failed_precondition(format!(
+                    "node {node} predates tree chunk hashes (upgrade it)"
+                )));
+            }
             if chunks.len() as u64 != locus_proto::manifest::chunk_count(size, chunk_size) {
                 return Err(tonic::Status::internal(format!(
                     "node {node} returned {} chunk hashes for {size} bytes",

@@ -276,6 +276,7 @@ async fn import_remote(
             chunk_size: o.chunk_size,
             origin: o.source.clone(),
             replication: o.replicas,
+            tree_chunks: true,
         })
         .await?;
     let work = async {
@@ -471,6 +472,7 @@ pub async fn commit_scanned(
             chunk_size: o.chunk_size,
             origin,
             replication: o.replicas,
+            tree_chunks: true,
         })
         .await?;
     let (placement, uploaded, skipped, upload_time) = in_session(

@@ -13,7 +13,7 @@ use super::{Explain, SourceError};
 
 type Result<T, E = SourceError> = std::result::Result<T, E>;
 use futures_util::StreamExt;
-use locus_proto::manifest::{ChunkHasher, FileHashes};
+use locus_proto::manifest::{ChunkHasher, ChunkKind, FileHashes};
 use object_store::path::Path as ObjPath;
 use object_store::{ObjectStore, ObjectStoreExt};
 
@@ -77,7 +77,7 @@ pub async fn stage_object(
     };
     let (tx, mut rx) = tokio::sync::mpsc::channel::<bytes::Bytes>(8);
     let sink = tokio::task::spawn_blocking(move || {
-        let mut h = ChunkHasher::new(chunk_size);
+        let mut h = ChunkHasher::new(chunk_size, ChunkKind::Tree);
         let mut mem = bytes::BytesMut::with_capacity(if spill.is_none() { size as usize } else { 0 });
         let mut file = spill.map(|f| std::io::BufWriter::with_capacity(1 << 20, f));
         while let Some(b) = rx.blocking_recv() {

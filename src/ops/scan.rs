@@ -310,9 +310,10 @@ mod tests {
             .found
             .iter()
             .map(|f| match &f.kind {
-                FoundKind::File(BlobSource::Local(p)) => {
-                    Some(locus_proto::manifest::hash_file(p, 1 << 16).unwrap())
-                }
+                FoundKind::File(BlobSource::Local(p)) => Some(
+                    locus_proto::manifest::hash_file(p, 1 << 16, locus_proto::manifest::ChunkKind::Plain)
+                        .unwrap(),
+                ),
                 _ => None,
             })
             .collect();

@@ -64,7 +64,9 @@ pub async fn seal(
     let fail = |e: String| ImportError::Invalid(format!("sealing {dataset}@{}: {e}", v.version));
     let file = tempfile::NamedTempFile::new().map_err(|e| fail(e.to_string()))?;
     let out = std::io::BufWriter::with_capacity(1 << 20, file.reopen().map_err(|e| fail(e.to_string()))?);
-    let mut w = locus_proto::sealed::Writer::new(out, v.chunk_size).map_err(|e| fail(e.to_string()))?;
+    let kind = locus_proto::chunks::ChunkKind::from_tree(v.tree_chunks);
+    let mut w =
+        locus_proto::sealed::Writer::with_kind(out, v.chunk_size, kind).map_err(|e| fail(e.to_string()))?;
     let mut token = Vec::new();
     loop {
         let page = meta
@@ -161,7 +163,10 @@ pub(crate) async fn seal_and_store(
         entries.sort_unstable_by(|a, b| locus_proto::sealed::canonical_cmp(a.path.as_str(), b.path.as_str()));
         let file = tempfile::NamedTempFile::new().map_err(|e| fail(e.to_string()))?;
         let out = std::io::BufWriter::with_capacity(1 << 20, file.reopen().map_err(|e| fail(e.to_string()))?);
-        let mut w = locus_proto::sealed::Writer::new(out, chunk_size).map_err(|e| fail(e.to_string()))?;
+        // The import's session records tree chunk hashes (`ops::cluster::begin`).
+        let kind = locus_proto::chunks::ChunkKind::Tree;
+        let mut w =
+            locus_proto::sealed::Writer::with_kind(out, chunk_size, kind).map_err(|e| fail(e.to_string()))?;
         for e in &entries {
             w.push(e).map_err(|e| fail(e.to_string()))?;
         }

@@ -25,6 +25,7 @@ use super::*;
 pub struct Staged {
     pub(super) hash: BlobHash,
     pub(super) chunks: Vec<BlobHash>,
+    pub(super) kind: locus_proto::chunks::ChunkKind,
     pub(super) size: u64,
     pub(super) chunk_size: u32,
     pub(super) pin: bool,
@@ -86,7 +87,7 @@ impl BlobStore {
         let mut records = Vec::with_capacity(staged.len());
         for (s, dest) in staged.iter().zip(&dests) {
             let Some((renamed, dest)) = dest else { continue };
-            let mut rec = BlobRecord::complete(s.size, s.dir, s.pin, s.chunk_size, &s.chunks);
+            let mut rec = BlobRecord::complete(s.size, s.dir, s.pin, s.chunk_size, (s.kind, &s.chunks));
             rec.verified = record::stamp_published(*renamed, dest).map(Into::into);
             batch.put(s.hash.0, rec.encode_to_vec());
             records.push((s.hash, rec));

@@ -27,6 +27,7 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
+use locus_proto::chunks::ChunkKind;
 use locus_proto::manifest::hash_file;
 use locus_proto::BlobHash;
 use prost::Message;

@@ -234,9 +234,10 @@ impl BlobStore {
             if self.contains(&h) {
                 continue;
             }
-            match hash_file(&p, locus_proto::DEFAULT_CHUNK_SIZE) {
+            match hash_file(&p, locus_proto::DEFAULT_CHUNK_SIZE, ChunkKind::Tree) {
                 Ok((size, whole, chunks)) if whole == h => {
-                    let rec = BlobRecord::complete(size, di, false, locus_proto::DEFAULT_CHUNK_SIZE, &chunks);
+                    let chunks = (ChunkKind::Tree, &chunks[..]);
+                    let rec = BlobRecord::complete(size, di, false, locus_proto::DEFAULT_CHUNK_SIZE, chunks);
                     self.insert(h, rec)?;
                     rep.adopted += 1;
                 }

@@ -146,7 +146,7 @@ impl BlobStore {
         let mut new: Vec<(BlobHash, &[u8], Vec<BlobHash>)> = Vec::with_capacity(blobs.len());
         let mut seen = HashSet::with_capacity(blobs.len());
         for (h, data) in blobs {
-            let (_, got, chunks) = locus_proto::manifest::hash_bytes(data, chunk_size);
+            let (_, got, chunks) = locus_proto::manifest::hash_bytes(data, chunk_size, ChunkKind::Tree);
             if got != *h {
                 return Err(mismatch(*h, got));
             }
@@ -224,7 +224,8 @@ impl BlobStore {
             let mut records = Vec::with_capacity(new.len());
             let mut at = head;
             for (h, d, chunks) in &new {
-                let mut rec = BlobRecord::complete(d.len() as u64, dir, pin, chunk_size, chunks);
+                let mut rec =
+                    BlobRecord::complete(d.len() as u64, dir, pin, chunk_size, (ChunkKind::Tree, chunks));
                 rec.pack = id;
                 rec.offset = at;
                 rec.verified = verified.clone();
@@ -380,12 +381,12 @@ impl BlobStore {
             }
             let mut data = vec![0u8; row.size as usize];
             f.read_exact_at(&mut data, row.offset).map_err(io)?;
-            let (_, got, chunks) = locus_proto::manifest::hash_bytes(&data, chunk_size);
+            let (_, got, chunks) = locus_proto::manifest::hash_bytes(&data, chunk_size, ChunkKind::Tree);
             if got != row.hash {
                 tracing::warn!(pack = %path.display(), blob = %row.hash, "a blob in an unindexed pack does not match its name; not adopted");
                 continue;
             }
-            let mut rec = BlobRecord::complete(row.size, dir, false, chunk_size, &chunks);
+            let mut rec = BlobRecord::complete(row.size, dir, false, chunk_size, (ChunkKind::Tree, &chunks));
             rec.pack = id;
             rec.offset = row.offset;
             rec.verified = verified.clone();

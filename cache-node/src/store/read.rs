@@ -90,6 +90,7 @@ impl BlobStore {
             store: self.clone(),
             hash: *h,
             hashes: chunk_hashes(&rec.chunks),
+            kind: ChunkKind::from_tree(rec.tree_chunks),
             chunk_size: cs,
             size: rec.size,
             path,
@@ -160,7 +161,7 @@ impl BlobStore {
         let mut c = 0usize;
         while start < rec.size {
             let clen = cs.min(rec.size - start);
-            let mut hasher = blake3::Hasher::new();
+            let mut hasher = rec.chunk_at(c as u64).hasher();
             let mut done = 0;
             while done < clen {
                 let n = (buf.len() as u64).min(clen - done) as usize;
@@ -175,7 +176,7 @@ impl BlobStore {
                 done += n as u64;
                 at += n as u64;
             }
-            if hashes.get(c).map(|x| x.0) != Some(*hasher.finalize().as_bytes()) {
+            if hashes.get(c) != Some(&hasher.finish()) {
                 self.corrupt(h, &path, format!("chunk {c} hash mismatch"));
                 return Ok(false);
             }
@@ -269,6 +270,7 @@ pub struct BlobReader {
     store: Arc<BlobStore>,
     hash: BlobHash,
     hashes: Vec<BlobHash>,
+    kind: ChunkKind,
     chunk_size: u64,
     size: u64,
     path: std::path::PathBuf,
@@ -296,6 +298,10 @@ impl std::fmt::Debug for BlobReader {
 }
 
 impl BlobReader {
+    fn chunk_at(&self, c: u64, clen: u64) -> locus_proto::chunks::ChunkAt {
+        locus_proto::chunks::ChunkAt::new(self.kind, c * self.chunk_size, clen, self.size)
+    }
+
     /// Bytes not yet returned.
     pub fn remaining(&self) -> u64 {
         self.end - self.pos
@@ -384,7 +390,7 @@ impl BlobReader {
         if clen <= WHOLE_CHUNK_MAX {
             let mut buf = vec![0u8; clen as usize];
             self.read_at(&mut buf, start, c)?;
-            if want != Some(BlobHash::of(&buf)) {
+            if want != Some(self.chunk_at(c, clen).hash(&buf)) {
                 return Err(self.corrupt(format!("chunk {c} hash mismatch")));
             }
             buf.truncate((stop - start) as usize);
@@ -396,7 +402,7 @@ impl BlobReader {
             Some((k, s)) if k == c => s,
             _ => {
                 let before = record::stamp_file(&self.file).map_err(io)?;
-                let mut hasher = blake3::Hasher::new();
+                let mut hasher = self.chunk_at(c, clen).hasher();
                 let mut buf = vec![0u8; LARGE_PIECE as usize];
                 let mut at = start;
                 while at < start + clen {
@@ -405,7 +411,7 @@ impl BlobReader {
                     hasher.update(&buf[..n]);
                     at += n as u64;
                 }
-                if want.map(|w| w.0) != Some(*hasher.finalize().as_bytes()) {
+                if want != Some(hasher.finish()) {
                     return Err(self.corrupt(format!("chunk {c} hash mismatch")));
                 }
                 self.checked = Some((c, before));

@@ -4,6 +4,7 @@
 use std::fs;
 use std::path::Path;
 
+use locus_proto::chunks::{ChunkAt, ChunkKind};
 use locus_proto::BlobHash;
 
 /// What the index knows about a stored blob.
@@ -42,6 +43,11 @@ pub(super) struct BlobRecord {
     pub(super) pack: u64,
     #[prost(uint64, tag = "11")]
     pub(super) offset: u64,
+    /// `chunks` are tree chunk hashes (`locus_proto::chunks`): what this store computes
+    /// for blobs it hashes itself. False in records written before them, and for a
+    /// partial blob whose chunk hashes came from a version that records plain ones.
+    #[prost(bool, tag = "12")]
+    pub(super) tree_chunks: bool,
 }
 
 #[derive(Clone, PartialEq, prost::Message)]
@@ -116,7 +122,13 @@ impl BlobRecord {
         Ok(r)
     }
 
-    pub(super) fn complete(size: u64, dir: u32, pinned: bool, chunk_size: u32, chunks: &[BlobHash]) -> Self {
+    pub(super) fn complete(
+        size: u64,
+        dir: u32,
+        pinned: bool,
+        chunk_size: u32,
+        (kind, chunks): (ChunkKind, &[BlobHash]),
+    ) -> Self {
         BlobRecord {
             size,
             dir,
@@ -129,7 +141,18 @@ impl BlobRecord {
             pin_when_complete: false,
             pack: 0,
             offset: 0,
+            tree_chunks: kind.is_tree(),
         }
+    }
+
+    /// How to hash chunk `i` to check it against `chunks[i]`.
+    pub(super) fn chunk_at(&self, i: u64) -> ChunkAt {
+        ChunkAt::index(
+            ChunkKind::from_tree(self.tree_chunks),
+            i,
+            self.chunk_size,
+            self.size,
+        )
     }
 
     pub(super) fn chunk_count(&self) -> u64 {
@@ -230,7 +253,7 @@ mod tests {
     #[test]
     fn damaged_index_records_are_refused_whole_ones_accepted() {
         let h = BlobHash::of(b"x");
-        let good = BlobRecord::complete(100_000, 0, false, 1 << 16, &[h, h]);
+        let good = BlobRecord::complete(100_000, 0, false, 1 << 16, (ChunkKind::Tree, &[h, h]));
         assert!(BlobRecord::decode_checked(&good.encode_to_vec()).is_ok());
         let damage: [fn(&mut BlobRecord); 6] = [
             |r| r.chunks.push(7),
@@ -256,7 +279,7 @@ mod tests {
             );
         }
         assert!(BlobRecord::decode_checked(b"\xff\xff").is_err());
-        let empty = BlobRecord::complete(0, 0, false, 1 << 16, &[]);
+        let empty = BlobRecord::complete(0, 0, false, 1 << 16, (ChunkKind::Tree, &[]));
         assert!(
             BlobRecord::decode_checked(&empty.encode_to_vec()).is_ok(),
             "an empty blob has no chunks"

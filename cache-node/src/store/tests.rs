@@ -297,7 +297,8 @@ fn a_partial_blob_asked_to_be_pinned_holds_no_space_it_cannot_give_back() {
     let h = BlobHash::of(&data);
     let chunks: Vec<BlobHash> = data.chunks(1 << 16).map(BlobHash::of).collect();
     // A transfer that asks for a pin, stores one chunk, and never comes back.
-    s.begin_partial(h, 200_000, 1 << 16, &chunks, true).unwrap();
+    s.begin_partial(h, 200_000, 1 << 16, (ChunkKind::Plain, &chunks), true)
+        .unwrap();
     assert!(!s.write_chunk(&h, 0, &data[..1 << 16]).unwrap());
     assert_eq!(s.stats().pinned, 0, "not pinned while incomplete");
     // Space is needed: the abandoned partial is evicted instead of the write refused.
@@ -309,15 +310,25 @@ fn a_partial_blob_asked_to_be_pinned_holds_no_space_it_cannot_give_back() {
 
 #[test]
 fn partial_blobs_fill_chunk_by_chunk_and_survive_restarts() {
+    partial_blob_fills_and_survives_restarts(ChunkKind::Tree);
+}
+
+#[test]
+fn partial_blobs_of_a_version_with_plain_chunk_hashes_fill_and_survive_restarts() {
+    partial_blob_fills_and_survives_restarts(ChunkKind::Plain);
+}
+
+fn partial_blob_fills_and_survives_restarts(kind: ChunkKind) {
     let d = tempfile::tempdir().unwrap();
     let data: Vec<u8> = (0..200_000u32).map(|i| (i % 241) as u8).collect();
     let h = BlobHash::of(&data);
     let cs = 1u64 << 16;
-    let chunks: Vec<BlobHash> = data.chunks(cs as usize).map(BlobHash::of).collect();
+    let (_, _, chunks) = locus_proto::manifest::hash_bytes(&data, cs as u32, kind);
     let piece = |i: u64| &data[(i * cs) as usize..((i + 1) * cs).min(200_000) as usize];
     {
         let s = open(d.path(), 1 << 30);
-        s.begin_partial(h, 200_000, 1 << 16, &chunks, true).unwrap();
+        s.begin_partial(h, 200_000, 1 << 16, (kind, &chunks), true)
+            .unwrap();
         assert!(!s.contains(&h), "a partial blob is not a blob yet");
         assert_eq!(s.missing_chunks(&h).unwrap(), vec![0, 1, 2, 3]);
         assert!(!s.write_chunk(&h, 2, piece(2)).unwrap());
@@ -366,7 +377,8 @@ fn unpinned_partial_blobs_are_evictable() {
     let data = vec![9u8; 200_000];
     let chunks: Vec<BlobHash> = data.chunks(1 << 16).map(BlobHash::of).collect();
     let h = BlobHash::of(&data);
-    s.begin_partial(h, 200_000, 1 << 16, &chunks, false).unwrap();
+    s.begin_partial(h, 200_000, 1 << 16, (ChunkKind::Plain, &chunks), false)
+        .unwrap();
     let other = put(&s, &vec![3u8; 200_000], true).unwrap();
     assert!(s.contains(&other));
     assert_eq!(s.missing_chunks(&h), None, "the abandoned partial blob made room");

@@ -5,7 +5,7 @@ use std::fs::{self, File};
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use locus_proto::manifest::Chunks;
+use locus_proto::chunks::{ChunkHasher, ChunkKind, Chunks};
 use locus_proto::{outboard, BlobHash};
 use prost::Message;
 
@@ -21,7 +21,7 @@ impl BlobStore {
         hash: BlobHash,
         size: u64,
         chunk_size: u32,
-        chunks: &[BlobHash],
+        (kind, chunks): (ChunkKind, &[BlobHash]),
         pin: bool,
     ) -> Result<(), StoreError> {
         if self.contains(&hash) || self.shard(&hash).partials.contains_key(&hash) {
@@ -56,6 +56,7 @@ impl BlobStore {
             pin_when_complete: pin,
             pack: 0,
             offset: 0,
+            tree_chunks: kind.is_tree(),
         };
         self.index
             .put(hash.0, rec.encode_to_vec())
@@ -93,7 +94,7 @@ impl BlobStore {
         }
         let expect_len = cs.min(rec.size - i * cs);
         let want = chunk_hashes(&rec.chunks)[i as usize];
-        if data.len() as u64 != expect_len || BlobHash::of(data) != want {
+        if data.len() as u64 != expect_len || rec.chunk_at(i).hash(data) != want {
             return Err(StoreError::Mismatch {
                 hash: *h,
                 what: format!("chunk {i} does not match its hash"),
@@ -120,7 +121,7 @@ impl BlobStore {
             return Ok(false);
         }
         // Complete: the whole-blob hash is the final word before it becomes visible.
-        let (_, whole, _) = hash_file(&path, rec.chunk_size).map_err(io)?;
+        let (_, whole, _) = hash_file(&path, rec.chunk_size, ChunkKind::Tree).map_err(io)?;
         if whole != *h {
             self.move_to_quarantine(&path, h);
             self.forget(h);
@@ -176,25 +177,28 @@ impl BlobStore {
             }
             return Ok(None);
         }
-        self.writer(Some(hash), size, chunk_size, pin).map(Some)
+        // Named: the store's own chunk hashes, the kind it gets in one pass.
+        self.writer(Some(hash), size, (chunk_size, ChunkKind::Tree), pin)
+            .map(Some)
     }
 
     /// Starts writing a blob whose name is not known yet: it is named by the hash of
-    /// what arrives (an object this node reads from a version's origin for an import).
+    /// what arrives (an object this node reads from a version's origin for an import,
+    /// whose chunk hashes, of the kind the version records, go into its manifest).
     pub fn begin_unnamed_write(
         self: &Arc<Self>,
         size: u64,
-        chunk_size: u32,
+        (chunk_size, kind): (u32, ChunkKind),
         pin: bool,
     ) -> Result<BlobWriter, StoreError> {
-        self.writer(None, size, chunk_size, pin)
+        self.writer(None, size, (chunk_size, kind), pin)
     }
 
     fn writer(
         self: &Arc<Self>,
         hash: Option<BlobHash>,
         size: u64,
-        chunk_size: u32,
+        (chunk_size, kind): (u32, ChunkKind),
         pin: bool,
     ) -> Result<BlobWriter, StoreError> {
         let chunk_size = checked_chunk_size(hash.unwrap_or(BlobHash([0; 32])), chunk_size)?;
@@ -206,16 +210,32 @@ impl BlobStore {
         };
         let tmp = self.cfg.dirs[dir as usize].join("tmp").join(&name);
         let file = super::direct::BlobFile::create(&tmp, size).map_err(io)?;
+        // A blob of one chunk has the same chunk hash under both kinds (its own): hashed
+        // once, as a tree.
+        let kind = match size > u64::from(chunk_size) {
+            true => kind,
+            false => ChunkKind::Tree,
+        };
+        let hashes = || Whole::Hashes(Box::new(ChunkHasher::new(chunk_size, kind)));
         let whole = match size > super::outboards::KEEP_ABOVE {
             true => match OutboardFile::create(tmp.with_file_name(format!("{name}.ob"))) {
-                Ok(f) => Whole::Tree(Box::new(outboard::Builder::new(size, f))),
+                Ok(f) => {
+                    let mut b = outboard::Builder::new(size, f);
+                    if kind.is_tree() {
+                        b.keep_chunks(chunk_size);
+                    }
+                    Whole::Tree(Box::new(b))
+                }
                 Err(e) => {
                     tracing::warn!("cannot start an outboard file; the blob keeps none: {e}");
-                    Whole::Plain(Box::default())
+                    hashes()
                 }
             },
-            false => Whole::Plain(Box::default()),
+            false => hashes(),
         };
+        // Plain chunk hashes beside a tree: their own pass (versions recorded before tree
+        // chunk hashes, imported by a node from an origin).
+        let chunks = (matches!(whole, Whole::Tree(_)) && !kind.is_tree()).then(|| Chunks::new(chunk_size));
         Ok(BlobWriter {
             store: self.clone(),
             hash,
@@ -226,8 +246,8 @@ impl BlobStore {
             tmp,
             file: Some(file),
             whole,
-            // A blob of one chunk: its chunk's hash is the whole blob's, hashed once.
-            chunks: (size > u64::from(chunk_size)).then(|| Chunks::new(chunk_size)),
+            kind,
+            chunks,
             written: 0,
             reservation,
         })
@@ -255,9 +275,11 @@ pub struct BlobWriter {
     dir: u32,
     tmp: PathBuf,
     file: Option<super::direct::BlobFile>,
-    /// The whole blob's hash, with its outboard for a blob that keeps one.
+    /// The whole blob's hash and its chunk hashes, with its outboard for a blob that keeps
+    /// one.
     whole: Whole,
-    /// Chunk hashes; None for a blob of one chunk.
+    kind: ChunkKind,
+    /// Plain chunk hashes beside a tree (which yields only tree ones).
     chunks: Option<Chunks>,
     written: u64,
     /// Grows as bytes arrive.
@@ -265,7 +287,7 @@ pub struct BlobWriter {
 }
 
 enum Whole {
-    Plain(Box<blake3::Hasher>),
+    Hashes(Box<ChunkHasher>),
     Tree(Box<outboard::Builder<OutboardFile>>),
     Taken,
 }
@@ -317,9 +339,7 @@ impl BlobWriter {
     fn absorb(&mut self, data: &[u8]) {
         self.written += data.len() as u64;
         match &mut self.whole {
-            Whole::Plain(h) => {
-                h.update(data);
-            }
+            Whole::Hashes(h) => h.update(data),
             Whole::Tree(b) => b.update(data),
             Whole::Taken => {}
         }
@@ -375,18 +395,20 @@ impl BlobWriter {
                 what: "fewer bytes than announced".into(),
             });
         }
-        let (got, outboard) = match std::mem::replace(&mut self.whole, Whole::Taken) {
-            Whole::Plain(h) => (BlobHash(*h.finalize().as_bytes()), None),
+        let (got, chunks, outboard) = match std::mem::replace(&mut self.whole, Whole::Taken) {
+            Whole::Hashes(h) => {
+                let (_, got, chunks) = h.finish();
+                (got, chunks, None)
+            }
             Whole::Tree(b) => {
-                let (root, f) = b.finish().expect("the announced size arrived");
-                (root, Some(f))
+                let (root, f, tree) = b.finish_with_chunks().expect("the announced size arrived");
+                let chunks = match self.chunks.take() {
+                    Some(c) => c.finish(),
+                    None => tree,
+                };
+                (root, chunks, Some(f))
             }
             Whole::Taken => unreachable!("verified once"),
-        };
-        let chunks = match self.chunks.take() {
-            Some(c) => c.finish(),
-            None if self.size == 0 => Vec::new(),
-            None => vec![got],
         };
         match self.hash {
             Some(want) if got != want => {
@@ -432,7 +454,13 @@ impl BlobWriter {
 
     /// The index record of the blob now at `dest`.
     fn record(&self, chunks: &[BlobHash], dest: &std::path::Path, renamed: Option<FileStamp>) -> BlobRecord {
-        let mut rec = BlobRecord::complete(self.size, self.dir, self.pin, self.chunk_size, chunks);
+        let mut rec = BlobRecord::complete(
+            self.size,
+            self.dir,
+            self.pin,
+            self.chunk_size,
+            (self.kind, chunks),
+        );
         // The bytes were hashed on the way in, so the first `verified_path` after an
         // import or a copy from a peer need not read the file whole again (what made a
         // cold passthrough open of a large file cost a full read before the kernel's
@@ -475,6 +503,7 @@ impl BlobWriter {
         Ok(super::batch::Staged {
             hash,
             chunks,
+            kind: self.kind,
             size: self.size,
             chunk_size: self.chunk_size,
             pin: self.pin,

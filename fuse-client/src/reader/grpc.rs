@@ -76,14 +76,14 @@ impl GrpcReplicas {
                 // hashed after is read back from memory: measurably dearer per byte),
                 // and each answering one aligned kernel read without a copy.
                 let mut parts = Vec::with_capacity(r.len().div_ceil(BULK_PIECE as u64) as usize);
-                let mut hasher = blake3::Hasher::new();
+                let mut hasher = c.at().hasher();
                 loop {
                     match r.next(BULK_PIECE).await {
                         Ok(Some(b)) => {
                             hasher.update(&b);
                             parts.push(b);
                         }
-                        Ok(None) => return Ok(Pieces::hashed(parts, &hasher)),
+                        Ok(None) => return Ok(Pieces::hashed(parts, c.at(), &hasher)),
                         Err(e) => return Err(SourceError::Unreachable(e.to_string())),
                     }
                 }

@@ -8,7 +8,7 @@ use super::*;
 #[test]
 fn duplicates_are_refused_whether_pages_come_in_catalogue_order_or_not() {
     let f = fixture();
-    let (s, _) = f.cat.begin_version(&name("ds"), 0, "", 1, "t").unwrap();
+    let (s, _) = f.cat.begin_version(&name("ds"), 0, "", 1, false, "t").unwrap();
     // Catalogue order: a's children before b's ("a\0…" < "b\0…"), names ascending.
     f.cat.put_entries(s, 0, vec![dir("a"), dir("b")]).unwrap();
     f.cat
@@ -42,7 +42,7 @@ fn duplicates_are_refused_whether_pages_come_in_catalogue_order_or_not() {
 #[test]
 fn a_single_chunk_is_stored_once_as_the_blob_and_read_back_whole() {
     let f = fixture();
-    let (s, _) = f.cat.begin_version(&name("ds"), 0, "", 1, "t").unwrap();
+    let (s, _) = f.cat.begin_version(&name("ds"), 0, "", 1, false, "t").unwrap();
     let mut one = file("one", 10, 0);
     let mut odd = file("odd", 10, 0);
     if let EntryKind::File { blob, chunks, .. } = &mut one.kind {

@@ -2,6 +2,7 @@
 //! becomes visible in the one atomic write of its commit; abandoned sessions are reaped.
 
 use super::*;
+use locus_proto::chunks::ChunkKind;
 
 /// Largest sealed namespace the catalogue keeps itself (a version without files).
 pub const MAX_INLINE_NAMESPACE: u64 = 4 << 20;
@@ -67,6 +68,7 @@ impl Catalog {
         chunk_size: u32,
         origin: &str,
         replication: u32,
+        tree_chunks: bool,
         principal: &str,
     ) -> Result<(u64, u32)> {
         let chunk_size = if chunk_size == 0 {
@@ -110,6 +112,7 @@ impl Catalog {
             entries: 0,
             opened_by: principal.to_string(),
             ordered_up_to: Vec::new(),
+            tree_chunks,
         };
         let mut b = Batch::default();
         b.put(Table::Meta, keys::META_NEXT_UID, (uid + 1).to_be_bytes().to_vec());
@@ -149,7 +152,7 @@ impl Catalog {
             && keys.windows(2).all(|w| w[0] < w[1]);
         let mut seen = HashSet::new();
         for (i, (e, key)) in entries.iter().zip(keys).enumerate() {
-            e.check_chunks(rec.chunk_size)
+            e.check_chunks(rec.chunk_size, ChunkKind::from_tree(rec.tree_chunks))
                 .map_err(|x| x.within(format_args!("entries[{i}]")))?;
             if !ordered && (!seen.insert(key.clone()) || self.store.get(Table::Entries, &key)?.is_some()) {
                 return Err(InvalidInput::new(
@@ -263,11 +266,11 @@ impl Catalog {
         let (mut files, mut dirs, mut symlinks, mut bytes) = (0u64, 0u64, 0u64, 0u64);
         let mut per_shard: BTreeMap<u32, (u64, u64)> = BTreeMap::new();
         let (tx, rx) = std::sync::mpsc::sync_channel::<Vec<(String, EntryRecord)>>(8);
-        let chunk_size = rec.chunk_size;
+        let chunks = (rec.chunk_size, ChunkKind::from_tree(rec.tree_chunks));
         let (read, sealed) = std::thread::scope(|scope| {
             let sealing_thread = scope.spawn(move || {
-                let mut sealer =
-                    locus_proto::sealed::Writer::new(std::io::sink(), chunk_size).map_err(sealing)?;
+                let mut sealer = locus_proto::sealed::Writer::with_kind(std::io::sink(), chunks.0, chunks.1)
+                    .map_err(sealing)?;
                 for batch in rx {
                     for (path, e) in batch {
                         sealer.push(&sealable(path, e)?).map_err(sealing)?;
@@ -363,7 +366,7 @@ impl Catalog {
             &mut b,
             uid,
             shards.first().map(|(id, _)| *id),
-            (&rec.dataset, rec.chunk_size),
+            (&rec.dataset, chunks),
             sealed,
             namespace,
         )?;
@@ -402,6 +405,7 @@ impl Catalog {
             namespace_size: ns.size,
             namespace_inline: ns.inline,
             namespace_chunks: ns.chunks,
+            tree_chunks: rec.tree_chunks,
         };
         let mut resident: BTreeMap<&str, u64> = BTreeMap::new();
         for (id, s) in &shards {
@@ -446,7 +450,7 @@ impl Catalog {
         b: &mut Batch,
         uid: u64,
         first_shard: Option<u32>,
-        (dataset, chunk_size): (&str, u32),
+        (dataset, chunks): (&str, (u32, ChunkKind)),
         sealed: locus_proto::sealed::Sealed,
         claim: Option<(BlobHash, u64)>,
     ) -> Result<NamespaceFields> {
@@ -476,12 +480,12 @@ impl Catalog {
                          {MAX_INLINE_NAMESPACE}): add a file, or split the tree"
                     )));
                 }
-                inline = self.seal_bytes(uid, dataset, chunk_size)?;
+                inline = self.seal_bytes(uid, dataset, chunks)?;
             }
         }
         if let Some(first) = first_shard {
             let mut v = size.to_be_bytes().to_vec();
-            v.extend_from_slice(&chunk_size.to_be_bytes());
+            v.extend_from_slice(&chunks.0.to_be_bytes());
             b.put(Table::ShardBlobs, keys::shard_blob(uid, first, &hash.0), v);
             b.put(
                 Table::BlobShards,
@@ -513,10 +517,11 @@ impl Catalog {
             }
             return Ok(Self::version_pb(name, number, &v));
         }
-        let sealed = self.seal_entries(v.uid, name, v.chunk_size, std::io::sink())?;
+        let chunks = (v.chunk_size, ChunkKind::from_tree(v.tree_chunks));
+        let sealed = self.seal_entries(v.uid, name, chunks, std::io::sink())?;
         let first = self.first_shard(v.uid)?;
         let mut b = Batch::default();
-        let ns = self.bind_namespace(&mut b, v.uid, first, (name, v.chunk_size), sealed, Some(claim))?;
+        let ns = self.bind_namespace(&mut b, v.uid, first, (name, chunks), sealed, Some(claim))?;
         v.namespace_blob = ns.blob;
         v.namespace_size = ns.size;
         v.namespace_inline = ns.inline;
@@ -540,14 +545,15 @@ impl Catalog {
     #[cfg(test)]
     pub(crate) fn session_namespace(&self, session: u64) -> Result<(BlobHash, u64)> {
         let rec = self.session(session)?;
-        let s = self.seal_entries(session, &rec.dataset, rec.chunk_size, std::io::sink())?;
+        let chunks = (rec.chunk_size, ChunkKind::from_tree(rec.tree_chunks));
+        let s = self.seal_entries(session, &rec.dataset, chunks, std::io::sink())?;
         Ok((s.hash, s.size))
     }
 
     /// The sealed namespace of the entries under `uid`, as bytes (for a small one).
-    fn seal_bytes(&self, uid: u64, dataset: &str, chunk_size: u32) -> Result<Vec<u8>> {
+    fn seal_bytes(&self, uid: u64, dataset: &str, chunks: (u32, ChunkKind)) -> Result<Vec<u8>> {
         let mut out = Vec::new();
-        self.seal_entries(uid, dataset, chunk_size, &mut out)?;
+        self.seal_entries(uid, dataset, chunks, &mut out)?;
         Ok(out)
     }
 
@@ -556,10 +562,10 @@ impl Catalog {
         &self,
         uid: u64,
         dataset: &str,
-        chunk_size: u32,
+        (chunk_size, kind): (u32, ChunkKind),
         out: W,
     ) -> Result<locus_proto::sealed::Sealed> {
-        let mut w = locus_proto::sealed::Writer::new(out, chunk_size).map_err(sealing)?;
+        let mut w = locus_proto::sealed::Writer::with_kind(out, chunk_size, kind).map_err(sealing)?;
         let (from, to) = keys::uid_range(uid);
         for kv in self.store.scan(Table::Entries, &from, Some(&to)) {
             let (k, v) = kv?;

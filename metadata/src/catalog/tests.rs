@@ -93,7 +93,7 @@ fn shard(id: u32, bytes: u64, files: u64, replicas: &[&str]) -> ShardSpec {
 
 /// A small valid version: a/, a/x (10 bytes, shard 0), a/y (5 MiB, shard 1), l -> a/x.
 fn small_version(cat: &Catalog, ds: &str, replicas: &[&str]) -> pb::Version {
-    let (s, _) = cat.begin_version(&name(ds), 0, "", 2, "tester").unwrap();
+    let (s, _) = cat.begin_version(&name(ds), 0, "", 2, false, "tester").unwrap();
     let link = Entry {
         path: RelPath::try_from("l").unwrap(),
         kind: EntryKind::Symlink { target: "a/x".into() },
@@ -167,7 +167,7 @@ fn commit_makes_a_complete_version() {
 #[test]
 fn paging_visits_every_entry_once() {
     let f = fixture();
-    let (s, _) = f.cat.begin_version(&name("p"), 0, "", 1, "t").unwrap();
+    let (s, _) = f.cat.begin_version(&name("p"), 0, "", 1, false, "t").unwrap();
     let mut entries = vec![dir("d")];
     for i in 0..250 {
         entries.push(file(&format!("d/f{i:03}"), 1, 0));
@@ -203,7 +203,7 @@ fn paging_visits_every_entry_once() {
 #[test]
 fn uncommitted_and_aborted_sessions_stay_invisible() {
     let f = fixture();
-    let (s, _) = f.cat.begin_version(&name("ds"), 0, "", 1, "t").unwrap();
+    let (s, _) = f.cat.begin_version(&name("ds"), 0, "", 1, false, "t").unwrap();
     f.cat.put_entries(s, 0, vec![dir("a")]).unwrap();
     assert!(f.cat.list_datasets().unwrap().is_empty());
     assert!(matches!(
@@ -220,10 +220,10 @@ fn uncommitted_and_aborted_sessions_stay_invisible() {
 #[test]
 fn idle_sessions_are_reaped() {
     let f = fixture();
-    let (old, _) = f.cat.begin_version(&name("ds"), 0, "", 1, "t").unwrap();
+    let (old, _) = f.cat.begin_version(&name("ds"), 0, "", 1, false, "t").unwrap();
     f.cat.put_entries(old, 0, vec![dir("a")]).unwrap();
     f.clock.advance_ms(50_000);
-    let (fresh, _) = f.cat.begin_version(&name("ds"), 0, "", 1, "t").unwrap();
+    let (fresh, _) = f.cat.begin_version(&name("ds"), 0, "", 1, false, "t").unwrap();
     f.clock.advance_ms(20_000);
     assert_eq!(f.cat.reap_sessions().unwrap(), 1);
     assert!(matches!(
@@ -238,7 +238,7 @@ fn idle_sessions_are_reaped() {
 #[test]
 fn pages_are_idempotent_and_ordered() {
     let f = fixture();
-    let (s, _) = f.cat.begin_version(&name("ds"), 0, "", 1, "t").unwrap();
+    let (s, _) = f.cat.begin_version(&name("ds"), 0, "", 1, false, "t").unwrap();
     assert_eq!(f.cat.put_entries(s, 0, vec![dir("a")]).unwrap(), (1, 1));
     // A retried page is acknowledged without being applied twice.
     assert_eq!(f.cat.put_entries(s, 0, vec![dir("a")]).unwrap(), (1, 1));
@@ -271,13 +271,13 @@ fn pages_are_idempotent_and_ordered() {
 fn commit_checks_the_whole_manifest() {
     let f = fixture();
     // A file whose parent directory is missing.
-    let (s, _) = f.cat.begin_version(&name("ds"), 0, "", 1, "t").unwrap();
+    let (s, _) = f.cat.begin_version(&name("ds"), 0, "", 1, false, "t").unwrap();
     f.cat.put_entries(s, 0, vec![file("nodir/x", 1, 0)]).unwrap();
     f.cat.put_shards(s, 0, vec![shard(0, 1, 1, &[])]).unwrap();
     let e = commit(&f.cat, s, "t").unwrap_err();
     assert!(e.to_string().contains("not a directory"), "{e}");
     // A parent that is a file.
-    let (s, _) = f.cat.begin_version(&name("ds"), 0, "", 1, "t").unwrap();
+    let (s, _) = f.cat.begin_version(&name("ds"), 0, "", 1, false, "t").unwrap();
     f.cat
         .put_entries(s, 0, vec![file("x", 1, 0), file("x/y", 1, 0)])
         .unwrap();
@@ -287,7 +287,7 @@ fn commit_checks_the_whole_manifest() {
         Err(CatalogError::Precondition(_))
     ));
     // Shard totals that disagree with the files.
-    let (s, _) = f.cat.begin_version(&name("ds"), 0, "", 1, "t").unwrap();
+    let (s, _) = f.cat.begin_version(&name("ds"), 0, "", 1, false, "t").unwrap();
     f.cat.put_entries(s, 0, vec![file("x", 1, 0)]).unwrap();
     f.cat.put_shards(s, 0, vec![shard(0, 2, 1, &[])]).unwrap();
     assert!(matches!(
@@ -295,7 +295,7 @@ fn commit_checks_the_whole_manifest() {
         Err(CatalogError::Precondition(_))
     ));
     // Files in a shard never sent.
-    let (s, _) = f.cat.begin_version(&name("ds"), 0, "", 1, "t").unwrap();
+    let (s, _) = f.cat.begin_version(&name("ds"), 0, "", 1, false, "t").unwrap();
     f.cat.put_entries(s, 0, vec![file("x", 1, 3)]).unwrap();
     assert!(matches!(
         commit(&f.cat, s, "t"),
@@ -304,7 +304,7 @@ fn commit_checks_the_whole_manifest() {
     // None of these became a version.
     assert!(f.cat.list_datasets().unwrap().is_empty());
     // Unregistered replica nodes are refused at upload.
-    let (s, _) = f.cat.begin_version(&name("ds"), 0, "", 1, "t").unwrap();
+    let (s, _) = f.cat.begin_version(&name("ds"), 0, "", 1, false, "t").unwrap();
     assert!(matches!(
         f.cat.put_shards(s, 0, vec![shard(0, 1, 1, &["ghost"])]),
         Err(CatalogError::Invalid(_))
@@ -450,7 +450,7 @@ fn begin_validates_its_arguments() {
     ] {
         assert!(
             matches!(
-                f.cat.begin_version(&name("ds"), chunk, origin, 1, "t"),
+                f.cat.begin_version(&name("ds"), chunk, origin, 1, false, "t"),
                 Err(CatalogError::Invalid(_))
             ),
             "{chunk} {origin}"
@@ -458,7 +458,7 @@ fn begin_validates_its_arguments() {
     }
     assert!(f
         .cat
-        .begin_version(&name("ds"), 1 << 16, "s3://bucket/prefix", 3, "t")
+        .begin_version(&name("ds"), 1 << 16, "s3://bucket/prefix", 3, false, "t")
         .is_ok());
 }
 
@@ -552,7 +552,7 @@ fn a_pause_of_the_service_itself_gives_every_node_a_fresh_liveness_timeout() {
 fn a_commit_binds_the_version_to_the_sealed_namespace_of_its_manifest() {
     let f = fixture();
     register(&f.cat, "n1");
-    let (s, _) = f.cat.begin_version(&name("ns"), 0, "", 1, "t").unwrap();
+    let (s, _) = f.cat.begin_version(&name("ns"), 0, "", 1, false, "t").unwrap();
     f.cat
         .put_entries(s, 0, vec![dir("a"), file("a/x", 10, 0)])
         .unwrap();
@@ -576,7 +576,7 @@ fn a_commit_binds_the_version_to_the_sealed_namespace_of_its_manifest() {
     assert_eq!(loc[0].2, Some((n, 4 << 20)));
 
     // Directories only: no shard, so the catalogue keeps the namespace itself.
-    let (s, _) = f.cat.begin_version(&name("dirs"), 0, "", 1, "t").unwrap();
+    let (s, _) = f.cat.begin_version(&name("dirs"), 0, "", 1, false, "t").unwrap();
     f.cat.put_entries(s, 0, vec![dir("a"), dir("a/b")]).unwrap();
     let v = f.cat.commit(s, "t", None).unwrap();
     let got = f.cat.get_version(&latest("dirs")).unwrap();
@@ -594,7 +594,7 @@ fn a_commit_binds_the_version_to_the_sealed_namespace_of_its_manifest() {
 fn an_unsealed_version_takes_only_the_namespace_its_entries_seal_to() {
     let f = fixture();
     register(&f.cat, "n1");
-    let (s, _) = f.cat.begin_version(&name("old"), 0, "", 1, "t").unwrap();
+    let (s, _) = f.cat.begin_version(&name("old"), 0, "", 1, false, "t").unwrap();
     f.cat
         .put_entries(s, 0, vec![dir("a"), file("a/x", 10, 0)])
         .unwrap();

@@ -67,6 +67,7 @@ impl Catalog {
             namespace_size: v.namespace_size,
             namespace_inline: Vec::new(),
             namespace_chunks: Vec::new(),
+            tree_chunks: v.tree_chunks,
         }
     }
 

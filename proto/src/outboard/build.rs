@@ -63,6 +63,9 @@ pub struct Builder<S: Sink> {
     fed: u64,
     pairs: Vec<u8>,
     root: Option<BlobHash>,
+    /// Tree chunk hashes being collected (`keep_chunks`): the chunk size, and the chaining
+    /// values of the chunks done so far, which are nodes of this very tree.
+    chunks: Option<(u64, Vec<BlobHash>)>,
 }
 
 impl<S: Sink> Builder<S> {
@@ -77,9 +80,17 @@ impl<S: Sink> Builder<S> {
             fed: 0,
             pairs: Vec::new(),
             root: None,
+            chunks: None,
         };
         b.descend(0, len);
         b
+    }
+
+    /// Also yields the blob's tree chunk hashes of `chunk_size` (`crate::chunks`) at
+    /// `finish_with_chunks`, for no extra hashing. Before any byte is pushed.
+    pub fn keep_chunks(&mut self, chunk_size: u32) {
+        debug_assert_eq!(self.fed, 0);
+        self.chunks = Some((u64::from(chunk_size.max(1)), Vec::new()));
     }
 
     /// Bytes pushed so far.
@@ -125,6 +136,18 @@ impl<S: Sink> Builder<S> {
         }
     }
 
+    /// `finish`, with the tree chunk hashes `keep_chunks` asked for (none if it was not).
+    pub fn finish_with_chunks(mut self) -> Option<(BlobHash, S, Vec<BlobHash>)> {
+        let chunks = self.chunks.take();
+        let (root, sink) = self.finish()?;
+        let chunks = match chunks {
+            None => Vec::new(),
+            Some((_, done)) if done.is_empty() => vec![root],
+            Some((_, done)) => done,
+        };
+        Some((root, sink, chunks))
+    }
+
     /// The root and the sink, once exactly the announced length was pushed; None
     /// otherwise (fewer or more bytes: the outboard in the sink is not the blob's).
     pub fn finish(mut self) -> Option<(BlobHash, S)> {
@@ -166,9 +189,22 @@ impl<S: Sink> Builder<S> {
         cv
     }
 
+    /// Keeps a finished non-root subtree's chaining value when it is a chunk: it starts
+    /// at a chunk boundary and is a chunk long, or is the blob's last, shorter chunk.
+    fn chunk_done(&mut self, (offset, len): (u64, u64), cv: &ChainingValue) {
+        if let Some((cs, done)) = &mut self.chunks {
+            let last = offset + len == self.len && len < *cs;
+            if offset.is_multiple_of(*cs) && (len == *cs || last) && len < self.len {
+                debug_assert_eq!(offset / *cs, done.len() as u64);
+                done.push(BlobHash(*cv));
+            }
+        }
+    }
+
     /// Climbs from a finished subtree: a parent whose left child it was moves on to its
     /// right one; a parent whose right child it was is done too.
     fn leaf_done(&mut self, mut cv: ChainingValue) {
+        self.chunk_done(self.leaf, &cv);
         while let Some(f) = self.frames.last_mut() {
             match f.left {
                 None => {
@@ -183,6 +219,7 @@ impl<S: Sink> Builder<S> {
                     pair[..32].copy_from_slice(&l);
                     pair[32..].copy_from_slice(&cv);
                     self.sink.patch(f.at, &pair);
+                    let done = (f.offset, f.len);
                     self.frames.pop();
                     if self.frames.is_empty() {
                         self.root = Some(BlobHash(*merge_subtrees_root(&l, &cv, Mode::Hash).as_bytes()));
@@ -190,6 +227,7 @@ impl<S: Sink> Builder<S> {
                         return;
                     }
                     cv = merge_subtrees_non_root(&l, &cv, Mode::Hash);
+                    self.chunk_done(done, &cv);
                 }
             }
         }
@@ -229,6 +267,37 @@ mod tests {
                 }
                 let (root, ob) = b.finish().unwrap();
                 assert_eq!((root, ob), want, "size {n}, pieces of {piece}");
+            }
+        }
+    }
+
+    #[test]
+    fn the_builder_yields_the_tree_chunk_hashes_of_one_pass() {
+        use crate::chunks::{hash_bytes, ChunkKind};
+        for (n, cs) in [
+            (3 * (1 << 20) + 12_345, 1u32 << 20),
+            (9 << 20, 4 << 20),
+            ((4 << 20) + 1, 4 << 20),
+            (4 << 20, 4 << 20),
+            ((1 << 20) + 5, 64 << 10),
+            (200_000, 64 << 10),
+            ((2 << 20) + (16 << 10), 64 << 10),
+        ] {
+            let d = data(n);
+            let want = hash_bytes(&d, cs, ChunkKind::Tree);
+            for piece in [1usize << 20, 333_333] {
+                let mut b = Builder::new(n as u64, Vec::new());
+                b.keep_chunks(cs);
+                for p in d.chunks(piece) {
+                    b.update(p);
+                }
+                let (root, ob, chunks) = b.finish_with_chunks().unwrap();
+                assert_eq!(
+                    (root, chunks),
+                    (want.1, want.2.clone()),
+                    "size {n}, chunks of {cs}"
+                );
+                assert_eq!(ob, outboard(&d).1);
             }
         }
     }

@@ -7,7 +7,7 @@ use super::*;
 pub enum OpenError {
     #[error("not a sealed namespace (no trailer)")]
     NotSealed,
-    #[error("sealed namespace format {0}; this build reads format 1")]
+    #[error("sealed namespace format {0}; this build reads formats 1 and 2 (upgrade it)")]
     Format(u32),
     #[error("the sealed namespace is damaged: {0}")]
     Damaged(&'static str),
@@ -90,6 +90,7 @@ pub struct Index<B: AsRef<[u8]>> {
     offsets_at: usize,
     dirs_at: usize,
     chunk_size: u32,
+    kind: ChunkKind,
     total_bytes: u64,
     dataset: String,
     cluster_id: String,
@@ -114,9 +115,11 @@ impl<B: AsRef<[u8]>> Index<B> {
             return Err(OpenError::NotSealed);
         }
         let format = u32_at(t, 8).ok_or(OpenError::NotSealed)?;
-        if format != FORMAT {
-            return Err(OpenError::Format(format));
-        }
+        let kind = match format {
+            FORMAT => ChunkKind::Plain,
+            FORMAT_TREE => ChunkKind::Tree,
+            _ => return Err(OpenError::Format(format)),
+        };
         let get = |at| u64_at(t, at).ok_or(OpenError::NotSealed);
         let (inodes, dirs) = (get(16)?, get(24)?);
         let (offsets_at, dirs_at, identity_at) = (get(32)?, get(40)?, get(48)?);
@@ -144,6 +147,7 @@ impl<B: AsRef<[u8]>> Index<B> {
             offsets_at: offsets_at as usize,
             dirs_at: dirs_at as usize,
             chunk_size: u32_at(t, 60).ok_or(OpenError::NotSealed)?,
+            kind,
             total_bytes: get(64)?,
             dataset: dataset.to_string(),
             cluster_id: cluster_id.to_string(),
@@ -191,6 +195,11 @@ impl<B: AsRef<[u8]>> Index<B> {
 
     pub fn chunk_size(&self) -> u32 {
         self.chunk_size
+    }
+
+    /// What its files' chunk hashes are.
+    pub fn chunk_kind(&self) -> ChunkKind {
+        self.kind
     }
 
     fn rec(&self, ino: u64) -> Option<Rec<'_>> {

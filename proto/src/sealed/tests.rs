@@ -184,3 +184,29 @@ fn a_million_entries_cost_about_a_hundred_bytes_each() {
     assert!(ix.lookup(d, "file-00999.jpg").is_some());
     assert_eq!(ix.children(d).unwrap().1, 1000);
 }
+
+/// A namespace says which kind of chunk hashes its files record, by its format: plain
+/// ones keep format 1 (what earlier builds wrote and read), tree ones are format 2, and a
+/// format this build does not know is refused by number.
+#[test]
+fn the_format_names_the_kind_of_chunk_hashes_and_an_unknown_one_is_refused() {
+    use crate::chunks::ChunkKind;
+    for (kind, format) in [(ChunkKind::Plain, FORMAT), (ChunkKind::Tree, FORMAT_TREE)] {
+        let (bytes, _) = seal_with(sample(), (4 << 20, kind), "ds", "c1").unwrap();
+        let t = bytes.len() - 96;
+        assert_eq!(
+            u32::from_le_bytes(bytes[t + 8..t + 12].try_into().unwrap()),
+            format
+        );
+        let ix = Index::open(&bytes[..]).unwrap();
+        assert_eq!(ix.chunk_kind(), kind);
+        let mut later = bytes.clone();
+        later[t + 8..t + 12].copy_from_slice(&3u32.to_le_bytes());
+        assert_eq!(Index::open(&later[..]).err(), Some(OpenError::Format(3)));
+    }
+    // The same entries sealed plain are the namespace earlier builds made.
+    assert_eq!(
+        seal(sample(), 4 << 20, "ds", "c1").unwrap(),
+        seal_with(sample(), (4 << 20, ChunkKind::Plain), "ds", "c1").unwrap()
+    );
+}

@@ -24,7 +24,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
-use locus_proto::manifest::{hash_bytes, FileHashes};
+use locus_proto::manifest::{hash_bytes, ChunkKind, FileHashes};
 use locus_proto::{pb, BlobHash};
 use tokio::task::JoinSet;
 
@@ -91,6 +91,7 @@ pub(super) async fn import_local(
             chunk_size: o.chunk_size,
             origin,
             replication: o.replicas,
+            tree_chunks: true,
         })
         .await?;
     let work = async {
@@ -218,7 +219,7 @@ pub(super) fn read_file(
         )))
     };
     if listed > SMALL {
-        let h = locus_proto::manifest::hash_file(path, chunk_size)
+        let h = locus_proto::manifest::hash_file(path, chunk_size, ChunkKind::Tree)
             .explain(|| format!("cannot read {}", path.display()))?;
         return if h.0 == listed {
             Ok((h, None))
@@ -245,7 +246,7 @@ pub(super) fn read_file(
         return Err(changed(got as u64));
     }
     buf.truncate(got);
-    Ok((hash_bytes(&buf, chunk_size), Some(buf.into())))
+    Ok((hash_bytes(&buf, chunk_size, ChunkKind::Tree), Some(buf.into())))
 }
 
 /// Turns files as they are read into sends: small ones gathered per node into batches,

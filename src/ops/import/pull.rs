@@ -51,6 +51,7 @@ pub(super) async fn pull_by_nodes(
                 size: t.3,
                 chunk_size: o.chunk_size,
                 pin: true,
+                tree_chunks: true,
             };
             set.spawn(async move {
                 let first = t.4[0].clone();

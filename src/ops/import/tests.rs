@@ -160,7 +160,10 @@ impl ImportCluster for Fake {
             let key = object_store::path::Path::from(format!("ds/{}", r.path));
             let data = store.get(&key).await.unwrap().bytes().await.unwrap();
             assert_eq!(data.len() as u64, r.size, "the size the listing gave");
-            let mut h = locus_proto::manifest::ChunkHasher::new(r.chunk_size);
+            let mut h = locus_proto::manifest::ChunkHasher::new(
+                r.chunk_size,
+                locus_proto::manifest::ChunkKind::from_tree(r.tree_chunks),
+            );
             h.update(&data);
             self.said(&format!("pull {node} {}", r.path));
             Ok(h.finish())
