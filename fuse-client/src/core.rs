@@ -20,6 +20,7 @@ use bytes::Bytes;
 use std::collections::HashMap;
 use std::fs::File;
 use std::path::PathBuf;
+use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -29,9 +30,11 @@ use locus_proto::{nodepb, BlobHash};
 use crate::metrics::Metrics;
 use crate::namespace::{Kind, Namespace};
 use crate::reader::{ChunkRef, Remote};
+pub use listing::Readdirplus;
 
-/// Why a filesystem operation failed; `fs` maps each to one errno.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+/// Why a filesystem operation failed; `fs` maps each to one errno. Every failure to
+/// give verified bytes is EIO to the reader; the variants keep why, for the log.
+#[derive(Debug, thiserror::Error)]
 pub enum FsError {
     #[error("no such entry")]
     NotFound,
@@ -43,11 +46,31 @@ pub enum FsError {
     NotSymlink,
     #[error("the file system is read-only")]
     ReadOnly,
-    #[error("no such open file")]
-    BadHandle,
     /// No source could serve verified bytes.
-    #[error("I/O error: {0}")]
-    Io(String),
+    #[error(transparent)]
+    Unavailable(#[from] crate::reader::ReadError),
+    /// The node's verified file is no longer what it verified (shorter, or written to).
+    #[error("the node's local file {0}")]
+    LocalChanged(&'static str),
+    #[error("reading the node's local file: {0}")]
+    LocalRead(#[source] std::io::Error),
+    /// A read's task died (a panic in it, or the runtime shutting down).
+    #[error("a read task failed: {0}")]
+    Task(#[source] tokio::task::JoinError),
+    /// The namespace says something impossible (a file without a blob, ...).
+    #[error("the namespace is damaged: {0}")]
+    Damaged(&'static str),
+}
+
+impl FsError {
+    /// Whether the failure is the reader's answer (a missing name, a wrong kind), not a
+    /// fault worth a log line.
+    pub fn is_answer(&self) -> bool {
+        matches!(
+            self,
+            FsError::NotFound | FsError::IsDir | FsError::NotDir | FsError::NotSymlink | FsError::ReadOnly
+        )
+    }
 }
 
 /// The same host's cache node, as the mount uses it.
@@ -189,6 +212,7 @@ impl LocalNode for GrpcLocalNode {
 }
 
 /// A blob file the local node verified, as this mount opened it.
+#[derive(Debug)]
 pub(crate) struct NodeFile {
     pub(crate) file: File,
     /// (inode, size, mtime) when opened, right after the node's check.
@@ -261,7 +285,38 @@ pub struct Settings {
     /// within a version only).
     pub generation: u64,
     /// What directory listings tell the kernel (see `fs::plus`).
-    pub readdirplus: crate::fs::Readdirplus,
+    pub readdirplus: Readdirplus,
+}
+
+impl Default for Settings {
+    /// What `locus mount` uses unless told otherwise.
+    fn default() -> Self {
+        Settings {
+            kernel_opens: false,
+            passthrough: true,
+            passthrough_min_size: 1 << 20,
+            readahead_chunks: 8,
+            // A copy of a large blob from a peer over a slow link, which the reader would
+            // otherwise fail on.
+            open_timeout: Duration::from_secs(600),
+            // Long enough for a node that is busy, short enough that a hung one costs a
+            // reader a moment, not its job (the node's copy goes on; later reads use it).
+            local_patience: Duration::from_secs(3),
+            reopen_ttl: Duration::from_secs(30),
+            generation: 1,
+            readdirplus: Readdirplus::Adaptive,
+        }
+    }
+}
+
+/// What INIT negotiated with the kernel (or a predecessor's INIT, on a takeover), which
+/// the core's policy depends on. Shared with whoever reports it (`locus status`).
+#[derive(Default)]
+pub struct Negotiation {
+    /// Backing files are handed to the kernel (cleared if it refuses one).
+    pub passthrough: Arc<AtomicBool>,
+    /// The kernel opens files by itself.
+    pub kernel_opens: Arc<AtomicBool>,
 }
 
 pub struct Core {
@@ -284,6 +339,9 @@ pub struct Core {
     pub(crate) inode_readahead: Mutex<HashMap<u64, Arc<Mutex<ReadAhead>>>>,
     /// Verified paths learned from the node a shard at a time (see `known`).
     pub(crate) known: Mutex<known::Known>,
+    pub(crate) negotiated: Negotiation,
+    /// Whether listings carry attributes now (`Readdirplus::Adaptive`).
+    pub(crate) listing: listing::Adaptive,
 }
 
 /// Most fetches from the local node in flight at once. Each holds a blocking thread for
@@ -344,15 +402,18 @@ impl Core {
                 return None;
             }
         };
-        if !self.settings.reopen_ttl.is_zero() {
-            self.remember(ino, file.clone());
-        }
+        self.remember(ino, file.clone());
         Some(file)
     }
 
-    /// Keeps a verified local file open for reopens within the reopen window.
+    /// Keeps a verified local file open for reopens within the reopen window (the one
+    /// place that window is applied, with `recent_file`: whether the node is asked again,
+    /// and whether a closed file keeps its backing id, `ops::keeps_backing`).
     pub(crate) fn remember(&self, ino: u64, file: Arc<NodeFile>) {
         let ttl = self.settings.reopen_ttl;
+        if ttl.is_zero() {
+            return;
+        }
         let mut recent = self.recent.lock().unwrap();
         if recent.len() >= self.recent_max {
             recent.retain(|_, (_, at)| at.elapsed() < ttl);
@@ -479,14 +540,12 @@ impl Core {
             Ok(data) if (data.len() as u64) < want => {
                 tracing::error!(ino, offset, "the node's local file is shorter than the blob");
                 self.forget(ino, file);
-                Err(FsError::Io(
-                    "the node's local file is shorter than the blob".into(),
-                ))
+                Err(FsError::LocalChanged("is shorter than the blob"))
             }
             Ok(data) => self.check_unchanged(ino, file).map(|()| data),
             Err(e) => {
                 tracing::error!("reading the node's local file failed: {e}");
-                Err(FsError::Io(format!("reading the node's local file: {e}")))
+                Err(FsError::LocalRead(e))
             }
         }
     }
@@ -500,9 +559,7 @@ impl Core {
         }
         tracing::error!(ino, "the node's local file changed after it was verified");
         self.forget(ino, file);
-        Err(FsError::Io(
-            "the node's local file changed after it was verified".into(),
-        ))
+        Err(FsError::LocalChanged("changed after it was verified"))
     }
 
     /// The read-ahead state of a remote file read without a handle; the first read of a
@@ -564,6 +621,8 @@ impl Core {
             slow_node_warned: Mutex::new(None),
             inode_readahead: Mutex::new(HashMap::new()),
             known: Mutex::default(),
+            negotiated: Negotiation::default(),
+            listing: listing::Adaptive::default(),
         }
     }
 
@@ -589,7 +648,7 @@ impl Core {
             let (blob, _) = self
                 .ns
                 .blob(ino)
-                .ok_or_else(|| FsError::Io("a file without a blob".into()))?;
+                .ok_or(FsError::Damaged("a file without a blob"))?;
             if let Some((file, fetched)) = self.local_file(ino, blob, a.size) {
                 if fetched {
                     self.metrics.opened("local");
@@ -606,6 +665,8 @@ impl Core {
 
 mod io;
 mod known;
+pub mod listing;
+pub mod ops;
 mod remote;
 pub(crate) use io::{pread, pread_cached, pread_direct};
 pub use known::KnownPath;

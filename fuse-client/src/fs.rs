@@ -1,5 +1,7 @@
-//! The FUSE filesystem: kernel requests answered from the immutable namespace and the
-//! read path.
+//! The fuser adapter: each kernel request is handed to the core (`core::ops`, the read
+//! path), and its answer — or its `FsError`, through `errno`, the one mapping — becomes
+//! the reply. What stays here is what only the kernel's side has: file handles, backing
+//! ids and what INIT negotiated (the core reads the latter through `Negotiation`).
 //!
 //! Metadata operations never leave this process: the namespace was loaded at mount and
 //! cannot change, so entries and attributes are given to the kernel with long timeouts
@@ -41,6 +43,7 @@ use fuser::{
 };
 use locus_proto::client::NodeClient;
 
+use crate::core::ops::{LocalOpen, OpenPlan};
 pub use crate::core::Settings;
 use crate::core::{pread_cached, Core, FsError, GrpcLocalNode, NodeFile, ReadAhead};
 use crate::metrics::Metrics;
@@ -50,33 +53,32 @@ use crate::reader::Remote;
 mod plus;
 mod takeover;
 
-pub use plus::Readdirplus;
+pub use crate::core::Readdirplus;
 pub use takeover::{BackingObserver, Negotiated};
 
-/// The one place a core error becomes what the kernel sees.
-fn errno(e: &FsError) -> Errno {
+/// The one place a core error becomes what the kernel sees, and the one log rule: an
+/// answer (ENOENT, EISDIR, ...) is not logged; a fault is, at debug level (the core has
+/// logged it with its context where it happened).
+fn errno(op: &'static str, e: &FsError) -> Errno {
+    if !e.is_answer() {
+        tracing::debug!(op, "{e}");
+    }
     match e {
         FsError::NotFound => Errno::ENOENT,
         FsError::IsDir => Errno::EISDIR,
         FsError::NotDir => Errno::ENOTDIR,
         FsError::NotSymlink => Errno::EINVAL,
         FsError::ReadOnly => Errno::EROFS,
-        FsError::BadHandle => Errno::EBADF,
-        FsError::Io(_) => Errno::EIO,
+        FsError::Unavailable(_)
+        | FsError::LocalChanged(_)
+        | FsError::LocalRead(_)
+        | FsError::Task(_)
+        | FsError::Damaged(_) => Errno::EIO,
     }
 }
 
 /// Nothing in a mounted version ever changes, so the kernel may keep what it learns.
 const TTL: Duration = Duration::from_secs(24 * 3600);
-
-/// Children per READDIRPLUS answer under `Readdirplus::Auto`. The kernel makes an inode and a dentry for every
-/// entry such an answer carries, which costs a walk that reads only names (`find`,
-/// `os.walk`, `scandir`) far more than the walk itself when one answer holds a whole
-/// large directory (newer kernels ask with buffers of many pages). Answering a page's
-/// worth lets the kernel's READDIRPLUS_AUTO do what it was made for: the rest of the
-/// directory comes as plain READDIR unless lookups in it show that attributes are
-/// wanted, in which case the next answers carry them again.
-pub const READDIRPLUS_ENTRIES: usize = 32;
 
 /// How a file was opened.
 enum Handle {
@@ -107,12 +109,6 @@ pub struct Mount {
     core: Arc<Core>,
     uid: u32,
     gid: u32,
-    /// Whether backing files are being handed to the kernel (set at init, cleared if
-    /// the kernel refuses one).
-    passthrough: Arc<AtomicBool>,
-    /// Whether the kernel opens files by itself (`Settings::kernel_opens`, if the kernel
-    /// offers it; set at init).
-    kernel_opens: Arc<AtomicBool>,
     next_fh: AtomicU64,
     handles: Mutex<HashMap<u64, Arc<Handle>>>,
     /// The kernel wants one backing file per inode while any handle of it is open.
@@ -123,8 +119,6 @@ pub struct Mount {
     /// Told of every backing id registered (`Some`) or closed (`None`), before the kernel
     /// hears of it: the holder of the connection keeps the list for the next process.
     backing_observer: Option<BackingObserver>,
-    /// Whether listings carry attributes now (`Readdirplus::Adaptive`).
-    listing: plus::Adaptive,
 }
 
 impl std::ops::Deref for Mount {
@@ -166,12 +160,9 @@ impl LocusFs {
                 core: Arc::new(Core::new(ns, rt, local, remote, metrics, settings)),
                 uid,
                 gid,
-                passthrough: Arc::new(AtomicBool::new(false)),
-                kernel_opens: Arc::new(AtomicBool::new(false)),
                 next_fh: AtomicU64::new(1),
                 handles: Mutex::new(HashMap::new()),
                 backing: Mutex::new(HashMap::new()),
-                listing: plus::Adaptive::default(),
                 inherited: Mutex::new(HashMap::new()),
                 backing_observer: None,
             }),
@@ -181,12 +172,12 @@ impl LocusFs {
     /// Whether passthrough is in use; readable after the filesystem moved into its
     /// session (the kernel's answer comes at init).
     pub fn passthrough_state(&self) -> Arc<AtomicBool> {
-        self.passthrough.clone()
+        self.negotiated.passthrough.clone()
     }
 
     /// Whether the kernel opens files by itself; readable like `passthrough_state`.
     pub fn kernel_opens_state(&self) -> Arc<AtomicBool> {
-        self.kernel_opens.clone()
+        self.negotiated.kernel_opens.clone()
     }
 }
 
@@ -229,11 +220,7 @@ impl Mount {
     /// (passthrough) when allowed and the file is large enough, else read here with pread
     /// into pages the kernel keeps across opens.
     fn open_file(&self, ino: u64, size: u64, file: Arc<NodeFile>, reply: ReplyOpen) {
-        // A pack is many blobs in one file: the kernel would read past this one's end.
-        if size >= self.settings.passthrough_min_size
-            && !file.packed
-            && self.passthrough.load(Ordering::Relaxed)
-        {
+        if self.core.local_open(size, &file) == LocalOpen::Passthrough {
             let mut backing = self.backing.lock().unwrap();
             let id = match backing.get_mut(&ino) {
                 Some((id, n)) => {
@@ -272,9 +259,7 @@ impl Mount {
                         Some(id)
                     }
                     Err(e) => {
-                        // Typically EPERM: registering backing files needs CAP_SYS_ADMIN.
-                        tracing::warn!("the kernel refused a backing file ({e}); reading local files with pread from now on");
-                        self.passthrough.store(false, Ordering::Relaxed);
+                        self.core.passthrough_refused(&e);
                         None
                     }
                 },
@@ -293,6 +278,18 @@ impl Mount {
         let fh = self.add_handle(Handle::Local { file });
         self.metrics.opened("local");
         reply.opened(fh, OPEN_FLAGS);
+    }
+
+    /// Carries out an open the core planned (`AskNode` is resolved by the caller).
+    fn opened(&self, plan: OpenPlan, reply: ReplyOpen) {
+        match plan {
+            // The kernel takes ENOSYS as "never ask again" and opens every file itself
+            // from now on (the read-only mount refuses writers before they get here).
+            OpenPlan::KernelOpens => reply.error(Errno::ENOSYS),
+            OpenPlan::Remote { ino, size } => self.open_remote(ino, size, reply),
+            OpenPlan::Local { ino, size, file } => self.open_file(ino, size, file, reply),
+            OpenPlan::AskNode { .. } => unreachable!("resolved by open"),
+        }
     }
 
     /// Answers an open whose bytes come from remote replicas (or an empty file).
@@ -325,7 +322,7 @@ impl Mount {
             }
             Err(e) => {
                 self.metrics.read_error();
-                reply.error(errno(&e))
+                reply.error(errno("read", &e))
             }
         }
     }
@@ -384,10 +381,10 @@ impl Mount {
     /// session thread in `Core::read_by_inode`.
     fn read_inode(self: &Arc<Self>, ino: u64, offset: u64, size: u32, started: Instant, reply: ReplyData) {
         // What needs no source is answered here, without a trip to the blocking pool.
-        let want = match self.ns.attr(ino) {
-            None => return reply.error(errno(&FsError::NotFound)),
-            Some(a) if a.kind != Kind::File => return reply.error(errno(&FsError::IsDir)),
-            Some(a) => a.size.saturating_sub(offset).min(u64::from(size)),
+        let want = match self.core.getattr(ino) {
+            Err(e) => return reply.error(errno("read", &e)),
+            Ok(a) if a.kind != Kind::File => return reply.error(errno("read", &FsError::IsDir)),
+            Ok(a) => a.size.saturating_sub(offset).min(u64::from(size)),
         };
         if want == 0 {
             return self.finish_read("local", Ok(Vec::new()), started, reply);
@@ -435,17 +432,17 @@ impl Filesystem for LocusFs {
             // Offered since Linux 5.1; without them ENOSYS would fail the open.
             let both = InitFlags::FUSE_NO_OPEN_SUPPORT | InitFlags::FUSE_NO_OPENDIR_SUPPORT;
             if config.capabilities().contains(both) {
-                self.kernel_opens.store(true, Ordering::Relaxed);
+                self.negotiated.kernel_opens.store(true, Ordering::Relaxed);
             } else {
                 tracing::info!("this kernel cannot open files by itself; every open asks the mount");
             }
         }
-        if self.settings.passthrough && !self.kernel_opens.load(Ordering::Relaxed) {
+        if self.settings.passthrough && !self.negotiated.kernel_opens.load(Ordering::Relaxed) {
             match config.add_capabilities(InitFlags::FUSE_PASSTHROUGH) {
                 Ok(()) => {
                     // Backing files may live on a stacked filesystem (overlayfs) themselves.
                     let _ = config.set_max_stack_depth(2);
-                    self.passthrough.store(true, Ordering::Relaxed);
+                    self.negotiated.passthrough.store(true, Ordering::Relaxed);
                 }
                 Err(_) => {
                     tracing::info!("this kernel has no FUSE passthrough; local files are read with pread")
@@ -456,67 +453,37 @@ impl Filesystem for LocusFs {
     }
 
     fn lookup(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEntry) {
-        let found = name
-            .to_str()
-            .and_then(|n| self.ns.lookup(parent.0, n))
-            .and_then(|ino| self.ns.attr(ino));
-        self.metrics.looked_up();
-        if self.settings.readdirplus == Readdirplus::Adaptive {
-            if let Some(a) = &found {
-                self.listing.looked_up(parent.0, a.kind != Kind::Dir);
-            }
-        }
-        match found {
-            Some(a) => reply.entry(&TTL, &self.file_attr(&a), Generation(self.settings.generation)),
-            None => reply.error(Errno::ENOENT),
+        match self.core.lookup(parent.0, name) {
+            Ok(a) => reply.entry(&TTL, &self.file_attr(&a), Generation(self.settings.generation)),
+            Err(e) => reply.error(errno("lookup", &e)),
         }
     }
 
     fn getattr(&self, _req: &Request, ino: INodeNo, _fh: Option<FileHandle>, reply: ReplyAttr) {
-        match self.ns.attr(ino.0) {
-            Some(a) => reply.attr(&TTL, &self.file_attr(&a)),
-            None => reply.error(Errno::ENOENT),
+        match self.core.getattr(ino.0) {
+            Ok(a) => reply.attr(&TTL, &self.file_attr(&a)),
+            Err(e) => reply.error(errno("getattr", &e)),
         }
     }
 
     fn readlink(&self, _req: &Request, ino: INodeNo, reply: ReplyData) {
-        match self.ns.readlink(ino.0) {
-            Some(t) => reply.data(t.as_bytes()),
-            None => reply.error(Errno::EINVAL),
+        match self.core.readlink(ino.0) {
+            Ok(t) => reply.data(t.as_bytes()),
+            Err(e) => reply.error(errno("readlink", &e)),
         }
     }
 
     fn open(&self, _req: &Request, ino: INodeNo, flags: OpenFlags, reply: ReplyOpen) {
-        let ino = ino.0;
-        if flags.acc_mode() != OpenAccMode::O_RDONLY {
-            return reply.error(Errno::EROFS);
+        match self.core.open(ino.0, flags.acc_mode() != OpenAccMode::O_RDONLY) {
+            Err(e) => reply.error(errno("open", &e)),
+            Ok(OpenPlan::AskNode { ino, size, blob }) => {
+                // The node may copy the blob from a peer first: off the session thread.
+                let mount = self.mount.clone();
+                self.rt
+                    .spawn_blocking(move || mount.opened(mount.core.open_fetched(ino, size, blob), reply));
+            }
+            Ok(plan) => self.mount.opened(plan, reply),
         }
-        if self.kernel_opens.load(Ordering::Relaxed) {
-            // The kernel takes ENOSYS as "never ask again" and opens every file itself
-            // from now on (the read-only mount refuses writers before they get here).
-            return reply.error(Errno::ENOSYS);
-        }
-        let Some(a) = self.ns.attr(ino) else {
-            return reply.error(Errno::ENOENT);
-        };
-        if a.kind != Kind::File {
-            return reply.error(Errno::EISDIR);
-        }
-        let Some((blob, _)) = self.ns.blob(ino) else {
-            return reply.error(Errno::EIO);
-        };
-        if self.local.is_none() || a.size == 0 {
-            return self.open_remote(ino, a.size, reply);
-        }
-        if let Some(file) = self.recent_file(ino) {
-            return self.open_file(ino, a.size, file, reply);
-        }
-        let mount = self.mount.clone();
-        self.rt
-            .spawn_blocking(move || match mount.core.local_file(ino, blob, a.size) {
-                Some((file, _)) => mount.open_file(ino, a.size, file, reply),
-                None => mount.open_remote(ino, a.size, reply),
-            });
     }
 
     fn read(
@@ -584,17 +551,7 @@ impl Filesystem for LocusFs {
                 let mut backing = self.backing.lock().unwrap();
                 if let Some((_, n)) = backing.get_mut(ino) {
                     *n -= 1;
-                    // A file likely to be reopened soon keeps its backing id: registering
-                    // and closing one costs two more system calls per open.
-                    let ttl = self.settings.reopen_ttl;
-                    let fresh = || {
-                        self.recent
-                            .lock()
-                            .unwrap()
-                            .get(ino)
-                            .is_some_and(|(_, at)| at.elapsed() < ttl)
-                    };
-                    if *n == 0 && !fresh() {
+                    if *n == 0 && !self.core.keeps_backing(*ino) {
                         backing.remove(ino);
                         if let Some(f) = &self.backing_observer {
                             f(*ino, None);
@@ -607,18 +564,15 @@ impl Filesystem for LocusFs {
     }
 
     fn opendir(&self, _req: &Request, ino: INodeNo, _flags: OpenFlags, reply: ReplyOpen) {
-        if self.kernel_opens.load(Ordering::Relaxed) {
+        match self.core.opendir(ino.0) {
             // As for files: the kernel opens directories itself from now on, and keeps
             // their listings cached.
-            return reply.error(Errno::ENOSYS);
-        }
-        match self.ns.attr(ino.0) {
-            Some(a) if a.kind == Kind::Dir => reply.opened(
+            Ok(true) => reply.error(Errno::ENOSYS),
+            Ok(false) => reply.opened(
                 FileHandle(0),
                 FopenFlags::FOPEN_CACHE_DIR | FopenFlags::FOPEN_KEEP_CACHE,
             ),
-            Some(_) => reply.error(Errno::ENOTDIR),
-            None => reply.error(Errno::ENOENT),
+            Err(e) => reply.error(errno("opendir", &e)),
         }
     }
 
@@ -638,16 +592,7 @@ impl Filesystem for LocusFs {
     }
 
     fn statfs(&self, _req: &Request, _ino: INodeNo, reply: ReplyStatfs) {
-        let bytes = self.ns.total_bytes();
-        reply.statfs(
-            bytes.div_ceil(4096),
-            0,
-            0,
-            self.ns.len() as u64,
-            0,
-            4096,
-            255,
-            4096,
-        );
+        let s = self.core.statfs();
+        reply.statfs(s.blocks, 0, 0, s.files, 0, s.block_size, s.name_max, s.block_size);
     }
 }

@@ -3,7 +3,10 @@
 //! - `namespace`: the version's sealed namespace, used in place (mapped);
 //! - `load`: what a mount reads before it answers the kernel, the namespace included;
 //! - `reader`: verified chunks from remote replicas, with failover and read-ahead;
-//! - `fs`: the FUSE filesystem (passthrough to the local node's files when possible);
+//! - `core`: what every file-system operation means (which source, passthrough or not,
+//!   what a listing carries), with typed errors, no kernel and unit tests for each;
+//! - `fs`: the fuser adapter: a request in, the core's answer out as a reply (one errno
+//!   mapping), plus what only the kernel's side has (handles, backing ids, INIT);
 //! - `metrics`: what the mount reports.
 //!
 //! `load` reads everything a mount needs once (the namespace from nodes, not from the

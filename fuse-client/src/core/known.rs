@@ -72,9 +72,7 @@ impl Core {
             return None;
         }
         let f = Arc::new(f);
-        if !self.settings.reopen_ttl.is_zero() {
-            self.remember(ino, f.clone());
-        }
+        self.remember(ino, f.clone());
         Some(f)
     }
 

@@ -129,10 +129,10 @@ impl Core {
         let single = parts.len() == 1;
         let mut out = Vec::new();
         for p in parts {
-            let (_, data) = p.map_err(|e| FsError::Io(format!("read task failed: {e}")))?;
+            let (_, data) = p.map_err(FsError::Task)?;
             let (piece, cached) = data.map_err(|e| {
                 tracing::error!(ino, "read failed: {e}");
-                FsError::Io(e.to_string())
+                FsError::Unavailable(e)
             })?;
             if cached {
                 self.metrics.cache_hit(piece.len());

@@ -216,6 +216,18 @@ fn fixture(chunks: usize, n1: Behave, n2: Behave, local: Option<LocalBehave>) ->
 
 /// `fixture` with chunks of `chunk` bytes.
 fn fixture_sized(chunk: u32, chunks: usize, n1: Behave, n2: Behave, local: Option<LocalBehave>) -> Fixture {
+    fixture_with(chunk, chunks, (n1, n2), local, Vec::new(), |_| {})
+}
+
+/// `fixture_sized` with more entries beside "f", and the settings changed by `tune`.
+fn fixture_with(
+    chunk: u32,
+    chunks: usize,
+    (n1, n2): (Behave, Behave),
+    local: Option<LocalBehave>,
+    more: Vec<Entry>,
+    tune: impl FnOnce(&mut Settings),
+) -> Fixture {
     let data: Vec<u8> = (0..chunks * chunk as usize - 100)
         .map(|i| (i * 7 % 251) as u8)
         .collect();
@@ -231,7 +243,9 @@ fn fixture_sized(chunk: u32, chunks: usize, n1: Behave, n2: Behave, local: Optio
         mode: 0o644,
         mtime_ns: 1,
     };
-    let ns = Arc::new(Namespace::build(vec![entry], chunk).unwrap());
+    let mut entries = more;
+    entries.push(entry);
+    let ns = Arc::new(Namespace::build(entries, chunk).unwrap());
     let ino = ns.lookup(crate::namespace::ROOT, "f").unwrap();
     let replicas = Arc::new(FakeReplicas {
         data: data.clone(),
@@ -284,6 +298,8 @@ fn fixture_sized(chunk: u32, chunks: usize, n1: Behave, n2: Behave, local: Optio
         generation: 1,
         readdirplus: Default::default(),
     };
+    let mut settings = settings;
+    tune(&mut settings);
     let core = Arc::new(Core::new(
         ns,
         rt.handle().clone(),
@@ -401,7 +417,9 @@ fn a_corrupt_chunk_is_never_returned_and_another_replica_serves_it() {
 fn when_every_source_fails_the_read_is_an_io_error_not_zeros() {
     let f = fixture(2, Behave::Fail, Behave::Corrupt, None);
     match f.core.read_by_inode(f.ino, 0, CHUNK) {
-        Err(FsError::Io(why)) => assert!(why.contains("no source could serve it"), "{why}"),
+        Err(FsError::Unavailable(why)) => {
+            assert!(why.to_string().contains("no source could serve it"), "{why}")
+        }
         other => panic!("expected an I/O error, got {other:?}"),
     }
 }
@@ -454,7 +472,10 @@ fn a_verified_local_file_is_read_locally_and_a_changed_one_is_refused() {
     let mut changed = f.data.clone();
     changed[10] ^= 0xff;
     std::fs::write(p, &changed).unwrap();
-    assert!(matches!(f.core.read_by_inode(f.ino, 0, 100), Err(FsError::Io(_))));
+    assert!(matches!(
+        f.core.read_by_inode(f.ino, 0, 100),
+        Err(FsError::LocalChanged("changed after it was verified"))
+    ));
 }
 
 #[test]
@@ -493,6 +514,7 @@ fn sequential_reads_fetch_the_next_chunks_ahead() {
 mod ranges;
 
 mod known;
+mod ops;
 
 #[test]
 fn a_read_that_ends_the_file_is_read_direct_with_the_same_bytes() {

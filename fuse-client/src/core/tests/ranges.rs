@@ -112,7 +112,9 @@ fn a_range_no_replica_serves_right_is_read_as_a_whole_chunk_or_fails_eio() {
     // Nothing right anywhere: EIO, never wrong bytes.
     let h = fixture_sized(BIG, 64, Behave::Corrupt, Behave::Corrupt, None);
     match h.core.read_by_inode(h.ino, 30 * u64::from(BIG) + 5_000, 8192) {
-        Err(FsError::Io(why)) => assert!(why.contains("no source could serve it"), "{why}"),
+        Err(FsError::Unavailable(why)) => {
+            assert!(why.to_string().contains("no source could serve it"), "{why}")
+        }
         other => panic!("expected an I/O error, got {other:?}"),
     }
 }
