@@ -23,6 +23,7 @@ pub mod metrics;
 pub mod namespace;
 pub mod pieces;
 pub mod reader;
+pub mod start;
 
 use std::path::Path;
 

@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use clap::Args;
-use locus_fuse::{Place, Remote, Settings};
+use locus_fuse::{Place, Settings};
 
 use crate::config::{size_arg, Resolved};
 use crate::output;
@@ -140,22 +140,6 @@ pub enum Opens {
     Mount,
 }
 
-impl Opens {
-    /// Whether the kernel should open files by itself. Per open, passthrough costs two
-    /// round trips to the mount (~25 µs of CPU here); the kernel's own opens cost none
-    /// but read large files through the mount's small pages (~7 vs ~16 GB/s warm). The
-    /// two break even around a 0.5 MiB file, so a version whose files are mostly small
-    /// is better opened by the kernel. Without passthrough every read goes through the
-    /// mount's pages anyway, and the round trips buy nothing.
-    fn kernel(self, passthrough: bool, files: u64, bytes: u64, min_size: u64) -> bool {
-        match self {
-            Opens::Kernel => true,
-            Opens::Mount => false,
-            Opens::Auto => !passthrough || files == 0 || bytes / files < min_size,
-        }
-    }
-}
-
 #[derive(Args, Debug)]
 pub struct UmountArgs {
     /// Where a Locus version is mounted.
@@ -268,89 +252,59 @@ async fn serve(a: MountArgs, mountpoint: PathBuf, cfg: &Resolved) -> anyhow::Res
         .node_socket
         .as_ref()
         .map(|p| locus_proto::client::connect_local_node(&crate::absolute(p.clone())));
-    let started = Instant::now();
     let fail = |e: locus_fuse::LoadError| anyhow::anyhow!("cannot load {}: {e}", a.target);
-    let v = locus_fuse::load::version(&mut client, &dataset, version)
-        .await
-        .map_err(fail)?;
-    let vref = locus_proto::pb::VersionRef {
-        dataset: dataset.clone(),
-        version: v.version,
-    };
-    let topology = locus_fuse::Topology::load(&mut client, &vref, &place)
-        .await
-        .map_err(|e| fail(e.into()))?;
-    let replicas = locus_fuse::reader::GrpcReplicas::new(client.clone(), vref, cfg.token.clone());
-    let metrics = Arc::new(locus_fuse::metrics::Metrics::default());
-    let remote = Arc::new(
-        Remote::new(Arc::new(replicas), place, topology, cache_bytes, metrics.clone())
-            // Four readers' full windows; more readers share them, so memory does not grow
-            // with the number of readers.
-            .with_readahead_budget((readahead as usize).saturating_mul(4)),
-    );
-    let sources = locus_fuse::Sources {
-        local: local.clone(),
-        remote: &remote,
-        cache_dir: Some(runtime::namespace_dir()?),
-    };
-    let opened = locus_fuse::load::namespace(&v, sources).await.map_err(fail)?;
-    let ns = Arc::new(opened.namespace);
-    let load_took = started.elapsed();
-    tracing::info!(
-        dataset = %dataset,
-        version = v.version,
-        entries = ns.len(),
-        "namespace ({}) from {} in {:.2}s{}; ready to mount after {:.2}s",
-        output::size(ns.sealed_bytes() as u64),
-        opened.from,
-        opened.took.as_secs_f64(),
-        if ns.is_mapped() { ", mapped" } else { ", in memory" },
-        load_took.as_secs_f64(),
-    );
-    match locus_backup::origin::Origin::parse(&v.origin) {
-        Ok(Some(o)) => {
-            tracing::info!(
-                "origin {} is the last source for chunks no node serves",
-                o.describe()
-            );
-            remote.set_origin(o, ns.clone());
-        }
-        Ok(None) => {}
-        Err(e) => tracing::warn!("the version's origin cannot be used: {e}"),
-    }
-    let readahead_chunks = (readahead / u64::from(v.chunk_size.max(1))).max(1) as usize;
     let passthrough_min_size = size_arg("--passthrough-min-size", &a.passthrough_min_size)?;
-    let kernel_opens = a.opens.kernel(
-        local.is_some() && !a.no_passthrough,
-        v.files,
-        v.bytes,
-        passthrough_min_size,
-    );
     // The mount keeps recently verified local files open, up to a quarter of its
     // open-file limit: the usual soft limit of 1,024 would remember only 256 files.
     super::raise_open_file_limit();
-    let fs = locus_fuse::LocusFs::new(
-        ns.clone(),
-        tokio::runtime::Handle::current(),
+    let options = locus_fuse::start::MountOptions {
+        dataset: dataset.clone(),
+        version,
+        place,
         local,
-        remote.clone(),
-        metrics.clone(),
-        Settings {
-            kernel_opens,
+        token: cfg.token.clone(),
+        cache_bytes,
+        readahead,
+        cache_dir: Some(runtime::namespace_dir()?),
+        opens: match a.opens {
+            Opens::Auto => locus_fuse::start::Opens::Auto,
+            Opens::Kernel => locus_fuse::start::Opens::Kernel,
+            Opens::Mount => locus_fuse::start::Opens::Mount,
+        },
+        settings: Settings {
             passthrough: !a.no_passthrough,
             passthrough_min_size,
-            readahead_chunks,
-            open_timeout: OPEN_TIMEOUT,
-            local_patience: LOCAL_PATIENCE,
             reopen_ttl: locus_proto::human::parse_duration(&a.reopen_cache)
                 .map_err(|e| anyhow::anyhow!("--reopen-cache: {}", e.reason))?,
-            generation: v.version,
             readdirplus: match a.readdirplus {
                 Readdirplus::Adaptive => locus_fuse::Readdirplus::Adaptive,
                 Readdirplus::All => locus_fuse::Readdirplus::All,
                 Readdirplus::Auto => locus_fuse::Readdirplus::Auto,
             },
+            ..Settings::default()
         },
+    };
+    let locus_fuse::start::Prepared {
+        fs,
+        version: v,
+        namespace: ns,
+        remote,
+        metrics,
+        namespace_from,
+        took: load_took,
+        ..
+    } = locus_fuse::start::prepare(&mut client, options)
+        .await
+        .map_err(fail)?;
+    tracing::info!(
+        dataset = %dataset,
+        version = v.version,
+        entries = ns.len(),
+        "namespace ({}) from {}{}; ready to mount after {:.2}s",
+        output::size(ns.sealed_bytes() as u64),
+        namespace_from,
+        if ns.is_mapped() { ", mapped" } else { ", in memory" },
+        load_took.as_secs_f64(),
     );
     let passthrough = fs.passthrough_state();
     let kernel_opened = fs.kernel_opens_state();
@@ -561,13 +515,6 @@ struct Ours {
     device: Option<String>,
 }
 
-/// How long an open may wait for the local node to make a blob present: a copy of a large
-/// blob from a peer over a slow link, which the reader would otherwise fail on.
-const OPEN_TIMEOUT: Duration = Duration::from_secs(600);
-/// How long a read waits for the local node before reading that file from remote replicas
-/// (the node's copy goes on; later reads use its file): long enough for a node that is
-/// busy, short enough that a hung one costs a reader a moment, not its job.
-const LOCAL_PATIENCE: Duration = Duration::from_secs(3);
 /// How often the server checks the kernel still has the mount, writes its status file
 /// (what `locus status` and `locus umount` read) and renews its lease when due.
 const TICK: Duration = Duration::from_secs(2);
@@ -630,25 +577,4 @@ async fn serve_metrics(addr: &str, metrics: Arc<locus_fuse::metrics::Metrics>) -
         let _ = axum::serve(listener, app).await;
     });
     Ok(())
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn auto_lets_the_kernel_open_versions_of_small_files() {
-        const MIB: u64 = 1 << 20;
-        // 2,000 × 128 KiB: small files, the kernel opens them.
-        assert!(Opens::Auto.kernel(true, 2_000, 2_000 * 128 * 1024, MIB));
-        // 4 × 256 MiB: passthrough pays.
-        assert!(!Opens::Auto.kernel(true, 4, 4 * 256 * MIB, MIB));
-        // Without passthrough (or a local node) the mount's round trips buy nothing.
-        assert!(Opens::Auto.kernel(false, 4, 4 * 256 * MIB, MIB));
-        // "--passthrough-min-size 0": every file passed through.
-        assert!(!Opens::Auto.kernel(true, 2_000, 2_000 * 128 * 1024, 0));
-        assert!(Opens::Auto.kernel(true, 0, 0, MIB));
-        assert!(Opens::Kernel.kernel(true, 4, 4 * 256 * MIB, MIB));
-        assert!(!Opens::Mount.kernel(false, 2_000, 2_000, MIB));
-    }
 }
