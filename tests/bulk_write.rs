@@ -7,7 +7,7 @@ use locus_testkit as support;
 
 use std::time::Duration;
 
-use locus_proto::bulk::{self, BulkError, Pool, WriteRequest};
+use locus_proto::bulk::{self, Body, BulkError, Pool, WriteRequest};
 use locus_proto::BlobHash;
 use support::*;
 
@@ -71,6 +71,55 @@ async fn an_import_sends_local_files_over_the_bulk_path_and_over_grpc_when_it_is
     assert_same_tree(&src2, &mnt.path);
 }
 
+/// Objects the client reads from a bucket itself (`--read-by client`) go to the node over
+/// the bulk path from the client's memory (up to 16 MiB) or its spill file (larger), not
+/// as WriteBlob streams; the node keeps exactly them and a mount reads them back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn objects_the_client_reads_from_a_bucket_go_to_the_node_over_the_bulk_path() {
+    let h = Harness::new("bulk-write-objects");
+    let s3 = h.start_s3().await;
+    let bucket = s3.bucket("objects").await;
+    let objects = [
+        ("data/a.bin", pseudo_random(71, (3 << 20) + 5)),
+        ("data/b.bin", pseudo_random(72, 700_000)),
+        ("data/big.bin", pseudo_random(73, (17 << 20) + 9)),
+    ];
+    for (k, v) in &objects {
+        let p = object_store::path::Path::from(*k);
+        object_store::ObjectStoreExt::put(bucket.as_ref(), &p, v.clone().into())
+            .await
+            .unwrap();
+    }
+    let (m, nodes) = cluster_with(&h, MetadataOpts::default(), 1, NodeOpts::host).await;
+    let n = &nodes[0];
+    let before = counter(n, "locus_node_bulk_received_bytes_total").await;
+    let out = m.cli_env(
+        &[
+            "dataset",
+            "import",
+            "ds",
+            "s3://objects/data",
+            "--replicas",
+            "1",
+            "--read-by",
+            "client",
+        ],
+        &s3.env(),
+    );
+    assert!(out.status.success(), "{}", stderr(&out));
+    let received = counter(n, "locus_node_bulk_received_bytes_total").await - before;
+    let total: u64 = objects.iter().map(|(_, v)| v.len() as u64).sum();
+    assert!(
+        received >= total,
+        "the node received {received} bytes over the bulk path; the objects are {total}"
+    );
+    let mnt = m.mount("mnt", "ds@1", Some(n), &[]);
+    for (k, v) in &objects {
+        let name = k.strip_prefix("data/").unwrap();
+        assert_eq!(&std::fs::read(mnt.path.join(name)).unwrap(), v, "{name}");
+    }
+}
+
 /// `size` pseudo-random bytes in a file of the harness: the bytes, the file opened, and
 /// the WRITE that stores them as their blob (pinned, 1 MiB chunks).
 fn blob_file(h: &Harness, seed: u64, size: usize) -> (Vec<u8>, std::fs::File, WriteRequest) {
@@ -100,12 +149,16 @@ async fn a_bulk_write_needs_an_import_grant_and_keeps_nothing_that_is_not_the_bl
     let nothing = |_: u64| {};
 
     // A read grant opens reads, not writes; no grant opens nothing.
-    match pool.write(&addr, Some(&read), w, &file, IDLE, &nothing).await {
+    match pool
+        .write(&addr, Some(&read), w, Body::File(&file), IDLE, &nothing)
+        .await
+    {
         Err(BulkError::Grant(m)) => assert!(m.contains("does not allow writes"), "{m}"),
         other => panic!("a read grant wrote: {other:?}"),
     }
     assert!(matches!(
-        pool.write(&addr, None, w, &file, IDLE, &nothing).await,
+        pool.write(&addr, None, w, Body::File(&file), IDLE, &nothing)
+            .await,
         Err(BulkError::Grant(_))
     ));
     // And an import grant opens no reads.
@@ -120,7 +173,7 @@ async fn a_bulk_write_needs_an_import_grant_and_keeps_nothing_that_is_not_the_bl
         ..w
     };
     match pool
-        .write(&addr, Some(&import), wrong, &file, IDLE, &nothing)
+        .write(&addr, Some(&import), wrong, Body::File(&file), IDLE, &nothing)
         .await
     {
         Err(BulkError::Refused(m)) => assert!(m.contains("match") || m.contains("hash"), "{m}"),
@@ -134,7 +187,7 @@ async fn a_bulk_write_needs_an_import_grant_and_keeps_nothing_that_is_not_the_bl
         sent.fetch_add(k, std::sync::atomic::Ordering::Relaxed);
     };
     assert!(pool
-        .write(&addr, Some(&import), w, &file, IDLE, &count)
+        .write(&addr, Some(&import), w, Body::File(&file), IDLE, &count)
         .await
         .unwrap());
     assert_eq!(sent.load(std::sync::atomic::Ordering::Relaxed), data.len() as u64);
@@ -142,7 +195,7 @@ async fn a_bulk_write_needs_an_import_grant_and_keeps_nothing_that_is_not_the_bl
     assert_eq!(std::fs::read(&kept[&hash.to_hex()].path).unwrap(), data);
     let before = counter(n, "locus_node_bulk_received_bytes_total").await;
     assert!(!pool
-        .write(&addr, Some(&import), w, &file, IDLE, &nothing)
+        .write(&addr, Some(&import), w, Body::File(&file), IDLE, &nothing)
         .await
         .unwrap());
     assert_eq!(counter(n, "locus_node_bulk_received_bytes_total").await, before);
@@ -164,7 +217,7 @@ async fn a_bulk_write_larger_than_the_node_has_room_for_is_refused_before_any_by
     };
     let before = counter(n, "locus_node_bulk_received_bytes_total").await;
     match Pool::new()
-        .write(&n.address(), None, w, &file, IDLE, &count)
+        .write(&n.address(), None, w, Body::File(&file), IDLE, &count)
         .await
     {
         Err(BulkError::Full(m)) => assert!(m.contains("capacity"), "{m}"),

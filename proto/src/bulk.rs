@@ -54,7 +54,7 @@ mod write;
 use buffers::{buffers, Pooled};
 use stream::Stream;
 pub use wire::*;
-pub use write::WriteRequest;
+pub use write::{Body, WriteRequest};
 
 /// Why a bulk read gave no bytes, sorted by whose fault it is.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]

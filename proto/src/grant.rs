@@ -430,12 +430,12 @@ impl NodeLinks {
         addr: &str,
         op: Op,
         w: crate::bulk::WriteRequest,
-        file: &std::fs::File,
+        body: crate::bulk::Body<'_>,
         idle: Duration,
         sent: &(dyn Fn(u64) + Send + Sync),
     ) -> Result<bool, crate::bulk::BulkError> {
         let grant = self.bulk_grant(node, addr, op, "").await?;
-        self.bulk.write(addr, grant.as_deref(), w, file, idle, sent).await
+        self.bulk.write(addr, grant.as_deref(), w, body, idle, sent).await
     }
 
     /// The grant a bulk request to `addr` presents; `Unsupported` when `addr` is asked

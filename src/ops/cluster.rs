@@ -479,10 +479,8 @@ impl ImportCluster for GrpcCluster {
 
     fn send<'a>(&'a self, node: &'a str, blob: Upload) -> BoxFuture<'a, Result<(), NodeError>> {
         Box::pin(async move {
-            if let BlobSource::Local(path) = &blob.source {
-                if let Some(done) = self.send_bulk(node, &blob, path).await? {
-                    return Ok(done);
-                }
+            if let Some(done) = self.send_bulk(node, &blob).await? {
+                return Ok(done);
             }
             let (c, _) = self.node(node, Op::Import, "").await?;
             send_blob(node, c, blob).await

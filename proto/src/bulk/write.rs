@@ -1,8 +1,9 @@
-//! WRITE, the client's end: an import hands a node a blob from a local file over the bulk
-//! path instead of a WriteBlob stream (see the node's `bulk/write.rs` for the exchange).
-//! On plain TCP the file goes to the socket by `sendfile` (the import has just hashed
-//! it, so it is in the page cache and no byte passes through this process); inside TLS
-//! it is read into a buffer and encrypted.
+//! WRITE, the client's end: an import hands a node a blob from a local file, or bytes it
+//! holds (an object it read from a store), over the bulk path instead of a WriteBlob
+//! stream (see the node's `bulk/write.rs` for the exchange). On plain TCP a file goes to
+//! the socket by `sendfile` (the import has just hashed it, so it is in the page cache
+//! and no byte passes through this process), bytes by `write`; inside TLS both are
+//! encrypted from a buffer.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -16,6 +17,15 @@ use crate::BlobHash;
 /// Bytes read from the file per write inside TLS.
 const TLS_PIECE: usize = 1 << 20;
 
+/// Where a WRITE's bytes come from.
+#[derive(Debug, Clone, Copy)]
+pub enum Body<'a> {
+    /// A file, read from its start.
+    File(&'a std::fs::File),
+    /// Bytes in memory.
+    Bytes(&'a bytes::Bytes),
+}
+
 /// What a WRITE is for: the blob, its chunking, and whether the node pins it.
 #[derive(Debug, Clone, Copy)]
 pub struct WriteRequest {
@@ -26,8 +36,8 @@ pub struct WriteRequest {
 }
 
 impl Pool {
-    /// Has the node at `addr` store blob `w.hash` from `file` (read from its start),
-    /// presenting `grant` (an import grant). True once the node has verified, stored and
+    /// Has the node at `addr` store blob `w.hash` from `body`, presenting `grant` (an
+    /// import grant). True once the node has verified, stored and
     /// synced it; false if it had it already (it sent nothing). `sent` is told of bytes
     /// as they go out. A node silent for `idle` at any step is given up on. A node that
     /// does not serve WRITE (an older build) answers `Unsupported`: use WriteBlob.
@@ -36,7 +46,7 @@ impl Pool {
         addr: &str,
         grant: Option<&str>,
         w: WriteRequest,
-        file: &std::fs::File,
+        body: Body<'_>,
         idle: Duration,
         sent: &(dyn Fn(u64) + Send + Sync),
     ) -> Result<bool, BulkError> {
@@ -64,7 +74,10 @@ impl Pool {
         }
         let mut s = r.stream.take().expect("a fresh answer has its connection");
         let slot = r.slot.take();
-        let sending = send(&mut s, file, w.size, idle, sent).await;
+        let sending = match body {
+            Body::File(file) => send(&mut s, file, w.size, idle, sent).await,
+            Body::Bytes(b) => send_bytes(&mut s, b, w.size, idle, sent).await,
+        };
         // The verdict, also after a failed send: a node that stopped taking bytes says
         // why (no room, a failed disk) before it closes.
         let verdict = verdict(&mut s, idle).await;
@@ -151,6 +164,33 @@ async fn send(
             }
             within(idle, t.flush()).await
         }
+    }
+}
+
+/// `n` bytes held in memory to the node, in pieces so progress is told as they go.
+async fn send_bytes(
+    s: &mut Stream,
+    b: &bytes::Bytes,
+    n: u64,
+    idle: Duration,
+    sent: &(dyn Fn(u64) + Send + Sync),
+) -> Result<(), BulkError> {
+    if b.len() as u64 != n {
+        return Err(BulkError::Refused(format!(
+            "{} bytes in hand for a blob of {n}",
+            b.len()
+        )));
+    }
+    for piece in b.chunks(TLS_PIECE) {
+        match s {
+            Stream::Plain(tcp) => within(idle, tcp.write_all(piece)).await?,
+            Stream::Tls(t) => within(idle, t.write_all(piece)).await?,
+        }
+        sent(piece.len() as u64);
+    }
+    match s {
+        Stream::Plain(_) => Ok(()),
+        Stream::Tls(t) => within(idle, t.flush()).await,
     }
 }
 

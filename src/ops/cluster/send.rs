@@ -1,5 +1,6 @@
-//! Sending one blob to a node for an import: a local file over the bulk path (WRITE),
-//! anything else — or a node that does not take bulk writes — as a WriteBlob stream.
+//! Sending one blob to a node for an import: a local file or bytes in hand (an object the
+//! client read) over the bulk path (WRITE); an object still in its store — or anything
+//! for a node that does not take bulk writes — as a WriteBlob stream.
 
 use std::sync::atomic::Ordering;
 
@@ -10,23 +11,33 @@ use locus_proto::nodepb;
 use super::{BlobSource, GrpcCluster, NodeError, Upload};
 
 impl GrpcCluster {
-    /// Sends a local file to the node over the bulk path (`bulk::Pool::write`: the file
-    /// goes to the socket by `sendfile`, the node receives it into its write blocks).
-    /// None when the node is to be sent it over gRPC instead (an older build, TLS with no
-    /// CA, `LOCUS_BULK=off`).
-    pub(super) async fn send_bulk(
-        &self,
-        node: &str,
-        blob: &Upload,
-        path: &std::path::Path,
-    ) -> Result<Option<()>, NodeError> {
-        use locus_proto::bulk::{BulkError, WriteRequest};
+    /// Sends a local file or bytes in hand to the node over the bulk path
+    /// (`bulk::Pool::write`: a file goes to the socket by `sendfile`, the node receives
+    /// into its write blocks). None when the node is to be sent it over gRPC instead (an
+    /// older build, TLS with no CA, `LOCUS_BULK=off`, an object still in its store).
+    pub(super) async fn send_bulk(&self, node: &str, blob: &Upload) -> Result<Option<()>, NodeError> {
+        use locus_proto::bulk::{Body, BulkError, WriteRequest};
+        let file = match &blob.source {
+            BlobSource::Local(path) => Some(
+                tokio::fs::File::open(path)
+                    .await
+                    .map_err(|e| NodeError::Source(format!("cannot open {}: {e}", path.display())))?
+                    .into_std()
+                    .await,
+            ),
+            BlobSource::Memory(_) => None,
+            BlobSource::Remote(_) => return Ok(None),
+        };
+        let body = match (&file, &blob.source) {
+            (Some(f), _) => Body::File(f),
+            (None, BlobSource::Memory(b)) => Body::Bytes(b),
+            (None, _) => unreachable!("a file or bytes"),
+        };
+        let what = match &blob.source {
+            BlobSource::Local(path) => path.display().to_string(),
+            _ => format!("blob {}", blob.hash),
+        };
         let addr = self.address(node).await?;
-        let file = tokio::fs::File::open(path)
-            .await
-            .map_err(|e| NodeError::Source(format!("cannot open {}: {e}", path.display())))?
-            .into_std()
-            .await;
         let w = WriteRequest {
             hash: blob.hash,
             size: blob.size,
@@ -40,7 +51,7 @@ impl GrpcCluster {
         let idle = locus_proto::net::peer_idle();
         match self
             .nodes
-            .bulk_write(node, &addr, Op::Import, w, &file, idle, &sent)
+            .bulk_write(node, &addr, Op::Import, w, body, idle, &sent)
             .await
         {
             Ok(stored) => {
@@ -58,7 +69,7 @@ impl GrpcCluster {
                 Err(NodeError::Unreachable(format!("node {node}: {m}")))
             }
             Err(BulkError::Refused(m) | BulkError::Missing(m) | BulkError::DataLoss(m)) => Err(
-                NodeError::Rejected(format!("node {node} kept nothing of {}: {m}", path.display())),
+                NodeError::Rejected(format!("node {node} kept nothing of {what}: {m}")),
             ),
         }
     }
