@@ -322,55 +322,11 @@ async fn serve(a: MountArgs, mountpoint: PathBuf, cfg: &Resolved) -> anyhow::Res
     let reattached = reattach.is_some();
     let mp = mountpoint.clone();
     let h = holder.clone();
-    let (pt, ko) = (passthrough.clone(), kernel_opened.clone());
     let mounted_version = v.version;
-    let session = tokio::task::spawn_blocking(move || -> std::io::Result<(fuser::BackgroundSession, Ours)> {
-        use std::os::fd::AsFd;
-        let Some(r) = reattach else {
-            let s = fuser::Session::new(fs, &mp, &config)?;
-            // Read now, while nothing else can have mounted over it.
-            let device = locus_fuse::mount_device(&mp);
-            let ours = Ours {
-                fuse: s.as_fd().try_clone_to_owned()?,
-                device: device.clone(),
-            };
-            if let Some(h) = &h {
-                let v = s.proto_version().unwrap_or(fuser::Version(7, 0));
-                let state = holder::SessionState {
-                    version: mounted_version,
-                    proto_major: v.0,
-                    proto_minor: v.1,
-                    negotiated: locus_fuse::fs::Negotiated {
-                        // Set by init, during the handshake `Session::new` ran.
-                        passthrough: pt.load(Ordering::Relaxed),
-                        kernel_opens: ko.load(Ordering::Relaxed),
-                    },
-                    backing: Default::default(),
-                    device,
-                };
-                h.session(s.as_fd(), &state)?;
-            }
-            return Ok((s.spawn()?, ours));
-        };
-        fs.restore(r.state.negotiated, r.state.backing.clone().into_iter().collect());
-        let acl = config.acl;
-        let v = fuser::Version(r.state.proto_major, r.state.proto_minor);
-        let s = fuser::Session::from_initialized_fd(fs, r.fuse, acl, config, v);
-        let fd = s.as_fd().try_clone_to_owned()?;
-        let bg = s.spawn()?;
-        if let Err(e) = holder::resend_lost_requests(fd.as_fd()) {
-            tracing::warn!(
-                "this kernel cannot resend requests the previous server read ({e}; Linux 6.9+): their readers wait until unmount"
-            );
-        }
-        let ours = Ours {
-            fuse: fd,
-            device: r.state.device.clone(),
-        };
-        Ok((bg, ours))
-    })
-    .await?
-    .map_err(|e| mount_error(&mountpoint, e))?;
+    let session =
+        tokio::task::spawn_blocking(move || start_session(fs, &mp, config, reattach, h, mounted_version))
+            .await?
+            .map_err(|e| mount_error(&mountpoint, e))?;
     let (session, ours) = session;
     if reattached {
         tracing::info!("took over the live mount at {}", mountpoint.display());
@@ -388,75 +344,38 @@ async fn serve(a: MountArgs, mountpoint: PathBuf, cfg: &Resolved) -> anyhow::Res
     } else {
         std::process::id()
     };
-    let write_status = {
-        let metrics = metrics.clone();
-        let passthrough = passthrough.clone();
-        let kernel_opened = kernel_opened.clone();
-        let status = MountStatus {
-            mountpoint: mountpoint.clone(),
-            dataset: dataset.clone(),
-            version: v.version,
-            pid: holder_pid,
-            server_pid: std::process::id(),
-            files: v.files,
-            bytes: v.bytes,
-            passthrough: false,
-            kernel_opens: false,
-            local_node: a.node_socket.is_some(),
-            started_unix_ms,
-            totals: Default::default(),
-            cluster_id: cluster_id.clone(),
-        };
-        let path = status_path(&mountpoint);
-        let fuse = ours.fuse.try_clone()?;
-        move || {
-            let s = MountStatus {
-                passthrough: passthrough.load(Ordering::Relaxed),
-                kernel_opens: kernel_opened.load(Ordering::Relaxed),
-                totals: metrics.totals(),
-                mountpoint: status.mountpoint.clone(),
-                dataset: status.dataset.clone(),
-                cluster_id: status.cluster_id.clone(),
-                ..status
-            };
-            if let Some(d) = path.parent() {
-                let _ = std::fs::create_dir_all(d);
-            }
-            // Once ours ended from outside (`fusermount3 -u`), a mount made here since
-            // owns the file; ours may have a last tick before it notices.
-            if !holder::connection_alive(std::os::fd::AsFd::as_fd(&fuse)) {
-                return;
-            }
-            let tmp = path.with_extension(format!("{holder_pid}.json.tmp"));
-            if std::fs::write(&tmp, serde_json::to_vec(&s).unwrap_or_default()).is_ok() {
-                let _ = std::fs::rename(&tmp, &path);
-            }
-        }
+    let status = MountStatus {
+        mountpoint: mountpoint.clone(),
+        dataset: dataset.clone(),
+        version: v.version,
+        pid: holder_pid,
+        server_pid: std::process::id(),
+        files: v.files,
+        bytes: v.bytes,
+        passthrough: false,
+        kernel_opens: false,
+        local_node: a.node_socket.is_some(),
+        started_unix_ms,
+        totals: Default::default(),
+        cluster_id: cluster_id.clone(),
     };
+    let negotiated = (passthrough.clone(), kernel_opened.clone());
+    let write_status = status_writer(status, metrics.clone(), negotiated, ours.fuse.try_clone()?);
     write_status();
 
+    let how = reading_how(
+        a.node_socket.is_some(),
+        kernel_opened.load(Ordering::Relaxed),
+        passthrough.load(Ordering::Relaxed),
+        passthrough_min_size,
+    );
     let msg = format!(
-        "mounted {dataset}@{} at {} ({} files, {}; loaded in {:.2}s; {})\n",
+        "mounted {dataset}@{} at {} ({} files, {}; loaded in {:.2}s; {how})\n",
         v.version,
         mountpoint.display(),
         v.files,
         output::size(v.bytes),
         load_took.as_secs_f64(),
-        match (
-            a.node_socket.is_some(),
-            kernel_opened.load(Ordering::Relaxed),
-            passthrough.load(Ordering::Relaxed)
-        ) {
-            (true, true, _) => "local node, opened by the kernel".to_string(),
-            (true, false, true) if passthrough_min_size == 0 => "local node, passthrough".to_string(),
-            (true, false, true) => format!(
-                "local node, passthrough for files of {} or more",
-                output::size(passthrough_min_size)
-            ),
-            (true, false, false) => "local node, pread".to_string(),
-            (false, true, _) => "remote replicas, opened by the kernel".to_string(),
-            (false, false, _) => "remote replicas".to_string(),
-        }
     );
     match &holder {
         Some(h) => h.ready(&msg)?,
@@ -507,6 +426,118 @@ async fn serve(a: MountArgs, mountpoint: PathBuf, cfg: &Resolved) -> anyhow::Res
     lease.end().await;
     runtime::remove_status_of(&mountpoint, holder_pid);
     Ok(())
+}
+
+/// Writes the mount's status file (what `locus status` and `locus umount` read) when
+/// called: `status` with what INIT negotiated and the metrics' totals as of now, unless
+/// the connection `fuse` has ended (a mount made at the same path since owns the file).
+fn status_writer(
+    status: MountStatus,
+    metrics: Arc<locus_fuse::metrics::Metrics>,
+    (passthrough, kernel_opened): (
+        Arc<std::sync::atomic::AtomicBool>,
+        Arc<std::sync::atomic::AtomicBool>,
+    ),
+    fuse: std::os::fd::OwnedFd,
+) -> impl Fn() {
+    let path = status_path(&status.mountpoint);
+    let holder_pid = status.pid;
+    move || {
+        let s = MountStatus {
+            passthrough: passthrough.load(Ordering::Relaxed),
+            kernel_opens: kernel_opened.load(Ordering::Relaxed),
+            totals: metrics.totals(),
+            mountpoint: status.mountpoint.clone(),
+            dataset: status.dataset.clone(),
+            cluster_id: status.cluster_id.clone(),
+            ..status
+        };
+        if let Some(d) = path.parent() {
+            let _ = std::fs::create_dir_all(d);
+        }
+        // Once ours ended from outside (`fusermount3 -u`), a mount made here since owns
+        // the file; ours may have a last tick before it notices.
+        if !holder::connection_alive(std::os::fd::AsFd::as_fd(&fuse)) {
+            return;
+        }
+        let tmp = path.with_extension(format!("{holder_pid}.json.tmp"));
+        if std::fs::write(&tmp, serde_json::to_vec(&s).unwrap_or_default()).is_ok() {
+            let _ = std::fs::rename(&tmp, &path);
+        }
+    }
+}
+
+/// How a mount reads its files, for the line `locus mount` prints.
+fn reading_how(local: bool, kernel_opens: bool, passthrough: bool, passthrough_min_size: u64) -> String {
+    match (local, kernel_opens, passthrough) {
+        (true, true, _) => "local node, opened by the kernel".to_string(),
+        (true, false, true) if passthrough_min_size == 0 => "local node, passthrough".to_string(),
+        (true, false, true) => format!(
+            "local node, passthrough for files of {} or more",
+            output::size(passthrough_min_size)
+        ),
+        (true, false, false) => "local node, pread".to_string(),
+        (false, true, _) => "remote replicas, opened by the kernel".to_string(),
+        (false, false, _) => "remote replicas".to_string(),
+    }
+}
+
+/// Starts serving the kernel: a fresh mount at `mp` (its connection handed to the holder,
+/// if there is one, with what INIT negotiated), or the live connection a previous server
+/// of this mount left to the holder (`reattach`), whose lost requests are asked again.
+/// Blocking (the mount's handshake).
+fn start_session(
+    fs: locus_fuse::LocusFs,
+    mp: &Path,
+    config: fuser::Config,
+    reattach: Option<holder::Reattach>,
+    h: Option<Arc<holder::Channel>>,
+    mounted_version: u64,
+) -> std::io::Result<(fuser::BackgroundSession, Ours)> {
+    use std::os::fd::AsFd;
+    let (pt, ko) = (fs.passthrough_state(), fs.kernel_opens_state());
+    let Some(r) = reattach else {
+        let s = fuser::Session::new(fs, mp, &config)?;
+        // Read now, while nothing else can have mounted over it.
+        let device = locus_fuse::mount_device(mp);
+        let ours = Ours {
+            fuse: s.as_fd().try_clone_to_owned()?,
+            device: device.clone(),
+        };
+        if let Some(h) = &h {
+            let v = s.proto_version().unwrap_or(fuser::Version(7, 0));
+            let state = holder::SessionState {
+                version: mounted_version,
+                proto_major: v.0,
+                proto_minor: v.1,
+                negotiated: locus_fuse::fs::Negotiated {
+                    // Set by init, during the handshake `Session::new` ran.
+                    passthrough: pt.load(Ordering::Relaxed),
+                    kernel_opens: ko.load(Ordering::Relaxed),
+                },
+                backing: Default::default(),
+                device,
+            };
+            h.session(s.as_fd(), &state)?;
+        }
+        return Ok((s.spawn()?, ours));
+    };
+    fs.restore(r.state.negotiated, r.state.backing.clone().into_iter().collect());
+    let acl = config.acl;
+    let v = fuser::Version(r.state.proto_major, r.state.proto_minor);
+    let s = fuser::Session::from_initialized_fd(fs, r.fuse, acl, config, v);
+    let fd = s.as_fd().try_clone_to_owned()?;
+    let bg = s.spawn()?;
+    if let Err(e) = holder::resend_lost_requests(fd.as_fd()) {
+        tracing::warn!(
+            "this kernel cannot resend requests the previous server read ({e}; Linux 6.9+): their readers wait until unmount"
+        );
+    }
+    let ours = Ours {
+        fuse: fd,
+        device: r.state.device.clone(),
+    };
+    Ok((bg, ours))
 }
 
 /// What tells this mount from a later one at the same path: its connection and device.
