@@ -10,6 +10,7 @@
 //! error (INVALID: the bytes are not the blob's; FULL: no room).
 
 use std::io::Read;
+use std::sync::mpsc::{Receiver, SyncSender};
 
 use locus_proto::BlobHash;
 
@@ -38,31 +39,44 @@ impl BulkServer {
             }
         };
         s.answer(size)?;
-        let mut w = writer;
-        let mut block = Box::<WriteBlock>::default();
-        let mut left = size;
-        while left > 0 {
-            block.clear();
-            while !block.is_full() && left > 0 {
-                let n = s.read(block.spare(usize::try_from(left).unwrap_or(usize::MAX)))?;
-                if n == 0 {
-                    // The writer goes with its reservation and partial file.
-                    return Err(std::io::Error::new(
-                        std::io::ErrorKind::UnexpectedEof,
-                        format!("the client ended blob {h} {left} bytes early"),
-                    ));
+        // Two blocks: one filled from the socket here while a second thread hashes and
+        // writes the other from where it lies (as a peer copy does), so receiving and
+        // storing overlap instead of taking turns.
+        let (full_tx, full_rx) = std::sync::mpsc::sync_channel::<Box<WriteBlock>>(1);
+        let (free_tx, free_rx) = std::sync::mpsc::sync_channel::<Box<WriteBlock>>(2);
+        for _ in 0..2 {
+            let _ = free_tx.send(Box::default());
+        }
+        let metrics = &self.metrics;
+        let (received, stored) = std::thread::scope(|scope| {
+            let storing = scope.spawn(move || {
+                let mut w = writer;
+                for b in full_rx {
+                    w.write_block(&b)?;
+                    metrics.bulk_received.inc_by(b.data().len() as u64);
+                    // The receiver may have stopped (the client went away): nothing to do.
+                    let _ = free_tx.send(b);
                 }
-                block.filled(n);
-                left -= n as u64;
-            }
-            if let Err(e) = w.write_block(&block) {
-                // The client is still sending: say why, then end the connection.
+                Ok::<_, StoreError>(w)
+            });
+            let received = receive(s, &h, size, &free_rx, &full_tx);
+            drop(full_tx);
+            (
+                received,
+                storing.join().expect("the storing thread does not panic"),
+            )
+        });
+        let w = match (received, stored) {
+            (_, Err(e)) => {
+                // The client may still be sending: say why, then end the connection.
                 refuse(s, &h, e)?;
                 s.close_gently();
                 return Err(std::io::Error::other("the blob write failed"));
             }
-            self.metrics.bulk_received.inc_by(block.data().len() as u64);
-        }
+            // The writer goes with its reservation and partial file.
+            (Err(e), Ok(_)) => return Err(e),
+            (Ok(()), Ok(w)) => w,
+        };
         match w.finish_stored() {
             Ok(_) => {
                 self.metrics.wrote("client", size);
@@ -76,4 +90,38 @@ impl BulkServer {
             }
         }
     }
+}
+
+/// Fills blocks from the client until `size` bytes arrived, handing each full one to the
+/// storing thread. Ok also when that thread stopped taking blocks (it failed: its error
+/// is the one reported).
+fn receive(
+    s: &mut Conn,
+    h: &BlobHash,
+    size: u64,
+    free: &Receiver<Box<WriteBlock>>,
+    full: &SyncSender<Box<WriteBlock>>,
+) -> std::io::Result<()> {
+    let mut left = size;
+    while left > 0 {
+        let Ok(mut block) = free.recv() else {
+            return Ok(());
+        };
+        block.clear();
+        while !block.is_full() && left > 0 {
+            let n = s.read(block.spare(usize::try_from(left).unwrap_or(usize::MAX)))?;
+            if n == 0 {
+                return Err(std::io::Error::new(
+                    std::io::ErrorKind::UnexpectedEof,
+                    format!("the client ended blob {h} {left} bytes early"),
+                ));
+            }
+            block.filled(n);
+            left -= n as u64;
+        }
+        if full.send(block).is_err() {
+            return Ok(());
+        }
+    }
+    Ok(())
 }
