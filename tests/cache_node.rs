@@ -929,6 +929,13 @@ async fn a_blob_can_arrive_chunk_by_chunk_and_serves_only_what_is_there() {
     let e = n2.fetch_chunks(bigger).await.unwrap_err();
     assert_eq!(e.code(), tonic::Code::InvalidArgument, "{e:?}");
     assert!(e.message().contains("the manifest says"), "{e:?}");
+    // Chunk hashes said to be tree chunk hashes must merge to the blob's hash: these are
+    // plain ones, refused before anything is reserved.
+    let mut not_tree = req(vec![]);
+    not_tree.tree_chunks = true;
+    let e = n2.fetch_chunks(not_tree).await.unwrap_err();
+    assert_eq!(e.code(), tonic::Code::InvalidArgument, "{e:?}");
+    assert!(e.message().contains("not the tree chunk hashes"), "{e:?}");
 
     // The rest completes it: whole, verified, visible.
     let r = n2.fetch_chunks(req(vec![])).await.unwrap().into_inner();
