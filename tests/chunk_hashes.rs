@@ -145,18 +145,15 @@ async fn the_catalogue_refuses_tree_chunk_hashes_that_are_not_the_files() {
     let mut bent = tree.clone();
     bent[2].0[5] ^= 1;
     let plain: Vec<BlobHash> = data.chunks(MIB).map(BlobHash::of).collect();
+    let begin = || pb::BeginVersionRequest {
+        dataset: "ds".into(),
+        chunk_size: 1 << 20,
+        replication: 1,
+        tree_chunks: true,
+        ..Default::default()
+    };
     for bad in [plain, bent] {
-        let s = c
-            .begin_version(pb::BeginVersionRequest {
-                dataset: "ds".into(),
-                chunk_size: 1 << 20,
-                replication: 1,
-                tree_chunks: true,
-                ..Default::default()
-            })
-            .await
-            .unwrap()
-            .into_inner();
+        let s = c.begin_version(begin()).await.unwrap().into_inner();
         assert!(s.tree_chunks, "the service records tree chunk hashes");
         let e = c
             .put_entries(pb::PutEntriesRequest {
@@ -174,17 +171,7 @@ async fn the_catalogue_refuses_tree_chunk_hashes_that_are_not_the_files() {
         );
     }
     // The right ones are taken.
-    let s = c
-        .begin_version(pb::BeginVersionRequest {
-            dataset: "ds".into(),
-            chunk_size: 1 << 20,
-            replication: 1,
-            tree_chunks: true,
-            ..Default::default()
-        })
-        .await
-        .unwrap()
-        .into_inner();
+    let s = c.begin_version(begin()).await.unwrap().into_inner();
     c.put_entries(pb::PutEntriesRequest {
         session_id: s.session_id,
         page: 0,

@@ -231,45 +231,24 @@ impl ChunkHasher {
 /// (the whole blob's hash is someone else's: a plain hasher, or an outboard's builder,
 /// which yields tree chunk hashes itself).
 #[derive(Debug, Clone)]
-pub struct Chunks {
-    chunk_size: u64,
-    chunk: blake3::Hasher,
-    in_chunk: u64,
-    done: Vec<BlobHash>,
-    size: u64,
-}
+pub struct Chunks(ChunkHasher);
 
 impl Chunks {
     pub fn new(chunk_size: u32) -> Self {
-        Chunks {
-            chunk_size: u64::from(chunk_size.max(1)),
-            chunk: blake3::Hasher::new(),
-            in_chunk: 0,
-            done: Vec::new(),
-            size: 0,
-        }
+        let mut h = ChunkHasher::new(chunk_size, ChunkKind::Plain);
+        h.whole = None;
+        Chunks(h)
     }
 
-    pub fn update(&mut self, mut data: &[u8]) {
-        self.size += data.len() as u64;
-        while !data.is_empty() {
-            let take = (self.chunk_size - self.in_chunk).min(data.len() as u64) as usize;
-            self.chunk.update(&data[..take]);
-            self.in_chunk += take as u64;
-            data = &data[take..];
-            if self.in_chunk == self.chunk_size {
-                self.done.push(BlobHash(*self.chunk.finalize().as_bytes()));
-                self.chunk.reset();
-                self.in_chunk = 0;
-            }
-        }
+    pub fn update(&mut self, data: &[u8]) {
+        self.0.update(data);
     }
 
     pub fn finish(mut self) -> Vec<BlobHash> {
-        if self.in_chunk > 0 {
-            self.done.push(BlobHash(*self.chunk.finalize().as_bytes()));
+        if self.0.size > 0 {
+            self.0.close_chunk();
         }
-        self.done
+        self.0.done
     }
 }
 
