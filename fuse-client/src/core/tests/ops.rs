@@ -129,6 +129,17 @@ fn an_open_is_refused_for_writers_and_directories_and_planned_by_what_the_mount_
     // Reopened within the reopen window: the node's file again, without asking it.
     assert!(matches!(f.core.open(f.ino, false), Ok(OpenPlan::Local { .. })));
     assert_eq!(node.calls.load(Ordering::SeqCst), 1);
+    // A node that does not answer within its patience: remote replicas for this open.
+    let hung = tree(1, Some(LocalBehave::Hang), |_| {});
+    let Ok(OpenPlan::AskNode {
+        ino: i,
+        size: n,
+        blob: b,
+    }) = hung.core.open(hung.ino, false)
+    else {
+        panic!("the node is to be asked");
+    };
+    assert!(matches!(hung.core.open_fetched(i, n, b), OpenPlan::Remote { .. }));
     // Once INIT said the kernel opens files by itself, every open says so.
     f.core.negotiated.kernel_opens.store(true, Ordering::Relaxed);
     assert!(matches!(f.core.open(f.ino, false), Ok(OpenPlan::KernelOpens)));
