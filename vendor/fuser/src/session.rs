@@ -139,6 +139,13 @@ pub struct Session<FS: Filesystem> {
     /// The field is set to `Some` when the init message is received.
     pub(crate) proto_version: Option<Version>,
     pub(crate) config: Config,
+    /// The ring payload size when INIT negotiated FUSE over io_uring (Locus addition).
+    pub(crate) io_uring_payload: Option<usize>,
+    /// The running ring queues, once started.
+    #[cfg(target_os = "linux")]
+    pub(crate) rings: Option<crate::uring::Rings>,
+    /// The filesystem once ring threads share it (it moved out of `filesystem`).
+    pub(crate) shared_fs: Option<Arc<FilesystemHolder<FS>>>,
 }
 
 impl<FS: Filesystem> AsFd for Session<FS> {
@@ -186,6 +193,10 @@ impl<FS: Filesystem> Session<FS> {
             session_owner: geteuid(),
             proto_version: None,
             config: options.clone(),
+            io_uring_payload: None,
+            #[cfg(target_os = "linux")]
+            rings: None,
+            shared_fs: None,
         };
 
         session.handshake()?;
@@ -214,6 +225,10 @@ impl<FS: Filesystem> Session<FS> {
             session_owner: geteuid(),
             proto_version: None,
             config,
+            io_uring_payload: None,
+            #[cfg(target_os = "linux")]
+            rings: None,
+            shared_fs: None,
         };
 
         session.handshake()?;
@@ -245,7 +260,63 @@ impl<FS: Filesystem> Session<FS> {
             session_owner: geteuid(),
             proto_version: Some(proto_version),
             config,
+            io_uring_payload: None,
+            #[cfg(target_os = "linux")]
+            rings: None,
+            shared_fs: None,
         }
+    }
+
+    /// Marks a connection taken over with `from_initialized_fd` as one whose INIT
+    /// negotiated FUSE over io_uring with this payload size (`io_uring_payload` of the
+    /// session that mounted it): the kernel sends its requests to ring queues, so this
+    /// session registers its own (Locus addition).
+    pub fn with_io_uring(mut self, payload: usize) -> Self {
+        self.io_uring_payload = Some(payload);
+        self
+    }
+
+    /// The ring payload size if INIT negotiated FUSE over io_uring, else `None`.
+    pub fn io_uring_payload(&self) -> Option<usize> {
+        self.io_uring_payload
+    }
+
+    /// Registers this connection's ring queues when INIT negotiated FUSE over io_uring
+    /// (`Config::io_uring`): returns whether requests now come through them. Until every
+    /// queue is registered the kernel holds requests, so this runs before serving (`run`
+    /// calls it if the caller did not). A queue the kernel refuses turns the connection
+    /// back to `/dev/fuse`: then this returns the error, and `/dev/fuse` serves.
+    #[cfg(target_os = "linux")]
+    pub fn start_io_uring(&mut self) -> io::Result<bool> {
+        if self.rings.is_some() {
+            return Ok(true);
+        }
+        // Tried once only: after a refused registration the kernel serves by /dev/fuse.
+        let Some(payload) = self.io_uring_payload.take() else {
+            return Ok(false);
+        };
+        let depth = self.config.io_uring.unwrap_or(8).max(1);
+        let filesystem = Arc::new(FilesystemHolder {
+            fs: self.filesystem.fs.take(),
+        });
+        let (ch, allowed, session_owner) = (self.ch.clone(), self.allowed, self.session_owner);
+        let fs_for_rings = filesystem.clone();
+        let started = crate::uring::Rings::start(
+            move |qid| SessionEventLoop {
+                thread_name: format!("fuse-ring-{qid}"),
+                filesystem: fs_for_rings.clone(),
+                ch: ch.clone(),
+                allowed,
+                session_owner,
+            },
+            &self.ch.sender(),
+            depth,
+            payload,
+        );
+        self.shared_fs = Some(filesystem);
+        let (rings, registered) = started;
+        self.rings = Some(rings);
+        registered.map(|()| true)
     }
 
     /// The FUSE protocol version the kernel announced at INIT (`None` before it).
@@ -275,7 +346,11 @@ impl<FS: Filesystem> Session<FS> {
     /// may run concurrent by spawning threads.
     /// # Errors
     /// Returns any final error when the session comes to an end.
-    pub fn run(self) -> io::Result<()> {
+    pub fn run(mut self) -> io::Result<()> {
+        #[cfg(target_os = "linux")]
+        if let Err(e) = self.start_io_uring() {
+            warn!("FUSE over io_uring refused ({e}): serving through /dev/fuse");
+        }
         let Session {
             filesystem,
             ch,
@@ -284,6 +359,10 @@ impl<FS: Filesystem> Session<FS> {
             session_owner,
             proto_version: _,
             config,
+            io_uring_payload: _,
+            #[cfg(target_os = "linux")]
+            rings,
+            shared_fs,
         } = self;
 
         let n_threads = config.n_threads.unwrap_or(1);
@@ -299,7 +378,7 @@ impl<FS: Filesystem> Session<FS> {
             return Err(io::Error::other("n_threads"));
         };
 
-        let mut filesystem = Arc::new(filesystem);
+        let mut filesystem = shared_fs.unwrap_or_else(|| Arc::new(filesystem));
 
         let mut channels = Vec::with_capacity(n_threads);
 
@@ -351,6 +430,12 @@ impl<FS: Filesystem> Session<FS> {
                     reply = Err(e);
                 }
             }
+        }
+
+        // The ring threads end when the kernel ends the connection, as these did.
+        #[cfg(target_os = "linux")]
+        if let Some(rings) = rings {
+            rings.join();
         }
 
         let Some(filesystem) = Arc::get_mut(&mut filesystem) else {
@@ -461,6 +546,27 @@ impl<FS: Filesystem> Session<FS> {
                 return Err(error);
             }
 
+            // FUSE over io_uring (Locus addition): asked for only when this process can
+            // make a ring, since after this INIT the kernel holds requests until the
+            // ring queues are registered.
+            #[cfg(target_os = "linux")]
+            if self.config.io_uring.is_some()
+                && init.capabilities().contains(InitFlags::FUSE_OVER_IO_URING)
+            {
+                match crate::uring::available() {
+                    Ok(()) => config.requested |= InitFlags::FUSE_OVER_IO_URING,
+                    Err(e) => warn!("cannot create an io_uring ({e}): serving through /dev/fuse"),
+                }
+            }
+            if (init.capabilities() & config.requested).contains(InitFlags::FUSE_OVER_IO_URING) {
+                // The kernel's ring payload: max(FUSE_MIN_READ_BUFFER, max_write, max_pages).
+                self.io_uring_payload = Some(
+                    (config.max_write as usize)
+                        .max(usize::from(config.max_pages()) * page_size::get())
+                        .max(8192),
+                );
+            }
+
             // Remember the ABI version supported by kernel and mark the session initialized.
             self.proto_version = Some(v);
 
@@ -562,7 +668,7 @@ impl<FS: Filesystem> SessionEventLoop<FS> {
             // Read the next request from the given channel to kernel driver
             // The kernel driver makes sure that we get exactly one request per read
             match self.ch.receive_retrying(buf) {
-                Ok(size) => match RequestWithSender::new(self.ch.sender(), &buf[..size]) {
+                Ok(size) => match RequestWithSender::new(ReplySender::Channel(self.ch.sender()), &buf[..size]) {
                     // Dispatch request
                     Some(req) => {
                         if let Ok(Operation::Destroy(_)) = req.request.operation() {

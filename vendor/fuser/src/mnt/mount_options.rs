@@ -18,6 +18,9 @@ pub struct Config {
     /// This enables more efficient request processing
     /// when multiple threads are used. Requires Linux 4.5+.
     pub clone_fd: bool,
+    /// Ask for FUSE over io_uring with this many entries per queue (one queue per CPU),
+    /// when the kernel offers it (Locus addition; see `Session::start_io_uring`).
+    pub io_uring: Option<u16>,
 }
 
 /// Mount options accepted by the FUSE filesystem type

@@ -1,0 +1,504 @@
+//! FUSE over io_uring (Linux 6.14+; Locus addition, see vendor/README.md).
+//!
+//! Once INIT has negotiated `FUSE_OVER_IO_URING`, the kernel sends each request to the
+//! queue of the CPU its caller runs on. A queue here is one thread pinned to that CPU with
+//! its own ring and `depth` entries; an entry is a header page and a payload buffer that
+//! the kernel fills with a request. The thread answers an entry with one
+//! `COMMIT_AND_FETCH` command, which hands the kernel the reply and the entry back for
+//! the next request: one `io_uring_enter` per request instead of a `read` and a `writev`,
+//! and no wake-up on another CPU.
+//!
+//! `/dev/fuse` stays in use beside the rings: the kernel still sends FORGET and INTERRUPT
+//! there, and notifications (and the passthrough ioctls) go through the descriptor.
+//!
+//! The kernel writes a request as three pieces (the `fuse_in_header`, the operation's
+//! fixed argument in `op_in`, the rest in the payload). The entry's header page is laid
+//! out so that the first two can be copied in front of the payload, which makes the
+//! request one contiguous slice in the layout a `/dev/fuse` read gives; only the
+//! (at most 168-byte) headers are copied.
+
+use std::cell::Cell;
+use std::io;
+use std::io::IoSlice;
+use std::os::fd::AsRawFd;
+use std::os::fd::RawFd;
+use std::sync::Arc;
+use std::sync::mpsc;
+use std::thread::JoinHandle;
+
+use io_uring::IoUring;
+use io_uring::cqueue;
+use io_uring::opcode;
+use io_uring::squeue;
+use io_uring::types::Fd;
+use log::debug;
+use log::warn;
+use parking_lot::Mutex;
+
+use crate::Filesystem;
+use crate::channel::ChannelSender;
+use crate::ll::Operation;
+use crate::reply::ReplySender;
+use crate::request::RequestWithSender;
+use crate::session::SessionEventLoop;
+
+const CMD_REGISTER: u32 = 1;
+const CMD_COMMIT_AND_FETCH: u32 = 2;
+/// `struct fuse_uring_req_header`: `in_out[128]`, `op_in[128]`, `fuse_uring_ent_in_out`.
+const HEADER_LEN: usize = 288;
+const OP_IN: usize = 128;
+const OP_IN_LEN: usize = 128;
+const ENT_IN_OUT: usize = 256;
+const IN_HEADER_LEN: usize = 40;
+const OUT_HEADER_LEN: usize = 16;
+/// Each entry's header page; the request is rebuilt at its end, before the payload.
+const PAGE: usize = 4096;
+
+/// Whether this process may create an io_uring with 128-byte entries (the kernel can
+/// forbid it: `kernel.io_uring_disabled`, seccomp). Asked before INIT is answered,
+/// because once INIT negotiates io_uring the kernel holds every request until the rings
+/// are registered.
+pub(crate) fn available() -> io::Result<()> {
+    IoUring::<squeue::Entry128, cqueue::Entry>::builder()
+        .build(2)
+        .map(drop)
+}
+
+/// The number of queues the kernel expects: one per possible CPU
+/// (`num_possible_cpus()`), every one registered before the ring is used.
+fn possible_cpus() -> usize {
+    let Ok(s) = std::fs::read_to_string("/sys/devices/system/cpu/possible") else {
+        return std::thread::available_parallelism().map_or(1, |n| n.get());
+    };
+    s.trim()
+        .split(',')
+        .filter_map(|r| match r.split_once('-') {
+            Some((a, b)) => Some(b.parse::<usize>().ok()? - a.parse::<usize>().ok()? + 1),
+            None => r.parse::<usize>().ok().map(|_| 1),
+        })
+        .sum::<usize>()
+        .max(1)
+}
+
+/// One queue's ring and entries, shared by its thread and by whoever answers one of its
+/// requests later (a reply sent from another thread commits through the same ring).
+struct Queue {
+    qid: u16,
+    dev: RawFd,
+    ring: IoUring<squeue::Entry128, cqueue::Entry>,
+    /// Serializes pushes to the submission queue (the queue's thread and repliers).
+    sq: Mutex<()>,
+    mem: *mut u8,
+    mem_len: usize,
+    payload_cap: usize,
+    /// Per entry: the iovecs (header page, payload) the REGISTER command points at.
+    iovs: Vec<[libc::iovec; 2]>,
+}
+
+// SAFETY: the ring's submission side is only touched under `sq`, its completion side only
+// by the queue's thread; an entry's memory belongs to whoever holds its request (the
+// kernel until a completion, then exactly one reply).
+unsafe impl Send for Queue {}
+unsafe impl Sync for Queue {}
+
+impl Drop for Queue {
+    fn drop(&mut self) {
+        // SAFETY: mapped in `Queue::new` with this length; the ring (and with it every
+        // command that pointed here) is gone or going with `self`.
+        unsafe { libc::munmap(self.mem.cast(), self.mem_len) };
+    }
+}
+
+thread_local! {
+    /// The queue whose thread this is (its address), or 0: a reply sent on the queue's
+    /// own thread is submitted with its next wait, one sent elsewhere at once.
+    static ON_QUEUE: Cell<usize> = const { Cell::new(0) };
+}
+
+impl Queue {
+    fn new(qid: u16, dev: RawFd, depth: u16, payload_cap: usize) -> io::Result<Queue> {
+        let entries = u32::from(depth).next_power_of_two();
+        let ring = IoUring::<squeue::Entry128, cqueue::Entry>::builder()
+            .setup_cqsize(entries * 2)
+            .build(entries)?;
+        let payload_cap = payload_cap.next_multiple_of(PAGE);
+        let stride = PAGE + payload_cap;
+        let mem_len = stride * usize::from(depth);
+        // SAFETY: a fresh anonymous private mapping; pages are touched only as used.
+        let mem = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                mem_len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+                -1,
+                0,
+            )
+        };
+        if mem == libc::MAP_FAILED {
+            return Err(io::Error::last_os_error());
+        }
+        let mem = mem.cast::<u8>();
+        let iovs = (0..usize::from(depth))
+            .map(|i| {
+                // SAFETY: within the mapping.
+                let base = unsafe { mem.add(i * stride) };
+                [
+                    libc::iovec {
+                        iov_base: base.cast(),
+                        iov_len: HEADER_LEN,
+                    },
+                    libc::iovec {
+                        iov_base: unsafe { base.add(PAGE) }.cast(),
+                        iov_len: payload_cap,
+                    },
+                ]
+            })
+            .collect();
+        Ok(Queue {
+            qid,
+            dev,
+            ring,
+            sq: Mutex::new(()),
+            mem,
+            mem_len,
+            payload_cap,
+            iovs,
+        })
+    }
+
+    fn header(&self, slot: usize) -> *mut u8 {
+        self.iovs[slot][0].iov_base.cast()
+    }
+
+    fn payload(&self, slot: usize) -> *mut u8 {
+        self.iovs[slot][1].iov_base.cast()
+    }
+
+    /// A FUSE ring command for entry `slot` (an SQE128: the command goes in its 80-byte
+    /// area, the iovec array in `addr`, its length, 2, in `len`).
+    fn command(&self, cmd_op: u32, slot: usize, commit_id: u64) -> squeue::Entry128 {
+        let mut cmd = [0u8; 80];
+        // struct fuse_uring_cmd_req { u64 flags; u64 commit_id; u16 qid; u8 pad[6]; }
+        cmd[8..16].copy_from_slice(&commit_id.to_ne_bytes());
+        cmd[16..18].copy_from_slice(&self.qid.to_ne_bytes());
+        let sqe = opcode::UringCmd80::new(Fd(self.dev), cmd_op)
+            .cmd(cmd)
+            .addr(Some(self.iovs[slot].as_ptr() as u64))
+            .build()
+            .user_data(slot as u64);
+        // The crate has no setter for `len` on a command (offset 24 of the SQE, a u32).
+        // SAFETY: `Entry128` is `repr(C)`, 128 bytes: an `io_uring_sqe` and its extension.
+        let mut raw: [u8; 128] = unsafe { std::mem::transmute(sqe) };
+        raw[24..28].copy_from_slice(&2u32.to_ne_bytes());
+        unsafe { std::mem::transmute::<[u8; 128], squeue::Entry128>(raw) }
+    }
+
+    fn push(&self, sqe: &squeue::Entry128) -> io::Result<()> {
+        let _g = self.sq.lock();
+        // SAFETY: the lock makes this the only submission-queue handle alive.
+        let mut sq = unsafe { self.ring.submission_shared() };
+        // Never full: each entry has at most one command waiting to be submitted, and
+        // the queue has room for every entry.
+        unsafe { sq.push(sqe) }.map_err(|_| io::Error::other("io_uring submission queue full"))
+    }
+
+    /// Answers the request in `slot`: the reply into the entry, then COMMIT_AND_FETCH.
+    fn commit(self: &Arc<Self>, slot: usize, commit_id: u64, bufs: &[IoSlice<'_>]) -> io::Result<()> {
+        let total: usize = bufs.iter().map(|b| b.len()).sum();
+        let header = self.header(slot);
+        let payload = self.payload(slot);
+        let result = if total < OUT_HEADER_LEN || total - OUT_HEADER_LEN > self.payload_cap {
+            // Cannot happen with fuser's replies; answer EIO rather than leave the
+            // caller waiting.
+            let mut h = [0u8; OUT_HEADER_LEN];
+            h[0..4].copy_from_slice(&(OUT_HEADER_LEN as u32).to_ne_bytes());
+            h[4..8].copy_from_slice(&(-libc::EIO).to_ne_bytes());
+            h[8..16].copy_from_slice(&commit_id.to_ne_bytes());
+            // SAFETY: the entry is ours until committed; 16 bytes fit its header.
+            unsafe { std::ptr::copy_nonoverlapping(h.as_ptr(), header, OUT_HEADER_LEN) };
+            self.set_payload_len(slot, 0);
+            Err(io::Error::other(format!("reply of {total} bytes does not fit the ring entry")))
+        } else {
+            let mut at = 0usize;
+            for b in bufs {
+                let mut src: &[u8] = b;
+                if at < OUT_HEADER_LEN {
+                    let n = src.len().min(OUT_HEADER_LEN - at);
+                    // SAFETY: within the header's in_out area.
+                    unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), header.add(at), n) };
+                    at += n;
+                    src = &src[n..];
+                }
+                if !src.is_empty() {
+                    let off = at - OUT_HEADER_LEN;
+                    // SAFETY: `total - 16 <= payload_cap` was checked.
+                    unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), payload.add(off), src.len()) };
+                    at += src.len();
+                }
+            }
+            self.set_payload_len(slot, (total - OUT_HEADER_LEN) as u32);
+            Ok(())
+        };
+        self.push(&self.command(CMD_COMMIT_AND_FETCH, slot, commit_id))?;
+        if ON_QUEUE.get() != Arc::as_ptr(self) as usize {
+            self.ring.submitter().submit()?;
+        }
+        result
+    }
+
+    /// Answers the request in `slot` with EIO (one the parser could not read).
+    fn refuse(self: &Arc<Self>, slot: usize, commit_id: u64) {
+        let _ = self.commit(slot, commit_id, &[]);
+    }
+
+    fn set_payload_len(&self, slot: usize, n: u32) {
+        // SAFETY: `fuse_uring_ent_in_out.payload_sz` at offset 16 of its struct.
+        unsafe {
+            std::ptr::write_unaligned(self.header(slot).add(ENT_IN_OUT + 16).cast::<u32>(), n);
+        }
+    }
+
+    /// The request the kernel put in `slot`, rebuilt as one slice (see the module's
+    /// notes), and its commit id.
+    fn request(&self, slot: usize, scratch: &mut Vec<u8>) -> Result<(*const u8, usize, u64), u64> {
+        let header = self.header(slot);
+        // SAFETY: the kernel wrote the entry's header before completing its command.
+        let (len, payload_sz, commit_id) = unsafe {
+            (
+                std::ptr::read_unaligned(header.cast::<u32>()) as usize,
+                std::ptr::read_unaligned(header.add(ENT_IN_OUT + 16).cast::<u32>()) as usize,
+                std::ptr::read_unaligned(header.add(ENT_IN_OUT + 8).cast::<u64>()),
+            )
+        };
+        let op_len = len.checked_sub(IN_HEADER_LEN + payload_sz).ok_or(commit_id)?;
+        if op_len > OP_IN_LEN || payload_sz > self.payload_cap {
+            return Err(commit_id);
+        }
+        let start = PAGE - IN_HEADER_LEN - op_len;
+        if start % 8 == 0 {
+            // SAFETY: `start..PAGE` lies in the header page past the kernel's header
+            // (288 bytes); the payload follows at PAGE.
+            unsafe {
+                std::ptr::copy_nonoverlapping(header, header.add(start), IN_HEADER_LEN);
+                std::ptr::copy_nonoverlapping(
+                    header.add(OP_IN),
+                    header.add(start + IN_HEADER_LEN),
+                    op_len,
+                );
+                Ok((header.add(start).cast_const(), len, commit_id))
+            }
+        } else {
+            // An operation header of odd size: rebuilt in an aligned copy instead.
+            scratch.clear();
+            scratch.resize(len + 8, 0);
+            let off = scratch.as_ptr().align_offset(8);
+            unsafe {
+                let dst = scratch.as_mut_ptr().add(off);
+                std::ptr::copy_nonoverlapping(header, dst, IN_HEADER_LEN);
+                std::ptr::copy_nonoverlapping(header.add(OP_IN), dst.add(IN_HEADER_LEN), op_len);
+                std::ptr::copy_nonoverlapping(
+                    self.payload(slot),
+                    dst.add(IN_HEADER_LEN + op_len),
+                    payload_sz,
+                );
+                Ok((dst.cast_const(), len, commit_id))
+            }
+        }
+    }
+}
+
+/// A reply's way back through a ring entry (see `ReplySender::Ring`).
+#[derive(Clone)]
+pub(crate) struct RingReply {
+    queue: Arc<Queue>,
+    slot: usize,
+    commit_id: u64,
+    /// The `/dev/fuse` descriptor, for the passthrough ioctls a reply may need.
+    pub(crate) dev: ChannelSender,
+}
+
+impl std::fmt::Debug for RingReply {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "RingReply(q{} e{} #{})", self.queue.qid, self.slot, self.commit_id)
+    }
+}
+
+impl RingReply {
+    pub(crate) fn send(&self, bufs: &[IoSlice<'_>]) -> io::Result<()> {
+        self.queue.commit(self.slot, self.commit_id, bufs)
+    }
+}
+
+/// The running queues of one connection.
+#[derive(Debug)]
+pub(crate) struct Rings {
+    threads: Vec<JoinHandle<()>>,
+}
+
+impl Rings {
+    /// Registers `depth` entries on every queue, each served by its own thread through
+    /// `se`'s filesystem. Returns once every queue has registered (or failed to: then
+    /// the kernel goes back to `/dev/fuse` for this connection, and so does the error).
+    pub(crate) fn start<FS: Filesystem + 'static>(
+        se: impl Fn(usize) -> SessionEventLoop<FS>,
+        dev: &ChannelSender,
+        depth: u16,
+        payload_cap: usize,
+    ) -> (Rings, io::Result<()>) {
+        let n = possible_cpus();
+        let (tx, rx) = mpsc::channel::<io::Result<()>>();
+        let mut threads = Vec::with_capacity(n);
+        let mut first_err = None;
+        for qid in 0..n {
+            let se = se(qid);
+            let dev = dev.clone();
+            let tx = tx.clone();
+            match std::thread::Builder::new()
+                .name(format!("fuse-ring-{qid}"))
+                .spawn(move || serve_queue(qid as u16, se, dev, depth, payload_cap, tx))
+            {
+                Ok(t) => threads.push(t),
+                Err(e) => {
+                    first_err.get_or_insert(e);
+                }
+            }
+        }
+        drop(tx);
+        // One answer per thread; a thread that could not start sends none.
+        for r in rx.iter().take(threads.len()) {
+            if let Err(e) = r {
+                first_err.get_or_insert(e);
+            }
+        }
+        // Queues that did register when another failed are torn down by the kernel at
+        // unmount, which ends their threads: whoever joins the session joins them.
+        (Rings { threads }, first_err.map_or(Ok(()), Err))
+    }
+
+    pub(crate) fn join(self) {
+        for t in self.threads {
+            let _ = t.join();
+        }
+    }
+}
+
+fn pin_to_cpu(cpu: usize) {
+    // SAFETY: a zeroed cpu_set_t is empty; CPU_SET stays within it for cpu < 1024.
+    unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        if cpu < 1024 {
+            libc::CPU_SET(cpu, &mut set);
+            let _ = libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set);
+        }
+    }
+}
+
+fn serve_queue<FS: Filesystem>(
+    qid: u16,
+    se: SessionEventLoop<FS>,
+    dev: ChannelSender,
+    depth: u16,
+    payload_cap: usize,
+    registered: mpsc::Sender<io::Result<()>>,
+) {
+    // The kernel picks the queue by the caller's CPU: answering on that CPU keeps the
+    // request and its reply there.
+    pin_to_cpu(usize::from(qid));
+    let queue = match Queue::new(qid, dev.as_raw_fd(), depth, payload_cap) {
+        Ok(q) => Arc::new(q),
+        Err(e) => {
+            let _ = registered.send(Err(e));
+            return;
+        }
+    };
+    ON_QUEUE.set(Arc::as_ptr(&queue) as usize);
+    let mut live = usize::from(depth);
+    let mut pending: Vec<(u64, i32)> = Vec::with_capacity(usize::from(depth));
+    let setup = (|| {
+        for slot in 0..usize::from(depth) {
+            queue.push(&queue.command(CMD_REGISTER, slot, 0))?;
+        }
+        queue.ring.submitter().submit()?;
+        Ok::<(), io::Error>(())
+    })();
+    // A refused registration completes at once; an accepted one only when a request
+    // arrives (which the loop below then serves).
+    // SAFETY: only this thread reads the completion queue.
+    pending.extend(unsafe { queue.ring.completion_shared() }.map(|c| (c.user_data(), c.result())));
+    let refused = pending.iter().find(|(_, r)| *r < 0).map(|(_, r)| io::Error::from_raw_os_error(-r));
+    match (setup, refused) {
+        (Err(e), _) => {
+            let _ = registered.send(Err(e));
+            return;
+        }
+        (Ok(()), Some(e)) => {
+            let _ = registered.send(Err(e));
+        }
+        (Ok(()), None) => {
+            let _ = registered.send(Ok(()));
+        }
+    }
+    let mut scratch = Vec::new();
+    loop {
+        // SAFETY: only this thread reads the completion queue.
+        pending.extend(unsafe { queue.ring.completion_shared() }.map(|c| (c.user_data(), c.result())));
+        if pending.is_empty() {
+            match queue.ring.submitter().submit_and_wait(1) {
+                Ok(_) => {}
+                Err(e) if e.raw_os_error() == Some(libc::EINTR) => {}
+                Err(e) if e.raw_os_error() == Some(libc::EBUSY) => {}
+                Err(e) => {
+                    warn!("queue {qid}: io_uring_enter: {e}");
+                    return;
+                }
+            }
+            continue;
+        }
+        for (slot, res) in pending.drain(..) {
+            let slot = slot as usize;
+            if res < 0 {
+                // The connection ended (ENOTCONN at unmount, ECANCELED when this thread's
+                // ring goes) or the kernel refused the entry: it takes no more requests.
+                if res != -libc::ENOTCONN && res != -libc::ECANCELED && res != -libc::ECONNABORTED {
+                    warn!("queue {qid} entry {slot}: {}", io::Error::from_raw_os_error(-res));
+                }
+                live -= 1;
+                continue;
+            }
+            let (ptr, len, commit_id) = match queue.request(slot, &mut scratch) {
+                Ok(r) => r,
+                Err(commit_id) => {
+                    warn!("queue {qid} entry {slot}: malformed request");
+                    queue.refuse(slot, commit_id);
+                    continue;
+                }
+            };
+            // SAFETY: rebuilt by `request` in memory this entry owns until its reply.
+            let data = unsafe { std::slice::from_raw_parts(ptr, len) };
+            let reply = RingReply {
+                queue: queue.clone(),
+                slot,
+                commit_id,
+                dev: dev.clone(),
+            };
+            match RequestWithSender::new(ReplySender::Ring(reply), data) {
+                Some(req) => {
+                    if let Ok(Operation::Destroy(_)) = req.request.operation() {
+                        req.reply::<crate::ReplyEmpty>().ok();
+                    } else {
+                        req.dispatch(&se);
+                    }
+                }
+                None => {
+                    warn!("queue {qid} entry {slot}: request not understood");
+                    queue.refuse(slot, commit_id);
+                }
+            }
+        }
+        if live == 0 {
+            debug!("queue {qid}: every entry has ended");
+            return;
+        }
+    }
+}
