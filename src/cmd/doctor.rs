@@ -72,7 +72,13 @@ pub async fn run(a: DoctorArgs, cfg: &Resolved) -> anyhow::Result<()> {
         .map_err(|e| anyhow::anyhow!("--cert-warn: {}", e.reason))?;
     let backup_max_age = locus_proto::human::parse_duration(&a.backup_max_age)
         .map_err(|e| anyhow::anyhow!("--backup-max-age: {}", e.reason))?;
-    let mut checks = vec![fuse_device(), fusermount(), passthrough(), open_files()];
+    let mut checks = vec![
+        fuse_device(),
+        fusermount(),
+        passthrough(),
+        fuse_io_uring(),
+        open_files(),
+    ];
     checks.extend(node_socket(a.node_socket.as_deref()).await);
     checks.extend(a.data_dir.iter().map(|d| data_dir(d)));
     let mut certs: Vec<PathBuf> = cfg.ca_cert.iter().cloned().collect();
@@ -215,6 +221,61 @@ fn passthrough() -> Check {
         );
     }
     check(NAME, Verdict::Pass, detail("available"), None)
+}
+
+const ENABLE_URING: &str = "/sys/module/fuse/parameters/enable_uring";
+
+/// Whether mounts can take their requests through FUSE over io_uring
+/// (`--fuse-transport io-uring`), and how to switch it on.
+fn fuse_io_uring() -> Check {
+    io_uring_check(
+        std::fs::read_to_string(ENABLE_URING).ok().as_deref(),
+        std::fs::read_to_string("/proc/sys/kernel/io_uring_disabled")
+            .ok()
+            .as_deref(),
+    )
+}
+
+/// The check from the fuse module's `enable_uring` parameter (absent: the kernel has no
+/// FUSE over io_uring) and the `kernel.io_uring_disabled` sysctl. Never a failure:
+/// mounts serve through /dev/fuse by default and fall back to it.
+fn io_uring_check(enable_uring: Option<&str>, io_uring_disabled: Option<&str>) -> Check {
+    const NAME: &str = "fuse over io_uring";
+    let Some(param) = enable_uring else {
+        return check(
+            NAME,
+            Verdict::Pass,
+            "not in this kernel (Linux 6.14+ built with CONFIG_FUSE_IO_URING); mounts use /dev/fuse",
+            None,
+        );
+    };
+    if io_uring_disabled.is_some_and(|v| v.trim() == "2") {
+        return check(
+            NAME,
+            Verdict::Warn,
+            "io_uring is switched off for every process (kernel.io_uring_disabled = 2): \
+             --fuse-transport io-uring mounts fall back to /dev/fuse",
+            Some("sysctl kernel.io_uring_disabled=0"),
+        );
+    }
+    if matches!(param.trim(), "Y" | "y" | "1") {
+        check(
+            NAME,
+            Verdict::Pass,
+            "available and enabled: mounts with --fuse-transport io-uring use it",
+            None,
+        )
+    } else {
+        check(
+            NAME,
+            Verdict::Pass,
+            "available, not enabled: --fuse-transport io-uring mounts fall back to /dev/fuse",
+            Some(
+                "echo Y > /sys/module/fuse/parameters/enable_uring (as root; to keep it, \
+                 `options fuse enable_uring=1` in /etc/modprobe.d/ or fuse.enable_uring=1 on the kernel command line)",
+            ),
+        )
+    }
 }
 
 fn open_files() -> Check {
@@ -532,5 +593,35 @@ fn ago(d: Duration) -> String {
         60..=3599 => format!("{}m {}s", s / 60, s % 60),
         3600..=86_399 => format!("{}h {}m", s / 3600, s % 3600 / 60),
         _ => format!("{}d {}h", s / 86_400, s % 86_400 / 3600),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn io_uring_check_says_whether_it_is_there_on_and_allowed() {
+        let absent = io_uring_check(None, Some("0"));
+        assert_eq!(absent.verdict, Verdict::Pass);
+        assert!(absent.detail.contains("not in this kernel"), "{}", absent.detail);
+        let off = io_uring_check(Some("N\n"), Some("0\n"));
+        assert_eq!(off.verdict, Verdict::Pass);
+        assert!(off.detail.contains("not enabled"), "{}", off.detail);
+        assert!(
+            off.fix.as_deref().is_some_and(|f| f.contains("enable_uring")),
+            "{:?}",
+            off.fix
+        );
+        let on = io_uring_check(Some("Y\n"), Some("0\n"));
+        assert_eq!((on.verdict, on.fix.is_none()), (Verdict::Pass, true));
+        assert!(on.detail.contains("enabled"), "{}", on.detail);
+        let forbidden = io_uring_check(Some("Y\n"), Some("2\n"));
+        assert_eq!(forbidden.verdict, Verdict::Warn);
+        assert!(
+            forbidden.detail.contains("io_uring_disabled"),
+            "{}",
+            forbidden.detail
+        );
     }
 }
