@@ -49,6 +49,20 @@ async fn every_file_reads_back_identical_with_and_without_a_local_node() {
     assert_same_tree(&src, &kernel.path);
     assert_same_tree(&src, &remote.path);
 
+    // The transport is the one asked for: CI runs this suite in both, with io_uring
+    // switched on in the kernel for the second.
+    let want = match std::env::var("LOCUS_FUSE_TRANSPORT").as_deref() {
+        Ok("io-uring") => "io_uring",
+        _ => "/dev/fuse",
+    };
+    for mnt in [&local, &kernel, &remote] {
+        assert_eq!(
+            mnt.status()["transport"].as_str(),
+            Some(want),
+            "{}",
+            mnt.path.display()
+        );
+    }
     let ls = local
         .status_when(
             "the local mount to hand large files to the kernel and read small ones",
@@ -105,7 +119,7 @@ async fn every_file_reads_back_identical_with_and_without_a_local_node() {
     assert!(text.contains(&format!("at {}", remote.path.display())), "{text}");
     assert!(
         text.contains(&format!(
-            "at {} (pid {}, server {}): opened by the kernel",
+            "at {} (pid {}, server {} via {want}): opened by the kernel",
             kernel.path.display(),
             kernel.pid(),
             kernel.server_pid()

@@ -76,16 +76,24 @@ async fn readers_see_no_error_when_the_mount_server_is_killed_or_upgraded() {
 
     // Every way a mount reads: the kernel opening files itself, the mount passing local
     // files through to the kernel, and remote replicas with no local node.
+    // Over /dev/fuse whatever the environment asks: under io_uring the kernel cannot
+    // hand a dead server's requests to the next (see the test below).
+    let dev = ["--fuse-transport", "dev-fuse"];
     let mounts = [
         // "latest" when mounted: a restarted server must still serve version 1.
-        m.mount("kernel", "ds", Some(&n1), &["--opens", "kernel"]),
+        m.mount("kernel", "ds", Some(&n1), &["--opens", "kernel", dev[0], dev[1]]),
         m.mount(
             "passthrough",
             "ds@1",
             Some(&n1),
-            &["--opens", "mount", "--passthrough-min-size", "0"],
+            &["--opens", "mount", "--passthrough-min-size", "0", dev[0], dev[1]],
         ),
-        m.mount("remote", "ds@1", None, &["--cache-size", "256KiB"]),
+        m.mount(
+            "remote",
+            "ds@1",
+            None,
+            &["--cache-size", "256KiB", dev[0], dev[1]],
+        ),
     ];
     let roots: Vec<PathBuf> = mounts.iter().map(|m| m.path.clone()).collect();
     let files = Arc::new(nonempty_files(&src));
@@ -336,4 +344,122 @@ async fn a_remount_after_fusermount_u_is_not_torn_down_by_the_mount_that_ended()
         // Its Drop would unmount whatever is at the path now.
         std::mem::forget(old);
     }
+}
+
+/// The fuse module's `enable_uring` parameter, set for the life of the value and put back
+/// as it was when dropped.
+struct EnableUring(Option<String>);
+
+const ENABLE_URING: &str = "/sys/module/fuse/parameters/enable_uring";
+
+impl EnableUring {
+    fn set(on: bool) -> EnableUring {
+        let was = std::fs::read_to_string(ENABLE_URING).unwrap_or_else(|e| {
+            panic!("{ENABLE_URING}: {e} (this test needs a kernel with FUSE over io_uring, Linux 6.14+, and root)")
+        });
+        std::fs::write(ENABLE_URING, if on { "Y" } else { "N" })
+            .unwrap_or_else(|e| panic!("{ENABLE_URING}: {e} (this test needs root)"));
+        EnableUring(Some(was.trim().to_string()))
+    }
+}
+
+impl Drop for EnableUring {
+    fn drop(&mut self) {
+        if let Some(was) = self.0.take() {
+            let _ = std::fs::write(ENABLE_URING, was);
+        }
+    }
+}
+
+/// `--fuse-transport io-uring`: on a kernel that does not offer it (the parameter off)
+/// the mount serves through /dev/fuse and says so once; where it is on, requests come
+/// through the rings, and a server killed under them is replaced: reads made while no
+/// server runs (parked in the kernel's queues) are answered by the next server, byte for
+/// byte. (Reads the dead server held, or that reached its rings while it died, are not:
+/// the kernel cannot resend ring requests; docs/architecture.md.) It switches the
+/// kernel parameter, so CI's io_uring pass leaves it out.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn io_uring_falls_back_where_off_and_a_killed_server_is_replaced_where_on() {
+    let h = Harness::new("mount-uring");
+    let m = h.start_metadata("meta", MetadataOpts::default()).await;
+    let n1 = h.start_node("n1", &m, NodeOpts::host(1)).await;
+    let src = h.path("src");
+    make_tree(&src, 120);
+    let out = import(&m, "ds", &src, &["--replicas", "1"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let files = Arc::new(nonempty_files(&src));
+    let ring = ["--fuse-transport", "io-uring", "--opens", "kernel"];
+
+    {
+        let _off = EnableUring::set(false);
+        let mnt = m.mount("off", "ds", Some(&n1), &ring);
+        assert_eq!(mnt.status()["transport"].as_str(), Some("/dev/fuse"));
+        let (rel, want) = &files[0];
+        let got = std::fs::read(mnt.path.join(rel)).unwrap();
+        assert_eq!(blake3::hash(&got).to_hex().as_str(), want);
+        let log = std::fs::read_to_string(&mnt.log).unwrap();
+        assert_eq!(
+            log.matches("FUSE over io_uring is not available here").count(),
+            1,
+            "said once: {log}"
+        );
+        let o = mnt.umount();
+        assert!(o.status.success(), "{}", stderr(&o));
+    }
+
+    let _on = EnableUring::set(true);
+    let mnt = m.mount("on", "ds", Some(&n1), &ring);
+    assert_eq!(mnt.status()["transport"].as_str(), Some("io_uring"));
+    for (rel, want) in files.iter() {
+        let got = std::fs::read(mnt.path.join(rel)).unwrap();
+        assert_eq!(blake3::hash(&got).to_hex().as_str(), want, "{}", rel.display());
+    }
+    for round in 0..3 {
+        let old = mnt.server_pid();
+        signal(old, "-9");
+        // Readers start once the server is gone and before the next one runs: their
+        // requests wait in the queue of the CPU they run on until the next server has
+        // registered its entries. (A request the kernel hands a ring while its server is
+        // dying fails with ECANCELED: docs/architecture.md.)
+        wait_until(
+            "the killed server to be gone",
+            Duration::from_secs(10),
+            || async { (!alive(old)).then_some(()) },
+        )
+        .await;
+        let readers: Vec<_> = (0..4usize)
+            .map(|r| {
+                let (files, root) = (files.clone(), mnt.path.clone());
+                std::thread::spawn(move || -> Result<usize, String> {
+                    let mut n = 0;
+                    for (rel, want) in files.iter().skip(r).step_by(4) {
+                        let got =
+                            read_direct(&root.join(rel)).map_err(|e| format!("{}: {e}", rel.display()))?;
+                        if blake3::hash(&got).to_hex().as_str() != want {
+                            return Err(format!("{}: wrong bytes", rel.display()));
+                        }
+                        n += 1;
+                    }
+                    Ok(n)
+                })
+            })
+            .collect();
+        new_server(&mnt, old).await;
+        wait_until("every reader to finish", Duration::from_secs(60), || async {
+            readers.iter().all(|r| r.is_finished()).then_some(())
+        })
+        .await;
+        let read: usize = readers
+            .into_iter()
+            .map(|r| r.join().unwrap().unwrap_or_else(|e| panic!("round {round}: {e}")))
+            .sum();
+        assert_eq!(read, files.len(), "round {round}");
+        assert_eq!(
+            mnt.status()["transport"].as_str(),
+            Some("io_uring"),
+            "round {round}"
+        );
+    }
+    let o = mnt.umount();
+    assert!(o.status.success(), "{}", stderr(&o));
 }

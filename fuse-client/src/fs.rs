@@ -428,6 +428,10 @@ impl Filesystem for LocusFs {
             .set_max_readahead(u32::MAX)
             .or_else(|max| config.set_max_readahead(max));
         let _ = config.set_max_background(64);
+        // Nothing is written; what this sets is the size of a FUSE-over-io_uring entry's
+        // payload (the kernel sizes it by max_write) and the largest READ (256 pages, the
+        // kernel's own limit), so 1 MiB keeps every ring entry at 1 MiB instead of 16.
+        let _ = config.set_max_write(1 << 20);
         if self.settings.kernel_opens {
             // Offered since Linux 5.1; without them ENOSYS would fail the open.
             let both = InitFlags::FUSE_NO_OPEN_SUPPORT | InitFlags::FUSE_NO_OPENDIR_SUPPORT;

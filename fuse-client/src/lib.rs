@@ -59,8 +59,14 @@ impl From<tonic::Status> for LoadError {
     }
 }
 
-/// The fuser configuration of a Locus mount.
-pub fn session_config(source: &str, allow_other: bool, threads: usize) -> fuser::Config {
+/// Entries per FUSE-over-io_uring queue (one queue per CPU): requests a CPU's callers
+/// can have with the mount at once before the kernel queues the next (a reader's
+/// blocking work runs off the queue thread, holding its entry meanwhile).
+pub const RING_DEPTH: u16 = 16;
+
+/// The fuser configuration of a Locus mount; `io_uring`: ask the kernel for FUSE over
+/// io_uring (it is used when the kernel offers it and this process can make rings).
+pub fn session_config(source: &str, allow_other: bool, threads: usize, io_uring: bool) -> fuser::Config {
     use fuser::MountOption as O;
     let mut c = fuser::Config::default();
     c.mount_options = vec![
@@ -81,6 +87,7 @@ pub fn session_config(source: &str, allow_other: bool, threads: usize) -> fuser:
     // server, failing the requests it held, while the shared one stays open in the
     // holder and its lost requests can be resent (see `locus mount`'s holder).
     c.clone_fd = false;
+    c.io_uring = io_uring.then_some(RING_DEPTH);
     c
 }
 

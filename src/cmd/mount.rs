@@ -101,6 +101,21 @@ pub struct MountArgs {
     /// ("0s": ask every time).
     #[arg(long, value_name = "DURATION", default_value = "30s")]
     pub reopen_cache: String,
+    /// How the kernel's requests reach the mount. dev-fuse: read from /dev/fuse by the
+    /// session threads. io-uring: FUSE over io_uring where the kernel offers it (Linux
+    /// 6.14+ with the fuse module's enable_uring parameter on; `locus doctor` says how),
+    /// each request answered on the CPU that made it with one system call, else
+    /// /dev/fuse (said once in the log). Not the default because a server that dies
+    /// (crash, kill -9, SIGHUP upgrade) cannot hand the requests it held to the next one
+    /// under io_uring: their readers wait until unmount (docs/architecture.md).
+    #[arg(
+        long,
+        env = "LOCUS_FUSE_TRANSPORT",
+        value_enum,
+        value_name = "HOW",
+        default_value = "dev-fuse"
+    )]
+    pub fuse_transport: FuseTransport,
     /// Serve Prometheus metrics at http://ADDR/metrics.
     #[arg(long, value_name = "ADDR")]
     pub metrics_listen: Option<String>,
@@ -130,6 +145,13 @@ pub enum Readdirplus {
     Adaptive,
     All,
     Auto,
+}
+
+/// How the kernel's requests reach the mount (`--fuse-transport`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum FuseTransport {
+    DevFuse,
+    IoUring,
 }
 
 /// Who opens files of a mount (`--opens`).
@@ -168,6 +190,10 @@ pub struct MountStatus {
     pub local_node: bool,
     pub started_unix_ms: u64,
     pub totals: locus_fuse::metrics::Totals,
+    /// How the kernel's requests reach the mount: "io_uring" or "/dev/fuse" ("" in older
+    /// status files).
+    #[serde(default)]
+    pub transport: String,
     /// The cluster the mount reads from ("" in older status files): `locus status` shows
     /// only its own cluster's mounts.
     #[serde(default)]
@@ -310,7 +336,8 @@ async fn serve(a: MountArgs, mountpoint: PathBuf, cfg: &Resolved) -> anyhow::Res
     let kernel_opened = fs.kernel_opens_state();
     let source = format!("{}{dataset}@{}", locus_fuse::SOURCE_PREFIX, v.version);
     let threads = a.threads.unwrap_or_else(default_threads);
-    let config = locus_fuse::session_config(&source, a.allow_other, threads);
+    let want_ring = a.fuse_transport != FuseTransport::DevFuse;
+    let config = locus_fuse::session_config(&source, a.allow_other, threads, want_ring);
     let holder = holder::Channel::from_env().map(Arc::new);
     let fs = match &holder {
         Some(h) => {
@@ -328,6 +355,13 @@ async fn serve(a: MountArgs, mountpoint: PathBuf, cfg: &Resolved) -> anyhow::Res
             .await?
             .map_err(|e| mount_error(&mountpoint, e))?;
     let (session, ours) = session;
+    let transport = if ours.ring { "io_uring" } else { "/dev/fuse" };
+    if want_ring && !ours.ring && !reattached {
+        tracing::info!(
+            "FUSE over io_uring is not available here; serving through /dev/fuse (see `locus doctor`)"
+        );
+    }
+    tracing::info!("kernel requests come through {transport}");
     if reattached {
         tracing::info!("took over the live mount at {}", mountpoint.display());
     }
@@ -355,6 +389,7 @@ async fn serve(a: MountArgs, mountpoint: PathBuf, cfg: &Resolved) -> anyhow::Res
         passthrough: false,
         kernel_opens: false,
         local_node: a.node_socket.is_some(),
+        transport: transport.to_string(),
         started_unix_ms,
         totals: Default::default(),
         cluster_id: cluster_id.clone(),
@@ -370,7 +405,7 @@ async fn serve(a: MountArgs, mountpoint: PathBuf, cfg: &Resolved) -> anyhow::Res
         passthrough_min_size,
     );
     let msg = format!(
-        "mounted {dataset}@{} at {} ({} files, {}; loaded in {:.2}s; {how})\n",
+        "mounted {dataset}@{} at {} ({} files, {}; loaded in {:.2}s; {how}; requests through {transport})\n",
         v.version,
         mountpoint.display(),
         v.files,
@@ -450,6 +485,7 @@ fn status_writer(
             mountpoint: status.mountpoint.clone(),
             dataset: status.dataset.clone(),
             cluster_id: status.cluster_id.clone(),
+            transport: status.transport.clone(),
             ..status
         };
         if let Some(d) = path.parent() {
@@ -497,12 +533,15 @@ fn start_session(
     use std::os::fd::AsFd;
     let (pt, ko) = (fs.passthrough_state(), fs.kernel_opens_state());
     let Some(r) = reattach else {
-        let s = fuser::Session::new(fs, mp, &config)?;
+        let mut s = fuser::Session::new(fs, mp, &config)?;
         // Read now, while nothing else can have mounted over it.
         let device = locus_fuse::mount_device(mp);
+        let io_uring_payload = s.io_uring_payload();
+        let ring = start_rings(&mut s);
         let ours = Ours {
             fuse: s.as_fd().try_clone_to_owned()?,
             device: device.clone(),
+            ring,
         };
         if let Some(h) = &h {
             let v = s.proto_version().unwrap_or(fuser::Version(7, 0));
@@ -517,6 +556,7 @@ fn start_session(
                 },
                 backing: Default::default(),
                 device,
+                io_uring_payload: io_uring_payload.filter(|_| ring),
             };
             h.session(s.as_fd(), &state)?;
         }
@@ -525,7 +565,11 @@ fn start_session(
     fs.restore(r.state.negotiated, r.state.backing.clone().into_iter().collect());
     let acl = config.acl;
     let v = fuser::Version(r.state.proto_major, r.state.proto_minor);
-    let s = fuser::Session::from_initialized_fd(fs, r.fuse, acl, config, v);
+    let mut s = fuser::Session::from_initialized_fd(fs, r.fuse, acl, config, v);
+    if let Some(p) = r.state.io_uring_payload {
+        s = s.with_io_uring(p);
+    }
+    let ring = start_rings(&mut s);
     let fd = s.as_fd().try_clone_to_owned()?;
     let bg = s.spawn()?;
     if let Err(e) = holder::resend_lost_requests(fd.as_fd()) {
@@ -533,17 +577,36 @@ fn start_session(
             "this kernel cannot resend requests the previous server read ({e}; Linux 6.9+): their readers wait until unmount"
         );
     }
+    if ring {
+        holder::wake_ring_queues(mp);
+    }
     let ours = Ours {
         fuse: fd,
         device: r.state.device.clone(),
+        ring,
     };
     Ok((bg, ours))
+}
+
+/// Registers the connection's FUSE-over-io_uring queues when INIT negotiated them:
+/// whether requests come through them (else /dev/fuse serves, the kernel having been
+/// told so by the refused registration).
+fn start_rings(s: &mut fuser::Session<locus_fuse::LocusFs>) -> bool {
+    match s.start_io_uring() {
+        Ok(on) => on,
+        Err(e) => {
+            tracing::warn!("the kernel refused FUSE over io_uring queues ({e}); serving through /dev/fuse");
+            false
+        }
+    }
 }
 
 /// What tells this mount from a later one at the same path: its connection and device.
 struct Ours {
     fuse: std::os::fd::OwnedFd,
     device: Option<String>,
+    /// Requests come through FUSE-over-io_uring queues.
+    ring: bool,
 }
 
 /// How often the server checks the kernel still has the mount, writes its status file

@@ -181,10 +181,11 @@ pub async fn run(cfg: &Resolved) -> anyhow::Result<()> {
             m.version,
             m.mountpoint.display(),
             m.pid,
-            if m.server_pid != 0 && m.server_pid != m.pid {
-                format!(", server {}", m.server_pid)
-            } else {
-                String::new()
+            match (m.server_pid != 0 && m.server_pid != m.pid, m.transport.is_empty()) {
+                (true, true) => format!(", server {}", m.server_pid),
+                (true, false) => format!(", server {} via {}", m.server_pid, m.transport),
+                (false, true) => String::new(),
+                (false, false) => format!(", via {}", m.transport),
             },
             output::size(t.bytes_local),
             output::size(t.bytes_remote),

@@ -60,6 +60,10 @@ pub struct SessionState {
     /// path has another, so an ending mount unmounts only its own (`unmount_if_ours`).
     #[serde(default)]
     pub device: Option<String>,
+    /// The FUSE-over-io_uring payload size when the connection's requests come through
+    /// ring queues: the next server registers its own queues (see `wake_ring_queues`).
+    #[serde(default)]
+    pub io_uring_payload: Option<usize>,
 }
 
 /// A message from the server.
@@ -149,6 +153,35 @@ pub fn resend_lost_requests(fuse: BorrowedFd<'_>) -> std::io::Result<()> {
     h[4..8].copy_from_slice(&FUSE_NOTIFY_RESEND.to_ne_bytes());
     nix::unistd::write(fuse, &h)?;
     Ok(())
+}
+
+/// Sends one request from each CPU to a mount whose requests come through ring queues,
+/// after a new server registered its queues. Requests that arrived while no server had
+/// entries wait in their CPU's queue, and the kernel hands a waiting request to an entry
+/// only when one is answered (COMMIT_AND_FETCH), never when one is registered: without a
+/// request to answer, a queue whose readers all wait would never move. A STATFS always
+/// reaches the server; each answer fetches the next waiting request.
+pub fn wake_ring_queues(mp: &Path) {
+    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+    for cpu in 0..cpus {
+        let mp = mp.to_path_buf();
+        // Detached: a hung mount must not hang the server's start.
+        let _ = std::thread::Builder::new()
+            .name(format!("ring-wake-{cpu}"))
+            .spawn(move || {
+                // SAFETY: a zeroed cpu_set_t is empty; CPU_SET stays within it below 1024.
+                #[allow(unsafe_code)]
+                let pinned = cpu < 1024
+                    && unsafe {
+                        let mut set: libc::cpu_set_t = std::mem::zeroed();
+                        libc::CPU_SET(cpu, &mut set);
+                        libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set) == 0
+                    };
+                if pinned {
+                    let _ = nix::sys::statfs::statfs(&mp);
+                }
+            });
+    }
 }
 
 /// Detaches the mount at `mp` if it is still the one on connection `fuse` (mounted as
@@ -334,6 +367,13 @@ pub async fn run(mountpoint: &Path, notify_ready: bool, token: Option<&str>) -> 
         }
         if !killed_for_restart {
             tracing::warn!("the mount server died ({status}); starting another on the same connection");
+        }
+        if state.as_ref().is_some_and(|s| s.io_uring_payload.is_some()) {
+            // The kernel resends only what /dev/fuse readers held (FUSE_NOTIFY_RESEND
+            // does not reach ring queues, Linux 6.18).
+            tracing::warn!(
+                "requests the server held in its io_uring queues cannot be asked again: their readers wait until unmount"
+            );
         }
         // A server that keeps dying at once (a bad binary, no memory) is retried more
         // slowly, up to every 5 s; readers wait meanwhile, they do not fail.
