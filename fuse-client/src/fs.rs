@@ -45,7 +45,7 @@ use locus_proto::client::NodeClient;
 
 use crate::core::ops::{LocalOpen, OpenPlan};
 pub use crate::core::Settings;
-use crate::core::{pread_cached, Core, FsError, GrpcLocalNode, NodeFile, ReadAhead};
+use crate::core::{pread_cached, Core, FsError, GrpcLocalNode, NodeFile, ReadAhead, DIRECT_ALIGN};
 use crate::metrics::Metrics;
 use crate::namespace::{Attr, Kind, Namespace};
 use crate::reader::Remote;
@@ -308,53 +308,67 @@ impl Mount {
         reply.opened(fh, OPEN_FLAGS);
     }
 
-    fn finish_read(
+    /// Answers a read with what `read` puts in the reply's own buffer (`len` bytes of
+    /// room, starting on a page; the ring entry under io_uring), counted as served by the
+    /// source `read` names. `None` from `read` declines: the reply comes back unsent.
+    fn try_finish_read(
         &self,
-        how: &'static str,
-        r: Result<impl std::ops::Deref<Target = [u8]>, FsError>,
+        len: usize,
         started: Instant,
         reply: ReplyData,
+        read: impl FnOnce(&mut [u8]) -> Option<Result<(usize, &'static str), FsError>>,
+    ) -> Result<(), ReplyData> {
+        reply.try_fill(len, |buf| {
+            Some(match read(buf)? {
+                Ok((n, how)) => {
+                    self.metrics.read(how, n, started.elapsed());
+                    Ok(n)
+                }
+                Err(e) => {
+                    self.metrics.read_error();
+                    Err(errno("read", &e))
+                }
+            })
+        })
+    }
+
+    fn finish_read(
+        &self,
+        len: usize,
+        started: Instant,
+        reply: ReplyData,
+        read: impl FnOnce(&mut [u8]) -> Result<(usize, &'static str), FsError>,
     ) {
-        match r {
-            Ok(data) => {
-                self.metrics.read(how, data.len(), started.elapsed());
-                reply.data(&data)
-            }
-            Err(e) => {
-                self.metrics.read_error();
-                reply.error(errno("read", &e))
-            }
-        }
+        let _ = self.try_finish_read(len, started, reply, |buf| Some(read(buf)));
     }
 
     /// Reads `want` bytes of the node's verified file: here when the page cache holds
     /// them, else from the disk off the session thread, so readers of uncached files keep
     /// as many reads in flight as they like (there are few session threads, and a disk
-    /// wants a deep queue).
-    #[allow(clippy::too_many_arguments)]
+    /// wants a deep queue). Either way the bytes go straight into the reply's buffer.
     fn read_local(
         self: &Arc<Self>,
         ino: u64,
         file: Arc<NodeFile>,
         offset: u64,
-        size: u32,
         want: u64,
         started: Instant,
         reply: ReplyData,
     ) {
-        if want == 0 {
-            return self.finish_read("local", Ok(Vec::new()), started, reply);
-        }
-        if let Some(data) = pread_cached(&file.file, file.base + offset, want as usize) {
-            let r = self.check_unchanged(ino, &file).map(|()| data);
-            return self.finish_read("local", r, started, reply);
-        }
+        let want = want as usize;
+        let cached = self.try_finish_read(want, started, reply, |buf| {
+            pread_cached(&file.file, file.base + offset, buf)
+                .then(|| self.check_unchanged(ino, &file).map(|()| (want, "local")))
+        });
+        let Err(reply) = cached else { return };
         let core = self.clone();
         self.rt.spawn_blocking(move || {
             // Not direct: the cached read above has started the kernel's read-ahead into
             // the page cache, which this read then finds (a direct read would read twice).
-            let r = core.pread_local(ino, &file, offset, size, want, false);
-            core.finish_read("local", r, started, reply)
+            core.finish_read(want, started, reply, |buf| {
+                core.pread_local(ino, &file, offset, want, false, buf)
+                    .map(|n| (n, "local"))
+            })
         });
     }
 
@@ -370,8 +384,12 @@ impl Mount {
     ) {
         let core = self.clone();
         self.rt.spawn_blocking(move || {
-            let r = core.read_remote(ino, &ra, offset, size);
-            core.finish_read("remote", r, started, reply)
+            core.finish_read(size as usize, started, reply, |buf| {
+                let data = core.read_remote(ino, &ra, offset, size)?;
+                let n = data.len().min(buf.len());
+                buf[..n].copy_from_slice(&data[..n]);
+                Ok((n, "remote"))
+            })
         });
     }
 
@@ -387,20 +405,20 @@ impl Mount {
             Ok(a) => a.size.saturating_sub(offset).min(u64::from(size)),
         };
         if want == 0 {
-            return self.finish_read("local", Ok(Vec::new()), started, reply);
+            return self.finish_read(0, started, reply, |_| Ok((0, "local")));
         }
         if self.local.is_some() {
             if let Some(file) = self.recent_file(ino) {
-                return self.read_local(ino, file, offset, size, want, started, reply);
+                return self.read_local(ino, file, offset, want, started, reply);
             }
         }
         let mount = self.clone();
         self.rt.spawn_blocking(move || {
-            let (how, r) = match mount.core.read_by_inode(ino, offset, size) {
-                Ok((data, how)) => (how, Ok(data)),
-                Err(e) => ("remote", Err(e)),
-            };
-            mount.finish_read(how, r, started, reply)
+            // Room for a direct read, which goes by whole pages.
+            let len = (size as usize).next_multiple_of(DIRECT_ALIGN);
+            mount.finish_read(len, started, reply, |buf| {
+                mount.core.read_by_inode_into(ino, offset, size, buf)
+            })
         });
     }
 }
@@ -517,7 +535,7 @@ impl Filesystem for LocusFs {
                     .attr(ino.0)
                     .map_or(0, |a| a.size.saturating_sub(offset).min(u64::from(size)));
                 self.mount
-                    .read_local(ino.0, file.clone(), offset, size, want, started, reply)
+                    .read_local(ino.0, file.clone(), offset, want, started, reply)
             }
             Handle::Remote { ino, ra } => {
                 self.mount

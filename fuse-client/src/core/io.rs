@@ -4,7 +4,6 @@
 //! buffer (`pread_direct`). Split from `core` because these are the system-call edge of
 //! the read path, each with its own `unsafe` block.
 
-use bytes::Bytes;
 use std::fs::File;
 use std::sync::atomic::{AtomicBool, Ordering};
 
@@ -56,24 +55,36 @@ pub(crate) fn preadv2(
     }
 }
 
-/// Reads `want` bytes at `offset` only if the page cache already holds them (RWF_NOWAIT),
-/// so a session thread never waits for the disk; `None` means the read would have to
-/// wait (or this kernel or filesystem cannot say), and belongs off the session thread.
-pub(crate) fn pread_cached(file: &File, offset: u64, want: usize) -> Option<Vec<u8>> {
-    let mut buf = vec![0u8; want];
+/// Fills `buf` from `offset` only if the page cache already holds those bytes
+/// (RWF_NOWAIT), so a session thread never waits for the disk; `false` means the read
+/// would have to wait (or this kernel or filesystem cannot say), and belongs off the
+/// session thread.
+pub(crate) fn pread_cached(file: &File, offset: u64, buf: &mut [u8]) -> bool {
     // Short (partly cached) or failed: the caller's ordinary read decides.
-    (preadv2(file, &mut buf, offset, libc::RWF_NOWAIT).ok()? == want).then_some(buf)
+    preadv2(file, buf, offset, libc::RWF_NOWAIT).is_ok_and(|n| n == buf.len())
 }
 
-/// The `want` bytes at `offset` that end the file, read with O_DIRECT into the returned
-/// buffer: no page cache on the way. None when this file or filesystem cannot (then the
-/// caller reads the ordinary way).
+/// Direct reads go by pages: offsets, lengths and the buffer's address.
+pub(crate) const DIRECT_ALIGN: usize = 4096;
+
+/// The `want` bytes at `offset` that end the file, read with O_DIRECT into `buf` (the
+/// reply's own buffer): no page cache on the way. Returns how many were read (short if
+/// the file shrank). None when this file, filesystem or buffer cannot (then the caller
+/// reads the ordinary way): `buf` must start on a page and hold `want` rounded up to one.
 #[allow(unsafe_code)]
-pub(crate) fn pread_direct(file: &File, offset: u64, want: usize) -> Option<std::io::Result<Bytes>> {
+pub(crate) fn pread_direct(
+    file: &File,
+    offset: u64,
+    want: usize,
+    buf: &mut [u8],
+) -> Option<std::io::Result<usize>> {
     use std::os::fd::AsRawFd;
     use std::os::unix::fs::OpenOptionsExt;
-    const ALIGN: usize = 4096;
-    if !offset.is_multiple_of(ALIGN as u64) {
+    let len = want.div_ceil(DIRECT_ALIGN) * DIRECT_ALIGN;
+    if !offset.is_multiple_of(DIRECT_ALIGN as u64)
+        || buf.len() < len
+        || !(buf.as_ptr() as usize).is_multiple_of(DIRECT_ALIGN)
+    {
         return None;
     }
     // A second open file description of the same inode: the flag must not change the one
@@ -83,20 +94,15 @@ pub(crate) fn pread_direct(file: &File, offset: u64, want: usize) -> Option<std:
         .custom_flags(libc::O_DIRECT)
         .open(format!("/proc/self/fd/{}", file.as_raw_fd()))
         .ok()?;
-    let len = want.div_ceil(ALIGN) * ALIGN;
-    // Not zeroed: the kernel fills what is kept (zeroing 128 KiB costs as much as the
-    // page-cache copy this saves).
-    let mut buf: Vec<u8> = Vec::with_capacity(len + ALIGN);
-    let start = buf.as_ptr().align_offset(ALIGN);
     let mut got = 0;
     while got < want {
         let off = libc::off_t::try_from(offset + got as u64).ok()?;
-        // SAFETY: `start + len` ≤ the capacity, so the range written is inside the
-        // allocation, which lives for the call; the descriptor is `direct`'s.
+        // SAFETY: `got < len <= buf.len()`, so the range written is inside `buf`, which
+        // lives for the call; the descriptor is `direct`'s.
         let n = unsafe {
             libc::pread(
                 direct.as_raw_fd(),
-                buf.as_mut_ptr().add(start + got).cast(),
+                buf.as_mut_ptr().add(got).cast(),
                 len - got,
                 off,
             )
@@ -113,23 +119,15 @@ pub(crate) fn pread_direct(file: &File, offset: u64, want: usize) -> Option<std:
         got += n as usize;
         // Short only at the end of the file (which came early if the file shrank: the
         // caller checks the length); a next read from an unaligned offset would fail.
-        if n == 0 || !got.is_multiple_of(ALIGN) {
+        if n == 0 || !got.is_multiple_of(DIRECT_ALIGN) {
             break;
         }
     }
-    let got = got.min(want);
-    // SAFETY: the bytes before `start` are zeroed here and the `got` after it were
-    // written by the kernel, so every byte up to the new length is initialised.
-    unsafe {
-        std::ptr::write_bytes(buf.as_mut_ptr(), 0, start);
-        buf.set_len(start + got);
-    }
-    Some(Ok(Bytes::from(buf).slice(start..)))
+    Some(Ok(got.min(want)))
 }
 
-/// Up to `size` bytes at `offset`, short only at the end of the file.
-pub(crate) fn pread(file: &File, offset: u64, size: u32) -> std::io::Result<Vec<u8>> {
-    let mut buf = vec![0u8; size as usize];
+/// Fills `buf` from `offset`; short only at the end of the file.
+pub(crate) fn pread(file: &File, offset: u64, buf: &mut [u8]) -> std::io::Result<usize> {
     let mut got = 0;
     while got < buf.len() {
         match preadv2(file, &mut buf[got..], offset + got as u64, 0)? {
@@ -137,6 +135,5 @@ pub(crate) fn pread(file: &File, offset: u64, size: u32) -> std::io::Result<Vec<
             n => got += n,
         }
     }
-    buf.truncate(got);
-    Ok(buf)
+    Ok(got)
 }

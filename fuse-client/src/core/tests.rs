@@ -533,9 +533,13 @@ fn a_read_that_ends_the_file_is_read_direct_with_the_same_bytes() {
         .custom_flags(libc::O_DIRECT)
         .open(&path)
         .is_ok();
+    // The reply's buffer: page-aligned, room for whole pages.
+    let mut space = vec![0u8; data.len() + 2 * DIRECT_ALIGN];
+    let at = space.as_ptr().align_offset(DIRECT_ALIGN);
+    let buf = &mut space[at..at + data.len() + DIRECT_ALIGN];
     for off in [0usize, 4096, 8192, 12288] {
-        match pread_direct(&file, off as u64, data.len() - off) {
-            Some(r) => assert_eq!(&r.unwrap()[..], &data[off..], "at {off}"),
+        match pread_direct(&file, off as u64, data.len() - off, buf) {
+            Some(r) => assert_eq!(&buf[..r.unwrap()], &data[off..], "at {off}"),
             None => assert!(
                 !takes_direct,
                 "O_DIRECT works here, so the read at {off} must be direct"
@@ -543,7 +547,10 @@ fn a_read_that_ends_the_file_is_read_direct_with_the_same_bytes() {
         }
     }
     // Direct reads need aligned offsets; an unaligned one is left to the ordinary read.
-    assert!(pread_direct(&file, 100, data.len() - 100).is_none());
+    assert!(pread_direct(&file, 100, data.len() - 100, buf).is_none());
+    // So does a buffer off a page boundary, or one too small for whole pages.
+    assert!(pread_direct(&file, 0, data.len(), &mut space[at + 1..]).is_none());
+    assert!(pread_direct(&file, 0, data.len(), &mut space[at..at + data.len()]).is_none());
     // A file that shrank after its check reads short, for the caller to refuse.
     if takes_direct {
         std::fs::OpenOptions::new()
@@ -552,8 +559,11 @@ fn a_read_that_ends_the_file_is_read_direct_with_the_same_bytes() {
             .unwrap()
             .set_len(5000)
             .unwrap();
-        let r = pread_direct(&file, 4096, data.len() - 4096).unwrap().unwrap();
-        assert_eq!(&r[..], &data[4096..5000]);
+        let buf = &mut space[at..at + data.len() + DIRECT_ALIGN];
+        let n = pread_direct(&file, 4096, data.len() - 4096, buf)
+            .unwrap()
+            .unwrap();
+        assert_eq!(&buf[..n], &data[4096..5000]);
     }
 }
 

@@ -218,10 +218,75 @@ impl ReplyData {
         self.reply.send_ll(&ll::ResponseSlice(data));
     }
 
+    /// Reply with at most `len` bytes that `fill` writes into the reply's own buffer and
+    /// counts (Locus addition). Under FUSE over io_uring that buffer is the ring entry's
+    /// payload, so the bytes are not copied again on their way to the kernel; through
+    /// `/dev/fuse` it is a buffer kept per thread. It starts on a page boundary (a
+    /// direct read may go straight into it), and what it holds before `fill` is
+    /// unspecified. `Err` replies with that error instead.
+    pub fn fill(self, len: usize, fill: impl FnOnce(&mut [u8]) -> Result<usize, Errno>) {
+        let _ = self.try_fill(len, |buf| Some(fill(buf)));
+    }
+
+    /// `fill` that may decline (`None`: nothing is sent, and the reply comes back to be
+    /// answered later, e.g. after a read that must wait for the disk elsewhere).
+    pub fn try_fill(
+        mut self,
+        len: usize,
+        fill: impl FnOnce(&mut [u8]) -> Option<Result<usize, Errno>>,
+    ) -> Result<(), ReplyData> {
+        #[cfg(target_os = "linux")]
+        if let Some(ReplySender::Ring(ring)) = &self.reply.sender {
+            // SAFETY: this reply commits the entry, below, and drops the slice first.
+            if let Some(buf) = unsafe { ring.payload(len) } {
+                let (error, n) = match fill(buf) {
+                    None => return Err(self),
+                    Some(Ok(n)) => (0, n.min(len)),
+                    Some(Err(e)) => (-e.code(), 0),
+                };
+                let Some(ReplySender::Ring(ring)) = self.reply.sender.take() else {
+                    unreachable!()
+                };
+                if let Err(e) = ring.commit_in_place(self.reply.unique.0, error, n) {
+                    error!("Failed to send FUSE reply: {e}");
+                }
+                return Ok(());
+            }
+        }
+        FILL_BUF.with(|cell| {
+            let mut kept = cell.try_borrow_mut();
+            let mut once = Vec::new();
+            // Large or nested fills get a buffer of their own: a thread keeps little.
+            let v = match &mut kept {
+                Ok(v) if len <= FILL_KEEP => &mut **v,
+                _ => &mut once,
+            };
+            if v.len() < len + FILL_ALIGN {
+                *v = vec![0; len + FILL_ALIGN];
+            }
+            let at = v.as_ptr().align_offset(FILL_ALIGN);
+            let buf = &mut v[at..at + len];
+            match fill(buf) {
+                None => return Err(self),
+                Some(Ok(n)) => self.reply.send_ll(&ll::ResponseSlice(&buf[..n.min(len)])),
+                Some(Err(e)) => self.reply.error(e),
+            }
+            Ok(())
+        })
+    }
+
     /// Reply to a request with the given error code
     pub fn error(self, err: Errno) {
         self.reply.error(err);
     }
+}
+
+/// `ReplyData::fill`'s buffer alignment (a page), and the largest buffer a thread keeps.
+const FILL_ALIGN: usize = 4096;
+const FILL_KEEP: usize = 256 << 10;
+
+thread_local! {
+    static FILL_BUF: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
 ///

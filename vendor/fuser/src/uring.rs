@@ -240,11 +240,32 @@ impl Queue {
             self.set_payload_len(slot, (total - OUT_HEADER_LEN) as u32);
             Ok(())
         };
+        self.fetch_next(slot, commit_id)?;
+        result
+    }
+
+    /// Answers the request in `slot` with the `n` bytes already in its payload (or with
+    /// `-error` and none): only the 16-byte out header is written.
+    fn commit_in_place(self: &Arc<Self>, slot: usize, commit_id: u64, unique: u64, error: i32, n: usize) -> io::Result<()> {
+        let n = if error == 0 { n.min(self.payload_cap) } else { 0 };
+        let mut h = [0u8; OUT_HEADER_LEN];
+        h[0..4].copy_from_slice(&((OUT_HEADER_LEN + n) as u32).to_ne_bytes());
+        h[4..8].copy_from_slice(&error.to_ne_bytes());
+        h[8..16].copy_from_slice(&unique.to_ne_bytes());
+        // SAFETY: the entry is ours until committed; 16 bytes fit its header.
+        unsafe { std::ptr::copy_nonoverlapping(h.as_ptr(), self.header(slot), OUT_HEADER_LEN) };
+        self.set_payload_len(slot, n as u32);
+        self.fetch_next(slot, commit_id)
+    }
+
+    /// Hands the entry back with COMMIT_AND_FETCH: submitted with the queue thread's
+    /// next wait when this is that thread, at once from any other.
+    fn fetch_next(self: &Arc<Self>, slot: usize, commit_id: u64) -> io::Result<()> {
         self.push(&self.command(CMD_COMMIT_AND_FETCH, slot, commit_id))?;
         if ON_QUEUE.get() != Arc::as_ptr(self) as usize {
             self.ring.submitter().submit()?;
         }
-        result
+        Ok(())
     }
 
     /// Answers the request in `slot` with EIO (one the parser could not read).
@@ -261,7 +282,8 @@ impl Queue {
 
     /// The request the kernel put in `slot`, rebuilt as one slice (see the module's
     /// notes), and its commit id.
-    fn request(&self, slot: usize, scratch: &mut Vec<u8>) -> Result<(*const u8, usize, u64), u64> {
+    #[allow(clippy::type_complexity)]
+    fn request(&self, slot: usize, scratch: &mut Vec<u8>) -> Result<(*const u8, usize, u64, bool), u64> {
         let header = self.header(slot);
         // SAFETY: the kernel wrote the entry's header before completing its command.
         let (len, payload_sz, commit_id) = unsafe {
@@ -286,7 +308,7 @@ impl Queue {
                     header.add(start + IN_HEADER_LEN),
                     op_len,
                 );
-                Ok((header.add(start).cast_const(), len, commit_id))
+                Ok((header.add(start).cast_const(), len, commit_id, payload_sz == 0))
             }
         } else {
             // An operation header of odd size: rebuilt in an aligned copy instead.
@@ -302,7 +324,7 @@ impl Queue {
                     dst.add(IN_HEADER_LEN + op_len),
                     payload_sz,
                 );
-                Ok((dst.cast_const(), len, commit_id))
+                Ok((dst.cast_const(), len, commit_id, true))
             }
         }
     }
@@ -314,6 +336,9 @@ pub(crate) struct RingReply {
     queue: Arc<Queue>,
     slot: usize,
     commit_id: u64,
+    /// The request came with no payload (a READ does not), so the reply may be written
+    /// into the payload buffer while the request is still borrowed.
+    payload_free: bool,
     /// The `/dev/fuse` descriptor, for the passthrough ioctls a reply may need.
     pub(crate) dev: ChannelSender,
 }
@@ -327,6 +352,29 @@ impl std::fmt::Debug for RingReply {
 impl RingReply {
     pub(crate) fn send(&self, bufs: &[IoSlice<'_>]) -> io::Result<()> {
         self.queue.commit(self.slot, self.commit_id, bufs)
+    }
+
+    /// The entry's payload buffer, `len` bytes of it starting on a page boundary, for a
+    /// reply written in place (`ReplyData::fill`); None when the request's own bytes are
+    /// there or `len` does not fit.
+    ///
+    /// # Safety
+    /// Only the one reply that will commit this entry may call it, once, and must not
+    /// keep the slice past `commit_in_place`.
+    #[allow(clippy::mut_from_ref)]
+    pub(crate) unsafe fn payload(&self, len: usize) -> Option<&mut [u8]> {
+        if !self.payload_free || len > self.queue.payload_cap {
+            return None;
+        }
+        // SAFETY: the mapping is initialised memory that lives as long as the queue, the
+        // entry belongs to this reply until it commits (the caller's promise).
+        Some(unsafe { std::slice::from_raw_parts_mut(self.queue.payload(self.slot), len) })
+    }
+
+    /// Commits a reply written by way of `payload`: `n` bytes, or `-error` with none.
+    pub(crate) fn commit_in_place(&self, unique: u64, error: i32, n: usize) -> io::Result<()> {
+        self.queue
+            .commit_in_place(self.slot, self.commit_id, unique, error, n)
     }
 }
 
@@ -466,7 +514,7 @@ fn serve_queue<FS: Filesystem>(
                 live -= 1;
                 continue;
             }
-            let (ptr, len, commit_id) = match queue.request(slot, &mut scratch) {
+            let (ptr, len, commit_id, payload_free) = match queue.request(slot, &mut scratch) {
                 Ok(r) => r,
                 Err(commit_id) => {
                     warn!("queue {qid} entry {slot}: malformed request");
@@ -480,6 +528,7 @@ fn serve_queue<FS: Filesystem>(
                 queue: queue.clone(),
                 slot,
                 commit_id,
+                payload_free,
                 dev: dev.clone(),
             };
             match RequestWithSender::new(ReplySender::Ring(reply), data) {
