@@ -33,7 +33,9 @@
 //! local-node rows use the node's Unix socket: with the default `--opens auto` (the
 //! large-file version is passed through, the small-file one opened by the kernel), then
 //! each `--opens` forced, to show what the choice is worth; the remote row reads from the
-//! node over TCP. Under the table, each Locus row says how many of its opens were
+//! node over TCP. The "io_uring" rows repeat the default and `--opens mount` rows with
+//! `--fuse-transport io-uring` (the bench switches the kernel's `enable_uring` on for the
+//! run and puts it back; the rows are dropped, with a note, where it cannot). Under the table, each Locus row says how many of its opens were
 //! passed through to the kernel (FUSE passthrough) per workload, from the mount's own
 //! counters: whether passthrough engaged is recorded, not assumed. The peers read from SeaweedFS when `weed` is installed
 //! (bench/setup-peers.sh), else from the harness's moto; rclone (`--vfs-cache-mode full
@@ -48,6 +50,27 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use support::*;
+
+/// The fuse module's `enable_uring` parameter switched on, and put back as it was when
+/// dropped (`None` inside: it could not be switched on).
+struct EnableUring(Option<String>);
+
+impl EnableUring {
+    const PATH: &'static str = "/sys/module/fuse/parameters/enable_uring";
+
+    fn on() -> EnableUring {
+        let was = std::fs::read_to_string(Self::PATH).ok();
+        EnableUring(was.filter(|_| std::fs::write(Self::PATH, "Y").is_ok()))
+    }
+}
+
+impl Drop for EnableUring {
+    fn drop(&mut self) {
+        if let Some(was) = &self.0 {
+            let _ = std::fs::write(Self::PATH, was.trim());
+        }
+    }
+}
 
 fn env_usize(k: &str, d: usize) -> usize {
     std::env::var(k).ok().and_then(|v| v.parse().ok()).unwrap_or(d)
@@ -354,6 +377,13 @@ async fn main() {
         with(&["--opens", "mount"]),
         with(&["--opens", "kernel"]),
     );
+    // FUSE over io_uring, row beside row with /dev/fuse: switched on in the kernel for
+    // this run where it can be (root, Linux 6.14+), put back as it was at the end.
+    let uring = EnableUring::on();
+    let (ring_args, ring_mount_opens) = (
+        with(&["--fuse-transport", "io-uring"]),
+        with(&["--fuse-transport", "io-uring", "--opens", "mount"]),
+    );
     let can_drop = drop_caches();
     // Per workload, the node's blob file of each of its files, in the same order.
     let blob_files = nodes[0].blob_files();
@@ -382,12 +412,22 @@ async fn main() {
         "local directory",
         Box::new(|_, dir| Some((src.join(dir), Box::new(()) as Box<dyn std::any::Any>))),
     )];
-    for (name, node, args) in [
+    let mut locus_rows = vec![
         ("locus (local node)", true, &default_args),
+        ("locus (local node, io_uring)", true, &ring_args),
         ("locus (local node, --opens mount)", true, &mount_opens),
+        (
+            "locus (local node, --opens mount, io_uring)",
+            true,
+            &ring_mount_opens,
+        ),
         ("locus (local node, --opens kernel)", true, &kernel_opens),
         ("locus (remote reads)", false, &default_args),
-    ] {
+    ];
+    if uring.0.is_none() {
+        locus_rows.retain(|(name, _, _)| !name.contains("io_uring"));
+    }
+    for (name, node, args) in locus_rows {
         let (m, node) = (&m, node.then(|| &nodes[0]));
         systems.push((
             name,
@@ -567,6 +607,9 @@ async fn main() {
     notes.push("warm \"× raw N\": against the local directory sampled in turn with that system (N: the median of those samples)");
     if !can_drop {
         notes.push("not root: page caches could not be dropped, so \"cold\" is not cold");
+    }
+    if uring.0.is_none() {
+        notes.push("FUSE over io_uring could not be switched on (/sys/module/fuse/parameters/enable_uring): its rows are missing");
     }
 
     println!();
