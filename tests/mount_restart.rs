@@ -286,12 +286,14 @@ async fn readers_see_no_error_when_the_mount_server_is_killed_or_upgraded() {
     .await;
 }
 
-/// `fusermount3 -u` (what scripts, systemd and other tools run) ends a mount without
-/// `locus umount`'s wait for its processes; a new mount at the same path made at once must
-/// outlive the exit of the old mount's holder and server, which must touch nothing that
-/// is not theirs: not the new mount, not its status file.
+/// `fusermount3 -u`, `umount` and `umount -l` (what scripts, systemd and other tools run)
+/// end a mount without `locus umount`'s wait for its processes; a new mount at the same
+/// path made at once must outlive the exit of the old mount's holder and server, which
+/// must touch nothing that is not theirs: not the new mount, not its status file. Ten
+/// rounds, under a reader that keeps reading the path throughout: once the new mount is
+/// up every read succeeds, and no read ever returns wrong bytes.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_remount_after_fusermount_u_is_not_torn_down_by_the_mount_that_ended() {
+async fn a_remount_after_fusermount_u_umount_or_umount_l_is_not_torn_down_by_the_mount_that_ended() {
     let h = Harness::new("mount-remount");
     let m = h.start_metadata("meta", MetadataOpts::default()).await;
     let n1 = h.start_node("n1", &m, NodeOpts::host(1)).await;
@@ -299,23 +301,59 @@ async fn a_remount_after_fusermount_u_is_not_torn_down_by_the_mount_that_ended()
     make_tree(&src, 20);
     let out = import(&m, "ds", &src, &["--replicas", "1"]);
     assert!(out.status.success(), "{}", stderr(&out));
-    let files = nonempty_files(&src);
+    let files: Vec<_> = nonempty_files(&src).into_iter().take(5).collect();
 
-    for round in 0..3 {
+    // The reader: each read opens, reads whole and closes one file, and is logged with
+    // when it started and ended and whether it had the right bytes.
+    type Log = Vec<(std::time::Instant, std::time::Instant, Result<bool, String>)>;
+    let log: Arc<std::sync::Mutex<Log>> = Arc::default();
+    let stop = Arc::new(AtomicBool::new(false));
+    let mnt = h.path("mnt");
+    let reader = {
+        let (log, stop, files, mnt) = (log.clone(), stop.clone(), files.clone(), mnt.clone());
+        std::thread::spawn(move || {
+            while !stop.load(Ordering::Relaxed) {
+                for (rel, want) in &files {
+                    let t = std::time::Instant::now();
+                    let r = std::fs::read(mnt.join(rel))
+                        .map(|b| blake3::hash(&b).to_hex().as_str() == want)
+                        .map_err(|e| format!("{}: {e}", rel.display()));
+                    log.lock().unwrap().push((t, std::time::Instant::now(), r));
+                    std::thread::sleep(Duration::from_millis(5));
+                }
+            }
+        })
+    };
+
+    for round in 0..10 {
+        let how: &[&str] = match round % 3 {
+            0 => &["fusermount3", "-u"],
+            1 => &["umount"],
+            _ => &["umount", "-l"],
+        };
         let old = m.mount("mnt", "ds", Some(&n1), &[]);
+        assert_eq!(old.path, mnt);
         let (old_holder, old_server) = (old.pid(), old.server_pid());
-        let st = std::process::Command::new("fusermount3")
-            .arg("-u")
+        // A plain unmount is refused (EBUSY) while the reader has a file open: again.
+        let mut tries = 0;
+        while !std::process::Command::new(how[0])
+            .args(&how[1..])
             .arg(&old.path)
+            .stderr(std::process::Stdio::null())
             .status()
-            .unwrap();
-        assert!(st.success(), "fusermount3 -u");
+            .unwrap()
+            .success()
+        {
+            tries += 1;
+            assert!(tries < 200, "round {round}: {how:?} kept failing");
+            std::thread::sleep(Duration::from_millis(10));
+        }
         // At once, before the old processes have noticed.
         let new = m.mount("mnt", "ds", Some(&n1), &[]);
         let new_holder = new.pid();
         assert_ne!(
             new_holder, old_holder,
-            "round {round}: the status file names the new mount"
+            "round {round} ({how:?}): the status file names the new mount"
         );
         wait_until(
             "the old mount's processes to exit",
@@ -323,27 +361,46 @@ async fn a_remount_after_fusermount_u_is_not_torn_down_by_the_mount_that_ended()
             || async { (!alive(old_holder) && !alive(old_server)).then_some(()) },
         )
         .await;
-        // Give a late tear-down time to happen, then look.
-        tokio::time::sleep(Duration::from_secs(3)).await;
+        // Give a late tear-down time to happen, reading all along, then look.
+        let up = std::time::Instant::now();
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        let looked = std::time::Instant::now();
         assert!(
             new.is_mounted(),
-            "round {round}: the new mount was torn down by the old one"
+            "round {round} ({how:?}): the new mount was torn down by the old one"
         );
         assert_eq!(
             new.pid(),
             new_holder,
-            "round {round}: the new mount's status file is its own"
+            "round {round} ({how:?}): the new mount's status file is its own"
         );
-        for (rel, want) in files.iter().take(5) {
-            let got = std::fs::read(new.path.join(rel))
-                .unwrap_or_else(|e| panic!("round {round}: {}: {e}", rel.display()));
-            assert_eq!(blake3::hash(&got).to_hex().as_str(), want);
+        {
+            let log = log.lock().unwrap();
+            let since: Vec<_> = log
+                .iter()
+                .filter(|(t, end, _)| *t >= up && *end <= looked)
+                .collect();
+            assert!(
+                since.len() >= 5,
+                "round {round}: the reader read {} files in 2 s",
+                since.len()
+            );
+            for (_, _, r) in since {
+                assert_eq!(r, &Ok(true), "round {round} ({how:?}): a read of the new mount");
+            }
         }
         let o = new.umount();
         assert!(o.status.success(), "{}", stderr(&o));
         // Its Drop would unmount whatever is at the path now.
         std::mem::forget(old);
     }
+    stop.store(true, Ordering::Relaxed);
+    reader.join().unwrap();
+    let log = log.lock().unwrap();
+    assert!(
+        !log.iter().any(|(_, _, r)| r == &Ok(false)),
+        "a read returned wrong bytes"
+    );
 }
 
 /// The fuse module's `enable_uring` parameter, set for the life of the value and put back
