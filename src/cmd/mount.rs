@@ -105,7 +105,9 @@ pub struct MountArgs {
     /// session threads. io-uring: FUSE over io_uring where the kernel offers it (Linux
     /// 6.14+ with the fuse module's enable_uring parameter on; `locus doctor` says how),
     /// each request answered on the CPU that made it with one system call, else
-    /// /dev/fuse (said once in the log). Not the default because a server that dies
+    /// /dev/fuse (said once in the log). It pays off for metadata: a stat of a file not
+    /// yet looked up costs 3-5x less (walks and stats of many files); cold reads of small
+    /// files are no faster (bench/RESULTS.md). Not the default because a server that dies
     /// (crash, kill -9, SIGHUP upgrade) cannot hand the requests it held to the next one
     /// under io_uring: their readers wait until unmount (docs/architecture.md).
     #[arg(
