@@ -37,7 +37,8 @@
 //! `--fuse-transport io-uring` (the bench switches the kernel's `enable_uring` on for the
 //! run and puts it back; the rows are dropped, with a note, where it cannot). Under the table, each Locus row says how many of its opens were
 //! passed through to the kernel (FUSE passthrough) per workload, from the mount's own
-//! counters: whether passthrough engaged is recorded, not assumed. The peers read from SeaweedFS when `weed` is installed
+//! counters, and the transport the mount says it ran: whether passthrough or io_uring
+//! engaged is recorded, not assumed. The peers read from SeaweedFS when `weed` is installed
 //! (bench/setup-peers.sh), else from the harness's moto; rclone (`--vfs-cache-mode full
 //! --read-only`) and s3fs come from Debian and are skipped with a note when absent.
 
@@ -555,13 +556,16 @@ async fn main() {
                 let t = &st["totals"];
                 let opens =
                     ["opens_passthrough", "opens_local", "opens_remote"].map(|k| t[k].as_u64().unwrap_or(0));
-                engaged.push(if st["kernel_opens"] == true {
+                let how = if st["kernel_opens"] == true {
                     format!("{dir}: the kernel opened every file")
                 } else if st["passthrough"] != true {
                     format!("{dir}: passthrough unavailable")
                 } else {
                     format!("{dir} {} of {}", opens[0], opens.iter().sum::<u64>())
-                });
+                };
+                // The transport the mount says it ran, not the one asked for (io_uring
+                // falls back to /dev/fuse where the kernel says no).
+                engaged.push(format!("{how} (via {})", st["transport"].as_str().unwrap_or("?")));
             }
             drop(guard);
             let blobs = blobs_before.map(|before| (before, blobs_cold(files)));
@@ -623,7 +627,7 @@ async fn main() {
     for (name, c) in &rows {
         println!("| {name} | {} |", c.join(" | "));
     }
-    println!("opens passed through to the kernel (of all opens the mount answered), cold and warm passes together:");
+    println!("opens passed through to the kernel (of all opens the mount answered), cold and warm passes together, and the transport each mount ran:");
     for p in passthrough {
         println!("  {p}");
     }
