@@ -16,6 +16,11 @@
 //! tokens_file = "/etc/locus/tokens.toml"
 //! liveness_timeout = "30s"
 //! session_timeout = "1h"
+//!
+//! [[metadata_server.team]]      # a quota: what team A's datasets may pin on nodes
+//! name = "team-a"
+//! datasets = ["a-*"]
+//! pinned = "20TiB"
 //! ```
 
 use std::path::{Path, PathBuf};
@@ -195,6 +200,20 @@ pub struct MetadataServerFile {
     /// `[metadata_server.cost]` with same_host, same_rack, same_zone, other_zone,
     /// object_store.
     pub cost: Option<locus_metadata::locality::CostWeights>,
+    /// Teams' quotas: `[[metadata_server.team]]` with name, datasets (patterns, `*` for
+    /// any run of characters) and pinned (`10TiB`: the most bytes times replicas its
+    /// datasets' versions may keep on nodes; an import over it is refused before it
+    /// sends a byte).
+    #[serde(default)]
+    pub team: Vec<TeamFile>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TeamFile {
+    pub name: String,
+    pub datasets: Vec<String>,
+    pub pinned: String,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -45,6 +45,7 @@ impl locus_proto::auth::Policy for NodePolicy {
                     name: format!("grant:{}", g.issued_to),
                     role: Some(Role::Grant),
                     grant: Some(Arc::new(g)),
+                    scope: None,
                 }),
                 Err(e @ locus_proto::grant::GrantError::WrongMethod { .. }) => {
                     Err((Status::permission_denied(e.to_string()), "denied"))

@@ -61,6 +61,9 @@ pub(crate) struct BulkServer {
     /// Every live connection, to be shut down when the node stops.
     conns: Mutex<Vec<(u64, TcpStream)>>,
     next: std::sync::atomic::AtomicU64,
+    /// The node's runtime, for the metadata call a read grant narrowed to versions needs
+    /// (connections are served on plain threads).
+    runtime: Option<tokio::runtime::Handle>,
 }
 
 impl BulkServer {
@@ -83,6 +86,7 @@ impl BulkServer {
             live: AtomicUsize::new(0),
             conns: Mutex::new(Vec::new()),
             next: Default::default(),
+            runtime: tokio::runtime::Handle::try_current().ok(),
         })
     }
 
@@ -166,18 +170,23 @@ impl BulkServer {
         }
         // The grant's end (requests after it are refused and the client fetches a new
         // one), and what it opens: reads (a read grant) or writes (an import grant).
-        let (until, reads, writes) = if self.require_grants {
+        let (until, reads, writes, narrowed) = if self.require_grants {
             use locus_proto::grant::GrantError;
             let (g, now) = (&self.peers.grants, locus_proto::grant::now_ms());
             let checked = match g.verify(&grant, bulk::GRANT_METHOD, now) {
-                Ok((_, r)) => Ok((r.expires_unix_ms, true, false)),
+                Ok((_, r)) => Ok((
+                    r.expires_unix_ms,
+                    true,
+                    false,
+                    (!r.versions.is_empty()).then_some(r),
+                )),
                 Err(GrantError::WrongMethod { .. }) => g
                     .verify(&grant, bulk::WRITE_GRANT_METHOD, now)
-                    .map(|(_, w)| (w.expires_unix_ms, false, true)),
+                    .map(|(_, w)| (w.expires_unix_ms, false, true, None)),
                 Err(e) => Err(e),
             };
             match checked {
-                Ok((until, r, w)) => (Some(until), r, w),
+                Ok((until, r, w, n)) => (Some(until), r, w, n),
                 Err(e) => {
                     tracing::warn!(peer = ?s.tcp().peer_addr().ok(), "bulk connection refused: {e}");
                     let code = match e {
@@ -188,7 +197,7 @@ impl BulkServer {
                 }
             }
         } else {
-            (None, true, true)
+            (None, true, true, None)
         };
         hello(&mut s, Code::Ok, "")?;
         s.set_read_timeout(IDLE_CLOSE)?;
@@ -247,11 +256,45 @@ impl BulkServer {
             }
             if op[0] == bulk::OP_RANGE {
                 let r = bulk::RangeRequest::decode((&*body).try_into().expect("sized by op"));
-                self.range(&mut s, &r)?;
+                if self.opens(&mut s, narrowed.as_ref(), &r.hash)? {
+                    self.range(&mut s, &r)?;
+                }
                 continue;
             }
             let (h, offset, len) = bulk::decode_read((&*body).try_into().expect("sized by op"));
-            self.read(&mut s, h, offset, len)?;
+            if self.opens(&mut s, narrowed.as_ref(), &h)? {
+                self.read(&mut s, h, offset, len)?;
+            }
+        }
+    }
+
+    /// Whether a read grant narrowed to versions opens blob `h` (`Peers::grant_opens`);
+    /// when not, the client is told the node does not have it, as for any absent blob.
+    fn opens(
+        &self,
+        s: &mut Conn,
+        narrowed: Option<&locus_proto::grant::GrantBody>,
+        h: &BlobHash,
+    ) -> std::io::Result<bool> {
+        let Some(g) = narrowed else { return Ok(true) };
+        let Some(rt) = &self.runtime else {
+            s.write_all(&bulk::encode_error(
+                Code::Busy,
+                "this node cannot check a read grant narrowed to versions here; use gRPC",
+            ))?;
+            return Ok(false);
+        };
+        match rt.block_on(self.peers.grant_opens(g, h)) {
+            Ok(()) => Ok(true),
+            Err(st) if st.code() == tonic::Code::NotFound => {
+                refuse(s, h, StoreError::NotFound(*h))?;
+                Ok(false)
+            }
+            Err(st) => {
+                // The metadata service did not answer: gRPC asks it again, on its own time.
+                s.write_all(&bulk::encode_error(Code::Busy, st.message()))?;
+                Ok(false)
+            }
         }
     }
 

@@ -34,7 +34,17 @@ pub struct Peers {
     backup_targets: Listing,
     /// Where `file://` origins may be read (`NodeConfig::origin_roots`).
     origin_roots: Vec<PathBuf>,
+    /// Blobs the metadata service said belong to a narrowed read grant's versions, and
+    /// when: a grant's versions never change what they hold (a delete only takes blobs
+    /// away, and is seen again after MEMBER_FOR).
+    members: std::sync::Mutex<HashMap<(Vec<u64>, BlobHash), std::time::Instant>>,
 }
+
+/// How long a blob found in a narrowed grant's versions is served without asking again.
+const MEMBER_FOR: Duration = Duration::from_secs(600);
+/// Most (versions, blob) answers kept; the map is emptied when full (a refill of answers
+/// costs one metadata call per blob read).
+const MEMBERS_KEPT: usize = 200_000;
 
 /// Where a blob can be copied from: live replicas (id, address), then backups (URLs).
 #[derive(Debug, Default, Clone)]
@@ -62,7 +72,78 @@ impl Peers {
             origins: std::sync::Mutex::new(HashMap::new()),
             registered: std::sync::Mutex::new((Default::default(), None)),
             backup_targets: std::sync::Mutex::new((Default::default(), None)),
+            members: Default::default(),
         }
+    }
+
+    /// Whether the grant a call came with opens blob `h`: every blob for a grant not
+    /// narrowed to versions; for one that is (issued to a token narrowed to datasets),
+    /// only its versions' namespaces and the blobs their shards hold, as the metadata
+    /// service says. A blob it does not open is answered as one this node does not have
+    /// (the store's own words), so a hash in hand tells another team nothing.
+    pub async fn grant_opens(&self, g: &locus_proto::grant::GrantBody, h: &BlobHash) -> Result<(), Status> {
+        if self.grant_filter(g, &[*h]).await?[0] {
+            return Ok(());
+        }
+        tracing::info!(blob = %h, who = %g.issued_to, "a read grant narrowed to versions does not open this blob");
+        Err(Status::not_found(format!("blob {h} is not on this node")))
+    }
+
+    /// For each hash, whether grant `g` opens it (see `grant_opens`): one metadata call
+    /// for all that are not known already.
+    pub async fn grant_filter(
+        &self,
+        g: &locus_proto::grant::GrantBody,
+        hashes: &[BlobHash],
+    ) -> Result<Vec<bool>, Status> {
+        if g.versions.is_empty() {
+            return Ok(vec![true; hashes.len()]);
+        }
+        let now = std::time::Instant::now();
+        let mut out: Vec<bool> = {
+            let kept = self.members.lock().unwrap();
+            hashes
+                .iter()
+                .map(|h| {
+                    g.namespaces.iter().any(|n| n.as_slice() == h.0)
+                        || kept
+                            .get(&(g.versions.clone(), *h))
+                            .is_some_and(|at| now.duration_since(*at) < MEMBER_FOR)
+                })
+                .collect()
+        };
+        let unknown: Vec<usize> = (0..hashes.len()).filter(|i| !out[*i]).collect();
+        if unknown.is_empty() {
+            return Ok(out);
+        }
+        let mut m = self.metadata().await?;
+        for batch in unknown.chunks(10_000) {
+            let ask = m.blobs_in_versions(pb::BlobsInVersionsRequest {
+                versions: g.versions.clone(),
+                hashes: batch.iter().map(|i| hashes[*i].0.to_vec()).collect(),
+            });
+            let member = tokio::time::timeout(LOCATE_TIMEOUT, ask)
+                .await
+                .map_err(|_| {
+                    Status::unavailable(format!(
+                        "the metadata service did not answer within {LOCATE_TIMEOUT:?} (checking \
+                         a read grant narrowed to versions)"
+                    ))
+                })??
+                .into_inner()
+                .member;
+            let mut kept = self.members.lock().unwrap();
+            for (i, yes) in batch.iter().zip(member) {
+                if yes {
+                    if kept.len() >= MEMBERS_KEPT {
+                        kept.clear();
+                    }
+                    kept.insert((g.versions.clone(), hashes[*i]), now);
+                    out[*i] = true;
+                }
+            }
+        }
+        Ok(out)
     }
 
     /// Refuses an origin URL that is not what version `dataset@version` recorded as its

@@ -175,8 +175,12 @@ impl Node for NodeService {
     type ReadBlobStream = BlobStream;
 
     async fn read_blob(&self, req: Request<nodepb::ReadBlobRequest>) -> Result<Response<BlobStream>, Status> {
+        let grant = granted(&req);
         let q = req.into_inner();
         let h = hash(&q.hash)?;
+        if let Some(g) = &grant {
+            self.peers.grant_opens(g, &h).await?;
+        }
         let Some(size) = self.store.size_of(&h) else {
             return Err(to_status(StoreError::NotFound(h)));
         };
@@ -274,15 +278,26 @@ impl Node for NodeService {
         &self,
         req: Request<nodepb::HaveBlobsRequest>,
     ) -> Result<Response<nodepb::HaveBlobsResponse>, Status> {
+        let grant = granted(&req);
         let q = req.into_inner();
         if q.hashes.len() > 100_000 {
             return Err(Status::invalid_argument("hashes: at most 100,000 per call"));
         }
-        let present = q
-            .hashes
-            .iter()
-            .map(|h| hash(h).map(|h| self.store.contains(&h)))
-            .collect::<Result<Vec<_>, _>>()?;
+        let hashes = q.hashes.iter().map(|h| hash(h)).collect::<Result<Vec<_>, _>>()?;
+        let mut present: Vec<bool> = hashes.iter().map(|h| self.store.contains(h)).collect();
+        // A grant narrowed to versions learns nothing of blobs outside them.
+        if let Some(g) = grant.as_deref().filter(|g| !g.versions.is_empty()) {
+            let here: Vec<BlobHash> = hashes
+                .iter()
+                .zip(&present)
+                .filter(|(_, p)| **p)
+                .map(|(h, _)| *h)
+                .collect();
+            let mut opens = self.peers.grant_filter(g, &here).await?.into_iter();
+            for p in present.iter_mut().filter(|p| **p) {
+                *p = opens.next().unwrap_or(false);
+            }
+        }
         Ok(Response::new(nodepb::HaveBlobsResponse { present }))
     }
 

@@ -53,6 +53,24 @@ impl AuditLog {
         }));
     }
 
+    /// Records a call a token's dataset scope refused (throttled with the auth layer's
+    /// refusals: a scoped caller can cause them at will).
+    pub fn scope_refused(&self, who: &Principal, action: &str, target: &str) {
+        if self.refusals.admit().is_none() {
+            return;
+        }
+        self.write(serde_json::json!({
+            "time": locus_proto::human::format_time_ms(crate::SystemClock.now_ms()),
+            "who": who.name,
+            "role": who.role_name(),
+            "action": action,
+            "target": target,
+            "result": "refused",
+            "reason": "scope",
+            "detail": who.scope.as_ref().map(|s| format!("scope {}", s.describe())).unwrap_or_default(),
+        }));
+    }
+
     fn write(&self, line: serde_json::Value) {
         let mut f = self.file.lock().unwrap_or_else(|p| p.into_inner());
         // An audit line that cannot be written is an operator problem, not a reason to

@@ -6,7 +6,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-pub use locus_proto::auth::{allows, Access, AuthLayer, Principal, Role, TokenFileError, TokenSet};
+pub use locus_proto::auth::{allows, Access, Action, AuthLayer, Principal, Role, TokenFileError, TokenSet};
 
 use crate::metrics::Metrics;
 
@@ -18,7 +18,7 @@ pub fn required_access(method: &str) -> Option<Access> {
         "GetClusterInfo" => Access::Any,
         // The handler checks the role the operation needs.
         "IssueGrant" => Access::Read,
-        "RegisterNode" | "Heartbeat" => Access::Node,
+        "RegisterNode" | "Heartbeat" | "BlobsInVersions" => Access::Node,
         "ListNodes" | "ListDatasets" | "GetDataset" | "GetVersion" | "ListEntries" | "ListShards"
         | "LocateBlobs" | "Locality" | "Assign" | "ListBackups" | "MountLease" => Access::Read,
         "DeleteVersion" | "DeleteDataset" | "BeginVersion" | "PutEntries" | "PutShards" | "CommitVersion"

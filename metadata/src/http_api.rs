@@ -17,7 +17,7 @@ use std::sync::Arc;
 use axum::body::Bytes;
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
-use locus_proto::auth::{Access, TokenSet};
+use locus_proto::auth::{Access, Principal, TokenSet};
 use locus_proto::DatasetRef;
 use serde::Deserialize;
 
@@ -119,13 +119,13 @@ pub fn authorize_extender(
     tokens: Option<&TokenSet>,
     headers: &HeaderMap,
     path_token: Option<&str>,
-) -> Result<(), Box<Response>> {
+) -> Result<Principal, Box<Response>> {
     match path_token {
         Some(t) if headers.get("authorization").is_none() => {
             let bearer = format!("Bearer {t}");
             let auth = Some(bearer.as_bytes());
             match locus_proto::auth::check(tokens, "Extender", Some(Access::Read), auth, None) {
-                Ok(_) => Ok(()),
+                Ok(p) => Ok(p),
                 Err((status, _)) => Err(Box::new(error(StatusCode::FORBIDDEN, status.message()))),
             }
         }
@@ -144,16 +144,30 @@ pub fn authorize_extender(
 }
 
 /// A caller who may read, or the response refusing them.
-fn authorize(tokens: Option<&TokenSet>, headers: &HeaderMap, method: &str) -> Result<(), Box<Response>> {
+fn authorize(
+    tokens: Option<&TokenSet>,
+    headers: &HeaderMap,
+    method: &str,
+) -> Result<Principal, Box<Response>> {
     let auth = headers.get("authorization").map(|v| v.as_bytes());
-    if let Err((status, _)) = locus_proto::auth::check(tokens, method, Some(Access::Read), auth, None) {
+    locus_proto::auth::check(tokens, method, Some(Access::Read), auth, None).map_err(|(status, _)| {
         let code = match status.code() {
             tonic::Code::Unauthenticated => StatusCode::UNAUTHORIZED,
             _ => StatusCode::FORBIDDEN,
         };
-        return Err(Box::new(error(code, status.message())));
+        Box::new(error(code, status.message()))
+    })
+}
+
+/// A dataset outside the caller's scope is answered as one that does not exist.
+fn in_scope<'a>(who: &Principal, mut names: impl Iterator<Item = &'a str>) -> Result<(), Box<Response>> {
+    match names.find(|n| !who.sees(n)) {
+        Some(n) => Err(Box::new(error(
+            StatusCode::NOT_FOUND,
+            format!("no dataset named {n}"),
+        ))),
+        None => Ok(()),
     }
-    Ok(())
 }
 
 /// The overview page's check: a reader token as `Authorization: Bearer`, or as the
@@ -172,6 +186,14 @@ pub fn authorize_page(tokens: Option<&TokenSet>, headers: &HeaderMap) -> Result<
         None => given,
     };
     match locus_proto::auth::check(tokens, "Overview", Some(Access::Read), bearer.as_deref(), None) {
+        // The page shows every dataset and node: it is not for a token narrowed to some.
+        Ok(p) if p.is_scoped() => Err(Box::new(error(
+            StatusCode::FORBIDDEN,
+            format!(
+                "{} is narrowed to datasets; the overview page is for unscoped tokens",
+                p.name
+            ),
+        ))),
         Ok(_) => Ok(()),
         Err((status, _)) => {
             let mut r = (
@@ -217,9 +239,10 @@ pub async fn assign(
     headers: HeaderMap,
     body: Bytes,
 ) -> Response {
-    if let Err(r) = authorize(tokens.as_deref(), &headers, "Assign") {
-        return *r;
-    }
+    let who = match authorize(tokens.as_deref(), &headers, "Assign") {
+        Ok(p) => p,
+        Err(r) => return *r,
+    };
     let q: AssignBody = match serde_json::from_slice(&body) {
         Ok(q) => q,
         Err(e) => return error(StatusCode::BAD_REQUEST, format!("malformed request: {e}")),
@@ -228,6 +251,9 @@ pub async fn assign(
         Ok(r) => r,
         Err(e) => return error(StatusCode::BAD_REQUEST, format!("dataset: {e}")),
     };
+    if let Err(resp) = in_scope(&who, std::iter::once(r.name.as_str())) {
+        return *resp;
+    }
     let out = tokio::task::spawn_blocking(move || {
         let a = catalog.assign(&r, &q.rank_nodes, false)?;
         let version = a.r#ref.as_ref().map_or(0, |v| v.version);
@@ -275,13 +301,17 @@ pub async fn locality(
     headers: HeaderMap,
     body: Bytes,
 ) -> Response {
-    if let Err(r) = authorize(tokens.as_deref(), &headers, "Locality") {
-        return *r;
-    }
+    let who = match authorize(tokens.as_deref(), &headers, "Locality") {
+        Ok(p) => p,
+        Err(r) => return *r,
+    };
     let (q, refs, selector) = match parse_locality(&body) {
         Ok(x) => x,
         Err(e) => return error(StatusCode::BAD_REQUEST, e),
     };
+    if let Err(resp) = in_scope(&who, refs.iter().map(|r| r.name.as_str())) {
+        return *resp;
+    }
     let shards: Option<HashSet<u32>> = (!q.shards.is_empty()).then(|| q.shards.iter().copied().collect());
     let (with_labels, limit) = (q.labels, q.limit.unwrap_or(usize::MAX));
     let r = tokio::task::spawn_blocking(move || {

@@ -33,6 +33,7 @@ use axum::response::{IntoResponse, Response};
 use locus_proto::{pb, DatasetRef};
 use serde_json::{json, Value};
 
+use crate::auth::Principal;
 use crate::catalog::Catalog;
 
 pub const DATASET_ANNOTATION: &str = "locus.io/dataset";
@@ -166,9 +167,15 @@ pub fn parse(body: &[u8]) -> Result<(Option<PodWants>, Candidates), String> {
 /// None for nodes Locus does not know.
 fn locality_of(
     catalog: &Catalog,
+    who: &Principal,
     wants: &PodWants,
     names: &[String],
 ) -> Result<HashMap<String, Option<(f64, f64)>>, String> {
+    // A dataset outside the extender token's scope is answered as one that does not
+    // exist, in the catalogue's words.
+    if let Some(r) = wants.refs.iter().find(|r| !who.sees(r.name.as_str())) {
+        return Err(format!("no dataset named {}", r.name));
+    }
     let nodes = catalog.list_nodes().map_err(|e| e.to_string())?;
     let by_host: HashMap<&str, &str> = nodes
         .iter()
@@ -213,7 +220,7 @@ fn locality_of(
         .collect())
 }
 
-pub async fn prioritize(catalog: Arc<Catalog>, body: Bytes) -> Response {
+pub async fn prioritize(catalog: Arc<Catalog>, who: Principal, body: Bytes) -> Response {
     let (wants, cands) = match parse(&body) {
         Ok(x) => x,
         Err(e) => return bad(e),
@@ -231,7 +238,7 @@ pub async fn prioritize(catalog: Arc<Catalog>, body: Bytes) -> Response {
         return equal(&cands.names);
     };
     let names = cands.names.clone();
-    let r = tokio::task::spawn_blocking(move || locality_of(&catalog, &wants, &names)).await;
+    let r = tokio::task::spawn_blocking(move || locality_of(&catalog, &who, &wants, &names)).await;
     let loc = match r {
         Ok(Ok(l)) => l,
         Ok(Err(e)) => {
@@ -263,7 +270,7 @@ pub async fn prioritize(catalog: Arc<Catalog>, body: Bytes) -> Response {
     axum::Json(scores).into_response()
 }
 
-pub async fn filter(catalog: Arc<Catalog>, body: Bytes) -> Response {
+pub async fn filter(catalog: Arc<Catalog>, who: Principal, body: Bytes) -> Response {
     let (wants, cands) = match parse(&body) {
         Ok(x) => x,
         Err(e) => return bad(e),
@@ -307,7 +314,7 @@ pub async fn filter(catalog: Arc<Catalog>, body: Bytes) -> Response {
     let names = cands.names.clone();
     let min = wants.min_fraction;
     let what: Vec<String> = wants.refs.iter().map(|r| r.to_string()).collect();
-    let r = tokio::task::spawn_blocking(move || locality_of(&catalog, &wants, &names)).await;
+    let r = tokio::task::spawn_blocking(move || locality_of(&catalog, &who, &wants, &names)).await;
     let loc = match r {
         Ok(Ok(l)) => l,
         Ok(Err(e)) => return answer(&all, BTreeMap::new(), format!("locus: {e}")),

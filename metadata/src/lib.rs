@@ -22,6 +22,7 @@ pub mod metrics;
 pub mod mounts;
 pub mod overview;
 pub mod placement;
+pub mod quota;
 pub mod records;
 pub mod repair;
 pub mod rows;

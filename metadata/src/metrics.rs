@@ -52,6 +52,11 @@ pub struct StateLabel {
     pub state: String,
 }
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct TeamLabel {
+    pub team: String,
+}
+
 type HistogramFamily = Family<MethodLabel, Histogram, fn() -> Histogram>;
 
 pub struct Metrics {
@@ -71,6 +76,9 @@ pub struct Metrics {
     pub shards_under_replicated: Gauge,
     pub last_backup: Gauge,
     pub signing_key_created: Gauge,
+    /// Teams' pinned bytes and quotas (`crate::quota`), set at each scrape.
+    pub team_pinned: Family<TeamLabel, Gauge>,
+    pub team_pinned_limit: Family<TeamLabel, Gauge>,
     /// Present only in a group.
     pub group: Option<GroupGauges>,
 }
@@ -121,6 +129,18 @@ impl Metrics {
         let shards_under_replicated = Gauge::default();
         let last_backup = Gauge::default();
         let signing_key_created = Gauge::default();
+        let team_pinned = Family::<TeamLabel, Gauge>::default();
+        let team_pinned_limit = Family::<TeamLabel, Gauge>::default();
+        registry.register(
+            "team_pinned_bytes",
+            "Replicated bytes a team's datasets' committed versions pin ([[metadata_server.team]])",
+            team_pinned.clone(),
+        );
+        registry.register(
+            "team_pinned_limit_bytes",
+            "A team's quota on pinned bytes",
+            team_pinned_limit.clone(),
+        );
         registry.register(
             "rpc_requests",
             "gRPC calls by method and status code",
@@ -236,6 +256,8 @@ impl Metrics {
             nodes,
             open_sessions,
             store_bytes,
+            team_pinned,
+            team_pinned_limit,
             repairs,
             repair_bytes,
             shards_lost,

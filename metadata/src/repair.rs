@@ -42,6 +42,7 @@ impl CopyOrders {
             issued_to: who.to_string(),
             not_before_unix_ms: now,
             expires_unix_ms: now + ttl.as_millis() as u64,
+            ..Default::default()
         }))
     }
 }

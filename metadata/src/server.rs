@@ -542,14 +542,15 @@ fn http_router(
             async move {
                 use axum::response::IntoResponse;
                 let t = path.map(|p| p.0);
-                if let Err(r) = crate::http_api::authorize_extender(tokens.as_deref(), &headers, t.as_deref())
+                let who = match crate::http_api::authorize_extender(tokens.as_deref(), &headers, t.as_deref())
                 {
-                    return *r;
-                }
+                    Ok(p) => p,
+                    Err(r) => return *r,
+                };
                 if filter {
-                    crate::k8s::filter(catalog, body).await
+                    crate::k8s::filter(catalog, who, body).await
                 } else {
-                    crate::k8s::prioritize(catalog, body).await
+                    crate::k8s::prioritize(catalog, who, body).await
                 }
                 .into_response()
             }
@@ -650,6 +651,15 @@ async fn render_metrics(
         }
         if let Ok(n) = catalog.open_sessions() {
             m.open_sessions.set(n as i64);
+        }
+        for t in &catalog.config().teams {
+            let label = crate::metrics::TeamLabel { team: t.name.clone() };
+            if let Ok(used) = catalog.pinned_by(|d| t.covers(d)) {
+                m.team_pinned.get_or_create(&label).set(used as i64);
+            }
+            m.team_pinned_limit
+                .get_or_create(&label)
+                .set(t.pinned_limit.min(i64::MAX as u64) as i64);
         }
         m.store_bytes.set(catalog.size_on_disk() as i64);
         if let Ok(b) = catalog.list_backups() {

@@ -8,7 +8,7 @@ use locus_proto::{pb, DatasetName, Entry, NodeId, VersionSel};
 use tonic::{Request, Response, Status};
 
 use crate::audit::AuditLog;
-use crate::auth::Principal;
+use crate::auth::{Action, Principal};
 use crate::catalog::{Catalog, CatalogError, NodeRegistration, ShardSpec};
 use crate::metrics::Metrics;
 
@@ -82,6 +82,90 @@ impl MetadataService {
         }
     }
 
+    /// Refuses `action` on the dataset `name` to a caller whose scope does not allow it.
+    /// A dataset outside the scope is answered exactly as one that does not exist
+    /// (NOT_FOUND, the catalogue's words), so a token cannot probe other teams' names; one
+    /// it may see but not act on is refused plainly. Every refusal is audited.
+    pub(super) fn scope(&self, p: &Principal, name: &str, action: Action) -> Result<(), Status> {
+        if p.may(name, action) {
+            return Ok(());
+        }
+        // A malformed name is refused as malformed, whoever asks.
+        DatasetName::try_from(name)?;
+        self.audit.scope_refused(p, action.as_str(), name);
+        if p.sees(name) {
+            Err(Status::permission_denied(format!(
+                "{} may not {} dataset {name}: its scope allows {}",
+                p.name,
+                action.as_str(),
+                p.scope.as_ref().map(|s| s.describe()).unwrap_or_default()
+            )))
+        } else {
+            Err(Status::not_found(format!("no dataset named {name}")))
+        }
+    }
+
+    /// Refuses a cluster-wide call (nodes, members, keys, backups, the whole catalogue) to
+    /// a token narrowed to datasets.
+    fn unscoped(&self, p: &Principal, what: &str) -> Result<(), Status> {
+        if !p.is_scoped() {
+            return Ok(());
+        }
+        self.audit.scope_refused(p, what, "");
+        Err(Status::permission_denied(format!(
+            "{} is narrowed to datasets ({}); {what} is for an unscoped admin token",
+            p.name,
+            p.scope.as_ref().map(|s| s.describe()).unwrap_or_default()
+        )))
+    }
+
+    /// The import session's dataset must be in the caller's import scope; a session of
+    /// another team's looks like one that is not open.
+    async fn session_scope(&self, p: &Principal, session: u64) -> Result<(), Status> {
+        if !p.is_scoped() {
+            return Ok(());
+        }
+        let name = self
+            .run(move |c| c.session_dataset(session))
+            .await
+            .map_err(to_status)?;
+        if p.may(&name, Action::Import) {
+            return Ok(());
+        }
+        self.audit
+            .scope_refused(p, "import", &format!("session {session}"));
+        Err(to_status(self.catalog.no_session(session)))
+    }
+
+    /// Refuses placing `needs` replicated bytes for import session `session` when a team
+    /// whose datasets include the session's would go over its quota (`crate::quota`):
+    /// checked before any byte reaches a node.
+    async fn within_quota(&self, session: u64, needs: u64) -> Result<(), Status> {
+        if self.catalog.config().teams.is_empty() {
+            return Ok(());
+        }
+        let refused = self
+            .run(move |c| {
+                let dataset = c.session_dataset(session)?;
+                for team in c.config().teams.iter().filter(|t| t.covers(&dataset)) {
+                    let used = c.pinned_by(|d| team.covers(d))?;
+                    if let Err(why) = crate::quota::check(team, used, needs) {
+                        return Ok(Some((dataset, why)));
+                    }
+                }
+                Ok(None)
+            })
+            .await
+            .map_err(to_status)?;
+        match refused {
+            None => Ok(()),
+            Some((dataset, why)) => {
+                tracing::warn!(%dataset, session, "import refused: {why}");
+                Err(Status::resource_exhausted(why))
+            }
+        }
+    }
+
     fn audit<T>(
         &self,
         who: &Principal,
@@ -105,6 +189,27 @@ impl pb::metadata_server::Metadata for MetadataService {
     async fn get_cluster_info(&self, req: Request<pb::GetClusterInfoRequest>) -> Res<pb::ClusterInfo> {
         let p = principal(&req)?;
         let open_sessions = self.run(|c| c.open_sessions()).await.map_err(to_status)?;
+        // Other teams' names and usage are not a scoped caller's to see.
+        let teams = if p.is_scoped() {
+            Vec::new()
+        } else {
+            self.run(|c| {
+                c.config()
+                    .teams
+                    .iter()
+                    .map(|t| {
+                        Ok(pb::TeamUsage {
+                            name: t.name.clone(),
+                            datasets: t.patterns().to_vec(),
+                            pinned_bytes: c.pinned_by(|d| t.covers(d))?,
+                            pinned_limit_bytes: t.pinned_limit,
+                        })
+                    })
+                    .collect::<Result<Vec<_>, CatalogError>>()
+            })
+            .await
+            .map_err(to_status)?
+        };
         let (members, leader, member) = self.group.as_ref().map(|g| g.info()).unwrap_or_default();
         Ok(Response::new(pb::ClusterInfo {
             members,
@@ -117,7 +222,9 @@ impl pb::metadata_server::Metadata for MetadataService {
             uptime_ms: self.catalog.uptime_ms(),
             open_sessions,
             caller_role: p.role_name().to_string(),
+            caller_scope: p.scope.as_ref().map(|s| s.describe()).unwrap_or_default(),
             caller_name: p.name,
+            teams,
             grant_keys: self.grant_keys.verifying(),
             now_unix_ms: locus_proto::grant::now_ms(),
         }))
@@ -203,13 +310,37 @@ impl pb::metadata_server::Metadata for MetadataService {
         }))
     }
 
+    async fn blobs_in_versions(
+        &self,
+        req: Request<pb::BlobsInVersionsRequest>,
+    ) -> Res<pb::BlobsInVersionsResponse> {
+        let q = req.into_inner();
+        if q.versions.len() > 64 || q.hashes.len() > 10_000 {
+            return Err(Status::invalid_argument(
+                "at most 64 versions and 10,000 hashes per call",
+            ));
+        }
+        let hashes = q
+            .hashes
+            .iter()
+            .map(|h| locus_proto::BlobHash::from_slice("hashes", h))
+            .collect::<Result<Vec<_>, _>>()?;
+        let member = self
+            .run(move |c| c.blobs_in_versions(&q.versions, &hashes))
+            .await
+            .map_err(to_status)?;
+        Ok(Response::new(pb::BlobsInVersionsResponse { member }))
+    }
+
     async fn list_nodes(&self, _req: Request<pb::ListNodesRequest>) -> Res<pb::ListNodesResponse> {
+        // Nodes are the cluster's, not a team's: a scoped mount needs their addresses too.
         let nodes = self.run(|c| c.list_nodes()).await.map_err(to_status)?;
         Ok(Response::new(pb::ListNodesResponse { nodes }))
     }
 
     async fn drain_node(&self, req: Request<pb::DrainNodeRequest>) -> Res<pb::DrainNodeResponse> {
         let p = principal(&req)?;
+        self.unscoped(&p, "draining a node")?;
         let q = req.into_inner();
         let id = NodeId::try_from(q.id)?;
         let target = id.to_string();
@@ -224,6 +355,7 @@ impl pb::metadata_server::Metadata for MetadataService {
 
     async fn remove_node(&self, req: Request<pb::RemoveNodeRequest>) -> Res<pb::RemoveNodeResponse> {
         let p = principal(&req)?;
+        self.unscoped(&p, "removing a node")?;
         let id = NodeId::try_from(req.into_inner().id)?;
         let target = id.to_string();
         let r = self.run(move |c| c.remove_node(&id)).await;
@@ -240,6 +372,7 @@ impl pb::metadata_server::Metadata for MetadataService {
         req: Request<pb::ListNodeBlobsRequest>,
     ) -> Res<pb::ListNodeBlobsResponse> {
         let p = principal(&req)?;
+        self.unscoped(&p, "listing a node's blobs")?;
         let q = req.into_inner();
         let id = NodeId::try_from(q.node)?;
         check_node_caller(&p, &id)?;
@@ -258,9 +391,24 @@ impl pb::metadata_server::Metadata for MetadataService {
     }
 
     async fn place_shards(&self, req: Request<pb::PlaceShardsRequest>) -> Res<pb::PlaceShardsResponse> {
+        let p = principal(&req)?;
+        // Placing an import's shards is part of an import: of the session's dataset when
+        // it names one.
+        if p.scope.as_ref().is_some_and(|s| !s.allows_any(Action::Import)) {
+            self.unscoped(&p, "placing shards")?;
+        }
         let q = req.into_inner();
         if q.shards.len() > 1_000_000 {
             return Err(Status::invalid_argument("shards: at most 1,000,000 per call"));
+        }
+        if q.session_id != 0 {
+            self.session_scope(&p, q.session_id).await?;
+            let replicas = u64::from(q.replication.max(1));
+            let needs = q
+                .shards
+                .iter()
+                .fold(0u64, |a, s| a.saturating_add(s.bytes.saturating_mul(replicas)));
+            self.within_quota(q.session_id, needs).await?;
         }
         let shards: Vec<(u32, u64, Vec<String>)> =
             q.shards.into_iter().map(|s| (s.id, s.bytes, s.prefer)).collect();
@@ -315,12 +463,19 @@ impl pb::metadata_server::Metadata for MetadataService {
     }
 
     async fn locality(&self, req: Request<pb::LocalityRequest>) -> Res<pb::LocalityResponse> {
-        Ok(Response::new(self.locality_of(req.into_inner()).await?))
+        let p = principal(&req)?;
+        let q = req.into_inner();
+        for r in &q.refs {
+            self.scope(&p, &r.dataset, Action::Read)?;
+        }
+        Ok(Response::new(self.locality_of(q).await?))
     }
 
     async fn assign(&self, req: Request<pb::AssignRequest>) -> Res<pb::AssignResponse> {
+        let p = principal(&req)?;
         let q = req.into_inner();
         let r = version_ref(q.r#ref)?;
+        self.scope(&p, r.name.as_str(), Action::Read)?;
         let out = self
             .run(move |c| c.assign(&r, &q.rank_nodes, q.with_files))
             .await
@@ -333,7 +488,11 @@ impl pb::metadata_server::Metadata for MetadataService {
 
     async fn warm(&self, req: Request<pb::WarmRequest>) -> Res<Self::WarmStream> {
         let who = principal(&req)?;
-        let rx = self.warm_copies(who, req.into_inner()).await?;
+        let q = req.into_inner();
+        if let Some(r) = &q.r#ref {
+            self.scope(&who, &r.dataset, Action::Warm)?;
+        }
+        let rx = self.warm_copies(who, q).await?;
         Ok(Response::new(Box::pin(
             tokio_stream::wrappers::ReceiverStream::new(rx),
         )))
@@ -344,6 +503,7 @@ impl pb::metadata_server::Metadata for MetadataService {
 
     async fn export_catalog(&self, req: Request<pb::ExportCatalogRequest>) -> Res<Self::ExportCatalogStream> {
         let who = principal(&req)?;
+        self.unscoped(&who, "exporting the catalogue")?;
         let (tx, rx) = tokio::sync::mpsc::channel::<Result<pb::CatalogChunk, Status>>(4);
         let catalog = self.catalog.clone();
         let audit = self.audit.clone();
@@ -376,6 +536,7 @@ impl pb::metadata_server::Metadata for MetadataService {
 
     async fn record_backup(&self, req: Request<pb::RecordBackupRequest>) -> Res<pb::RecordBackupResponse> {
         let who = principal(&req)?;
+        self.unscoped(&who, "recording a backup")?;
         let q = req.into_inner();
         if q.url.is_empty() || q.url.len() > 1024 || q.url.contains('@') || q.url.contains('\0') {
             return Err(Status::invalid_argument(
@@ -391,7 +552,11 @@ impl pb::metadata_server::Metadata for MetadataService {
         Ok(Response::new(pb::RecordBackupResponse {}))
     }
 
-    async fn list_backups(&self, _req: Request<pb::ListBackupsRequest>) -> Res<pb::ListBackupsResponse> {
+    async fn list_backups(&self, req: Request<pb::ListBackupsRequest>) -> Res<pb::ListBackupsResponse> {
+        // Backups hold every dataset: a scoped token is shown none (and granted none).
+        if principal(&req)?.is_scoped() {
+            return Ok(Response::new(pb::ListBackupsResponse::default()));
+        }
         let list = self.run(|c| c.list_backups()).await.map_err(to_status)?;
         Ok(Response::new(pb::ListBackupsResponse {
             backups: list
@@ -406,26 +571,34 @@ impl pb::metadata_server::Metadata for MetadataService {
         }))
     }
 
-    async fn list_datasets(&self, _req: Request<pb::ListDatasetsRequest>) -> Res<pb::ListDatasetsResponse> {
-        let datasets = self.run(|c| c.list_datasets()).await.map_err(to_status)?;
+    async fn list_datasets(&self, req: Request<pb::ListDatasetsRequest>) -> Res<pb::ListDatasetsResponse> {
+        let p = principal(&req)?;
+        let mut datasets = self.run(|c| c.list_datasets()).await.map_err(to_status)?;
+        datasets.retain(|d| p.sees(&d.name));
         Ok(Response::new(pb::ListDatasetsResponse { datasets }))
     }
 
     async fn get_dataset(&self, req: Request<pb::GetDatasetRequest>) -> Res<pb::Dataset> {
+        let p = principal(&req)?;
         let name = DatasetName::try_from(req.into_inner().name)?;
+        self.scope(&p, name.as_str(), Action::Read)?;
         let d = self.run(move |c| c.get_dataset(&name)).await.map_err(to_status)?;
         Ok(Response::new(d))
     }
 
     async fn get_version(&self, req: Request<pb::GetVersionRequest>) -> Res<pb::Version> {
+        let p = principal(&req)?;
         let r = version_ref(req.into_inner().r#ref)?;
+        self.scope(&p, r.name.as_str(), Action::Read)?;
         let v = self.run(move |c| c.get_version(&r)).await.map_err(to_status)?;
         Ok(Response::new(v))
     }
 
     async fn list_entries(&self, req: Request<pb::ListEntriesRequest>) -> Res<pb::ListEntriesResponse> {
+        let p = principal(&req)?;
         let q = req.into_inner();
         let r = version_ref(q.r#ref)?;
+        self.scope(&p, r.name.as_str(), Action::Read)?;
         let limit = page_limit(q.limit);
         let (version, entries, next_page_token) = self
             .run(move |c| {
@@ -447,8 +620,10 @@ impl pb::metadata_server::Metadata for MetadataService {
     }
 
     async fn list_shards(&self, req: Request<pb::ListShardsRequest>) -> Res<pb::ListShardsResponse> {
+        let p = principal(&req)?;
         let q = req.into_inner();
         let r = version_ref(q.r#ref)?;
+        self.scope(&p, r.name.as_str(), Action::Read)?;
         let limit = page_limit(q.limit);
         let (version, shards, more) = self
             .run(move |c| c.list_shards(&r, q.start, limit))
@@ -463,25 +638,34 @@ impl pb::metadata_server::Metadata for MetadataService {
 
     async fn delete_version(&self, req: Request<pb::DeleteVersionRequest>) -> Res<pb::DeleteVersionResponse> {
         let p = principal(&req)?;
-        self.remove_version(p, req.into_inner()).await?;
+        let q = req.into_inner();
+        self.scope(&p, &q.dataset, Action::Delete)?;
+        self.remove_version(p, q).await?;
         Ok(Response::new(pb::DeleteVersionResponse {}))
     }
 
     async fn delete_dataset(&self, req: Request<pb::DeleteDatasetRequest>) -> Res<pb::DeleteDatasetResponse> {
         let p = principal(&req)?;
-        let versions_deleted = self.remove_dataset(p, req.into_inner()).await?;
+        let q = req.into_inner();
+        self.scope(&p, &q.name, Action::Delete)?;
+        let versions_deleted = self.remove_dataset(p, q).await?;
         Ok(Response::new(pb::DeleteDatasetResponse { versions_deleted }))
     }
 
     async fn mount_lease(&self, req: Request<pb::MountLeaseRequest>) -> Res<pb::MountLeaseResponse> {
         let p = principal(&req)?;
-        self.lease(p, req.into_inner()).await.map(Response::new)
+        let q = req.into_inner();
+        if let Some(r) = &q.r#ref {
+            self.scope(&p, &r.dataset, Action::Read)?;
+        }
+        self.lease(p, q).await.map(Response::new)
     }
 
     async fn begin_version(&self, req: Request<pb::BeginVersionRequest>) -> Res<pb::BeginVersionResponse> {
         let p = principal(&req)?;
         let q = req.into_inner();
         let name = DatasetName::try_from(q.dataset)?;
+        self.scope(&p, name.as_str(), Action::Import)?;
         let target = name.to_string();
         let who = p.name.clone();
         let tree_chunks = q.tree_chunks;
@@ -498,7 +682,9 @@ impl pb::metadata_server::Metadata for MetadataService {
     }
 
     async fn put_entries(&self, req: Request<pb::PutEntriesRequest>) -> Res<pb::PutEntriesResponse> {
+        let p = principal(&req)?;
         let q = req.into_inner();
+        self.session_scope(&p, q.session_id).await?;
         let entries = q
             .entries
             .into_iter()
@@ -518,7 +704,9 @@ impl pb::metadata_server::Metadata for MetadataService {
     }
 
     async fn put_shards(&self, req: Request<pb::PutShardsRequest>) -> Res<pb::PutShardsResponse> {
+        let p = principal(&req)?;
         let q = req.into_inner();
+        self.session_scope(&p, q.session_id).await?;
         let shards = q
             .shards
             .into_iter()
@@ -535,6 +723,7 @@ impl pb::metadata_server::Metadata for MetadataService {
         let p = principal(&req)?;
         let q = req.into_inner();
         let session = q.session_id;
+        self.session_scope(&p, session).await?;
         let namespace = if q.namespace_blob.is_empty() {
             None
         } else {
@@ -567,6 +756,7 @@ impl pb::metadata_server::Metadata for MetadataService {
         let p = principal(&req)?;
         let q = req.into_inner();
         let r = version_ref(q.r#ref)?;
+        self.scope(&p, r.name.as_str(), Action::Import)?;
         let claim = (
             locus_proto::BlobHash::from_slice("namespace_blob", &q.namespace_blob)?,
             q.namespace_size,
@@ -584,6 +774,7 @@ impl pb::metadata_server::Metadata for MetadataService {
     async fn abort_version(&self, req: Request<pb::AbortVersionRequest>) -> Res<pb::AbortVersionResponse> {
         let p = principal(&req)?;
         let session = req.into_inner().session_id;
+        self.session_scope(&p, session).await?;
         let r = self.run(move |c| c.abort(session)).await;
         self.audit(&p, "version.abort", &format!("session {session}"), &r, |_| {
             "aborted".into()
@@ -593,11 +784,13 @@ impl pb::metadata_server::Metadata for MetadataService {
     }
 
     async fn change_members(&self, req: Request<pb::ChangeMembersRequest>) -> Res<pb::ClusterInfo> {
+        self.unscoped(&principal(&req)?, "changing the group's members")?;
         self.members(req).await
     }
 
     async fn grant_keys(&self, req: Request<pb::GrantKeysRequest>) -> Res<pb::GrantKeysResponse> {
         let p = principal(&req)?;
+        self.unscoped(&p, "the grant keys")?;
         self.keys(p, req.into_inner()).await.map(Response::new)
     }
 
@@ -606,6 +799,7 @@ impl pb::metadata_server::Metadata for MetadataService {
         req: Request<pb::UpdateReplicasRequest>,
     ) -> Res<pb::UpdateReplicasResponse> {
         let p = principal(&req)?;
+        self.unscoped(&p, "changing replicas")?;
         let q = req.into_inner();
         let r = version_ref(q.r#ref)?;
         if r.version == VersionSel::Latest {

@@ -49,6 +49,128 @@ impl Role {
     }
 }
 
+/// What a scoped token may do to a dataset in its scope.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Action {
+    /// See it (list, show, ls, locality, assign), mount it, read its bytes.
+    Read,
+    /// Add versions to it (import, seal).
+    Import,
+    /// Delete its versions or the whole dataset.
+    Delete,
+    /// Order copies of it onto nodes (warm).
+    Warm,
+}
+
+impl Action {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Action::Read => "read",
+            Action::Import => "import",
+            Action::Delete => "delete",
+            Action::Warm => "warm",
+        }
+    }
+
+    /// Whether a token of `role` may be given this action: scopes narrow a role, they
+    /// never widen it, so a reader's scope can hold only `read`.
+    fn within(self, role: Role) -> bool {
+        match role {
+            Role::Admin => true,
+            Role::Reader => self == Action::Read,
+            _ => false,
+        }
+    }
+}
+
+/// The datasets a token reaches: rules of a name pattern (`*` matches any run of
+/// characters, so `team-a-*` is every dataset named so) and the actions allowed on what
+/// it matches. A dataset no rule matches is, to the token, a dataset that does not exist.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Scope {
+    rules: Vec<(String, Vec<Action>)>,
+}
+
+impl Scope {
+    /// A scope from (pattern, actions) rules; patterns are dataset names with `*`s.
+    pub fn new(rules: Vec<(String, Vec<Action>)>) -> Result<Self, String> {
+        if rules.is_empty() {
+            return Err("a scope needs at least one rule".into());
+        }
+        for (pattern, actions) in &rules {
+            let bare = pattern.replace('*', "");
+            let ok = !pattern.is_empty()
+                && pattern.len() <= 63
+                && bare
+                    .bytes()
+                    .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || matches!(b, b'.' | b'_' | b'-'));
+            if !ok {
+                return Err(format!(
+                    "datasets {pattern:?}: a dataset name ([a-z0-9][a-z0-9._-]*), where * stands                      for any run of characters"
+                ));
+            }
+            if actions.is_empty() {
+                return Err(format!("datasets {pattern:?}: the rule allows no action"));
+            }
+        }
+        Ok(Scope { rules })
+    }
+
+    pub fn allows(&self, name: &str, action: Action) -> bool {
+        self.rules
+            .iter()
+            .any(|(p, a)| a.contains(&action) && glob(p.as_bytes(), name.as_bytes()))
+    }
+
+    pub fn sees(&self, name: &str) -> bool {
+        self.rules
+            .iter()
+            .any(|(p, _)| glob(p.as_bytes(), name.as_bytes()))
+    }
+
+    /// Whether any rule allows `action` (on some dataset): for calls that are part of an
+    /// action but name no dataset themselves (placing an import's shards).
+    pub fn allows_any(&self, action: Action) -> bool {
+        self.rules.iter().any(|(_, a)| a.contains(&action))
+    }
+
+    /// The rules, for `locus status` and the audit log: `team-a-*:read+import, x:read`.
+    pub fn describe(&self) -> String {
+        self.rules
+            .iter()
+            .map(|(p, a)| {
+                let acts: Vec<_> = a.iter().map(|a| a.as_str()).collect();
+                format!("{p}:{}", acts.join("+"))
+            })
+            .collect::<Vec<_>>()
+            .join(", ")
+    }
+}
+
+/// `*`-only glob, iterative with one backtrack point: linear in practice, never
+/// exponential, whatever the pattern (names are at most 63 bytes anyway).
+fn glob(p: &[u8], s: &[u8]) -> bool {
+    let (mut pi, mut si) = (0, 0);
+    let mut star: Option<(usize, usize)> = None;
+    while si < s.len() {
+        if pi < p.len() && p[pi] == b'*' {
+            star = Some((pi, si));
+            pi += 1;
+        } else if pi < p.len() && p[pi] == s[si] {
+            pi += 1;
+            si += 1;
+        } else if let Some((sp, ss)) = star {
+            pi = sp + 1;
+            si = ss + 1;
+            star = Some((sp, ss + 1));
+        } else {
+            return false;
+        }
+    }
+    p[pi..].iter().all(|b| *b == b'*')
+}
+
 /// The caller of a request, put into the request's extensions by the auth layer.
 #[derive(Debug, Clone)]
 pub struct Principal {
@@ -58,6 +180,9 @@ pub struct Principal {
     pub role: Option<Role>,
     /// The grant the call came with (role `Grant`), for the scope checks of handlers.
     pub grant: Option<std::sync::Arc<crate::grant::GrantBody>>,
+    /// The datasets the token reaches, when its `[[token.scope]]` narrows it; None: every
+    /// dataset its role reaches.
+    pub scope: Option<Arc<Scope>>,
 }
 
 impl Principal {
@@ -66,7 +191,23 @@ impl Principal {
             name: "anonymous".into(),
             role: None,
             grant: None,
+            scope: None,
         }
+    }
+
+    /// Whether this caller may do `action` on the dataset `name`. Unscoped callers may do
+    /// whatever their role lets them (the auth layer decided that).
+    pub fn may(&self, name: &str, action: Action) -> bool {
+        self.scope.as_ref().is_none_or(|s| s.allows(name, action))
+    }
+
+    /// Whether this caller may learn that the dataset `name` exists (any action on it).
+    pub fn sees(&self, name: &str) -> bool {
+        self.scope.as_ref().is_none_or(|s| s.sees(name))
+    }
+
+    pub fn is_scoped(&self) -> bool {
+        self.scope.is_some()
     }
 
     pub fn role_name(&self) -> &'static str {
@@ -127,6 +268,18 @@ struct TokenSpec {
     token: Option<String>,
     /// Or its BLAKE3 digest in hex, so the file need not hold the secret.
     blake3: Option<String>,
+    /// Narrows the token to these datasets; none: every dataset.
+    #[serde(default)]
+    scope: Vec<ScopeSpec>,
+}
+
+/// `[[token.scope]]`: dataset name patterns and what the token may do to them.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ScopeSpec {
+    datasets: Vec<String>,
+    /// Default: everything the token's role may do.
+    actions: Option<Vec<Action>>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -140,7 +293,7 @@ pub enum TokenFileError {
 /// The configured tokens.
 #[derive(Clone)]
 pub struct TokenSet {
-    tokens: Vec<(blake3::Hash, String, Role)>,
+    tokens: Vec<(blake3::Hash, String, Role, Option<Arc<Scope>>)>,
 }
 
 impl std::fmt::Debug for TokenSet {
@@ -191,10 +344,11 @@ impl TokenSet {
                     )))
                 }
             };
-            if tokens.iter().any(|(h, _, _)| *h == hash) {
+            if tokens.iter().any(|(h, _, _, _)| *h == hash) {
                 return Err(invalid(format!("token {:?} repeats another token", t.name)));
             }
-            tokens.push((hash, t.name, t.role));
+            let scope = scope_of(&t).map_err(|e| invalid(format!("token {:?}: {e}", t.name)))?;
+            tokens.push((hash, t.name, t.role, scope));
         }
         // Plain secrets in a file others can read are as good as published. Digests
         // (`blake3 = …`) may be shared: they open nothing without the secret.
@@ -222,27 +376,75 @@ impl TokenSet {
         TokenSet {
             tokens: pairs
                 .into_iter()
-                .map(|(name, secret, role)| (blake3::hash(secret.as_bytes()), name, role))
+                .map(|(name, secret, role)| (blake3::hash(secret.as_bytes()), name, role, None))
                 .collect(),
         }
+    }
+
+    /// Adds a token narrowed to `scope` (for tests and embedders).
+    pub fn with_scoped(mut self, name: &str, secret: &str, role: Role, scope: Scope) -> Self {
+        self.tokens.push((
+            blake3::hash(secret.as_bytes()),
+            name.to_string(),
+            role,
+            Some(Arc::new(scope)),
+        ));
+        self
     }
 
     /// Finds the token's holder. Compares against every token, in constant time each.
     pub fn authenticate(&self, secret: &[u8]) -> Option<Principal> {
         let given = blake3::hash(secret);
         let mut found = None;
-        for (hash, name, role) in &self.tokens {
+        for (hash, name, role, scope) in &self.tokens {
             // blake3::Hash's equality is constant-time.
             if *hash == given {
                 found = Some(Principal {
                     name: name.clone(),
                     role: Some(*role),
                     grant: None,
+                    scope: scope.clone(),
                 });
             }
         }
         found
     }
+}
+
+/// A token's `[[token.scope]]` tables as a scope; None when it has none.
+fn scope_of(t: &TokenSpec) -> Result<Option<Arc<Scope>>, String> {
+    if t.scope.is_empty() {
+        return Ok(None);
+    }
+    if !matches!(t.role, Role::Admin | Role::Reader) {
+        return Err(format!(
+            "role {} takes no scope (only admin and reader tokens are narrowed to datasets)",
+            t.role.as_str()
+        ));
+    }
+    let all = [Action::Read, Action::Import, Action::Delete, Action::Warm];
+    let mut rules = Vec::new();
+    for s in &t.scope {
+        let actions = match &s.actions {
+            Some(a) => a.clone(),
+            None => all.iter().copied().filter(|a| a.within(t.role)).collect(),
+        };
+        if let Some(a) = actions.iter().find(|a| !a.within(t.role)) {
+            return Err(format!(
+                "a {} token cannot be given {:?} (a scope narrows what the role may do, never \
+                 widens it: give the team an admin token with a scope instead)",
+                t.role.as_str(),
+                a.as_str()
+            ));
+        }
+        if s.datasets.is_empty() {
+            return Err("a [[token.scope]] names no datasets".into());
+        }
+        for d in &s.datasets {
+            rules.push((d.clone(), actions.clone()));
+        }
+    }
+    Scope::new(rules).map(|s| Some(Arc::new(s)))
 }
 
 /// A refusal: the status for the caller and a short reason for metrics.
@@ -276,6 +478,7 @@ pub fn check(
             name: "unauthenticated".into(),
             role: None,
             grant: None,
+            scope: None,
         });
     }
     let secret = match authorization.and_then(|h| h.strip_prefix(b"Bearer ")) {
@@ -591,6 +794,83 @@ mod tests {
         assert!(TokenSet::load(&p).is_err());
         std::fs::write(&p, "").unwrap();
         assert!(TokenSet::load(&p).is_err());
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn a_scope_pattern_matches_whole_names_with_stars_for_any_run() {
+        let s = Scope::new(vec![
+            ("team-a-*".into(), vec![Action::Read, Action::Import]),
+            ("shared".into(), vec![Action::Read]),
+            ("*-eval-*".into(), vec![Action::Warm]),
+        ])
+        .unwrap();
+        assert!(s.allows("team-a-images", Action::Import));
+        assert!(s.allows("team-a-", Action::Read));
+        assert!(!s.allows("team-a-images", Action::Delete));
+        assert!(!s.sees("team-b-images") && !s.sees("xteam-a-images"));
+        // Whole names: a prefix or a suffix of a pattern is not a match.
+        assert!(s.allows("shared", Action::Read) && !s.sees("shared2") && !s.sees("share"));
+        assert!(!s.allows("shared", Action::Import));
+        assert!(s.allows("x-eval-y", Action::Warm) && s.allows("a-b-eval-c-d", Action::Warm));
+        assert!(!s.sees("x-eval"));
+        assert!(s.allows_any(Action::Import) && !s.allows_any(Action::Delete));
+        // A pattern that is not a dataset name with stars is refused, saying what is.
+        let e = Scope::new(vec![("Team/A".into(), vec![Action::Read])]).unwrap_err();
+        assert!(e.contains("[a-z0-9]"), "{e}");
+        assert!(Scope::new(vec![("a".into(), vec![])]).is_err());
+        // Many stars cost no more than a pass per star (no exponential backtracking).
+        let many = Scope::new(vec![("*a*a*a*a*a*a*a*a*a*a*b".into(), vec![Action::Read])]).unwrap();
+        assert!(!many.sees(&"a".repeat(63)));
+    }
+
+    #[test]
+    fn a_token_file_narrows_tokens_to_datasets_and_never_widens_a_role() {
+        let dir = std::env::temp_dir().join(format!("locus-scoped-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let p = dir.join("tokens.toml");
+        let write = |text: &str| {
+            use std::os::unix::fs::PermissionsExt;
+            std::fs::write(&p, text).unwrap();
+            std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o600)).unwrap();
+        };
+        write(
+            "[[token]]\nname = \"team-a\"\nrole = \"admin\"\ntoken = \"team-a-secret-0123456789\"\n\
+             [[token.scope]]\ndatasets = [\"a-*\"]\n\
+             [[token.scope]]\ndatasets = [\"shared\"]\nactions = [\"read\"]\n\
+             [[token]]\nname = \"job\"\nrole = \"reader\"\ntoken = \"job-secret-0123456789ab\"\n\
+             [[token.scope]]\ndatasets = [\"a-*\"]\n\
+             [[token]]\nname = \"ops\"\nrole = \"admin\"\ntoken = \"ops-secret-0123456789ab\"\n",
+        );
+        let set = TokenSet::load(&p).unwrap();
+        let team = set.authenticate(b"team-a-secret-0123456789").unwrap();
+        // An admin's scope without actions allows all an admin may do, on its datasets.
+        assert!(team.may("a-x", Action::Delete) && team.may("a-x", Action::Import));
+        assert!(team.may("shared", Action::Read) && !team.may("shared", Action::Delete));
+        assert!(!team.sees("b-x"));
+        let job = set.authenticate(b"job-secret-0123456789ab").unwrap();
+        assert!(job.may("a-x", Action::Read) && !job.may("a-x", Action::Import));
+        let ops = set.authenticate(b"ops-secret-0123456789ab").unwrap();
+        assert!(!ops.is_scoped() && ops.may("anything", Action::Delete));
+
+        // A reader given import, or a node given a scope: refused, saying why.
+        write(
+            "[[token]]\nname = \"job\"\nrole = \"reader\"\ntoken = \"job-secret-0123456789ab\"\n\
+             [[token.scope]]\ndatasets = [\"a-*\"]\nactions = [\"read\", \"import\"]\n",
+        );
+        let e = TokenSet::load(&p).unwrap_err().to_string();
+        assert!(e.contains("never") && e.contains("widens"), "{e}");
+        write(
+            "[[token]]\nname = \"n1\"\nrole = \"node\"\ntoken = \"n1-secret-0123456789ab\"\n\
+             [[token.scope]]\ndatasets = [\"a-*\"]\n",
+        );
+        let e = TokenSet::load(&p).unwrap_err().to_string();
+        assert!(e.contains("takes no scope"), "{e}");
+        write(
+            "[[token]]\nname = \"job\"\nrole = \"reader\"\ntoken = \"job-secret-0123456789ab\"\n\
+             [[token.scope]]\ndatasets = [\"A B\"]\n",
+        );
+        assert!(TokenSet::load(&p).unwrap_err().to_string().contains("\"A B\""));
         let _ = std::fs::remove_dir_all(&dir);
     }
 

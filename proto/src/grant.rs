@@ -583,6 +583,7 @@ mod tests {
             issued_to: "ops".into(),
             not_before_unix_ms: 1_000_000,
             expires_unix_ms: 1_600_000,
+            ..Default::default()
         }
     }
 

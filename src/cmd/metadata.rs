@@ -125,7 +125,10 @@ pub struct ServeArgs {
     /// An HTTP client must send a request's headers within this.
     #[arg(long, value_name = "DURATION", default_value = "10s")]
     pub http_header_timeout: String,
-    /// TOML file of [[token]] entries (name, role = admin|node|reader, token or blake3).
+    /// TOML file of [[token]] entries (name, role = admin|node|reader, token or blake3). A
+    /// token is narrowed to some datasets by [[token.scope]] tables under it (datasets =
+    /// ["team-a-*"], actions = ["read", "import", "delete", "warm"]; default: all its role
+    /// may do): to it, every other dataset does not exist. See README "Teams".
     #[arg(long, env = "LOCUS_METADATA_TOKENS_FILE", value_name = "FILE")]
     pub tokens_file: Option<PathBuf>,
     /// A node silent this long is down [default: 30s].
@@ -375,6 +378,15 @@ async fn serve(a: ServeArgs, cfg: &Resolved) -> anyhow::Result<()> {
                     .map_err(|e| anyhow::anyhow!("[metadata_server.cost]: {e}"))?;
                 c
             },
+            teams: f
+                .team
+                .iter()
+                .map(|t| {
+                    let limit = crate::config::size_arg(&format!("team {}: pinned", t.name), &t.pinned)?;
+                    locus_metadata::quota::Team::new(&t.name, t.datasets.clone(), limit)
+                        .map_err(|e| anyhow::anyhow!("[[metadata_server.team]]: {e}"))
+                })
+                .collect::<anyhow::Result<_>>()?,
         },
         addr_file: a.addr_file,
         audit_log: a.audit_log.or(f.audit_log),

@@ -44,7 +44,8 @@ pub async fn run(cfg: &Resolved) -> anyhow::Result<()> {
                 "schema_version": info.schema_version,
                 "uptime_ms": info.uptime_ms,
                 "open_import_sessions": info.open_sessions,
-                "caller": {"name": info.caller_name, "role": info.caller_role},
+                "caller": {"name": info.caller_name, "role": info.caller_role,
+                           "scope": (!info.caller_scope.is_empty()).then_some(&info.caller_scope)},
                 // A replicated group as the member that answered sees it; absent for a
                 // single service.
                 "group": (!info.members.is_empty()).then(|| serde_json::json!({
@@ -63,6 +64,10 @@ pub async fn run(cfg: &Resolved) -> anyhow::Result<()> {
                           "rate_bytes_per_second": n.refill_rate, "failing": n.refill_failing,
                       })).collect::<Vec<_>>()},
             "datasets": {"count": datasets.len(), "versions": versions, "bytes": bytes},
+            "teams": info.teams.iter().map(|t| serde_json::json!({
+                "name": t.name, "datasets": t.datasets,
+                "pinned_bytes": t.pinned_bytes, "pinned_limit_bytes": t.pinned_limit_bytes,
+            })).collect::<Vec<_>>(),
             "mounts": mounts,
             "backups": backups.iter().map(|b| serde_json::json!({
                 "url": b.url, "snapshot": b.snapshot, "recorded_at_ms": b.recorded_at_ms,
@@ -103,7 +108,13 @@ pub async fn run(cfg: &Resolved) -> anyhow::Result<()> {
             members.join(", ")
         );
     }
-    println!("you        {} (role {})", info.caller_name, info.caller_role);
+    match info.caller_scope.as_str() {
+        "" => println!("you        {} (role {})", info.caller_name, info.caller_role),
+        scope => println!(
+            "you        {} (role {}, narrowed to datasets {scope})",
+            info.caller_name, info.caller_role
+        ),
+    }
     println!(
         "nodes      {} up, {} down; {} free of {} on live nodes",
         up.len(),
@@ -130,6 +141,16 @@ pub async fn run(cfg: &Resolved) -> anyhow::Result<()> {
         versions,
         output::size(bytes)
     );
+    for t in &info.teams {
+        println!(
+            "team       {}: {} pinned of {} allowed ({:.0}%), datasets {}",
+            t.name,
+            output::size(t.pinned_bytes),
+            output::size(t.pinned_limit_bytes),
+            100.0 * t.pinned_bytes as f64 / t.pinned_limit_bytes.max(1) as f64,
+            t.datasets.join(", ")
+        );
+    }
     let quarantined: u64 = nodes.iter().map(|n| n.quarantined).sum();
     if quarantined > 0 {
         println!("integrity  {quarantined} blob(s) failed verification and were quarantined (see `locus node list --json`)");

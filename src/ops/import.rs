@@ -170,6 +170,7 @@ fn shard_bytes(groups: &[Option<u32>], sizes: &[Option<u64>]) -> Vec<u64> {
 async fn place(
     cluster: &Arc<dyn ImportCluster>,
     o: &ImportOptions,
+    session: u64,
     shard_bytes: &[u64],
     prefer: &HashMap<u32, Vec<String>>,
 ) -> Result<Placement> {
@@ -185,6 +186,7 @@ async fn place(
                 })
                 .collect(),
             replication: o.replicas,
+            session_id: session,
         })
         .await?;
     placed_or_refused(placed, shard_bytes.len())
@@ -280,7 +282,7 @@ async fn import_remote(
         })
         .await?;
     let work = async {
-        let placement = place(cluster, o, &shard_bytes, &prefer).await?;
+        let placement = place(cluster, o, session, &shard_bytes, &prefer).await?;
         let total: u64 = sizes.iter().flatten().sum();
         let done = obs.start("importing", total);
         let todo: Vec<pull::Todo> = found
@@ -545,6 +547,7 @@ async fn import_into_session(
                 })
                 .collect(),
             replication: o.replicas,
+            session_id: session,
         })
         .await?;
     let placement = placed_or_refused(placed, scanned.shards.len())?;

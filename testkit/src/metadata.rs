@@ -67,6 +67,8 @@ pub struct MetadataOpts {
     pub extra: Vec<String>,
     /// Listen on this address (a test bed's gateway) instead of loopback.
     pub ip: Option<std::net::Ipv4Addr>,
+    /// More `[[token]]` tables for the service's tokens file only (scoped tokens, say).
+    pub more_tokens: String,
 }
 
 impl MetadataOpts {
@@ -190,6 +192,9 @@ impl Harness {
                         "[[token]]\nname = \"{}\"\nrole = \"{}\"\ntoken = \"{}\"\n",
                         tok.name, tok.role, tok.secret
                     ));
+                }
+                if admin {
+                    t.push_str(&opts.more_tokens);
                 }
                 std::fs::write(dir.join(file), t).unwrap();
                 // Plain tokens: the services refuse a file others may read.
@@ -441,6 +446,20 @@ impl Metadata {
     /// `cli` with extra environment variables (PATH for stand-in tools, say).
     pub fn cli_env(&self, args: &[&str], env: &[(&str, String)]) -> Output {
         self.cli_command(args, env).output().expect("run locus")
+    }
+
+    /// `locus ARGS` against this service with the token `secret` instead of the admin's.
+    pub fn cli_as(&self, secret: &str, args: &[&str]) -> Output {
+        let mut cmd = self.cli_command(args, &[]);
+        cmd.env("LOCUS_TOKEN", secret);
+        cmd.output().expect("run locus")
+    }
+
+    /// A client presenting the token `secret`.
+    pub async fn client_as(&self, secret: &str) -> MetadataClient {
+        locus_proto::client::connect(&self.client_options(Some(secret.to_string())))
+            .await
+            .expect("connect to the metadata service")
     }
 
     /// `locus ARGS` against this service, as its admin, with no config file; `env` first,

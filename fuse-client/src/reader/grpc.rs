@@ -21,6 +21,9 @@ pub struct GrpcReplicas {
     version: pb::VersionRef,
     /// Node connections, each presenting a read grant every node accepts.
     links: locus_proto::grant::NodeLinks,
+    /// The read grants' target, `DATASET@N`: a token narrowed to datasets is granted this
+    /// version's blobs only.
+    target: String,
 }
 
 impl GrpcReplicas {
@@ -30,6 +33,7 @@ impl GrpcReplicas {
                 metadata.clone(),
                 token.as_deref(),
             )),
+            target: format!("{}@{}", version.dataset, version.version),
             metadata,
             version,
         }
@@ -42,7 +46,7 @@ impl GrpcReplicas {
                 "*",
                 addr,
                 locus_proto::grant::Op::Read,
-                "",
+                &self.target,
                 Duration::from_secs(3),
             )
             .await
@@ -62,7 +66,7 @@ impl GrpcReplicas {
                 "*",
                 addr,
                 locus_proto::grant::Op::Read,
-                "",
+                &self.target,
                 &c.blob,
                 c.offset,
                 c.len,
@@ -144,7 +148,7 @@ impl Replicas for GrpcReplicas {
             use locus_proto::bulk::BulkError;
             match self
                 .links
-                .bulk_range("*", addr, locus_proto::grant::Op::Read, "", &r, idle)
+                .bulk_range("*", addr, locus_proto::grant::Op::Read, &self.target, &r, idle)
                 .await
             {
                 Ok(r) => Ok(Some(r)),
@@ -163,7 +167,10 @@ impl Replicas for GrpcReplicas {
     fn forget<'a>(&'a self, addr: &'a str) -> BoxFuture<'a, ()> {
         // The grant too: a node that refused it (a revoked key) must see a fresh one.
         // `refused` also closes the kept bulk connections.
-        Box::pin(self.links.refused("*", addr, locus_proto::grant::Op::Read, ""))
+        Box::pin(
+            self.links
+                .refused("*", addr, locus_proto::grant::Op::Read, &self.target),
+        )
     }
 
     fn locate<'a>(

@@ -79,6 +79,26 @@ impl Catalog {
             .collect())
     }
 
+    /// For each hash, whether a shard of one of the versions `uids` holds it: what a node
+    /// asks before serving a blob under a read grant narrowed to those versions. A deleted
+    /// version's rows are gone, so its blobs stop being members with it.
+    pub fn blobs_in_versions(&self, uids: &[u64], hashes: &[BlobHash]) -> Result<Vec<bool>> {
+        let mut out = Vec::with_capacity(hashes.len());
+        for h in hashes {
+            let end = crate::store::prefix_end(&h.0);
+            let mut member = false;
+            for kv in self.store.scan(Table::BlobShards, &h.0, end.as_deref()) {
+                let (k, _) = kv?;
+                if k.len() == 44 && uids.contains(&keys::u64_value(&k[32..40]).unwrap_or(0)) {
+                    member = true;
+                    break;
+                }
+            }
+            out.push(member);
+        }
+        Ok(out)
+    }
+
     /// For each blob: the live nodes holding it as a replica, their addresses, and its
     /// (size, chunk size) from a committed version's manifest (None: no committed version
     /// holds it).

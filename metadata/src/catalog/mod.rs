@@ -127,6 +127,8 @@ pub struct CatalogConfig {
     pub repair_interval: Duration,
     /// Locality's price of a byte by where it would come from.
     pub cost: crate::locality::CostWeights,
+    /// Teams' limits on the bytes their datasets pin (`crate::quota`).
+    pub teams: Vec<crate::quota::Team>,
 }
 
 impl Default for CatalogConfig {
@@ -136,6 +138,7 @@ impl Default for CatalogConfig {
             session_timeout: Duration::from_secs(3600),
             repair_interval: Duration::from_secs(10),
             cost: Default::default(),
+            teams: Vec::new(),
         }
     }
 }

@@ -43,13 +43,25 @@ fn sealing(e: locus_proto::sealed::SealError) -> CatalogError {
 
 impl Catalog {
     pub(super) fn session(&self, id: u64) -> Result<SessionRecord> {
-        let v = self.store.get(Table::Sessions, &keys::uid(id))?.ok_or_else(|| {
-            CatalogError::NotFound(format!(
-                "no open import session {id} (it was committed, aborted, or expired after {}s idle)",
-                self.config.session_timeout.as_secs()
-            ))
-        })?;
+        let v = self
+            .store
+            .get(Table::Sessions, &keys::uid(id))?
+            .ok_or_else(|| self.no_session(id))?;
         decode(Table::Sessions, &v)
+    }
+
+    /// What a caller is told of a session that is not open (or, to a scoped token, not its
+    /// own: the same words, so a session id reveals nothing of another team's import).
+    pub fn no_session(&self, id: u64) -> CatalogError {
+        CatalogError::NotFound(format!(
+            "no open import session {id} (it was committed, aborted, or expired after {}s idle)",
+            self.config.session_timeout.as_secs()
+        ))
+    }
+
+    /// The dataset an open import session adds a version to.
+    pub fn session_dataset(&self, id: u64) -> Result<String> {
+        self.session(id).map(|s| s.dataset)
     }
 
     pub fn open_sessions(&self) -> Result<u64> {

@@ -22,6 +22,7 @@ pub(super) fn fixture() -> Fixture {
             session_timeout: Duration::from_secs(60),
             repair_interval: Duration::from_secs(1),
             cost: Default::default(),
+            teams: Vec::new(),
         },
     )
     .unwrap();

@@ -71,6 +71,23 @@ impl Catalog {
         }
     }
 
+    /// The replicated bytes (bytes times replication) the committed versions of datasets
+    /// `covers` accepts pin on nodes: a team's quota usage (`crate::quota`).
+    pub fn pinned_by(&self, covers: impl Fn(&str) -> bool) -> Result<u64> {
+        let mut total = 0u64;
+        for kv in self.store.scan(Table::Versions, b"", None) {
+            let (k, v) = kv?;
+            let Some((dataset, _)) = keys::split_version(&k) else {
+                continue;
+            };
+            if covers(dataset) {
+                let rec: VersionRecord = decode(Table::Versions, &v)?;
+                total = total.saturating_add(rec.bytes.saturating_mul(u64::from(rec.replication.max(1))));
+            }
+        }
+        Ok(total)
+    }
+
     pub fn list_datasets(&self) -> Result<Vec<pb::Dataset>> {
         let mut out = Vec::new();
         let names: Vec<(String, DatasetRecord)> = self
@@ -118,6 +135,13 @@ impl Catalog {
                 .map(|(n, v)| Self::version_pb(name.as_str(), *n, v))
                 .collect(),
         })
+    }
+
+    /// A version's internal uid and its sealed namespace's hash (empty when unsealed):
+    /// what a read grant narrowed to it names.
+    pub fn version_grant_ids(&self, r: &DatasetRef) -> Result<(u64, Vec<u8>)> {
+        let (_, v) = self.resolve(r)?;
+        Ok((v.uid, v.namespace_blob))
     }
 
     pub fn get_version(&self, r: &DatasetRef) -> Result<pb::Version> {

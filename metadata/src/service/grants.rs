@@ -74,14 +74,62 @@ impl MetadataService {
                 op.as_str()
             )));
         }
-        if q.target.len() > 1024 || q.target.contains('\0') || q.target.contains('@') {
+        // A token narrowed to datasets gets no grant that reaches beyond them: no backup
+        // grant (a backup holds every dataset), an import grant only if it may import
+        // somewhere (the blobs an import writes are its own).
+        if let Some(scope) = &p.scope {
+            let ok = match op {
+                Op::Import => scope.allows_any(crate::auth::Action::Import),
+                Op::Backup => false,
+                Op::Read => true,
+            };
+            if !ok {
+                self.audit.scope_refused(&p, op.as_str(), &q.node);
+                return Err(Status::permission_denied(format!(
+                    "{} is narrowed to datasets ({}) and may not be granted {} on a node",
+                    p.name,
+                    scope.describe(),
+                    op.as_str()
+                )));
+            }
+        }
+        if q.target.len() > 1024 || q.target.contains('\0') || (op != Op::Read && q.target.contains('@')) {
             return Err(Status::invalid_argument(
                 "target: a URL of at most 1 KiB, without credentials",
             ));
         }
+        // A read grant names the version read; for a token narrowed to datasets it opens
+        // only that version's blobs (and its namespace), never every blob.
+        let (mut versions, mut namespaces) = (Vec::new(), Vec::new());
         match op {
-            Op::Read if !q.target.is_empty() => {
-                return Err(Status::invalid_argument("target: a read grant names none"))
+            Op::Read if !q.target.is_empty() || p.is_scoped() => {
+                if q.target.is_empty() {
+                    return Err(Status::invalid_argument(format!(
+                        "target: {} is narrowed to datasets, so its read grants name the version \
+                         read (DATASET@N)",
+                        p.name
+                    )));
+                }
+                let r: locus_proto::DatasetRef = q
+                    .target
+                    .parse()
+                    .map_err(|e| Status::invalid_argument(format!("target: {e}")))?;
+                if r.version == locus_proto::VersionSel::Latest {
+                    return Err(Status::invalid_argument(
+                        "target: a read grant names a numbered version (DATASET@N)",
+                    ));
+                }
+                self.scope(&p, r.name.as_str(), crate::auth::Action::Read)?;
+                if p.is_scoped() {
+                    let (uid, ns) = self
+                        .run(move |c| c.version_grant_ids(&r))
+                        .await
+                        .map_err(to_status)?;
+                    versions.push(uid);
+                    if !ns.is_empty() {
+                        namespaces.push(ns);
+                    }
+                }
             }
             Op::Backup => {
                 let url = q.target.clone();
@@ -128,6 +176,8 @@ impl MetadataService {
             issued_to: p.name.clone(),
             not_before_unix_ms: now,
             expires_unix_ms: now + ttl.as_millis() as u64,
+            versions,
+            namespaces,
         };
         if op != Op::Read {
             self.audit.record(

@@ -95,7 +95,7 @@ pub(super) async fn import_local(
         })
         .await?;
     let work = async {
-        let placement = super::place(cluster, o, &shard_bytes, &prefer).await?;
+        let placement = super::place(cluster, o, session, &shard_bytes, &prefer).await?;
         let files: Vec<File> = found
             .iter()
             .enumerate()

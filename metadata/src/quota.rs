@@ -1,0 +1,91 @@
+//! Team quotas on the bytes a team's datasets pin on nodes (`[[metadata_server.team]]`).
+//!
+//! A team is a set of dataset name patterns (the same `*` patterns as token scopes) and a
+//! limit on the replicated bytes of its committed versions: each version counts its bytes
+//! times its replication, the space its replicas take on nodes (blobs shared between
+//! versions count once per version: the figure a team can reason about from its own
+//! listings, and never less than the space taken). An import is checked when its shards
+//! are placed — before any byte is sent to a node — and refused if the team's committed
+//! bytes plus what the import would pin exceed the limit. A dataset may belong to more
+//! than one team; every one of them must have room.
+
+use locus_proto::auth::{Action, Scope};
+
+/// One team's quota.
+#[derive(Debug, Clone)]
+pub struct Team {
+    pub name: String,
+    datasets: Scope,
+    patterns: Vec<String>,
+    /// Most replicated bytes its datasets' committed versions may pin, all nodes together.
+    pub pinned_limit: u64,
+}
+
+impl Team {
+    pub fn new(name: &str, datasets: Vec<String>, pinned_limit: u64) -> Result<Self, String> {
+        if name.is_empty() || name.len() > 63 {
+            return Err(format!("team {name:?}: a name of 1 to 63 characters"));
+        }
+        if datasets.is_empty() {
+            return Err(format!("team {name}: datasets names no pattern"));
+        }
+        let scope = Scope::new(datasets.iter().map(|d| (d.clone(), vec![Action::Read])).collect())
+            .map_err(|e| format!("team {name}: {e}"))?;
+        Ok(Team {
+            name: name.to_string(),
+            datasets: scope,
+            patterns: datasets,
+            pinned_limit,
+        })
+    }
+
+    pub fn covers(&self, dataset: &str) -> bool {
+        self.datasets.sees(dataset)
+    }
+
+    pub fn patterns(&self) -> &[String] {
+        &self.patterns
+    }
+}
+
+/// Refuses an import that would take `team` over its limit, saying by how much and what
+/// to do; `used` is what the team's committed versions pin now.
+pub fn check(team: &Team, used: u64, needs: u64) -> Result<(), String> {
+    if used.saturating_add(needs) <= team.pinned_limit {
+        return Ok(());
+    }
+    use locus_proto::human::format_size as b;
+    Err(format!(
+        "team {}'s quota would be exceeded: this import pins {} (its bytes times its \
+         replicas), the team's datasets ({}) pin {} of the {} allowed. Delete versions it no \
+         longer needs (locus dataset rm), import with fewer --replicas, or have the operator \
+         raise [[metadata_server.team]] pinned",
+        team.name,
+        b(needs),
+        team.patterns.join(", "),
+        b(used),
+        b(team.pinned_limit)
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_import_fits_up_to_the_byte_and_a_refusal_says_the_figures() {
+        let t = Team::new("vision", vec!["img-*".into(), "coco".into()], 1000).unwrap();
+        assert!(t.covers("img-net") && t.covers("coco") && !t.covers("coco2"));
+        assert!(check(&t, 600, 400).is_ok());
+        let e = check(&t, 600, 401).unwrap_err();
+        assert!(e.contains("team vision") && e.contains("img-*, coco"), "{e}");
+        assert!(
+            e.contains("401 B") && e.contains("600 B") && e.contains("1000 B"),
+            "{e}"
+        );
+        // No overflow past u64::MAX into a pass.
+        assert!(check(&t, u64::MAX, 1).is_err());
+        assert!(Team::new("x", vec![], 1).is_err());
+        assert!(Team::new("x", vec!["A".into()], 1).is_err());
+    }
+}

@@ -1,0 +1,613 @@
+//! Teams sharing one cluster, end to end: tokens narrowed to datasets by `[[token.scope]]`
+//! against a real metadata service and real nodes. Team A's tokens (an admin and a reader,
+//! both scoped to `a-*`) must not reach team B's dataset through gRPC, the HTTP API, the
+//! Kubernetes extender, the CLI, a mount or a node — and every answer about B's dataset
+//! must be the answer about a dataset that does not exist.
+
+use locus_testkit as support;
+
+use std::time::Duration;
+
+use locus_proto::bulk::Pool;
+use locus_proto::{nodepb, pb, BlobHash};
+use support::*;
+
+const TEAM_A_ADMIN: &str = "team-a-admin-secret-0123456789";
+const TEAM_A_JOB: &str = "team-a-reader-secret-0123456789";
+
+fn opts() -> MetadataOpts {
+    MetadataOpts {
+        tokens: tokens(),
+        more_tokens: format!(
+            "[[token]]\nname = \"team-a\"\nrole = \"admin\"\ntoken = \"{TEAM_A_ADMIN}\"\n\
+             [[token.scope]]\ndatasets = [\"a-*\"]\n\
+             [[token]]\nname = \"team-a-job\"\nrole = \"reader\"\ntoken = \"{TEAM_A_JOB}\"\n\
+             [[token.scope]]\ndatasets = [\"a-*\"]\nactions = [\"read\"]\n"
+        ),
+        ..Default::default()
+    }
+}
+
+/// Two nodes; team B's dataset imported by the cluster's admin, team A's by team A's own
+/// scoped admin token (which shows a scoped import works end to end).
+async fn two_teams(h: &Harness) -> (Metadata, Vec<Node>) {
+    let (m, nodes) = cluster_with(h, opts(), 2, NodeOpts::host).await;
+    for (name, seed) in [("b-secret", 7u64), ("a-images", 8)] {
+        let src = h.path(name);
+        std::fs::create_dir_all(&src).unwrap();
+        for i in 0..6 {
+            std::fs::write(
+                src.join(format!("f{i}.bin")),
+                pseudo_random(seed * 100 + i, 200_000),
+            )
+            .unwrap();
+        }
+        let args = [
+            "dataset",
+            "import",
+            name,
+            src.to_str().unwrap(),
+            "--replicas",
+            "2",
+            "--json",
+        ];
+        let o = if name.starts_with("b-") {
+            m.cli(&args)
+        } else {
+            m.cli_as(TEAM_A_ADMIN, &args)
+        };
+        assert!(o.status.success(), "import {name}: {}", stderr(&o));
+    }
+    (m, nodes)
+}
+
+/// A refusal's code and message with the dataset's name replaced, to compare the answer
+/// about B's dataset with the answer about one that does not exist.
+fn shape<T: std::fmt::Debug>(r: Result<T, tonic::Status>, name: &str) -> (tonic::Code, String) {
+    let e = r.expect_err("must be refused");
+    (e.code(), e.message().replace(name, "NAME"))
+}
+
+fn vref(d: &str, v: u64) -> Option<pb::VersionRef> {
+    Some(pb::VersionRef {
+        dataset: d.into(),
+        version: v,
+    })
+}
+
+/// Every dataset-revealing call of the Metadata API, as team A's token, for dataset `d`.
+async fn probes(
+    c: &mut locus_proto::client::MetadataClient,
+    d: &str,
+) -> Vec<(&'static str, (tonic::Code, String))> {
+    let mut out = Vec::new();
+    out.push((
+        "GetDataset",
+        shape(c.get_dataset(pb::GetDatasetRequest { name: d.into() }).await, d),
+    ));
+    out.push((
+        "GetVersion",
+        shape(
+            c.get_version(pb::GetVersionRequest { r#ref: vref(d, 1) }).await,
+            d,
+        ),
+    ));
+    out.push((
+        "ListEntries",
+        shape(
+            c.list_entries(pb::ListEntriesRequest {
+                r#ref: vref(d, 1),
+                ..Default::default()
+            })
+            .await,
+            d,
+        ),
+    ));
+    out.push((
+        "ListShards",
+        shape(
+            c.list_shards(pb::ListShardsRequest {
+                r#ref: vref(d, 1),
+                ..Default::default()
+            })
+            .await,
+            d,
+        ),
+    ));
+    out.push((
+        "Locality",
+        shape(
+            c.locality(pb::LocalityRequest {
+                refs: vec![vref(d, 0).unwrap()],
+                ..Default::default()
+            })
+            .await,
+            d,
+        ),
+    ));
+    out.push((
+        "Assign",
+        shape(
+            c.assign(pb::AssignRequest {
+                r#ref: vref(d, 1),
+                rank_nodes: vec!["n1".into()],
+                ..Default::default()
+            })
+            .await,
+            d,
+        ),
+    ));
+    out.push((
+        "IssueGrant",
+        shape(
+            c.issue_grant(pb::IssueGrantRequest {
+                node: "*".into(),
+                operation: "read".into(),
+                target: format!("{d}@1"),
+                ttl_ms: 0,
+            })
+            .await,
+            d,
+        ),
+    ));
+    out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_team_token_cannot_reach_another_teams_dataset_and_is_answered_as_if_it_did_not_exist() {
+    let h = Harness::new("tenancy-scope");
+    let (m, _nodes) = two_teams(&h).await;
+    let mut job = m.client_as(TEAM_A_JOB).await;
+    let mut team_admin = m.client_as(TEAM_A_ADMIN).await;
+    let mut ops = m.client(Some("admin")).await;
+
+    // Listing: its own dataset only.
+    let names = |l: pb::ListDatasetsResponse| l.datasets.into_iter().map(|d| d.name).collect::<Vec<_>>();
+    let seen = names(
+        job.list_datasets(pb::ListDatasetsRequest {})
+            .await
+            .unwrap()
+            .into_inner(),
+    );
+    assert_eq!(seen, vec!["a-images".to_string()]);
+    let all = names(
+        ops.list_datasets(pb::ListDatasetsRequest {})
+            .await
+            .unwrap()
+            .into_inner(),
+    );
+    assert!(
+        all.contains(&"b-secret".to_string()) && all.contains(&"a-images".to_string()),
+        "{all:?}"
+    );
+
+    // Every call about B's dataset answers as about a dataset that does not exist, for
+    // both of team A's tokens; and the same as the cluster's admin is told of an absent one.
+    for c in [&mut job, &mut team_admin] {
+        let secret = probes(c, "b-secret").await;
+        let absent = probes(c, "b-absent").await;
+        assert_eq!(secret, absent);
+        for (call, (code, msg)) in &secret {
+            assert_eq!(*code, tonic::Code::NotFound, "{call}: {msg}");
+            assert!(msg.contains("no dataset named NAME"), "{call}: {msg}");
+        }
+    }
+    let absent_to_ops = shape(
+        ops.get_dataset(pb::GetDatasetRequest {
+            name: "b-absent".into(),
+        })
+        .await,
+        "b-absent",
+    );
+    assert_eq!(probes(&mut job, "b-secret").await[0].1, absent_to_ops);
+    // Its own dataset answers.
+    job.get_version(pb::GetVersionRequest {
+        r#ref: vref("a-images", 1),
+    })
+    .await
+    .expect("team A reads its own dataset");
+
+    // Team A's admin: no delete, warm or import of B's dataset, answered as absent, and
+    // B's dataset is still there afterwards.
+    for d in ["b-secret", "b-absent"] {
+        let del = team_admin
+            .delete_dataset(pb::DeleteDatasetRequest {
+                name: d.into(),
+                force: true,
+            })
+            .await;
+        assert_eq!(
+            shape(del, d),
+            (tonic::Code::NotFound, "no dataset named NAME".into())
+        );
+        let warm = team_admin
+            .warm(pb::WarmRequest {
+                r#ref: vref(d, 1),
+                ..Default::default()
+            })
+            .await
+            .map(|_| ());
+        assert_eq!(
+            shape(warm, d),
+            (tonic::Code::NotFound, "no dataset named NAME".into())
+        );
+    }
+    let src = h.path("a-images");
+    let o = m.cli_as(
+        TEAM_A_ADMIN,
+        &["dataset", "import", "b-secret", src.to_str().unwrap()],
+    );
+    assert!(!o.status.success());
+    assert!(stderr(&o).contains("no dataset named b-secret"), "{}", stderr(&o));
+    let b = ops
+        .get_dataset(pb::GetDatasetRequest {
+            name: "b-secret".into(),
+        })
+        .await
+        .expect("B's dataset survives team A's attempts")
+        .into_inner();
+    assert_eq!(b.version_count, 1);
+
+    // Cluster-wide calls are for unscoped admins: refused plainly.
+    let drain = team_admin
+        .drain_node(pb::DrainNodeRequest {
+            id: "n1".into(),
+            drain: true,
+        })
+        .await;
+    let e = drain.expect_err("a scoped admin drains no node");
+    assert_eq!(e.code(), tonic::Code::PermissionDenied, "{e:?}");
+    assert!(e.message().contains("narrowed to datasets"), "{e:?}");
+    let backup = m.cli_as(
+        TEAM_A_ADMIN,
+        &[
+            "backup",
+            "run",
+            "--to",
+            &format!("file://{}", h.path("bk").display()),
+        ],
+    );
+    assert!(
+        !backup.status.success(),
+        "a scoped admin backs up the whole cluster"
+    );
+    assert!(
+        stderr(&backup).contains("narrowed to datasets"),
+        "{}",
+        stderr(&backup)
+    );
+    let keys = team_admin
+        .grant_keys(pb::GrantKeysRequest {
+            op: "rotate".into(),
+            ..Default::default()
+        })
+        .await;
+    assert_eq!(keys.unwrap_err().code(), tonic::Code::PermissionDenied);
+
+    // The HTTP API answers as for an absent dataset too.
+    let bearer = format!("Bearer {TEAM_A_JOB}");
+    let post = |path: &'static str, body: String| {
+        let (addr, bearer) = (m.http, bearer.clone());
+        async move {
+            http_request(
+                addr,
+                "POST",
+                path,
+                &[("Content-Type", "application/json"), ("Authorization", &bearer)],
+                &body,
+            )
+            .await
+        }
+    };
+    for path in ["/v1/locality", "/v1/assign"] {
+        let body = |d: &str| match path {
+            "/v1/locality" => format!(r#"{{"datasets":["{d}"]}}"#),
+            _ => format!(r#"{{"dataset":"{d}@1","rank_nodes":["n1"]}}"#),
+        };
+        let (code_s, text_s) = post(path, body("b-secret")).await;
+        let (code_a, text_a) = post(path, body("b-absent")).await;
+        assert_eq!(code_s, 404, "{path}: {text_s}");
+        assert_eq!(
+            (code_s, text_s.replace("b-secret", "NAME")),
+            (code_a, text_a.replace("b-absent", "NAME")),
+            "{path}"
+        );
+        let (code_own, text_own) = post(path, body("a-images")).await;
+        assert_eq!(code_own, 200, "{path}: {text_own}");
+    }
+    // The overview page shows every dataset: not for a scoped token.
+    let (code, _) = http_request(m.http, "GET", "/", &[("Authorization", &bearer)], "").await;
+    assert_eq!(code, 403);
+
+    // The scheduler extender with team A's token: B's dataset scores like an absent one
+    // (no preference), A's own is scored.
+    let prioritize = |d: &str| {
+        let body = format!(
+            r#"{{"Pod":{{"metadata":{{"name":"p","namespace":"ml","annotations":{{"locus.io/dataset":"{d}@1"}}}},"spec":{{}}}},"Nodes":null,"NodeNames":["n1","n2","gpu99"]}}"#
+        );
+        post("/k8s/prioritize", body)
+    };
+    let (c1, s1) = prioritize("b-secret").await;
+    let (c2, s2) = prioritize("b-absent").await;
+    assert_eq!((c1, &s1), (c2, &s2));
+    let scores: serde_json::Value = serde_json::from_str(&s1).unwrap();
+    assert!(
+        scores.as_array().unwrap().iter().all(|s| s["Score"] == 0),
+        "{scores}"
+    );
+    let (_, own) = prioritize("a-images").await;
+    let own: serde_json::Value = serde_json::from_str(&own).unwrap();
+    assert!(
+        own.as_array()
+            .unwrap()
+            .iter()
+            .any(|s| s["Score"].as_i64() > Some(0)),
+        "team A's own dataset is scored: {own}"
+    );
+
+    // The CLI: `dataset list` lists its own, `show` and `ls` of B's dataset say what they
+    // say of an absent one.
+    let ls = m.cli_as(TEAM_A_JOB, &["dataset", "list", "--json"]);
+    assert!(ls.status.success(), "{}", stderr(&ls));
+    let text = String::from_utf8_lossy(&ls.stdout);
+    assert!(text.contains("a-images") && !text.contains("b-secret"), "{text}");
+    for cmd in ["show", "ls"] {
+        let s = m.cli_as(TEAM_A_JOB, &["dataset", cmd, "b-secret@1"]);
+        let a = m.cli_as(TEAM_A_JOB, &["dataset", cmd, "b-absent@1"]);
+        assert!(!s.status.success());
+        assert!(stderr(&s).contains("no dataset named b-secret"), "{}", stderr(&s));
+        assert_eq!(
+            stderr(&s).replace("b-secret", "NAME"),
+            stderr(&a).replace("b-absent", "NAME"),
+            "dataset {cmd}"
+        );
+    }
+
+    // Every scoped refusal is in the audit log, with who asked.
+    let audit = std::fs::read_to_string(m.data_dir.join("audit.log")).unwrap();
+    let scoped: Vec<&str> = audit
+        .lines()
+        .filter(|l| l.contains("\"reason\":\"scope\""))
+        .collect();
+    assert!(
+        scoped
+            .iter()
+            .any(|l| l.contains("\"who\":\"team-a-job\"") && l.contains("b-secret")),
+        "{audit}"
+    );
+    assert!(
+        scoped
+            .iter()
+            .any(|l| l.contains("\"who\":\"team-a\"") && l.contains("\"action\":\"delete\"")),
+        "{audit}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_scoped_read_grant_opens_only_its_versions_blobs_on_every_node_over_grpc_and_the_bulk_path() {
+    let h = Harness::new("tenancy-grant");
+    let (m, nodes) = two_teams(&h).await;
+    let mut job = m.client_as(TEAM_A_JOB).await;
+    let mut ops = m.client(Some("admin")).await;
+    let first_blob = |d: &'static str| {
+        let mut ops = ops.clone();
+        async move {
+            let e = ops
+                .list_entries(pb::ListEntriesRequest {
+                    r#ref: vref(d, 1),
+                    ..Default::default()
+                })
+                .await
+                .unwrap()
+                .into_inner()
+                .entries;
+            let f = e.iter().find(|e| e.path == "f0.bin").expect("f0.bin");
+            BlobHash::from_slice("blob", &f.blob).unwrap()
+        }
+    };
+    let (theirs, ours) = (first_blob("b-secret").await, first_blob("a-images").await);
+    let our_bytes = pseudo_random(800, 200_000);
+    assert_eq!(BlobHash(*blake3::hash(&our_bytes).as_bytes()), ours);
+
+    // A scoped token's read grant names its version; it gets no grant for every blob.
+    let ask = |target: &str| pb::IssueGrantRequest {
+        node: "*".into(),
+        operation: "read".into(),
+        target: target.into(),
+        ttl_ms: 0,
+    };
+    let e = job.issue_grant(ask("")).await.unwrap_err();
+    assert_eq!(e.code(), tonic::Code::InvalidArgument, "{e:?}");
+    assert!(e.message().contains("DATASET@N"), "{e:?}");
+    let e = job.issue_grant(ask("b-secret@1")).await.unwrap_err();
+    assert_eq!(e.code(), tonic::Code::NotFound, "{e:?}");
+    let narrowed = job
+        .issue_grant(ask("a-images@1"))
+        .await
+        .unwrap()
+        .into_inner()
+        .grant;
+    let everything = ops.issue_grant(ask("")).await.unwrap().into_inner().grant;
+
+    for n in &nodes {
+        // gRPC ReadBlob: B's blob, which the node holds (the unscoped grant reads it), is
+        // answered as a blob the node does not have.
+        let read = |grant: &str, h: BlobHash| {
+            let grant = grant.to_string();
+            async move {
+                use futures_util::StreamExt;
+                let mut s = n
+                    .client_with(Some(&grant))
+                    .await
+                    .read_blob(nodepb::ReadBlobRequest {
+                        hash: h.0.to_vec(),
+                        ..Default::default()
+                    })
+                    .await?
+                    .into_inner();
+                let mut got = Vec::new();
+                while let Some(d) = s.next().await {
+                    got.extend_from_slice(&d?.data);
+                }
+                Ok::<_, tonic::Status>(got)
+            }
+        };
+        let b = read(&everything, theirs).await.expect("the node holds B's blob");
+        assert_eq!(b.len(), 200_000);
+        let e = read(&narrowed, theirs).await.unwrap_err();
+        assert_eq!(e.code(), tonic::Code::NotFound, "{e:?}");
+        assert_eq!(e.message(), format!("blob {theirs} is not on this node"));
+        assert_eq!(read(&narrowed, ours).await.unwrap(), our_bytes);
+        // HaveBlobs says nothing of B's blob either.
+        let have = n
+            .client_with(Some(&narrowed))
+            .await
+            .have_blobs(nodepb::HaveBlobsRequest {
+                hashes: vec![theirs.0.to_vec(), ours.0.to_vec()],
+            })
+            .await
+            .unwrap()
+            .into_inner()
+            .present;
+        assert_eq!(have, vec![false, true]);
+
+        // The bulk path: the same.
+        let pool = Pool::new();
+        let addr = n.address();
+        let idle = Duration::from_secs(10);
+        let e = match pool.open(&addr, Some(&narrowed), &theirs, 0, 0, idle).await {
+            Ok(_) => panic!("the bulk path served B's blob under A's grant"),
+            Err(e) => e.to_string(),
+        };
+        assert!(e.contains("is not on this node"), "{e}");
+        let got = pool
+            .open(&addr, Some(&narrowed), &ours, 0, 0, idle)
+            .await
+            .expect("A's own blob over the bulk path")
+            .all()
+            .await
+            .unwrap();
+        assert_eq!(&got[..], &our_bytes[..]);
+    }
+
+    // A mount with team A's reader token and no local node: its own dataset reads right
+    // through narrowed grants; B's dataset does not mount.
+    let mnt = m.mount_with_env("a", "a-images@1", None, &[], &[("LOCUS_TOKEN", TEAM_A_JOB)]);
+    for i in 0..6u64 {
+        let got = std::fs::read(mnt.path.join(format!("f{i}.bin"))).unwrap();
+        assert!(
+            got == pseudo_random(800 + i, 200_000),
+            "f{i}.bin through the mount"
+        );
+    }
+    drop(mnt);
+    std::fs::create_dir_all(h.path("b-mnt")).unwrap();
+    let out = m
+        .cli_command(&["mount", "b-secret@1", h.path("b-mnt").to_str().unwrap()], &[])
+        .env("LOCUS_TOKEN", TEAM_A_JOB)
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(
+        stderr(&out).contains("no dataset named b-secret"),
+        "{}",
+        stderr(&out)
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_import_over_its_teams_pinned_quota_is_refused_before_any_byte_reaches_a_node() {
+    let h = Harness::new("tenancy-quota");
+    let config = h.path("locus.toml");
+    std::fs::write(
+        &config,
+        "[[metadata_server.team]]\nname = \"team-a\"\ndatasets = [\"a-*\"]\npinned = \"1MiB\"\n",
+    )
+    .unwrap();
+    let mut o = opts();
+    o.extra = vec!["--config".into(), config.display().to_string()];
+    let (m, nodes) = cluster_with(&h, o, 2, NodeOpts::host).await;
+    // Three files of 100,000 bytes a dataset.
+    let tree = |name: &str, seed: u64| {
+        let src = h.path(name);
+        std::fs::create_dir_all(&src).unwrap();
+        let mut hashes = Vec::new();
+        for i in 0..3 {
+            let data = pseudo_random(seed * 10 + i, 100_000);
+            hashes.push(BlobHash(*blake3::hash(&data).as_bytes()));
+            std::fs::write(src.join(format!("f{i}.bin")), data).unwrap();
+        }
+        (src, hashes)
+    };
+    let imp = |name: &str, src: &std::path::Path, replicas: &str| {
+        m.cli(&[
+            "dataset",
+            "import",
+            name,
+            src.to_str().unwrap(),
+            "--replicas",
+            replicas,
+        ])
+    };
+    // 300,000 bytes × 2 replicas = 600,000 of 1,048,576: fits.
+    let (one, _) = tree("a-one", 1);
+    let o = imp("a-one", &one, "2");
+    assert!(o.status.success(), "{}", stderr(&o));
+
+    // Another 600,000 would not: refused with the figures, and no node got a byte of it.
+    let (two, two_hashes) = tree("a-two", 2);
+    let o = imp("a-two", &two, "2");
+    assert!(!o.status.success(), "an import over the quota was accepted");
+    let err = stderr(&o);
+    assert!(err.contains("team team-a's quota would be exceeded"), "{err}");
+    assert!(err.contains("585.9 KiB") && err.contains("1.0 MiB"), "{err}");
+    let grant = m.grant("read", "*").await;
+    for n in &nodes {
+        let present = n
+            .client_with(Some(&grant))
+            .await
+            .have_blobs(nodepb::HaveBlobsRequest {
+                hashes: two_hashes.iter().map(|h| h.0.to_vec()).collect(),
+            })
+            .await
+            .unwrap()
+            .into_inner()
+            .present;
+        assert_eq!(present, vec![false; 3], "a refused import left blobs on {}", n.id);
+    }
+    let mut ops = m.client(Some("admin")).await;
+    let e = ops
+        .get_dataset(pb::GetDatasetRequest { name: "a-two".into() })
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), tonic::Code::NotFound, "{e:?}");
+    // With one replica it fits (900,000), as the message suggests; another team's
+    // dataset is not counted against team A.
+    let o = imp("a-two", &two, "1");
+    assert!(o.status.success(), "{}", stderr(&o));
+    let (other, _) = tree("b-big", 3);
+    let o = imp("b-big", &other, "2");
+    assert!(o.status.success(), "{}", stderr(&o));
+
+    // Usage is shown to the operator (status, metrics), not to a scoped token.
+    let st = m.cli(&["status", "--json"]);
+    assert!(st.status.success(), "{}", stderr(&st));
+    let v: serde_json::Value = serde_json::from_slice(&st.stdout).unwrap();
+    assert_eq!(v["teams"][0]["name"], "team-a");
+    assert_eq!(v["teams"][0]["pinned_bytes"], 900_000);
+    assert_eq!(v["teams"][0]["pinned_limit_bytes"], 1 << 20);
+    let (_, metrics) = http_request(m.http, "GET", "/metrics", &[], "").await;
+    assert!(
+        metrics.contains("locus_metadata_team_pinned_bytes{team=\"team-a\"} 900000"),
+        "{metrics}"
+    );
+    let st = m.cli_as(TEAM_A_JOB, &["status", "--json"]);
+    assert!(st.status.success(), "{}", stderr(&st));
+    let v: serde_json::Value = serde_json::from_slice(&st.stdout).unwrap();
+    assert_eq!(v["teams"], serde_json::json!([]));
+    assert_eq!(v["metadata"]["caller"]["scope"], "a-*:read");
+    assert_eq!(
+        v["datasets"]["count"], 2,
+        "team A sees its two datasets only: {v}"
+    );
+}
