@@ -611,3 +611,115 @@ async fn an_import_over_its_teams_pinned_quota_is_refused_before_any_byte_reache
         "team A sees its two datasets only: {v}"
     );
 }
+
+fn publish_request(
+    volume: &str,
+    target: &std::path::Path,
+    dataset: &str,
+    token: Option<&str>,
+) -> locus_proto::csi::NodePublishVolumeRequest {
+    use locus_proto::csi;
+    csi::NodePublishVolumeRequest {
+        volume_id: volume.into(),
+        target_path: target.display().to_string(),
+        volume_capability: Some(csi::VolumeCapability {
+            access_type: Some(csi::volume_capability::AccessType::Mount(Default::default())),
+            access_mode: Some(csi::volume_capability::AccessMode {
+                mode: csi::volume_capability::access_mode::Mode::MultiNodeReaderOnly as i32,
+            }),
+        }),
+        readonly: true,
+        volume_context: [("dataset".to_string(), dataset.to_string())].into(),
+        secrets: token
+            .map(|t| [("token".to_string(), t.to_string())].into())
+            .unwrap_or_default(),
+        ..Default::default()
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_csi_volume_mounts_only_what_the_pods_own_token_may_read() {
+    let h = Harness::new("tenancy-csi");
+    let m = h.start_metadata("meta", opts()).await;
+    let n = h.start_node("n1", &m, NodeOpts::host(1)).await;
+    for (name, seed) in [("b-secret", 7u64), ("a-images", 8)] {
+        let src = h.path(name);
+        make_tree(&src, 5 + seed as usize);
+        let o = m.cli(&[
+            "dataset",
+            "import",
+            name,
+            src.to_str().unwrap(),
+            "--replicas",
+            "1",
+        ]);
+        assert!(o.status.success(), "{}", stderr(&o));
+    }
+    // The driver's own token reads every dataset (an unscoped reader's); it is told to
+    // mount only volumes that bring the pod's token.
+    let _plugin = MountingProcess {
+        child: spawn_csi_driver_with(&h, &m, &n, "node", &["--require-pod-token"]),
+        root: h.path(""),
+    };
+    let sock = h.path("csi/csi.sock");
+    wait_for_socket(&sock).await;
+    let mut node = locus_proto::csi::node_client::NodeClient::new(locus_proto::client::unix_channel(&sock));
+    let target = |pod: &str| {
+        h.path("kubelet")
+            .join(format!("pods/{pod}/volumes/kubernetes.io~csi/data/mount"))
+    };
+
+    // Team B's dataset with team A's token: refused as for a dataset that does not exist.
+    let e = node
+        .node_publish_volume(publish_request(
+            "v1",
+            &target("p1"),
+            "b-secret@1",
+            Some(TEAM_A_JOB),
+        ))
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), tonic::Code::NotFound, "{e:?}");
+    assert!(e.message().contains("no dataset named b-secret"), "{e:?}");
+    let empty = |p: std::path::PathBuf| std::fs::read_dir(p).map_or(true, |mut d| d.next().is_none());
+    assert!(empty(target("p1")), "nothing was mounted for the refused volume");
+    // No token at all: refused, saying what to give.
+    let e = node
+        .node_publish_volume(publish_request("v2", &target("p2"), "b-secret@1", None))
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), tonic::Code::FailedPrecondition, "{e:?}");
+    assert!(e.message().contains("nodePublishSecretRef"), "{e:?}");
+    // A token the service does not know: refused by the service.
+    let e = node
+        .node_publish_volume(publish_request(
+            "v3",
+            &target("p3"),
+            "a-images@1",
+            Some("not-a-token-of-this-cluster-01234"),
+        ))
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), tonic::Code::Unauthenticated, "{e:?}");
+    // Team A's own dataset with team A's token: mounted, and it reads.
+    node.node_publish_volume(publish_request(
+        "v4",
+        &target("p4"),
+        "a-images@1",
+        Some(TEAM_A_JOB),
+    ))
+    .await
+    .unwrap_or_else(|e| {
+        panic!(
+            "publish: {e:?}; log: {}",
+            std::fs::read_to_string(h.path("csi.log")).unwrap_or_default()
+        )
+    });
+    assert_same_tree(&h.path("a-images"), &target("p4"));
+    node.node_unpublish_volume(locus_proto::csi::NodeUnpublishVolumeRequest {
+        volume_id: "v4".into(),
+        target_path: target("p4").display().to_string(),
+    })
+    .await
+    .unwrap();
+}

@@ -283,10 +283,17 @@ pub fn mounts_under(root: &Path) -> Vec<PathBuf> {
 /// `csi/csi.sock`, state in `csi-state`, kubelet's dir `kubelet` (all under the
 /// harness), a reader's token; its log in `csi.log`.
 pub fn spawn_csi_driver(h: &Harness, m: &Metadata, n: &Node, mode: &str) -> Child {
+    spawn_csi_driver_with(h, m, n, mode, &[])
+}
+
+/// `spawn_csi_driver` with more flags.
+pub fn spawn_csi_driver_with(h: &Harness, m: &Metadata, n: &Node, mode: &str, extra: &[&str]) -> Child {
     let kubelet = h.path("kubelet");
     std::fs::create_dir_all(kubelet.join("pods")).unwrap();
     Command::new(locus())
-        .args(["csi", "--mode", mode, "--endpoint"])
+        .args(["csi", "--mode", mode])
+        .args(extra)
+        .arg("--endpoint")
         .arg(format!("unix://{}", h.path("csi/csi.sock").display()))
         .args(["--node-id", "n1", "--node-socket"])
         .arg(&n.socket)

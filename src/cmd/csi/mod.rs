@@ -53,6 +53,14 @@ pub struct CsiArgs {
     /// Kubelet's root: every target path must be under it. Node mode only.
     #[arg(long, default_value = "/var/lib/kubelet")]
     pub kubelet_dir: PathBuf,
+    /// Every volume must come with the pod's own Locus token (a Secret with key `token`,
+    /// named by the volume's nodePublishSecretRef, or the StorageClass's
+    /// csi.storage.k8s.io/node-publish-secret-name): its dataset is checked against that
+    /// token's scope before it is mounted. Without this flag a volume without a secret is
+    /// checked against the driver's own token only, so any pod author may mount any
+    /// dataset the driver can read. Node mode only.
+    #[arg(long, env = "LOCUS_CSI_REQUIRE_POD_TOKEN")]
+    pub require_pod_token: bool,
 }
 
 pub async fn run(a: CsiArgs, cfg: &Resolved) -> anyhow::Result<()> {
@@ -147,6 +155,32 @@ impl csi::identity_server::Identity for Identity {
 
 /// `dataset@version` of what `r` names now (NOT_FOUND when there is no such version,
 /// UNAVAILABLE when the metadata service cannot be reached).
+/// `resolve` as the pod's own token (a volume's `token` secret), when it has one: a
+/// dataset outside that token's scope is refused as the service refuses it (NOT_FOUND,
+/// as for a dataset that does not exist).
+async fn resolve_as(
+    cfg: &Resolved,
+    pod_token: Option<&str>,
+    r: &locus_proto::DatasetRef,
+) -> Result<String, Status> {
+    match pod_token {
+        None => resolve(cfg, r).await,
+        Some(t) => {
+            let mut as_pod = cfg.clone();
+            as_pod.token = Some(t.to_string());
+            resolve(&as_pod, r).await.map_err(|e| {
+                Status::new(
+                    e.code(),
+                    format!(
+                        "with the pod's token (its volume's node-publish secret): {}",
+                        e.message()
+                    ),
+                )
+            })
+        }
+    }
+}
+
 async fn resolve(cfg: &Resolved, r: &locus_proto::DatasetRef) -> Result<String, Status> {
     let mut c = cfg
         .connect()

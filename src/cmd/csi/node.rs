@@ -53,6 +53,8 @@ pub(super) struct Plugin {
     writer: tokio::sync::Mutex<()>,
     targets: ops_csi::KeyedLocks,
     versions: ops_csi::KeyedLocks,
+    /// Refuse a volume that does not bring the pod's own token (`--require-pod-token`).
+    require_pod_token: bool,
 }
 
 /// Runs blocking file-system or mount work off the async workers.
@@ -94,6 +96,7 @@ impl Plugin {
             writer: tokio::sync::Mutex::new(()),
             targets: ops_csi::KeyedLocks::default(),
             versions: ops_csi::KeyedLocks::default(),
+            require_pod_token: a.require_pod_token,
         })
     }
 }
@@ -137,6 +140,16 @@ impl csi::node_server::Node for Plugin {
         let r: locus_proto::DatasetRef = spec
             .parse()
             .map_err(|e| Status::invalid_argument(format!("volumeAttributes.dataset {spec:?}: {e}")))?;
+        // The pod's own token, when its volume brings one: the dataset must be one that
+        // token may read, whatever the driver's own token may.
+        let pod_token = q.secrets.get("token").map(|t| t.trim()).filter(|t| !t.is_empty());
+        if pod_token.is_none() && self.require_pod_token {
+            return Err(Status::failed_precondition(
+                "this driver mounts only volumes that bring the pod's own Locus token: give the \
+                 volume a nodePublishSecretRef (or the StorageClass \
+                 csi.storage.k8s.io/node-publish-secret-name) naming a Secret with key `token`",
+            ));
+        }
         let target = self.target_path(&q.target_path).await?;
         let key = target.display().to_string();
         let _target_lock = self.targets.lock(&key).await;
@@ -151,9 +164,19 @@ impl csi::node_server::Node for Plugin {
             Some(_) if mounted(&target).await => {
                 return Ok(Response::new(csi::NodePublishVolumeResponse {}));
             }
-            // Published before and gone since (a reboot): the version it was given.
-            Some(t) => t.version,
-            None => super::resolve(&self.cfg, &r).await?,
+            // Published before and gone since (a reboot): the version it was given, still
+            // readable with the pod's token.
+            Some(t) => {
+                if pod_token.is_some() {
+                    let given: locus_proto::DatasetRef = t
+                        .version
+                        .parse()
+                        .map_err(|e| Status::internal(format!("recorded version {:?}: {e}", t.version)))?;
+                    super::resolve_as(&self.cfg, pod_token, &given).await?;
+                }
+                t.version
+            }
+            None => super::resolve_as(&self.cfg, pod_token, &r).await?,
         };
         let _version_lock = self.versions.lock(&version).await;
         let shared = self.shared_dir(&version);
