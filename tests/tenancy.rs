@@ -500,6 +500,49 @@ async fn a_scoped_read_grant_opens_only_its_versions_blobs_on_every_node_over_gr
             "f{i}.bin through the mount"
         );
     }
+    // The operator can tell who mounted it, and from where.
+    let data_dir = m.data_dir.display().to_string();
+    let audit = |json: bool| {
+        let mut args = vec![
+            "metadata",
+            "audit",
+            "--data-dir",
+            &data_dir,
+            "--dataset",
+            "a-images",
+            "--action",
+            "mount",
+        ];
+        if json {
+            args.push("--json");
+        }
+        m.cli(&args)
+    };
+    let line = wait_until("the mount's audit line", Duration::from_secs(10), || {
+        let o = audit(true);
+        async move {
+            String::from_utf8_lossy(&o.stdout)
+                .lines()
+                .find(|l| l.contains("mount.start"))
+                .map(str::to_string)
+        }
+    })
+    .await;
+    let v: serde_json::Value = serde_json::from_str(&line).unwrap();
+    assert_eq!(v["who"], "team-a-job");
+    assert_eq!(v["target"], "a-images@1");
+    assert!(
+        v["detail"]
+            .as_str()
+            .unwrap()
+            .ends_with(&format!(":{}", mnt.path.display())),
+        "{v}"
+    );
+    let table = String::from_utf8_lossy(&audit(false).stdout).to_string();
+    assert!(
+        table.contains("a-images@1: mounted 1 time(s) by team-a-job"),
+        "{table}"
+    );
     drop(mnt);
     std::fs::create_dir_all(h.path("b-mnt")).unwrap();
     let out = m
@@ -581,6 +624,35 @@ async fn an_import_over_its_teams_pinned_quota_is_refused_before_any_byte_reache
         .await
         .unwrap_err();
     assert_eq!(e.code(), tonic::Code::NotFound, "{e:?}");
+    // An import placed but not yet committed holds its room: another import of the
+    // team that would fit only without it is refused until it ends.
+    let session = ops
+        .begin_version(pb::BeginVersionRequest {
+            dataset: "a-three".into(),
+            replication: 1,
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .session_id;
+    ops.place_shards(pb::PlaceShardsRequest {
+        shards: vec![pb::ShardSize {
+            id: 0,
+            bytes: 200_000,
+            prefer: vec![],
+        }],
+        replication: 1,
+        session_id: session,
+    })
+    .await
+    .expect("200,000 more fits");
+    let o = imp("a-two", &two, "1");
+    assert!(!o.status.success(), "the open import's room was taken");
+    assert!(stderr(&o).contains("781.2 KiB of the 1.0 MiB"), "{}", stderr(&o));
+    ops.abort_version(pb::AbortVersionRequest { session_id: session })
+        .await
+        .unwrap();
     // With one replica it fits (900,000), as the message suggests; another team's
     // dataset is not counted against team A.
     let o = imp("a-two", &two, "1");

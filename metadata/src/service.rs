@@ -33,6 +33,11 @@ pub struct MetadataService {
     group: Option<Arc<crate::group::Group>>,
     /// Which versions mounts serve now (soft state, this member's while it leads).
     mounts: crate::mounts::MountLeases,
+    /// Bytes placed for open import sessions, by session (dataset, replicated bytes):
+    /// counted against their teams' quotas until the session ends, so two imports placed
+    /// at once cannot both take the last room. Held across a check, which serialises
+    /// placements under quotas (soft state: a new leader starts empty).
+    reserved: tokio::sync::Mutex<std::collections::HashMap<u64, (String, u64)>>,
 }
 
 impl MetadataService {
@@ -64,6 +69,7 @@ impl MetadataService {
             grant_keys,
             group: None,
             mounts: Default::default(),
+            reserved: Default::default(),
         }
     }
 
@@ -144,22 +150,45 @@ impl MetadataService {
         if self.catalog.config().teams.is_empty() {
             return Ok(());
         }
-        let refused = self
+        let mut reserved = self.reserved.lock().await;
+        let others: Vec<(u64, String, u64)> = reserved
+            .iter()
+            .filter(|(s, _)| **s != session)
+            .map(|(s, (d, b))| (*s, d.clone(), *b))
+            .collect();
+        let (dataset, closed, refused) = self
             .run(move |c| {
                 let dataset = c.session_dataset(session)?;
-                for team in c.config().teams.iter().filter(|t| t.covers(&dataset)) {
-                    let used = c.pinned_by(|d| team.covers(d))?;
-                    if let Err(why) = crate::quota::check(team, used, needs) {
-                        return Ok(Some((dataset, why)));
+                // Sessions since committed (their versions are counted now), aborted or
+                // expired hold nothing any more.
+                let (mut open, mut closed) = (Vec::new(), Vec::new());
+                for (s, d, b) in others {
+                    match c.session_dataset(s) {
+                        Ok(_) => open.push((d, b)),
+                        Err(CatalogError::NotFound(_)) => closed.push(s),
+                        Err(e) => return Err(e),
                     }
                 }
-                Ok(None)
+                for team in c.config().teams.iter().filter(|t| t.covers(&dataset)) {
+                    let placed: u64 = open.iter().filter(|(d, _)| team.covers(d)).map(|(_, b)| *b).sum();
+                    let used = c.pinned_by(|d| team.covers(d))?.saturating_add(placed);
+                    if let Err(why) = crate::quota::check(team, used, needs) {
+                        return Ok((dataset, closed, Some(why)));
+                    }
+                }
+                Ok((dataset, closed, None))
             })
             .await
             .map_err(to_status)?;
+        for s in closed {
+            reserved.remove(&s);
+        }
         match refused {
-            None => Ok(()),
-            Some((dataset, why)) => {
+            None => {
+                reserved.insert(session, (dataset, needs));
+                Ok(())
+            }
+            Some(why) => {
                 tracing::warn!(%dataset, session, "import refused: {why}");
                 Err(Status::resource_exhausted(why))
             }

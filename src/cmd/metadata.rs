@@ -28,6 +28,10 @@ Examples:
     /// snapshot and the log), then `promote NEW` (it votes from then on).
     #[command(subcommand)]
     Members(MembersCmd),
+    /// Read the service's audit log: who mounted which version from which host, what
+    /// was imported, deleted, granted or refused, filtered by dataset, principal, action
+    /// and age. Run on the service's host (the log is a file there).
+    Audit(crate::cmd::audit::AuditArgs),
     /// List or rotate the keys grants are signed with (admin).
     ///
     /// A rotated key is published to every node at once (heartbeat answers carry the
@@ -185,6 +189,7 @@ pub async fn run(cmd: MetadataCmd, cfg: &Resolved) -> anyhow::Result<()> {
         MetadataCmd::Serve(a) => serve(*a, cfg).await,
         MetadataCmd::Members(m) => members(m, cfg).await,
         MetadataCmd::GrantKeys(k) => grant_keys(k, cfg).await,
+        MetadataCmd::Audit(a) => crate::cmd::audit::run(a, cfg.json),
     }
 }
 

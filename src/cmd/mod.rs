@@ -1,5 +1,6 @@
 //! One module per subcommand family.
 
+pub mod audit;
 pub mod backup;
 pub mod csi;
 pub mod dataset;
