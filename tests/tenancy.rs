@@ -657,6 +657,20 @@ async fn an_import_over_its_teams_pinned_quota_is_refused_before_any_byte_reache
     // dataset is not counted against team A.
     let o = imp("a-two", &two, "1");
     assert!(o.status.success(), "{}", stderr(&o));
+    // A warm-up adds pinned replicas: a copy of a-two onto its second node (300,000
+    // more) would not fit, and is refused before it starts.
+    let o = m.cli(&["warm", "a-two@1", "--nodes", "n1,n2"]);
+    assert!(!o.status.success(), "a warm-up over the quota was accepted");
+    assert!(
+        stderr(&o).contains("team team-a's quota would be exceeded"),
+        "{}",
+        stderr(&o)
+    );
+    assert!(
+        stderr(&o).contains("292.969 KiB") || stderr(&o).contains("293.0 KiB"),
+        "{}",
+        stderr(&o)
+    );
     let (other, _) = tree("b-big", 3);
     let o = imp("b-big", &other, "2");
     assert!(o.status.success(), "{}", stderr(&o));

@@ -49,18 +49,18 @@ impl Team {
     }
 }
 
-/// Refuses an import that would take `team` over its limit, saying by how much and what
-/// to do; `used` is what the team's committed versions pin now.
+/// Refuses an import (or a warm-up) that would take `team` over its limit, saying by how
+/// much and what to do; `used` is what the team's versions pin now.
 pub fn check(team: &Team, used: u64, needs: u64) -> Result<(), String> {
     if used.saturating_add(needs) <= team.pinned_limit {
         return Ok(());
     }
     use locus_proto::human::format_size as b;
     Err(format!(
-        "team {}'s quota would be exceeded: this import pins {} (its bytes times its \
-         replicas), the team's datasets ({}) pin {} of the {} allowed. Delete versions it no \
-         longer needs (locus dataset rm), import with fewer --replicas, or have the operator \
-         raise [[metadata_server.team]] pinned",
+        "team {}'s quota would be exceeded: this pins {} more (bytes times replicas), the \
+         team's datasets ({}) pin {} of the {} allowed. Delete versions it no longer needs \
+         (locus dataset rm), import or warm onto fewer nodes, or have the operator raise \
+         [[metadata_server.team]] pinned",
         team.name,
         b(needs),
         team.patterns.join(", "),

@@ -146,10 +146,14 @@ impl MetadataService {
     /// Refuses placing `needs` replicated bytes for import session `session` when a team
     /// whose datasets include the session's would go over its quota (`crate::quota`):
     /// checked before any byte reaches a node.
-    async fn within_quota(&self, session: u64, needs: u64) -> Result<(), Status> {
+    async fn within_quota(&self, of: QuotaFor, needs: u64) -> Result<(), Status> {
         if self.catalog.config().teams.is_empty() {
             return Ok(());
         }
+        let session = match &of {
+            QuotaFor::Session(s) => *s,
+            QuotaFor::Dataset(_) => 0,
+        };
         let mut reserved = self.reserved.lock().await;
         let others: Vec<(u64, String, u64)> = reserved
             .iter()
@@ -158,7 +162,10 @@ impl MetadataService {
             .collect();
         let (dataset, closed, refused) = self
             .run(move |c| {
-                let dataset = c.session_dataset(session)?;
+                let dataset = match of {
+                    QuotaFor::Session(s) => c.session_dataset(s)?,
+                    QuotaFor::Dataset(d) => d,
+                };
                 // Sessions since committed (their versions are counted now), aborted or
                 // expired hold nothing any more.
                 let (mut open, mut closed) = (Vec::new(), Vec::new());
@@ -185,11 +192,14 @@ impl MetadataService {
         }
         match refused {
             None => {
-                reserved.insert(session, (dataset, needs));
+                // Held until the import ends; a warm-up's copies are counted as they land.
+                if session != 0 {
+                    reserved.insert(session, (dataset, needs));
+                }
                 Ok(())
             }
             Some(why) => {
-                tracing::warn!(%dataset, session, "import refused: {why}");
+                tracing::warn!(%dataset, session, "refused over a team's quota: {why}");
                 Err(Status::resource_exhausted(why))
             }
         }
@@ -212,6 +222,13 @@ impl MetadataService {
 }
 
 type Res<T> = Result<Response<T>, Status>;
+
+/// What a quota check is for: an import session's placement (held until it ends), or
+/// copies of a dataset's committed version (a warm-up).
+enum QuotaFor {
+    Session(u64),
+    Dataset(String),
+}
 
 #[tonic::async_trait]
 impl pb::metadata_server::Metadata for MetadataService {
@@ -437,7 +454,7 @@ impl pb::metadata_server::Metadata for MetadataService {
                 .shards
                 .iter()
                 .fold(0u64, |a, s| a.saturating_add(s.bytes.saturating_mul(replicas)));
-            self.within_quota(q.session_id, needs).await?;
+            self.within_quota(QuotaFor::Session(q.session_id), needs).await?;
         }
         let shards: Vec<(u32, u64, Vec<String>)> =
             q.shards.into_iter().map(|s| (s.id, s.bytes, s.prefer)).collect();

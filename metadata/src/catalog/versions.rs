@@ -71,18 +71,27 @@ impl Catalog {
         }
     }
 
-    /// The replicated bytes (bytes times replication) the committed versions of datasets
-    /// `covers` accepts pin on nodes: a team's quota usage (`crate::quota`).
+    /// The bytes the committed versions of datasets `covers` accepts pin on nodes: each
+    /// shard's bytes times the replicas it has (as imported, plus warm-up copies): a
+    /// team's quota usage (`crate::quota`).
     pub fn pinned_by(&self, covers: impl Fn(&str) -> bool) -> Result<u64> {
-        let mut total = 0u64;
+        let mut uids = Vec::new();
         for kv in self.store.scan(Table::Versions, b"", None) {
             let (k, v) = kv?;
             let Some((dataset, _)) = keys::split_version(&k) else {
                 continue;
             };
             if covers(dataset) {
-                let rec: VersionRecord = decode(Table::Versions, &v)?;
-                total = total.saturating_add(rec.bytes.saturating_mul(u64::from(rec.replication.max(1))));
+                uids.push(decode::<VersionRecord>(Table::Versions, &v)?.uid);
+            }
+        }
+        let mut total = 0u64;
+        for uid in uids {
+            let (from, to) = keys::uid_range(uid);
+            for kv in self.store.scan(Table::Shards, &from, Some(&to)) {
+                let (_, v) = kv?;
+                let s: ShardRecord = decode(Table::Shards, &v)?;
+                total = total.saturating_add(s.bytes.saturating_mul(s.replicas.len() as u64));
             }
         }
         Ok(total)

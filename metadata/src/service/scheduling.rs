@@ -83,6 +83,12 @@ impl MetadataService {
             // Within the budget: the targets copy those from a backup, else the origin.
             plan.tasks.append(&mut plan.origin);
         }
+        // Every copy is a pinned replica more: it must fit the dataset's teams' quotas.
+        let adds: u64 = plan.tasks.iter().map(|t| t.bytes).sum();
+        if adds > 0 {
+            let dataset = plan.tasks[0].dataset.clone();
+            self.within_quota(super::QuotaFor::Dataset(dataset), adds).await?;
+        }
         let (tx, rx) = tokio::sync::mpsc::channel(64);
         let catalog = self.catalog.clone();
         tokio::spawn(crate::repair::warm(
