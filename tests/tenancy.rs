@@ -809,3 +809,219 @@ async fn a_csi_volume_mounts_only_what_the_pods_own_token_may_read() {
     .await
     .unwrap();
 }
+
+/// A client of the node's open socket in Python (its own implementation of the wire: a
+/// frame is a u32 length and a protobuf message; the descriptor comes by SCM_RIGHTS), run
+/// as another user by the test below. It reports, as JSON, whether it could reach the
+/// node's local socket and a blob file in the data dir, and what the open socket answered.
+const OPEN_SOCKET_CLIENT: &str = r#"
+import json, os, socket, struct, sys
+
+def varint(n):
+    out = b""
+    while True:
+        b = n & 0x7F
+        n >>= 7
+        if n:
+            out += bytes([b | 0x80])
+        else:
+            return out + bytes([b])
+
+def field(no, payload):
+    return varint(no << 3 | 2) + varint(len(payload)) + payload
+
+def parse(body):
+    fields, i = {}, 0
+    while i < len(body):
+        key, shift = 0, 0
+        while True:
+            b = body[i]; i += 1
+            key |= (b & 0x7F) << shift; shift += 7
+            if b < 0x80: break
+        no, wire = key >> 3, key & 7
+        if wire == 0:
+            v, shift = 0, 0
+            while True:
+                b = body[i]; i += 1
+                v |= (b & 0x7F) << shift; shift += 7
+                if b < 0x80: break
+            fields[no] = v
+        else:
+            n, shift = 0, 0
+            while True:
+                b = body[i]; i += 1
+                n |= (b & 0x7F) << shift; shift += 7
+                if b < 0x80: break
+            fields[no] = body[i:i + n]; i += n
+    return fields
+
+open_sock, main_sock, grant, blob_file = sys.argv[1:5]
+out = {"uid": os.getuid()}
+try:
+    s = socket.socket(socket.AF_UNIX)
+    s.connect(main_sock)
+    out["main"] = "connected"
+except OSError as e:
+    out["main"] = type(e).__name__
+try:
+    open(blob_file, "rb").read(1)
+    out["file"] = "read"
+except OSError as e:
+    out["file"] = type(e).__name__
+s = socket.socket(socket.AF_UNIX)
+s.connect(open_sock)
+answers = []
+for h in sys.argv[5:]:
+    for g in (grant, ""):
+        req = field(1, bytes.fromhex(h)) + field(4, g.encode())
+        s.sendall(struct.pack("<I", len(req)) + req)
+        msg, fds, _, _ = socket.recv_fds(s, 65536, 1)
+        n = struct.unpack("<I", msg[:4])[0]
+        body = msg[4:]
+        while len(body) < n:
+            body += s.recv(n - len(body))
+        f = parse(body)
+        a = {"hash": h, "grant": bool(g), "code": f.get(1, 0), "message": f.get(2, b"").decode(), "fd": bool(fds)}
+        if fds:
+            data = os.pread(fds[0], 1 << 20, f.get(3, 0))
+            a["len"], a["head"] = len(data), data[:32].hex()
+            os.close(fds[0])
+        answers.append(a)
+out["answers"] = answers
+print(json.dumps(out))
+"#;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_host_user_outside_the_socket_group_gets_only_its_grants_blobs_as_descriptors() {
+    let h = Harness::new("tenancy-open-socket");
+    let (m, nodes) = two_teams(&h).await;
+    let n = &nodes[0];
+    let ops = m.client(Some("admin")).await;
+    let blob_of = |d: &'static str| {
+        let mut ops = ops.clone();
+        async move {
+            let e = ops
+                .list_entries(pb::ListEntriesRequest {
+                    r#ref: vref(d, 1),
+                    ..Default::default()
+                })
+                .await
+                .unwrap()
+                .into_inner()
+                .entries;
+            let f = e.iter().find(|e| e.path == "f0.bin").expect("f0.bin");
+            BlobHash::from_slice("blob", &f.blob).unwrap()
+        }
+    };
+    let (ours, theirs) = (blob_of("a-images").await, blob_of("b-secret").await);
+    let mut job = m.client_as(TEAM_A_JOB).await;
+    let grant = job
+        .issue_grant(pb::IssueGrantRequest {
+            node: "*".into(),
+            operation: "read".into(),
+            target: "a-images@1".into(),
+            ttl_ms: 0,
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .grant;
+    // Where the node keeps our blob (asked as root, whom the local socket admits).
+    let file = locus_proto::client::connect_local_node(&n.socket)
+        .local_paths(nodepb::LocalPathsRequest {
+            hashes: vec![ours.0.to_vec()],
+            packed_ok: true,
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .paths[0]
+        .path
+        .clone();
+    assert!(!file.is_empty());
+    let script = h.path("open_socket_client.py");
+    std::fs::write(&script, OPEN_SOCKET_CLIENT).unwrap();
+    let open = locus_proto::open_socket::path_of(&n.socket);
+    let out = tokio::task::spawn_blocking({
+        let (script, open, socket) = (script.clone(), open.clone(), n.socket.clone());
+        let (grant, file) = (grant.clone(), file.clone());
+        move || {
+            std::process::Command::new("setpriv")
+                .args([
+                    "--reuid=65534",
+                    "--regid=65534",
+                    "--clear-groups",
+                    "/usr/bin/python3",
+                ])
+                .arg(&script)
+                .arg(&open)
+                .arg(&socket)
+                .arg(&grant)
+                .arg(&file)
+                .arg(ours.to_hex())
+                .arg(theirs.to_hex())
+                .output()
+                .expect("setpriv and /usr/bin/python3")
+        }
+    })
+    .await
+    .unwrap();
+    assert!(out.status.success(), "the client failed: {}", stderr(&out));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["uid"], 65534);
+    // Neither the local socket nor the data dir admits this user.
+    assert_eq!(v["main"], "PermissionError", "{v}");
+    assert_eq!(v["file"], "PermissionError", "{v}");
+    let a = v["answers"].as_array().unwrap();
+    // Our blob, under our grant: a descriptor of exactly its bytes.
+    assert_eq!(
+        (&a[0]["code"], &a[0]["fd"]),
+        (&serde_json::json!(0), &serde_json::json!(true)),
+        "{v}"
+    );
+    assert_eq!(a[0]["len"], 200_000);
+    let want: String = pseudo_random(800, 32)
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect();
+    assert_eq!(a[0]["head"], want.as_str());
+    // Without a grant: refused, no descriptor.
+    assert_eq!(a[1]["code"], tonic::Code::Unauthenticated as i32, "{v}");
+    assert_eq!(a[1]["fd"], false);
+    // Another team's blob under our grant: as if the node did not have it.
+    assert_eq!(a[2]["code"], tonic::Code::NotFound as i32, "{v}");
+    assert_eq!(a[2]["message"], format!("blob {theirs} is not on this node"));
+    assert_eq!(a[2]["fd"], false);
+    assert_eq!(counter(n, "locus_node_opened_blobs_total").await, 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_mount_through_the_open_socket_reads_its_files_from_descriptors_the_node_handed_out() {
+    let h = Harness::new("tenancy-open-mount");
+    let (m, nodes) = two_teams(&h).await;
+    let n = &nodes[0];
+    let mnt = m.mount_with_env(
+        "a",
+        "a-images@1",
+        Some(n),
+        &["--opens", "mount"],
+        &[("LOCUS_TOKEN", TEAM_A_JOB), ("LOCUS_NODE_SOCKET_MODE", "open")],
+    );
+    for i in 0..6u64 {
+        let got = std::fs::read(mnt.path.join(format!("f{i}.bin"))).unwrap();
+        assert!(
+            got == pseudo_random(800 + i, 200_000),
+            "f{i}.bin through the mount"
+        );
+    }
+    // Every file came from a descriptor the node handed out, none from replicas (which
+    // served only the namespace, a little over a kilobyte).
+    assert_eq!(counter(n, "locus_node_opened_blobs_total").await, 6);
+    let mut served = 0;
+    for n in &nodes {
+        served += counter(n, "locus_node_read_bytes_total").await;
+    }
+    assert!(served < 200_000, "{served} bytes were read from replicas");
+    let log = std::fs::read_to_string(&mnt.log).unwrap();
+    assert!(log.contains("open socket"), "{log}");
+}

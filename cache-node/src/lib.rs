@@ -18,6 +18,7 @@ pub mod agent;
 mod bulk;
 pub mod identity;
 pub mod metrics;
+mod open_socket;
 mod peers;
 mod ranges;
 pub mod refill;
@@ -298,6 +299,9 @@ pub async fn serve(
             }
         }));
     }
+    if let Some(p) = &cfg.local_socket {
+        open_socket(p, &cfg, &svc, stop_rx.clone())?;
+    }
     if let Some(l) = http_listener {
         let http_tls = cfg
             .tls
@@ -424,12 +428,80 @@ pub async fn serve(
     }
     if let Some(p) = &cfg.local_socket {
         let _ = std::fs::remove_file(p);
+        let _ = std::fs::remove_file(locus_proto::open_socket::path_of(p));
     }
     if let Some(why) = fatal.borrow().clone() {
         tracing::error!("cache node stopped: {why}");
         return Err(NodeError::Identity(why));
     }
     tracing::info!("cache node stopped");
+    Ok(())
+}
+
+/// Serves the open socket beside the local socket `p` (`open_socket`). Where the node
+/// requires grants anyone on the host may connect (mode 0666): every request is checked
+/// as a remote caller's would be. Otherwise it admits whom the local socket admits.
+fn open_socket(
+    p: &std::path::Path,
+    cfg: &NodeConfig,
+    svc: &NodeService,
+    stop: tokio::sync::watch::Receiver<bool>,
+) -> Result<(), NodeError> {
+    let path = locus_proto::open_socket::path_of(p);
+    let _ = std::fs::remove_file(&path);
+    let fail = |e: std::io::Error| NodeError::Bind {
+        addr: path.display().to_string(),
+        reason: e.to_string(),
+    };
+    let l = tokio::net::UnixListener::bind(&path).map_err(fail)?;
+    let gid = if cfg.require_grants {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o666)).map_err(fail)?;
+        None
+    } else {
+        Some(restrict_socket(&path, cfg.local_socket_gid)?)
+    };
+    let server = Arc::new(open_socket::OpenSocket {
+        svc: NodeService {
+            local: true,
+            ..svc.clone()
+        },
+        require_grants: cfg.require_grants,
+        rt: tokio::runtime::Handle::current(),
+    });
+    tokio::spawn(async move {
+        let stopped = async move {
+            let mut stop = stop;
+            let _ = stop.wait_for(|s| *s).await;
+        };
+        tokio::pin!(stopped);
+        loop {
+            let s = tokio::select! {
+                _ = &mut stopped => return,
+                c = l.accept() => match c {
+                    Ok((s, _)) => s,
+                    Err(e) => {
+                        tracing::warn!("open socket: {e}");
+                        tokio::time::sleep(Duration::from_millis(100)).await;
+                        continue;
+                    }
+                },
+            };
+            if gid.is_some_and(|g| !peer_allowed(&s, g)) {
+                continue;
+            }
+            let Ok(s) = s.into_std().and_then(|s| s.set_nonblocking(false).map(|_| s)) else {
+                continue;
+            };
+            let srv = server.clone();
+            let spawned = std::thread::Builder::new()
+                .name("open-socket".into())
+                .spawn(move || srv.connection(s));
+            if let Err(e) = spawned {
+                tracing::warn!("open socket: cannot start a thread for a connection: {e}");
+            }
+        }
+    });
     Ok(())
 }
 

@@ -6,6 +6,7 @@
 //! | locus_node_bulk_sent_bytes_total | counter | bytes | of those, bytes sent over the bulk path |
 //! | locus_node_bulk_received_bytes_total | counter | bytes | blob bytes received over the bulk path (imports) |
 //! | locus_node_bulk_connections | gauge | connections | bulk-path connections open now (a thread each) |
+//! | locus_node_opened_blobs_total | counter | blobs | blobs handed out as open descriptors on the open socket |
 //! | locus_node_written_bytes_total | counter | bytes | blob bytes stored, verified (WriteBlob, fetches) |
 //! | locus_node_blobs_written_total | counter | blobs | blobs stored by how they came (client, peer, backup, origin) |
 //! | locus_node_write_refusals_total | counter | calls | writes refused by reason (full, mismatch) |
@@ -48,6 +49,7 @@ pub struct Metrics {
     pub bulk_bytes: Counter,
     pub bulk_received: Counter,
     pub bulk_connections: Gauge,
+    pub opened_blobs: Counter,
     pub outboards_kept_used: Counter,
     pub outboards_computed: Counter,
     pub written_bytes: Counter,
@@ -88,6 +90,7 @@ impl Metrics {
             bulk_bytes: Counter::default(),
             bulk_received: Counter::default(),
             bulk_connections: Gauge::default(),
+            opened_blobs: Counter::default(),
             outboards_kept_used: Counter::default(),
             outboards_computed: Counter::default(),
             written_bytes: Counter::default(),
@@ -135,6 +138,11 @@ impl Metrics {
             "bulk_connections",
             "Bulk-path connections open now",
             m.bulk_connections.clone(),
+        );
+        r.register(
+            "opened_blobs",
+            "Blobs handed out as open descriptors on the open socket",
+            m.opened_blobs.clone(),
         );
         r.register(
             "written_bytes",

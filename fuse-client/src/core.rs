@@ -83,6 +83,17 @@ pub trait LocalNode: Send + Sync + 'static {
         let _ = (blobs, limit);
         Err(LocalError::Refused("this node lists no paths".into()))
     }
+    /// `ensure_local`, and the blob's file opened: what an open or a read needs. A node
+    /// that hands out descriptors (the open socket) answers with the file itself.
+    fn open_local(&self, blob: BlobHash, size: u64, limit: Duration) -> Result<NodeFile, LocalError> {
+        let at = self.ensure_local(blob, size, limit)?;
+        NodeFile::open(&at).map_err(|e| {
+            LocalError::Refused(format!(
+                "cannot open the node's blob file {}: {e}",
+                at.path.display()
+            ))
+        })
+    }
 }
 
 /// Why the same host's node gave no file for a blob: what the log says, and whether the
@@ -210,9 +221,62 @@ impl LocalNode for GrpcLocalNode {
     }
 }
 
+/// The node over its open socket (`locus_proto::open_socket`): each blob as a file
+/// descriptor, asked for under a read grant for the mounted version — what a user the
+/// node does not trust with its data dir gets instead of paths (a team's job on a shared
+/// host). It lists no paths, so every open asks; passthrough works as with paths.
+pub struct OpenSocketNode {
+    pub path: PathBuf,
+    pub chunk_size: u32,
+    /// A read grant for the mounted version ("" where the cluster has no tokens); its
+    /// source renews it before it ends.
+    pub grant: Box<dyn Fn() -> Result<String, String> + Send + Sync>,
+    /// Idle connections, reused (a request's answer is read before the next is sent).
+    pub idle: Mutex<Vec<std::os::unix::net::UnixStream>>,
+}
+
+impl LocalNode for OpenSocketNode {
+    fn ensure_local(&self, blob: BlobHash, _size: u64, _limit: Duration) -> Result<NodeBlob, LocalError> {
+        Err(LocalError::Refused(format!(
+            "blob {blob}: the open socket hands out descriptors, never paths"
+        )))
+    }
+
+    fn open_local(&self, blob: BlobHash, size: u64, limit: Duration) -> Result<NodeFile, LocalError> {
+        let grant = (self.grant)().map_err(LocalError::Refused)?;
+        let req = locus_proto::nodepb::OpenBlobRequest {
+            hash: blob.0.to_vec(),
+            size,
+            chunk_size: self.chunk_size,
+            grant,
+        };
+        let conn = match self.idle.lock().unwrap().pop() {
+            Some(c) => c,
+            None => locus_proto::open_socket::connect(&self.path, limit)
+                .map_err(|e| LocalError::Unreachable(format!("{}: {e}", self.path.display())))?,
+        };
+        let _ = conn.set_read_timeout(Some(limit));
+        let (resp, file) = locus_proto::open_socket::ask(&conn, &req)
+            .map_err(|e| LocalError::Unreachable(format!("{}: {e}", self.path.display())))?;
+        self.idle.lock().unwrap().push(conn);
+        if resp.code != 0 {
+            let code = tonic::Code::from(resp.code as i32);
+            return Err(LocalError::from_status(&tonic::Status::new(code, resp.message)));
+        }
+        let file =
+            file.ok_or_else(|| LocalError::Refused("the node answered without a descriptor".into()))?;
+        Ok(NodeFile {
+            seen: file_id(&file),
+            file,
+            base: resp.offset,
+            packed: resp.packed,
+        })
+    }
+}
+
 /// A blob file the local node verified, as this mount opened it.
 #[derive(Debug)]
-pub(crate) struct NodeFile {
+pub struct NodeFile {
     pub(crate) file: File,
     /// (inode, size, mtime) when opened, right after the node's check.
     pub(crate) seen: Option<(u64, u64, i64, i64)>,
@@ -387,17 +451,10 @@ impl Core {
         blob: BlobHash,
         size: u64,
     ) -> Option<Arc<NodeFile>> {
-        let at = match node.ensure_local(blob, size, self.settings.open_timeout) {
-            Ok(at) => at,
-            Err(e) => {
-                tracing::warn!(ino, blob = %blob, "the local node cannot provide the blob, reading from replicas: {e}");
-                return None;
-            }
-        };
-        let file = match NodeFile::open(&at) {
+        let file = match node.open_local(blob, size, self.settings.open_timeout) {
             Ok(f) => Arc::new(f),
             Err(e) => {
-                tracing::warn!(path = %at.path.display(), "cannot open the node's blob file, reading from replicas: {e}");
+                tracing::warn!(ino, blob = %blob, "the local node cannot provide the blob, reading from replicas: {e}");
                 return None;
             }
         };

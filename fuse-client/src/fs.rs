@@ -41,11 +41,10 @@ use fuser::{
     KernelConfig, LockOwner, OpenAccMode, OpenFlags, ReplyAttr, ReplyData, ReplyDirectory,
     ReplyDirectoryPlus, ReplyEmpty, ReplyEntry, ReplyOpen, ReplyStatfs, Request,
 };
-use locus_proto::client::NodeClient;
 
 use crate::core::ops::{LocalOpen, OpenPlan};
 pub use crate::core::Settings;
-use crate::core::{pread_cached, Core, FsError, GrpcLocalNode, NodeFile, ReadAhead, DIRECT_ALIGN};
+use crate::core::{pread_cached, Core, FsError, NodeFile, ReadAhead, DIRECT_ALIGN};
 use crate::metrics::Metrics;
 use crate::namespace::{Attr, Kind, Namespace};
 use crate::reader::Remote;
@@ -136,7 +135,7 @@ impl LocusFs {
     pub fn new(
         ns: Arc<Namespace>,
         rt: tokio::runtime::Handle,
-        local: Option<NodeClient>,
+        local: Option<Arc<dyn crate::core::LocalNode>>,
         remote: Arc<Remote>,
         metrics: Arc<Metrics>,
         settings: Settings,
@@ -148,13 +147,6 @@ impl LocusFs {
                 (m.uid(), m.gid())
             })
             .unwrap_or((0, 0));
-        let local = local.map(|client| {
-            Arc::new(GrpcLocalNode {
-                client,
-                rt: rt.clone(),
-                chunk_size: ns.chunk_size(),
-            }) as Arc<dyn crate::core::LocalNode>
-        });
         LocusFs {
             mount: Arc::new(Mount {
                 core: Arc::new(Core::new(ns, rt, local, remote, metrics, settings)),

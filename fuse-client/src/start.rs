@@ -55,6 +55,9 @@ pub struct MountOptions {
     pub place: Place,
     /// The same host's cache node.
     pub local: Option<NodeClient>,
+    /// The node's open socket, used where `local` is None: blobs as descriptors under
+    /// this mount's read grants (a user the node does not trust with its data dir).
+    pub local_open: Option<std::path::PathBuf>,
     /// Presented to nodes (for grants) by remote reads.
     pub token: Option<String>,
     /// The chunk cache's bytes.
@@ -127,8 +130,31 @@ pub async fn prepare(client: &mut MetadataClient, o: MountOptions) -> Result<Pre
         Err(e) => tracing::warn!("the version's origin cannot be used: {e}"),
     }
     let mut settings = o.settings;
+    let local: Option<Arc<dyn crate::core::LocalNode>> = match (&o.local, &o.local_open) {
+        (Some(client), _) => Some(Arc::new(crate::core::GrpcLocalNode {
+            client: client.clone(),
+            rt: tokio::runtime::Handle::current(),
+            chunk_size: ns.chunk_size(),
+        })),
+        (None, Some(path)) => {
+            let grants = locus_proto::grant::Grants::new(client.clone(), o.token.as_deref());
+            let target = format!("{}@{}", v.dataset, v.version);
+            let rt = tokio::runtime::Handle::current();
+            Some(Arc::new(crate::core::OpenSocketNode {
+                path: path.clone(),
+                chunk_size: ns.chunk_size(),
+                grant: Box::new(move || {
+                    rt.block_on(grants.get("*", locus_proto::grant::Op::Read, &target))
+                        .map(Option::unwrap_or_default)
+                        .map_err(|e| format!("no read grant for the open socket: {}", e.message()))
+                }),
+                idle: Default::default(),
+            }))
+        }
+        (None, None) => None,
+    };
     settings.kernel_opens = o.opens.kernel(
-        o.local.is_some() && settings.passthrough,
+        local.is_some() && settings.passthrough,
         v.files,
         v.bytes,
         settings.passthrough_min_size,
@@ -139,7 +165,7 @@ pub async fn prepare(client: &mut MetadataClient, o: MountOptions) -> Result<Pre
     let fs = LocusFs::new(
         ns.clone(),
         tokio::runtime::Handle::current(),
-        o.local,
+        local,
         remote.clone(),
         metrics.clone(),
         settings,

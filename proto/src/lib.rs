@@ -19,6 +19,7 @@ pub mod keyfile;
 pub mod manifest;
 pub mod names;
 pub mod net;
+pub mod open_socket;
 pub mod outboard;
 pub mod sealed;
 pub mod tls;

@@ -109,7 +109,9 @@ pub struct ServeArgs {
     pub advertise: Option<String>,
     /// Unix socket for same-host clients (the mount). Created with mode 0660; root, the
     /// node's user and the group below may connect. It serves reads, EnsureLocal and
-    /// LocalPaths, nothing that writes or fetches.
+    /// LocalPaths, nothing that writes or fetches. Beside it, PATH.open hands any host
+    /// user a blob as an open descriptor under a read grant that opens it (what mounts of
+    /// users outside the group use: teams sharing a host).
     #[arg(long, env = "LOCUS_NODE_SOCKET", value_name = "PATH")]
     pub local_socket: Option<PathBuf>,
     /// Group (name or number) whose members may use the local socket, e.g. the group

@@ -65,7 +65,7 @@ impl NodeService {
         Ok(nodepb::LocalPathsResponse { paths })
     }
 
-    pub(super) async fn make_local(
+    pub(crate) async fn make_local(
         &self,
         q: nodepb::EnsureLocalRequest,
     ) -> Result<nodepb::EnsureLocalResponse, Status> {

@@ -1,0 +1,132 @@
+//! The node's open socket (`locus_proto::open_socket`): blobs handed to same-host callers
+//! as open descriptors, under a read grant checked as for a remote caller.
+//!
+//! The local socket trusts its group with every blob (it serves paths into the data dir,
+//! which that group may read). A host shared by teams keeps their users out of that group
+//! and lets them ask here instead: each request names a blob and carries a read grant;
+//! the node verifies the grant (signature, node, time, `ReadBlob`), checks that a grant
+//! narrowed to versions opens that blob (`Peers::grant_opens`), makes the blob local and
+//! verified as `EnsureLocal` does, and answers with the file open for reading. The caller
+//! never learns a path and cannot open any other blob. When the node requires no grants
+//! (a cluster without tokens), the socket admits what the local socket admits.
+//!
+//! One thread per connection (a mount keeps a few), the async work of each request run on
+//! the node's runtime; a connection's last verified grant is remembered, so a mount's
+//! stream of requests under one grant costs one signature check.
+
+use std::os::fd::AsFd;
+use std::os::unix::net::UnixStream;
+use std::sync::Arc;
+use std::time::Duration;
+
+use locus_proto::nodepb::{self, OpenBlobRequest, OpenBlobResponse};
+use locus_proto::open_socket;
+use prost::Message;
+use tonic::Status;
+
+use crate::service::NodeService;
+
+/// A connection with no request for this long is closed.
+const IDLE: Duration = Duration::from_secs(300);
+
+pub(crate) struct OpenSocket {
+    pub(crate) svc: NodeService,
+    pub(crate) require_grants: bool,
+    pub(crate) rt: tokio::runtime::Handle,
+}
+
+fn refusal(s: &Status) -> OpenBlobResponse {
+    OpenBlobResponse {
+        code: s.code() as u32,
+        message: s.message().to_string(),
+        ..Default::default()
+    }
+}
+
+impl OpenSocket {
+    /// Serves one connection until the caller closes it or stays silent for IDLE.
+    pub(crate) fn connection(self: Arc<Self>, s: UnixStream) {
+        let _ = s.set_read_timeout(Some(IDLE));
+        let _ = s.set_write_timeout(Some(Duration::from_secs(30)));
+        // The grant this connection presented last, as received and as verified.
+        let mut last: Option<(String, Arc<locus_proto::grant::GrantBody>)> = None;
+        loop {
+            let frame = match open_socket::read_frame(&mut &s) {
+                Ok(Some(f)) => f,
+                Ok(None) => return,
+                Err(e) => {
+                    tracing::debug!("open socket connection ended: {e}");
+                    return;
+                }
+            };
+            let (resp, file) = match OpenBlobRequest::decode(&frame[..]) {
+                Ok(q) => match self.answer(q, &mut last) {
+                    Ok((r, f)) => (r, Some(f)),
+                    Err(st) => (refusal(&st), None),
+                },
+                Err(e) => (
+                    refusal(&Status::invalid_argument(format!("a malformed request: {e}"))),
+                    None,
+                ),
+            };
+            if let Err(e) = open_socket::send_response(&s, &resp, file.as_ref().map(|f| f.as_fd())) {
+                tracing::debug!("open socket: cannot answer: {e}");
+                return;
+            }
+        }
+    }
+
+    fn answer(
+        &self,
+        q: OpenBlobRequest,
+        last: &mut Option<(String, Arc<locus_proto::grant::GrantBody>)>,
+    ) -> Result<(OpenBlobResponse, std::fs::File), Status> {
+        let h = locus_proto::BlobHash::from_slice("hash", &q.hash)?;
+        if self.require_grants {
+            let now = locus_proto::grant::now_ms();
+            let g = match last.as_ref() {
+                Some((given, g)) if *given == q.grant && g.expires_unix_ms > now => g.clone(),
+                _ => {
+                    if q.grant.is_empty() {
+                        return Err(Status::unauthenticated(
+                            "the open socket takes a read grant with each request (locus mount asks \
+                             for one itself)",
+                        ));
+                    }
+                    let (_, g) = self
+                        .svc
+                        .peers
+                        .grants
+                        .verify(q.grant.as_bytes(), "ReadBlob", now)
+                        .map_err(|e| match e {
+                            locus_proto::grant::GrantError::WrongMethod { .. } => {
+                                Status::permission_denied(e.to_string())
+                            }
+                            e => Status::unauthenticated(e.to_string()),
+                        })?;
+                    let g = Arc::new(g);
+                    *last = Some((q.grant.clone(), g.clone()));
+                    g
+                }
+            };
+            self.rt.block_on(self.svc.peers.grant_opens(&g, &h))?;
+        }
+        let at = self.rt.block_on(self.svc.make_local(nodepb::EnsureLocalRequest {
+            hash: q.hash,
+            size: q.size,
+            chunk_size: q.chunk_size,
+            packed_ok: true,
+        }))?;
+        let file = std::fs::File::open(&at.path)
+            .map_err(|e| Status::internal(format!("cannot open blob {h}'s file: {e}")))?;
+        self.svc.metrics.opened_blobs.inc();
+        Ok((
+            OpenBlobResponse {
+                offset: at.offset,
+                packed: at.packed,
+                ..Default::default()
+            },
+            file,
+        ))
+    }
+}

@@ -1,0 +1,235 @@
+//! The open socket's wire: where a same-host caller who is not trusted with a node's data
+//! dir (a team's job on a shared host) presents a read grant and gets a blob as an open
+//! file descriptor instead of a path (`OpenBlobRequest`/`OpenBlobResponse` in node.proto).
+//!
+//! A descriptor is as good as a path for reading (and for the kernel's FUSE passthrough),
+//! but it opens that one blob only: the data dir itself stays the node's (0700), so the
+//! node can check each blob against the caller's grant before handing it out, as it does
+//! for remote callers. The socket is the node's local socket path with `.open` appended.
+//!
+//! Frames are a u32 little-endian length and the message; a response's descriptor rides
+//! (SCM_RIGHTS) on the sendmsg that carries its frame. A connection carries any number of
+//! requests, one at a time.
+
+use std::io::{self, Read, Write};
+use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use prost::Message;
+
+use crate::nodepb::{OpenBlobRequest, OpenBlobResponse};
+
+/// Appended to the local socket's path.
+pub const SUFFIX: &str = ".open";
+/// Frames are small (a hash, a grant of ~300 bytes); anything longer is refused unread.
+const MAX_FRAME: usize = 16 << 10;
+
+/// The open socket beside the local socket `local`.
+pub fn path_of(local: &Path) -> PathBuf {
+    let mut s = local.as_os_str().to_owned();
+    s.push(SUFFIX);
+    s.into()
+}
+
+/// Reads one frame; None at a clean end of the connection.
+pub fn read_frame(r: &mut impl Read) -> io::Result<Option<Vec<u8>>> {
+    let mut len = [0u8; 4];
+    match r.read_exact(&mut len) {
+        Ok(()) => {}
+        Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => return Ok(None),
+        Err(e) => return Err(e),
+    }
+    let n = u32::from_le_bytes(len) as usize;
+    if n > MAX_FRAME {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            format!("a frame of {n} bytes; at most {MAX_FRAME}"),
+        ));
+    }
+    let mut buf = vec![0u8; n];
+    r.read_exact(&mut buf)?;
+    Ok(Some(buf))
+}
+
+fn frame(msg: &impl Message) -> Vec<u8> {
+    let body = msg.encode_to_vec();
+    let mut out = Vec::with_capacity(4 + body.len());
+    out.extend_from_slice(&(body.len() as u32).to_le_bytes());
+    out.extend_from_slice(&body);
+    out
+}
+
+/// Sends a response frame on `sock`, with `fd` attached when there is one.
+pub fn send_response(
+    sock: &UnixStream,
+    resp: &OpenBlobResponse,
+    fd: Option<BorrowedFd<'_>>,
+) -> io::Result<()> {
+    let bytes = frame(resp);
+    let Some(fd) = fd else {
+        return (&*sock).write_all(&bytes);
+    };
+    let raw = fd.as_raw_fd();
+    // SAFETY: the msghdr points at `bytes` and `cmsg_buf`, both alive for the call and
+    // sized as given; CMSG_* compute offsets within `cmsg_buf`, which is CMSG_SPACE of one
+    // descriptor long and aligned for cmsghdr (u64 words).
+    #[allow(unsafe_code)]
+    let sent = unsafe {
+        let mut iov = libc::iovec {
+            iov_base: bytes.as_ptr() as *mut libc::c_void,
+            iov_len: bytes.len(),
+        };
+        let space = libc::CMSG_SPACE(std::mem::size_of::<libc::c_int>() as u32) as usize;
+        let mut cmsg_buf = vec![0u64; space.div_ceil(8)];
+        let mut msg: libc::msghdr = std::mem::zeroed();
+        msg.msg_iov = &mut iov;
+        msg.msg_iovlen = 1;
+        msg.msg_control = cmsg_buf.as_mut_ptr() as *mut libc::c_void;
+        msg.msg_controllen = space as _;
+        let c = libc::CMSG_FIRSTHDR(&msg);
+        (*c).cmsg_level = libc::SOL_SOCKET;
+        (*c).cmsg_type = libc::SCM_RIGHTS;
+        (*c).cmsg_len = libc::CMSG_LEN(std::mem::size_of::<libc::c_int>() as u32) as _;
+        std::ptr::write_unaligned(libc::CMSG_DATA(c) as *mut libc::c_int, raw);
+        libc::sendmsg(sock.as_raw_fd(), &msg, libc::MSG_NOSIGNAL)
+    };
+    if sent < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // The descriptor went with the first byte; the rest of a short send follows plainly.
+    (&*sock).write_all(&bytes[sent as usize..])
+}
+
+/// Receives the start of a response and the descriptor sent with it, if any.
+fn recv_with_fd(sock: &UnixStream, buf: &mut [u8]) -> io::Result<(usize, Option<OwnedFd>)> {
+    // SAFETY: as in `send_response`; a descriptor the kernel put in the control buffer is
+    // owned by this process from then on, and wrapped at once so it is closed if unused.
+    #[allow(unsafe_code)]
+    unsafe {
+        let mut iov = libc::iovec {
+            iov_base: buf.as_mut_ptr() as *mut libc::c_void,
+            iov_len: buf.len(),
+        };
+        let space = libc::CMSG_SPACE(std::mem::size_of::<libc::c_int>() as u32) as usize;
+        let mut cmsg_buf = vec![0u64; space.div_ceil(8)];
+        let mut msg: libc::msghdr = std::mem::zeroed();
+        msg.msg_iov = &mut iov;
+        msg.msg_iovlen = 1;
+        msg.msg_control = cmsg_buf.as_mut_ptr() as *mut libc::c_void;
+        msg.msg_controllen = space as _;
+        let n = libc::recvmsg(sock.as_raw_fd(), &mut msg, libc::MSG_CMSG_CLOEXEC);
+        if n < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        let mut fd = None;
+        let c = libc::CMSG_FIRSTHDR(&msg);
+        if !c.is_null() && (*c).cmsg_level == libc::SOL_SOCKET && (*c).cmsg_type == libc::SCM_RIGHTS {
+            let raw = std::ptr::read_unaligned(libc::CMSG_DATA(c) as *const libc::c_int);
+            fd = Some(OwnedFd::from_raw_fd(raw));
+        }
+        if msg.msg_flags & libc::MSG_CTRUNC != 0 {
+            return Err(io::Error::other("the node sent more descriptors than asked"));
+        }
+        Ok((n as usize, fd))
+    }
+}
+
+/// Sends one request on a connection and reads its answer: the response, and the blob's
+/// file when the node answered OK.
+pub fn ask(
+    sock: &UnixStream,
+    req: &OpenBlobRequest,
+) -> io::Result<(OpenBlobResponse, Option<std::fs::File>)> {
+    (&*sock).write_all(&frame(req))?;
+    let mut head = [0u8; 512];
+    let (n, fd) = recv_with_fd(sock, &mut head)?;
+    if n < 4 {
+        // A frame's length is 4 bytes, sent in one go: fewer is the node going away.
+        return Err(io::Error::new(
+            io::ErrorKind::UnexpectedEof,
+            "the node closed the open socket's connection",
+        ));
+    }
+    let len = u32::from_le_bytes(head[..4].try_into().expect("4 bytes")) as usize;
+    if len > MAX_FRAME {
+        return Err(io::Error::new(io::ErrorKind::InvalidData, "an oversized answer"));
+    }
+    let mut body = head[4..n.min(4 + len)].to_vec();
+    if n > 4 + len {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            "more bytes than the answer's frame",
+        ));
+    }
+    if body.len() < len {
+        let mut rest = vec![0u8; len - body.len()];
+        (&*sock).read_exact(&mut rest)?;
+        body.extend_from_slice(&rest);
+    }
+    let resp =
+        OpenBlobResponse::decode(&body[..]).map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))?;
+    Ok((resp, fd.map(std::fs::File::from)))
+}
+
+/// Connects to the open socket at `path`, every read and write bounded by `timeout`.
+pub fn connect(path: &Path, timeout: Duration) -> io::Result<UnixStream> {
+    let s = UnixStream::connect(path)?;
+    s.set_read_timeout(Some(timeout))?;
+    s.set_write_timeout(Some(timeout))?;
+    Ok(s)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_descriptor_crosses_with_its_answer_and_an_error_comes_without_one() {
+        let (a, b) = UnixStream::pair().unwrap();
+        let dir = std::env::temp_dir().join(format!("locus-open-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let p = dir.join("blob");
+        std::fs::write(&p, b"the blob's bytes").unwrap();
+        let server = std::thread::spawn(move || {
+            let mut s = &b;
+            for i in 0..2 {
+                let f = read_frame(&mut s).unwrap().unwrap();
+                let q = OpenBlobRequest::decode(&f[..]).unwrap();
+                assert_eq!(q.grant, format!("g{i}"));
+                if i == 0 {
+                    let file = std::fs::File::open(&p).unwrap();
+                    let ok = OpenBlobResponse {
+                        offset: 7,
+                        ..Default::default()
+                    };
+                    send_response(&b, &ok, Some(std::os::fd::AsFd::as_fd(&file))).unwrap();
+                } else {
+                    let no = OpenBlobResponse {
+                        code: 5,
+                        message: "blob x is not on this node".into(),
+                        ..Default::default()
+                    };
+                    send_response(&b, &no, None).unwrap();
+                }
+            }
+            assert!(read_frame(&mut s).unwrap().is_none(), "a clean end");
+        });
+        let q = |g: &str| OpenBlobRequest {
+            grant: g.into(),
+            ..Default::default()
+        };
+        let (r, f) = ask(&a, &q("g0")).unwrap();
+        assert_eq!((r.code, r.offset), (0, 7));
+        let mut got = String::new();
+        f.expect("a descriptor").read_to_string(&mut got).unwrap();
+        assert_eq!(got, "the blob's bytes");
+        let (r, f) = ask(&a, &q("g1")).unwrap();
+        assert_eq!(r.code, 5);
+        assert!(f.is_none());
+        drop(a);
+        server.join().unwrap();
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}
