@@ -544,6 +544,30 @@ async fn a_scoped_read_grant_opens_only_its_versions_blobs_on_every_node_over_gr
         "{table}"
     );
     drop(mnt);
+    // And when it ended.
+    let end = wait_until(
+        "the mount's end in the audit log",
+        Duration::from_secs(10),
+        || {
+            let o = m.cli(&[
+                "metadata",
+                "audit",
+                "--data-dir",
+                &data_dir,
+                "--action",
+                "mount.end",
+                "--json",
+            ]);
+            async move {
+                String::from_utf8_lossy(&o.stdout)
+                    .lines()
+                    .find(|l| l.contains("a-images@1"))
+                    .map(str::to_string)
+            }
+        },
+    )
+    .await;
+    assert!(end.contains("\"who\":\"team-a-job\""), "{end}");
     std::fs::create_dir_all(h.path("b-mnt")).unwrap();
     let out = m
         .cli_command(&["mount", "b-secret@1", h.path("b-mnt").to_str().unwrap()], &[])
@@ -624,6 +648,13 @@ async fn an_import_over_its_teams_pinned_quota_is_refused_before_any_byte_reache
         .await
         .unwrap_err();
     assert_eq!(e.code(), tonic::Code::NotFound, "{e:?}");
+    // Nor an import session: the refused import aborted its own.
+    let info = ops
+        .get_cluster_info(pb::GetClusterInfoRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(info.open_sessions, 0);
     // An import placed but not yet committed holds its room: another import of the
     // team that would fit only without it is refused until it ends.
     let session = ops
@@ -1024,4 +1055,66 @@ async fn a_mount_through_the_open_socket_reads_its_files_from_descriptors_the_no
     assert!(served < 200_000, "{served} bytes were read from replicas");
     let log = std::fs::read_to_string(&mnt.log).unwrap();
     assert!(log.contains("open socket"), "{log}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_flood_of_mount_leases_is_counted_in_the_audit_log_not_written_line_by_line() {
+    let h = Harness::new("tenancy-audit-flood");
+    let (m, _nodes) = two_teams(&h).await;
+    const FLOOD: usize = 1500;
+    let mut tasks = tokio::task::JoinSet::new();
+    for t in 0..16 {
+        let mut c = m.client_as(TEAM_A_JOB).await;
+        tasks.spawn(async move {
+            for i in (t..FLOOD).step_by(16) {
+                c.mount_lease(pb::MountLeaseRequest {
+                    r#ref: vref("a-images", 1),
+                    host: "h".into(),
+                    mountpoint: format!("/mnt/{i}"),
+                    ended: false,
+                })
+                .await
+                .unwrap();
+            }
+        });
+    }
+    while let Some(r) = tasks.join_next().await {
+        r.unwrap();
+    }
+    // The next line after the flood's second carries the count of those left out.
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    m.client_as(TEAM_A_JOB)
+        .await
+        .mount_lease(pb::MountLeaseRequest {
+            r#ref: vref("a-images", 1),
+            host: "h".into(),
+            mountpoint: "/mnt/last".into(),
+            ended: false,
+        })
+        .await
+        .unwrap();
+    let audit = std::fs::read_to_string(m.data_dir.join("audit.log")).unwrap();
+    let written = audit.lines().filter(|l| l.contains("\"mount.start\"")).count();
+    let counted: u64 = audit
+        .lines()
+        .filter(|l| l.contains("mount.not-written"))
+        .map(|l| {
+            serde_json::from_str::<serde_json::Value>(l).unwrap()["count"]
+                .as_u64()
+                .unwrap()
+        })
+        .sum();
+    assert_eq!(
+        written as u64 + counted,
+        FLOOD as u64 + 1,
+        "every start written or counted"
+    );
+    assert!(
+        counted > 0,
+        "{written} of {FLOOD} starts written: the flood was not throttled"
+    );
+    assert!(
+        audit.lines().any(|l| l.contains("/mnt/last")),
+        "the line after the flood is written"
+    );
 }

@@ -14,9 +14,14 @@ use crate::auth::Principal;
 pub struct AuditLog {
     file: Mutex<File>,
     refusals: locus_proto::auth::Throttle,
+    mounts: locus_proto::auth::Throttle,
 }
 
 pub const REFUSED_PER_SECOND: u32 = 50;
+/// Mount starts and ends written a second at most: a thousand hosts mounting at a job's
+/// start are written over a few seconds' worth of lines, a flood (any reader can cause
+/// one) is counted instead of filling the disk.
+pub const MOUNTS_PER_SECOND: u32 = 200;
 
 impl AuditLog {
     pub fn open(path: &Path) -> std::io::Result<Self> {
@@ -24,6 +29,7 @@ impl AuditLog {
         Ok(Self {
             file: Mutex::new(file),
             refusals: locus_proto::auth::Throttle::new(REFUSED_PER_SECOND, std::time::Duration::from_secs(1)),
+            mounts: locus_proto::auth::Throttle::new(MOUNTS_PER_SECOND, std::time::Duration::from_secs(1)),
         })
     }
 
@@ -53,11 +59,38 @@ impl AuditLog {
         }));
     }
 
+    /// Records a mount's start or end (`mount.start`, `mount.end`: who, `DATASET@N`,
+    /// `HOST:MOUNTPOINT`), at most MOUNTS_PER_SECOND a second, counting the rest.
+    pub fn mount(&self, who: &Principal, action: &str, target: &str, place: String) {
+        let Some(dropped) = self.mounts.admit() else {
+            return;
+        };
+        if dropped > 0 {
+            self.write(serde_json::json!({
+                "time": locus_proto::human::format_time_ms(crate::SystemClock.now_ms()),
+                "action": "mount.not-written",
+                "result": "ok",
+                "count": dropped,
+                "detail": format!("{dropped} mount starts and ends not written (over {MOUNTS_PER_SECOND} a second)"),
+            }));
+        }
+        self.record(who, action, target, Ok(place));
+    }
+
     /// Records a call a token's dataset scope refused (throttled with the auth layer's
     /// refusals: a scoped caller can cause them at will).
     pub fn scope_refused(&self, who: &Principal, action: &str, target: &str) {
-        if self.refusals.admit().is_none() {
+        let Some(dropped) = self.refusals.admit() else {
             return;
+        };
+        if dropped > 0 {
+            self.write(serde_json::json!({
+                "time": locus_proto::human::format_time_ms(crate::SystemClock.now_ms()),
+                "action": "refused.not-written",
+                "result": "refused",
+                "count": dropped,
+                "detail": format!("{dropped} refused calls not written (over {REFUSED_PER_SECOND} a second)"),
+            }));
         }
         self.write(serde_json::json!({
             "time": locus_proto::human::format_time_ms(crate::SystemClock.now_ms()),

@@ -34,7 +34,7 @@ impl MetadataService {
         let place = format!("{}:{}", q.host, q.mountpoint);
         if q.ended {
             if self.mounts.end(name.as_str(), r.version, &q.host, &q.mountpoint) {
-                self.audit.record(&p, "mount.end", &target, Ok(place));
+                self.audit.mount(&p, "mount.end", &target, place);
             }
         } else {
             let lease = Lease {
@@ -43,7 +43,7 @@ impl MetadataService {
                 who: p.name.clone(),
             };
             if self.mounts.renew(name.as_str(), r.version, lease, Instant::now()) {
-                self.audit.record(&p, "mount.start", &target, Ok(place));
+                self.audit.mount(&p, "mount.start", &target, place);
             }
         }
         Ok(pb::MountLeaseResponse {
