@@ -413,27 +413,32 @@ async fn main() {
         "local directory",
         Box::new(|_, dir| Some((src.join(dir), Box::new(()) as Box<dyn std::any::Any>))),
     )];
+    // The open socket: what a host user outside the node's socket group reads through
+    // (blobs as descriptors under its grants; see docs/architecture.md, "Teams").
+    let open_socket: &[(&str, &str)] = &[("LOCUS_NODE_SOCKET_MODE", "open")];
     let mut locus_rows = vec![
-        ("locus (local node)", true, &default_args),
-        ("locus (local node, io_uring)", true, &ring_args),
-        ("locus (local node, --opens mount)", true, &mount_opens),
+        ("locus (local node)", true, &default_args, &[][..]),
+        ("locus (local node, io_uring)", true, &ring_args, &[][..]),
+        ("locus (local node, --opens mount)", true, &mount_opens, &[][..]),
         (
             "locus (local node, --opens mount, io_uring)",
             true,
             &ring_mount_opens,
+            &[][..],
         ),
-        ("locus (local node, --opens kernel)", true, &kernel_opens),
-        ("locus (remote reads)", false, &default_args),
+        ("locus (local node, --opens kernel)", true, &kernel_opens, &[][..]),
+        ("locus (local node, open socket)", true, &default_args, open_socket),
+        ("locus (remote reads)", false, &default_args, &[][..]),
     ];
     if uring.0.is_none() {
-        locus_rows.retain(|(name, _, _)| !name.contains("io_uring"));
+        locus_rows.retain(|(name, _, _, _)| !name.contains("io_uring"));
     }
-    for (name, node, args) in locus_rows {
+    for (name, node, args, env) in locus_rows {
         let (m, node) = (&m, node.then(|| &nodes[0]));
         systems.push((
             name,
             Box::new(move |n, dataset| {
-                let mnt = m.mount(&format!("locus{n}"), dataset, node, args);
+                let mnt = m.mount_with_env(&format!("locus{n}"), dataset, node, args, env);
                 Some((mnt.path.clone(), Box::new(mnt) as Box<dyn std::any::Any>))
             }),
         ));
