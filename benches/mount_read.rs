@@ -427,7 +427,12 @@ async fn main() {
             &[][..],
         ),
         ("locus (local node, --opens kernel)", true, &kernel_opens, &[][..]),
-        ("locus (local node, open socket)", true, &default_args, open_socket),
+        (
+            "locus (local node, open socket)",
+            true,
+            &default_args,
+            open_socket,
+        ),
         ("locus (remote reads)", false, &default_args, &[][..]),
     ];
     if uring.0.is_none() {

@@ -1118,3 +1118,79 @@ async fn a_flood_of_mount_leases_is_counted_in_the_audit_log_not_written_line_by
         "the line after the flood is written"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_scoped_import_cannot_take_another_teams_blob_by_naming_its_hash() {
+    let h = Harness::new("tenancy-steal");
+    let (m, _nodes) = two_teams(&h).await;
+    let mut ops = m.client(Some("admin")).await;
+    let theirs = ops
+        .list_entries(pb::ListEntriesRequest {
+            r#ref: vref("b-secret", 1),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .entries
+        .into_iter()
+        .find(|e| e.path == "f0.bin")
+        .expect("f0.bin");
+    // Team A's admin writes a manifest by hand that names B's blob, without its bytes.
+    let mut team = m.client_as(TEAM_A_ADMIN).await;
+    let session = team
+        .begin_version(pb::BeginVersionRequest {
+            dataset: "a-stolen".into(),
+            replication: 1,
+            tree_chunks: true,
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .session_id;
+    team.put_entries(pb::PutEntriesRequest {
+        session_id: session,
+        page: 0,
+        entries: vec![pb::Entry {
+            path: "stolen.bin".into(),
+            shard: 0,
+            ..theirs.clone()
+        }],
+    })
+    .await
+    .unwrap();
+    team.put_shards(pb::PutShardsRequest {
+        session_id: session,
+        page: 0,
+        shards: vec![pb::Shard {
+            id: 0,
+            bytes: theirs.size,
+            files: 1,
+            replicas: vec!["n1".into()],
+        }],
+    })
+    .await
+    .unwrap();
+    let e = team
+        .commit_version(pb::CommitVersionRequest {
+            session_id: session,
+            ..Default::default()
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), tonic::Code::PermissionDenied, "{e:?}");
+    assert!(
+        e.message()
+            .contains("cannot take another team's bytes by their hash"),
+        "{e:?}"
+    );
+    // No version of it exists, so no grant of team A's opens B's blob.
+    let e = team
+        .get_dataset(pb::GetDatasetRequest {
+            name: "a-stolen".into(),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), tonic::Code::NotFound, "{e:?}");
+}

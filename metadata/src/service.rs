@@ -778,6 +778,28 @@ impl pb::metadata_server::Metadata for MetadataService {
                 q.namespace_size,
             ))
         };
+        if let Some(scope) = p.scope.clone() {
+            // Content is addressed by hash and shared: a scoped importer naming another
+            // team's blobs would have them readable as its own. Those must come from a
+            // dataset in its scope (or an unscoped admin's import).
+            let foreign = self
+                .run(move |c| c.foreign_blobs(session, |d| scope.sees(d), 3))
+                .await
+                .map_err(to_status)?;
+            if !foreign.is_empty() {
+                self.audit
+                    .scope_refused(&p, "import", &format!("session {session}"));
+                return Err(Status::permission_denied(format!(
+                    "{} is narrowed to datasets, and this import names content that only datasets \
+                     outside its scope hold (blob {}{}): a scoped import cannot take another \
+                     team's bytes by their hash. Read them from a dataset in your scope, or have \
+                     an unscoped admin import them",
+                    p.name,
+                    foreign[0],
+                    if foreign.len() > 1 { " and others" } else { "" }
+                )));
+            }
+        }
         let who = p.name.clone();
         let r = self.run(move |c| c.commit(session, &who, namespace)).await;
         let target = match &r {

@@ -641,3 +641,30 @@ fn an_unsealed_version_takes_only_the_namespace_its_entries_seal_to() {
         Err(CatalogError::Precondition(_))
     ));
 }
+
+#[test]
+fn a_scoped_session_naming_blobs_only_outside_its_scope_is_found_out() {
+    let f = fixture();
+    register(&f.cat, "n1");
+    register(&f.cat, "n2");
+    // Team B's version holds a/x's and a/y's blobs.
+    small_version(&f.cat, "b-x", &["n1", "n2"]);
+    let team_a = |d: &str| d.starts_with("a-");
+    let (s, _) = f
+        .cat
+        .begin_version(&name("a-new"), 0, "", 1, false, "team-a")
+        .unwrap();
+    f.cat
+        .put_entries(s, 0, vec![dir("a"), file("a/x", 10, 0), file("mine", 3, 0)])
+        .unwrap();
+    assert_eq!(
+        f.cat.foreign_blobs(s, team_a, 10).unwrap(),
+        vec![BlobHash::of(b"a/x")],
+        "a/x is only B's; `mine` is in no version"
+    );
+    // Once a version of team A's own holds the same blob, naming it takes nothing.
+    small_version(&f.cat, "a-own", &["n1", "n2"]);
+    assert!(f.cat.foreign_blobs(s, team_a, 10).unwrap().is_empty());
+    // Unscoped: every dataset is visible.
+    assert!(f.cat.foreign_blobs(s, |_| true, 10).unwrap().is_empty());
+}
