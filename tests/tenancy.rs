@@ -428,6 +428,20 @@ async fn a_scoped_read_grant_opens_only_its_versions_blobs_on_every_node_over_gr
         .into_inner()
         .grant;
     let everything = ops.issue_grant(ask("")).await.unwrap().into_inner().grant;
+    // Where a blob is: told for A's, not for B's (answered as a blob no version holds).
+    let located = job
+        .locate_blobs(pb::LocateBlobsRequest {
+            hashes: vec![theirs.0.to_vec(), ours.0.to_vec()],
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .blobs;
+    assert!(
+        !located[0].known && located[0].nodes.is_empty() && located[0].size == 0,
+        "{located:?}"
+    );
+    assert!(located[1].known && located[1].nodes.len() == 2, "{located:?}");
 
     for n in &nodes {
         // gRPC ReadBlob: B's blob, which the node holds (the unscoped grant reads it), is

@@ -476,6 +476,7 @@ impl pb::metadata_server::Metadata for MetadataService {
     }
 
     async fn locate_blobs(&self, req: Request<pb::LocateBlobsRequest>) -> Res<pb::LocateBlobsResponse> {
+        let p = principal(&req)?;
         let q = req.into_inner();
         if q.hashes.len() > 10_000 {
             return Err(Status::invalid_argument("hashes: at most 10,000 per call"));
@@ -485,11 +486,28 @@ impl pb::metadata_server::Metadata for MetadataService {
             .iter()
             .map(|h| locus_proto::BlobHash::from_slice("hashes", h))
             .collect::<Result<Vec<_>, _>>()?;
+        // A scoped caller learns where a blob is only if a dataset in its scope holds it;
+        // any other is answered as a blob no version holds.
+        let scope = p.scope.clone();
         let found = self
-            .run(move |c| c.locate_blobs(&hashes))
+            .run(move |c| {
+                let mut found = c.locate_blobs(&hashes)?;
+                if let Some(scope) = scope {
+                    let seen = c.blobs_seen(&hashes, |d| scope.sees(d))?;
+                    for (f, seen) in found.iter_mut().zip(seen) {
+                        if !seen {
+                            *f = Default::default();
+                        }
+                    }
+                }
+                Ok(found)
+            })
             .await
             .map_err(to_status)?;
-        let backups = self.run(|c| c.backup_sources()).await.map_err(to_status)?;
+        let backups = match p.is_scoped() {
+            true => Vec::new(),
+            false => self.run(|c| c.backup_sources()).await.map_err(to_status)?,
+        };
         Ok(Response::new(pb::LocateBlobsResponse {
             backups,
             blobs: q

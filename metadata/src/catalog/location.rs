@@ -99,6 +99,32 @@ impl Catalog {
         Ok(out)
     }
 
+    /// For each hash, whether a committed version of a dataset `sees` accepts holds it:
+    /// what a scoped caller may be told the whereabouts of.
+    pub fn blobs_seen(&self, hashes: &[BlobHash], sees: impl Fn(&str) -> bool) -> Result<Vec<bool>> {
+        let mut visible: HashMap<u64, bool> = HashMap::new();
+        for kv in self.store.scan(Table::Versions, b"", None) {
+            let (k, v) = kv?;
+            if let Some((dataset, _)) = keys::split_version(&k) {
+                visible.insert(decode::<VersionRecord>(Table::Versions, &v)?.uid, sees(dataset));
+            }
+        }
+        let mut out = Vec::with_capacity(hashes.len());
+        for h in hashes {
+            let end = crate::store::prefix_end(&h.0);
+            let mut seen = false;
+            for kv in self.store.scan(Table::BlobShards, &h.0, end.as_deref()) {
+                let (k, _) = kv?;
+                if k.len() == 44 && visible.get(&keys::u64_value(&k[32..40]).unwrap_or(0)) == Some(&true) {
+                    seen = true;
+                    break;
+                }
+            }
+            out.push(seen);
+        }
+        Ok(out)
+    }
+
     /// For each blob: the live nodes holding it as a replica, their addresses, and its
     /// (size, chunk size) from a committed version's manifest (None: no committed version
     /// holds it).
