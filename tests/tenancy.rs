@@ -1208,3 +1208,86 @@ async fn a_scoped_import_cannot_take_another_teams_blob_by_naming_its_hash() {
         .unwrap_err();
     assert_eq!(e.code(), tonic::Code::NotFound, "{e:?}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_admission_webhook_places_a_teams_pods_by_what_the_teams_token_may_read() {
+    let h = Harness::new("tenancy-webhook");
+    let (m, _nodes) = two_teams(&h).await;
+    let tokens = h.path("namespace-tokens.toml");
+    std::fs::write(&tokens, format!("[namespaces]\ntraining = \"{TEAM_A_JOB}\"\n")).unwrap();
+    {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&tokens, std::fs::Permissions::from_mode(0o600)).unwrap();
+    }
+    let port = free_low_port();
+    let log = std::fs::File::create(h.path("webhook.log")).unwrap();
+    // The webhook's own token is an unscoped reader's: it could place any pod anywhere.
+    let _hook = MountingProcess {
+        child: std::process::Command::new(locus())
+            .args([
+                "webhook",
+                "--listen",
+                &format!("127.0.0.1:{port}"),
+                "--namespace-tokens",
+            ])
+            .arg(&tokens)
+            .env("LOCUS_METADATA", m.url())
+            .env("LOCUS_TOKEN", m.token("reader").unwrap())
+            .env_remove("LOCUS_CONFIG")
+            .stdout(log.try_clone().unwrap())
+            .stderr(log)
+            .spawn()
+            .unwrap(),
+        root: h.path(""),
+    };
+    wait_until("the webhook to listen", Duration::from_secs(20), || {
+        let ok = std::net::TcpStream::connect(("127.0.0.1", port)).is_ok();
+        async move { ok.then_some(()) }
+    })
+    .await;
+    let addr: std::net::SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+    let admit = |namespace: &'static str, dataset: &'static str| async move {
+        let pod = serde_json::json!({
+            "apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": "trainer-0", "namespace": namespace,
+                         "annotations": {"locus.io/dataset": format!("{dataset}@1")}},
+            "spec": {"containers": [{"name": "t", "image": "pytorch"}]}
+        });
+        let review = serde_json::json!({
+            "apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview",
+            "request": {"uid": "u1", "kind": {"group": "", "version": "v1", "kind": "Pod"},
+                        "resource": {"group": "", "version": "v1", "resource": "pods"},
+                        "namespace": namespace, "operation": "CREATE", "object": pod}
+        });
+        let (code, body) = http_request(
+            addr,
+            "POST",
+            "/mutate",
+            &[("Content-Type", "application/json")],
+            &review.to_string(),
+        )
+        .await;
+        assert_eq!(code, 200, "{body}");
+        let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+        assert_eq!(v["response"]["allowed"], true);
+        (
+            v["response"]["patch"].is_string(),
+            v["response"]["warnings"].to_string(),
+        )
+    };
+    // Team A's namespace: its own dataset is placed; B's is answered as an absent one,
+    // and nothing of where B's bytes are reaches the pod.
+    let (placed, _) = admit("training", "a-images").await;
+    assert!(placed, "team A's own dataset places its pod");
+    let (placed, said) = admit("training", "b-secret").await;
+    assert!(!placed, "a pod of team A was placed by team B's data");
+    assert!(said.contains("no dataset named b-secret"), "{said}");
+    let (_, absent) = admit("training", "b-absent").await;
+    assert_eq!(
+        said.replace("b-secret", "NAME"),
+        absent.replace("b-absent", "NAME")
+    );
+    // A namespace without a team token is placed with the webhook's own.
+    let (placed, said) = admit("research", "b-secret").await;
+    assert!(placed, "{said}");
+}

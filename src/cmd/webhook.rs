@@ -50,6 +50,14 @@ pub struct WebhookArgs {
     /// CA certificate (PEM) for an https --kube-api.
     #[arg(long, value_name = "FILE", requires = "kube_api")]
     pub kube_ca: Option<std::path::PathBuf>,
+    /// Teams sharing the cluster: a TOML file (mode 0600) with a `[namespaces]` table
+    /// mapping a Kubernetes namespace to its team's Locus token (a reader token narrowed
+    /// to the team's datasets). A pod of a listed namespace is placed by what that token
+    /// may read: another team's dataset is, to it, one that does not exist, and the pod is
+    /// admitted unplaced with that warning. Pods of other namespaces are placed with the
+    /// webhook's own token.
+    #[arg(long, value_name = "FILE")]
+    pub namespace_tokens: Option<std::path::PathBuf>,
     #[command(flatten)]
     pub tls: ServerTlsArgs,
 }
@@ -61,6 +69,45 @@ struct Hook {
     client: tokio::sync::Mutex<Option<locus_proto::client::MetadataClient>>,
     /// Where claims are read; None: they are not followed.
     kube: Option<KubeApi>,
+    /// Namespace → its team's token (`--namespace-tokens`).
+    ns_tokens: std::collections::HashMap<String, String>,
+    /// Clients of those tokens, by namespace, once connected.
+    ns_clients: tokio::sync::Mutex<std::collections::HashMap<String, locus_proto::client::MetadataClient>>,
+}
+
+/// `--namespace-tokens`: `[namespaces]` of namespace = "token", from a file only its owner
+/// may read (it holds secrets).
+fn namespace_tokens(p: &std::path::Path) -> anyhow::Result<std::collections::HashMap<String, String>> {
+    use std::os::unix::fs::PermissionsExt;
+    #[derive(serde::Deserialize)]
+    #[serde(deny_unknown_fields)]
+    struct File {
+        namespaces: std::collections::HashMap<String, String>,
+    }
+    let text =
+        std::fs::read_to_string(p).map_err(|e| anyhow::anyhow!("--namespace-tokens {}: {e}", p.display()))?;
+    let mode = std::fs::metadata(p)?.permissions().mode();
+    if mode & 0o077 != 0 {
+        anyhow::bail!(
+            "--namespace-tokens {}: it holds tokens but other users may read it (mode {:o}); chmod 600 it \
+             (a Kubernetes Secret: defaultMode 0400)",
+            p.display(),
+            mode & 0o777
+        );
+    }
+    let f: File = toml::from_str(&text)
+        .map_err(|e| anyhow::anyhow!("--namespace-tokens {}: {}", p.display(), e.message()))?;
+    for (ns, t) in &f.namespaces {
+        anyhow::ensure!(
+            is_object_name(ns),
+            "--namespace-tokens: {ns:?} is not a namespace name"
+        );
+        anyhow::ensure!(
+            !t.trim().is_empty(),
+            "--namespace-tokens: namespace {ns} has an empty token"
+        );
+    }
+    Ok(f.namespaces)
 }
 
 pub async fn run(a: WebhookArgs, cfg: &Resolved) -> anyhow::Result<()> {
@@ -99,6 +146,11 @@ pub async fn run(a: WebhookArgs, cfg: &Resolved) -> anyhow::Result<()> {
         timeout,
         client: tokio::sync::Mutex::new(None),
         kube,
+        ns_tokens: match &a.namespace_tokens {
+            Some(p) => namespace_tokens(p)?,
+            None => Default::default(),
+        },
+        ns_clients: Default::default(),
     });
     let app = axum::Router::new()
         .route("/healthz", axum::routing::get(|| async { "ok\n" }))
@@ -176,7 +228,7 @@ impl Hook {
         let (ops, mut warnings) = if req.datasets.is_empty() || req.already_placed {
             (Vec::new(), Vec::new())
         } else {
-            match tokio::time::timeout_at(deadline, self.hosts(&req.datasets)).await {
+            match tokio::time::timeout_at(deadline, self.hosts(&req.namespace, &req.datasets)).await {
                 Ok(Ok(hosts)) => {
                     let out = admission::placement(&req, &hosts);
                     tracing::info!(pod = %name, datasets = %req.datasets.join(","), hosts = hosts.len(), "placed");
@@ -205,6 +257,7 @@ impl Hook {
     ) -> (Vec<serde_json::Value>, Vec<String>) {
         tracing::warn!(pod, datasets = %req.datasets.join(","), "admitted without placement: {why}");
         *self.client.lock().await = None;
+        self.ns_clients.lock().await.remove(&req.namespace);
         (
             Vec::new(),
             vec![format!(
@@ -214,8 +267,9 @@ impl Hook {
         )
     }
 
-    /// The hosts holding the datasets' bytes, best first, with the share on each.
-    async fn hosts(&self, datasets: &[String]) -> anyhow::Result<Vec<(String, f64)>> {
+    /// The hosts holding the datasets' bytes, best first, with the share on each; asked
+    /// with the namespace's own token when it has one.
+    async fn hosts(&self, namespace: &str, datasets: &[String]) -> anyhow::Result<Vec<(String, f64)>> {
         let refs = datasets
             .iter()
             .map(|d| {
@@ -224,12 +278,28 @@ impl Hook {
                 Ok(pb::VersionRef::from(&r))
             })
             .collect::<anyhow::Result<Vec<_>>>()?;
-        let mut guard = self.client.lock().await;
-        if guard.is_none() {
-            *guard = Some(self.cfg.connect().await?);
-        }
-        let mut c = guard.clone().expect("connected above");
-        drop(guard);
+        let mut c = match self.ns_tokens.get(namespace) {
+            Some(token) => {
+                let mut clients = self.ns_clients.lock().await;
+                match clients.get(namespace) {
+                    Some(c) => c.clone(),
+                    None => {
+                        let mut as_team = self.cfg.clone();
+                        as_team.token = Some(token.clone());
+                        let c = as_team.connect().await?;
+                        clients.insert(namespace.to_string(), c.clone());
+                        c
+                    }
+                }
+            }
+            None => {
+                let mut guard = self.client.lock().await;
+                if guard.is_none() {
+                    *guard = Some(self.cfg.connect().await?);
+                }
+                guard.clone().expect("connected above")
+            }
+        };
         let out = c
             .locality(pb::LocalityRequest {
                 refs,
