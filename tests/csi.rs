@@ -12,21 +12,7 @@ use locus_proto::csi;
 use support::*;
 
 fn mount_request(volume: &str, target: &Path, dataset: Option<&str>) -> csi::NodePublishVolumeRequest {
-    csi::NodePublishVolumeRequest {
-        volume_id: volume.into(),
-        target_path: target.display().to_string(),
-        volume_capability: Some(csi::VolumeCapability {
-            access_type: Some(csi::volume_capability::AccessType::Mount(Default::default())),
-            access_mode: Some(csi::volume_capability::AccessMode {
-                mode: csi::volume_capability::access_mode::Mode::MultiNodeReaderOnly as i32,
-            }),
-        }),
-        readonly: true,
-        volume_context: dataset
-            .map(|d| [("dataset".to_string(), d.to_string())].into())
-            .unwrap_or_default(),
-        ..Default::default()
-    }
+    csi_publish_request(volume, target, dataset, None)
 }
 
 /// `locus csi` for node `n`, as kubelet runs it (see [`spawn_csi_driver`]).

@@ -61,6 +61,28 @@ async fn two_teams(h: &Harness) -> (Metadata, Vec<Node>) {
     (m, nodes)
 }
 
+/// The manifest entry of `f0.bin` in `dataset@1`, as the cluster's admin reads it.
+async fn f0(m: &Metadata, dataset: &str) -> pb::Entry {
+    m.client(Some("admin"))
+        .await
+        .list_entries(pb::ListEntriesRequest {
+            r#ref: vref(dataset, 1),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .entries
+        .into_iter()
+        .find(|e| e.path == "f0.bin")
+        .expect("f0.bin")
+}
+
+/// The blob of `f0.bin` in `dataset@1`.
+async fn f0_blob(m: &Metadata, dataset: &str) -> BlobHash {
+    BlobHash::from_slice("blob", &f0(m, dataset).await.blob).unwrap()
+}
+
 /// A refusal's code and message with the dataset's name replaced, to compare the answer
 /// about B's dataset with the answer about one that does not exist.
 fn shape<T: std::fmt::Debug>(r: Result<T, tonic::Status>, name: &str) -> (tonic::Code, String) {
@@ -389,23 +411,7 @@ async fn a_scoped_read_grant_opens_only_its_versions_blobs_on_every_node_over_gr
     let (m, nodes) = two_teams(&h).await;
     let mut job = m.client_as(TEAM_A_JOB).await;
     let mut ops = m.client(Some("admin")).await;
-    let first_blob = |d: &'static str| {
-        let mut ops = ops.clone();
-        async move {
-            let e = ops
-                .list_entries(pb::ListEntriesRequest {
-                    r#ref: vref(d, 1),
-                    ..Default::default()
-                })
-                .await
-                .unwrap()
-                .into_inner()
-                .entries;
-            let f = e.iter().find(|e| e.path == "f0.bin").expect("f0.bin");
-            BlobHash::from_slice("blob", &f.blob).unwrap()
-        }
-    };
-    let (theirs, ours) = (first_blob("b-secret").await, first_blob("a-images").await);
+    let (theirs, ours) = (f0_blob(&m, "b-secret").await, f0_blob(&m, "a-images").await);
     let our_bytes = pseudo_random(800, 200_000);
     assert_eq!(BlobHash(*blake3::hash(&our_bytes).as_bytes()), ours);
 
@@ -749,23 +755,7 @@ fn publish_request(
     dataset: &str,
     token: Option<&str>,
 ) -> locus_proto::csi::NodePublishVolumeRequest {
-    use locus_proto::csi;
-    csi::NodePublishVolumeRequest {
-        volume_id: volume.into(),
-        target_path: target.display().to_string(),
-        volume_capability: Some(csi::VolumeCapability {
-            access_type: Some(csi::volume_capability::AccessType::Mount(Default::default())),
-            access_mode: Some(csi::volume_capability::AccessMode {
-                mode: csi::volume_capability::access_mode::Mode::MultiNodeReaderOnly as i32,
-            }),
-        }),
-        readonly: true,
-        volume_context: [("dataset".to_string(), dataset.to_string())].into(),
-        secrets: token
-            .map(|t| [("token".to_string(), t.to_string())].into())
-            .unwrap_or_default(),
-        ..Default::default()
-    }
+    csi_publish_request(volume, target, Some(dataset), token)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -941,24 +931,7 @@ async fn a_host_user_outside_the_socket_group_gets_only_its_grants_blobs_as_desc
     let h = Harness::new("tenancy-open-socket");
     let (m, nodes) = two_teams(&h).await;
     let n = &nodes[0];
-    let ops = m.client(Some("admin")).await;
-    let blob_of = |d: &'static str| {
-        let mut ops = ops.clone();
-        async move {
-            let e = ops
-                .list_entries(pb::ListEntriesRequest {
-                    r#ref: vref(d, 1),
-                    ..Default::default()
-                })
-                .await
-                .unwrap()
-                .into_inner()
-                .entries;
-            let f = e.iter().find(|e| e.path == "f0.bin").expect("f0.bin");
-            BlobHash::from_slice("blob", &f.blob).unwrap()
-        }
-    };
-    let (ours, theirs) = (blob_of("a-images").await, blob_of("b-secret").await);
+    let (ours, theirs) = (f0_blob(&m, "a-images").await, f0_blob(&m, "b-secret").await);
     let mut job = m.client_as(TEAM_A_JOB).await;
     let grant = job
         .issue_grant(pb::IssueGrantRequest {
@@ -1137,19 +1110,7 @@ async fn a_flood_of_mount_leases_is_counted_in_the_audit_log_not_written_line_by
 async fn a_scoped_import_cannot_take_another_teams_blob_by_naming_its_hash() {
     let h = Harness::new("tenancy-steal");
     let (m, _nodes) = two_teams(&h).await;
-    let mut ops = m.client(Some("admin")).await;
-    let theirs = ops
-        .list_entries(pb::ListEntriesRequest {
-            r#ref: vref("b-secret", 1),
-            ..Default::default()
-        })
-        .await
-        .unwrap()
-        .into_inner()
-        .entries
-        .into_iter()
-        .find(|e| e.path == "f0.bin")
-        .expect("f0.bin");
+    let theirs = f0(&m, "b-secret").await;
     // Team A's admin writes a manifest by hand that names B's blob, without its bytes.
     let mut team = m.client_as(TEAM_A_ADMIN).await;
     let session = team

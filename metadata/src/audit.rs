@@ -33,19 +33,44 @@ impl AuditLog {
         })
     }
 
-    /// Records a call the auth layer refused, unless too many were this second.
-    pub fn refused(&self, r: &locus_proto::auth::Refused<'_>) {
-        let Some(dropped) = self.refusals.admit() else {
-            return;
+    /// Whether a line of a throttled kind may be written now; when it may after some were
+    /// left out, a line counting those (`KIND.not-written`) is written first.
+    fn admit(&self, refusals: bool) -> bool {
+        let (throttle, kind, result, what, per_second) = match refusals {
+            true => (
+                &self.refusals,
+                "refused",
+                "refused",
+                "refused calls",
+                REFUSED_PER_SECOND,
+            ),
+            false => (
+                &self.mounts,
+                "mount",
+                "ok",
+                "mount starts and ends",
+                MOUNTS_PER_SECOND,
+            ),
+        };
+        let Some(dropped) = throttle.admit() else {
+            return false;
         };
         if dropped > 0 {
             self.write(serde_json::json!({
                 "time": locus_proto::human::format_time_ms(crate::SystemClock.now_ms()),
-                "action": "refused.not-written",
-                "result": "refused",
+                "action": format!("{kind}.not-written"),
+                "result": result,
                 "count": dropped,
-                "detail": format!("{dropped} refused calls not written (over {REFUSED_PER_SECOND} a second)"),
+                "detail": format!("{dropped} {what} not written (over {per_second} a second)"),
             }));
+        }
+        true
+    }
+
+    /// Records a call the auth layer refused, unless too many were this second.
+    pub fn refused(&self, r: &locus_proto::auth::Refused<'_>) {
+        if !self.admit(true) {
+            return;
         }
         // Who it was is in the message when the token was valid (denied); otherwise no
         // one the service knows.
@@ -62,35 +87,16 @@ impl AuditLog {
     /// Records a mount's start or end (`mount.start`, `mount.end`: who, `DATASET@N`,
     /// `HOST:MOUNTPOINT`), at most MOUNTS_PER_SECOND a second, counting the rest.
     pub fn mount(&self, who: &Principal, action: &str, target: &str, place: String) {
-        let Some(dropped) = self.mounts.admit() else {
-            return;
-        };
-        if dropped > 0 {
-            self.write(serde_json::json!({
-                "time": locus_proto::human::format_time_ms(crate::SystemClock.now_ms()),
-                "action": "mount.not-written",
-                "result": "ok",
-                "count": dropped,
-                "detail": format!("{dropped} mount starts and ends not written (over {MOUNTS_PER_SECOND} a second)"),
-            }));
+        if self.admit(false) {
+            self.record(who, action, target, Ok(place));
         }
-        self.record(who, action, target, Ok(place));
     }
 
     /// Records a call a token's dataset scope refused (throttled with the auth layer's
     /// refusals: a scoped caller can cause them at will).
     pub fn scope_refused(&self, who: &Principal, action: &str, target: &str) {
-        let Some(dropped) = self.refusals.admit() else {
+        if !self.admit(true) {
             return;
-        };
-        if dropped > 0 {
-            self.write(serde_json::json!({
-                "time": locus_proto::human::format_time_ms(crate::SystemClock.now_ms()),
-                "action": "refused.not-written",
-                "result": "refused",
-                "count": dropped,
-                "detail": format!("{dropped} refused calls not written (over {REFUSED_PER_SECOND} a second)"),
-            }));
         }
         self.write(serde_json::json!({
             "time": locus_proto::human::format_time_ms(crate::SystemClock.now_ms()),

@@ -61,6 +61,27 @@ fn frame(msg: &impl Message) -> Vec<u8> {
     out
 }
 
+/// Room for one descriptor's control message, aligned for cmsghdr (u64 words).
+fn control_buffer() -> Vec<u64> {
+    // SAFETY: CMSG_SPACE is arithmetic on its argument.
+    #[allow(unsafe_code)]
+    let space = unsafe { libc::CMSG_SPACE(std::mem::size_of::<libc::c_int>() as u32) } as usize;
+    vec![0u64; space.div_ceil(8)]
+}
+
+/// A message header over `iov` with `control` for ancillary data; both must outlive it
+/// (it points into them).
+fn header(iov: &mut libc::iovec, control: &mut [u64]) -> libc::msghdr {
+    // SAFETY: msghdr is plain data, for which zeroes are its empty value.
+    #[allow(unsafe_code)]
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    msg.msg_iov = iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = control.as_mut_ptr() as *mut libc::c_void;
+    msg.msg_controllen = std::mem::size_of_val(control) as _;
+    msg
+}
+
 /// Sends a response frame on `sock`, with `fd` attached when there is one.
 pub fn send_response(
     sock: &UnixStream,
@@ -71,28 +92,21 @@ pub fn send_response(
     let Some(fd) = fd else {
         return (&*sock).write_all(&bytes);
     };
-    let raw = fd.as_raw_fd();
-    // SAFETY: the msghdr points at `bytes` and `cmsg_buf`, both alive for the call and
-    // sized as given; CMSG_* compute offsets within `cmsg_buf`, which is CMSG_SPACE of one
-    // descriptor long and aligned for cmsghdr (u64 words).
+    let mut iov = libc::iovec {
+        iov_base: bytes.as_ptr() as *mut libc::c_void,
+        iov_len: bytes.len(),
+    };
+    let mut control = control_buffer();
+    let msg = header(&mut iov, &mut control);
+    // SAFETY: `msg` points at `bytes` (through `iov`) and at `control`, alive for the
+    // call; CMSG_FIRSTHDR is within `control`, sized by CMSG_SPACE for one descriptor.
     #[allow(unsafe_code)]
     let sent = unsafe {
-        let mut iov = libc::iovec {
-            iov_base: bytes.as_ptr() as *mut libc::c_void,
-            iov_len: bytes.len(),
-        };
-        let space = libc::CMSG_SPACE(std::mem::size_of::<libc::c_int>() as u32) as usize;
-        let mut cmsg_buf = vec![0u64; space.div_ceil(8)];
-        let mut msg: libc::msghdr = std::mem::zeroed();
-        msg.msg_iov = &mut iov;
-        msg.msg_iovlen = 1;
-        msg.msg_control = cmsg_buf.as_mut_ptr() as *mut libc::c_void;
-        msg.msg_controllen = space as _;
         let c = libc::CMSG_FIRSTHDR(&msg);
         (*c).cmsg_level = libc::SOL_SOCKET;
         (*c).cmsg_type = libc::SCM_RIGHTS;
         (*c).cmsg_len = libc::CMSG_LEN(std::mem::size_of::<libc::c_int>() as u32) as _;
-        std::ptr::write_unaligned(libc::CMSG_DATA(c) as *mut libc::c_int, raw);
+        std::ptr::write_unaligned(libc::CMSG_DATA(c) as *mut libc::c_int, fd.as_raw_fd());
         libc::sendmsg(sock.as_raw_fd(), &msg, libc::MSG_NOSIGNAL)
     };
     if sent < 0 {
@@ -104,21 +118,16 @@ pub fn send_response(
 
 /// Receives the start of a response and the descriptor sent with it, if any.
 fn recv_with_fd(sock: &UnixStream, buf: &mut [u8]) -> io::Result<(usize, Option<OwnedFd>)> {
+    let mut iov = libc::iovec {
+        iov_base: buf.as_mut_ptr() as *mut libc::c_void,
+        iov_len: buf.len(),
+    };
+    let mut control = control_buffer();
+    let mut msg = header(&mut iov, &mut control);
     // SAFETY: as in `send_response`; a descriptor the kernel put in the control buffer is
-    // owned by this process from then on, and wrapped at once so it is closed if unused.
+    // this process's from then on, and wrapped at once so it is closed if unused.
     #[allow(unsafe_code)]
     unsafe {
-        let mut iov = libc::iovec {
-            iov_base: buf.as_mut_ptr() as *mut libc::c_void,
-            iov_len: buf.len(),
-        };
-        let space = libc::CMSG_SPACE(std::mem::size_of::<libc::c_int>() as u32) as usize;
-        let mut cmsg_buf = vec![0u64; space.div_ceil(8)];
-        let mut msg: libc::msghdr = std::mem::zeroed();
-        msg.msg_iov = &mut iov;
-        msg.msg_iovlen = 1;
-        msg.msg_control = cmsg_buf.as_mut_ptr() as *mut libc::c_void;
-        msg.msg_controllen = space as _;
         let n = libc::recvmsg(sock.as_raw_fd(), &mut msg, libc::MSG_CMSG_CLOEXEC);
         if n < 0 {
             return Err(io::Error::last_os_error());

@@ -286,6 +286,35 @@ pub fn spawn_csi_driver(h: &Harness, m: &Metadata, n: &Node, mode: &str) -> Chil
     spawn_csi_driver_with(h, m, n, mode, &[])
 }
 
+/// A NodePublishVolume as kubelet sends it for a read-only Locus volume at `target`:
+/// `volumeAttributes.dataset` when given, and the node-publish secret's `token` when given.
+pub fn csi_publish_request(
+    volume: &str,
+    target: &Path,
+    dataset: Option<&str>,
+    token: Option<&str>,
+) -> locus_proto::csi::NodePublishVolumeRequest {
+    use locus_proto::csi;
+    csi::NodePublishVolumeRequest {
+        volume_id: volume.into(),
+        target_path: target.display().to_string(),
+        volume_capability: Some(csi::VolumeCapability {
+            access_type: Some(csi::volume_capability::AccessType::Mount(Default::default())),
+            access_mode: Some(csi::volume_capability::AccessMode {
+                mode: csi::volume_capability::access_mode::Mode::MultiNodeReaderOnly as i32,
+            }),
+        }),
+        readonly: true,
+        volume_context: dataset
+            .map(|d| [("dataset".to_string(), d.to_string())].into())
+            .unwrap_or_default(),
+        secrets: token
+            .map(|t| [("token".to_string(), t.to_string())].into())
+            .unwrap_or_default(),
+        ..Default::default()
+    }
+}
+
 /// `spawn_csi_driver` with more flags.
 pub fn spawn_csi_driver_with(h: &Harness, m: &Metadata, n: &Node, mode: &str, extra: &[&str]) -> Child {
     let kubelet = h.path("kubelet");
