@@ -31,7 +31,12 @@ fn opts() -> MetadataOpts {
 /// Two nodes; team B's dataset imported by the cluster's admin, team A's by team A's own
 /// scoped admin token (which shows a scoped import works end to end).
 async fn two_teams(h: &Harness) -> (Metadata, Vec<Node>) {
-    let (m, nodes) = cluster_with(h, opts(), 2, NodeOpts::host).await;
+    two_teams_with(h, NodeOpts::host).await
+}
+
+/// `two_teams` with the nodes' options given.
+async fn two_teams_with(h: &Harness, node: impl Fn(usize) -> NodeOpts) -> (Metadata, Vec<Node>) {
+    let (m, nodes) = cluster_with(h, opts(), 2, node).await;
     for (name, seed) in [("b-secret", 7u64), ("a-images", 8)] {
         let src = h.path(name);
         std::fs::create_dir_all(&src).unwrap();
@@ -957,35 +962,7 @@ async fn a_host_user_outside_the_socket_group_gets_only_its_grants_blobs_as_desc
         .path
         .clone();
     assert!(!file.is_empty());
-    let script = h.path("open_socket_client.py");
-    std::fs::write(&script, OPEN_SOCKET_CLIENT).unwrap();
-    let open = locus_proto::open_socket::path_of(&n.socket);
-    let out = tokio::task::spawn_blocking({
-        let (script, open, socket) = (script.clone(), open.clone(), n.socket.clone());
-        let (grant, file) = (grant.clone(), file.clone());
-        move || {
-            std::process::Command::new("setpriv")
-                .args([
-                    "--reuid=65534",
-                    "--regid=65534",
-                    "--clear-groups",
-                    "/usr/bin/python3",
-                ])
-                .arg(&script)
-                .arg(&open)
-                .arg(&socket)
-                .arg(&grant)
-                .arg(&file)
-                .arg(ours.to_hex())
-                .arg(theirs.to_hex())
-                .output()
-                .expect("setpriv and /usr/bin/python3")
-        }
-    })
-    .await
-    .unwrap();
-    assert!(out.status.success(), "the client failed: {}", stderr(&out));
-    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let v = open_socket_client_as_nobody(&h, n, &grant, &file, &[ours, theirs]).await;
     assert_eq!(v["uid"], 65534);
     // Neither the local socket nor the data dir admits this user.
     assert_eq!(v["main"], "PermissionError", "{v}");
@@ -1251,4 +1228,115 @@ async fn the_admission_webhook_places_a_teams_pods_by_what_the_teams_token_may_r
     // A namespace without a team token is placed with the webhook's own.
     let (placed, said) = admit("research", "b-secret").await;
     assert!(placed, "{said}");
+}
+
+/// Runs the open socket's Python client as uid 65534 against node `n` with `grant`, for
+/// `hashes`; its JSON report.
+/// `file` is a path it tries to read directly (a blob file in the node's data dir).
+async fn open_socket_client_as_nobody(
+    h: &Harness,
+    n: &Node,
+    grant: &str,
+    file: &str,
+    hashes: &[BlobHash],
+) -> serde_json::Value {
+    let script = h.path("open_socket_client.py");
+    std::fs::write(&script, OPEN_SOCKET_CLIENT).unwrap();
+    let mut cmd = std::process::Command::new("setpriv");
+    cmd.args([
+        "--reuid=65534",
+        "--regid=65534",
+        "--clear-groups",
+        "/usr/bin/python3",
+    ])
+    .arg(&script)
+    .arg(locus_proto::open_socket::path_of(&n.socket))
+    .arg(&n.socket)
+    .arg(grant)
+    .arg(file)
+    .args(hashes.iter().map(|h| h.to_hex()));
+    let out = tokio::task::spawn_blocking(move || cmd.output().expect("setpriv and /usr/bin/python3"))
+        .await
+        .unwrap();
+    assert!(out.status.success(), "the client failed: {}", stderr(&out));
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_host_user_the_node_maps_to_team_a_is_handed_only_team_as_blobs_whatever_its_token() {
+    let h = Harness::new("tenancy-socket-scope");
+    let (m, nodes) = two_teams_with(&h, |i| {
+        let mut o = NodeOpts::host(i);
+        o.extra.push("--socket-scope".into());
+        o.extra.push("65534=a-*".into());
+        o
+    })
+    .await;
+    let n = &nodes[0];
+    let (ours, theirs) = (f0_blob(&m, "a-images").await, f0_blob(&m, "b-secret").await);
+    // The user holds an unscoped reader's token: every grant it asks for is granted.
+    let reader = m.client(Some("reader")).await;
+    let grant = |target: &'static str| {
+        let mut reader = reader.clone();
+        async move {
+            reader
+                .issue_grant(pb::IssueGrantRequest {
+                    node: "*".into(),
+                    operation: "read".into(),
+                    target: target.into(),
+                    ttl_ms: 0,
+                })
+                .await
+                .unwrap()
+                .into_inner()
+                .grant
+        }
+    };
+    let for_a = grant("a-images@1").await;
+    let for_b = grant("b-secret@1").await;
+    let for_all = grant("").await;
+    // Team A's version: handed out.
+    let v = open_socket_client_as_nobody(&h, n, &for_a, "/nonexistent", &[ours]).await;
+    assert_eq!(v["answers"][0]["code"], 0, "{v}");
+    assert_eq!(v["answers"][0]["len"], 200_000);
+    // Team B's version, under a grant the token was given: the node's table refuses it.
+    let v = open_socket_client_as_nobody(&h, n, &for_b, "/nonexistent", &[theirs]).await;
+    assert_eq!(
+        v["answers"][0]["code"],
+        tonic::Code::PermissionDenied as i32,
+        "{v}"
+    );
+    let said = v["answers"][0]["message"].as_str().unwrap();
+    assert!(said.contains("a-*") && said.contains("b-secret"), "{said}");
+    assert_eq!(v["answers"][0]["fd"], false);
+    // A grant for every blob: refused too (it names no version).
+    let v = open_socket_client_as_nobody(&h, n, &for_all, "/nonexistent", &[ours]).await;
+    assert_eq!(
+        v["answers"][0]["code"],
+        tonic::Code::PermissionDenied as i32,
+        "{v}"
+    );
+    // B's blob under A's grant: as if the node did not have it.
+    let v = open_socket_client_as_nobody(&h, n, &for_a, "/nonexistent", &[theirs]).await;
+    assert_eq!(v["answers"][0]["code"], tonic::Code::NotFound as i32, "{v}");
+    // Root (not in the table) with B's grant: handed out, as before.
+    let file = tokio::task::spawn_blocking({
+        let (sock, g) = (locus_proto::open_socket::path_of(&n.socket), for_b.clone());
+        move || {
+            let c = locus_proto::open_socket::connect(&sock, Duration::from_secs(10)).unwrap();
+            locus_proto::open_socket::ask(
+                &c,
+                &nodepb::OpenBlobRequest {
+                    hash: theirs.0.to_vec(),
+                    grant: g,
+                    ..Default::default()
+                },
+            )
+            .unwrap()
+        }
+    })
+    .await
+    .unwrap();
+    assert_eq!(file.0.code, 0, "{:?}", file.0);
+    assert!(file.1.is_some());
 }

@@ -174,12 +174,7 @@ impl BulkServer {
             use locus_proto::grant::GrantError;
             let (g, now) = (&self.peers.grants, locus_proto::grant::now_ms());
             let checked = match g.verify(&grant, bulk::GRANT_METHOD, now) {
-                Ok((_, r)) => Ok((
-                    r.expires_unix_ms,
-                    true,
-                    false,
-                    (!r.versions.is_empty()).then_some(r),
-                )),
+                Ok((_, r)) => Ok((r.expires_unix_ms, true, false, r.scoped.then_some(r))),
                 Err(GrantError::WrongMethod { .. }) => g
                     .verify(&grant, bulk::WRITE_GRANT_METHOD, now)
                     .map(|(_, w)| (w.expires_unix_ms, false, true, None)),

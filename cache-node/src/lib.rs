@@ -80,6 +80,9 @@ pub struct NodeConfig {
     /// The local directories this node may read as `file://` origins (imports it reads
     /// itself, repairs from an origin); none: no local origin at all.
     pub origin_roots: Vec<PathBuf>,
+    /// Host users (by uid) narrowed to datasets on the open socket: each is handed only
+    /// blobs of versions of the datasets its scope matches, under grants naming them.
+    pub socket_scopes: HashMap<u32, locus_proto::auth::Scope>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -468,6 +471,11 @@ fn open_socket(
         },
         require_grants: cfg.require_grants,
         rt: tokio::runtime::Handle::current(),
+        scopes: cfg
+            .socket_scopes
+            .iter()
+            .map(|(u, s)| (*u, Arc::new(s.clone())))
+            .collect(),
     });
     tokio::spawn(async move {
         let stopped = async move {
@@ -490,13 +498,14 @@ fn open_socket(
             if gid.is_some_and(|g| !peer_allowed(&s, g)) {
                 continue;
             }
+            let uid = s.peer_cred().ok().map(|c| c.uid());
             let Ok(s) = s.into_std().and_then(|s| s.set_nonblocking(false).map(|_| s)) else {
                 continue;
             };
             let srv = server.clone();
             let spawned = std::thread::Builder::new()
                 .name("open-socket".into())
-                .spawn(move || srv.connection(s));
+                .spawn(move || srv.connection(s, uid));
             if let Err(e) = spawned {
                 tracing::warn!("open socket: cannot start a thread for a connection: {e}");
             }

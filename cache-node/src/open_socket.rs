@@ -33,6 +33,8 @@ pub(crate) struct OpenSocket {
     pub(crate) svc: NodeService,
     pub(crate) require_grants: bool,
     pub(crate) rt: tokio::runtime::Handle,
+    /// Host users narrowed to datasets (`NodeConfig::socket_scopes`), by uid.
+    pub(crate) scopes: std::collections::HashMap<u32, Arc<locus_proto::auth::Scope>>,
 }
 
 fn refusal(s: &Status) -> OpenBlobResponse {
@@ -44,8 +46,10 @@ fn refusal(s: &Status) -> OpenBlobResponse {
 }
 
 impl OpenSocket {
-    /// Serves one connection until the caller closes it or stays silent for IDLE.
-    pub(crate) fn connection(self: Arc<Self>, s: UnixStream) {
+    /// Serves one connection (of the host user `uid`) until the caller closes it or stays
+    /// silent for IDLE.
+    pub(crate) fn connection(self: Arc<Self>, s: UnixStream, uid: Option<u32>) {
+        let scope = uid.and_then(|u| self.scopes.get(&u).cloned());
         let _ = s.set_read_timeout(Some(IDLE));
         let _ = s.set_write_timeout(Some(Duration::from_secs(30)));
         // The grant this connection presented last, as received and as verified.
@@ -60,7 +64,7 @@ impl OpenSocket {
                 }
             };
             let (resp, file) = match OpenBlobRequest::decode(&frame[..]) {
-                Ok(q) => match self.answer(q, &mut last) {
+                Ok(q) => match self.answer(q, &mut last, scope.as_deref()) {
                     Ok((r, f)) => (r, Some(f)),
                     Err(st) => (refusal(&st), None),
                 },
@@ -80,9 +84,10 @@ impl OpenSocket {
         &self,
         q: OpenBlobRequest,
         last: &mut Option<(String, Arc<locus_proto::grant::GrantBody>)>,
+        scope: Option<&locus_proto::auth::Scope>,
     ) -> Result<(OpenBlobResponse, std::fs::File), Status> {
         let h = locus_proto::BlobHash::from_slice("hash", &q.hash)?;
-        if self.require_grants {
+        if self.require_grants || scope.is_some() {
             let now = locus_proto::grant::now_ms();
             let g = match last.as_ref() {
                 Some((given, g)) if *given == q.grant && g.expires_unix_ms > now => g.clone(),
@@ -109,7 +114,25 @@ impl OpenSocket {
                     g
                 }
             };
-            self.rt.block_on(self.svc.peers.grant_opens(&g, &h))?;
+            // A host user the node's table narrows: its grant must be for versions of
+            // datasets its scope names, and only their blobs are handed out, whatever
+            // the token the grant was issued to may read elsewhere.
+            if let Some(scope) = scope {
+                if g.versions.is_empty() || !g.datasets.iter().all(|d| scope.sees(d)) {
+                    return Err(Status::permission_denied(format!(
+                        "this host gives your user the datasets {} only; the grant presented is \
+                         for {}",
+                        scope.describe(),
+                        if g.datasets.is_empty() {
+                            "every dataset".to_string()
+                        } else {
+                            g.datasets.join(", ")
+                        }
+                    )));
+                }
+            }
+            self.rt
+                .block_on(self.svc.peers.grant_opens_if(&g, &h, g.scoped || scope.is_some()))?;
         }
         let at = self.rt.block_on(self.svc.make_local(nodepb::EnsureLocalRequest {
             hash: q.hash,

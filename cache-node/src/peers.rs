@@ -82,7 +82,18 @@ impl Peers {
     /// service says. A blob it does not open is answered as one this node does not have
     /// (the store's own words), so a hash in hand tells another team nothing.
     pub async fn grant_opens(&self, g: &locus_proto::grant::GrantBody, h: &BlobHash) -> Result<(), Status> {
-        if self.grant_filter(g, &[*h]).await?[0] {
+        self.grant_opens_if(g, h, g.scoped).await
+    }
+
+    /// `grant_opens`, checking the grant's versions when `narrow` (a scoped token's grant,
+    /// or a host user the node's socket table narrows) and passing any blob otherwise.
+    pub async fn grant_opens_if(
+        &self,
+        g: &locus_proto::grant::GrantBody,
+        h: &BlobHash,
+        narrow: bool,
+    ) -> Result<(), Status> {
+        if !narrow || self.grant_filter(g, &[*h]).await?[0] {
             return Ok(());
         }
         tracing::info!(blob = %h, who = %g.issued_to, "a read grant narrowed to versions does not open this blob");
@@ -97,7 +108,9 @@ impl Peers {
         hashes: &[BlobHash],
     ) -> Result<Vec<bool>, Status> {
         if g.versions.is_empty() {
-            return Ok(vec![true; hashes.len()]);
+            // Only a grant that names versions narrows anything; one that must and does
+            // not (`grant_opens_if` for a scoped caller) opens nothing.
+            return Ok(vec![!g.scoped; hashes.len()]);
         }
         let now = std::time::Instant::now();
         let mut out: Vec<bool> = {

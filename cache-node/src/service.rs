@@ -286,7 +286,7 @@ impl Node for NodeService {
         let hashes = q.hashes.iter().map(|h| hash(h)).collect::<Result<Vec<_>, _>>()?;
         let mut present: Vec<bool> = hashes.iter().map(|h| self.store.contains(h)).collect();
         // A grant narrowed to versions learns nothing of blobs outside them.
-        if let Some(g) = grant.as_deref().filter(|g| !g.versions.is_empty()) {
+        if let Some(g) = grant.as_deref().filter(|g| g.scoped) {
             let here: Vec<BlobHash> = hashes
                 .iter()
                 .zip(&present)

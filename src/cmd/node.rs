@@ -118,6 +118,13 @@ pub struct ServeArgs {
     /// training jobs run as [default: the node's own group].
     #[arg(long, value_name = "GROUP")]
     pub local_socket_group: Option<String>,
+    /// A host user narrowed to datasets on the open socket (LOCAL_SOCKET.open), for
+    /// teams sharing hosts: USER=PATTERN[,PATTERN...] (a user name or uid; `*` in a pattern
+    /// is any run of characters). That user is handed only blobs of versions of matching
+    /// datasets, under grants that name them, whatever its token could read elsewhere.
+    /// Repeat for more users. Keep such users out of --local-socket-group.
+    #[arg(long, value_name = "USER=PATTERNS")]
+    pub socket_scope: Vec<String>,
     /// How often to tell the metadata service this node is alive, with its space and
     /// counters; it declares the node down after its --liveness-timeout without one.
     #[arg(long, value_name = "DURATION", default_value = "2s")]
@@ -184,6 +191,32 @@ pub async fn run(cmd: NodeCmd, cfg: &Resolved) -> anyhow::Result<()> {
         NodeCmd::Drain { node, undo } => drain(cfg, &node, !undo).await,
         NodeCmd::Rm { node } => rm(cfg, &node).await,
     }
+}
+
+/// `--socket-scope USER=PATTERN[,PATTERN...]`: the user's uid (a number, or a name in
+/// /etc/passwd) and the datasets it is narrowed to.
+fn socket_scope(s: &str) -> anyhow::Result<(u32, locus_proto::auth::Scope)> {
+    let (user, patterns) = s.split_once('=').ok_or_else(|| {
+        anyhow::anyhow!("--socket-scope {s:?}: USER=PATTERN[,PATTERN...], e.g. alice=team-a-*")
+    })?;
+    let uid = match user.parse() {
+        Ok(n) => n,
+        Err(_) => std::fs::read_to_string("/etc/passwd")
+            .unwrap_or_default()
+            .lines()
+            .find_map(|l| {
+                let mut f = l.split(':');
+                (f.next() == Some(user)).then(|| f.nth(1).and_then(|id| id.parse().ok()))?
+            })
+            .ok_or_else(|| anyhow::anyhow!("--socket-scope {s:?}: no user {user:?} in /etc/passwd"))?,
+    };
+    let rules = patterns
+        .split(',')
+        .map(|p| (p.trim().to_string(), vec![locus_proto::auth::Action::Read]))
+        .collect();
+    let scope =
+        locus_proto::auth::Scope::new(rules).map_err(|e| anyhow::anyhow!("--socket-scope {s:?}: {e}"))?;
+    Ok((uid, scope))
 }
 
 /// A group's id from its number or its name (/etc/group).
@@ -256,6 +289,11 @@ async fn serve(a: ServeArgs, cfg: &Resolved) -> anyhow::Result<()> {
         .local_socket
         .as_ref()
         .map(|_| local_socket_gid.unwrap_or_else(|| nix::unistd::getegid().as_raw()));
+    let socket_scopes = a
+        .socket_scope
+        .iter()
+        .map(|s| socket_scope(s))
+        .collect::<anyhow::Result<std::collections::HashMap<_, _>>>()?;
     let config = locus_cache_node::NodeConfig {
         id,
         metadata,
@@ -290,6 +328,7 @@ async fn serve(a: ServeArgs, cfg: &Resolved) -> anyhow::Result<()> {
         },
         refill_rate: size_arg("--refill-rate", &a.refill_rate)?,
         origin_roots: a.origin_root.into_iter().map(crate::absolute).collect(),
+        socket_scopes,
     };
     locus_cache_node::serve(config, super::shutdown_signal()).await?;
     Ok(())

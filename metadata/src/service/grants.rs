@@ -100,7 +100,7 @@ impl MetadataService {
         }
         // A read grant names the version read; for a token narrowed to datasets it opens
         // only that version's blobs (and its namespace), never every blob.
-        let (mut versions, mut namespaces) = (Vec::new(), Vec::new());
+        let (mut versions, mut namespaces, mut datasets) = (Vec::new(), Vec::new(), Vec::new());
         match op {
             Op::Read if !q.target.is_empty() || p.is_scoped() => {
                 if q.target.is_empty() {
@@ -120,15 +120,17 @@ impl MetadataService {
                     ));
                 }
                 self.scope(&p, r.name.as_str(), crate::auth::Action::Read)?;
-                if p.is_scoped() {
-                    let (uid, ns) = self
-                        .run(move |c| c.version_grant_ids(&r))
-                        .await
-                        .map_err(to_status)?;
-                    versions.push(uid);
-                    if !ns.is_empty() {
-                        namespaces.push(ns);
-                    }
+                // Named in every grant for a version: a node's socket table may hold an
+                // unscoped token's grant to them too (`GrantBody.scoped` says whether
+                // every node must).
+                datasets.push(r.name.to_string());
+                let (uid, ns) = self
+                    .run(move |c| c.version_grant_ids(&r))
+                    .await
+                    .map_err(to_status)?;
+                versions.push(uid);
+                if !ns.is_empty() {
+                    namespaces.push(ns);
                 }
             }
             Op::Backup => {
@@ -178,6 +180,8 @@ impl MetadataService {
             expires_unix_ms: now + ttl.as_millis() as u64,
             versions,
             namespaces,
+            datasets,
+            scoped: p.is_scoped(),
         };
         if op != Op::Read {
             self.audit.record(
