@@ -1011,7 +1011,8 @@ async fn a_mount_through_the_open_socket_reads_its_files_from_descriptors_the_no
     }
     // Every file came from a descriptor the node handed out, none from replicas (which
     // served only the namespace, a little over a kilobyte).
-    assert_eq!(counter(n, "locus_node_opened_blobs_total").await, 6);
+    // (At least one each: a file asked for alone may also come in a window opened ahead.)
+    assert!(counter(n, "locus_node_opened_blobs_total").await >= 6);
     let mut served = 0;
     for n in &nodes {
         served += counter(n, "locus_node_read_bytes_total").await;
@@ -1338,5 +1339,5 @@ async fn a_host_user_the_node_maps_to_team_a_is_handed_only_team_as_blobs_whatev
     .await
     .unwrap();
     assert_eq!(file.0.code, 0, "{:?}", file.0);
-    assert!(file.1.is_some());
+    assert_eq!(file.1.len(), 1);
 }

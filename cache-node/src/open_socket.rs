@@ -63,17 +63,18 @@ impl OpenSocket {
                     return;
                 }
             };
-            let (resp, file) = match OpenBlobRequest::decode(&frame[..]) {
+            let (resp, files) = match OpenBlobRequest::decode(&frame[..]) {
                 Ok(q) => match self.answer(q, &mut last, scope.as_deref()) {
-                    Ok((r, f)) => (r, Some(f)),
-                    Err(st) => (refusal(&st), None),
+                    Ok(x) => x,
+                    Err(st) => (refusal(&st), Vec::new()),
                 },
                 Err(e) => (
                     refusal(&Status::invalid_argument(format!("a malformed request: {e}"))),
-                    None,
+                    Vec::new(),
                 ),
             };
-            if let Err(e) = open_socket::send_response(&s, &resp, file.as_ref().map(|f| f.as_fd())) {
+            let fds: Vec<_> = files.iter().map(|f| f.as_fd()).collect();
+            if let Err(e) = open_socket::send_response(&s, &resp, &fds) {
                 tracing::debug!("open socket: cannot answer: {e}");
                 return;
             }
@@ -85,8 +86,23 @@ impl OpenSocket {
         q: OpenBlobRequest,
         last: &mut Option<(String, Arc<locus_proto::grant::GrantBody>)>,
         scope: Option<&locus_proto::auth::Scope>,
-    ) -> Result<(OpenBlobResponse, std::fs::File), Status> {
-        let h = locus_proto::BlobHash::from_slice("hash", &q.hash)?;
+    ) -> Result<(OpenBlobResponse, Vec<std::fs::File>), Status> {
+        if q.more.len() > open_socket::MAX_FDS - 1 {
+            return Err(Status::invalid_argument(format!(
+                "{} more blobs; at most {}",
+                q.more.len(),
+                open_socket::MAX_FDS - 1
+            )));
+        }
+        let first = (!q.hash.is_empty())
+            .then(|| locus_proto::BlobHash::from_slice("hash", &q.hash))
+            .transpose()?;
+        let more = q
+            .more
+            .iter()
+            .map(|m| locus_proto::BlobHash::from_slice("more", m))
+            .collect::<Result<Vec<_>, _>>()?;
+        let mut opens_more = vec![true; more.len()];
         if self.require_grants || scope.is_some() {
             let now = locus_proto::grant::now_ms();
             let g = match last.as_ref() {
@@ -131,25 +147,49 @@ impl OpenSocket {
                     )));
                 }
             }
-            self.rt
-                .block_on(self.svc.peers.grant_opens_if(&g, &h, g.scoped || scope.is_some()))?;
+            let narrow = g.scoped || scope.is_some();
+            if let Some(h) = &first {
+                self.rt.block_on(self.svc.peers.grant_opens_if(&g, h, narrow))?;
+            }
+            if narrow && !more.is_empty() {
+                opens_more = self.rt.block_on(self.svc.peers.grant_filter(&g, &more))?;
+            }
         }
-        let at = self.rt.block_on(self.svc.make_local(nodepb::EnsureLocalRequest {
-            hash: q.hash,
-            size: q.size,
-            chunk_size: q.chunk_size,
-            packed_ok: true,
-        }))?;
-        let file = std::fs::File::open(&at.path)
-            .map_err(|e| Status::internal(format!("cannot open blob {h}'s file: {e}")))?;
-        self.svc.metrics.opened_blobs.inc();
-        Ok((
-            OpenBlobResponse {
-                offset: at.offset,
-                packed: at.packed,
-                ..Default::default()
-            },
-            file,
-        ))
+        let mut resp = OpenBlobResponse::default();
+        let mut files = Vec::new();
+        if let Some(h) = first {
+            let at = self.rt.block_on(self.svc.make_local(nodepb::EnsureLocalRequest {
+                hash: q.hash,
+                size: q.size,
+                chunk_size: q.chunk_size,
+                packed_ok: true,
+            }))?;
+            files.push(
+                std::fs::File::open(&at.path)
+                    .map_err(|e| Status::internal(format!("cannot open blob {h}'s file: {e}")))?,
+            );
+            (resp.offset, resp.packed) = (at.offset, at.packed);
+        }
+        // The reader's next files: handed out only if verified here already; a blob not
+        // here (or one the grant does not open) is simply not present.
+        for (h, opens) in more.into_iter().zip(opens_more) {
+            let at = match opens {
+                true => self.rt.block_on(self.svc.verified_path(h)).ok().flatten(),
+                false => None,
+            };
+            match at.and_then(|at| std::fs::File::open(&at.path).ok().map(|f| (at, f))) {
+                Some((at, f)) => {
+                    files.push(f);
+                    resp.more.push(nodepb::OpenedBlob {
+                        present: true,
+                        offset: at.offset,
+                        packed: at.packed,
+                    });
+                }
+                None => resp.more.push(nodepb::OpenedBlob::default()),
+            }
+        }
+        self.svc.metrics.opened_blobs.inc_by(files.len() as u64);
+        Ok((resp, files))
     }
 }

@@ -94,6 +94,17 @@ pub trait LocalNode: Send + Sync + 'static {
             ))
         })
     }
+    /// Whether `open_many` hands out files (the open socket); a node that lists paths
+    /// is asked for those instead (`local_paths`).
+    fn hands_out_files(&self) -> bool {
+        false
+    }
+    /// For each blob the node holds verified now, its file opened (it fetches and hashes
+    /// nothing); within `limit`. Blocking.
+    fn open_many(&self, blobs: &[BlobHash], limit: Duration) -> Result<Vec<Option<NodeFile>>, LocalError> {
+        let _ = (blobs, limit);
+        Err(LocalError::Refused("this node hands out no files".into()))
+    }
 }
 
 /// Why the same host's node gave no file for a blob: what the log says, and whether the
@@ -243,12 +254,65 @@ impl LocalNode for OpenSocketNode {
     }
 
     fn open_local(&self, blob: BlobHash, size: u64, limit: Duration) -> Result<NodeFile, LocalError> {
+        let (resp, files) = self.ask(Some((blob, size)), &[], limit)?;
+        let file = files
+            .into_iter()
+            .next()
+            .ok_or_else(|| LocalError::Refused("the node answered without a descriptor".into()))?;
+        Ok(NodeFile {
+            seen: file_id(&file),
+            file,
+            base: resp.offset,
+            packed: resp.packed,
+        })
+    }
+
+    fn hands_out_files(&self) -> bool {
+        true
+    }
+
+    fn open_many(&self, blobs: &[BlobHash], limit: Duration) -> Result<Vec<Option<NodeFile>>, LocalError> {
+        let mut out = Vec::with_capacity(blobs.len());
+        for batch in blobs.chunks(locus_proto::open_socket::MAX_FDS - 1) {
+            let (resp, files) = self.ask(None, batch, limit)?;
+            if resp.more.len() != batch.len() {
+                return Err(LocalError::Refused(format!(
+                    "{} answers for {} blobs",
+                    resp.more.len(),
+                    batch.len()
+                )));
+            }
+            let mut files = files.into_iter();
+            for m in resp.more {
+                let file = if m.present { files.next() } else { None };
+                out.push(file.map(|file| NodeFile {
+                    seen: file_id(&file),
+                    file,
+                    base: m.offset,
+                    packed: m.packed,
+                }));
+            }
+        }
+        Ok(out)
+    }
+}
+
+impl OpenSocketNode {
+    /// One request on an idle connection (or a new one): `first` made local and opened,
+    /// `more` opened where the node holds them verified.
+    fn ask(
+        &self,
+        first: Option<(BlobHash, u64)>,
+        more: &[BlobHash],
+        limit: Duration,
+    ) -> Result<(locus_proto::nodepb::OpenBlobResponse, Vec<File>), LocalError> {
         let grant = (self.grant)().map_err(LocalError::Refused)?;
         let req = locus_proto::nodepb::OpenBlobRequest {
-            hash: blob.0.to_vec(),
-            size,
+            hash: first.map(|f| f.0 .0.to_vec()).unwrap_or_default(),
+            size: first.map_or(0, |f| f.1),
             chunk_size: self.chunk_size,
             grant,
+            more: more.iter().map(|h| h.0.to_vec()).collect(),
         };
         let conn = match self.idle.lock().unwrap().pop() {
             Some(c) => c,
@@ -256,21 +320,14 @@ impl LocalNode for OpenSocketNode {
                 .map_err(|e| LocalError::Unreachable(format!("{}: {e}", self.path.display())))?,
         };
         let _ = conn.set_read_timeout(Some(limit));
-        let (resp, file) = locus_proto::open_socket::ask(&conn, &req)
+        let (resp, files) = locus_proto::open_socket::ask(&conn, &req)
             .map_err(|e| LocalError::Unreachable(format!("{}: {e}", self.path.display())))?;
         self.idle.lock().unwrap().push(conn);
         if resp.code != 0 {
             let code = tonic::Code::from(resp.code as i32);
             return Err(LocalError::from_status(&tonic::Status::new(code, resp.message)));
         }
-        let file =
-            file.ok_or_else(|| LocalError::Refused("the node answered without a descriptor".into()))?;
-        Ok(NodeFile {
-            seen: file_id(&file),
-            file,
-            base: resp.offset,
-            packed: resp.packed,
-        })
+        Ok((resp, files))
     }
 }
 

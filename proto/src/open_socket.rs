@@ -61,11 +61,14 @@ fn frame(msg: &impl Message) -> Vec<u8> {
     out
 }
 
-/// Room for one descriptor's control message, aligned for cmsghdr (u64 words).
-fn control_buffer() -> Vec<u64> {
+/// Most descriptors one answer carries: the asked blob and 64 more.
+pub const MAX_FDS: usize = 65;
+
+/// Room for `n` descriptors' control message, aligned for cmsghdr (u64 words).
+fn control_buffer(n: usize) -> Vec<u64> {
     // SAFETY: CMSG_SPACE is arithmetic on its argument.
     #[allow(unsafe_code)]
-    let space = unsafe { libc::CMSG_SPACE(std::mem::size_of::<libc::c_int>() as u32) } as usize;
+    let space = unsafe { libc::CMSG_SPACE((n * std::mem::size_of::<libc::c_int>()) as u32) } as usize;
     vec![0u64; space.div_ceil(8)]
 }
 
@@ -82,78 +85,87 @@ fn header(iov: &mut libc::iovec, control: &mut [u64]) -> libc::msghdr {
     msg
 }
 
-/// Sends a response frame on `sock`, with `fd` attached when there is one.
-pub fn send_response(
-    sock: &UnixStream,
-    resp: &OpenBlobResponse,
-    fd: Option<BorrowedFd<'_>>,
-) -> io::Result<()> {
+/// Sends a response frame on `sock`, with `fds` attached (at most MAX_FDS).
+pub fn send_response(sock: &UnixStream, resp: &OpenBlobResponse, fds: &[BorrowedFd<'_>]) -> io::Result<()> {
     let bytes = frame(resp);
-    let Some(fd) = fd else {
+    if fds.is_empty() {
         return (&*sock).write_all(&bytes);
-    };
+    }
+    if fds.len() > MAX_FDS {
+        return Err(io::Error::other(format!(
+            "{} descriptors; at most {MAX_FDS}",
+            fds.len()
+        )));
+    }
     let mut iov = libc::iovec {
         iov_base: bytes.as_ptr() as *mut libc::c_void,
         iov_len: bytes.len(),
     };
-    let mut control = control_buffer();
+    let mut control = control_buffer(fds.len());
     let msg = header(&mut iov, &mut control);
     // SAFETY: `msg` points at `bytes` (through `iov`) and at `control`, alive for the
-    // call; CMSG_FIRSTHDR is within `control`, sized by CMSG_SPACE for one descriptor.
+    // call; CMSG_FIRSTHDR is within `control`, sized by CMSG_SPACE for these descriptors.
     #[allow(unsafe_code)]
     let sent = unsafe {
         let c = libc::CMSG_FIRSTHDR(&msg);
         (*c).cmsg_level = libc::SOL_SOCKET;
         (*c).cmsg_type = libc::SCM_RIGHTS;
-        (*c).cmsg_len = libc::CMSG_LEN(std::mem::size_of::<libc::c_int>() as u32) as _;
-        std::ptr::write_unaligned(libc::CMSG_DATA(c) as *mut libc::c_int, fd.as_raw_fd());
+        (*c).cmsg_len = libc::CMSG_LEN((fds.len() * std::mem::size_of::<libc::c_int>()) as u32) as _;
+        let data = libc::CMSG_DATA(c) as *mut libc::c_int;
+        for (i, fd) in fds.iter().enumerate() {
+            std::ptr::write_unaligned(data.add(i), fd.as_raw_fd());
+        }
         libc::sendmsg(sock.as_raw_fd(), &msg, libc::MSG_NOSIGNAL)
     };
     if sent < 0 {
         return Err(io::Error::last_os_error());
     }
-    // The descriptor went with the first byte; the rest of a short send follows plainly.
+    // The descriptors went with the first byte; the rest of a short send follows plainly.
     (&*sock).write_all(&bytes[sent as usize..])
 }
 
-/// Receives the start of a response and the descriptor sent with it, if any.
-fn recv_with_fd(sock: &UnixStream, buf: &mut [u8]) -> io::Result<(usize, Option<OwnedFd>)> {
+/// Receives the start of a response and the descriptors sent with it.
+fn recv_with_fds(sock: &UnixStream, buf: &mut [u8]) -> io::Result<(usize, Vec<OwnedFd>)> {
     let mut iov = libc::iovec {
         iov_base: buf.as_mut_ptr() as *mut libc::c_void,
         iov_len: buf.len(),
     };
-    let mut control = control_buffer();
+    let mut control = control_buffer(MAX_FDS);
     let mut msg = header(&mut iov, &mut control);
-    // SAFETY: as in `send_response`; a descriptor the kernel put in the control buffer is
-    // this process's from then on, and wrapped at once so it is closed if unused.
+    // SAFETY: as in `send_response`; descriptors the kernel put in the control buffer are
+    // this process's from then on, and wrapped at once so they are closed if unused.
     #[allow(unsafe_code)]
     unsafe {
         let n = libc::recvmsg(sock.as_raw_fd(), &mut msg, libc::MSG_CMSG_CLOEXEC);
         if n < 0 {
             return Err(io::Error::last_os_error());
         }
-        let mut fd = None;
+        let mut fds = Vec::new();
         let c = libc::CMSG_FIRSTHDR(&msg);
         if !c.is_null() && (*c).cmsg_level == libc::SOL_SOCKET && (*c).cmsg_type == libc::SCM_RIGHTS {
-            let raw = std::ptr::read_unaligned(libc::CMSG_DATA(c) as *const libc::c_int);
-            fd = Some(OwnedFd::from_raw_fd(raw));
+            let header_len = libc::CMSG_LEN(0) as usize;
+            let count = ((*c).cmsg_len as usize - header_len) / std::mem::size_of::<libc::c_int>();
+            let data = libc::CMSG_DATA(c) as *const libc::c_int;
+            for i in 0..count {
+                fds.push(OwnedFd::from_raw_fd(std::ptr::read_unaligned(data.add(i))));
+            }
         }
         if msg.msg_flags & libc::MSG_CTRUNC != 0 {
-            return Err(io::Error::other("the node sent more descriptors than asked"));
+            return Err(io::Error::other(
+                "the node sent more descriptors than an answer holds",
+            ));
         }
-        Ok((n as usize, fd))
+        Ok((n as usize, fds))
     }
 }
 
-/// Sends one request on a connection and reads its answer: the response, and the blob's
-/// file when the node answered OK.
-pub fn ask(
-    sock: &UnixStream,
-    req: &OpenBlobRequest,
-) -> io::Result<(OpenBlobResponse, Option<std::fs::File>)> {
+/// Sends one request on a connection and reads its answer: the response, and the files
+/// the node handed out, in the response's order (the asked blob's when it answered OK,
+/// then each present one of `more`).
+pub fn ask(sock: &UnixStream, req: &OpenBlobRequest) -> io::Result<(OpenBlobResponse, Vec<std::fs::File>)> {
     (&*sock).write_all(&frame(req))?;
-    let mut head = [0u8; 512];
-    let (n, fd) = recv_with_fd(sock, &mut head)?;
+    let mut head = [0u8; 4096];
+    let (n, fds) = recv_with_fds(sock, &mut head)?;
     if n < 4 {
         // A frame's length is 4 bytes, sent in one go: fewer is the node going away.
         return Err(io::Error::new(
@@ -165,13 +177,13 @@ pub fn ask(
     if len > MAX_FRAME {
         return Err(io::Error::new(io::ErrorKind::InvalidData, "an oversized answer"));
     }
-    let mut body = head[4..n.min(4 + len)].to_vec();
     if n > 4 + len {
         return Err(io::Error::new(
             io::ErrorKind::InvalidData,
             "more bytes than the answer's frame",
         ));
     }
+    let mut body = head[4..n].to_vec();
     if body.len() < len {
         let mut rest = vec![0u8; len - body.len()];
         (&*sock).read_exact(&mut rest)?;
@@ -179,7 +191,7 @@ pub fn ask(
     }
     let resp =
         OpenBlobResponse::decode(&body[..]).map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))?;
-    Ok((resp, fd.map(std::fs::File::from)))
+    Ok((resp, fds.into_iter().map(std::fs::File::from).collect()))
 }
 
 /// Connects to the open socket at `path`, every read and write bounded by `timeout`.
@@ -203,7 +215,7 @@ mod tests {
         std::fs::write(&p, b"the blob's bytes").unwrap();
         let server = std::thread::spawn(move || {
             let mut s = &b;
-            for i in 0..2 {
+            for i in 0..3 {
                 let f = read_frame(&mut s).unwrap().unwrap();
                 let q = OpenBlobRequest::decode(&f[..]).unwrap();
                 assert_eq!(q.grant, format!("g{i}"));
@@ -213,14 +225,19 @@ mod tests {
                         offset: 7,
                         ..Default::default()
                     };
-                    send_response(&b, &ok, Some(std::os::fd::AsFd::as_fd(&file))).unwrap();
+                    send_response(&b, &ok, &[std::os::fd::AsFd::as_fd(&file)]).unwrap();
+                } else if i == 2 {
+                    // Many at once, in order.
+                    let files: Vec<_> = (0..MAX_FDS).map(|_| std::fs::File::open(&p).unwrap()).collect();
+                    let fds: Vec<_> = files.iter().map(std::os::fd::AsFd::as_fd).collect();
+                    send_response(&b, &OpenBlobResponse::default(), &fds).unwrap();
                 } else {
                     let no = OpenBlobResponse {
                         code: 5,
                         message: "blob x is not on this node".into(),
                         ..Default::default()
                     };
-                    send_response(&b, &no, None).unwrap();
+                    send_response(&b, &no, &[]).unwrap();
                 }
             }
             assert!(read_frame(&mut s).unwrap().is_none(), "a clean end");
@@ -232,11 +249,18 @@ mod tests {
         let (r, f) = ask(&a, &q("g0")).unwrap();
         assert_eq!((r.code, r.offset), (0, 7));
         let mut got = String::new();
-        f.expect("a descriptor").read_to_string(&mut got).unwrap();
+        let mut f = f.into_iter();
+        f.next().expect("a descriptor").read_to_string(&mut got).unwrap();
         assert_eq!(got, "the blob's bytes");
         let (r, f) = ask(&a, &q("g1")).unwrap();
         assert_eq!(r.code, 5);
-        assert!(f.is_none());
+        assert!(f.is_empty());
+        let (r, f) = ask(&a, &q("g2")).unwrap();
+        assert_eq!(r.code, 0);
+        assert_eq!(f.len(), MAX_FDS);
+        let mut head = [0u8; 3];
+        std::os::unix::fs::FileExt::read_exact_at(&f[MAX_FDS - 1], &mut head, 0).unwrap();
+        assert_eq!(&head, b"the");
         drop(a);
         server.join().unwrap();
         let _ = std::fs::remove_dir_all(&dir);

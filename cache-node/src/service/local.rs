@@ -11,7 +11,7 @@ use super::{hash, to_status, NodeService};
 
 impl NodeService {
     /// `BlobStore::verified_path` off the async threads: it may hash a whole blob.
-    pub(super) async fn verified_path(&self, h: BlobHash) -> Result<Option<crate::store::Located>, Status> {
+    pub(crate) async fn verified_path(&self, h: BlobHash) -> Result<Option<crate::store::Located>, Status> {
         let store = self.store.clone();
         let metrics = self.metrics.clone();
         let before = store.stats().quarantined;

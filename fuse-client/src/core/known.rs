@@ -38,6 +38,8 @@ pub struct KnownPath {
 pub(crate) struct Known {
     paths: HashMap<u64, KnownPath>,
     shards: HashSet<u32>,
+    /// Inode windows whose files were asked of a node that hands out files.
+    windows: HashSet<u64>,
 }
 
 #[cfg(test)]
@@ -52,6 +54,11 @@ impl Known {
 const KNOWN_MAX: usize = 65_536;
 /// Most files of one shard asked about at once.
 const SHARD_BATCH: usize = 8_192;
+/// Inodes per window a node that hands out files is asked for at once: a reader's next
+/// files (inode order is path order), one request instead of one per open.
+const WINDOW: u64 = 64;
+/// Windows remembered as asked; past it the set starts again.
+const WINDOWS_MAX: usize = 100_000;
 /// Inodes walked past (directories, other kinds) before a shard's run is taken as ended.
 const WALK_MAX: usize = 4 * SHARD_BATCH;
 
@@ -79,6 +86,9 @@ impl Core {
     /// Learns, in the background, the node's verified paths for the files of `ino`'s
     /// shard; once per shard (until the learned paths are dropped for room).
     pub(crate) fn learn_shard(self: &Arc<Self>, ino: u64) {
+        if self.local.as_ref().is_some_and(|n| n.hands_out_files()) {
+            return self.open_ahead(ino);
+        }
         let (Some(node), Some(shard)) = (self.local.clone(), self.ns.shard(ino)) else {
             return;
         };
@@ -113,6 +123,57 @@ impl Core {
                     // Opens go on through EnsureLocal; a later open may ask again.
                     tracing::debug!(shard, "the node did not list the shard's paths: {e}");
                     core.known.lock().unwrap().shards.remove(&shard);
+                }
+            }
+        });
+    }
+
+    /// For a node that hands out files (the open socket, which lists no paths): the files
+    /// of the window after `ino` (and of `ino`'s own), opened by the node in one request
+    /// each, in the background, and kept for the reopen window; each window asked once.
+    fn open_ahead(self: &Arc<Self>, ino: u64) {
+        let Some(node) = self.local.clone() else { return };
+        let windows: Vec<u64> = {
+            let mut k = self.known.lock().unwrap();
+            if k.windows.len() >= WINDOWS_MAX {
+                k.windows.clear();
+            }
+            [ino / WINDOW, ino / WINDOW + 1]
+                .into_iter()
+                .filter(|w| k.windows.insert(*w))
+                .collect()
+        };
+        if windows.is_empty() {
+            return;
+        }
+        let core = self.clone();
+        self.rt.spawn_blocking(move || {
+            for w in windows {
+                let (inos, blobs): (Vec<u64>, Vec<BlobHash>) = (w * WINDOW..(w + 1) * WINDOW)
+                    .filter(|i| *i != ino && core.recent_file(*i).is_none())
+                    .filter(|i| {
+                        core.ns
+                            .attr(*i)
+                            .is_some_and(|a| a.kind == Kind::File && a.size > 0)
+                    })
+                    .filter_map(|i| core.ns.blob(i).map(|b| (i, b.0)))
+                    .unzip();
+                if blobs.is_empty() {
+                    continue;
+                }
+                match node.open_many(&blobs, core.settings.open_timeout) {
+                    Ok(files) => {
+                        for (i, f) in inos.into_iter().zip(files) {
+                            if let Some(f) = f {
+                                core.remember(i, Arc::new(f));
+                            }
+                        }
+                    }
+                    Err(e) => {
+                        // Opens go on one at a time; a later open may ask again.
+                        tracing::debug!(window = w, "the node did not hand out the window's files: {e}");
+                        core.known.lock().unwrap().windows.remove(&w);
+                    }
                 }
             }
         });
