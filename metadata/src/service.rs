@@ -15,9 +15,12 @@ use crate::metrics::Metrics;
 mod grants;
 mod members;
 mod mounts;
+mod placement;
 mod scheduling;
+mod tenancy;
 mod wire;
 
+use tenancy::QuotaFor;
 pub use wire::to_status;
 use wire::{check_node_caller, page_limit, principal, version_ref};
 
@@ -88,123 +91,6 @@ impl MetadataService {
         }
     }
 
-    /// Refuses `action` on the dataset `name` to a caller whose scope does not allow it.
-    /// A dataset outside the scope is answered exactly as one that does not exist
-    /// (NOT_FOUND, the catalogue's words), so a token cannot probe other teams' names; one
-    /// it may see but not act on is refused plainly. Every refusal is audited.
-    pub(super) fn scope(&self, p: &Principal, name: &str, action: Action) -> Result<(), Status> {
-        if p.may(name, action) {
-            return Ok(());
-        }
-        // A malformed name is refused as malformed, whoever asks.
-        DatasetName::try_from(name)?;
-        self.audit.scope_refused(p, action.as_str(), name);
-        if p.sees(name) {
-            Err(Status::permission_denied(format!(
-                "{} may not {} dataset {name}: its scope allows {}",
-                p.name,
-                action.as_str(),
-                p.scope.as_ref().map(|s| s.describe()).unwrap_or_default()
-            )))
-        } else {
-            Err(Status::not_found(format!("no dataset named {name}")))
-        }
-    }
-
-    /// Refuses a cluster-wide call (nodes, members, keys, backups, the whole catalogue) to
-    /// a token narrowed to datasets.
-    fn unscoped(&self, p: &Principal, what: &str) -> Result<(), Status> {
-        if !p.is_scoped() {
-            return Ok(());
-        }
-        self.audit.scope_refused(p, what, "");
-        Err(Status::permission_denied(format!(
-            "{} is narrowed to datasets ({}); {what} is for an unscoped admin token",
-            p.name,
-            p.scope.as_ref().map(|s| s.describe()).unwrap_or_default()
-        )))
-    }
-
-    /// The import session's dataset must be in the caller's import scope; a session of
-    /// another team's looks like one that is not open.
-    async fn session_scope(&self, p: &Principal, session: u64) -> Result<(), Status> {
-        if !p.is_scoped() {
-            return Ok(());
-        }
-        let name = self
-            .run(move |c| c.session_dataset(session))
-            .await
-            .map_err(to_status)?;
-        if p.may(&name, Action::Import) {
-            return Ok(());
-        }
-        self.audit
-            .scope_refused(p, "import", &format!("session {session}"));
-        Err(to_status(self.catalog.no_session(session)))
-    }
-
-    /// Refuses placing `needs` replicated bytes for import session `session` when a team
-    /// whose datasets include the session's would go over its quota (`crate::quota`):
-    /// checked before any byte reaches a node.
-    async fn within_quota(&self, of: QuotaFor, needs: u64) -> Result<(), Status> {
-        if self.catalog.config().teams.is_empty() {
-            return Ok(());
-        }
-        let session = match &of {
-            QuotaFor::Session(s) => *s,
-            QuotaFor::Dataset(_) => 0,
-        };
-        let mut reserved = self.reserved.lock().await;
-        let others: Vec<(u64, String, u64)> = reserved
-            .iter()
-            .filter(|(s, _)| **s != session)
-            .map(|(s, (d, b))| (*s, d.clone(), *b))
-            .collect();
-        let (dataset, closed, refused) = self
-            .run(move |c| {
-                let dataset = match of {
-                    QuotaFor::Session(s) => c.session_dataset(s)?,
-                    QuotaFor::Dataset(d) => d,
-                };
-                // Sessions since committed (their versions are counted now), aborted or
-                // expired hold nothing any more.
-                let (mut open, mut closed) = (Vec::new(), Vec::new());
-                for (s, d, b) in others {
-                    match c.session_dataset(s) {
-                        Ok(_) => open.push((d, b)),
-                        Err(CatalogError::NotFound(_)) => closed.push(s),
-                        Err(e) => return Err(e),
-                    }
-                }
-                for team in c.config().teams.iter().filter(|t| t.covers(&dataset)) {
-                    let placed: u64 = open.iter().filter(|(d, _)| team.covers(d)).map(|(_, b)| *b).sum();
-                    let used = c.pinned_by(|d| team.covers(d))?.saturating_add(placed);
-                    if let Err(why) = crate::quota::check(team, used, needs) {
-                        return Ok((dataset, closed, Some(why)));
-                    }
-                }
-                Ok((dataset, closed, None))
-            })
-            .await
-            .map_err(to_status)?;
-        for s in closed {
-            reserved.remove(&s);
-        }
-        match refused {
-            None => {
-                // Held until the import ends; a warm-up's copies are counted as they land.
-                if session != 0 {
-                    reserved.insert(session, (dataset, needs));
-                }
-                Ok(())
-            }
-            Some(why) => {
-                tracing::warn!(%dataset, session, "refused over a team's quota: {why}");
-                Err(Status::resource_exhausted(why))
-            }
-        }
-    }
-
     fn audit<T>(
         &self,
         who: &Principal,
@@ -222,13 +108,6 @@ impl MetadataService {
 }
 
 type Res<T> = Result<Response<T>, Status>;
-
-/// What a quota check is for: an import session's placement (held until it ends), or
-/// copies of a dataset's committed version (a warm-up).
-enum QuotaFor {
-    Session(u64),
-    Dataset(String),
-}
 
 #[tonic::async_trait]
 impl pb::metadata_server::Metadata for MetadataService {
@@ -360,22 +239,17 @@ impl pb::metadata_server::Metadata for MetadataService {
         &self,
         req: Request<pb::BlobsInVersionsRequest>,
     ) -> Res<pb::BlobsInVersionsResponse> {
-        let q = req.into_inner();
-        if q.versions.len() > 64 || q.hashes.len() > 10_000 {
-            return Err(Status::invalid_argument(
-                "at most 64 versions and 10,000 hashes per call",
-            ));
-        }
-        let hashes = q
-            .hashes
-            .iter()
-            .map(|h| locus_proto::BlobHash::from_slice("hashes", h))
-            .collect::<Result<Vec<_>, _>>()?;
-        let member = self
-            .run(move |c| c.blobs_in_versions(&q.versions, &hashes))
-            .await
-            .map_err(to_status)?;
-        Ok(Response::new(pb::BlobsInVersionsResponse { member }))
+        self.members_of(req.into_inner()).await.map(Response::new)
+    }
+
+    async fn place_shards(&self, req: Request<pb::PlaceShardsRequest>) -> Res<pb::PlaceShardsResponse> {
+        let p = principal(&req)?;
+        self.place(p, req.into_inner()).await.map(Response::new)
+    }
+
+    async fn locate_blobs(&self, req: Request<pb::LocateBlobsRequest>) -> Res<pb::LocateBlobsResponse> {
+        let p = principal(&req)?;
+        self.locate(p, req.into_inner()).await.map(Response::new)
     }
 
     async fn list_nodes(&self, _req: Request<pb::ListNodesRequest>) -> Res<pb::ListNodesResponse> {
@@ -433,96 +307,6 @@ impl pb::metadata_server::Metadata for MetadataService {
         Ok(Response::new(pb::ListNodeBlobsResponse {
             blobs,
             next_page_token,
-        }))
-    }
-
-    async fn place_shards(&self, req: Request<pb::PlaceShardsRequest>) -> Res<pb::PlaceShardsResponse> {
-        let p = principal(&req)?;
-        // Placing an import's shards is part of an import: of the session's dataset when
-        // it names one.
-        if p.scope.as_ref().is_some_and(|s| !s.allows_any(Action::Import)) {
-            self.unscoped(&p, "placing shards")?;
-        }
-        let q = req.into_inner();
-        if q.shards.len() > 1_000_000 {
-            return Err(Status::invalid_argument("shards: at most 1,000,000 per call"));
-        }
-        if q.session_id != 0 {
-            self.session_scope(&p, q.session_id).await?;
-            let replicas = u64::from(q.replication.max(1));
-            let needs = q
-                .shards
-                .iter()
-                .fold(0u64, |a, s| a.saturating_add(s.bytes.saturating_mul(replicas)));
-            self.within_quota(QuotaFor::Session(q.session_id), needs).await?;
-        }
-        let shards: Vec<(u32, u64, Vec<String>)> =
-            q.shards.into_iter().map(|s| (s.id, s.bytes, s.prefer)).collect();
-        let replication = if q.replication == 0 { 1 } else { q.replication };
-        let (placed, unplaced) = self
-            .run(move |c| c.place_shards(&shards, replication))
-            .await
-            .map_err(to_status)?;
-        Ok(Response::new(pb::PlaceShardsResponse {
-            placements: placed
-                .into_iter()
-                .map(|(shard, nodes)| pb::ShardPlacement { shard, nodes })
-                .collect(),
-            unplaced: unplaced
-                .into_iter()
-                .map(|(shard, reason)| pb::UnplacedShard { shard, reason })
-                .collect(),
-        }))
-    }
-
-    async fn locate_blobs(&self, req: Request<pb::LocateBlobsRequest>) -> Res<pb::LocateBlobsResponse> {
-        let p = principal(&req)?;
-        let q = req.into_inner();
-        if q.hashes.len() > 10_000 {
-            return Err(Status::invalid_argument("hashes: at most 10,000 per call"));
-        }
-        let hashes = q
-            .hashes
-            .iter()
-            .map(|h| locus_proto::BlobHash::from_slice("hashes", h))
-            .collect::<Result<Vec<_>, _>>()?;
-        // A scoped caller learns where a blob is only if a dataset in its scope holds it;
-        // any other is answered as a blob no version holds.
-        let scope = p.scope.clone();
-        let found = self
-            .run(move |c| {
-                let mut found = c.locate_blobs(&hashes)?;
-                if let Some(scope) = scope {
-                    let seen = c.blobs_seen(&hashes, |d| scope.sees(d))?;
-                    for (f, seen) in found.iter_mut().zip(seen) {
-                        if !seen {
-                            *f = Default::default();
-                        }
-                    }
-                }
-                Ok(found)
-            })
-            .await
-            .map_err(to_status)?;
-        let backups = match p.is_scoped() {
-            true => Vec::new(),
-            false => self.run(|c| c.backup_sources()).await.map_err(to_status)?,
-        };
-        Ok(Response::new(pb::LocateBlobsResponse {
-            backups,
-            blobs: q
-                .hashes
-                .into_iter()
-                .zip(found)
-                .map(|(hash, (nodes, addresses, size))| pb::BlobLocation {
-                    hash,
-                    nodes,
-                    addresses,
-                    size: size.map_or(0, |s| s.0),
-                    chunk_size: size.map_or(0, |s| s.1),
-                    known: size.is_some(),
-                })
-                .collect(),
         }))
     }
 
@@ -796,28 +580,7 @@ impl pb::metadata_server::Metadata for MetadataService {
                 q.namespace_size,
             ))
         };
-        if let Some(scope) = p.scope.clone() {
-            // Content is addressed by hash and shared: a scoped importer naming another
-            // team's blobs would have them readable as its own. Those must come from a
-            // dataset in its scope (or an unscoped admin's import).
-            let foreign = self
-                .run(move |c| c.foreign_blobs(session, |d| scope.sees(d), 3))
-                .await
-                .map_err(to_status)?;
-            if !foreign.is_empty() {
-                self.audit
-                    .scope_refused(&p, "import", &format!("session {session}"));
-                return Err(Status::permission_denied(format!(
-                    "{} is narrowed to datasets, and this import names content that only datasets \
-                     outside its scope hold (blob {}{}): a scoped import cannot take another \
-                     team's bytes by their hash. Read them from a dataset in your scope, or have \
-                     an unscoped admin import them",
-                    p.name,
-                    foreign[0],
-                    if foreign.len() > 1 { " and others" } else { "" }
-                )));
-            }
-        }
+        self.own_content(&p, session).await?;
         let who = p.name.clone();
         let r = self.run(move |c| c.commit(session, &who, namespace)).await;
         let target = match &r {

@@ -21,6 +21,7 @@ pub mod names;
 pub mod net;
 pub mod open_socket;
 pub mod outboard;
+pub mod scope;
 pub mod sealed;
 pub mod tls;
 

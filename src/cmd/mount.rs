@@ -207,7 +207,7 @@ mod holder;
 mod lease;
 mod runtime;
 pub use detach::umount;
-use detach::{check_empty, check_mountpoint, check_node_socket, spawn_background};
+use detach::{check_empty, check_mountpoint, check_node_socket, local_node, spawn_background};
 use runtime::{private_runtime_dir, status_path};
 
 /// Statuses of this host's live Locus mounts.
@@ -248,44 +248,6 @@ pub async fn run(a: MountArgs, cfg: &Resolved) -> anyhow::Result<()> {
         holder::run(&mountpoint, a.notify_ready, cfg.token.as_deref()).await
     } else {
         spawn_background(&a, &mountpoint, cfg.token.as_deref())
-    }
-}
-
-/// How this mount reaches the node at `sock`: its local socket when the node admits this
-/// user there (root, the node's user, its socket group), else the open socket beside it
-/// (blobs as descriptors under this mount's grants: a user the node does not trust with
-/// its data dir). `LOCUS_NODE_SOCKET_MODE=open` takes the open socket in any case.
-async fn local_node(sock: &std::path::Path) -> (Option<locus_proto::client::NodeClient>, Option<PathBuf>) {
-    let open = locus_proto::open_socket::path_of(sock);
-    let has_open = open.exists();
-    if has_open && std::env::var("LOCUS_NODE_SOCKET_MODE").as_deref() == Ok("open") {
-        tracing::info!(socket = %open.display(), "reading local blobs through the node's open socket (LOCUS_NODE_SOCKET_MODE=open)");
-        return (None, Some(open));
-    }
-    let client = locus_proto::client::connect_local_node(sock);
-    if !has_open {
-        return (Some(client), None);
-    }
-    // The node drops a connection from a user it does not admit: the first call fails.
-    let probe = tokio::time::timeout(
-        std::time::Duration::from_secs(3),
-        client
-            .clone()
-            .get_node_status(locus_proto::nodepb::GetNodeStatusRequest::default()),
-    )
-    .await;
-    match probe {
-        Ok(Ok(_)) => (Some(client), None),
-        Ok(Err(e)) if e.code() != tonic::Code::DeadlineExceeded => {
-            tracing::info!(
-                socket = %sock.display(),
-                "the node's local socket does not admit this user ({}); reading local blobs through its open socket",
-                e.message()
-            );
-            (None, Some(open))
-        }
-        // Slow, not refusing: keep the socket, whose calls have their own limits.
-        _ => (Some(client), None),
     }
 }
 

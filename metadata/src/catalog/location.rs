@@ -79,6 +79,60 @@ impl Catalog {
             .collect())
     }
 
+    /// Up to `limit` blobs the session's files name that only committed versions of
+    /// datasets `sees` rejects hold (none of a dataset it accepts): content a scoped
+    /// importer may never have had, named by hash to have it readable as its own.
+    pub fn foreign_blobs(
+        &self,
+        session: u64,
+        sees: impl Fn(&str) -> bool,
+        limit: usize,
+    ) -> Result<Vec<BlobHash>> {
+        let mut visible: HashMap<u64, bool> = HashMap::new();
+        for kv in self.store.scan(Table::Versions, b"", None) {
+            let (k, v) = kv?;
+            if let Some((dataset, _)) = keys::split_version(&k) {
+                visible.insert(decode::<VersionRecord>(Table::Versions, &v)?.uid, sees(dataset));
+            }
+        }
+        let (from, to) = keys::uid_range(session);
+        let mut checked = std::collections::HashSet::new();
+        let mut out = Vec::new();
+        for kv in self.store.scan(Table::Entries, &from, Some(&to)) {
+            let (_, v) = kv?;
+            let e: EntryRecord = decode(Table::Entries, &v)?;
+            let Ok(h) = BlobHash::from_slice("blob", &e.blob) else {
+                continue;
+            };
+            if e.kind != KIND_FILE || !checked.insert(h) {
+                continue;
+            }
+            let (mut inside, mut outside) = (false, false);
+            let end = crate::store::prefix_end(&h.0);
+            for kv in self.store.scan(Table::BlobShards, &h.0, end.as_deref()) {
+                let (k, _) = kv?;
+                if k.len() != 44 {
+                    continue;
+                }
+                match visible.get(&keys::u64_value(&k[32..40]).unwrap_or(0)) {
+                    Some(true) => {
+                        inside = true;
+                        break;
+                    }
+                    Some(false) => outside = true,
+                    None => {}
+                }
+            }
+            if outside && !inside {
+                out.push(h);
+                if out.len() >= limit {
+                    break;
+                }
+            }
+        }
+        Ok(out)
+    }
+
     /// For each hash, whether a shard of one of the versions `uids` holds it: what a node
     /// asks before serving a blob under a read grant narrowed to those versions. A deleted
     /// version's rows are gone, so its blobs stop being members with it.

@@ -200,3 +200,46 @@ pub async fn umount(a: UmountArgs) -> anyhow::Result<()> {
     println!("unmounted {}", mp.display());
     Ok(())
 }
+
+/// How this mount reaches the node at `sock`: its local socket when the node admits this
+/// user there (root, the node's user, its socket group), else the open socket beside it
+/// (blobs as descriptors under this mount's grants: a user the node does not trust with
+/// its data dir). `LOCUS_NODE_SOCKET_MODE=open` takes the open socket in any case.
+pub(super) async fn local_node(
+    sock: &std::path::Path,
+) -> (
+    Option<locus_proto::client::NodeClient>,
+    Option<std::path::PathBuf>,
+) {
+    let open = locus_proto::open_socket::path_of(sock);
+    let has_open = open.exists();
+    if has_open && std::env::var("LOCUS_NODE_SOCKET_MODE").as_deref() == Ok("open") {
+        tracing::info!(socket = %open.display(), "reading local blobs through the node's open socket (LOCUS_NODE_SOCKET_MODE=open)");
+        return (None, Some(open));
+    }
+    let client = locus_proto::client::connect_local_node(sock);
+    if !has_open {
+        return (Some(client), None);
+    }
+    // The node drops a connection from a user it does not admit: the first call fails.
+    let probe = tokio::time::timeout(
+        std::time::Duration::from_secs(3),
+        client
+            .clone()
+            .get_node_status(locus_proto::nodepb::GetNodeStatusRequest::default()),
+    )
+    .await;
+    match probe {
+        Ok(Ok(_)) => (Some(client), None),
+        Ok(Err(e)) if e.code() != tonic::Code::DeadlineExceeded => {
+            tracing::info!(
+                socket = %sock.display(),
+                "the node's local socket does not admit this user ({}); reading local blobs through its open socket",
+                e.message()
+            );
+            (None, Some(open))
+        }
+        // Slow, not refusing: keep the socket, whose calls have their own limits.
+        _ => (Some(client), None),
+    }
+}

@@ -1,0 +1,163 @@
+//! The tenant boundary in the metadata API: a caller narrowed to datasets
+//! (`[[token.scope]]`) reaches only those, and what a team's datasets pin stays within
+//! its quota (`crate::quota`). See docs/architecture.md, "Teams".
+
+use tonic::Status;
+
+use super::{to_status, MetadataService};
+use crate::auth::{Action, Principal};
+use crate::CatalogError;
+use locus_proto::DatasetName;
+
+/// What a quota check is for: an import session's placement (held until it ends), or
+/// copies of a dataset's committed version (a warm-up).
+pub(super) enum QuotaFor {
+    Session(u64),
+    Dataset(String),
+}
+
+impl MetadataService {
+    /// Refuses `action` on the dataset `name` to a caller whose scope does not allow it.
+    /// A dataset outside the scope is answered exactly as one that does not exist
+    /// (NOT_FOUND, the catalogue's words), so a token cannot probe other teams' names; one
+    /// it may see but not act on is refused plainly. Every refusal is audited.
+    pub(super) fn scope(&self, p: &Principal, name: &str, action: Action) -> Result<(), Status> {
+        if p.may(name, action) {
+            return Ok(());
+        }
+        // A malformed name is refused as malformed, whoever asks.
+        DatasetName::try_from(name)?;
+        self.audit.scope_refused(p, action.as_str(), name);
+        if p.sees(name) {
+            Err(Status::permission_denied(format!(
+                "{} may not {} dataset {name}: its scope allows {}",
+                p.name,
+                action.as_str(),
+                p.scope.as_ref().map(|s| s.describe()).unwrap_or_default()
+            )))
+        } else {
+            Err(Status::not_found(format!("no dataset named {name}")))
+        }
+    }
+
+    /// Refuses a cluster-wide call (nodes, members, keys, backups, the whole catalogue) to
+    /// a token narrowed to datasets.
+    pub(super) fn unscoped(&self, p: &Principal, what: &str) -> Result<(), Status> {
+        if !p.is_scoped() {
+            return Ok(());
+        }
+        self.audit.scope_refused(p, what, "");
+        Err(Status::permission_denied(format!(
+            "{} is narrowed to datasets ({}); {what} is for an unscoped admin token",
+            p.name,
+            p.scope.as_ref().map(|s| s.describe()).unwrap_or_default()
+        )))
+    }
+
+    /// The import session's dataset must be in the caller's import scope; a session of
+    /// another team's looks like one that is not open.
+    pub(super) async fn session_scope(&self, p: &Principal, session: u64) -> Result<(), Status> {
+        if !p.is_scoped() {
+            return Ok(());
+        }
+        let name = self
+            .run(move |c| c.session_dataset(session))
+            .await
+            .map_err(to_status)?;
+        if p.may(&name, Action::Import) {
+            return Ok(());
+        }
+        self.audit
+            .scope_refused(p, "import", &format!("session {session}"));
+        Err(to_status(self.catalog.no_session(session)))
+    }
+
+    /// Refuses placing `needs` replicated bytes for import session `session` when a team
+    /// whose datasets include the session's would go over its quota (`crate::quota`):
+    /// checked before any byte reaches a node.
+    pub(super) async fn within_quota(&self, of: QuotaFor, needs: u64) -> Result<(), Status> {
+        if self.catalog.config().teams.is_empty() {
+            return Ok(());
+        }
+        let session = match &of {
+            QuotaFor::Session(s) => *s,
+            QuotaFor::Dataset(_) => 0,
+        };
+        let mut reserved = self.reserved.lock().await;
+        let others: Vec<(u64, String, u64)> = reserved
+            .iter()
+            .filter(|(s, _)| **s != session)
+            .map(|(s, (d, b))| (*s, d.clone(), *b))
+            .collect();
+        let (dataset, closed, refused) = self
+            .run(move |c| {
+                let dataset = match of {
+                    QuotaFor::Session(s) => c.session_dataset(s)?,
+                    QuotaFor::Dataset(d) => d,
+                };
+                // Sessions since committed (their versions are counted now), aborted or
+                // expired hold nothing any more.
+                let (mut open, mut closed) = (Vec::new(), Vec::new());
+                for (s, d, b) in others {
+                    match c.session_dataset(s) {
+                        Ok(_) => open.push((d, b)),
+                        Err(CatalogError::NotFound(_)) => closed.push(s),
+                        Err(e) => return Err(e),
+                    }
+                }
+                for team in c.config().teams.iter().filter(|t| t.covers(&dataset)) {
+                    let placed: u64 = open.iter().filter(|(d, _)| team.covers(d)).map(|(_, b)| *b).sum();
+                    let used = c.pinned_by(|d| team.covers(d))?.saturating_add(placed);
+                    if let Err(why) = crate::quota::check(team, used, needs) {
+                        return Ok((dataset, closed, Some(why)));
+                    }
+                }
+                Ok((dataset, closed, None))
+            })
+            .await
+            .map_err(to_status)?;
+        for s in closed {
+            reserved.remove(&s);
+        }
+        match refused {
+            None => {
+                // Held until the import ends; a warm-up's copies are counted as they land.
+                if session != 0 {
+                    reserved.insert(session, (dataset, needs));
+                }
+                Ok(())
+            }
+            Some(why) => {
+                tracing::warn!(%dataset, session, "refused over a team's quota: {why}");
+                Err(Status::resource_exhausted(why))
+            }
+        }
+    }
+
+    /// A scoped importer's session may not name content that only datasets outside its
+    /// scope hold: content is addressed by hash and shared, so a manifest naming another
+    /// team's blob would make it readable through the importer's own grants. Those must
+    /// come from a dataset in its scope (or an unscoped admin's import).
+    pub(super) async fn own_content(&self, p: &Principal, session: u64) -> Result<(), Status> {
+        if let Some(scope) = p.scope.clone() {
+            let foreign = self
+                .run(move |c| c.foreign_blobs(session, |d| scope.sees(d), 3))
+                .await
+                .map_err(to_status)?;
+            if !foreign.is_empty() {
+                self.audit
+                    .scope_refused(p, "import", &format!("session {session}"));
+                return Err(Status::permission_denied(format!(
+                    "{} is narrowed to datasets, and this import names content that only datasets \
+                     outside its scope hold (blob {}{}): a scoped import cannot take another \
+                     team's bytes by their hash. Read them from a dataset in your scope, or have \
+                     an unscoped admin import them",
+                    p.name,
+                    foreign[0],
+                    if foreign.len() > 1 { " and others" } else { "" }
+                )));
+            }
+        }
+        Ok(())
+    }
+}
