@@ -260,6 +260,14 @@ async fn a_team_token_cannot_reach_another_teams_dataset_and_is_answered_as_if_i
         );
     }
     let src = h.path("a-images");
+    // Its own dataset again: a second version of the same files imports. (A scoped
+    // importer's import grant shows it no blob as present, so it sends every byte: dedup
+    // would tell it what content other teams hold.)
+    let o = m.cli_as(
+        TEAM_A_ADMIN,
+        &["dataset", "import", "a-images", src.to_str().unwrap()],
+    );
+    assert!(o.status.success(), "{}", stderr(&o));
     let o = m.cli_as(
         TEAM_A_ADMIN,
         &["dataset", "import", "b-secret", src.to_str().unwrap()],

@@ -476,6 +476,7 @@ fn open_socket(
             .iter()
             .map(|(u, s)| (*u, Arc::new(s.clone())))
             .collect(),
+        live: Default::default(),
     });
     tokio::spawn(async move {
         let stopped = async move {
@@ -502,11 +503,30 @@ fn open_socket(
             let Ok(s) = s.into_std().and_then(|s| s.set_nonblocking(false).map(|_| s)) else {
                 continue;
             };
+            use std::sync::atomic::Ordering;
+            if server.live.fetch_add(1, Ordering::SeqCst) >= open_socket::MAX_CONNECTIONS {
+                server.live.fetch_sub(1, Ordering::SeqCst);
+                let busy = locus_proto::nodepb::OpenBlobResponse {
+                    code: tonic::Code::ResourceExhausted as u32,
+                    message: format!(
+                        "the open socket serves {} connections at once; close one",
+                        open_socket::MAX_CONNECTIONS
+                    ),
+                    ..Default::default()
+                };
+                let _ = locus_proto::open_socket::send_response(&s, &busy, &[]);
+                continue;
+            }
             let srv = server.clone();
-            let spawned = std::thread::Builder::new()
-                .name("open-socket".into())
-                .spawn(move || srv.connection(s, uid));
+            let spawned = std::thread::Builder::new().name("open-socket".into()).spawn({
+                let srv = srv.clone();
+                move || {
+                    srv.clone().connection(s, uid);
+                    srv.live.fetch_sub(1, Ordering::SeqCst);
+                }
+            });
             if let Err(e) = spawned {
+                srv.live.fetch_sub(1, Ordering::SeqCst);
                 tracing::warn!("open socket: cannot start a thread for a connection: {e}");
             }
         }

@@ -28,6 +28,12 @@ use crate::service::NodeService;
 
 /// A connection with no request for this long is closed.
 const IDLE: Duration = Duration::from_secs(300);
+/// Connections served at once (a thread each): anyone on the host may connect, so a
+/// flood of them must not exhaust the node's threads.
+pub(crate) const MAX_CONNECTIONS: usize = 1024;
+/// A connection's verified grant is checked again after this, so a key revoked with
+/// `grant-keys rotate --revoke` stops opening blobs within it, not at the grant's end.
+const RECHECK: Duration = Duration::from_secs(60);
 
 pub(crate) struct OpenSocket {
     pub(crate) svc: NodeService,
@@ -35,7 +41,12 @@ pub(crate) struct OpenSocket {
     pub(crate) rt: tokio::runtime::Handle,
     /// Host users narrowed to datasets (`NodeConfig::socket_scopes`), by uid.
     pub(crate) scopes: std::collections::HashMap<u32, Arc<locus_proto::auth::Scope>>,
+    /// Connections being served now.
+    pub(crate) live: std::sync::atomic::AtomicUsize,
 }
+
+/// The grant a connection presented last: as received, as verified, and when.
+type Verified = Option<(String, Arc<locus_proto::grant::GrantBody>, std::time::Instant)>;
 
 fn refusal(s: &Status) -> OpenBlobResponse {
     OpenBlobResponse {
@@ -52,13 +63,18 @@ impl OpenSocket {
         let scope = uid.and_then(|u| self.scopes.get(&u).cloned());
         let _ = s.set_read_timeout(Some(IDLE));
         let _ = s.set_write_timeout(Some(Duration::from_secs(30)));
-        // The grant this connection presented last, as received and as verified.
-        let mut last: Option<(String, Arc<locus_proto::grant::GrantBody>)> = None;
+        let mut last: Verified = None;
         loop {
             let frame = match open_socket::read_frame(&mut &s) {
                 Ok(Some(f)) => f,
                 Ok(None) => return,
                 Err(e) => {
+                    // Say why before closing where the caller can still hear it (an
+                    // oversized frame), not only that the connection went away.
+                    if e.kind() == std::io::ErrorKind::InvalidData {
+                        let why = Status::invalid_argument(format!("a malformed request: {e}"));
+                        let _ = open_socket::send_response(&s, &refusal(&why), &[]);
+                    }
                     tracing::debug!("open socket connection ended: {e}");
                     return;
                 }
@@ -84,7 +100,7 @@ impl OpenSocket {
     fn answer(
         &self,
         q: OpenBlobRequest,
-        last: &mut Option<(String, Arc<locus_proto::grant::GrantBody>)>,
+        last: &mut Verified,
         scope: Option<&locus_proto::auth::Scope>,
     ) -> Result<(OpenBlobResponse, Vec<std::fs::File>), Status> {
         if q.more.len() > open_socket::MAX_FDS - 1 {
@@ -106,7 +122,11 @@ impl OpenSocket {
         if self.require_grants || scope.is_some() {
             let now = locus_proto::grant::now_ms();
             let g = match last.as_ref() {
-                Some((given, g)) if *given == q.grant && g.expires_unix_ms > now => g.clone(),
+                Some((given, g, at))
+                    if *given == q.grant && g.expires_unix_ms > now && at.elapsed() < RECHECK =>
+                {
+                    g.clone()
+                }
                 _ => {
                     if q.grant.is_empty() {
                         return Err(Status::unauthenticated(
@@ -126,7 +146,7 @@ impl OpenSocket {
                             e => Status::unauthenticated(e.to_string()),
                         })?;
                     let g = Arc::new(g);
-                    *last = Some((q.grant.clone(), g.clone()));
+                    *last = Some((q.grant.clone(), g.clone(), std::time::Instant::now()));
                     g
                 }
             };

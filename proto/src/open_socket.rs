@@ -12,7 +12,7 @@
 //! requests, one at a time.
 
 use std::io::{self, Read, Write};
-use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -64,29 +64,9 @@ fn frame(msg: &impl Message) -> Vec<u8> {
 /// Most descriptors one answer carries: the asked blob and 64 more.
 pub const MAX_FDS: usize = 65;
 
-/// Room for `n` descriptors' control message, aligned for cmsghdr (u64 words).
-fn control_buffer(n: usize) -> Vec<u64> {
-    // SAFETY: CMSG_SPACE is arithmetic on its argument.
-    #[allow(unsafe_code)]
-    let space = unsafe { libc::CMSG_SPACE((n * std::mem::size_of::<libc::c_int>()) as u32) } as usize;
-    vec![0u64; space.div_ceil(8)]
-}
-
-/// A message header over `iov` with `control` for ancillary data; both must outlive it
-/// (it points into them).
-fn header(iov: &mut libc::iovec, control: &mut [u64]) -> libc::msghdr {
-    // SAFETY: msghdr is plain data, for which zeroes are its empty value.
-    #[allow(unsafe_code)]
-    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
-    msg.msg_iov = iov;
-    msg.msg_iovlen = 1;
-    msg.msg_control = control.as_mut_ptr() as *mut libc::c_void;
-    msg.msg_controllen = std::mem::size_of_val(control) as _;
-    msg
-}
-
 /// Sends a response frame on `sock`, with `fds` attached (at most MAX_FDS).
 pub fn send_response(sock: &UnixStream, resp: &OpenBlobResponse, fds: &[BorrowedFd<'_>]) -> io::Result<()> {
+    use nix::sys::socket::{sendmsg, ControlMessage, MsgFlags};
     let bytes = frame(resp);
     if fds.is_empty() {
         return (&*sock).write_all(&bytes);
@@ -97,66 +77,46 @@ pub fn send_response(sock: &UnixStream, resp: &OpenBlobResponse, fds: &[Borrowed
             fds.len()
         )));
     }
-    let mut iov = libc::iovec {
-        iov_base: bytes.as_ptr() as *mut libc::c_void,
-        iov_len: bytes.len(),
-    };
-    let mut control = control_buffer(fds.len());
-    let msg = header(&mut iov, &mut control);
-    // SAFETY: `msg` points at `bytes` (through `iov`) and at `control`, alive for the
-    // call; CMSG_FIRSTHDR is within `control`, sized by CMSG_SPACE for these descriptors.
-    #[allow(unsafe_code)]
-    let sent = unsafe {
-        let c = libc::CMSG_FIRSTHDR(&msg);
-        (*c).cmsg_level = libc::SOL_SOCKET;
-        (*c).cmsg_type = libc::SCM_RIGHTS;
-        (*c).cmsg_len = libc::CMSG_LEN((fds.len() * std::mem::size_of::<libc::c_int>()) as u32) as _;
-        let data = libc::CMSG_DATA(c) as *mut libc::c_int;
-        for (i, fd) in fds.iter().enumerate() {
-            std::ptr::write_unaligned(data.add(i), fd.as_raw_fd());
-        }
-        libc::sendmsg(sock.as_raw_fd(), &msg, libc::MSG_NOSIGNAL)
-    };
-    if sent < 0 {
-        return Err(io::Error::last_os_error());
-    }
+    let raw: Vec<RawFd> = fds.iter().map(|f| f.as_raw_fd()).collect();
+    let sent = sendmsg::<()>(
+        sock.as_raw_fd(),
+        &[io::IoSlice::new(&bytes)],
+        &[ControlMessage::ScmRights(&raw)],
+        MsgFlags::MSG_NOSIGNAL,
+        None,
+    )
+    .map_err(io::Error::from)?;
     // The descriptors went with the first byte; the rest of a short send follows plainly.
-    (&*sock).write_all(&bytes[sent as usize..])
+    (&*sock).write_all(&bytes[sent..])
 }
 
 /// Receives the start of a response and the descriptors sent with it.
 fn recv_with_fds(sock: &UnixStream, buf: &mut [u8]) -> io::Result<(usize, Vec<OwnedFd>)> {
-    let mut iov = libc::iovec {
-        iov_base: buf.as_mut_ptr() as *mut libc::c_void,
-        iov_len: buf.len(),
-    };
-    let mut control = control_buffer(MAX_FDS);
-    let mut msg = header(&mut iov, &mut control);
-    // SAFETY: as in `send_response`; descriptors the kernel put in the control buffer are
-    // this process's from then on, and wrapped at once so they are closed if unused.
-    #[allow(unsafe_code)]
-    unsafe {
-        let n = libc::recvmsg(sock.as_raw_fd(), &mut msg, libc::MSG_CMSG_CLOEXEC);
-        if n < 0 {
-            return Err(io::Error::last_os_error());
+    use nix::sys::socket::{recvmsg, ControlMessageOwned, MsgFlags};
+    let mut control = nix::cmsg_space!([RawFd; MAX_FDS]);
+    let mut iov = [io::IoSliceMut::new(buf)];
+    let msg = recvmsg::<()>(
+        sock.as_raw_fd(),
+        &mut iov,
+        Some(&mut control),
+        MsgFlags::MSG_CMSG_CLOEXEC,
+    )
+    .map_err(io::Error::from)?;
+    let mut fds = Vec::new();
+    for c in msg.cmsgs().map_err(io::Error::from)? {
+        if let ControlMessageOwned::ScmRights(got) = c {
+            // SAFETY: descriptors the kernel passed are this process's from now on;
+            // each is wrapped once, so it is closed when unused.
+            #[allow(unsafe_code)]
+            fds.extend(got.into_iter().map(|fd| unsafe { OwnedFd::from_raw_fd(fd) }));
         }
-        let mut fds = Vec::new();
-        let c = libc::CMSG_FIRSTHDR(&msg);
-        if !c.is_null() && (*c).cmsg_level == libc::SOL_SOCKET && (*c).cmsg_type == libc::SCM_RIGHTS {
-            let header_len = libc::CMSG_LEN(0) as usize;
-            let count = ((*c).cmsg_len as usize - header_len) / std::mem::size_of::<libc::c_int>();
-            let data = libc::CMSG_DATA(c) as *const libc::c_int;
-            for i in 0..count {
-                fds.push(OwnedFd::from_raw_fd(std::ptr::read_unaligned(data.add(i))));
-            }
-        }
-        if msg.msg_flags & libc::MSG_CTRUNC != 0 {
-            return Err(io::Error::other(
-                "the node sent more descriptors than an answer holds",
-            ));
-        }
-        Ok((n as usize, fds))
     }
+    if msg.flags.contains(MsgFlags::MSG_CTRUNC) {
+        return Err(io::Error::other(
+            "the node sent more descriptors than an answer holds",
+        ));
+    }
+    Ok((msg.bytes, fds))
 }
 
 /// Sends one request on a connection and reads its answer: the response, and the files
@@ -263,6 +223,11 @@ mod tests {
         assert_eq!(&head, b"the");
         drop(a);
         server.join().unwrap();
+        // A frame over the limit is refused unread.
+        let (c, d) = UnixStream::pair().unwrap();
+        (&c).write_all(&((MAX_FRAME as u32) + 1).to_le_bytes()).unwrap();
+        let e = read_frame(&mut &d).unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::InvalidData, "{e}");
         let _ = std::fs::remove_dir_all(&dir);
     }
 }
