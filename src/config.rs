@@ -21,6 +21,7 @@
 //! name = "team-a"
 //! datasets = ["a-*"]
 //! pinned = "20TiB"
+//! cache = "25%"                 # its readers' share of each node's cache room
 //! ```
 
 use std::path::{Path, PathBuf};
@@ -203,7 +204,9 @@ pub struct MetadataServerFile {
     /// Teams' quotas: `[[metadata_server.team]]` with name, datasets (patterns, `*` for
     /// any run of characters) and pinned (`10TiB`: the most bytes times replicas its
     /// datasets' versions may keep on nodes; an import over it is refused before it
-    /// sends a byte).
+    /// sends a byte), and optionally cache (`"25%"`: the share of each node's cache room
+    /// — what replicas leave — that the team's cached bytes keep against other teams'
+    /// reads; the shares add up to at most 100%).
     #[serde(default)]
     pub team: Vec<TeamFile>,
 }
@@ -214,6 +217,9 @@ pub struct TeamFile {
     pub name: String,
     pub datasets: Vec<String>,
     pub pinned: String,
+    /// Share of every node's cache room (`"25%"`) its readers' cached bytes keep against
+    /// other teams' reads; none by default.
+    pub cache: Option<String>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

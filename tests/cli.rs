@@ -527,3 +527,48 @@ async fn every_listing_piped_into_a_reader_that_stops_early_exits_quietly() {
         assert_eq!(out.status.code(), Some(0), "{args:?}: {err}");
     }
 }
+
+#[test]
+fn teams_cache_shares_beyond_the_whole_cache_or_not_in_percent_are_refused_at_start() {
+    let h = Harness::new("team-shares");
+    let start = |teams: &str| {
+        let cfg = h.path("locus.toml");
+        std::fs::write(&cfg, teams).unwrap();
+        Command::new(locus())
+            .arg("--config")
+            .arg(&cfg)
+            .args([
+                "metadata",
+                "serve",
+                "--listen",
+                "127.0.0.1:0",
+                "--http-listen",
+                "off",
+                "--data-dir",
+            ])
+            .arg(h.path("meta"))
+            .env_remove("LOCUS_METADATA")
+            .output()
+            .unwrap()
+    };
+    let team = |name: &str, cache: &str| {
+        format!(
+            "[[metadata_server.team]]\nname = \"{name}\"\ndatasets = [\"{name}-*\"]\npinned = \"1GiB\"\n\
+             cache = \"{cache}\"\n"
+        )
+    };
+    let out = start(&(team("a", "60%") + &team("b", "60%")));
+    assert!(!out.status.success(), "shares of 120% accepted");
+    assert!(
+        stderr(&out).contains("the teams' cache shares add up to 120%; at most 100%"),
+        "{}",
+        stderr(&out)
+    );
+    let out = start(&team("a", "0.6"));
+    assert!(!out.status.success(), "a share not in percent accepted");
+    assert!(
+        stderr(&out).contains("[[metadata_server.team]] a: cache: \"0.6\": a percentage such as \"25%\""),
+        "{}",
+        stderr(&out)
+    );
+}

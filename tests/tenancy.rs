@@ -36,7 +36,16 @@ async fn two_teams(h: &Harness) -> (Metadata, Vec<Node>) {
 
 /// `two_teams` with the nodes' options given.
 async fn two_teams_with(h: &Harness, node: impl Fn(usize) -> NodeOpts) -> (Metadata, Vec<Node>) {
-    let (m, nodes) = cluster_with(h, opts(), 2, node).await;
+    two_teams_in(h, opts(), node).await
+}
+
+/// `two_teams_with` on a metadata service started with `o`.
+async fn two_teams_in(
+    h: &Harness,
+    o: MetadataOpts,
+    node: impl Fn(usize) -> NodeOpts,
+) -> (Metadata, Vec<Node>) {
+    let (m, nodes) = cluster_with(h, o, 2, node).await;
     for (name, seed) in [("b-secret", 7u64), ("a-images", 8)] {
         let src = h.path(name);
         std::fs::create_dir_all(&src).unwrap();
@@ -85,7 +94,7 @@ async fn f0(m: &Metadata, dataset: &str) -> pb::Entry {
 
 /// The blob of `f0.bin` in `dataset@1`.
 async fn f0_blob(m: &Metadata, dataset: &str) -> BlobHash {
-    BlobHash::from_slice("blob", &f0(m, dataset).await.blob).unwrap()
+    f_blob(m, dataset, 0).await
 }
 
 /// A refusal's code and message with the dataset's name replaced, to compare the answer
@@ -1348,4 +1357,107 @@ async fn a_host_user_the_node_maps_to_team_a_is_handed_only_team_as_blobs_whatev
     .unwrap();
     assert_eq!(file.0.code, 0, "{:?}", file.0);
     assert_eq!(file.1.len(), 1);
+}
+
+const TEAM_B_JOB: &str = "team-b-reader-secret-0123456789";
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_teams_cached_bytes_within_its_share_survive_another_teams_reads_on_a_shared_host() {
+    let h = Harness::new("tenancy-cache-share");
+    let config = h.path("locus.toml");
+    std::fs::write(
+        &config,
+        "[[metadata_server.team]]\nname = \"team-a\"\ndatasets = [\"a-*\"]\npinned = \"1GiB\"\ncache = \"50%\"\n\
+         [[metadata_server.team]]\nname = \"team-b\"\ndatasets = [\"b-*\"]\npinned = \"1GiB\"\ncache = \"50%\"\n",
+    )
+    .unwrap();
+    let mut o = opts();
+    o.extra = vec!["--config".into(), config.display().to_string()];
+    o.more_tokens.push_str(&format!(
+        "[[token]]\nname = \"team-b-job\"\nrole = \"reader\"\ntoken = \"{TEAM_B_JOB}\"\n\
+         [[token.scope]]\ndatasets = [\"b-*\"]\nactions = [\"read\"]\n"
+    ));
+    let (m, _replicas) = two_teams_in(&h, o, NodeOpts::host).await;
+    // A shared GPU host that holds no replica: everything its readers get is cached, in
+    // room for five of the 200,000-byte files.
+    let shared = h
+        .start_node(
+            "n3",
+            &m,
+            NodeOpts {
+                capacity: "1000000",
+                ..NodeOpts::host(3)
+            },
+        )
+        .await;
+    let mount = |team: &str, dataset: &str, token: &str| {
+        m.mount_with_env(
+            team,
+            dataset,
+            Some(&shared),
+            &["--opens", "mount"],
+            &[("LOCUS_TOKEN", token), ("LOCUS_NODE_SOCKET_MODE", "open")],
+        )
+    };
+    // Team B's job reads two files: 400,000 bytes cached for team B, within its half.
+    let b = mount("b", "b-secret@1", TEAM_B_JOB);
+    for i in 0..2u64 {
+        let got = std::fs::read(b.path.join(format!("f{i}.bin"))).unwrap();
+        assert!(got == pseudo_random(700 + i, 200_000), "b f{i}.bin");
+    }
+    let b_cached = r#"locus_node_team_cached_bytes{team="team-b"}"#;
+    assert_eq!(counter(&shared, b_cached).await, 400_000);
+    // Team A's job then reads all six of its files, more than the node holds: each one
+    // correct, room made from team A's own older files, none of team B's.
+    let a = mount("a", "a-images@1", TEAM_A_JOB);
+    for i in 0..6u64 {
+        let got = std::fs::read(a.path.join(format!("f{i}.bin"))).unwrap();
+        assert!(got == pseudo_random(800 + i, 200_000), "a f{i}.bin");
+    }
+    assert_eq!(
+        counter(&shared, b_cached).await,
+        400_000,
+        "team B's cached bytes survived team A's reads"
+    );
+    let a_cached = counter(&shared, r#"locus_node_team_cached_bytes{team="team-a"}"#).await;
+    assert!(
+        (200_000..=600_000).contains(&a_cached),
+        "team A holds what is left: {a_cached}"
+    );
+    for i in 0..2 {
+        let blob = f_blob(&m, "b-secret", i).await.to_hex();
+        let file = shared.data_dir.join("blobs").join(&blob[..2]).join(&blob);
+        assert!(
+            file.exists(),
+            "team B's f{i}.bin is still cached on the shared host"
+        );
+    }
+    // Team A's oldest file went to make room for its newest.
+    let a0 = f_blob(&m, "a-images", 0).await.to_hex();
+    assert!(!shared.data_dir.join("blobs").join(&a0[..2]).join(&a0).exists());
+    let share = r#"locus_node_team_cache_share_bytes{team="team-b"}"#;
+    assert_eq!(
+        counter(&shared, share).await,
+        500_000,
+        "half of the node's cache room"
+    );
+}
+
+/// The blob of `f{i}.bin` in `dataset@1`.
+async fn f_blob(m: &Metadata, dataset: &str, i: usize) -> BlobHash {
+    let e = m
+        .client(Some("admin"))
+        .await
+        .list_entries(pb::ListEntriesRequest {
+            r#ref: vref(dataset, 1),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .entries
+        .into_iter()
+        .find(|e| e.path == format!("f{i}.bin"))
+        .expect("the file");
+    BlobHash::from_slice("blob", &e.blob).unwrap()
 }

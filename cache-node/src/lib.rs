@@ -322,7 +322,9 @@ pub async fn serve(
                 axum::routing::get(move || {
                     m.refill(&rf.progress());
                     m.dirs(&st.dir_space());
-                    let body = m.encode(&st.stats());
+                    let stats = st.stats();
+                    m.teams(&st.team_use(), stats.capacity.saturating_sub(stats.pinned));
+                    let body = m.encode(&stats);
                     async move {
                         (
                             [(

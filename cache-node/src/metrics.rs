@@ -15,6 +15,8 @@
 //! | locus_node_used_bytes | gauge | bytes | bytes of stored blobs |
 //! | locus_node_pinned_bytes | gauge | bytes | bytes of blobs this node replicates (never evicted) |
 //! | locus_node_blobs | gauge | blobs | stored blobs |
+//! | locus_node_team_cached_bytes | gauge | bytes | unpinned bytes cached for each team's readers (`team`) |
+//! | locus_node_team_cache_share_bytes | gauge | bytes | each team's share of the cache room now (`team`) |
 //! | locus_node_refill_queue_blobs | gauge | blobs | pinned blobs missing here, still to copy |
 //! | locus_node_refill_queue_bytes | gauge | bytes | bytes of those blobs |
 //! | locus_node_refill_rate_bytes_per_second | gauge | bytes/s | mean copy rate of the current refill |
@@ -36,6 +38,11 @@ use prometheus_client::registry::Registry;
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct KindLabel {
     pub kind: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct TeamLabel {
+    pub team: String,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -71,6 +78,8 @@ pub struct Metrics {
     pub scrub_passes: Counter,
     pub dir_free: Family<DirLabel, Gauge>,
     pub dir_size: Family<DirLabel, Gauge>,
+    pub team_cached: Family<TeamLabel, Gauge>,
+    pub team_share: Family<TeamLabel, Gauge>,
 }
 
 impl Default for Metrics {
@@ -112,6 +121,8 @@ impl Metrics {
             scrub_passes: Counter::default(),
             dir_free: Family::default(),
             dir_size: Family::default(),
+            team_cached: Family::default(),
+            team_share: Family::default(),
         };
         r.register("read_bytes", "Blob bytes served", m.read_bytes.clone());
         r.register(
@@ -165,6 +176,16 @@ impl Metrics {
         r.register("used_bytes", "Bytes of stored blobs", m.used.clone());
         r.register("pinned_bytes", "Bytes of replicated blobs", m.pinned.clone());
         r.register("blobs", "Stored blobs", m.blobs.clone());
+        r.register(
+            "team_cached_bytes",
+            "Unpinned bytes cached for each team's readers",
+            m.team_cached.clone(),
+        );
+        r.register(
+            "team_cache_share_bytes",
+            "Each team's share of the cache room now",
+            m.team_share.clone(),
+        );
         r.register(
             "refill_queue_blobs",
             "Pinned blobs missing here, still to copy",
@@ -268,6 +289,16 @@ impl Metrics {
             let l = DirLabel { dir: d.clone() };
             self.dir_free.get_or_create(&l).set(*free as i64);
             self.dir_size.get_or_create(&l).set(*size as i64);
+        }
+    }
+
+    /// Each team's cached bytes and share (of `room`: capacity less pinned bytes).
+    pub fn teams(&self, teams: &[crate::store::TeamUse], room: u64) {
+        for t in teams {
+            let l = TeamLabel { team: t.name.clone() };
+            self.team_cached.get_or_create(&l).set(t.cached as i64);
+            let share = (u128::from(room) * u128::from(t.permille) / 1000) as i64;
+            self.team_share.get_or_create(&l).set(share);
         }
     }
 

@@ -119,6 +119,7 @@ impl OpenSocket {
             .map(|m| locus_proto::BlobHash::from_slice("more", m))
             .collect::<Result<Vec<_>, _>>()?;
         let mut opens_more = vec![true; more.len()];
+        let mut team = crate::store::TeamId::NONE;
         if self.require_grants || scope.is_some() {
             let now = locus_proto::grant::now_ms();
             let g = match last.as_ref() {
@@ -167,6 +168,8 @@ impl OpenSocket {
                     )));
                 }
             }
+            // A grant for a team's version: what this caches counts in that team's share.
+            team = self.svc.store.team(&g.team, g.cache_permille);
             let narrow = g.scoped || scope.is_some();
             if let Some(h) = &first {
                 self.rt.block_on(self.svc.peers.grant_opens_if(&g, h, narrow))?;
@@ -178,12 +181,15 @@ impl OpenSocket {
         let mut resp = OpenBlobResponse::default();
         let mut files = Vec::new();
         if let Some(h) = first {
-            let at = self.rt.block_on(self.svc.make_local(nodepb::EnsureLocalRequest {
-                hash: q.hash,
-                size: q.size,
-                chunk_size: q.chunk_size,
-                packed_ok: true,
-            }))?;
+            let at = self.rt.block_on(self.svc.make_local(
+                nodepb::EnsureLocalRequest {
+                    hash: q.hash,
+                    size: q.size,
+                    chunk_size: q.chunk_size,
+                    packed_ok: true,
+                },
+                team,
+            ))?;
             files.push(
                 std::fs::File::open(&at.path)
                     .map_err(|e| Status::internal(format!("cannot open blob {h}'s file: {e}")))?,

@@ -342,6 +342,7 @@ impl Refill {
             let opts = CopyOptions {
                 me: &self.cfg.me,
                 pin: true,
+                team: crate::store::TeamId::NONE,
                 idle: self.cfg.idle,
                 limit: Some(&self.limit),
                 origin: None,

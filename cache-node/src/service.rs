@@ -71,6 +71,7 @@ impl NodeService {
         let opts = crate::transfer::CopyOptions {
             me: &self.id,
             pin,
+            team: crate::store::TeamId::NONE,
             idle: self.peer_idle,
             limit: None,
             origin: None,
@@ -332,7 +333,7 @@ impl Node for NodeService {
                 set.spawn(async move {
                     (
                         size,
-                        fetch_from_peer(&store, &peers, &source, h, size, cs, pin, idle, None).await,
+                        fetch_from_peer(&store, &peers, &source, h, size, cs, pin.into(), idle, None).await,
                     )
                 });
             }
@@ -454,7 +455,11 @@ impl Node for NodeService {
         &self,
         req: Request<nodepb::EnsureLocalRequest>,
     ) -> Result<Response<nodepb::EnsureLocalResponse>, Status> {
-        self.make_local(req.into_inner()).await.map(Response::new)
+        // The local socket's clients are trusted with every blob and name no team: what
+        // they have cached counts as untagged.
+        self.make_local(req.into_inner(), crate::store::TeamId::NONE)
+            .await
+            .map(Response::new)
     }
 
     type UploadBlobsStream = Pin<Box<dyn Stream<Item = Result<nodepb::UploadProgress, Status>> + Send>>;
@@ -478,7 +483,7 @@ impl Node for NodeService {
             &q.path,
             q.size,
             (q.chunk_size, ChunkKind::from_tree(q.tree_chunks)),
-            q.pin,
+            q.pin.into(),
             self.peer_idle,
         )
         .await?;

@@ -18,7 +18,7 @@ use tokio_stream::StreamExt;
 use tonic::Status;
 
 use crate::service::to_status;
-use crate::store::{BlobStore, BlobWriter, StoreError, WriteBlock};
+use crate::store::{BlobStore, BlobWriter, Keep, StoreError, TeamId, WriteBlock};
 use crate::{Peers, Sources};
 
 /// A byte-rate budget shared by several copies (token bucket; a copy may run into debt by
@@ -164,10 +164,10 @@ pub async fn begin_write(
     h: BlobHash,
     size: u64,
     chunk_size: u32,
-    pin: bool,
+    keep: Keep,
 ) -> Result<Option<BlobWriter>, Status> {
     let st = store.clone();
-    tokio::task::spawn_blocking(move || st.begin_write(h, size, chunk_size, pin))
+    tokio::task::spawn_blocking(move || st.begin_write(h, size, chunk_size, keep))
         .await
         .map_err(|e| Status::internal(e.to_string()))?
         .map_err(to_status)
@@ -181,10 +181,10 @@ pub async fn fetch_from_backup(
     h: BlobHash,
     size: u64,
     chunk_size: u32,
-    pin: bool,
+    keep: Keep,
     idle: Duration,
 ) -> Result<bool, Status> {
-    let Some(writer) = begin_write(store, h, size, chunk_size, pin).await? else {
+    let Some(writer) = begin_write(store, h, size, chunk_size, keep).await? else {
         return Ok(false);
     };
     let data = locus_backup::blob::read(target, &h)
@@ -252,7 +252,7 @@ pub async fn fetch_from_peer(
     h: BlobHash,
     size: u64,
     chunk_size: u32,
-    pin: bool,
+    keep: Keep,
     idle: Duration,
     limit: Option<&RateLimit>,
 ) -> Result<bool, Status> {
@@ -261,7 +261,7 @@ pub async fn fetch_from_peer(
         Ok(r) => r,
         Err(BulkError::Unsupported(_)) => {
             let mut peer = peers.peer(addr, idle.min(CONNECT)).await?;
-            return fetch_over_grpc(store, &mut peer, h, size, chunk_size, pin, idle, limit).await;
+            return fetch_over_grpc(store, &mut peer, h, size, chunk_size, keep, idle, limit).await;
         }
         Err(e) => return Err(bulk_status(e)),
     };
@@ -271,7 +271,7 @@ pub async fn fetch_from_peer(
             reading.len()
         )));
     }
-    let Some(writer) = begin_write(store, h, size, chunk_size, pin).await? else {
+    let Some(writer) = begin_write(store, h, size, chunk_size, keep).await? else {
         return Ok(false);
     };
     // Received straight into the aligned blocks the store writes the device from (no
@@ -329,11 +329,11 @@ async fn fetch_over_grpc(
     h: BlobHash,
     size: u64,
     chunk_size: u32,
-    pin: bool,
+    keep: Keep,
     idle: Duration,
     limit: Option<&RateLimit>,
 ) -> Result<bool, Status> {
-    let Some(writer) = begin_write(store, h, size, chunk_size, pin).await? else {
+    let Some(writer) = begin_write(store, h, size, chunk_size, keep).await? else {
         return Ok(false);
     };
     let mut stream = open_read(
@@ -386,11 +386,23 @@ pub struct CopyOptions<'a> {
     /// This node's id: never a source.
     pub me: &'a str,
     pub pin: bool,
+    /// Whom an unpinned copy is cached for (whose cache share it counts in and whose
+    /// blobs it may evict: `store::teams`).
+    pub team: TeamId,
     pub idle: Duration,
     pub limit: Option<&'a RateLimit>,
     /// The version's origin URL and the blob's path under it: the last source, when no
     /// live replica or backup could send the blob.
     pub origin: Option<(&'a str, &'a str)>,
+}
+
+impl CopyOptions<'_> {
+    fn keep(&self) -> Keep {
+        Keep {
+            pin: self.pin,
+            team: self.team,
+        }
+    }
 }
 
 /// Copies `h` from the first live replica that can send it, else from a backup (from
@@ -425,7 +437,19 @@ pub async fn copy_from_anywhere(
         if id == o.me {
             continue;
         }
-        match fetch_from_peer(store, peers, &addr, h, size, chunk_size, o.pin, o.idle, o.limit).await {
+        match fetch_from_peer(
+            store,
+            peers,
+            &addr,
+            h,
+            size,
+            chunk_size,
+            o.keep(),
+            o.idle,
+            o.limit,
+        )
+        .await
+        {
             Ok(true) => return Ok(Source::Peer(id)),
             Ok(false) => return Ok(Source::Here),
             Err(s) => {
@@ -447,7 +471,7 @@ pub async fn copy_from_anywhere(
                 continue;
             }
         };
-        match fetch_from_backup(store, &target, h, size, chunk_size, o.pin, o.idle).await {
+        match fetch_from_backup(store, &target, h, size, chunk_size, o.keep(), o.idle).await {
             Ok(true) => {
                 tracing::info!(blob = %h, backup = %url, "copied a blob back from a backup");
                 return Ok(Source::Backup(url.clone()));
@@ -460,7 +484,7 @@ pub async fn copy_from_anywhere(
         }
     }
     if let Some((url, path)) = o.origin {
-        match fetch_from_origin(store, peers, url, path, h, size, chunk_size, o.pin, o.idle).await {
+        match fetch_from_origin(store, peers, url, path, h, size, chunk_size, o.keep(), o.idle).await {
             Ok(true) => {
                 tracing::info!(blob = %h, origin = %url, path, "copied a blob from the version's origin");
                 return Ok(Source::Origin(url.to_string()));
@@ -490,14 +514,14 @@ pub async fn import_from_origin(
     path: &str,
     size: u64,
     chunks: (u32, locus_proto::chunks::ChunkKind),
-    pin: bool,
+    keep: Keep,
     idle: Duration,
 ) -> Result<crate::store::Stored, Status> {
     let rel = locus_proto::RelPath::try_from(path.to_string())
         .map_err(|e| Status::invalid_argument(format!("path: {e}")))?;
     let origin = peers.origin_for(url, rel.as_str())?;
     let st = store.clone();
-    let writer = tokio::task::spawn_blocking(move || st.begin_unnamed_write(size, chunks, pin))
+    let writer = tokio::task::spawn_blocking(move || st.begin_unnamed_write(size, chunks, keep))
         .await
         .map_err(|e| Status::internal(e.to_string()))?
         .map_err(to_status)?;
@@ -549,13 +573,13 @@ pub async fn fetch_from_origin(
     h: BlobHash,
     size: u64,
     chunk_size: u32,
-    pin: bool,
+    keep: Keep,
     idle: Duration,
 ) -> Result<bool, Status> {
     let rel = locus_proto::RelPath::try_from(path.to_string())
         .map_err(|e| Status::invalid_argument(format!("origin_path: {e}")))?;
     let origin = peers.origin_for(url, rel.as_str())?;
-    let Some(writer) = begin_write(store, h, size, chunk_size, pin).await? else {
+    let Some(writer) = begin_write(store, h, size, chunk_size, keep).await? else {
         return Ok(false);
     };
     let reads = (0..size.div_ceil(ORIGIN_PIECE)).map(|i| {

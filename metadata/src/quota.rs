@@ -20,6 +20,9 @@ pub struct Team {
     patterns: Vec<String>,
     /// Most replicated bytes its datasets' committed versions may pin, all nodes together.
     pub pinned_limit: u64,
+    /// Its share of each node's cache room in thousandths (named in its read grants; the
+    /// node keeps that much of its readers' cached bytes against other teams' reads).
+    pub cache_permille: u32,
 }
 
 impl Team {
@@ -37,7 +40,14 @@ impl Team {
             datasets: scope,
             patterns: datasets,
             pinned_limit,
+            cache_permille: 0,
         })
+    }
+
+    /// The team with a share of each node's cache room (thousandths, at most 1000).
+    pub fn with_cache_share(mut self, permille: u32) -> Self {
+        self.cache_permille = permille.min(1000);
+        self
     }
 
     pub fn covers(&self, dataset: &str) -> bool {
@@ -47,6 +57,22 @@ impl Team {
     pub fn patterns(&self) -> &[String] {
         &self.patterns
     }
+}
+
+/// A share written as a percentage (`"25%"`, `"12.5%"`), in thousandths.
+pub fn parse_share(s: &str) -> Result<u32, String> {
+    let n = s
+        .trim()
+        .strip_suffix('%')
+        .ok_or_else(|| format!("{s:?}: a percentage such as \"25%\""))?;
+    let x: f64 = n
+        .trim()
+        .parse()
+        .map_err(|_| format!("{s:?}: a percentage such as \"25%\""))?;
+    if !(0.0..=100.0).contains(&x) {
+        return Err(format!("{s:?}: from 0% to 100%"));
+    }
+    Ok((x * 10.0).round() as u32)
 }
 
 /// Refuses an import (or a warm-up) that would take `team` over its limit, saying by how
@@ -72,6 +98,16 @@ pub fn check(team: &Team, used: u64, needs: u64) -> Result<(), String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn cache_shares_parse_as_percentages_and_refuse_anything_else() {
+        assert_eq!(parse_share("25%"), Ok(250));
+        assert_eq!(parse_share(" 12.5 %"), Ok(125));
+        assert_eq!(parse_share("100%"), Ok(1000));
+        for bad in ["25", "0.25", "101%", "-1%", "x%", ""] {
+            assert!(parse_share(bad).is_err(), "{bad:?} accepted");
+        }
+    }
 
     #[test]
     fn an_import_fits_up_to_the_byte_and_a_refusal_says_the_figures() {

@@ -388,10 +388,26 @@ async fn serve(a: ServeArgs, cfg: &Resolved) -> anyhow::Result<()> {
                 .iter()
                 .map(|t| {
                     let limit = crate::config::size_arg(&format!("team {}: pinned", t.name), &t.pinned)?;
+                    let cache = match &t.cache {
+                        Some(c) => locus_metadata::quota::parse_share(c).map_err(|e| {
+                            anyhow::anyhow!("[[metadata_server.team]] {}: cache: {e}", t.name)
+                        })?,
+                        None => 0,
+                    };
                     locus_metadata::quota::Team::new(&t.name, t.datasets.clone(), limit)
+                        .map(|team| team.with_cache_share(cache))
                         .map_err(|e| anyhow::anyhow!("[[metadata_server.team]]: {e}"))
                 })
-                .collect::<anyhow::Result<_>>()?,
+                .collect::<anyhow::Result<Vec<_>>>()
+                .and_then(|teams| {
+                    let total: u32 = teams.iter().map(|t| t.cache_permille).sum();
+                    anyhow::ensure!(
+                        total <= 1000,
+                        "[[metadata_server.team]]: the teams' cache shares add up to {}%; at most 100%",
+                        f64::from(total) / 10.0
+                    );
+                    Ok(teams)
+                })?,
         },
         addr_file: a.addr_file,
         audit_log: a.audit_log.or(f.audit_log),

@@ -65,9 +65,11 @@ impl NodeService {
         Ok(nodepb::LocalPathsResponse { paths })
     }
 
+    /// `team`: whom the copy, if one is needed, is cached for (`store::teams`).
     pub(crate) async fn make_local(
         &self,
         q: nodepb::EnsureLocalRequest,
+        team: crate::store::TeamId,
     ) -> Result<nodepb::EnsureLocalResponse, Status> {
         if !self.local {
             return Err(Status::permission_denied(
@@ -102,6 +104,7 @@ impl NodeService {
         let opts = crate::transfer::CopyOptions {
             me: &self.id,
             pin: false,
+            team,
             idle: self.peer_idle,
             limit: None,
             origin: None,

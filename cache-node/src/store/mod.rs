@@ -42,6 +42,7 @@ pub(crate) mod read;
 mod record;
 mod scrub;
 mod space;
+mod teams;
 mod write;
 
 pub use batch::Staged;
@@ -54,6 +55,7 @@ pub use read::BlobReader;
 pub use record::FileStamp;
 use record::{chunk_hashes, stamp, BlobRecord};
 use space::Reservation;
+pub use teams::{Keep, TeamId, TeamUse};
 pub use write::{BlobWriter, Stored};
 
 pub const FORMAT_FILE: &str = "LOCUS_BLOBSTORE";
@@ -129,10 +131,11 @@ struct Shard {
     /// (inode, ctime) at that moment. Any write to the file changes its ctime, so a
     /// matching stamp means nothing has touched the bytes since (bit rot is the scrub's).
     verified: HashMap<BlobHash, FileStamp>,
-    /// This shard's unpinned blobs, complete or partial, by (last access, hash). Ticks are
-    /// global, so the store's least recently used blob is the smallest of the shards'
-    /// first entries: choosing a victim costs O(shards + log n), never a sort.
-    lru: BTreeSet<(u64, BlobHash)>,
+    /// This shard's unpinned blobs, complete or partial, by team and (last access, hash).
+    /// Ticks are global, so the store's least recently used blob is the smallest of the
+    /// shards' first entries: choosing a victim costs O(shards × teams + log n), never a
+    /// sort.
+    lru: teams::Lru,
 }
 
 /// Byte counts over all shards. A blob counts by its footprint (`outboards::footprint`:
@@ -144,23 +147,52 @@ struct Books {
     /// Bytes reserved by writes in progress.
     reserved: u64,
     quarantined: u64,
+    /// Unpinned bytes per team id (`teams.rs`; 0: untagged).
+    team_cached: Vec<u64>,
 }
 
 impl Books {
-    fn add(&mut self, size: u64, pinned: bool) {
+    fn add(&mut self, size: u64, pinned: bool, team: TeamId) {
         let f = outboards::footprint(size);
         self.used += f;
         if pinned {
             self.pinned += f;
+        } else {
+            *self.cached_of(team) += f;
         }
     }
 
-    fn remove(&mut self, size: u64, pinned: bool) {
+    fn remove(&mut self, size: u64, pinned: bool, team: TeamId) {
         let f = outboards::footprint(size);
         self.used -= f;
         if pinned {
             self.pinned -= f;
+        } else {
+            *self.cached_of(team) -= f;
         }
+    }
+
+    fn cached_of(&mut self, team: TeamId) -> &mut u64 {
+        let i = team.0 as usize;
+        if self.team_cached.len() <= i {
+            self.team_cached.resize(i + 1, 0);
+        }
+        &mut self.team_cached[i]
+    }
+
+    /// Adds another count's figures (the index loaders' partial books).
+    fn merge(&mut self, o: Books) {
+        self.used += o.used;
+        self.pinned += o.pinned;
+        for (i, c) in o.team_cached.into_iter().enumerate() {
+            *self.cached_of(TeamId(i as u16)) += c;
+        }
+    }
+}
+
+impl BlobRecord {
+    fn team_id(&self) -> TeamId {
+        TeamId(self.team as u16)
     }
 }
 
@@ -168,13 +200,13 @@ impl Shard {
     /// Records that a blob that was just added to `blobs` or `partials` may be evicted.
     fn track(&mut self, h: BlobHash, m: &Meta) {
         if !m.rec.pinned {
-            self.lru.insert((m.last_access, h));
+            self.lru.insert(m.rec.team_id(), (m.last_access, h));
         }
     }
 
     /// Forgets a blob's place in the eviction order (it was removed or pinned).
     fn untrack(&mut self, h: BlobHash, m: &Meta) {
-        self.lru.remove(&(m.last_access, h));
+        self.lru.remove(m.rec.team_id(), &(m.last_access, h));
     }
 
     /// Marks a blob (complete or partial) used at `tick`.
@@ -185,8 +217,8 @@ impl Shard {
         let Some(m) = blobs.get_mut(h).or_else(|| partials.get_mut(h)) else {
             return;
         };
-        if !m.rec.pinned && lru.remove(&(m.last_access, *h)) {
-            lru.insert((tick, *h));
+        if !m.rec.pinned && lru.remove(m.rec.team_id(), &(m.last_access, *h)) {
+            lru.insert(m.rec.team_id(), (tick, *h));
         }
         m.last_access = tick;
     }
@@ -243,6 +275,8 @@ pub struct BlobStore {
     /// Held by a reservation from its check of the books to its last eviction, so two
     /// writes cannot both count the same evictable bytes.
     evicting: Mutex<()>,
+    /// The teams blobs are cached for (`teams.rs`). Lock order: before `books`.
+    teams: Mutex<teams::Teams>,
     tick: AtomicU64,
     /// Live blobs per pack. Lock order: after a shard and `books`' callers, never before.
     packs: Mutex<pack::Packs>,
@@ -324,8 +358,10 @@ impl BlobStore {
         let index_dir = cfg.dirs[0].join("index");
         let index = rocksdb::DB::open(&opts, &index_dir).map_err(|e| StoreError::Index(e.into_string()))?;
         set_mode(&index_dir, 0o700)?;
+        let teams = Mutex::new(teams::Teams::load(&index));
         let store = Arc::new(BlobStore {
             cfg,
+            teams,
             index,
             shards: (0..SHARDS).map(|_| Mutex::default()).collect(),
             books: Mutex::default(),
@@ -377,7 +413,12 @@ impl BlobStore {
 
     /// Makes a complete blob whose record is in the index visible to readers.
     fn remember(&self, h: BlobHash, rec: BlobRecord) {
-        let (size, pinned, verified) = (rec.size, rec.pinned, rec.verified.as_ref().map(FileStamp::from));
+        let (size, pinned, team, verified) = (
+            rec.size,
+            rec.pinned,
+            rec.team_id(),
+            rec.verified.as_ref().map(FileStamp::from),
+        );
         let mut sh = self.shard(&h);
         match verified {
             Some(v) => sh.verified.insert(h, v),
@@ -394,9 +435,9 @@ impl BlobStore {
         }
         let mut b = self.books();
         if let Some(old) = &old {
-            b.remove(old.rec.size, old.rec.pinned);
+            b.remove(old.rec.size, old.rec.pinned, old.rec.team_id());
         }
-        b.add(size, pinned);
+        b.add(size, pinned, team);
         drop(b);
         drop(sh);
         // The same blob stored twice at once (two batches racing): the older copy's
@@ -527,16 +568,13 @@ impl BlobStore {
         let rec = m.rec.clone();
         let key = (m.last_access, *h);
         if pinned {
-            sh.lru.remove(&key);
+            sh.lru.remove(rec.team_id(), &key);
         } else {
-            sh.lru.insert(key);
+            sh.lru.insert(rec.team_id(), key);
         }
         let mut b = self.books();
-        if pinned {
-            b.pinned += outboards::footprint(rec.size);
-        } else {
-            b.pinned -= outboards::footprint(rec.size);
-        }
+        b.remove(rec.size, !pinned, rec.team_id());
+        b.add(rec.size, pinned, rec.team_id());
         drop(b);
         drop(sh);
         self.index
@@ -603,7 +641,7 @@ impl BlobStore {
         let removed = sh.blobs.remove(h).or_else(|| sh.partials.remove(h));
         if let Some(m) = &removed {
             sh.untrack(*h, m);
-            self.books().remove(m.rec.size, m.rec.pinned);
+            self.books().remove(m.rec.size, m.rec.pinned, m.rec.team_id());
         }
         drop(sh);
         let _ = self.index.delete(h.0);

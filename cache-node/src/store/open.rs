@@ -45,8 +45,7 @@ impl BlobStore {
                 h.map_err(|_| StoreError::Index("loading the index panicked".into()))??;
             rep.indexed += indexed;
             let mut b = self.books();
-            b.used += books.used;
-            b.pinned += books.pinned;
+            b.merge(books);
             for (id, (dir, n)) in live {
                 packs.entry(id).or_insert((dir, 0)).1 += n;
             }
@@ -102,8 +101,9 @@ impl BlobStore {
             blobs: Vec<(BlobHash, Meta)>,
             partials: Vec<(BlobHash, Meta)>,
             verified: Vec<(BlobHash, FileStamp)>,
-            lru: Vec<(u64, BlobHash)>,
+            lru: Vec<(TeamId, (u64, BlobHash))>,
         }
+        let team_count = lock(&self.teams).permilles().len() - 1;
         let mut staged: Vec<Staged> = (0..SHARDS).map(|_| Staged::default()).collect();
         let mut indexed = 0;
         let mut books = Books::default();
@@ -144,7 +144,10 @@ impl BlobStore {
                 let _ = self.index.delete(h.0);
                 continue;
             }
-            books.add(rec.size, rec.pinned);
+            let mut rec = rec;
+            // A tag naming no team in the table (the table was lost): untagged.
+            rec.team = u32::from(teams::known(rec.team, team_count).0);
+            books.add(rec.size, rec.pinned, rec.team_id());
             if rec.pack != 0 {
                 packs.entry(rec.pack).or_insert((rec.dir, 0)).1 += 1;
             }
@@ -155,7 +158,7 @@ impl BlobStore {
                 st.verified.push((h, v.into()));
             }
             if !rec.pinned {
-                st.lru.push((0, h));
+                st.lru.push((rec.team_id(), (0, h)));
             }
             let m = Meta { rec, last_access: 0 };
             if m.rec.partial {
@@ -166,12 +169,19 @@ impl BlobStore {
             }
         }
         for (i, st) in staged.into_iter().enumerate() {
-            let mut lru: BTreeSet<(u64, BlobHash)> = st.lru.into_iter().collect();
+            // Each team's keys stay in hash order: its set is built from a sorted run.
+            let mut by_team: HashMap<TeamId, Vec<(u64, BlobHash)>> = HashMap::new();
+            for (t, k) in st.lru {
+                by_team.entry(t).or_default().push(k);
+            }
             let mut sh = lock(&self.shards[i]);
             sh.blobs.extend(st.blobs);
             sh.partials.extend(st.partials);
             sh.verified.extend(st.verified);
-            sh.lru.append(&mut lru);
+            for (t, keys) in by_team {
+                let mut keys: BTreeSet<(u64, BlobHash)> = keys.into_iter().collect();
+                sh.lru.append(t, &mut keys);
+            }
         }
         Ok((indexed, books, packs))
     }

@@ -171,7 +171,7 @@ impl BlobStore {
         new.sort_unstable_by_key(|(h, ..)| h.0);
         let data_bytes: u64 = new.iter().map(|(_, d, _)| d.len() as u64).sum();
         let head = header_len(new.len() as u64);
-        let (dir, _reservation) = self.reserve(head + data_bytes)?;
+        let (dir, _reservation) = self.reserve(head + data_bytes, pin.into())?;
         let id = {
             let mut p = lock(&self.packs);
             p.next += 1;

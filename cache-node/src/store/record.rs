@@ -48,6 +48,9 @@ pub(super) struct BlobRecord {
     /// partial blob whose chunk hashes came from a version that records plain ones.
     #[prost(bool, tag = "12")]
     pub(super) tree_chunks: bool,
+    /// The team whose reader had the blob cached here (`teams.rs`); 0: none.
+    #[prost(uint32, tag = "13")]
+    pub(super) team: u32,
 }
 
 #[derive(Clone, PartialEq, prost::Message)]
@@ -142,6 +145,7 @@ impl BlobRecord {
             pack: 0,
             offset: 0,
             tree_chunks: kind.is_tree(),
+            team: 0,
         }
     }
 

@@ -14,16 +14,19 @@ use super::*;
 impl BlobStore {
     /// Reserves room for `size` bytes, evicting unpinned blobs if needed. The returned
     /// guard releases the reservation when dropped.
-    pub(super) fn reserve(self: &Arc<Self>, size: u64) -> Result<(u32, Reservation), StoreError> {
+    /// `keep` says whether the blob is pinned and whom it is cached for (`teams.rs`:
+    /// whose blobs it may evict).
+    pub(super) fn reserve(self: &Arc<Self>, size: u64, keep: Keep) -> Result<(u32, Reservation), StoreError> {
         let size = outboards::footprint(size);
         let (dir, free) = self.roomiest_dir();
-        self.reserve_in(free, size)?;
+        self.reserve_in(free, size, keep)?;
         Ok((
             dir,
             Reservation {
                 store: self.clone(),
                 size,
                 dir,
+                keep,
             },
         ))
     }
@@ -32,7 +35,11 @@ impl BlobStore {
     /// (`Reservation::grow_to`): what a caller announces evicts nothing until it is sent,
     /// so announcing a huge blob and sending nothing costs the cache nothing. Refused at
     /// once only when the size could never fit (beyond the capacity left unpinned).
-    pub(super) fn reserve_as_written(self: &Arc<Self>, size: u64) -> Result<(u32, Reservation), StoreError> {
+    pub(super) fn reserve_as_written(
+        self: &Arc<Self>,
+        size: u64,
+        keep: Keep,
+    ) -> Result<(u32, Reservation), StoreError> {
         let (dir, free) = self.roomiest_dir();
         {
             let b = self.books();
@@ -54,6 +61,7 @@ impl BlobStore {
                 store: self.clone(),
                 size: 0,
                 dir,
+                keep,
             },
         ))
     }
@@ -69,30 +77,56 @@ impl BlobStore {
             .expect("at least one dir")
     }
 
-    /// Holds `size` more bytes in data dir `dir` (with `free` bytes free there),
-    /// evicting unpinned blobs, least recently used first, until they fit.
-    fn reserve_in(&self, free: u64, size: u64) -> Result<(), StoreError> {
+    /// Holds `size` more bytes in data dir `dir` (with `free` bytes free there) for a
+    /// write kept as `keep`, evicting unpinned blobs it may take (`teams.rs`), least
+    /// recently used first, until they fit.
+    fn reserve_in(&self, free: u64, size: u64, keep: Keep) -> Result<(), StoreError> {
+        let team = keep.team;
+        // The cache room the shares divide: what is not pinned nor held for writes, less
+        // this write if it will be pinned (a cached write is part of the room).
+        let held = |b: &Books| b.pinned + b.reserved + if keep.pin { size } else { 0 };
         let mut victims = Vec::new();
         let serial = lock(&self.evicting);
+        let permilles = lock(&self.teams).permilles();
         let mut need = {
             let b = self.books();
             let over_cap = (b.used + b.reserved + size).saturating_sub(self.cfg.capacity);
             let need = over_cap.max(size.saturating_sub(free));
-            // Every stored byte that is not pinned can go (complete or partial).
-            if b.used - b.pinned < need {
+            // Every stored byte that is not pinned can go (complete or partial), but for
+            // other teams' shares of the cache room left once this write is held.
+            let room = self.cfg.capacity.saturating_sub(held(&b));
+            let may_go: u64 = (b.team_cached.iter().enumerate())
+                .map(|(t, c)| teams::evictable(t, team, *c, room, &permilles))
+                .sum();
+            if may_go < need {
+                let cached = b.team_cached.clone();
+                let (pinned, reserved) = (b.pinned, b.reserved);
+                drop(b);
                 return Err(StoreError::Full {
                     need: size,
                     why: format!(
                         "capacity {} with {} pinned, {} reserved by writes in progress, {} free on disk \
-                         above the reserve",
-                        self.cfg.capacity, b.pinned, b.reserved, free
+                         above the reserve{}",
+                        self.cfg.capacity,
+                        pinned,
+                        reserved,
+                        free,
+                        self.held_by_shares(team, room, &cached, &permilles)
                     ),
                 });
             }
             need
         };
         while need > 0 {
-            let Some((size, h, file)) = self.evict_oldest() else {
+            let allowed = {
+                let b = self.books();
+                let room = self.cfg.capacity.saturating_sub(held(&b));
+                let open: Vec<bool> = (b.team_cached.iter().enumerate())
+                    .map(|(t, c)| teams::evictable(t, team, *c, room, &permilles) > 0)
+                    .collect();
+                move |t: TeamId| open.get(t.0 as usize).copied().unwrap_or(false)
+            };
+            let Some((size, h, file)) = self.evict_oldest(&allowed) else {
                 break;
             };
             victims.push((h, file));
@@ -114,7 +148,7 @@ impl BlobStore {
             // Blobs were pinned between the check and the evictions.
             return Err(StoreError::Full {
                 need: size,
-                why: "the unpinned blobs were pinned while room was being made".into(),
+                why: "the unpinned blobs were pinned or read while room was being made".into(),
             });
         }
         Ok(())
@@ -125,18 +159,18 @@ impl BlobStore {
     /// Removes the least recently used unpinned blob from the maps and the books; its
     /// size, hash and the file the caller deletes (a packed blob's pack only when it was
     /// the pack's last). None when nothing is evictable.
-    fn evict_oldest(&self) -> Option<(u64, BlobHash, Option<PathBuf>)> {
+    fn evict_oldest(&self, allowed: &dyn Fn(TeamId) -> bool) -> Option<(u64, BlobHash, Option<PathBuf>)> {
         loop {
             // Ticks are global, so the oldest blob is the oldest of the shards' oldest.
-            let (key, i) = self
+            let (key, team, i) = self
                 .shards
                 .iter()
                 .enumerate()
-                .filter_map(|(i, sh)| lock(sh).lru.first().map(|k| (*k, i)))
+                .filter_map(|(i, sh)| lock(sh).lru.firsts(allowed).min().map(|(k, t)| (k, t, i)))
                 .min()?;
             let mut sh = lock(&self.shards[i]);
             // Read or pinned since it was looked at: look again.
-            if !sh.lru.remove(&key) {
+            if !sh.lru.remove(team, &key) {
                 continue;
             }
             let h = key.1;
@@ -154,7 +188,7 @@ impl BlobStore {
                 continue;
             };
             sh.verified.remove(&h);
-            self.books().remove(m.rec.size, m.rec.pinned);
+            self.books().remove(m.rec.size, m.rec.pinned, m.rec.team_id());
             return Some((outboards::footprint(m.rec.size), h, path));
         }
     }
@@ -165,6 +199,9 @@ pub(super) struct Reservation {
     pub(super) store: Arc<BlobStore>,
     pub(super) size: u64,
     dir: u32,
+    /// Whether the bytes will be pinned, and whom they are cached for: whose cached blobs
+    /// growing it may evict.
+    pub(super) keep: Keep,
 }
 
 /// How far ahead of the bytes received a write reserves: one eviction pass per step,
@@ -179,6 +216,7 @@ impl Reservation {
             store: self.store.clone(),
             size: std::mem::take(&mut self.size),
             dir: self.dir,
+            keep: self.keep,
         }
     }
 }
@@ -196,7 +234,7 @@ impl Reservation {
             .saturating_sub(self.store.cfg.reserve)
             // What this write holds but has not written yet is not free for it again.
             .saturating_sub(self.size.saturating_sub(written));
-        self.store.reserve_in(free, want - self.size)?;
+        self.store.reserve_in(free, want - self.size, self.keep)?;
         self.size = want;
         Ok(())
     }

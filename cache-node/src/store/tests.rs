@@ -17,7 +17,7 @@ pub(super) fn open_reporting(dir: &Path, capacity: u64) -> (Arc<BlobStore>, Reco
     .unwrap()
 }
 
-fn put(s: &Arc<BlobStore>, data: &[u8], pin: bool) -> Result<BlobHash, StoreError> {
+fn put(s: &Arc<BlobStore>, data: &[u8], pin: impl Into<Keep>) -> Result<BlobHash, StoreError> {
     let h = BlobHash::of(data);
     if let Some(mut w) = s.begin_write(h, data.len() as u64, 1 << 16, pin)? {
         for part in data.chunks(10_000) {
@@ -466,26 +466,37 @@ fn a_large_chunk_is_served_in_bounded_pieces_and_checked_before_any_byte() {
 pub(super) fn check_books(s: &BlobStore) {
     let (mut used, mut pinned) = (0, 0);
     let mut want = std::collections::BTreeSet::new();
+    let mut cached: Vec<u64> = Vec::new();
     s.each_meta(|h, m, _| {
-        used += m.rec.size;
+        let f = outboards::footprint(m.rec.size);
+        used += f;
         if m.rec.pinned {
-            pinned += m.rec.size;
+            pinned += f;
         } else {
-            want.insert((m.last_access, *h));
+            want.insert(((m.last_access, *h), m.rec.team_id()));
+            let t = m.rec.team as usize;
+            cached.resize(cached.len().max(t + 1), 0);
+            cached[t] += f;
         }
     });
     let b = s.books();
     assert_eq!(b.used, used, "used");
     assert_eq!(b.pinned, pinned, "pinned");
+    let mut books_cached = b.team_cached.clone();
     drop(b);
+    while books_cached.last() == Some(&0) && books_cached.len() > cached.len() {
+        books_cached.pop();
+    }
+    cached.resize(books_cached.len().max(cached.len()), 0);
+    assert_eq!(books_cached, cached, "cached bytes per team");
     let mut lru = std::collections::BTreeSet::new();
     for (i, sh) in s.shards.iter().enumerate() {
-        for k in &lock(sh).lru {
+        for (k, t) in lock(sh).lru.all() {
             assert_eq!(usize::from(k.1 .0[0]) % SHARDS, i, "a blob in the wrong shard");
-            lru.insert(*k);
+            lru.insert((k, t));
         }
     }
-    assert_eq!(lru, want, "eviction order");
+    assert_eq!(lru, want, "eviction order, by team");
 }
 
 #[derive(Debug, Clone)]
@@ -510,25 +521,54 @@ proptest::proptest! {
     #![proptest_config(proptest::prelude::ProptestConfig::with_cases(48))]
     /// Writes (evicting least recently used unpinned blobs once 5 of 10 fill the
     /// capacity), reads, pin changes and forgotten blobs in any order keep the books
-    /// exact, and eviction never takes a pinned blob.
+    /// exact; eviction never takes a pinned blob, nor a blob of a team other than the
+    /// writer's while that team is within its share of the cache room (blob n is cached
+    /// for team n % 3: none, a with 30%, b with 40%).
     #[test]
     fn the_books_stay_exact_through_writes_reads_pins_and_evictions(
         ops in proptest::collection::vec(store_op(), 1..40)
     ) {
         let d = tempfile::tempdir().unwrap();
         let s = open(d.path(), 5 * 10_000);
+        let teams = [TeamId::NONE, s.team("a", 300), s.team("b", 400)];
+        let shares = [0u32, 300, 400];
         let data = |n: u8| vec![n; 10_000];
         for o in ops {
             match o {
                 StoreOp::Put(n, pin) => {
+                    let writer = teams[usize::from(n % 3)];
                     let mut pinned_before = Vec::new();
-                    s.each_meta(|h, m, partial| if m.rec.pinned && !partial { pinned_before.push(*h) });
-                    match put(&s, &data(n), pin) {
+                    let mut cached_before: Vec<(BlobHash, TeamId)> = Vec::new();
+                    s.each_meta(|h, m, partial| {
+                        if m.rec.pinned && !partial {
+                            pinned_before.push(*h)
+                        } else if !m.rec.pinned {
+                            cached_before.push((*h, m.rec.team_id()))
+                        }
+                    });
+                    let (room, by_team) = {
+                        let b = s.books();
+                        let held = b.pinned + if pin { 10_000 } else { 0 };
+                        (s.cfg.capacity.saturating_sub(held), b.team_cached.clone())
+                    };
+                    let keep = Keep { pin, team: writer };
+                    match put(&s, &data(n), keep) {
                         Ok(_) | Err(StoreError::Full { .. }) => {}
                         Err(e) => panic!("{e}"),
                     }
                     for h in pinned_before {
                         proptest::prop_assert!(s.contains(&h), "a pinned blob was evicted");
+                    }
+                    for (h, t) in cached_before {
+                        let i = usize::from(t.0);
+                        let within = by_team.get(i).copied().unwrap_or(0)
+                            <= teams::share_of(room, shares[i]);
+                        if t != TeamId::NONE && t != writer && within {
+                            proptest::prop_assert!(
+                                s.contains(&h),
+                                "a blob of a team within its share was evicted by another's write"
+                            );
+                        }
                     }
                 }
                 StoreOp::Read(n) => {

@@ -22,8 +22,9 @@ impl BlobStore {
         size: u64,
         chunk_size: u32,
         (kind, chunks): (ChunkKind, &[BlobHash]),
-        pin: bool,
+        keep: impl Into<Keep>,
     ) -> Result<(), StoreError> {
+        let Keep { pin, team } = keep.into();
         if self.contains(&hash) || self.shard(&hash).partials.contains_key(&hash) {
             return Ok(());
         }
@@ -38,7 +39,7 @@ impl BlobStore {
                 ),
             });
         }
-        let (dir, reservation) = self.reserve(size)?;
+        let (dir, reservation) = self.reserve(size, Keep { pin: false, team })?;
         let path = self.partial_path_in(dir, &hash);
         let f = File::create(&path).map_err(io)?;
         f.set_len(size).map_err(io)?;
@@ -57,13 +58,14 @@ impl BlobStore {
             pack: 0,
             offset: 0,
             tree_chunks: kind.is_tree(),
+            team: u32::from(team.0),
         };
         self.index
             .put(hash.0, rec.encode_to_vec())
             .map_err(|e| StoreError::Index(e.into_string()))?;
         let mut st = self.shard(&hash);
         // The reservation becomes use, evictable until the blob is complete.
-        self.books().add(size, false);
+        self.books().add(size, false, team);
         let m = Meta {
             rec,
             last_access: self.tick.fetch_add(1, Ordering::Relaxed),
@@ -169,16 +171,17 @@ impl BlobStore {
         hash: BlobHash,
         size: u64,
         chunk_size: u32,
-        pin: bool,
+        keep: impl Into<Keep>,
     ) -> Result<Option<BlobWriter>, StoreError> {
+        let keep = keep.into();
         if self.contains(&hash) {
-            if pin {
+            if keep.pin {
                 self.set_pinned(&hash, true)?;
             }
             return Ok(None);
         }
         // Named: the store's own chunk hashes, the kind it gets in one pass.
-        self.writer(Some(hash), size, (chunk_size, ChunkKind::Tree), pin)
+        self.writer(Some(hash), size, (chunk_size, ChunkKind::Tree), keep)
             .map(Some)
     }
 
@@ -189,9 +192,9 @@ impl BlobStore {
         self: &Arc<Self>,
         size: u64,
         (chunk_size, kind): (u32, ChunkKind),
-        pin: bool,
+        keep: impl Into<Keep>,
     ) -> Result<BlobWriter, StoreError> {
-        self.writer(None, size, (chunk_size, kind), pin)
+        self.writer(None, size, (chunk_size, kind), keep.into())
     }
 
     fn writer(
@@ -199,10 +202,10 @@ impl BlobStore {
         hash: Option<BlobHash>,
         size: u64,
         (chunk_size, kind): (u32, ChunkKind),
-        pin: bool,
+        Keep { pin, team }: Keep,
     ) -> Result<BlobWriter, StoreError> {
         let chunk_size = checked_chunk_size(hash.unwrap_or(BlobHash([0; 32])), chunk_size)?;
-        let (dir, reservation) = self.reserve_as_written(size)?;
+        let (dir, reservation) = self.reserve_as_written(size, Keep { pin, team })?;
         let tick = self.tick.fetch_add(1, Ordering::Relaxed);
         let name = match &hash {
             Some(h) => format!("{}.{tick}", hex(h)),
@@ -461,6 +464,7 @@ impl BlobWriter {
             self.chunk_size,
             (self.kind, chunks),
         );
+        rec.team = u32::from(self.reservation.keep.team.0);
         // The bytes were hashed on the way in, so the first `verified_path` after an
         // import or a copy from a peer need not read the file whole again (what made a
         // cold passthrough open of a large file cost a full read before the kernel's

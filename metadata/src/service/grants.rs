@@ -169,6 +169,16 @@ impl MetadataService {
             0 => DEFAULT_TTL,
             ms => std::time::Duration::from_millis(ms).clamp(std::time::Duration::from_secs(1), MAX_TTL),
         };
+        // What nodes cache under a grant for a team's dataset counts in that team's cache
+        // share (the first team in the configuration that covers it and has one).
+        let (team, cache_permille) = datasets
+            .first()
+            .and_then(|d| {
+                (self.catalog.config().teams.iter())
+                    .find(|t| t.cache_permille > 0 && t.covers(d))
+                    .map(|t| (t.name.clone(), t.cache_permille))
+            })
+            .unwrap_or_default();
         let now = now_ms();
         let body = GrantBody {
             cluster_id: self.catalog.cluster_id().to_string(),
@@ -180,8 +190,10 @@ impl MetadataService {
             expires_unix_ms: now + ttl.as_millis() as u64,
             versions,
             namespaces,
-            datasets,
             scoped: p.is_scoped(),
+            team,
+            cache_permille,
+            datasets,
         };
         if op != Op::Read {
             self.audit.record(
