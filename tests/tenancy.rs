@@ -625,7 +625,7 @@ async fn a_scoped_read_grant_opens_only_its_versions_blobs_on_every_node_over_gr
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_import_over_its_teams_pinned_quota_is_refused_before_any_byte_reaches_a_node() {
+async fn an_import_or_restore_over_its_teams_pinned_quota_is_refused_before_any_byte_reaches_a_node() {
     let h = Harness::new("tenancy-quota");
     let config = h.path("locus.toml");
     std::fs::write(
@@ -747,6 +747,42 @@ async fn an_import_over_its_teams_pinned_quota_is_refused_before_any_byte_reache
     let (other, _) = tree("b-big", 3);
     let o = imp("b-big", &other, "2");
     assert!(o.status.success(), "{}", stderr(&o));
+
+    // A restore of one of the team's versions into the running cluster is an import like
+    // any other: 600,000 more would take the team over, so it is refused at placement and
+    // leaves neither a dataset nor a session.
+    let url = format!("file://{}", h.path("backup").display());
+    let o = m.cli(&["backup", "run", "--to", &url, "--json"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let o = m.cli(&[
+        "restore",
+        "--allow-unsigned",
+        "--from",
+        &url,
+        "--dataset",
+        "a-one@1",
+        "--as",
+        "a-restored",
+    ]);
+    assert!(!o.status.success(), "a restore over the quota was accepted");
+    assert!(
+        stderr(&o).contains("team team-a's quota would be exceeded"),
+        "{}",
+        stderr(&o)
+    );
+    let e = ops
+        .get_dataset(pb::GetDatasetRequest {
+            name: "a-restored".into(),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), tonic::Code::NotFound, "{e:?}");
+    let info = ops
+        .get_cluster_info(pb::GetClusterInfoRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(info.open_sessions, 0, "the refused restore left its session open");
 
     // Usage is shown to the operator (status, metrics), not to a scoped token.
     let st = m.cli(&["status", "--json"]);
