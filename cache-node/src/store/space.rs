@@ -82,9 +82,10 @@ impl BlobStore {
     /// recently used first, until they fit.
     fn reserve_in(&self, free: u64, size: u64, keep: Keep) -> Result<(), StoreError> {
         let team = keep.team;
-        // The cache room the shares divide: what is not pinned nor held for writes, less
-        // this write if it will be pinned (a cached write is part of the room).
-        let held = |b: &Books| b.pinned + b.reserved + if keep.pin { size } else { 0 };
+        // The cache room the shares divide: what is not pinned nor held for writes, and,
+        // once `shrunk`, less this write, which will be pinned (a cached write is part
+        // of the room).
+        let held = |b: &Books, shrunk: bool| b.pinned + b.reserved + if shrunk { size } else { 0 };
         let mut victims = Vec::new();
         let serial = lock(&self.evicting);
         let permilles = lock(&self.teams).permilles();
@@ -94,7 +95,7 @@ impl BlobStore {
             let need = over_cap.max(size.saturating_sub(free));
             // Every stored byte that is not pinned can go (complete or partial), but for
             // other teams' shares of the cache room left once this write is held.
-            let room = self.cfg.capacity.saturating_sub(held(&b));
+            let room = self.cfg.capacity.saturating_sub(held(&b, keep.pin));
             let may_go: u64 = (b.team_cached.iter().enumerate())
                 .map(|(t, c)| teams::evictable(t, team, *c, room, &permilles))
                 .sum();
@@ -117,20 +118,26 @@ impl BlobStore {
             }
             need
         };
-        while need > 0 {
-            let allowed = {
-                let b = self.books();
-                let room = self.cfg.capacity.saturating_sub(held(&b));
-                let open: Vec<bool> = (b.team_cached.iter().enumerate())
-                    .map(|(t, c)| teams::evictable(t, team, *c, room, &permilles) > 0)
-                    .collect();
-                move |t: TeamId| open.get(t.0 as usize).copied().unwrap_or(false)
-            };
-            let Some((size, h, file)) = self.evict_oldest(&allowed) else {
-                break;
-            };
-            victims.push((h, file));
-            need = need.saturating_sub(size);
+        // A replica first takes what no share of the room as it is protects (untagged
+        // blobs, teams' excess); only if that is not enough do the shares shrink with the
+        // room it takes.
+        let phases: &[bool] = if keep.pin { &[false, true] } else { &[false] };
+        for &shrunk in phases {
+            while need > 0 {
+                let allowed = {
+                    let b = self.books();
+                    let room = self.cfg.capacity.saturating_sub(held(&b, shrunk));
+                    let open: Vec<bool> = (b.team_cached.iter().enumerate())
+                        .map(|(t, c)| teams::evictable(t, team, *c, room, &permilles) > 0)
+                        .collect();
+                    move |t: TeamId| open.get(t.0 as usize).copied().unwrap_or(false)
+                };
+                let Some((freed, h, file)) = self.evict_oldest(&allowed) else {
+                    break;
+                };
+                victims.push((h, file));
+                need = need.saturating_sub(freed);
+            }
         }
         if need == 0 {
             self.books().reserved += size;

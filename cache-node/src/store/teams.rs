@@ -8,7 +8,8 @@
 //! under [`TEAMS_KEY`]). The cache room is what is not pinned nor reserved:
 //! `capacity − pinned − reserved`; a team's share is its permille of that room, so
 //! replicas (which quotas bound) shrink every share alike and are never refused room
-//! because of shares.
+//! because of shares. A replica takes first what the shares of the room as it stands do
+//! not protect, and only then what its own bytes shrink them by.
 //!
 //! When room must be made for a write, the writer's eviction takes, least recently used
 //! first, only from: its own team's blobs, untagged blobs (cached by unscoped readers or

@@ -113,6 +113,31 @@ fn replicas_shrink_every_share_and_are_never_refused_room_for_them() {
 }
 
 #[test]
+fn a_replica_takes_untagged_blobs_before_any_share_shrinks() {
+    let d = tempfile::tempdir().unwrap();
+    let s = open(d.path(), 10 * BLOB as u64);
+    let b = s.team("team-b", 500);
+    // Team B's blobs are the oldest, within its half; then five untagged ones.
+    let bs: Vec<BlobHash> = (0..5).map(|i| put(&s, 1000 + i, cached(b)).unwrap()).collect();
+    let xs: Vec<BlobHash> = (0..5)
+        .map(|i| put(&s, 2000 + i, Keep::default()).unwrap())
+        .collect();
+    // A replica: least recently used, and B's share of the room the replica leaves (4.5
+    // blobs), would take B's oldest; an untagged blob goes instead.
+    put(&s, 1, true.into()).unwrap();
+    assert!(
+        bs.iter().all(|h| s.contains(h)),
+        "a share shrank while untagged blobs were there"
+    );
+    assert_eq!(xs.iter().filter(|h| s.contains(h)).count(), 4);
+    // The next one finds B beyond its share of the smaller room (5 of 4.5 blobs' worth):
+    // the shares shrink with the room replicas take.
+    put(&s, 2, true.into()).unwrap();
+    assert!(!s.contains(&bs[0]));
+    check_books(&s);
+}
+
+#[test]
 fn tags_and_shares_survive_a_restart() {
     let d = tempfile::tempdir().unwrap();
     let (bs, a) = {
