@@ -55,14 +55,18 @@ pub(super) fn check_format(d: &Path) -> Result<(), StoreError> {
                 .and_then(|v| v.parse::<u32>().ok());
             match v {
                 Some(FORMAT_VERSION) => Ok(()),
-                // Format 1 is format 2 without packs: nothing to convert, only the mark.
-                Some(1) => {
+                // Formats 1 and 2 are format 3 without packs and without compact records:
+                // nothing to convert, only the mark (which keeps older builds out).
+                Some(old @ (1 | 2)) => {
                     write_format(d, &f).map_err(|e| err(e.to_string()))?;
-                    tracing::info!(dir = %d.display(), "blob store format 1 marked {FORMAT_VERSION} (packs)");
+                    tracing::info!(
+                        dir = %d.display(),
+                        "blob store format {old} marked {FORMAT_VERSION} (packs, compact records)"
+                    );
                     Ok(())
                 }
                 Some(other) => Err(err(format!(
-                    "blob store format {other}; this build reads formats 1 and {FORMAT_VERSION}"
+                    "blob store format {other}; this build reads formats 1 to {FORMAT_VERSION}"
                 ))),
                 None => Err(err(format!("{FORMAT_FILE} is not a Locus format marker"))),
             }

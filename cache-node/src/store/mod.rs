@@ -53,7 +53,7 @@ pub use outboards::KEEP_ABOVE as OUTBOARD_KEPT_ABOVE;
 pub use pack::{read_pack_table, PackRow, PackedWrite};
 pub use read::BlobReader;
 pub use record::FileStamp;
-use record::{chunk_hashes, stamp, BlobRecord};
+use record::{stamp, BlobRecord};
 use space::Reservation;
 pub use teams::{Keep, TeamId, TeamUse};
 pub use write::{BlobWriter, Stored};
@@ -62,7 +62,11 @@ pub const FORMAT_FILE: &str = "LOCUS_BLOBSTORE";
 /// 2: blobs may live in packs (`pack.rs`, index fields 10 and 11). A build of format 1
 /// would take every packed blob for missing and fetch it all again, so a store is marked
 /// 2 when this build opens it, and format 1 builds refuse it by name.
-pub const FORMAT_VERSION: u32 = 2;
+/// 3: a complete blob of one chunk keeps no chunk list (`BlobRecord::chunks`). A format 2
+/// build would drop such records as damaged (and a pack no record names as a stray), so
+/// it must refuse the store: marked 3 at the first open by this build. Records written
+/// before stay as they are until next rewritten; they load compact.
+pub const FORMAT_VERSION: u32 = 3;
 
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
@@ -663,7 +667,7 @@ impl BlobStore {
 pub fn check_index_record(v: &[u8]) -> Result<(u64, usize), String> {
     let rec = BlobRecord::decode_checked(v)?;
     let missing = rec.missing();
-    Ok((chunk_hashes(&rec.chunks).len() as u64, missing.len()))
+    Ok((rec.chunk_count(), missing.len()))
 }
 
 fn hex_lossy(k: &[u8]) -> String {

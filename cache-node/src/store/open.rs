@@ -145,6 +145,7 @@ impl BlobStore {
                 continue;
             }
             let mut rec = rec;
+            rec.compact();
             // A tag naming no team in the table (the table was lost): untagged.
             rec.team = u32::from(teams::known(rec.team, team_count).0);
             books.add(rec.size, rec.pinned, rec.team_id());

@@ -89,7 +89,7 @@ impl BlobStore {
             trusted,
             store: self.clone(),
             hash: *h,
-            hashes: chunk_hashes(&rec.chunks),
+            hashes: rec.chunk_hashes(h),
             kind: ChunkKind::from_tree(rec.tree_chunks),
             chunk_size: cs,
             size: rec.size,
@@ -147,7 +147,7 @@ impl BlobStore {
             return Ok(false);
         }
         let mut at = base;
-        let hashes = chunk_hashes(&rec.chunks);
+        let hashes = rec.chunk_hashes(h);
         let cs = u64::from(rec.chunk_size);
         // A blob that should keep an outboard and has none (stored by an earlier build,
         // or its file was lost): built in this pass, so the scrub converts an old store

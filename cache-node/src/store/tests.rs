@@ -399,18 +399,33 @@ fn refuses_foreign_directories() {
 }
 
 #[test]
-fn a_format_1_store_opens_and_is_marked_2_and_an_unknown_format_is_refused_by_name() {
+fn older_formats_open_marked_3_their_full_records_load_compact_and_a_later_format_is_refused() {
     let d = tempfile::tempdir().unwrap();
     let s = open(d.path(), 1 << 30);
     let h = put(&s, b"kept across the upgrade", true).unwrap();
     drop(s);
+    // The record as format 2 wrote it: the one chunk's hash listed.
+    {
+        let db = rocksdb::DB::open_default(d.path().join("index")).unwrap();
+        let mut rec = BlobRecord::decode_checked(&db.get(h.0).unwrap().unwrap()).unwrap();
+        assert!(
+            rec.chunks.is_empty(),
+            "format 3 keeps no chunk list for one chunk"
+        );
+        rec.chunks = h.0.to_vec();
+        db.put(h.0, rec.encode_to_vec()).unwrap();
+    }
     let marker = d.path().join(FORMAT_FILE);
-    fs::write(&marker, "locus-blobstore 1\n").unwrap();
-    let s = open(d.path(), 1 << 30);
-    assert_eq!(s.read_range(&h, 0, 0).unwrap(), b"kept across the upgrade");
-    assert_eq!(fs::read_to_string(&marker).unwrap(), "locus-blobstore 2\n");
-    drop(s);
-    fs::write(&marker, "locus-blobstore 3\n").unwrap();
+    for old in [1, 2] {
+        fs::write(&marker, format!("locus-blobstore {old}\n")).unwrap();
+        let s = open(d.path(), 1 << 30);
+        assert_eq!(s.read_range(&h, 0, 100).unwrap(), b"kept across the upgrade");
+        assert_eq!(fs::read_to_string(&marker).unwrap(), "locus-blobstore 3\n");
+        assert!(s.shard(&h).blobs[&h].rec.chunks.is_empty(), "loaded compact");
+        assert!(s.verify(&h).unwrap(), "and still verifies whole");
+        check_books(&s);
+    }
+    fs::write(&marker, "locus-blobstore 4\n").unwrap();
     let Err(StoreError::DataDir { reason, .. }) = BlobStore::open(StoreConfig {
         dirs: vec![d.path().to_path_buf()],
         capacity: 1 << 30,
@@ -419,7 +434,7 @@ fn a_format_1_store_opens_and_is_marked_2_and_an_unknown_format_is_refused_by_na
     }) else {
         panic!("a store of a later format must be refused");
     };
-    assert!(reason.contains("format 3"), "{reason}");
+    assert!(reason.contains("format 4"), "{reason}");
 }
 
 #[test]

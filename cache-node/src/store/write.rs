@@ -95,7 +95,7 @@ impl BlobStore {
             });
         }
         let expect_len = cs.min(rec.size - i * cs);
-        let want = chunk_hashes(&rec.chunks)[i as usize];
+        let want = rec.chunk_hashes(h)[i as usize];
         if data.len() as u64 != expect_len || rec.chunk_at(i).hash(data) != want {
             return Err(StoreError::Mismatch {
                 hash: *h,
@@ -141,13 +141,14 @@ impl BlobStore {
         // Just hashed whole (see `BlobWriter::finish`).
         let verified = record::stamp_published(renamed, &dest);
         let pin = rec.pin_when_complete;
-        let done = BlobRecord {
+        let mut done = BlobRecord {
             partial: false,
             present: Vec::new(),
             verified: verified.map(Into::into),
             pin_when_complete: false,
             ..rec
         };
+        done.compact();
         self.index
             .put(h.0, done.encode_to_vec())
             .map_err(|e| StoreError::Index(e.into_string()))?;
