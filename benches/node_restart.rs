@@ -160,6 +160,17 @@ async fn main() {
         .start_node("n1", &m, NodeOpts::host(1).with_capacity("1TiB"))
         .await;
     node.daemon.terminate().await;
+    let index: u64 = std::fs::read_dir(data.join("index"))
+        .unwrap()
+        .flatten()
+        .filter_map(|f| f.metadata().ok())
+        .map(|m| m.len())
+        .sum();
+    println!(
+        "  index on disk: {:.0} MiB ({:.0} B per blob)",
+        index as f64 / (1 << 20) as f64,
+        index as f64 / n as f64
+    );
     let cold = drop_caches();
     let pick = n / 2 + 7;
     let want = blob(pick);
