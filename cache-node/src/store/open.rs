@@ -171,17 +171,21 @@ impl BlobStore {
         }
         for (i, st) in staged.into_iter().enumerate() {
             // Each team's keys stay in hash order: its set is built from a sorted run.
-            let mut by_team: HashMap<TeamId, Vec<(u64, BlobHash)>> = HashMap::new();
+            let mut by_team: Vec<Vec<(u64, BlobHash)>> = Vec::new();
             for (t, k) in st.lru {
-                by_team.entry(t).or_default().push(k);
+                let i = usize::from(t.0);
+                if by_team.len() <= i {
+                    by_team.resize_with(i + 1, Vec::new);
+                }
+                by_team[i].push(k);
             }
             let mut sh = lock(&self.shards[i]);
             sh.blobs.extend(st.blobs);
             sh.partials.extend(st.partials);
             sh.verified.extend(st.verified);
-            for (t, keys) in by_team {
+            for (t, keys) in by_team.into_iter().enumerate().filter(|(_, k)| !k.is_empty()) {
                 let mut keys: BTreeSet<(u64, BlobHash)> = keys.into_iter().collect();
-                sh.lru.append(t, &mut keys);
+                sh.lru.append(TeamId(t as u16), &mut keys);
             }
         }
         Ok((indexed, books, packs))

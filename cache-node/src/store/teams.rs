@@ -137,7 +137,12 @@ impl Lru {
     }
 
     pub(super) fn append(&mut self, t: TeamId, keys: &mut BTreeSet<(u64, BlobHash)>) {
-        self.set(t).append(keys);
+        let set = self.set(t);
+        // Into an empty set (a start's load): taken whole, not merged and rebuilt.
+        match set.is_empty() {
+            true => std::mem::swap(set, keys),
+            false => set.append(keys),
+        }
     }
 
     /// The oldest entry of each team that `allowed` admits.
