@@ -1477,6 +1477,27 @@ async fn a_teams_cached_bytes_within_its_share_survive_another_teams_reads_on_a_
         500_000,
         "half of the node's cache room"
     );
+    // The operator sees each team's cached bytes over the nodes (from their heartbeats).
+    let team = |v: &serde_json::Value, name: &str| {
+        v["teams"]
+            .as_array()
+            .and_then(|ts| ts.iter().find(|t| t["name"] == name).cloned())
+            .unwrap_or_else(|| panic!("team {name} in {v}"))
+    };
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        let v: serde_json::Value = serde_json::from_slice(&m.cli(&["status", "--json"]).stdout).unwrap();
+        if team(&v, "team-b")["cached_bytes"] == 400_000 && team(&v, "team-a")["cached_bytes"] == a_cached {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "status never showed the cache: {v}"
+        );
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+    let text = stdout(&m.cli(&["status"]));
+    assert!(text.contains("390.6 KiB cached on nodes up"), "{text}");
 }
 
 /// The blob of `f{i}.bin` in `dataset@1`.

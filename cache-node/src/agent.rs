@@ -241,6 +241,13 @@ impl Agent {
                             refill_failing: r.failing,
                             instance: self.instance(),
                             leaving: false,
+                            team_cache: (self.store.team_use().into_iter())
+                                .filter(|u| u.cached > 0)
+                                .map(|u| pb::TeamCache {
+                                    team: u.name,
+                                    cached_bytes: u.cached,
+                                })
+                                .collect(),
                         })
                         .await
                 };

@@ -41,6 +41,8 @@ pub struct MetadataService {
     /// at once cannot both take the last room. Held across a check, which serialises
     /// placements under quotas (soft state: a new leader starts empty).
     reserved: tokio::sync::Mutex<std::collections::HashMap<u64, (String, u64)>>,
+    /// What each node last said it holds cached per team (soft state, from heartbeats).
+    team_cache: std::sync::Mutex<std::collections::HashMap<String, Vec<(String, u64)>>>,
 }
 
 impl MetadataService {
@@ -73,6 +75,7 @@ impl MetadataService {
             group: None,
             mounts: Default::default(),
             reserved: Default::default(),
+            team_cache: Default::default(),
         }
     }
 
@@ -128,6 +131,7 @@ impl pb::metadata_server::Metadata for MetadataService {
                             datasets: t.patterns().to_vec(),
                             pinned_bytes: c.pinned_by(|d| t.covers(d))?,
                             pinned_limit_bytes: t.pinned_limit,
+                            cached_bytes: 0,
                         })
                     })
                     .collect::<Result<Vec<_>, CatalogError>>()
@@ -135,6 +139,10 @@ impl pb::metadata_server::Metadata for MetadataService {
             .await
             .map_err(to_status)?
         };
+        let mut teams = teams;
+        for t in &mut teams {
+            t.cached_bytes = self.team_cached(&t.name);
+        }
         let (members, leader, member) = self.group.as_ref().map(|g| g.info()).unwrap_or_default();
         Ok(Response::new(pb::ClusterInfo {
             members,
@@ -230,6 +238,7 @@ impl pb::metadata_server::Metadata for MetadataService {
         // blocking thread and back cost more than the work (a third of the service's CPU
         // at 10,000 nodes).
         self.catalog.heartbeat(&id, &instance, st).map_err(to_status)?;
+        self.note_team_cache(&id, r.team_cache);
         Ok(Response::new(pb::HeartbeatResponse {
             grant_keys: self.grant_keys.verifying(),
         }))

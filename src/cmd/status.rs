@@ -67,6 +67,7 @@ pub async fn run(cfg: &Resolved) -> anyhow::Result<()> {
             "teams": info.teams.iter().map(|t| serde_json::json!({
                 "name": t.name, "datasets": t.datasets,
                 "pinned_bytes": t.pinned_bytes, "pinned_limit_bytes": t.pinned_limit_bytes,
+                "cached_bytes": t.cached_bytes,
             })).collect::<Vec<_>>(),
             "mounts": mounts,
             "backups": backups.iter().map(|b| serde_json::json!({
@@ -143,11 +144,12 @@ pub async fn run(cfg: &Resolved) -> anyhow::Result<()> {
     );
     for t in &info.teams {
         println!(
-            "team       {}: {} pinned of {} allowed ({:.0}%), datasets {}",
+            "team       {}: {} pinned of {} allowed ({:.0}%), {} cached on nodes up, datasets {}",
             t.name,
             output::size(t.pinned_bytes),
             output::size(t.pinned_limit_bytes),
             100.0 * t.pinned_bytes as f64 / t.pinned_limit_bytes.max(1) as f64,
+            output::size(t.cached_bytes),
             t.datasets.join(", ")
         );
     }

@@ -161,3 +161,39 @@ impl MetadataService {
         Ok(())
     }
 }
+
+/// Most teams a node's heartbeat reports cached bytes for, and the longest name kept
+/// (a team's name is 1 to 63 characters): a node token cannot grow the service's memory.
+const TEAM_CACHE_ROWS: usize = 256;
+
+impl MetadataService {
+    /// Keeps what node `id` said it holds cached per team (its last heartbeat's word).
+    pub(super) fn note_team_cache(&self, id: &locus_proto::NodeId, rows: Vec<locus_proto::pb::TeamCache>) {
+        let rows: Vec<(String, u64)> = rows
+            .into_iter()
+            .filter(|r| !r.team.is_empty() && r.team.len() <= 63)
+            .take(TEAM_CACHE_ROWS)
+            .map(|r| (r.team, r.cached_bytes))
+            .collect();
+        let mut m = self.team_cache.lock().unwrap_or_else(|p| p.into_inner());
+        if rows.is_empty() {
+            m.remove(id.as_str());
+        } else {
+            m.insert(id.to_string(), rows);
+        }
+    }
+
+    /// Bytes cached for `team`'s readers on the nodes up now.
+    pub(super) fn team_cached(&self, team: &str) -> u64 {
+        let timeout = self.catalog.config().liveness_timeout.as_millis() as u64;
+        let up: std::collections::HashSet<String> = (self.catalog.liveness().into_iter())
+            .filter(|(_, ago, _)| *ago <= timeout)
+            .map(|(id, ..)| id)
+            .collect();
+        let m = self.team_cache.lock().unwrap_or_else(|p| p.into_inner());
+        m.iter()
+            .filter(|(node, _)| up.contains(*node))
+            .flat_map(|(_, rows)| rows.iter().filter(|(t, _)| t == team).map(|(_, b)| *b))
+            .sum()
+    }
+}
