@@ -77,6 +77,11 @@ async fn two_teams_in(
 
 /// The manifest entry of `f0.bin` in `dataset@1`, as the cluster's admin reads it.
 async fn f0(m: &Metadata, dataset: &str) -> pb::Entry {
+    f_entry(m, dataset, 0).await
+}
+
+/// The manifest entry of `f{i}.bin` in `dataset@1`, as the cluster's admin reads it.
+async fn f_entry(m: &Metadata, dataset: &str, i: usize) -> pb::Entry {
     m.client(Some("admin"))
         .await
         .list_entries(pb::ListEntriesRequest {
@@ -88,8 +93,8 @@ async fn f0(m: &Metadata, dataset: &str) -> pb::Entry {
         .into_inner()
         .entries
         .into_iter()
-        .find(|e| e.path == "f0.bin")
-        .expect("f0.bin")
+        .find(|e| e.path == format!("f{i}.bin"))
+        .unwrap_or_else(|| panic!("f{i}.bin"))
 }
 
 /// The blob of `f0.bin` in `dataset@1`.
@@ -1502,19 +1507,5 @@ async fn a_teams_cached_bytes_within_its_share_survive_another_teams_reads_on_a_
 
 /// The blob of `f{i}.bin` in `dataset@1`.
 async fn f_blob(m: &Metadata, dataset: &str, i: usize) -> BlobHash {
-    let e = m
-        .client(Some("admin"))
-        .await
-        .list_entries(pb::ListEntriesRequest {
-            r#ref: vref(dataset, 1),
-            ..Default::default()
-        })
-        .await
-        .unwrap()
-        .into_inner()
-        .entries
-        .into_iter()
-        .find(|e| e.path == format!("f{i}.bin"))
-        .expect("the file");
-    BlobHash::from_slice("blob", &e.blob).unwrap()
+    BlobHash::from_slice("blob", &f_entry(m, dataset, i).await.blob).unwrap()
 }
