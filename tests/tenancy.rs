@@ -640,7 +640,7 @@ async fn an_import_or_restore_over_its_teams_pinned_quota_is_refused_before_any_
     .unwrap();
     let mut o = opts();
     o.extra = vec!["--config".into(), config.display().to_string()];
-    let (m, nodes) = cluster_with(&h, o, 2, NodeOpts::host).await;
+    let (mut m, nodes) = cluster_with(&h, o, 2, NodeOpts::host).await;
     // Three files of 100,000 bytes a dataset.
     let tree = |name: &str, seed: u64| {
         let src = h.path(name);
@@ -653,7 +653,7 @@ async fn an_import_or_restore_over_its_teams_pinned_quota_is_refused_before_any_
         }
         (src, hashes)
     };
-    let imp = |name: &str, src: &std::path::Path, replicas: &str| {
+    let imp = |m: &Metadata, name: &str, src: &std::path::Path, replicas: &str| {
         m.cli(&[
             "dataset",
             "import",
@@ -665,12 +665,12 @@ async fn an_import_or_restore_over_its_teams_pinned_quota_is_refused_before_any_
     };
     // 300,000 bytes × 2 replicas = 600,000 of 1,048,576: fits.
     let (one, _) = tree("a-one", 1);
-    let o = imp("a-one", &one, "2");
+    let o = imp(&m, "a-one", &one, "2");
     assert!(o.status.success(), "{}", stderr(&o));
 
     // Another 600,000 would not: refused with the figures, and no node got a byte of it.
     let (two, two_hashes) = tree("a-two", 2);
-    let o = imp("a-two", &two, "2");
+    let o = imp(&m, "a-two", &two, "2");
     assert!(!o.status.success(), "an import over the quota was accepted");
     let err = stderr(&o);
     assert!(err.contains("team team-a's quota would be exceeded"), "{err}");
@@ -725,15 +725,23 @@ async fn an_import_or_restore_over_its_teams_pinned_quota_is_refused_before_any_
     })
     .await
     .expect("200,000 more fits");
-    let o = imp("a-two", &two, "1");
+    let o = imp(&m, "a-two", &two, "1");
     assert!(!o.status.success(), "the open import's room was taken");
+    assert!(stderr(&o).contains("781.2 KiB of the 1.0 MiB"), "{}", stderr(&o));
+    // The hold is in the catalogue, not the serving process's memory: a restarted
+    // service (or a new leader) still counts it.
+    m.terminate().await;
+    m.restart().await;
+    let mut ops = m.client(Some("admin")).await;
+    let o = imp(&m, "a-two", &two, "1");
+    assert!(!o.status.success(), "a restart forgot the open import's room");
     assert!(stderr(&o).contains("781.2 KiB of the 1.0 MiB"), "{}", stderr(&o));
     ops.abort_version(pb::AbortVersionRequest { session_id: session })
         .await
         .unwrap();
     // With one replica it fits (900,000), as the message suggests; another team's
     // dataset is not counted against team A.
-    let o = imp("a-two", &two, "1");
+    let o = imp(&m, "a-two", &two, "1");
     assert!(o.status.success(), "{}", stderr(&o));
     // A warm-up adds pinned replicas: a copy of a-two onto its second node (300,000
     // more) would not fit, and is refused before it starts.
@@ -750,7 +758,7 @@ async fn an_import_or_restore_over_its_teams_pinned_quota_is_refused_before_any_
         stderr(&o)
     );
     let (other, _) = tree("b-big", 3);
-    let o = imp("b-big", &other, "2");
+    let o = imp(&m, "b-big", &other, "2");
     assert!(o.status.success(), "{}", stderr(&o));
 
     // A restore of one of the team's versions into the running cluster is an import like

@@ -6,8 +6,9 @@
 //! versions count once per version: the figure a team can reason about from its own
 //! listings, and never less than the space taken). An import is checked when its shards
 //! are placed — before any byte is sent to a node — and refused if the team's committed
-//! bytes, plus what imports placed and not yet ended hold, plus what this one would pin
-//! exceed the limit. A dataset may belong to more than one team; every one of them must
+//! bytes, plus what imports placed and not yet ended hold (`SessionRecord.placed_bytes`,
+//! in the catalogue, so a restarted service or a new leader counts them too), plus what
+//! this one would pin exceed the limit. A dataset may belong to more than one team; every one of them must
 //! have room.
 
 use locus_proto::auth::{Action, Scope};

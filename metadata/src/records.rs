@@ -166,6 +166,10 @@ pub struct SessionRecord {
     /// The importer sends tree chunk hashes; each file's are checked to merge to its hash.
     #[prost(bool, tag = "12")]
     pub tree_chunks: bool,
+    /// Replicated bytes placed for this import (its last `PlaceShards`): counted against
+    /// its teams' quotas until the session ends, by whichever member leads then.
+    #[prost(uint64, tag = "13")]
+    pub placed_bytes: u64,
 }
 
 /// `backups` value: the last snapshot committed to (or restored from) a backup target.

@@ -36,11 +36,10 @@ pub struct MetadataService {
     group: Option<Arc<crate::group::Group>>,
     /// Which versions mounts serve now (soft state, this member's while it leads).
     mounts: crate::mounts::MountLeases,
-    /// Bytes placed for open import sessions, by session (dataset, replicated bytes):
-    /// counted against their teams' quotas until the session ends, so two imports placed
-    /// at once cannot both take the last room. Held across a check, which serialises
-    /// placements under quotas (soft state: a new leader starts empty).
-    reserved: tokio::sync::Mutex<std::collections::HashMap<u64, (String, u64)>>,
+    /// Held across a quota check and the record of what it let an import place
+    /// (`SessionRecord.placed_bytes`), so two imports placed at once cannot both take the
+    /// last room.
+    quota_checks: tokio::sync::Mutex<()>,
     /// What each node last said it holds cached per team (soft state, from heartbeats).
     team_cache: std::sync::Mutex<std::collections::HashMap<String, Vec<(String, u64)>>>,
 }
@@ -74,7 +73,7 @@ impl MetadataService {
             grant_keys,
             group: None,
             mounts: Default::default(),
-            reserved: Default::default(),
+            quota_checks: Default::default(),
             team_cache: Default::default(),
         }
     }

@@ -64,6 +64,35 @@ impl Catalog {
         self.session(id).map(|s| s.dataset)
     }
 
+    /// Records that `bytes` replicated bytes were placed for import session `id` (they
+    /// replace what an earlier placement of the session held).
+    pub fn hold_for_session(&self, id: u64, bytes: u64) -> Result<()> {
+        let _s = lock(&self.sessions_lock);
+        let mut rec = self.session(id)?;
+        rec.placed_bytes = bytes;
+        rec.last_active_ms = self.clock.now_ms();
+        let mut b = Batch::default();
+        b.put(Table::Sessions, keys::uid(id), rec.encode_to_vec());
+        self.store.write(b, false)?;
+        Ok(())
+    }
+
+    /// (dataset, bytes placed) of every open import session but `except`.
+    pub fn held_by_sessions(&self, except: u64) -> Result<Vec<(String, u64)>> {
+        let mut out = Vec::new();
+        for kv in self.store.scan(Table::Sessions, b"", None) {
+            let (k, v) = kv?;
+            if keys::u64_value(&k).unwrap_or(0) == except {
+                continue;
+            }
+            let rec: SessionRecord = decode(Table::Sessions, &v)?;
+            if rec.placed_bytes > 0 {
+                out.push((rec.dataset, rec.placed_bytes));
+            }
+        }
+        Ok(out)
+    }
+
     pub fn open_sessions(&self) -> Result<u64> {
         let mut n = 0;
         for kv in self.store.scan(Table::Sessions, b"", None) {
@@ -125,6 +154,7 @@ impl Catalog {
             opened_by: principal.to_string(),
             ordered_up_to: Vec::new(),
             tree_chunks,
+            placed_bytes: 0,
         };
         let mut b = Batch::default();
         b.put(Table::Meta, keys::META_NEXT_UID, (uid + 1).to_be_bytes().to_vec());

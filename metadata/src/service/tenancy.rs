@@ -6,7 +6,6 @@ use tonic::Status;
 
 use super::{to_status, MetadataService};
 use crate::auth::{Action, Principal};
-use crate::CatalogError;
 use locus_proto::DatasetName;
 
 /// What a quota check is for: an import session's placement (held until it ends), or
@@ -83,50 +82,34 @@ impl MetadataService {
             QuotaFor::Session(s) => *s,
             QuotaFor::Dataset(_) => 0,
         };
-        let mut reserved = self.reserved.lock().await;
-        let others: Vec<(u64, String, u64)> = reserved
-            .iter()
-            .filter(|(s, _)| **s != session)
-            .map(|(s, (d, b))| (*s, d.clone(), *b))
-            .collect();
-        let (dataset, closed, refused) = self
+        let _serial = self.quota_checks.lock().await;
+        let (dataset, refused) = self
             .run(move |c| {
                 let dataset = match of {
                     QuotaFor::Session(s) => c.session_dataset(s)?,
                     QuotaFor::Dataset(d) => d,
                 };
-                // Sessions since committed (their versions are counted now), aborted or
-                // expired hold nothing any more.
-                let (mut open, mut closed) = (Vec::new(), Vec::new());
-                for (s, d, b) in others {
-                    match c.session_dataset(s) {
-                        Ok(_) => open.push((d, b)),
-                        Err(CatalogError::NotFound(_)) => closed.push(s),
-                        Err(e) => return Err(e),
-                    }
-                }
+                // Imports placed and not yet ended (committed versions count in
+                // `pinned_by`; aborted and expired sessions are gone), recorded in the
+                // catalogue so a new leader counts them too.
+                let open = c.held_by_sessions(session)?;
                 for team in c.config().teams.iter().filter(|t| t.covers(&dataset)) {
                     let placed: u64 = open.iter().filter(|(d, _)| team.covers(d)).map(|(_, b)| *b).sum();
                     let used = c.pinned_by(|d| team.covers(d))?.saturating_add(placed);
                     if let Err(why) = crate::quota::check(team, used, needs) {
-                        return Ok((dataset, closed, Some(why)));
+                        return Ok((dataset, Some(why)));
                     }
                 }
-                Ok((dataset, closed, None))
+                // Held until the import ends; a warm-up's copies are counted as they land.
+                if session != 0 {
+                    c.hold_for_session(session, needs)?;
+                }
+                Ok((dataset, None))
             })
             .await
             .map_err(to_status)?;
-        for s in closed {
-            reserved.remove(&s);
-        }
         match refused {
-            None => {
-                // Held until the import ends; a warm-up's copies are counted as they land.
-                if session != 0 {
-                    reserved.insert(session, (dataset, needs));
-                }
-                Ok(())
-            }
+            None => Ok(()),
             Some(why) => {
                 tracing::warn!(%dataset, session, "refused over a team's quota: {why}");
                 Err(Status::resource_exhausted(why))
