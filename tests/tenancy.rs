@@ -734,19 +734,10 @@ async fn an_import_or_restore_over_its_teams_pinned_quota_is_refused_before_any_
     m.restart().await;
     let mut ops = m.client(Some("admin")).await;
     // Placement waits for the nodes' first heartbeats to the restarted service.
-    wait_until("both nodes heard again", Duration::from_secs(30), || {
-        let mut ops = ops.clone();
-        async move {
-            let nodes = ops
-                .list_nodes(pb::ListNodesRequest {})
-                .await
-                .ok()?
-                .into_inner()
-                .nodes;
-            (nodes.len() == 2 && nodes.iter().all(|n| !n.unheard)).then_some(())
-        }
-    })
-    .await;
+    for n in &nodes {
+        m.wait_node_up(&n.id, "a node heard by the restarted service")
+            .await;
+    }
     let o = imp(&m, "a-two", &two, "1");
     assert!(!o.status.success(), "a restart forgot the open import's room");
     assert!(stderr(&o).contains("781.2 KiB of the 1.0 MiB"), "{}", stderr(&o));
