@@ -1,0 +1,5 @@
+include!("../build/rocksdb_link.rs");
+
+fn main() {
+    link_rocksdb_dependencies();
+}
