@@ -36,6 +36,7 @@ use crate::Clock;
 mod backups;
 mod location;
 mod nodes;
+mod preseal;
 mod replicas;
 mod scheduling;
 mod sessions;
@@ -308,6 +309,8 @@ pub struct Catalog {
     /// When `tick` last ran (0: no ticker, as in unit tests): the service's own proof
     /// that it was running (see `notice_pause`).
     last_tick: Mutex<i64>,
+    /// Import sessions whose manifest is sealed while it is uploaded.
+    preseals: preseal::Preseals,
 }
 
 /// How often the server ticks the catalogue, and the silence between ticks that counts
@@ -381,6 +384,7 @@ impl Catalog {
             node_gen: std::sync::atomic::AtomicU64::new(0),
             acting: std::sync::atomic::AtomicBool::new(true),
             last_tick: Mutex::new(0),
+            preseals: Default::default(),
         };
         cat.grace()?;
         Ok(cat)

@@ -2,7 +2,7 @@
 
 use locus_proto::manifest::{BlobHash, EntryKind};
 
-use super::tests::{dir, file, fixture, name, Fixture};
+use super::tests::{dir, file, fixture, name, register, shard, Fixture};
 use super::*;
 
 #[test]
@@ -76,4 +76,89 @@ fn a_single_chunk_is_stored_once_as_the_blob_and_read_back_whole() {
         let want: Vec<Vec<u8>> = chunks.iter().map(|c| c.0.to_vec()).collect();
         assert_eq!(back.chunks, want, "{} reads back with its chunks", e.path);
     }
+}
+
+/// A manifest uploaded in catalogue order is sealed while it arrives (on its own thread):
+/// the commit takes that pass, and it must be the one the stored manifest gives.
+#[test]
+fn a_manifest_sealed_during_upload_commits_to_what_the_stored_manifest_seals_to() {
+    let f = fixture();
+    register(&f.cat, "n1");
+    let (s, _) = f.cat.begin_version(&name("ds"), 0, "", 1, false, "t").unwrap();
+    let link = Entry {
+        path: "l".try_into().unwrap(),
+        kind: EntryKind::Symlink { target: "a/x".into() },
+        mode: 0o777,
+        mtime_ns: 3,
+    };
+    f.cat.put_entries(s, 0, vec![dir("a"), dir("b"), link]).unwrap();
+    // A page acknowledged twice is applied (and sealed) once.
+    f.cat.put_entries(s, 0, vec![dir("a"), dir("b")]).unwrap();
+    f.cat
+        .put_entries(s, 1, vec![file("a/x", 10, 0), file("a/y", 9 << 20, 1)])
+        .unwrap();
+    f.cat.put_entries(s, 2, vec![file("b/z", 0, 0)]).unwrap();
+    f.cat
+        .put_shards(
+            s,
+            0,
+            vec![shard(0, 10, 2, &["n1"]), shard(1, 9 << 20, 1, &["n1"])],
+        )
+        .unwrap();
+    assert!(f.cat.preseals.active(s), "sealed during upload");
+    // What the importer claims is computed from the stored manifest, by the scan.
+    let ns = f.cat.session_namespace(s).unwrap();
+    let v = f.cat.commit(s, "t", Some(ns)).unwrap();
+    assert!(!f.cat.preseals.active(s), "taken by the commit");
+    assert_eq!((v.files, v.dirs, v.symlinks, v.bytes), (3, 2, 1, 10 + (9 << 20)));
+    assert_eq!(
+        (v.namespace_blob.as_slice(), v.namespace_size),
+        (&ns.0 .0[..], ns.1)
+    );
+}
+
+/// Pages out of order, a shard tally that disagrees, an abort: the sealing during upload
+/// is dropped or not trusted, and the commit's scan decides in its own words.
+#[test]
+fn a_manifest_not_sealed_during_upload_is_checked_by_the_commits_scan() {
+    let f = fixture();
+    register(&f.cat, "n1");
+    // Out of order: not sealed during upload, still committed right.
+    let (s, _) = f.cat.begin_version(&name("ds"), 0, "", 1, false, "t").unwrap();
+    f.cat
+        .put_entries(s, 0, vec![dir("a"), file("a/x", 1, 0)])
+        .unwrap();
+    assert!(f.cat.preseals.active(s));
+    f.cat.put_entries(s, 1, vec![file("z", 1, 0)]).unwrap();
+    assert!(!f.cat.preseals.active(s), "z comes before a/x in catalogue order");
+    f.cat.put_shards(s, 0, vec![shard(0, 2, 2, &["n1"])]).unwrap();
+    let ns = f.cat.session_namespace(s).unwrap();
+    let v = f.cat.commit(s, "t", Some(ns)).unwrap();
+    assert_eq!((v.files, v.dirs, v.namespace_size), (2, 1, ns.1));
+    // An orphan found while sealing during upload is reported by the scan's check.
+    let (s, _) = f.cat.begin_version(&name("ds"), 0, "", 1, false, "t").unwrap();
+    f.cat.put_entries(s, 0, vec![file("nodir/x", 1, 0)]).unwrap();
+    f.cat.put_shards(s, 0, vec![shard(0, 1, 1, &["n1"])]).unwrap();
+    match f.cat.commit(s, "t", None) {
+        Err(CatalogError::Precondition(m)) => assert!(
+            m.contains("manifest is incomplete: nodir/x is inside \"nodir\""),
+            "{m}"
+        ),
+        other => panic!("an orphan was committed: {other:?}"),
+    }
+    // Tallies from the sealing during upload are held against the declared shards.
+    let (s, _) = f.cat.begin_version(&name("ds"), 0, "", 1, false, "t").unwrap();
+    f.cat.put_entries(s, 0, vec![file("x", 1, 0)]).unwrap();
+    f.cat.put_shards(s, 0, vec![shard(0, 2, 1, &["n1"])]).unwrap();
+    assert!(f.cat.preseals.active(s));
+    match f.cat.commit(s, "t", None) {
+        Err(CatalogError::Precondition(m)) => assert!(m.contains("declared with 1 files and 2 bytes"), "{m}"),
+        other => panic!("a wrong shard tally was committed: {other:?}"),
+    }
+    // An aborted session's sealing is dropped with it.
+    let (s, _) = f.cat.begin_version(&name("ds"), 0, "", 1, false, "t").unwrap();
+    f.cat.put_entries(s, 0, vec![file("x", 1, 0)]).unwrap();
+    assert!(f.cat.preseals.active(s));
+    f.cat.abort(s).unwrap();
+    assert!(!f.cat.preseals.active(s));
 }

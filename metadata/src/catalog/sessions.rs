@@ -18,11 +18,8 @@ pub(super) struct NamespaceFields {
     inline: Vec<u8>,
 }
 
-/// Entries handed to the sealing thread at a time.
-const SEAL_BATCH: usize = 4096;
-
 /// A stored entry as the sealed namespace's writer takes it.
-fn sealable(path: String, e: EntryRecord) -> Result<Entry> {
+pub(super) fn sealable(path: String, e: EntryRecord) -> Result<Entry> {
     Entry::try_from(entry_pb(path, e, true)).map_err(|x| CatalogError::Corrupt {
         table: "entries",
         reason: x.to_string(),
@@ -37,7 +34,7 @@ pub(super) fn split_entry(k: &[u8]) -> Result<(&str, &str)> {
     })
 }
 
-fn sealing(e: locus_proto::sealed::SealError) -> CatalogError {
+pub(super) fn sealing(e: locus_proto::sealed::SealError) -> CatalogError {
     CatalogError::Precondition(format!("the manifest cannot be sealed: {e}"))
 }
 
@@ -237,6 +234,8 @@ impl Catalog {
         rec.last_active_ms = self.clock.now_ms();
         b.put(Table::Sessions, keys::uid(session), rec.encode_to_vec());
         self.store.write(b, false)?;
+        let chunks = (rec.chunk_size, ChunkKind::from_tree(rec.tree_chunks));
+        self.preseals.stored(session, page, ordered, entries, chunks);
         Ok((rec.entries, rec.next_entry_page))
     }
 
@@ -299,85 +298,18 @@ impl Catalog {
         let rec = self.session(session)?;
         let uid = session;
 
-        // One pass over the manifest: parents exist and are directories, tallies per shard,
-        // and the sealed namespace built as it goes (entries come in its order). The
-        // sealing (each entry converted, checked, encoded and hashed) runs on a second
-        // thread fed in batches while this one reads the store: at 10M entries the pass
-        // took 12.4 s on one thread.
-        let (from, to) = keys::uid_range(uid);
-        let (mut files, mut dirs, mut symlinks, mut bytes) = (0u64, 0u64, 0u64, 0u64);
-        let mut per_shard: BTreeMap<u32, (u64, u64)> = BTreeMap::new();
-        let (tx, rx) = std::sync::mpsc::sync_channel::<Vec<(String, EntryRecord)>>(8);
         let chunks = (rec.chunk_size, ChunkKind::from_tree(rec.tree_chunks));
-        let (read, sealed) = std::thread::scope(|scope| {
-            let sealing_thread = scope.spawn(move || {
-                let mut sealer = locus_proto::sealed::Writer::with_kind(std::io::sink(), chunks.0, chunks.1)
-                    .map_err(sealing)?;
-                for batch in rx {
-                    for (path, e) in batch {
-                        sealer.push(&sealable(path, e)?).map_err(sealing)?;
-                    }
-                }
-                Ok::<_, CatalogError>(sealer)
-            });
-            let read = (|| {
-                let mut group: Option<Vec<u8>> = None;
-                let mut batch = Vec::with_capacity(SEAL_BATCH);
-                for kv in self.store.scan(Table::Entries, &from, Some(&to)) {
-                    let (k, v) = kv?;
-                    let (dir, name) = split_entry(&k)?;
-                    let dir_key = &k[..8 + dir.len()];
-                    if group.as_deref() != Some(dir_key) {
-                        if !dir.is_empty() {
-                            let parent = self
-                                .store
-                                .get(Table::Entries, &keys::entry(uid, dir))?
-                                .map(|b| decode::<EntryRecord>(Table::Entries, &b))
-                                .transpose()?;
-                            if parent.as_ref().map(|p| p.kind) != Some(KIND_DIR) {
-                                return Err(CatalogError::Precondition(format!(
-                                    "manifest is incomplete: {} is inside {dir:?}, which is not a \
-                                     directory in the manifest",
-                                    keys::join(dir, name)
-                                )));
-                            }
-                        }
-                        group = Some(dir_key.to_vec());
-                    }
-                    let e: EntryRecord = decode(Table::Entries, &v)?;
-                    match e.kind {
-                        KIND_FILE => {
-                            files += 1;
-                            bytes += e.size;
-                            let t = per_shard.entry(e.shard).or_default();
-                            t.0 += e.size;
-                            t.1 += 1;
-                        }
-                        KIND_DIR => dirs += 1,
-                        _ => symlinks += 1,
-                    }
-                    batch.push((keys::join(dir, name), e));
-                    if batch.len() == SEAL_BATCH && tx.send(std::mem::take(&mut batch)).is_err() {
-                        // The sealing thread stopped on an error, which is the one reported.
-                        return Ok(());
-                    }
-                    if batch.capacity() == 0 {
-                        batch.reserve(SEAL_BATCH);
-                    }
-                }
-                if !batch.is_empty() {
-                    let _ = tx.send(batch);
-                }
-                Ok(())
-            })();
-            drop(tx);
-            let sealer = sealing_thread.join().expect("the sealing thread does not panic");
-            (read, sealer)
-        });
-        read?;
-        let sealer = sealed?;
+        let (tally, sealer) = self.manifest_pass(uid, &rec)?;
+        let preseal::Tally {
+            files,
+            dirs,
+            symlinks,
+            bytes,
+            mut per_shard,
+        } = tally;
 
         let mut shards: Vec<(u32, ShardRecord)> = Vec::new();
+        let (from, to) = keys::uid_range(uid);
         for kv in self.store.scan(Table::Shards, &from, Some(&to)) {
             let (k, v) = kv?;
             shards.push((keys::shard_id(&k).unwrap_or(0), decode(Table::Shards, &v)?));
@@ -619,6 +551,7 @@ impl Catalog {
     }
 
     pub(super) fn discard_session(&self, b: &mut Batch, uid: u64) -> Result<()> {
+        self.preseals.forget(uid);
         let (from, to) = keys::uid_range(uid);
         self.delete_shard_blobs(b, uid)?;
         b.delete_range(Table::Entries, from.clone(), to.clone());

@@ -78,12 +78,12 @@ fn registration(id: &str, instance: &str) -> NodeRegistration {
     }
 }
 
-fn register(cat: &Catalog, id: &str) {
+pub(super) fn register(cat: &Catalog, id: &str) {
     cat.register_node(registration(id, &format!("{id}-identity")))
         .unwrap();
 }
 
-fn shard(id: u32, bytes: u64, files: u64, replicas: &[&str]) -> ShardSpec {
+pub(super) fn shard(id: u32, bytes: u64, files: u64, replicas: &[&str]) -> ShardSpec {
     ShardSpec {
         id,
         bytes,
