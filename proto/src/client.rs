@@ -450,6 +450,10 @@ pub fn error_chain(e: &dyn std::error::Error) -> String {
 
 /// Uploads a manifest to an open import session in pages of about `ENTRY_PAGE_BYTES`.
 /// Returns the number of entries the service has received.
+///
+/// Two pages are in flight: the next page is built and sent while the service stores the
+/// one before (it holds a page that arrives one ahead until its predecessor is stored), so
+/// the client's work and the service's overlap instead of taking turns.
 pub async fn put_entries_paged(
     client: &mut MetadataClient,
     session_id: u64,
@@ -459,10 +463,21 @@ pub async fn put_entries_paged(
     let mut page_bytes = 0usize;
     let mut page_no = 0u64;
     let mut received = 0;
+    let mut in_flight: Option<tokio::task::JoinHandle<Result<u64, tonic::Status>>> = None;
+    let send = |page_no: u64, page: Vec<pb::Entry>| {
+        let mut c = client.clone();
+        tokio::spawn(async move { send_entries(&mut c, session_id, page_no, page).await })
+    };
+    let joined = |r: Result<Result<u64, tonic::Status>, tokio::task::JoinError>| {
+        r.map_err(|e| tonic::Status::internal(format!("sending a manifest page: {e}")))?
+    };
     for e in entries {
         let len = e.encoded_len() + 8;
         if !page.is_empty() && page_bytes + len > ENTRY_PAGE_BYTES {
-            received = send_entries(client, session_id, page_no, std::mem::take(&mut page)).await?;
+            let next = send(page_no, std::mem::take(&mut page));
+            if let Some(prev) = in_flight.replace(next) {
+                received = joined(prev.await)?;
+            }
             page_no += 1;
             page_bytes = 0;
         }
@@ -470,7 +485,13 @@ pub async fn put_entries_paged(
         page.push(e);
     }
     if !page.is_empty() {
-        received = send_entries(client, session_id, page_no, page).await?;
+        let next = send(page_no, page);
+        if let Some(prev) = in_flight.replace(next) {
+            received = joined(prev.await)?;
+        }
+    }
+    if let Some(last) = in_flight {
+        received = joined(last.await)?;
     }
     Ok(received)
 }

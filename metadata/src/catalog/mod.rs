@@ -293,6 +293,8 @@ pub struct Catalog {
     started_ms: i64,
     versions_lock: Mutex<()>,
     sessions_lock: Mutex<()>,
+    /// Signalled (with `sessions_lock`) when an entry page is stored.
+    page_stored: std::sync::Condvar,
     /// By node id, FNV-hashed: a locality question looks up every node (10,000 at a time).
     live: Mutex<crate::locality::FastMap<String, Live>>,
     /// Shard sizes and replica sets per version uid, for locality questions (asked far
@@ -377,6 +379,7 @@ impl Catalog {
             started_ms,
             versions_lock: Mutex::new(()),
             sessions_lock: Mutex::new(()),
+            page_stored: Default::default(),
             live: Mutex::new(Default::default()),
             shard_cache: Mutex::new(HashMap::new()),
             replica_gen: std::sync::atomic::AtomicU64::new(0),

@@ -162,3 +162,24 @@ fn a_manifest_not_sealed_during_upload_is_checked_by_the_commits_scan() {
     f.cat.abort(s).unwrap();
     assert!(!f.cat.preseals.active(s));
 }
+
+/// Uploaders keep two pages in flight, so the later one can arrive first: it waits for
+/// its predecessor and is then stored, in order; a page two ahead is still refused.
+#[test]
+fn a_page_arriving_one_ahead_waits_for_its_predecessor() {
+    let f = fixture();
+    let (s, _) = f.cat.begin_version(&name("ds"), 0, "", 1, false, "t").unwrap();
+    std::thread::scope(|scope| {
+        let ahead = scope.spawn(|| f.cat.put_entries(s, 1, vec![file("a/x", 1, 0)]));
+        // Give page 1 the lock first, where it must wait rather than fail.
+        std::thread::sleep(std::time::Duration::from_millis(200));
+        assert!(!ahead.is_finished(), "page 1 waits for page 0");
+        assert_eq!(f.cat.put_entries(s, 0, vec![dir("a")]).unwrap(), (1, 1));
+        assert_eq!(ahead.join().unwrap().unwrap(), (2, 2));
+    });
+    assert!(f.cat.preseals.active(s), "still in catalogue order");
+    match f.cat.put_entries(s, 4, vec![file("a/y", 1, 0)]) {
+        Err(CatalogError::Precondition(m)) => assert!(m.contains("expects entry page 2, got page 4"), "{m}"),
+        other => panic!("a page two ahead was taken: {other:?}"),
+    }
+}

@@ -7,6 +7,9 @@ use locus_proto::chunks::ChunkKind;
 /// Largest sealed namespace the catalogue keeps itself (a version without files).
 pub const MAX_INLINE_NAMESPACE: u64 = 4 << 20;
 
+/// How long an entry page that arrives one ahead of the next waits for its predecessor.
+const PAGE_AHEAD_WAIT: Duration = Duration::from_secs(10);
+
 /// A commit of at least this many entries flushes the store (`KvStore::flush`).
 const FLUSH_AFTER_ENTRIES: u64 = 100_000;
 
@@ -163,8 +166,23 @@ impl Catalog {
     /// Stores one page of a session's manifest. A page already applied is acknowledged
     /// again without effect; a page from the future is refused.
     pub fn put_entries(&self, session: u64, page: u64, entries: Vec<Entry>) -> Result<(u64, u64)> {
-        let _s = lock(&self.sessions_lock);
+        let mut held = lock(&self.sessions_lock);
         let mut rec = self.session(session)?;
+        // Uploaders keep two pages in flight: the one after the next waits (a while) for
+        // its predecessor rather than being refused.
+        let deadline = std::time::Instant::now() + PAGE_AHEAD_WAIT;
+        while page == rec.next_entry_page + 1 {
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            if left.is_zero() {
+                break;
+            }
+            held = self
+                .page_stored
+                .wait_timeout(held, left)
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+            rec = self.session(session)?;
+        }
         if page < rec.next_entry_page {
             return Ok((rec.entries, rec.next_entry_page));
         }
@@ -236,6 +254,8 @@ impl Catalog {
         self.store.write(b, false)?;
         let chunks = (rec.chunk_size, ChunkKind::from_tree(rec.tree_chunks));
         self.preseals.stored(session, page, ordered, entries, chunks);
+        drop(held);
+        self.page_stored.notify_all();
         Ok((rec.entries, rec.next_entry_page))
     }
 
