@@ -468,6 +468,12 @@ pub async fn put_entries_paged(
         let mut c = client.clone();
         tokio::spawn(async move { send_entries(&mut c, session_id, page_no, page).await })
     };
+    // A failed page fails the upload; the page after it would only wait and be refused.
+    let abort = |h: &mut Option<tokio::task::JoinHandle<_>>| {
+        if let Some(h) = h.take() {
+            h.abort();
+        }
+    };
     let joined = |r: Result<Result<u64, tonic::Status>, tokio::task::JoinError>| {
         r.map_err(|e| tonic::Status::internal(format!("sending a manifest page: {e}")))?
     };
@@ -476,7 +482,7 @@ pub async fn put_entries_paged(
         if !page.is_empty() && page_bytes + len > ENTRY_PAGE_BYTES {
             let next = send(page_no, std::mem::take(&mut page));
             if let Some(prev) = in_flight.replace(next) {
-                received = joined(prev.await)?;
+                received = joined(prev.await).inspect_err(|_| abort(&mut in_flight))?;
             }
             page_no += 1;
             page_bytes = 0;
@@ -487,7 +493,7 @@ pub async fn put_entries_paged(
     if !page.is_empty() {
         let next = send(page_no, page);
         if let Some(prev) = in_flight.replace(next) {
-            received = joined(prev.await)?;
+            received = joined(prev.await).inspect_err(|_| abort(&mut in_flight))?;
         }
     }
     if let Some(last) = in_flight {

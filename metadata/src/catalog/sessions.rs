@@ -164,7 +164,9 @@ impl Catalog {
     }
 
     /// Stores one page of a session's manifest. A page already applied is acknowledged
-    /// again without effect; a page from the future is refused.
+    /// again without effect; the page after the next waits up to `PAGE_AHEAD_WAIT` for
+    /// its predecessor; a page further ahead (or one whose predecessor never came) is
+    /// refused.
     pub fn put_entries(&self, session: u64, page: u64, entries: Vec<Entry>) -> Result<(u64, u64)> {
         let mut held = lock(&self.sessions_lock);
         let mut rec = self.session(session)?;
