@@ -10,6 +10,9 @@
 //! - a follower wiped and rejoined with `--join` while that manifest is in the state: the
 //!   time until it has applied what the others have (snapshot sent, installed, log
 //!   replayed; the group snapshots every 1000 entries here).
+//! - the CPU seconds of the service, and of each member (from /proc) until every member has
+//!   applied the manifest: on one machine the members share its cores, so the group's
+//!   wall-clock ratio is bounded below by its CPU ratio.
 //! - locality p50/p99 over 500 calls on that version: single service, the group's leader,
 //!   and a follower (which answers from its own catalogue and the leader's liveness view).
 //!
@@ -17,6 +20,13 @@
 //!
 //!     cargo bench --bench metadata_group
 //!     LOCUS_SCALE_FILES=200000 LOCUS_FAILOVER_TRIALS=5 cargo bench --bench metadata_group
+//!
+//! At 10M entries the rejoin moves a catalogue of ~1.5 GB and each failover trial waits for
+//! the restarted member to catch up; `LOCUS_FAILOVER_TRIALS=0 LOCUS_GROUP_REJOIN=0` measures
+//! only the upload, commit and locality rows:
+//!
+//!     LOCUS_SCALE_FILES=10000000 LOCUS_FAILOVER_TRIALS=0 LOCUS_GROUP_REJOIN=0 \
+//!         cargo bench --bench metadata_group
 
 use locus_testkit as support;
 
@@ -96,12 +106,16 @@ async fn main() {
     let env = |k: &str, d: usize| std::env::var(k).ok().and_then(|v| v.parse().ok()).unwrap_or(d);
     let files = env("LOCUS_SCALE_FILES", 1_000_000);
     let trials = env("LOCUS_FAILOVER_TRIALS", 20);
+    let rejoin_too = env("LOCUS_GROUP_REJOIN", 1) != 0;
     let h = Harness::new("bench-group");
 
     // The single service first, alone on the machine.
     let mut single = h.start_metadata("single", MetadataOpts::default()).await;
     let mut c = single.client(None).await;
+    let cpu0 = cpu_seconds(single.pid());
     let (s_up, s_commit) = upload_and_commit(&mut c, files).await;
+    let s_cpu = cpu_seconds(single.pid()) - cpu0;
+    eprintln!("single service: upload {s_up:?}, commit {s_commit:?}, {s_cpu:.1} CPU-s");
     let (s_p50, s_p99) = locality_latency(&mut c).await;
     single.terminate().await;
 
@@ -118,8 +132,16 @@ async fn main() {
     };
     let mut ms = h.start_group("meta", 3, opts).await;
     let mut c = ms[0].client(None).await;
+    let cpu0: Vec<f64> = ms.iter().map(|m| cpu_seconds(m.pid())).collect();
     let (g_up, g_commit) = upload_and_commit(&mut c, files).await;
     group_settled(&ms, Duration::from_secs(900)).await;
+    // Until every member has applied the manifest: what the group spent on it.
+    let g_cpu: Vec<f64> = ms
+        .iter()
+        .zip(&cpu0)
+        .map(|(m, c0)| cpu_seconds(m.pid()) - c0)
+        .collect();
+    eprintln!("group: upload {g_up:?}, commit {g_commit:?}, CPU-s per member {g_cpu:.1?}");
     let l = group_leader(&ms).await;
     let f = (l + 1) % 3;
     let (l_p50, l_p99) = locality_latency(&mut ms[l].own_client().await).await;
@@ -154,8 +176,74 @@ async fn main() {
         ms[l].restart().await;
     }
     // A follower loses its disk and rejoins: it receives a snapshot holding the manifest.
-    group_settled(&ms, Duration::from_secs(900)).await;
-    let l = group_leader(&ms).await;
+    let rejoin = if rejoin_too {
+        Some(rejoin_wiped_follower(&mut ms).await)
+    } else {
+        None
+    };
+    println!();
+    println!("| measure | single service | 3-member group | ratio |");
+    println!("|---|---|---|---|");
+    println!(
+        "| upload of {files} entries (paged) | {:.2} s | {:.2} s | {:.2}× |",
+        s_up.as_secs_f64(),
+        g_up.as_secs_f64(),
+        g_up.as_secs_f64() / s_up.as_secs_f64()
+    );
+    println!(
+        "| commit | {:.2} s | {:.2} s | {:.2}× |",
+        s_commit.as_secs_f64(),
+        g_commit.as_secs_f64(),
+        g_commit.as_secs_f64() / s_commit.as_secs_f64()
+    );
+    let (s_all, g_all) = ((s_up + s_commit).as_secs_f64(), (g_up + g_commit).as_secs_f64());
+    println!(
+        "| upload + commit | {s_all:.2} s | {g_all:.2} s | {:.2}× |",
+        g_all / s_all
+    );
+    println!(
+        "| metadata CPU for the upload and commit (each member's, until all applied) | {s_cpu:.1} s | {} = {:.1} s | {:.2}× |",
+        g_cpu.iter().map(|c| format!("{c:.1} s")).collect::<Vec<_>>().join(" + "),
+        g_cpu.iter().sum::<f64>(),
+        g_cpu.iter().sum::<f64>() / s_cpu
+    );
+    println!(
+        "| locality p50 / p99 (500 calls) | {:.2} / {:.2} ms | leader {:.2} / {:.2} ms; follower {:.2} / {:.2} ms | |",
+        ms_f(s_p50),
+        ms_f(s_p99),
+        ms_f(l_p50),
+        ms_f(l_p99),
+        ms_f(f_p50),
+        ms_f(f_p99)
+    );
+    if let Some((rejoin, snap)) = rejoin {
+        println!(
+            "| a wiped follower rejoins (--join) with the {files}-entry manifest in the state | | {:.2} s (snapshot {:.1} MiB) | |",
+            rejoin.as_secs_f64(),
+            snap as f64 / (1 << 20) as f64
+        );
+    }
+    if !times.is_empty() {
+        let mut sorted = times.clone();
+        let (p50, p99, max) = (
+            pct(&mut sorted, 0.5),
+            pct(&mut sorted, 0.99),
+            *sorted.last().unwrap(),
+        );
+        println!(
+            "| failover, leader kill -9 → first acknowledged commit ({trials} trials, election timeout {timeout}) | | p50 {:.2} s, p99 {:.2} s, max {:.2} s | |",
+            p50.as_secs_f64(),
+            p99.as_secs_f64(),
+            max.as_secs_f64()
+        );
+    }
+}
+
+/// Wipes a follower's disk, commits past its log, and times its `--join` until the group
+/// has settled again; returns that time and the size of the snapshot it received.
+async fn rejoin_wiped_follower(ms: &mut [Metadata]) -> (Duration, u64) {
+    group_settled(ms, Duration::from_secs(900)).await;
+    let l = group_leader(ms).await;
     let w = (l + 1) % 3;
     ms[w].terminate().await;
     std::fs::remove_dir_all(&ms[w].data_dir).unwrap();
@@ -180,56 +268,8 @@ async fn main() {
     )
     .await;
     ms[w].wait_ready().await;
-    group_settled(&ms, Duration::from_secs(900)).await;
-    let rejoin = t.elapsed();
-    let snap = dir_bytes(&ms[w].data_dir.join("raft-snapshots"));
-    let mut sorted = times.clone();
-    let (p50, p99, max) = (
-        pct(&mut sorted, 0.5),
-        pct(&mut sorted, 0.99),
-        *sorted.last().unwrap(),
-    );
-
-    println!();
-    println!("| measure | single service | 3-member group | ratio |");
-    println!("|---|---|---|---|");
-    println!(
-        "| upload of {files} entries (paged) | {:.2} s | {:.2} s | {:.2}× |",
-        s_up.as_secs_f64(),
-        g_up.as_secs_f64(),
-        g_up.as_secs_f64() / s_up.as_secs_f64()
-    );
-    println!(
-        "| commit | {:.2} s | {:.2} s | {:.2}× |",
-        s_commit.as_secs_f64(),
-        g_commit.as_secs_f64(),
-        g_commit.as_secs_f64() / s_commit.as_secs_f64()
-    );
-    let (s_all, g_all) = ((s_up + s_commit).as_secs_f64(), (g_up + g_commit).as_secs_f64());
-    println!(
-        "| upload + commit | {s_all:.2} s | {g_all:.2} s | {:.2}× |",
-        g_all / s_all
-    );
-    println!(
-        "| locality p50 / p99 (500 calls) | {:.2} / {:.2} ms | leader {:.2} / {:.2} ms; follower {:.2} / {:.2} ms | |",
-        ms_f(s_p50),
-        ms_f(s_p99),
-        ms_f(l_p50),
-        ms_f(l_p99),
-        ms_f(f_p50),
-        ms_f(f_p99)
-    );
-    println!(
-        "| a wiped follower rejoins (--join) with the {files}-entry manifest in the state | | {:.2} s (snapshot {:.1} MiB) | |",
-        rejoin.as_secs_f64(),
-        snap as f64 / (1 << 20) as f64
-    );
-    println!(
-        "| failover, leader kill -9 → first acknowledged commit ({trials} trials, election timeout {timeout}) | | p50 {:.2} s, p99 {:.2} s, max {:.2} s | |",
-        p50.as_secs_f64(),
-        p99.as_secs_f64(),
-        max.as_secs_f64()
-    );
+    group_settled(ms, Duration::from_secs(900)).await;
+    (t.elapsed(), dir_bytes(&ms[w].data_dir.join("raft-snapshots")))
 }
 
 fn dir_bytes(p: &std::path::Path) -> u64 {
