@@ -976,7 +976,7 @@ async fn a_version_from_before_sealed_namespaces_mounts_once_sealed() {
             let (k, _) = kv.unwrap();
             if k.ends_with(&ns) {
                 let shard = locus_metadata::keys::shard_id(&k).unwrap();
-                b.delete(Table::ShardBlobs, k.to_vec());
+                b.delete(Table::ShardBlobs, &k);
                 b.delete(
                     Table::BlobShards,
                     locus_metadata::keys::blob_shard(&ns, v.uid, shard),

@@ -101,8 +101,12 @@ pub async fn serve(
         use std::os::unix::fs::PermissionsExt;
         std::fs::set_permissions(&config.data_dir, std::fs::Permissions::from_mode(0o700)).map_err(dd)?;
     }
-    let rocks =
-        Arc::new(RocksStore::open(&config.data_dir.join("db")).map_err(crate::catalog::CatalogError::from)?);
+    let db = config.data_dir.join("db");
+    let rocks = match config.group {
+        Some(_) => RocksStore::open_replicated(&db),
+        None => RocksStore::open(&db),
+    };
+    let rocks = Arc::new(rocks.map_err(crate::catalog::CatalogError::from)?);
     let audit_path = config
         .audit_log
         .clone()

@@ -314,7 +314,7 @@ pub fn restore(
     };
     batch.put(
         Table::Backups,
-        backup_url.as_bytes().to_vec(),
+        backup_url.as_bytes(),
         rec.encode_to_vec(),
     );
     store.write(batch, true)?;

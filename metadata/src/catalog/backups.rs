@@ -28,7 +28,7 @@ impl Catalog {
             restored,
         };
         let mut b = Batch::default();
-        b.put(Table::Backups, url.as_bytes().to_vec(), rec.encode_to_vec());
+        b.put(Table::Backups, url.as_bytes(), rec.encode_to_vec());
         self.store.write(b, true)?;
         Ok(())
     }

@@ -343,10 +343,10 @@ impl Catalog {
                 b.put(
                     Table::Meta,
                     keys::META_SCHEMA,
-                    SCHEMA_VERSION.to_be_bytes().to_vec(),
+                    SCHEMA_VERSION.to_be_bytes(),
                 );
                 b.put(Table::Meta, keys::META_CLUSTER_ID, id.clone().into_bytes());
-                b.put(Table::Meta, keys::META_NEXT_UID, 1u64.to_be_bytes().to_vec());
+                b.put(Table::Meta, keys::META_NEXT_UID, 1u64.to_be_bytes());
                 store.write(b, true)?;
                 id
             }

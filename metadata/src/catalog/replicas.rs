@@ -143,7 +143,7 @@ impl Catalog {
             if new == 0 {
                 b.delete(Table::Resident, rk);
             } else {
-                b.put(Table::Resident, rk, new.to_be_bytes().to_vec());
+                b.put(Table::Resident, rk, new.to_be_bytes());
             }
         }
         b.put(Table::Shards, key, s.encode_to_vec());

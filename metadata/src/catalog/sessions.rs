@@ -157,7 +157,7 @@ impl Catalog {
             placed_bytes: 0,
         };
         let mut b = Batch::default();
-        b.put(Table::Meta, keys::META_NEXT_UID, (uid + 1).to_be_bytes().to_vec());
+        b.put(Table::Meta, keys::META_NEXT_UID, (uid + 1).to_be_bytes());
         b.put(Table::Sessions, keys::uid(uid), rec.encode_to_vec());
         self.store.write(b, true)?;
         Ok((uid, chunk_size))
@@ -414,7 +414,7 @@ impl Catalog {
             b.put(
                 Table::Resident,
                 keys::resident(uid, n),
-                bytes.to_be_bytes().to_vec(),
+                bytes.to_be_bytes(),
             );
         }
         b.put(

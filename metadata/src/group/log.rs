@@ -1,23 +1,45 @@
-//! The Raft log of one member: its own RocksDB beside the catalogue's (`DATA_DIR/raft-log`),
-//! column family `log` (entry index, big-endian → the entry, bincode) and `meta` (the vote,
-//! the committed id, the last purged id).
+//! The Raft log of one member (`DATA_DIR/raft-log`): entries in append-only segment files
+//! (`segments/`), and the vote, the committed id and the last purged id in a small RocksDB
+//! beside them (column family `meta`).
 //!
 //! Every append and vote is written with sync: an entry counts towards a quorum only once
 //! it is on this member's disk, which is what lets the catalogue's own writes skip syncing.
+//!
+//! Why segments and not RocksDB: a manifest page is one entry of several MiB, and a log
+//! entry is written once, read back while it is replicated and deleted soon after. In
+//! RocksDB each entry went through the WAL (with a software CRC), a memtable, a flush to
+//! an SST (compressed) and a compaction — four copies of every page on every member, which
+//! made a follower of a 3,000,000-entry upload spend more CPU than a whole single service.
+//! A segment costs one `write` and one `fdatasync` per append.
+//!
+//! A segment is named by the index of its first entry (`{index:020}.seg`) and holds
+//! consecutive entries, each a record: length (u32 LE), index (u64 LE), the first 8 bytes
+//! of the BLAKE3 hash of index and payload, then the entry (bincode). A segment past
+//! `SEGMENT_BYTES` is closed and the next append opens a new one. Truncation cuts the
+//! segment holding the first entry to drop and deletes the later ones; a purge deletes
+//! the segments that hold only purged entries. At open every record is checked: a torn
+//! record at the end of the last segment (an append that never returned) is cut off, any
+//! other damage refuses to start the member, naming the file and offset. A log written by
+//! older builds (entries in RocksDB's `log` column family) is moved into segments at open.
 
 // openraft's StorageError is what its storage traits return; helpers return it too.
 #![allow(clippy::result_large_err)]
 
+use std::collections::{HashMap, VecDeque};
 use std::fmt::Debug;
+use std::fs::{File, OpenOptions};
+use std::io::Read;
 use std::ops::{Bound, RangeBounds};
-use std::path::Path;
-use std::sync::Arc;
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
 
 use openraft::storage::{LogFlushed, LogState, RaftLogStorage};
 use openraft::{AnyError, Entry, LogId, RaftLogReader, StorageError, StorageIOError, Vote};
 use rocksdb::{ColumnFamilyDescriptor, IteratorMode, Options, WriteBatch, WriteOptions, DB};
 
 use super::{GroupError, TypeConfig};
+use crate::store::{KvStore, RocksStore};
 
 type SErr = StorageError<u64>;
 
@@ -25,9 +47,45 @@ const VOTE: &[u8] = b"vote";
 const COMMITTED: &[u8] = b"committed";
 const PURGED: &[u8] = b"last_purged";
 
+/// A segment this large takes no more entries.
+const SEGMENT_BYTES: u64 = 64 << 20;
+/// Length, index, checksum.
+const HEADER: usize = 4 + 8 + 8;
+
 #[derive(Clone)]
 pub struct LogStore {
-    db: Arc<DB>,
+    meta: Arc<DB>,
+    /// The catalogue this log feeds: its applies skip RocksDB's log, so an entry may be
+    /// purged only once the state holding it is flushed.
+    state: Arc<RocksStore>,
+    segs: Arc<Mutex<Segments>>,
+}
+
+/// Where one entry's record is.
+#[derive(Debug, Clone, Copy)]
+struct Loc {
+    /// The segment (its first index).
+    seg: u64,
+    /// The record's offset in it.
+    off: u64,
+    /// The payload's length.
+    len: u32,
+}
+
+struct Segments {
+    dir: PathBuf,
+    /// The index of `held[0]`.
+    first: u64,
+    /// Every entry not purged, in order.
+    held: VecDeque<Loc>,
+    /// The last entry's id.
+    last: Option<LogId<u64>>,
+    /// Segment files by first index, with their lengths, in order.
+    files: std::collections::BTreeMap<u64, u64>,
+    /// Open handles (for reading and, the last one, appending).
+    open: HashMap<u64, File>,
+    /// A segment this long takes no more entries (`SEGMENT_BYTES`; smaller in tests).
+    roll: u64,
 }
 
 fn read_err(e: impl std::fmt::Display) -> SErr {
@@ -37,39 +95,364 @@ fn write_err(e: impl std::fmt::Display) -> SErr {
     StorageIOError::write_logs(AnyError::error(e)).into()
 }
 
+fn checksum(index: u64, payload: &[u8]) -> [u8; 8] {
+    let mut h = blake3::Hasher::new();
+    h.update(&index.to_le_bytes());
+    h.update(payload);
+    let mut out = [0u8; 8];
+    out.copy_from_slice(&h.finalize().as_bytes()[..8]);
+    out
+}
+
+/// One record: header and payload.
+fn record(index: u64, payload: &[u8]) -> Vec<u8> {
+    let mut r = Vec::with_capacity(HEADER + payload.len());
+    r.extend_from_slice(&(payload.len() as u32).to_le_bytes());
+    r.extend_from_slice(&index.to_le_bytes());
+    r.extend_from_slice(&checksum(index, payload));
+    r.extend_from_slice(payload);
+    r
+}
+
+fn sync_dir(dir: &Path) -> std::io::Result<()> {
+    File::open(dir)?.sync_all()
+}
+
+impl Segments {
+    fn path(&self, seg: u64) -> PathBuf {
+        self.dir.join(format!("{seg:020}.seg"))
+    }
+
+    fn file(&mut self, seg: u64) -> std::io::Result<&File> {
+        if !self.open.contains_key(&seg) {
+            let f = OpenOptions::new().read(true).write(true).open(self.path(seg))?;
+            self.open.insert(seg, f);
+        }
+        Ok(&self.open[&seg])
+    }
+
+    /// Reads every segment under `dir`, keeping entries after `purged`.
+    fn load(dir: &Path, purged: Option<u64>, roll: u64) -> Result<Self, String> {
+        std::fs::create_dir_all(dir).map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
+        let mut names: Vec<u64> = Vec::new();
+        for d in std::fs::read_dir(dir).map_err(|e| format!("cannot list {}: {e}", dir.display()))? {
+            let d = d.map_err(|e| format!("cannot list {}: {e}", dir.display()))?;
+            let name = d.file_name().to_string_lossy().into_owned();
+            match name.strip_suffix(".seg").and_then(|n| n.parse().ok()) {
+                Some(i) => names.push(i),
+                None => return Err(format!("{} is not a log segment", d.path().display())),
+            }
+        }
+        names.sort_unstable();
+        let mut s = Segments {
+            dir: dir.to_path_buf(),
+            first: purged.map_or(0, |p| p + 1),
+            held: VecDeque::new(),
+            last: None,
+            files: Default::default(),
+            open: HashMap::new(),
+            roll,
+        };
+        let mut next: Option<u64> = None;
+        let mut last_payload = Vec::new();
+        for (k, &seg) in names.iter().enumerate() {
+            let path = s.path(seg);
+            let is_last = k + 1 == names.len();
+            let mut f = std::io::BufReader::with_capacity(
+                1 << 20,
+                File::open(&path).map_err(|e| format!("cannot open {}: {e}", path.display()))?,
+            );
+            let mut off = 0u64;
+            let mut payload = Vec::new();
+            loop {
+                let mut h = [0u8; HEADER];
+                match read_full(&mut f, &mut h) {
+                    Ok(0) => break,
+                    Ok(n) if n == HEADER => {}
+                    Ok(_) if is_last => {
+                        cut(&path, off)?;
+                        break;
+                    }
+                    Ok(_) => return Err(damaged(&path, off, "a record cut short")),
+                    Err(e) => return Err(format!("cannot read {}: {e}", path.display())),
+                }
+                let len = u32::from_le_bytes(h[..4].try_into().expect("4 bytes"));
+                let index = u64::from_le_bytes(h[4..12].try_into().expect("8 bytes"));
+                payload.resize(len as usize, 0);
+                let n = read_full(&mut f, &mut payload)
+                    .map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+                let whole = n == payload.len() && checksum(index, &payload) == h[12..20];
+                if !whole {
+                    if is_last {
+                        // An append that never returned: it was never acknowledged.
+                        cut(&path, off)?;
+                        break;
+                    }
+                    return Err(damaged(&path, off, "a record whose checksum does not match"));
+                }
+                // A segment starts at the entry it is named by, and follows on from the last.
+                let expected = if off == 0 { seg } else { next.unwrap_or(seg) };
+                if index != expected || (off == 0 && next.is_some_and(|n| n != seg)) {
+                    return Err(damaged(
+                        &path,
+                        off,
+                        &format!("entry {index} where entry {expected} belongs"),
+                    ));
+                }
+                next = Some(index + 1);
+                if purged.is_none_or(|p| index > p) {
+                    if s.held.is_empty() {
+                        s.first = index;
+                    }
+                    s.held.push_back(Loc { seg, off, len });
+                    std::mem::swap(&mut last_payload, &mut payload);
+                }
+                off += (HEADER + len as usize) as u64;
+            }
+            if off == 0 {
+                // Created by an append that wrote nothing, or emptied by a cut.
+                std::fs::remove_file(&path).map_err(|e| format!("cannot remove {}: {e}", path.display()))?;
+            } else {
+                s.files.insert(seg, off);
+            }
+        }
+        if !s.held.is_empty() {
+            let e: Entry<TypeConfig> = bincode::deserialize(&last_payload)
+                .map_err(|e| format!("the last entry in {} cannot be decoded: {e}", dir.display()))?;
+            s.last = Some(e.log_id);
+        }
+        // Segments holding only purged entries (a purge that stopped before deleting them).
+        if let Some(p) = purged {
+            s.drop_purged(p)
+                .map_err(|e| format!("cannot delete purged segments: {e}"))?;
+        }
+        Ok(s)
+    }
+
+    /// Appends records, rolling to a new segment past `SEGMENT_BYTES`; durable on return.
+    fn append(&mut self, entries: Vec<(LogId<u64>, Vec<u8>)>) -> std::io::Result<()> {
+        let mut touched = Vec::new();
+        for (id, payload) in entries {
+            let index = id.index;
+            let tail = self.files.iter().next_back().map(|(s, l)| (*s, *l));
+            let seg = match tail {
+                Some((seg, len)) if len < self.roll => seg,
+                _ => {
+                    let path = self.path(index);
+                    let f = OpenOptions::new()
+                        .read(true)
+                        .write(true)
+                        .create_new(true)
+                        .open(&path)?;
+                    sync_dir(&self.dir)?;
+                    self.open.insert(index, f);
+                    self.files.insert(index, 0);
+                    index
+                }
+            };
+            let off = self.files[&seg];
+            let r = record(index, &payload);
+            self.file(seg)?.write_all_at(&r, off)?;
+            if !touched.contains(&seg) {
+                touched.push(seg);
+            }
+            *self.files.get_mut(&seg).expect("present") += r.len() as u64;
+            if self.held.is_empty() {
+                self.first = index;
+            }
+            self.held.push_back(Loc {
+                seg,
+                off,
+                len: payload.len() as u32,
+            });
+            self.last = Some(id);
+        }
+        for seg in touched {
+            self.file(seg)?.sync_data()?;
+        }
+        Ok(())
+    }
+
+    /// Removes every entry from `index` on.
+    fn truncate(&mut self, index: u64) -> std::io::Result<()> {
+        if index < self.first {
+            return Ok(());
+        }
+        let keep = (index - self.first) as usize;
+        if keep >= self.held.len() {
+            return Ok(());
+        }
+        let cut_at = self.held[keep];
+        // Later segments first, highest first: a crash part way leaves a log that ends
+        // earlier than it did, never one with a gap.
+        let later: Vec<u64> = self
+            .files
+            .range(cut_at.seg + 1..)
+            .map(|(s, _)| *s)
+            .rev()
+            .collect();
+        for seg in later {
+            self.open.remove(&seg);
+            std::fs::remove_file(self.path(seg))?;
+            self.files.remove(&seg);
+        }
+        if cut_at.off == 0 {
+            self.open.remove(&cut_at.seg);
+            std::fs::remove_file(self.path(cut_at.seg))?;
+            self.files.remove(&cut_at.seg);
+        } else {
+            let f = self.file(cut_at.seg)?;
+            f.set_len(cut_at.off)?;
+            f.sync_all()?;
+            self.files.insert(cut_at.seg, cut_at.off);
+        }
+        sync_dir(&self.dir)?;
+        self.held.truncate(keep);
+        self.last = None;
+        Ok(())
+    }
+
+    /// Forgets entries up to `index` and deletes the segments that hold nothing else.
+    fn drop_purged(&mut self, index: u64) -> std::io::Result<()> {
+        while self.first <= index && self.held.pop_front().is_some() {
+            self.first += 1;
+        }
+        if self.held.is_empty() {
+            self.first = self.first.max(index + 1);
+            self.last = None;
+        }
+        // A segment goes when the next one starts at or before the first entry kept (or,
+        // the last one, when nothing is kept).
+        let segs: Vec<u64> = self.files.keys().copied().collect();
+        let mut removed = false;
+        for (k, seg) in segs.iter().enumerate() {
+            let next = segs.get(k + 1).copied();
+            let only_purged = match next {
+                Some(n) => n <= index + 1,
+                None => self.held.is_empty(),
+            };
+            if !only_purged {
+                break;
+            }
+            self.open.remove(seg);
+            std::fs::remove_file(self.path(*seg))?;
+            self.files.remove(seg);
+            removed = true;
+        }
+        if removed {
+            sync_dir(&self.dir)?;
+        }
+        Ok(())
+    }
+
+    fn read(&mut self, from: u64, to: u64) -> Result<Vec<Entry<TypeConfig>>, String> {
+        let from = from.max(self.first);
+        let to = to.min(self.first + self.held.len() as u64);
+        let mut out = Vec::with_capacity(to.saturating_sub(from) as usize);
+        let mut buf = Vec::new();
+        for i in from..to {
+            let loc = self.held[(i - self.first) as usize];
+            buf.resize(HEADER + loc.len as usize, 0);
+            let path = self.path(loc.seg);
+            self.file(loc.seg)
+                .and_then(|f| f.read_exact_at(&mut buf, loc.off))
+                .map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+            if buf[12..20] != checksum(i, &buf[HEADER..]) {
+                return Err(damaged(&path, loc.off, "a record whose checksum does not match"));
+            }
+            out.push(bincode::deserialize(&buf[HEADER..]).map_err(|e| e.to_string())?);
+        }
+        Ok(out)
+    }
+}
+
+/// Reads until `buf` is full or the file ends; the bytes read.
+fn read_full(f: &mut impl Read, buf: &mut [u8]) -> std::io::Result<usize> {
+    let mut got = 0;
+    while got < buf.len() {
+        match f.read(&mut buf[got..])? {
+            0 => break,
+            n => got += n,
+        }
+    }
+    Ok(got)
+}
+
+fn cut(path: &Path, at: u64) -> Result<(), String> {
+    tracing::warn!(segment = %path.display(), offset = at, "the Raft log ends in an append that never completed; cutting it off");
+    let f = OpenOptions::new()
+        .write(true)
+        .open(path)
+        .map_err(|e| format!("cannot open {}: {e}", path.display()))?;
+    f.set_len(at)
+        .and_then(|_| f.sync_all())
+        .map_err(|e| format!("cannot cut {} at {at}: {e}", path.display()))
+}
+
+fn damaged(path: &Path, off: u64, what: &str) -> String {
+    format!(
+        "the Raft log segment {} is damaged at offset {off} ({what}); move this member's data \
+         directory away and start it again: it rejoins the group and receives a snapshot",
+        path.display()
+    )
+}
+
 impl LogStore {
-    pub fn open(path: &Path) -> Result<Self, GroupError> {
+    pub fn open(path: &Path, state: Arc<RocksStore>) -> Result<Self, GroupError> {
+        Self::open_rolling_at(path, state, SEGMENT_BYTES)
+    }
+
+    fn open_rolling_at(path: &Path, state: Arc<RocksStore>, roll: u64) -> Result<Self, GroupError> {
+        let fail = |reason: String| GroupError::Log {
+            path: path.display().to_string(),
+            reason,
+        };
         let mut opts = Options::default();
         opts.create_if_missing(true);
         opts.create_missing_column_families(true);
         opts.set_keep_log_file_num(3);
         let cfs = ["log", "meta"].map(|n| ColumnFamilyDescriptor::new(n, Options::default()));
-        let db = DB::open_cf_descriptors(&opts, path, cfs).map_err(|e| GroupError::Log {
-            path: path.display().to_string(),
-            reason: e.into_string(),
-        })?;
-        Ok(Self { db: Arc::new(db) })
+        let db = DB::open_cf_descriptors(&opts, path, cfs).map_err(|e| fail(e.into_string()))?;
+        let purged: Option<LogId<u64>> = match db.get_cf(db.cf_handle("meta").expect("created"), PURGED) {
+            Ok(None) => None,
+            Ok(Some(v)) => Some(
+                bincode::deserialize::<LogId<u64>>(&v)
+                    .map_err(|e| fail(format!("the purge point cannot be decoded: {e}")))?,
+            ),
+            Err(e) => return Err(fail(e.into_string())),
+        };
+        let dir = path.join("segments");
+        let mut segs = Segments::load(&dir, purged.map(|p| p.index), roll).map_err(&fail)?;
+        migrate(&db, &mut segs, purged.map(|p| p.index)).map_err(fail)?;
+        Ok(Self {
+            meta: Arc::new(db),
+            state,
+            segs: Arc::new(Mutex::new(segs)),
+        })
     }
 
     fn cf(&self, name: &str) -> &rocksdb::ColumnFamily {
-        self.db.cf_handle(name).expect("created at open")
+        self.meta.cf_handle(name).expect("created at open")
+    }
+
+    fn segs(&self) -> std::sync::MutexGuard<'_, Segments> {
+        self.segs.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// No entry was ever appended (a member of a group not yet initialised).
     pub fn is_empty(&self) -> Result<bool, GroupError> {
-        let first = self.db.iterator_cf(self.cf("log"), IteratorMode::Start).next();
         let purged = self
-            .db
+            .meta
             .get_cf(self.cf("meta"), PURGED)
             .map_err(|e| GroupError::Log {
                 path: "raft-log".into(),
                 reason: e.into_string(),
             })?;
-        Ok(first.is_none() && purged.is_none())
+        Ok(self.segs().held.is_empty() && purged.is_none())
     }
 
     fn get_meta<T: serde::de::DeserializeOwned>(&self, key: &[u8]) -> Result<Option<T>, SErr> {
-        match self.db.get_cf(self.cf("meta"), key).map_err(read_err)? {
+        match self.meta.get_cf(self.cf("meta"), key).map_err(read_err)? {
             None => Ok(None),
             Some(v) => bincode::deserialize(&v).map(Some).map_err(read_err),
         }
@@ -79,19 +462,57 @@ impl LogStore {
         let bytes = bincode::serialize(v).map_err(write_err)?;
         let mut wo = WriteOptions::default();
         wo.set_sync(true);
-        super::blocking(|| self.db.put_cf_opt(self.cf("meta"), key, bytes, &wo)).map_err(write_err)
+        super::blocking(|| self.meta.put_cf_opt(self.cf("meta"), key, bytes, &wo)).map_err(write_err)
     }
 
     fn last_entry_id(&self) -> Result<Option<LogId<u64>>, SErr> {
-        match self.db.iterator_cf(self.cf("log"), IteratorMode::End).next() {
-            None => Ok(None),
-            Some(r) => {
-                let (_, v) = r.map_err(read_err)?;
-                let e: Entry<TypeConfig> = bincode::deserialize(&v).map_err(read_err)?;
-                Ok(Some(e.log_id))
-            }
+        let mut s = self.segs();
+        if s.last.is_none() && !s.held.is_empty() {
+            // After a truncation: the entry now last.
+            let i = s.first + s.held.len() as u64 - 1;
+            let e = super::blocking(|| s.read(i, i + 1)).map_err(read_err)?;
+            s.last = e.first().map(|e| e.log_id);
+        }
+        Ok(s.last)
+    }
+}
+
+/// Moves a log kept in RocksDB (older builds) into segments, then deletes it there.
+fn migrate(db: &DB, segs: &mut Segments, purged: Option<u64>) -> Result<(), String> {
+    let cf = db.cf_handle("log").expect("created");
+    let mut moved = Vec::new();
+    let mut batch = Vec::new();
+    for r in db.iterator_cf(cf, IteratorMode::Start) {
+        let (k, v) = r.map_err(|e| e.into_string())?;
+        let e: Entry<TypeConfig> = bincode::deserialize(&v)
+            .map_err(|e| format!("an entry of the old log cannot be decoded: {e}"))?;
+        moved.push(k.to_vec());
+        // A purge that stopped before deleting its entries: they stay deleted.
+        if purged.is_some_and(|p| e.log_id.index <= p) {
+            continue;
+        }
+        batch.push((e.log_id, v.to_vec()));
+        if batch.len() >= 64 {
+            segs.append(std::mem::take(&mut batch))
+                .map_err(|e| e.to_string())?;
         }
     }
+    if moved.is_empty() {
+        return Ok(());
+    }
+    segs.append(batch).map_err(|e| e.to_string())?;
+    let mut wb = WriteBatch::default();
+    for k in &moved {
+        wb.delete_cf(cf, k);
+    }
+    let mut wo = WriteOptions::default();
+    wo.set_sync(true);
+    db.write_opt(wb, &wo).map_err(|e| e.into_string())?;
+    tracing::info!(
+        entries = moved.len(),
+        "moved the Raft log from RocksDB into segment files"
+    );
+    Ok(())
 }
 
 impl RaftLogReader<TypeConfig> for LogStore {
@@ -99,25 +520,17 @@ impl RaftLogReader<TypeConfig> for LogStore {
         &mut self,
         range: RB,
     ) -> Result<Vec<Entry<TypeConfig>>, SErr> {
-        let start = match range.start_bound() {
+        let from = match range.start_bound() {
             Bound::Included(i) => *i,
             Bound::Excluded(i) => i + 1,
             Bound::Unbounded => 0,
         };
-        let mut out = Vec::new();
-        let it = self.db.iterator_cf(
-            self.cf("log"),
-            IteratorMode::From(&start.to_be_bytes(), rocksdb::Direction::Forward),
-        );
-        for r in it {
-            let (k, v) = r.map_err(read_err)?;
-            let idx = u64::from_be_bytes(k.as_ref().try_into().map_err(read_err)?);
-            if !range.contains(&idx) {
-                break;
-            }
-            out.push(bincode::deserialize(&v).map_err(read_err)?);
-        }
-        Ok(out)
+        let to = match range.end_bound() {
+            Bound::Included(i) => i.saturating_add(1),
+            Bound::Excluded(i) => *i,
+            Bound::Unbounded => u64::MAX,
+        };
+        super::blocking(|| self.segs().read(from, to)).map_err(read_err)
     }
 }
 
@@ -158,42 +571,35 @@ impl RaftLogStorage<TypeConfig> for LogStore {
         I: IntoIterator<Item = Entry<TypeConfig>> + Send,
         I::IntoIter: Send,
     {
-        let mut wb = WriteBatch::default();
+        let mut records = Vec::new();
         for e in entries {
-            let v = bincode::serialize(&e).map_err(write_err)?;
-            wb.put_cf(self.cf("log"), e.log_id.index.to_be_bytes(), v);
+            records.push((e.log_id, bincode::serialize(&e).map_err(write_err)?));
         }
-        let mut wo = WriteOptions::default();
-        wo.set_sync(true);
-        let r = super::blocking(|| self.db.write_opt(wb, &wo));
+        let r = super::blocking(|| self.segs().append(records));
         let done = r
             .as_ref()
             .map(|_| ())
-            .map_err(|e| std::io::Error::other(e.to_string()));
+            .map_err(|e| std::io::Error::new(e.kind(), e.to_string()));
         callback.log_io_completed(done);
         r.map_err(write_err)
     }
 
     async fn truncate(&mut self, log_id: LogId<u64>) -> Result<(), SErr> {
         // Entries from log_id.index on conflict with the leader's log: remove them.
-        let mut wb = WriteBatch::default();
-        wb.delete_range_cf(self.cf("log"), log_id.index.to_be_bytes(), u64::MAX.to_be_bytes());
-        wb.delete_cf(self.cf("log"), u64::MAX.to_be_bytes());
-        let mut wo = WriteOptions::default();
-        wo.set_sync(true);
-        super::blocking(|| self.db.write_opt(wb, &wo)).map_err(write_err)
+        super::blocking(|| self.segs().truncate(log_id.index)).map_err(write_err)
     }
 
     async fn purge(&mut self, log_id: LogId<u64>) -> Result<(), SErr> {
-        // The purge point first: were the deletion to land without it, the log would look
+        // The state first: after a crash the log must still hold every entry after the
+        // last one the state has on disk.
+        super::blocking(|| self.state.flush()).map_err(write_err)?;
+        // The purge point next: were the deletion to land without it, the log would look
         // like it starts later than it says.
         self.put_meta(PURGED, &log_id)?;
-        let mut wb = WriteBatch::default();
-        wb.delete_range_cf(
-            self.cf("log"),
-            0u64.to_be_bytes(),
-            (log_id.index + 1).to_be_bytes(),
-        );
-        self.db.write(wb).map_err(write_err)
+        super::blocking(|| self.segs().drop_purged(log_id.index)).map_err(write_err)
     }
 }
+
+#[cfg(test)]
+#[path = "log_tests.rs"]
+mod tests;

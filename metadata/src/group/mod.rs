@@ -222,7 +222,7 @@ impl Group {
             }
         }
         let id = member_id(&cfg.me);
-        let log = log::LogStore::open(&data_dir.join("raft-log"))?;
+        let log = log::LogStore::open(&data_dir.join("raft-log"), state.clone())?;
         let outside = Arc::new(std::sync::atomic::AtomicU64::new(0));
         let sm = state::StateMachine::open(state.clone(), &data_dir.join("raft-snapshots"), outside.clone())?;
         let t = cfg.election_timeout.as_millis().max(50) as u64;

@@ -1,7 +1,8 @@
 //! The state machine of a member: the catalogue's RocksDB. Each log entry applies as one
 //! `WriteBatch` that also records the entry's id (`raft` table, `applied`), so after a
 //! crash the store says exactly which entries it holds and the log replays the rest; the
-//! store's own writes therefore need no sync (the log's do).
+//! store's own writes therefore skip RocksDB's log altogether (`write_unlogged`; the
+//! store is opened with atomic flush, and the Raft log flushes it before purging entries).
 //!
 //! Snapshots are the whole store read at one RocksDB instant (the same reader backups
 //! use), written to a file (`DATA_DIR/raft-snapshots/`) that openraft sends to a lagging or
@@ -130,7 +131,7 @@ impl RaftStateMachine<TypeConfig> for StateMachine {
         for e in entries {
             let mut batch = match e.payload {
                 EntryPayload::Normal(b) => {
-                    if b.ops.iter().any(touches_group_state) && !is_grant_key_only(&b) {
+                    if b.ops().any(|op| touches_group_state(&op)) && !is_grant_key_only(&b) {
                         // Only this module writes the raft table; a catalogue batch never does.
                         return Err(sm_err(format!("entry {} writes the group's own state", e.log_id)));
                     }
@@ -153,7 +154,8 @@ impl RaftStateMachine<TypeConfig> for StateMachine {
                 APPLIED,
                 bincode::serialize(&Some(e.log_id)).map_err(sm_err)?,
             );
-            super::blocking(|| self.store.write(batch, false)).map_err(sm_err)?;
+            // Without RocksDB's log: the Raft log holds the entry until the state is flushed.
+            super::blocking(|| self.store.write_unlogged(batch)).map_err(sm_err)?;
             self.outside.fetch_add(1, Ordering::SeqCst);
             out.push(());
         }
@@ -208,7 +210,7 @@ impl StateMachine {
         let data = self.dir.join(format!("{}.snap", meta.snapshot_id));
         std::fs::rename(self.dir.join("receiving.snap"), &data).map_err(snap_err)?;
         let mut mark = Batch::default();
-        mark.put(Table::Raft, INSTALLING, b"1".to_vec());
+        mark.put(Table::Raft, INSTALLING, b"1");
         self.store.write(mark, true).map_err(sm_err)?;
         // Every row goes: the snapshot holds the whole state, the raft table included.
         for t in Table::ALL {
@@ -218,7 +220,7 @@ impl StateMachine {
                 if t == Table::Raft && &*k == INSTALLING {
                     continue;
                 }
-                b.delete(t, k.to_vec());
+                b.delete(t, &k);
                 if b.len() >= 10_000 {
                     self.store.write(std::mem::take(&mut b), false).map_err(sm_err)?;
                 }
@@ -264,8 +266,8 @@ fn touches_group_state(op: &crate::store::Op) -> bool {
 /// is the single key of logs written before key rings).
 fn is_grant_key_only(b: &Batch) -> bool {
     use crate::store::Op;
-    b.ops.len() == 1
-        && matches!(&b.ops[0], Op::Put(Table::Raft, k, _) if k == b"grant_keys" || k == b"grant_key")
+    b.len() == 1
+        && matches!(b.ops().next(), Some(Op::Put(Table::Raft, k, _)) if k == b"grant_keys" || k == b"grant_key")
 }
 
 pub struct Builder {
@@ -287,9 +289,8 @@ impl RaftSnapshotBuilder<TypeConfig> for Builder {
 impl Builder {
     /// Writes the snapshot file and makes it the current one: its meta and path.
     fn build(&self) -> Result<(SnapshotMeta<u64, Member>, PathBuf), SErr> {
-        // What was applied without sync must be on disk before the log that produced it
-        // can be purged up to this snapshot.
-        self.store.sync_wal().map_err(snap_err)?;
+        // What was applied is not yet on disk (applies skip RocksDB's log); the log flushes
+        // the catalogue before it purges up to this snapshot (`log::LogStore::purge`).
         let tmp = self.dir.join("building.snap");
         let mut w = BufWriter::new(std::fs::File::create(&tmp).map_err(snap_err)?);
         w.write_all(MAGIC).map_err(snap_err)?;

@@ -4,7 +4,7 @@ use crate::store::MemStore;
 fn sample() -> MemStore {
     let s = MemStore::default();
     let mut b = Batch::default();
-    b.put(Table::Meta, keys::META_CLUSTER_ID.to_vec(), b"c1".to_vec());
+    b.put(Table::Meta, keys::META_CLUSTER_ID, b"c1");
     let rec = VersionRecord {
         uid: 7,
         bytes: 300,
@@ -26,8 +26,8 @@ fn sample() -> MemStore {
         b.put(Table::ShardBlobs, k, v);
     }
     // An open session (uid 9) and its rows stay out of the export.
-    b.put(Table::Sessions, keys::uid(9).to_vec(), b"s".to_vec());
-    b.put(Table::Entries, keys::entry(9, "x"), b"e".to_vec());
+    b.put(Table::Sessions, keys::uid(9), b"s");
+    b.put(Table::Entries, keys::entry(9, "x"), b"e");
     let file = crate::records::EntryRecord {
         kind: crate::records::KIND_FILE,
         size: 100,

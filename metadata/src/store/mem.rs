@@ -37,16 +37,19 @@ impl KvStore for MemStore {
 
     fn write(&self, batch: Batch, _sync: bool) -> Result<(), StoreError> {
         let mut m = self.tables.lock().expect("mem store lock poisoned");
-        for op in batch.ops {
+        for op in batch.ops() {
             match op {
                 Op::Put(t, k, v) => {
-                    m.insert((t, k), v);
+                    m.insert((t, k.to_vec()), v.to_vec());
                 }
                 Op::Delete(t, k) => {
-                    m.remove(&(t, k));
+                    m.remove(&(t, k.to_vec()));
                 }
                 Op::DeleteRange(t, from, to) => {
-                    let keys: Vec<_> = m.range((t, from)..(t, to)).map(|(k, _)| k.clone()).collect();
+                    let keys: Vec<_> = m
+                        .range((t, from.to_vec())..(t, to.to_vec()))
+                        .map(|(k, _)| k.clone())
+                        .collect();
                     for k in keys {
                         m.remove(&k);
                     }

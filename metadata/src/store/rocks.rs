@@ -19,7 +19,21 @@ fn io(e: rocksdb::Error) -> StoreError {
 
 impl RocksStore {
     pub fn open(path: &Path) -> Result<Self, StoreError> {
+        Self::open_with(path, false)
+    }
+
+    /// The store of a group member, whose Raft log is what makes a change durable: its
+    /// applies skip RocksDB's own log (`write_unlogged`), so every table is flushed together
+    /// (atomic flush). What is on disk after a crash is then the state as of one applied
+    /// entry, which the Raft log replays forward from (the log keeps every entry until
+    /// the state holding it is flushed: see `group::log`).
+    pub fn open_replicated(path: &Path) -> Result<Self, StoreError> {
+        Self::open_with(path, true)
+    }
+
+    fn open_with(path: &Path, atomic_flush: bool) -> Result<Self, StoreError> {
         let mut opts = Options::default();
+        opts.set_atomic_flush(atomic_flush);
         opts.create_if_missing(true);
         opts.create_missing_column_families(true);
         opts.set_compression_type(rocksdb::DBCompressionType::Lz4);
@@ -53,9 +67,24 @@ impl RocksStore {
         })
     }
 
-    /// Makes every write so far durable (writes made without sync included).
-    pub fn sync_wal(&self) -> Result<(), StoreError> {
-        self.db.flush_wal(true).map_err(io)
+    /// Writes `batch` without RocksDB's log: durable only once flushed. For a group member's
+    /// applies alone (`open_replicated`), whose Raft log holds the entry until then.
+    pub fn write_unlogged(&self, batch: Batch) -> Result<(), StoreError> {
+        let mut wo = WriteOptions::default();
+        wo.disable_wal(true);
+        self.write_opt(batch, &wo)
+    }
+
+    fn write_opt(&self, batch: Batch, wo: &WriteOptions) -> Result<(), StoreError> {
+        let mut wb = WriteBatch::default();
+        for op in batch.ops() {
+            match op {
+                Op::Put(t, k, v) => wb.put_cf(self.cf(t), k, v),
+                Op::Delete(t, k) => wb.delete_cf(self.cf(t), k),
+                Op::DeleteRange(t, from, to) => wb.delete_range_cf(self.cf(t), from, to),
+            }
+        }
+        self.db.write_opt(wb, wo).map_err(io)
     }
 
     fn cf(&self, t: Table) -> &rocksdb::ColumnFamily {
@@ -82,17 +111,9 @@ impl KvStore for RocksStore {
     }
 
     fn write(&self, batch: Batch, sync: bool) -> Result<(), StoreError> {
-        let mut wb = WriteBatch::default();
-        for op in batch.ops {
-            match op {
-                Op::Put(t, k, v) => wb.put_cf(self.cf(t), k, v),
-                Op::Delete(t, k) => wb.delete_cf(self.cf(t), k),
-                Op::DeleteRange(t, from, to) => wb.delete_range_cf(self.cf(t), from, to),
-            }
-        }
         let mut wo = WriteOptions::default();
         wo.set_sync(sync);
-        self.db.write_opt(wb, &wo).map_err(io)
+        self.write_opt(batch, &wo)
     }
 
     fn size_on_disk(&self) -> u64 {
@@ -100,8 +121,12 @@ impl KvStore for RocksStore {
     }
 
     fn flush(&self) -> Result<(), StoreError> {
-        // Every table: a log file goes once no table's memtable needs it.
-        for t in Table::ALL {
+        // Every table: a log file goes once no table's memtable needs it. The group's own
+        // table (the applied entry) first: were a crash to come between two flushes, the
+        // state on disk claims no entry that another table does not hold yet, and the Raft
+        // log replays the rest.
+        let order = std::iter::once(Table::Raft).chain(Table::ALL.into_iter().filter(|t| *t != Table::Raft));
+        for t in order {
             self.db.flush_cf(self.cf(t)).map_err(io)?;
         }
         Ok(())

@@ -34,7 +34,7 @@ impl Fake {
     fn new() -> Self {
         let catalog = MemStore::default();
         let mut b = Batch::default();
-        b.put(Table::Meta, keys::META_CLUSTER_ID.to_vec(), b"c1".to_vec());
+        b.put(Table::Meta, keys::META_CLUSTER_ID, b"c1");
         catalog.write(b, true).unwrap();
         Fake {
             catalog,
