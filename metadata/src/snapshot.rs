@@ -312,11 +312,7 @@ pub fn restore(
         recorded_at_ms: crate::Clock::now_ms(&crate::SystemClock),
         restored: true,
     };
-    batch.put(
-        Table::Backups,
-        backup_url.as_bytes(),
-        rec.encode_to_vec(),
-    );
+    batch.put(Table::Backups, backup_url.as_bytes(), rec.encode_to_vec());
     store.write(batch, true)?;
     Ok(RestoreStats { rows })
 }

@@ -340,11 +340,7 @@ impl Catalog {
             None => {
                 let id = new_cluster_id();
                 let mut b = Batch::default();
-                b.put(
-                    Table::Meta,
-                    keys::META_SCHEMA,
-                    SCHEMA_VERSION.to_be_bytes(),
-                );
+                b.put(Table::Meta, keys::META_SCHEMA, SCHEMA_VERSION.to_be_bytes());
                 b.put(Table::Meta, keys::META_CLUSTER_ID, id.clone().into_bytes());
                 b.put(Table::Meta, keys::META_NEXT_UID, 1u64.to_be_bytes());
                 store.write(b, true)?;

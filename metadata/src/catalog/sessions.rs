@@ -411,11 +411,7 @@ impl Catalog {
             }
         }
         for (n, bytes) in resident {
-            b.put(
-                Table::Resident,
-                keys::resident(uid, n),
-                bytes.to_be_bytes(),
-            );
+            b.put(Table::Resident, keys::resident(uid, n), bytes.to_be_bytes());
         }
         b.put(
             Table::Versions,
