@@ -158,10 +158,12 @@ impl Segments {
         for (k, &seg) in names.iter().enumerate() {
             let path = s.path(seg);
             let is_last = k + 1 == names.len();
-            let mut f = std::io::BufReader::with_capacity(
-                1 << 20,
-                File::open(&path).map_err(|e| format!("cannot open {}: {e}", path.display()))?,
-            );
+            let file = File::open(&path).map_err(|e| format!("cannot open {}: {e}", path.display()))?;
+            let size = file
+                .metadata()
+                .map_err(|e| format!("cannot read {}: {e}", path.display()))?
+                .len();
+            let mut f = std::io::BufReader::with_capacity(1 << 20, file);
             let mut off = 0u64;
             let mut payload = Vec::new();
             loop {
@@ -178,6 +180,15 @@ impl Segments {
                 }
                 let len = u32::from_le_bytes(h[..4].try_into().expect("4 bytes"));
                 let index = u64::from_le_bytes(h[4..12].try_into().expect("8 bytes"));
+                // A torn or damaged header may claim any length: never read (or allocate)
+                // past the file's end.
+                if off + (HEADER as u64) + u64::from(len) > size {
+                    if is_last {
+                        cut(&path, off)?;
+                        break;
+                    }
+                    return Err(damaged(&path, off, "a record longer than the rest of its file"));
+                }
                 payload.resize(len as usize, 0);
                 let n = read_full(&mut f, &mut payload)
                     .map_err(|e| format!("cannot read {}: {e}", path.display()))?;
@@ -487,8 +498,11 @@ fn migrate(db: &DB, segs: &mut Segments, purged: Option<u64>) -> Result<(), Stri
         let e: Entry<TypeConfig> = bincode::deserialize(&v)
             .map_err(|e| format!("an entry of the old log cannot be decoded: {e}"))?;
         moved.push(k.to_vec());
-        // A purge that stopped before deleting its entries: they stay deleted.
-        if purged.is_some_and(|p| e.log_id.index <= p) {
+        // A purge that stopped before deleting its entries: they stay deleted. A move
+        // that stopped before deleting them: the segments hold them already.
+        let held_to = segs.first + segs.held.len() as u64;
+        if purged.is_some_and(|p| e.log_id.index <= p) || (!segs.held.is_empty() && e.log_id.index < held_to)
+        {
             continue;
         }
         batch.push((e.log_id, v.to_vec()));

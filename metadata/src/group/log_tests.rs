@@ -189,6 +189,19 @@ async fn a_torn_last_record_is_cut_off_and_damage_elsewhere_refuses_to_start() {
         append(&log, 11, 12, 1);
         assert_eq!(indices(&mut log).await, (1..12).collect::<Vec<_>>());
     }
+    // A whole header whose length claims far more than the file holds: cut off at open,
+    // never read or allocated.
+    let last_now = path.join("segments").join(segment_files(&path).last().unwrap());
+    let len_now = std::fs::metadata(&last_now).unwrap().len();
+    let mut huge = record(12, b"x");
+    huge[..4].copy_from_slice(&u32::MAX.to_le_bytes());
+    let mut f = OpenOptions::new().append(true).open(&last_now).unwrap();
+    std::io::Write::write_all(&mut f, &huge).unwrap();
+    {
+        let mut log = LogStore::open_rolling_at(&path, state.clone(), 300).unwrap();
+        assert_eq!(indices(&mut log).await, (1..12).collect::<Vec<_>>());
+        assert_eq!(std::fs::metadata(&last_now).unwrap().len(), len_now);
+    }
     // A flipped byte in a segment that is not the last: refused, naming the file.
     let first = path.join("segments").join(&files[0]);
     let mut bytes = std::fs::read(&first).unwrap();
@@ -235,6 +248,23 @@ async fn a_log_kept_in_rocksdb_by_older_builds_moves_into_segments() {
     let mut log = LogStore::open(&path, state.clone()).unwrap();
     assert_eq!(indices(&mut log).await, vec![3, 4, 5]);
     assert_eq!(log.get_log_state().await.unwrap().last_log_id.unwrap().index, 5);
+    // A move that stopped after writing the segments, before deleting the old entries:
+    // the next start must not append them twice.
+    {
+        let cf = log.cf("log");
+        for i in 3..6u64 {
+            log.meta
+                .put_cf(cf, i.to_be_bytes(), bincode::serialize(&entry(i, 3, 50)).unwrap())
+                .unwrap();
+        }
+    }
+    drop(log);
+    let mut log = LogStore::open(&path, state.clone()).unwrap();
+    assert_eq!(
+        indices(&mut log).await,
+        vec![3, 4, 5],
+        "the interrupted move is not repeated"
+    );
     let left = log.meta.iterator_cf(log.cf("log"), IteratorMode::Start).count();
     assert_eq!(left, 0, "the old entries are deleted once moved");
     drop(log);
