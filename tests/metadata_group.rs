@@ -962,3 +962,44 @@ async fn a_frozen_member_costs_a_client_one_call_then_the_others_answer() {
         "frozen member: the call it held failed after {waited:?}; the others answered {recovered:?} later"
     );
 }
+
+/// With one member down, the leader's quorum is itself and the other follower: a call that
+/// arrives while that follower is stalled (here SIGSTOP for half an election timeout, as a
+/// disk busy writing a snapshot does) waits for it and is served, instead of being refused
+/// after one heartbeat round that the follower answered late.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_a_member_down_a_call_during_a_followers_brief_stall_is_served_not_refused() {
+    let h = Harness::new("group-stall");
+    let mut ms = h.start_group("meta", 3, MetadataOpts::default()).await;
+    let l = group_leader(&ms).await;
+    let (down, stalled) = ((l + 1) % 3, (l + 2) % 3);
+    ms[down].terminate().await;
+    let mut c = ms[l].own_client().await;
+    let (e, s) = synthetic_manifest("before", 10, 10, 10, 1 << 16);
+    commit(&mut c, "ds", 1 << 16, e, s)
+        .await
+        .expect("two of three commit");
+    // The harness's election timeout is 1 s: heartbeats every 333 ms, and a follower
+    // stalled for 500 ms does not start an election when it resumes.
+    let stall = Duration::from_millis(500);
+    ms[stalled].daemon.sigstop();
+    let started = Instant::now();
+    let (e, s) = synthetic_manifest("during", 10, 10, 10, 1 << 16);
+    let (r, ()) = tokio::join!(commit(&mut c, "ds", 1 << 16, e, s), async {
+        tokio::time::sleep(stall).await;
+        ms[stalled].daemon.sigcont();
+    });
+    let took = started.elapsed();
+    let v = r.expect("the call made during the follower's stall is served once it resumes");
+    assert_eq!(v.version, 2);
+    assert!(
+        took >= stall - Duration::from_millis(50),
+        "the call waited for the stalled follower ({took:?}), so the stall was real"
+    );
+    assert_eq!(versions(&mut c, "ds").await, vec![1, 2]);
+    assert_eq!(
+        group_leader(&ms).await,
+        l,
+        "the stall cost no election: the leader is the one that served the call"
+    );
+}

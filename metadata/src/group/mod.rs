@@ -55,6 +55,9 @@ pub type Raft = openraft::Raft<TypeConfig>;
 /// Runs storage I/O (fsyncs, RocksDB batches of megabytes) from Raft's tasks without
 /// holding up the runtime's other tasks on this worker: heartbeats must go out on time
 /// while a manifest page is written, or followers start needless elections.
+/// How long a call waits for its member to be confirmed as leader before it is refused.
+const LINEARIZE_BUDGET: Duration = Duration::from_secs(5);
+
 pub(crate) fn blocking<T>(f: impl FnOnce() -> T) -> T {
     match tokio::runtime::Handle::try_current() {
         Ok(h) if h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread => {
@@ -360,18 +363,52 @@ impl Group {
     /// Waits until this member is confirmed leader by a quorum and has applied every entry
     /// committed before now: what it then reads is at least as new as any acknowledged
     /// write.
+    ///
+    /// One confirmation round gives each follower one heartbeat interval to answer. With a
+    /// member down, one slow answer from the other (its disk busy writing a snapshot or a
+    /// flush) fails the round although nobody else leads: the round is tried again while
+    /// this member still believes it leads, within the same 5 s, rather than failing the
+    /// caller's request. A member that learns of a newer leader fails at once.
     pub async fn linearize(&self) -> Result<(), Status> {
-        match tokio::time::timeout(Duration::from_secs(5), self.raft.ensure_linearizable()).await {
-            Ok(Ok(_)) => Ok(()),
-            Ok(Err(e)) => Err(Status::unavailable(format!(
-                "metadata member {} cannot serve this now: {e}",
-                self.name
-            ))),
-            Err(_) => Err(Status::unavailable(format!(
-                "metadata member {} could not reach a quorum within 5 s",
-                self.name
-            ))),
+        let deadline = tokio::time::Instant::now() + LINEARIZE_BUDGET;
+        let mut last = None;
+        loop {
+            let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+            if left.is_zero() {
+                break;
+            }
+            match tokio::time::timeout(left, self.raft.ensure_linearizable()).await {
+                Ok(Ok(_)) => return Ok(()),
+                Ok(Err(e)) => {
+                    let retry = matches!(
+                        e.api_error(),
+                        Some(openraft::error::CheckIsLeaderError::QuorumNotEnough(_))
+                    ) && self.is_leader();
+                    if !retry {
+                        return Err(Status::unavailable(format!(
+                            "metadata member {} cannot serve this now: {e}",
+                            self.name
+                        )));
+                    }
+                    tracing::debug!(error = %e, "leadership not confirmed by a quorum in one round; again");
+                    last = Some(e.to_string());
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+                Err(_) => break,
+            }
         }
+        Err(Status::unavailable(match last {
+            Some(e) => format!(
+                "metadata member {} could not reach a quorum within {} s: {e}",
+                self.name,
+                LINEARIZE_BUDGET.as_secs()
+            ),
+            None => format!(
+                "metadata member {} could not reach a quorum within {} s",
+                self.name,
+                LINEARIZE_BUDGET.as_secs()
+            ),
+        }))
     }
 
     /// Whether the catalogue's schema has reached this member (the first leader writes it).
