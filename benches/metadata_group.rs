@@ -181,6 +181,17 @@ async fn main() {
     } else {
         None
     };
+    // Heartbeat or AppendEntries rounds a member's leader gave up on (each a follower that
+    // did not answer within one heartbeat interval), over the whole run.
+    let timed_out: Vec<usize> = (1..=3)
+        .map(|i| {
+            std::fs::read_to_string(h.path(&format!("meta-m{i}.log")))
+                .unwrap_or_default()
+                .lines()
+                .filter(|l| l.contains("append timed out") && l.contains("error replication"))
+                .count()
+        })
+        .collect();
     println!();
     println!("| measure | single service | 3-member group | ratio |");
     println!("|---|---|---|---|");
@@ -223,6 +234,14 @@ async fn main() {
             snap as f64 / (1 << 20) as f64
         );
     }
+    println!(
+        "| replication rounds that timed out (leaders' logs, m1 / m2 / m3, whole run) | | {} | |",
+        timed_out
+            .iter()
+            .map(|n| n.to_string())
+            .collect::<Vec<_>>()
+            .join(" / ")
+    );
     if !times.is_empty() {
         let mut sorted = times.clone();
         let (p50, p99, max) = (
