@@ -344,6 +344,33 @@ async fn a_wiped_member_rejoins_from_a_snapshot_and_holds_the_whole_catalogue() 
         ms[w].data_dir.join("raft-snapshots/current.meta").exists(),
         "the wiped member caught up by installing a snapshot"
     );
+    // It called no election while it was behind (one would unseat the leader that was
+    // sending it the snapshot), and takes part in elections once it caught up.
+    let log = h.path(&format!("meta-m{}.log", w + 1));
+    let text = std::fs::read_to_string(&log).unwrap();
+    assert!(
+        text.contains("calls no election until it has caught up"),
+        "the rejoining member stays out of elections: {log:?}"
+    );
+    wait_until(
+        "the rejoined member to take part in elections again",
+        Duration::from_secs(30),
+        || {
+            let log = log.clone();
+            async move {
+                std::fs::read_to_string(&log)
+                    .unwrap_or_default()
+                    .contains("takes part in elections again")
+                    .then_some(())
+            }
+        },
+    )
+    .await;
+    assert_eq!(
+        group_leader(&ms).await,
+        l,
+        "the rejoin cost the group no election"
+    );
     // Its own store, read alone (the group stopped, the member's data dir served as a
     // single service), holds every version with its whole manifest.
     for m in ms.iter_mut() {

@@ -398,6 +398,7 @@ async fn start_group(
         api_url,
         g.token.clone(),
         catalog_slot,
+        group.leader_commit(),
     )
     .server();
     let auth = locus_proto::auth::AuthLayer::new(tokens, Arc::new(crate::group::RaftPolicy));

@@ -55,6 +55,45 @@ pub type Raft = openraft::Raft<TypeConfig>;
 /// Runs storage I/O (fsyncs, RocksDB batches of megabytes) from Raft's tasks without
 /// holding up the runtime's other tasks on this worker: heartbeats must go out on time
 /// while a manifest page is written, or followers start needless elections.
+/// A member that rejoins with an empty data dir (`--join`) takes no part in elections as
+/// a candidate until it has applied everything its leader had committed when it last
+/// heard from it; it still votes. Until then it cannot win an election (its log is behind
+/// every other member's), but calling one raises the term, unseats the leader and restarts
+/// whatever that leader was sending it: a member catching up from a 2.3 GB snapshot of a
+/// 10M-entry catalogue missed a heartbeat every few seconds while it received, called an
+/// election each time, and never finished. (openraft 0.9 has no pre-vote, which would
+/// keep such a candidate from disturbing anyone.)
+fn stay_out_of_elections_until_caught_up(raft: &Raft, leader_commit: Arc<std::sync::atomic::AtomicU64>) {
+    raft.runtime_config().elect(false);
+    tracing::info!("rejoining: this member calls no election until it has caught up with the leader");
+    let raft = raft.clone();
+    tokio::spawn(async move {
+        loop {
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            let (applied, stopped) = {
+                let m = raft.metrics();
+                let m = m.borrow();
+                (
+                    m.last_applied.map_or(0, |l| l.index + 1),
+                    m.running_state.is_err(),
+                )
+            };
+            if stopped {
+                return;
+            }
+            let seen = leader_commit.load(std::sync::atomic::Ordering::SeqCst);
+            if seen > 0 && applied >= seen {
+                raft.runtime_config().elect(true);
+                tracing::info!(
+                    applied = applied - 1,
+                    "caught up with the leader: this member takes part in elections again"
+                );
+                return;
+            }
+        }
+    });
+}
+
 /// How long a call waits for its member to be confirmed as leader before it is refused.
 const LINEARIZE_BUDGET: Duration = Duration::from_secs(5);
 
@@ -181,6 +220,9 @@ pub struct Group {
     preexisting: bool,
     tls: bool,
     insecure: bool,
+    /// One more than the highest commit index a leader's AppendEntries told this member
+    /// (0: none yet); see `stay_out_of_elections_until_caught_up`.
+    leader_commit: Arc<std::sync::atomic::AtomicU64>,
 }
 
 impl std::fmt::Debug for Group {
@@ -314,7 +356,12 @@ impl Group {
                 tracing::info!("group already initialised elsewhere: {e}");
             }
         }
+        let leader_commit = Arc::new(std::sync::atomic::AtomicU64::new(0));
+        if fresh && cfg.join {
+            stay_out_of_elections_until_caught_up(&raft, leader_commit.clone());
+        }
         Ok(Arc::new(Group {
+            leader_commit,
             raft,
             id,
             name: cfg.me.clone(),
@@ -332,6 +379,11 @@ impl Group {
 
     pub fn raft(&self) -> &Raft {
         &self.raft
+    }
+
+    /// Where the Raft port records the commit index leaders send this member.
+    pub fn leader_commit(&self) -> Arc<std::sync::atomic::AtomicU64> {
+        self.leader_commit.clone()
     }
 
     pub fn name(&self) -> &str {
