@@ -13,7 +13,8 @@
 //! with the CPU that took. An import cannot beat that read: its own reading is the same.
 //!
 //! Run: `cargo bench --bench import_small` (200,000 files), or
-//! `LOCUS_BENCH_FILES=1000000 cargo bench --bench import_small`.
+//! `LOCUS_BENCH_FILES=1000000 cargo bench --bench import_small`; with `LOCUS_BENCH_PERF=DIR`
+//! a system-wide profile of the import lands in `DIR/import-small.data`.
 
 use locus_testkit as support;
 
@@ -127,6 +128,8 @@ async fn main() {
         ],
         &[],
     );
+    // LOCUS_BENCH_PERF=DIR: where every process spent its CPU during the import.
+    let perf = profile("import-small");
     let child = cmd.stdout(std::process::Stdio::piped()).spawn().unwrap();
     let cli_pid = child.id();
     // The CLI's CPU is read just before it is reaped.
@@ -142,6 +145,7 @@ async fn main() {
         }
     };
     let took = t.elapsed().as_secs_f64();
+    stop_profile(perf);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let r: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(r["files"].as_u64(), Some(n as u64), "{r}");

@@ -44,7 +44,8 @@ const BUFFERED_MAX: u64 = 64 << 20;
 
 /// One file read and hashed.
 struct ReadFile {
-    /// Its index in the listing.
+    /// Its index in the files to read, and in the listing.
+    k: usize,
     i: usize,
     hashes: FileHashes,
     /// A small file's bytes; None for a large one, sent from its file.
@@ -96,6 +97,21 @@ pub(super) async fn import_local(
         .await?;
     let work = async {
         let placement = super::place(cluster, o, session, &shard_bytes, &prefer).await?;
+        // Nodes by index: a file names its nodes by shared indices, not by strings of its
+        // own (a million files made six million string copies and hashed each per blob).
+        let mut names: Vec<String> = placement.values().flatten().cloned().collect();
+        names.sort();
+        names.dedup();
+        let by_shard: HashMap<u32, Arc<[u16]>> = placement
+            .iter()
+            .map(|(shard, nodes)| {
+                let idx: Vec<u16> = nodes
+                    .iter()
+                    .map(|n| names.binary_search(n).expect("a placed node is named") as u16)
+                    .collect();
+                (*shard, Arc::from(idx))
+            })
+            .collect();
         let files: Vec<File> = found
             .iter()
             .enumerate()
@@ -104,7 +120,7 @@ pub(super) async fn import_local(
                     i,
                     path: p.clone(),
                     size: sizes[i].unwrap_or(0),
-                    nodes: placement[&groups[i].expect("a file has a shard")].clone(),
+                    nodes: by_shard[&groups[i].expect("a file has a shard")].clone(),
                 }),
                 _ => None,
             })
@@ -113,7 +129,7 @@ pub(super) async fn import_local(
         // stalls when a node stops answering.
         let total: u64 = files.iter().map(|f| f.size * f.nodes.len() as u64).sum();
         let done = obs.start("importing", total);
-        let sent = read_and_send(cluster, o, files, found.len(), &done).await;
+        let sent = read_and_send(cluster, o, files, names, found.len(), &done).await;
         obs.end("importing");
         let (hashes, uploaded, skipped) = sent?;
         phases.push(("placing, reading and sending", mark.elapsed()));
@@ -152,7 +168,8 @@ struct File {
     path: PathBuf,
     /// As listed; a file found at another size when read fails the import.
     size: u64,
-    nodes: Vec<String>,
+    /// Indices into the import's node names.
+    nodes: Arc<[u16]>,
 }
 
 /// Reads every file once and sends it to its nodes; each entry's hashes (None for
@@ -161,6 +178,7 @@ async fn read_and_send(
     cluster: &Arc<dyn ImportCluster>,
     o: &ImportOptions,
     files: Vec<File>,
+    names: Vec<String>,
     entries: usize,
     done: &Arc<AtomicU64>,
 ) -> Result<(Vec<Option<FileHashes>>, u64, u64)> {
@@ -170,7 +188,7 @@ async fn read_and_send(
         let (files, chunk_size) = (files.clone(), o.chunk_size);
         tokio::task::spawn_blocking(move || read_all(&files, chunk_size, &tx))
     };
-    let sent = Sender::new(cluster.clone(), o, files.clone(), entries, done.clone())
+    let sent = Sender::new(cluster.clone(), o, files.clone(), names, entries, done.clone())
         .run(rx)
         .await;
     // The readers stop at their next file once the receiver is gone.
@@ -187,10 +205,12 @@ fn read_all(files: &[File], chunk_size: u32, tx: &tokio::sync::mpsc::Sender<Resu
         for _ in 0..READERS {
             s.spawn(|| {
                 while !stop.load(Ordering::Relaxed) {
-                    let Some(f) = files.get(next.fetch_add(1, Ordering::Relaxed)) else {
+                    let k = next.fetch_add(1, Ordering::Relaxed);
+                    let Some(f) = files.get(k) else {
                         break;
                     };
                     let r = read_file(&f.path, f.size, chunk_size).map(|(hashes, data)| ReadFile {
+                        k,
                         i: f.i,
                         hashes,
                         data,
@@ -256,13 +276,13 @@ struct Sender {
     chunk_size: u32,
     parallel: usize,
     files: Arc<Vec<File>>,
+    /// The nodes files are placed on; `File::nodes` and the maps below index it.
+    names: Vec<String>,
     hashes: Vec<Option<FileHashes>>,
-    /// Which file of `files` each entry is.
-    file_of: HashMap<usize, usize>,
     /// (node, blob) pairs sent or being sent: a blob in many files goes once per node.
-    sent: HashSet<(String, BlobHash)>,
+    sent: HashSet<(u16, BlobHash)>,
     /// Per node, small files waiting for their batch to fill.
-    open: HashMap<String, (Vec<Upload>, u64)>,
+    open: Vec<(Vec<Upload>, u64)>,
     buffered: u64,
     set: JoinSet<Result<(u64, u64)>>,
     uploaded: u64,
@@ -276,19 +296,20 @@ impl Sender {
         cluster: Arc<dyn ImportCluster>,
         o: &ImportOptions,
         files: Arc<Vec<File>>,
+        names: Vec<String>,
         entries: usize,
         done: Arc<AtomicU64>,
     ) -> Self {
-        let file_of = files.iter().enumerate().map(|(k, f)| (f.i, k)).collect();
+        let replicas: usize = files.iter().map(|f| f.nodes.len()).sum();
         Sender {
             cluster,
             chunk_size: o.chunk_size,
             parallel: o.parallel.max(1),
             files,
+            open: names.iter().map(|_| Default::default()).collect(),
+            names,
             hashes: vec![None; entries],
-            file_of,
-            sent: HashSet::new(),
-            open: HashMap::new(),
+            sent: HashSet::with_capacity(replicas),
             buffered: 0,
             set: JoinSet::new(),
             uploaded: 0,
@@ -305,9 +326,8 @@ impl Sender {
             while let Some(read) = rx.recv().await {
                 self.take(read?).await?;
             }
-            let nodes: Vec<String> = self.open.keys().cloned().collect();
-            for n in nodes {
-                self.flush(&n).await?;
+            for n in 0..self.open.len() {
+                self.flush(n).await?;
             }
             while let Some(r) = self.set.join_next().await {
                 self.count(r)?;
@@ -324,17 +344,17 @@ impl Sender {
 
     async fn take(&mut self, read: ReadFile) -> Result<()> {
         let (size, blob, _) = read.hashes;
-        self.hashes[read.i] = Some(read.hashes.clone());
-        let k = self.file_of[&read.i];
+        self.hashes[read.i] = Some(read.hashes);
+        let k = read.k;
         let nodes = self.files[k].nodes.clone();
-        for node in nodes {
-            if !self.sent.insert((node.clone(), blob)) {
+        for &node in nodes.iter() {
+            if !self.sent.insert((node, blob)) {
                 self.done.fetch_add(size, Ordering::Relaxed);
                 continue;
             }
             match &read.data {
                 Some(data) => {
-                    let b = self.open.entry(node.clone()).or_default();
+                    let b = &mut self.open[usize::from(node)];
                     b.0.push(Upload {
                         hash: blob,
                         size,
@@ -346,7 +366,7 @@ impl Sender {
                     b.1 += size;
                     self.buffered += size;
                     if b.0.len() >= BATCH_BLOBS || b.1 >= BATCH_BYTES {
-                        self.flush(&node).await?;
+                        self.flush(usize::from(node)).await?;
                     }
                 }
                 None => {
@@ -358,18 +378,16 @@ impl Sender {
                         store: None,
                         done: self.done.clone(),
                     };
-                    self.spawn(node, vec![upload]).await?;
+                    self.spawn(usize::from(node), vec![upload]).await?;
                 }
             }
         }
         while self.buffered > BUFFERED_MAX {
-            let fullest = self
-                .open
-                .iter()
-                .max_by_key(|(_, (_, bytes))| *bytes)
-                .map(|(n, _)| n.clone());
+            let fullest = (0..self.open.len())
+                .filter(|n| !self.open[*n].0.is_empty())
+                .max_by_key(|n| self.open[*n].1);
             match fullest {
-                Some(n) => self.flush(&n).await?,
+                Some(n) => self.flush(n).await?,
                 None => break,
             }
         }
@@ -377,22 +395,24 @@ impl Sender {
     }
 
     /// Sends `node`'s open batch, if any.
-    async fn flush(&mut self, node: &str) -> Result<()> {
-        let Some((uploads, bytes)) = self.open.remove(node) else {
+    async fn flush(&mut self, node: usize) -> Result<()> {
+        let (uploads, bytes) = std::mem::take(&mut self.open[node]);
+        if uploads.is_empty() {
             return Ok(());
-        };
+        }
         self.buffered -= bytes;
-        self.spawn(node.to_string(), uploads).await
+        self.spawn(node, uploads).await
     }
 
     /// Starts sending `uploads` to `node` once fewer than `parallel` sends are in flight:
     /// the node is asked which it holds, and gets the rest (a batch of small files in one
     /// call, a large file on its own stream).
-    async fn spawn(&mut self, node: String, uploads: Vec<Upload>) -> Result<()> {
+    async fn spawn(&mut self, node: usize, uploads: Vec<Upload>) -> Result<()> {
         while self.set.len() >= self.parallel {
             let r = self.set.join_next().await.expect("the set is not empty");
             self.count(r)?;
         }
+        let node = self.names[node].clone();
         let (cluster, done) = (self.cluster.clone(), self.done.clone());
         self.set.spawn(async move {
             let held = cluster
