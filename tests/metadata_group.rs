@@ -253,6 +253,20 @@ async fn a_minority_refuses_writes_and_the_majority_goes_on() {
         Err(_) => panic!("the minority neither committed nor refused within 40 s"),
     }
     eprintln!("minority refused after {:?}", started.elapsed());
+    // Locality is answered by a leader from its own catalogue only while a quorum has
+    // acknowledged it within 2 s: this one has heard from nobody for longer, so it refuses
+    // rather than answering from a view of the nodes that is going stale.
+    let loc = c
+        .locality(pb::LocalityRequest {
+            refs: vec![pb::VersionRef {
+                dataset: "ds".into(),
+                version: 1,
+            }],
+            ..Default::default()
+        })
+        .await
+        .expect_err("a leader cut off from its quorum answered locality");
+    assert_eq!(loc.code(), tonic::Code::Unavailable, "{loc:?}");
     // The leader alone is frozen now, the two others resume and elect one of themselves.
     ms[l].daemon.sigstop();
     for &f in &followers {

@@ -687,9 +687,18 @@ impl Group {
     }
 
     /// Whether this member may answer stale-tolerant reads (locality, assignment) from its
-    /// own catalogue: it leads, or it took the leader's liveness view within the last 2 s.
+    /// own catalogue: it leads and a quorum acknowledged it within the last 2 s (a leader
+    /// cut off from the others stops, as its view of the nodes ages), or it took the
+    /// leader's liveness view within the last 2 s.
     pub fn may_answer_stale_reads(&self) -> bool {
-        self.is_leader()
+        let fresh_leader = {
+            let m = self.raft.metrics();
+            let m = m.borrow();
+            m.state == ServerState::Leader
+                && m.current_leader == Some(self.id)
+                && m.millis_since_quorum_ack.is_some_and(|ms| ms < 2000)
+        };
+        fresh_leader
             || self
                 .liveness_at
                 .lock()
