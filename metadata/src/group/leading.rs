@@ -93,18 +93,12 @@ impl Group {
                 Err(_) => break,
             }
         }
-        Err(Status::unavailable(match last {
-            Some(e) => format!(
-                "metadata member {} could not reach a quorum within {} s: {e}",
-                self.name,
-                LINEARIZE_BUDGET.as_secs()
-            ),
-            None => format!(
-                "metadata member {} could not reach a quorum within {} s",
-                self.name,
-                LINEARIZE_BUDGET.as_secs()
-            ),
-        }))
+        Err(Status::unavailable(format!(
+            "metadata member {} could not reach a quorum within {} s{}",
+            self.name,
+            LINEARIZE_BUDGET.as_secs(),
+            last.map(|e| format!(": {e}")).unwrap_or_default()
+        )))
     }
 
     /// Whether this member may answer stale-tolerant reads (locality, assignment) from its

@@ -347,10 +347,11 @@ impl Builder {
 /// behind that writeback: followers miss their one-heartbeat deadline for AppendEntries
 /// while the leader and a follower both build a snapshot, and with a member down the
 /// group cannot confirm its leader.
-pub(crate) struct Paced {
+struct Paced {
     f: std::fs::File,
-    /// Bytes written so far, and where the window last handed to the disk starts.
+    /// Bytes written so far.
     written: u64,
+    /// Bytes before this offset have been handed to the disk (a multiple of the window).
     started: u64,
 }
 
@@ -358,7 +359,7 @@ pub(crate) struct Paced {
 const PACE_WINDOW: u64 = 8 << 20;
 
 impl Paced {
-    pub(crate) fn new(f: std::fs::File) -> Self {
+    fn new(f: std::fs::File) -> Self {
         Self {
             f,
             written: 0,
@@ -366,7 +367,7 @@ impl Paced {
         }
     }
 
-    pub(crate) fn into_inner(self) -> std::fs::File {
+    fn into_inner(self) -> std::fs::File {
         self.f
     }
 
@@ -459,4 +460,31 @@ fn read_row(r: &mut impl Read) -> std::io::Result<Option<SnapRow>> {
     let k = read_bytes(r)?;
     let v = read_bytes(r)?;
     Ok(Some((table, k, v)))
+}
+
+#[cfg(test)]
+mod paced_tests {
+    use super::*;
+
+    #[test]
+    fn a_paced_snapshot_file_holds_every_byte_written_across_its_windows() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("s.snap");
+        let data: Vec<u8> = (0..(2 * PACE_WINDOW as usize + 12_345))
+            .map(|i| (i % 251) as u8)
+            .collect();
+        let mut w = BufWriter::with_capacity(1 << 20, Paced::new(std::fs::File::create(&path).unwrap()));
+        // Writes of odd sizes, so windows end in the middle of them.
+        for piece in data.chunks(777_777) {
+            w.write_all(piece).unwrap();
+        }
+        let paced = w.into_inner().map_err(|e| e.into_error()).unwrap();
+        assert_eq!(
+            paced.started,
+            2 * PACE_WINDOW,
+            "every whole window was handed to the disk as it filled"
+        );
+        paced.into_inner().sync_all().unwrap();
+        assert_eq!(std::fs::read(&path).unwrap(), data);
+    }
 }

@@ -102,12 +102,15 @@ pub(super) async fn import_local(
         let mut names: Vec<String> = placement.values().flatten().cloned().collect();
         names.sort();
         names.dedup();
-        let by_shard: HashMap<u32, Arc<[u16]>> = placement
+        let by_shard: HashMap<u32, Arc<[u32]>> = placement
             .iter()
             .map(|(shard, nodes)| {
-                let idx: Vec<u16> = nodes
+                let idx: Vec<u32> = nodes
                     .iter()
-                    .map(|n| names.binary_search(n).expect("a placed node is named") as u16)
+                    .map(|n| {
+                        let i = names.binary_search(n).expect("a placed node is named");
+                        u32::try_from(i).expect("fewer than 2^32 nodes")
+                    })
                     .collect();
                 (*shard, Arc::from(idx))
             })
@@ -169,7 +172,7 @@ struct File {
     /// As listed; a file found at another size when read fails the import.
     size: u64,
     /// Indices into the import's node names.
-    nodes: Arc<[u16]>,
+    nodes: Arc<[u32]>,
 }
 
 /// Reads every file once and sends it to its nodes; each entry's hashes (None for
@@ -280,7 +283,7 @@ struct Sender {
     names: Vec<String>,
     hashes: Vec<Option<FileHashes>>,
     /// (node, blob) pairs sent or being sent: a blob in many files goes once per node.
-    sent: HashSet<(u16, BlobHash)>,
+    sent: HashSet<(u32, BlobHash)>,
     /// Per node, small files waiting for their batch to fill.
     open: Vec<(Vec<Upload>, u64)>,
     buffered: u64,
@@ -354,7 +357,7 @@ impl Sender {
             }
             match &read.data {
                 Some(data) => {
-                    let b = &mut self.open[usize::from(node)];
+                    let b = &mut self.open[node as usize];
                     b.0.push(Upload {
                         hash: blob,
                         size,
@@ -366,7 +369,7 @@ impl Sender {
                     b.1 += size;
                     self.buffered += size;
                     if b.0.len() >= BATCH_BLOBS || b.1 >= BATCH_BYTES {
-                        self.flush(usize::from(node)).await?;
+                        self.flush(node as usize).await?;
                     }
                 }
                 None => {
@@ -378,7 +381,7 @@ impl Sender {
                         store: None,
                         done: self.done.clone(),
                     };
-                    self.spawn(usize::from(node), vec![upload]).await?;
+                    self.spawn(node as usize, vec![upload]).await?;
                 }
             }
         }
