@@ -407,10 +407,9 @@ async fn a_node_reads_no_local_file_outside_its_origin_roots() {
             .expect_err(&format!("{origin}/{path} was read"));
         assert_eq!(e.code(), tonic::Code::PermissionDenied, "{origin}/{path}: {e:?}");
         assert!(e.message().contains("--origin-root"), "{e:?}");
-        assert!(
-            !e.message().contains("49"),
-            "the refusal gave the size away: {e:?}"
-        );
+        // The run directory's name holds the test's pid, which may contain the digits.
+        let said = e.message().replace(&h.root.display().to_string(), "");
+        assert!(!said.contains("49"), "the refusal gave the size away: {e:?}");
     }
     // Under the root: imported, and a wrong size is refused without the right one.
     let root = format!("file://{}", allowed.display());
