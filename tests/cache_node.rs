@@ -1871,3 +1871,69 @@ async fn a_batch_of_small_blobs_is_stored_together_and_a_bad_one_fails_it_whole(
         assert_eq!(got, blob(i));
     }
 }
+
+/// An import's blobs are in no listing of what a node must hold until the import
+/// commits: pin sync keeps them pinned while its session is open (unpinned, a full node
+/// could evict blobs the importer was told are stored), and lets them go once the
+/// session is aborted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn blobs_written_for_an_open_import_stay_pinned_across_pin_syncs_until_it_ends() {
+    let h = Harness::new("open-import-pins");
+    let (m, nodes) = cluster(&h, 1, NodeOpts::host).await;
+    let n = &nodes[0];
+    let mut meta = m.client(None).await;
+    let s = meta
+        .begin_version(pb::BeginVersionRequest {
+            dataset: "ds".into(),
+            replication: 1,
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let blob = |i: usize| format!("file {i} of an import still under way").into_bytes();
+    let bytes: u64 = (0..40).map(|i| blob(i).len() as u64).sum();
+    let r = n
+        .client()
+        .await
+        .write_blobs(nodepb::WriteBlobsRequest {
+            blobs: (0..40)
+                .map(|i| nodepb::SmallBlob {
+                    hash: blake3::hash(&blob(i)).as_bytes().to_vec(),
+                    data: blob(i).into(),
+                })
+                .collect(),
+            chunk_size: 0,
+            pin: true,
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(r.stored, 40);
+    // Three pin syncs after the write (one a second here): each would have unpinned
+    // them, as no version names them.
+    let synced = counter(n, "locus_node_pin_syncs_total").await;
+    wait_until("three pin syncs", Duration::from_secs(30), || async {
+        (counter(n, "locus_node_pin_syncs_total").await >= synced + 3).then_some(())
+    })
+    .await;
+    assert_eq!(counter(n, "locus_node_pinned_bytes").await, bytes);
+    assert_eq!(counter(n, "locus_node_open_import_pinned_blobs").await, 40);
+
+    // The import is given up: the next syncs unpin them (they stay as cache).
+    meta.abort_version(pb::AbortVersionRequest {
+        session_id: s.session_id,
+    })
+    .await
+    .unwrap();
+    wait_until("the blobs to be unpinned", Duration::from_secs(30), || async {
+        (counter(n, "locus_node_pinned_bytes").await == 0).then_some(())
+    })
+    .await;
+    assert_eq!(counter(n, "locus_node_open_import_pinned_blobs").await, 0);
+    assert_eq!(
+        counter(n, "locus_node_used_bytes").await,
+        bytes,
+        "unpinned, not deleted"
+    );
+}

@@ -323,10 +323,14 @@ impl Agent {
         }
     }
 
-    /// Pins exactly the blobs this node's shards need and queues the missing ones for the
-    /// refill workers. Returns (pins changed, blobs missing).
+    /// Pins exactly the blobs this node's shards need (and keeps what open imports wrote
+    /// pinned) and queues the missing ones for the refill workers. Returns (pins
+    /// changed, blobs missing).
     async fn sync_once(&self) -> Result<(usize, usize), Status> {
         let mut m = self.peers.metadata().await?;
+        let started = crate::store::unix_secs();
+        // The oldest import session open while any page was read (service clock, ms).
+        let mut open_since_ms: Option<i64> = None;
         let mut want: HashMap<BlobHash, (u64, u32)> = HashMap::new();
         let mut token = Vec::new();
         loop {
@@ -342,6 +346,9 @@ impl Agent {
                     Status::deadline_exceeded(format!("ListNodeBlobs: no answer within {PAGE_TIMEOUT:?}"))
                 })??
                 .into_inner();
+            if r.open_since_ms > 0 {
+                open_since_ms = Some(open_since_ms.map_or(r.open_since_ms, |o| o.min(r.open_since_ms)));
+            }
             for b in r.blobs {
                 let h = BlobHash::from_slice("hash", &b.hash)?;
                 want.insert(h, (b.size, b.chunk_size));
@@ -351,12 +358,25 @@ impl Agent {
             }
             token = r.next_page_token;
         }
+        // What writers pinned since the oldest open import began (else since this sync
+        // began: an import begun after the listing was read writes after that) stays
+        // pinned; the grace covers the clocks of this host and the service disagreeing.
+        let since = match open_since_ms {
+            Some(ms) => u32::try_from(ms / 1000).unwrap_or(u32::MAX),
+            None => started,
+        };
+        let grace = u32::try_from(self.cfg.write_pin_grace.as_secs()).unwrap_or(u32::MAX);
+        let keep_since = since.saturating_sub(grace);
         let set: HashSet<BlobHash> = want.keys().copied().collect();
         let st = self.store.clone();
-        let changed = tokio::task::spawn_blocking(move || st.sync_pins(&set))
+        let (changed, kept) = tokio::task::spawn_blocking(move || st.sync_pins(&set, keep_since))
             .await
             .map_err(|e| Status::internal(e.to_string()))?
             .map_err(crate::service::to_status)?;
+        self.metrics
+            .open_import_pinned
+            .set(i64::try_from(kept).unwrap_or(i64::MAX));
+        self.metrics.pin_syncs.inc();
         let missing: Vec<Wanted> = want
             .into_iter()
             .filter(|(h, _)| !self.store.contains(h))

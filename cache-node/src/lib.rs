@@ -61,6 +61,10 @@ pub struct NodeConfig {
     pub labels: HashMap<String, String>,
     pub heartbeat_interval: Duration,
     pub pin_sync_interval: Duration,
+    /// How much earlier than an open import's start (or, with none open, a pin sync's)
+    /// a writer's pin may be and still be kept by pin sync: the clocks of this host and
+    /// the metadata service's may disagree by this much.
+    pub write_pin_grace: Duration,
     /// Scrub rate in bytes per second; 0 disables scrubbing.
     pub scrub_rate: u64,
     pub addr_file: Option<PathBuf>,

@@ -25,6 +25,8 @@
 //! | locus_node_refill_bytes_total | counter | bytes | bytes the refill copied |
 //! | locus_node_scrub_bytes_total | counter | bytes | bytes the scrub re-verified |
 //! | locus_node_scrub_passes_total | counter | passes | complete scrub passes over every blob |
+//! | locus_node_pin_syncs_total | counter | syncs | pin syncs done (the blobs this node must hold, read from the metadata service) |
+//! | locus_node_open_import_pinned_blobs | gauge | blobs | blobs the last pin sync kept pinned for imports still open (no version names them yet) |
 //! | locus_node_data_dir_free_bytes | gauge | bytes | free space on each data dir's file system, for anyone (`dir`) |
 //! | locus_node_data_dir_size_bytes | gauge | bytes | size of each data dir's file system (`dir`) |
 //! | locus_node_tls_cert_expiry_timestamp_seconds | gauge | Unix s | when the serving certificate expires (only with TLS) |
@@ -76,6 +78,8 @@ pub struct Metrics {
     pub refill_bytes: Counter,
     pub scrub_bytes: Counter,
     pub scrub_passes: Counter,
+    pub pin_syncs: Counter,
+    pub open_import_pinned: Gauge,
     pub dir_free: Family<DirLabel, Gauge>,
     pub dir_size: Family<DirLabel, Gauge>,
     pub team_cached: Family<TeamLabel, Gauge>,
@@ -119,6 +123,8 @@ impl Metrics {
             refill_bytes: Counter::default(),
             scrub_bytes: Counter::default(),
             scrub_passes: Counter::default(),
+            pin_syncs: Counter::default(),
+            open_import_pinned: Gauge::default(),
             dir_free: Family::default(),
             dir_size: Family::default(),
             team_cached: Family::default(),
@@ -218,6 +224,12 @@ impl Metrics {
             m.scrub_bytes.clone(),
         );
         r.register("scrub_passes", "Complete scrub passes", m.scrub_passes.clone());
+        r.register("pin_syncs", "Pin syncs done", m.pin_syncs.clone());
+        r.register(
+            "open_import_pinned_blobs",
+            "Blobs the last pin sync kept pinned for imports still open",
+            m.open_import_pinned.clone(),
+        );
         r.register(
             "data_dir_free_bytes",
             "Free space on each data dir's file system",

@@ -308,13 +308,19 @@ impl pb::metadata_server::Metadata for MetadataService {
             0 => 10_000,
             n => n.min(100_000) as usize,
         };
-        let (blobs, next_page_token) = self
-            .run(move |c| c.list_node_blobs(&id, &q.page_token, limit))
+        // Sessions first: one begun after this listing is read writes after it, which
+        // the node's own clock covers.
+        let ((blobs, next_page_token), open_since) = self
+            .run(move |c| {
+                let open_since = c.oldest_open_session_ms()?;
+                Ok((c.list_node_blobs(&id, &q.page_token, limit)?, open_since))
+            })
             .await
             .map_err(to_status)?;
         Ok(Response::new(pb::ListNodeBlobsResponse {
             blobs,
             next_page_token,
+            open_since_ms: open_since.unwrap_or(0),
         }))
     }
 

@@ -132,6 +132,11 @@ pub struct ServeArgs {
     /// How often to re-read which blobs this node must hold.
     #[arg(long, value_name = "DURATION", default_value = "30s")]
     pub pin_sync_interval: String,
+    /// Blobs an import wrote stay pinned while the import is open, though no version
+    /// names them yet. This is how far this host's clock may be behind the metadata
+    /// service's without such a blob being unpinned early.
+    #[arg(long, value_name = "DURATION", default_value = "60s")]
+    pub write_pin_grace: String,
     /// A peer silent this long during a transfer is given up on (the copy is retried
     /// from another replica).
     #[arg(long, value_name = "DURATION", default_value = "30s")]
@@ -311,6 +316,9 @@ async fn serve(a: ServeArgs, cfg: &Resolved) -> anyhow::Result<()> {
         labels,
         heartbeat_interval: duration_arg("--heartbeat-interval", &a.heartbeat_interval)?,
         pin_sync_interval: duration_arg("--pin-sync-interval", &a.pin_sync_interval)?,
+        // Zero is meaningful here: one clock (every process on one host).
+        write_pin_grace: locus_proto::human::parse_duration(&a.write_pin_grace)
+            .map_err(|e| anyhow::anyhow!("--write-pin-grace: {}", e.reason))?,
         scrub_rate: size_arg("--scrub-rate", &a.scrub_rate)?,
         addr_file: a.addr_file,
         require_grants: {

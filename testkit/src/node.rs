@@ -299,6 +299,8 @@ impl Node {
             ),
             ("--heartbeat-interval", "300ms".to_string()),
             ("--pin-sync-interval", o.pin_sync.to_string()),
+            // One host, one clock: a writer's pin is dropped as soon as it may be.
+            ("--write-pin-grace", "0s".to_string()),
             ("--scrub-rate", o.scrub_rate.to_string()),
             ("--peer-timeout", "2s".to_string()),
         ] {

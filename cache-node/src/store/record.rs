@@ -53,6 +53,12 @@ pub(super) struct BlobRecord {
     /// The team whose reader had the blob cached here (`teams.rs`); 0: none.
     #[prost(uint32, tag = "13")]
     pub(super) team: u32,
+    /// When a writer (an import, a copy, a fetch asked to pin) last pinned the blob, in
+    /// seconds since the epoch; 0 when its pin comes from a listing of what this node
+    /// must hold, or it is not pinned. Pin sync keeps such a pin while an import begun
+    /// before it is open (`BlobStore::sync_pins`).
+    #[prost(uint32, tag = "14")]
+    pub(super) pinned_at: u32,
 }
 
 #[derive(Clone, PartialEq, prost::Message)]
@@ -157,6 +163,7 @@ impl BlobRecord {
             offset: 0,
             tree_chunks: kind.is_tree(),
             team: 0,
+            pinned_at: if pinned { super::unix_secs() } else { 0 },
         }
     }
 

@@ -59,6 +59,7 @@ impl BlobStore {
             offset: 0,
             tree_chunks: kind.is_tree(),
             team: u32::from(team.0),
+            pinned_at: 0,
         };
         self.index
             .put(hash.0, rec.encode_to_vec())

@@ -102,6 +102,18 @@ impl Catalog {
         Ok(n)
     }
 
+    /// When the oldest open import session was begun (ms since the epoch); None when
+    /// none is open. Nodes keep the pins of what was written since (`ListNodeBlobs`).
+    pub fn oldest_open_session_ms(&self) -> Result<Option<i64>> {
+        let mut oldest: Option<i64> = None;
+        for kv in self.store.scan(Table::Sessions, b"", None) {
+            let (_, v) = kv?;
+            let rec: SessionRecord = decode(Table::Sessions, &v)?;
+            oldest = Some(oldest.map_or(rec.created_at_ms, |o| o.min(rec.created_at_ms)));
+        }
+        Ok(oldest)
+    }
+
     /// Opens an import session for the next version of `dataset`.
     pub fn begin_version(
         &self,
