@@ -9,7 +9,6 @@
 //! a version restored into a running cluster records the backup as a source without
 //! making it look like a fresh backup.
 
-use std::collections::HashMap;
 use std::path::Path;
 
 use locus_backup::sign::{Checked, Trust};
@@ -155,7 +154,7 @@ pub async fn read_version(
     // Only the files' blobs: the version's sealed namespace is a blob of its first shard
     // too, but the import seals the restored manifest afresh (in this cluster).
     let files: std::collections::HashSet<&[u8]> = v.entries.iter().map(|e| e.blob.as_slice()).collect();
-    let mut blobs = HashMap::new();
+    let mut blobs = crate::ops::scan::BlobMap::default();
     let mut shard_blobs = Vec::with_capacity(v.shard_blobs.len());
     for sb in &v.shard_blobs {
         let sb: Vec<_> = sb.iter().filter(|(h, _)| files.contains(&h.0[..])).collect();

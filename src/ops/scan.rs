@@ -35,11 +35,16 @@ impl std::fmt::Display for BlobSource {
     }
 }
 
+/// Sets and maps keyed by blob hashes, which are uniform already: a fast seeded hasher
+/// instead of SipHash (a million-file import inserts each blob into several).
+pub type BlobMap<V> = HashMap<BlobHash, V, foldhash::fast::RandomState>;
+pub type BlobSet = HashSet<BlobHash, foldhash::fast::RandomState>;
+
 pub struct Scanned {
     pub entries: Vec<pb::Entry>,
     pub shards: Vec<pb::Shard>,
     /// For each distinct blob, one source holding it and its size.
-    pub blobs: HashMap<BlobHash, (BlobSource, u64)>,
+    pub blobs: BlobMap<(BlobSource, u64)>,
     /// For each shard, its distinct blobs.
     pub shard_blobs: Vec<Vec<BlobHash>>,
     /// What the source held that a version cannot: FIFOs, sockets, devices (paths).
@@ -165,9 +170,9 @@ pub fn assemble(found: Vec<Found>, hashes: Vec<Option<FileHashes>>, shard_size: 
     let groups = group_shards(&sizes, shard_size);
     let mut entries = Vec::with_capacity(found.len());
     let mut shards: Vec<pb::Shard> = Vec::new();
-    let mut blobs = HashMap::new();
+    let mut blobs = BlobMap::default();
     let mut shard_blobs: Vec<Vec<BlobHash>> = Vec::new();
-    let mut in_shard: HashSet<BlobHash> = HashSet::new();
+    let mut in_shard = BlobSet::default();
     for ((f, h), group) in found.into_iter().zip(hashes).zip(groups) {
         let path = RelPath::try_from(f.rel.as_str())
             .map_err(|e| SourceError(format!("{:?}: {}", f.rel, e.reason)))?;

@@ -186,7 +186,7 @@ async fn read_and_send(
     done: &Arc<AtomicU64>,
 ) -> Result<(Vec<Option<FileHashes>>, u64, u64)> {
     let files = Arc::new(files);
-    let (tx, rx) = tokio::sync::mpsc::channel::<Result<ReadFile>>(256);
+    let (tx, rx) = tokio::sync::mpsc::channel::<Vec<Result<ReadFile>>>(256 / READ_GROUP);
     let readers = {
         let (files, chunk_size) = (files.clone(), o.chunk_size);
         tokio::task::spawn_blocking(move || read_all(&files, chunk_size, &tx))
@@ -199,27 +199,39 @@ async fn read_and_send(
     sent
 }
 
-/// Reads `files` on `READERS` threads, in about their order, into `tx`; stops at the
-/// first error (sent on) or when `tx` is closed.
-fn read_all(files: &[File], chunk_size: u32, tx: &tokio::sync::mpsc::Sender<Result<ReadFile>>) {
+/// Files a reader takes at a time, and sends on as one message: a message per 1 KiB
+/// file was a wake-up of the sending task per file.
+const READ_GROUP: usize = 16;
+
+/// Reads `files` on `READERS` threads, in about their order, into `tx` (`READ_GROUP`
+/// at a time); stops at the first error (sent on) or when `tx` is closed.
+fn read_all(files: &[File], chunk_size: u32, tx: &tokio::sync::mpsc::Sender<Vec<Result<ReadFile>>>) {
     let next = AtomicUsize::new(0);
     let stop = AtomicBool::new(false);
     std::thread::scope(|s| {
         for _ in 0..READERS {
             s.spawn(|| {
                 while !stop.load(Ordering::Relaxed) {
-                    let k = next.fetch_add(1, Ordering::Relaxed);
-                    let Some(f) = files.get(k) else {
+                    let first = next.fetch_add(READ_GROUP, Ordering::Relaxed);
+                    let Some(group) = files.get(first..files.len().min(first + READ_GROUP)) else {
                         break;
                     };
-                    let r = read_file(&f.path, f.size, chunk_size).map(|(hashes, data)| ReadFile {
-                        k,
-                        i: f.i,
-                        hashes,
-                        data,
-                    });
-                    let failed = r.is_err();
-                    if tx.blocking_send(r).is_err() || failed {
+                    let mut out = Vec::with_capacity(group.len());
+                    let mut failed = false;
+                    for (k, f) in (first..).zip(group) {
+                        let r = read_file(&f.path, f.size, chunk_size).map(|(hashes, data)| ReadFile {
+                            k,
+                            i: f.i,
+                            hashes,
+                            data,
+                        });
+                        failed = r.is_err();
+                        out.push(r);
+                        if failed {
+                            break;
+                        }
+                    }
+                    if out.is_empty() || tx.blocking_send(out).is_err() || failed {
                         stop.store(true, Ordering::Relaxed);
                     }
                 }
@@ -283,7 +295,7 @@ struct Sender {
     names: Vec<String>,
     hashes: Vec<Option<FileHashes>>,
     /// (node, blob) pairs sent or being sent: a blob in many files goes once per node.
-    sent: HashSet<(u32, BlobHash)>,
+    sent: HashSet<(u32, BlobHash), foldhash::fast::RandomState>,
     /// Per node, small files waiting for their batch to fill.
     open: Vec<(Vec<Upload>, u64)>,
     buffered: u64,
@@ -312,7 +324,7 @@ impl Sender {
             open: names.iter().map(|_| Default::default()).collect(),
             names,
             hashes: vec![None; entries],
-            sent: HashSet::with_capacity(replicas),
+            sent: HashSet::with_capacity_and_hasher(replicas, Default::default()),
             buffered: 0,
             set: JoinSet::new(),
             uploaded: 0,
@@ -323,11 +335,13 @@ impl Sender {
 
     async fn run(
         mut self,
-        mut rx: tokio::sync::mpsc::Receiver<Result<ReadFile>>,
+        mut rx: tokio::sync::mpsc::Receiver<Vec<Result<ReadFile>>>,
     ) -> Result<(Vec<Option<FileHashes>>, u64, u64)> {
         let r = async {
-            while let Some(read) = rx.recv().await {
-                self.take(read?).await?;
+            while let Some(group) = rx.recv().await {
+                for read in group {
+                    self.take(read?).await?;
+                }
             }
             for n in 0..self.open.len() {
                 self.flush(n).await?;
