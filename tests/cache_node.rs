@@ -745,6 +745,20 @@ async fn import_from_a_real_s3_server() {
     assert_eq!(j.as_array().unwrap().len(), 1);
 }
 
+/// A `WriteBlobs` call storing `blobs` pinned, each named by its hash.
+fn pinned_batch(blobs: impl Iterator<Item = Vec<u8>>) -> nodepb::WriteBlobsRequest {
+    nodepb::WriteBlobsRequest {
+        blobs: blobs
+            .map(|b| nodepb::SmallBlob {
+                hash: blake3::hash(&b).as_bytes().to_vec(),
+                data: b.into(),
+            })
+            .collect(),
+        chunk_size: 0,
+        pin: true,
+    }
+}
+
 fn write_msgs(data: Vec<u8>) -> Vec<nodepb::WriteBlobMessage> {
     let hash = blake3::hash(&data);
     vec![
@@ -1794,16 +1808,7 @@ async fn a_batch_of_small_blobs_is_stored_together_and_a_bad_one_fails_it_whole(
     let h = Harness::new("write-blobs");
     let (_m, mut nodes) = cluster(&h, 1, NodeOpts::host).await;
     let blob = |i: usize| format!("small file number {i}, a few bytes").into_bytes();
-    let req = |range: std::ops::Range<usize>| nodepb::WriteBlobsRequest {
-        blobs: range
-            .map(|i| nodepb::SmallBlob {
-                hash: blake3::hash(&blob(i)).as_bytes().to_vec(),
-                data: blob(i).into(),
-            })
-            .collect(),
-        chunk_size: 0,
-        pin: true,
-    };
+    let req = |range: std::ops::Range<usize>| pinned_batch(range.map(blob));
     let mut c = nodes[0].client().await;
     let r = c.write_blobs(req(0..100)).await.unwrap().into_inner();
     assert_eq!((r.stored, r.already_present), (100, 0));
@@ -1896,16 +1901,7 @@ async fn blobs_written_for_an_open_import_stay_pinned_across_pin_syncs_until_it_
     let r = n
         .client()
         .await
-        .write_blobs(nodepb::WriteBlobsRequest {
-            blobs: (0..40)
-                .map(|i| nodepb::SmallBlob {
-                    hash: blake3::hash(&blob(i)).as_bytes().to_vec(),
-                    data: blob(i).into(),
-                })
-                .collect(),
-            chunk_size: 0,
-            pin: true,
-        })
+        .write_blobs(pinned_batch((0..40).map(blob)))
         .await
         .unwrap()
         .into_inner();
