@@ -103,6 +103,72 @@ pub fn shard_blob(uid: u64, shard: u32, blob: &[u8; 32]) -> Vec<u8> {
     k
 }
 
+/// `uid | shard | page`: the blobs one manifest page gave one shard, in one row (schema
+/// version 2). Value: chunk size u32 BE, then each blob (32) and its size u64 BE, in hash
+/// order. One row per page and shard rather than one per blob: a 10M-entry upload makes
+/// 10M fewer memtable inserts on every member (~15% of a 3M-entry upload's time).
+pub fn shard_blob_page(uid: u64, shard: u32, page: u32) -> Vec<u8> {
+    let mut k = self::shard(uid, shard);
+    k.extend_from_slice(&page.to_be_bytes());
+    k
+}
+
+/// Bytes of one blob in a `shard_blob_page` value.
+pub const SHARD_PAGE_BLOB: usize = 32 + 8;
+
+/// The value of a `shard_blob_page` row; `blobs` sorted by hash, without duplicates.
+pub fn shard_blob_page_value(chunk_size: u32, blobs: &[([u8; 32], u64)]) -> Vec<u8> {
+    let mut v = Vec::with_capacity(4 + blobs.len() * SHARD_PAGE_BLOB);
+    v.extend_from_slice(&chunk_size.to_be_bytes());
+    for (h, size) in blobs {
+        v.extend_from_slice(h);
+        v.extend_from_slice(&size.to_be_bytes());
+    }
+    v
+}
+
+/// A blob of a shard: hash, size, chunk size.
+pub type ShardBlob = ([u8; 32], u64, u32);
+
+/// One `shard_blobs` row, of either form, as (shard, [(blob, size, chunk size)]): a row
+/// per blob (key `uid | shard | blob`, value size and chunk size: schema version 1, and
+/// still how a version's sealed namespace is recorded) or a row per page. `None`: neither.
+pub fn shard_blobs_row(k: &[u8], v: &[u8]) -> Option<(u32, Vec<ShardBlob>)> {
+    let shard = shard_id(k)?;
+    match k.len() {
+        44 => {
+            let h: [u8; 32] = k[12..44].try_into().ok()?;
+            let size = u64_value(v.get(..8)?)?;
+            let chunk = u32::from_be_bytes(v.get(8..12)?.try_into().ok()?);
+            (v.len() == 12).then(|| (shard, vec![(h, size, chunk)]))
+        }
+        16 => {
+            let chunk = u32::from_be_bytes(v.get(..4)?.try_into().ok()?);
+            let rest = &v[4..];
+            if rest.is_empty() || !rest.len().is_multiple_of(SHARD_PAGE_BLOB) {
+                return None;
+            }
+            let blobs = rest
+                .chunks_exact(SHARD_PAGE_BLOB)
+                .map(|b| {
+                    let h: [u8; 32] = b[..32].try_into().expect("32 bytes");
+                    (h, u64::from_be_bytes(b[32..].try_into().expect("8 bytes")), chunk)
+                })
+                .collect();
+            Some((shard, blobs))
+        }
+        _ => None,
+    }
+}
+
+/// The value of a `blob_shards` row: the blob's size and chunk size (empty in rows
+/// written before schema version 2, whose size is in the per-blob `shard_blobs` row).
+pub fn blob_shard_value(size: u64, chunk_size: u32) -> Vec<u8> {
+    let mut v = size.to_be_bytes().to_vec();
+    v.extend_from_slice(&chunk_size.to_be_bytes());
+    v
+}
+
 /// `blob | uid | shard`: the shards that need one blob, for locating it.
 pub fn blob_shard(blob: &[u8], uid: u64, shard: u32) -> Vec<u8> {
     let mut k = blob.to_vec();

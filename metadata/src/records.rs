@@ -1,10 +1,13 @@
 //! On-disk record formats (protobuf-encoded values of the catalogue tables), schema
-//! version 1. Fields are only ever added, with new tags; a change that cannot be expressed
+//! version 2. Fields are only ever added, with new tags; a change that cannot be expressed
 //! that way bumps `SCHEMA_VERSION` and adds a migration in `catalog::open`.
 
 use std::collections::HashMap;
 
-pub const SCHEMA_VERSION: u32 = 1;
+/// 2: `shard_blobs` holds a row per manifest page and shard, `blob_shards` values the
+/// blob's size (`keys::shard_blob_page`); version-1 rows are still read, so a version-1
+/// store or export is read as it is.
+pub const SCHEMA_VERSION: u32 = 2;
 
 pub const KIND_FILE: u32 = 1;
 pub const KIND_DIR: u32 = 2;

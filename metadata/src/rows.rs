@@ -107,11 +107,18 @@ pub fn check_row(t: Table, k: &[u8], v: &[u8]) -> Result<(), String> {
                 .map(drop)
                 .ok_or_else(|| "resident bytes are not a number".into())
         }
-        Table::ShardBlobs => {
-            fixed(k, 12 + 32, "shard-blob key")?;
-            fixed(v, 12, "shard-blob value")
+        Table::ShardBlobs => keys::shard_blobs_row(k, v)
+            .map(drop)
+            .ok_or_else(|| "malformed shard-blobs row".into()),
+        Table::BlobShards => {
+            fixed(k, 32 + 12, "blob-shard key")?;
+            // Empty in rows of schema version 1.
+            if v.is_empty() {
+                Ok(())
+            } else {
+                fixed(v, 12, "blob-shard value")
+            }
         }
-        Table::BlobShards => fixed(k, 32 + 12, "blob-shard key"),
         Table::Backups => {
             let url = std::str::from_utf8(k).map_err(|_| "backup URL is not UTF-8")?;
             if url.is_empty() || url.len() > 4096 || url.chars().any(char::is_control) {

@@ -170,7 +170,8 @@ impl<R: Read> Reader<R> {
                 "the catalog export has format {format}; this build reads format {FORMAT_VERSION}"
             )));
         }
-        if schema != SCHEMA_VERSION {
+        // Version-1 rows are version-2 rows (see `SCHEMA_VERSION`).
+        if !(1..=SCHEMA_VERSION).contains(&schema) {
             return Err(SnapshotError::Incompatible(format!(
                 "the snapshot's metadata schema is {schema}; this build has schema {SCHEMA_VERSION} \
                  and no migration from it"
@@ -367,24 +368,22 @@ pub fn plan(input: impl Read) -> Result<Plan> {
                 shards.insert((uid, shard), rec.replicas);
             }
             Table::ShardBlobs => {
-                if k.len() != 44 || v.len() < 12 {
-                    return Err(corrupt(t, "bad row".into()));
-                }
+                let (shard, blobs) =
+                    keys::shard_blobs_row(&k, &v).ok_or_else(|| corrupt(t, "bad row".into()))?;
                 let uid = keys::u64_value(&k[..8]).unwrap_or(0);
-                let shard = u32::from_be_bytes(k[8..12].try_into().expect("4 bytes"));
-                let hash = BlobHash::from_slice("blob", &k[12..44]).map_err(|e| corrupt(t, e.to_string()))?;
-                if seen.contains_key(&hash) {
-                    continue;
+                for (h, size, chunk_size) in blobs {
+                    let hash = BlobHash(h);
+                    if seen.contains_key(&hash) {
+                        continue;
+                    }
+                    seen.insert(hash, plan.blobs.len());
+                    plan.blobs.push(PlannedBlob {
+                        hash,
+                        size,
+                        chunk_size,
+                        replicas: shards.get(&(uid, shard)).cloned().unwrap_or_default(),
+                    });
                 }
-                let size = u64::from_be_bytes(v[..8].try_into().expect("8 bytes"));
-                let chunk_size = u32::from_be_bytes(v[8..12].try_into().expect("4 bytes"));
-                seen.insert(hash, plan.blobs.len());
-                plan.blobs.push(PlannedBlob {
-                    hash,
-                    size,
-                    chunk_size,
-                    replicas: shards.get(&(uid, shard)).cloned().unwrap_or_default(),
-                });
             }
             _ => {}
         }
@@ -471,14 +470,10 @@ pub fn version_from_export(input: impl Read, dataset: &str, number: Option<u64>)
                         });
                     }
                     _ => {
-                        if k.len() != 44 || v.len() < 8 {
-                            return Err(corrupt(t, "bad row".into()));
-                        }
-                        let shard = u32::from_be_bytes(k[8..12].try_into().expect("4 bytes"));
-                        let h = BlobHash::from_slice("blob", &k[12..44])
-                            .map_err(|e| corrupt(t, e.to_string()))?;
-                        let size = u64::from_be_bytes(v[..8].try_into().expect("8 bytes"));
-                        shard_blobs.entry(shard).or_default().push((h, size));
+                        let (shard, blobs) =
+                            keys::shard_blobs_row(&k, &v).ok_or_else(|| corrupt(t, "bad row".into()))?;
+                        let list = shard_blobs.entry(shard).or_default();
+                        list.extend(blobs.into_iter().map(|(h, size, _)| (BlobHash(h), size)));
                     }
                 }
             }
@@ -503,8 +498,11 @@ pub fn version_from_export(input: impl Read, dataset: &str, number: Option<u64>)
                 out.number
             )));
         }
-        out.shard_blobs
-            .push(shard_blobs.remove(&s.id).unwrap_or_default());
+        // Rows per page may name a blob twice, and list each page in hash order only.
+        let mut list = shard_blobs.remove(&s.id).unwrap_or_default();
+        list.sort_unstable_by_key(|b| b.0 .0);
+        list.dedup_by(|a, b| a.0 == b.0);
+        out.shard_blobs.push(list);
     }
     Ok(out)
 }

@@ -194,7 +194,7 @@ impl Catalog {
             let mut nodes: Vec<String> = Vec::new();
             let mut size = None;
             for kv in self.store.scan(Table::BlobShards, &h.0, end.as_deref()) {
-                let (k, _) = kv?;
+                let (k, sized) = kv?;
                 if k.len() != 44 {
                     continue;
                 }
@@ -208,15 +208,18 @@ impl Catalog {
                         }
                     }
                     if size.is_none() && self.uid_committed(uid)? {
-                        if let Some(v) = self
-                            .store
-                            .get(Table::ShardBlobs, &keys::shard_blob(uid, shard, &h.0))?
-                        {
-                            if v.len() == 12 {
-                                let s = u64::from_be_bytes(v[..8].try_into().expect("8 bytes"));
-                                let cs = u32::from_be_bytes(v[8..12].try_into().expect("4 bytes"));
-                                size = Some((s, cs));
-                            }
+                        // Rows of schema version 1 keep the size in the shard's row.
+                        let v = if sized.is_empty() {
+                            self.store
+                                .get(Table::ShardBlobs, &keys::shard_blob(uid, shard, &h.0))?
+                                .unwrap_or_default()
+                        } else {
+                            sized.to_vec()
+                        };
+                        if v.len() == 12 {
+                            let s = u64::from_be_bytes(v[..8].try_into().expect("8 bytes"));
+                            let cs = u32::from_be_bytes(v[8..12].try_into().expect("4 bytes"));
+                            size = Some((s, cs));
                         }
                     }
                 }
@@ -288,17 +291,19 @@ impl Catalog {
         let mut out = Vec::new();
         for kv in self.store.scan(Table::ShardBlobs, &prefix, end.as_deref()) {
             let (k, v) = kv?;
-            if k.len() != 44 || v.len() != 12 {
-                return Err(CatalogError::Corrupt {
-                    table: "shard_blobs",
-                    reason: "malformed row".into(),
-                });
-            }
-            let hash = BlobHash(k[12..44].try_into().expect("32 bytes"));
-            let size = keys::u64_value(&v[..8]).unwrap_or(0);
-            let chunk = u32::from_be_bytes(v[8..12].try_into().expect("4 bytes"));
-            out.push((hash, size, chunk));
+            let (_, blobs) = keys::shard_blobs_row(&k, &v).ok_or_else(|| CatalogError::Corrupt {
+                table: "shard_blobs",
+                reason: "malformed row".into(),
+            })?;
+            out.extend(
+                blobs
+                    .into_iter()
+                    .map(|(h, size, chunk)| (BlobHash(h), size, chunk)),
+            );
         }
+        // Each page's row is in hash order, and a blob two pages name is listed once.
+        out.sort_unstable_by_key(|b| b.0 .0);
+        out.dedup_by(|a, b| a.0 == b.0);
         Ok(out)
     }
 

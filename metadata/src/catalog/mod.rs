@@ -353,7 +353,10 @@ impl Catalog {
                         table: "meta",
                         reason: "schema_version is not 4 bytes".into(),
                     })?;
-                if found != SCHEMA_VERSION {
+                // Version 1 lacks only the rows version 2 added (a `shard_blobs` row per
+                // manifest page, sizes in `blob_shards`), which are read beside the old
+                // ones: it needs no migration, and the first page stored marks it 2.
+                if !(1..=SCHEMA_VERSION).contains(&found) {
                     return Err(CatalogError::Precondition(format!(
                         "the metadata store has schema version {found}; this build reads version \
                          {SCHEMA_VERSION} and has no migration from it"
@@ -612,5 +615,7 @@ fn new_cluster_id() -> String {
 
 #[cfg(test)]
 mod session_tests;
+#[cfg(test)]
+mod shard_rows_tests;
 #[cfg(test)]
 mod tests;

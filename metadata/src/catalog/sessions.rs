@@ -207,8 +207,8 @@ impl Catalog {
             )));
         }
         let mut b = Batch::default();
-        let mut shard_blobs = Vec::with_capacity(entries.len());
-        let mut blob_shards = Vec::with_capacity(entries.len());
+        // (shard, blob, size) of the page's files: one `shard_blobs` row per shard.
+        let mut files: Vec<(u32, [u8; 32], u64)> = Vec::with_capacity(entries.len());
         let keys: Vec<Vec<u8>> = entries
             .iter()
             .map(|e| keys::entry(session, e.path.as_str()))
@@ -240,23 +240,37 @@ impl Catalog {
                 size, blob, shard, ..
             } = &e.kind
             {
-                let mut v = size.to_be_bytes().to_vec();
-                v.extend_from_slice(&rec.chunk_size.to_be_bytes());
-                shard_blobs.push((keys::shard_blob(session, *shard, &blob.0), v));
-                blob_shards.push(keys::blob_shard(&blob.0, session, *shard));
+                files.push((*shard, blob.0, *size));
             }
         }
-        // Both index tables are keyed by blob hash, i.e. in random order. Inserted sorted,
+        // A shard's blobs of this page go into one row (hash order, no duplicates).
+        files.sort_unstable();
+        files.dedup_by(|a, b| a.0 == b.0 && a.1 == b.1);
+        let page_no = u32::try_from(page).map_err(|_| InvalidInput::new("page", "beyond 2^32 pages"))?;
+        for group in files.chunk_by(|a, b| a.0 == b.0) {
+            let blobs: Vec<([u8; 32], u64)> = group.iter().map(|(_, h, s)| (*h, *s)).collect();
+            b.put(
+                Table::ShardBlobs,
+                keys::shard_blob_page(session, group[0].0, page_no),
+                keys::shard_blob_page_value(rec.chunk_size, &blobs),
+            );
+        }
+        // The blob → shard index is keyed by hash, i.e. in random order. Inserted sorted,
         // each key lands next to the previous one in RocksDB's memtable (whose skip list
         // starts from the last insert) instead of being searched for from the top: a
         // 400,000-file upload went from 4.35 s to 3.48 s.
-        shard_blobs.sort_unstable();
-        blob_shards.sort_unstable();
-        for (k, v) in shard_blobs {
-            b.put(Table::ShardBlobs, k, v);
+        files.sort_unstable_by_key(|(shard, h, _)| (*h, *shard));
+        for (shard, h, size) in &files {
+            b.put(
+                Table::BlobShards,
+                keys::blob_shard(h, session, *shard),
+                keys::blob_shard_value(*size, rec.chunk_size),
+            );
         }
-        for k in blob_shards {
-            b.put(Table::BlobShards, k, Vec::new());
+        if page == 0 {
+            // Rows per page are schema version 2: from now on builds that read only
+            // version 1 refuse this catalogue rather than misread it.
+            b.put(Table::Meta, keys::META_SCHEMA, SCHEMA_VERSION.to_be_bytes());
         }
         if !ordered {
             rec.ordered_up_to.clear();
@@ -494,7 +508,7 @@ impl Catalog {
             b.put(
                 Table::BlobShards,
                 keys::blob_shard(&hash.0, uid, first),
-                Vec::new(),
+                keys::blob_shard_value(size, chunks.0),
             );
         }
         Ok(NamespaceFields {
@@ -594,10 +608,11 @@ impl Catalog {
     pub(super) fn delete_shard_blobs(&self, b: &mut Batch, uid: u64) -> Result<()> {
         let (from, to) = keys::uid_range(uid);
         for kv in self.store.scan(Table::ShardBlobs, &from, Some(&to)) {
-            let (k, _) = kv?;
-            if k.len() == 44 {
-                let shard = keys::shard_id(&k).unwrap_or(0);
-                b.delete(Table::BlobShards, keys::blob_shard(&k[12..44], uid, shard));
+            let (k, v) = kv?;
+            if let Some((shard, blobs)) = keys::shard_blobs_row(&k, &v) {
+                for (h, _, _) in blobs {
+                    b.delete(Table::BlobShards, keys::blob_shard(&h, uid, shard));
+                }
             }
         }
         b.delete_range(Table::ShardBlobs, from, to);
