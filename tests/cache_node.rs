@@ -582,7 +582,10 @@ async fn a_node_killed_mid_import_keeps_what_it_took_and_a_rerun_completes_the_i
             let have = n
                 .client()
                 .await
-                .have_blobs(nodepb::HaveBlobsRequest { hashes: want.clone() })
+                .have_blobs(nodepb::HaveBlobsRequest {
+                    hashes: want.clone(),
+                    pin: false,
+                })
                 .await
                 .unwrap()
                 .into_inner()
@@ -806,7 +809,12 @@ async fn with_tokens_nodes_check_callers_and_repair_still_works() {
         ("a peer's", m.node_token("n2").unwrap()),
     ] {
         let mut c = nodes[0].client_with(Some(&t)).await;
-        let have = c.have_blobs(nodepb::HaveBlobsRequest { hashes: vec![] }).await;
+        let have = c
+            .have_blobs(nodepb::HaveBlobsRequest {
+                hashes: vec![],
+                pin: false,
+            })
+            .await;
         refused(who, have.expect_err(who));
         let write = c
             .write_blob(tokio_stream::iter(write_msgs(vec![1u8; 1000])))
@@ -815,7 +823,10 @@ async fn with_tokens_nodes_check_callers_and_repair_still_works() {
     }
     let mut anonymous = nodes[0].client().await;
     let e = anonymous
-        .have_blobs(nodepb::HaveBlobsRequest { hashes: vec![] })
+        .have_blobs(nodepb::HaveBlobsRequest {
+            hashes: vec![],
+            pin: false,
+        })
         .await
         .unwrap_err();
     assert_eq!(e.code(), tonic::Code::Unauthenticated);
@@ -923,6 +934,7 @@ async fn a_blob_can_arrive_chunk_by_chunk_and_serves_only_what_is_there() {
     let have = n2
         .have_blobs(nodepb::HaveBlobsRequest {
             hashes: vec![hash.as_bytes().to_vec()],
+            pin: false,
         })
         .await
         .unwrap()
@@ -1839,6 +1851,7 @@ async fn a_batch_of_small_blobs_is_stored_together_and_a_bad_one_fails_it_whole(
             hashes: (200..210)
                 .map(|i| blake3::hash(&blob(i)).as_bytes().to_vec())
                 .collect(),
+            pin: false,
         })
         .await
         .unwrap()
@@ -1880,9 +1893,10 @@ async fn a_batch_of_small_blobs_is_stored_together_and_a_bad_one_fails_it_whole(
 /// An import's blobs are in no listing of what a node must hold until the import
 /// commits: pin sync keeps them pinned while its session is open (unpinned, a full node
 /// could evict blobs the importer was told are stored), and lets them go once the
-/// session is aborted.
+/// session is aborted. The same holds for blobs an import skips because the node holds
+/// them already (cached unpinned): HaveBlobs with `pin` pins them for it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn blobs_written_for_an_open_import_stay_pinned_across_pin_syncs_until_it_ends() {
+async fn blobs_written_or_found_held_for_an_open_import_stay_pinned_across_pin_syncs_until_it_ends() {
     let h = Harness::new("open-import-pins");
     let (m, nodes) = cluster(&h, 1, NodeOpts::host).await;
     let n = &nodes[0];
@@ -1932,4 +1946,67 @@ async fn blobs_written_for_an_open_import_stay_pinned_across_pin_syncs_until_it_
         bytes,
         "unpinned, not deleted"
     );
+
+    // A second import of the same files finds them held and sends nothing. Asking
+    // without `pin` leaves them evictable; asking as an import does pin them, and they
+    // stay pinned across syncs until that import ends too.
+    let s2 = meta
+        .begin_version(pb::BeginVersionRequest {
+            dataset: "ds".into(),
+            replication: 1,
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let hashes: Vec<Vec<u8>> = (0..40)
+        .map(|i| blake3::hash(&blob(i)).as_bytes().to_vec())
+        .collect();
+    let mut absent = hashes.clone();
+    absent.push(blake3::hash(b"never written").as_bytes().to_vec());
+    let mut c = n.client().await;
+    let look = c
+        .have_blobs(nodepb::HaveBlobsRequest {
+            hashes: absent.clone(),
+            pin: false,
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .present;
+    assert_eq!(look, [vec![true; 40], vec![false]].concat());
+    assert_eq!(
+        counter(n, "locus_node_pinned_bytes").await,
+        0,
+        "a look pins nothing"
+    );
+    let held = c
+        .have_blobs(nodepb::HaveBlobsRequest {
+            hashes: absent,
+            pin: true,
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .present;
+    assert_eq!(held, [vec![true; 40], vec![false]].concat());
+    assert_eq!(counter(n, "locus_node_pinned_bytes").await, bytes);
+    let synced = counter(n, "locus_node_pin_syncs_total").await;
+    wait_until("three pin syncs", Duration::from_secs(30), || async {
+        (counter(n, "locus_node_pin_syncs_total").await >= synced + 3).then_some(())
+    })
+    .await;
+    assert_eq!(counter(n, "locus_node_pinned_bytes").await, bytes);
+    assert_eq!(counter(n, "locus_node_open_import_pinned_blobs").await, 40);
+    meta.abort_version(pb::AbortVersionRequest {
+        session_id: s2.session_id,
+    })
+    .await
+    .unwrap();
+    wait_until(
+        "the blobs to be unpinned again",
+        Duration::from_secs(30),
+        || async { (counter(n, "locus_node_pinned_bytes").await == 0).then_some(()) },
+    )
+    .await;
 }

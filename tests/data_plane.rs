@@ -127,6 +127,7 @@ async fn bulk_requests_are_refused_for_the_right_reason_and_grpc_shares_the_port
     let have = c
         .have_blobs(locus_proto::nodepb::HaveBlobsRequest {
             hashes: vec![hash.0.to_vec()],
+            pin: false,
         })
         .await
         .unwrap()

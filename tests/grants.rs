@@ -33,9 +33,21 @@ async fn issue(
 }
 
 async fn have(n: &Node, credential: &str) -> Result<(), tonic::Status> {
+    ask_have(n, credential, false).await
+}
+
+/// HaveBlobs as an import asks it: what the node holds is pinned for the import.
+async fn have_pinning(n: &Node, credential: &str) -> Result<(), tonic::Status> {
+    ask_have(n, credential, true).await
+}
+
+async fn ask_have(n: &Node, credential: &str, pin: bool) -> Result<(), tonic::Status> {
     n.client_with(Some(credential))
         .await
-        .have_blobs(nodepb::HaveBlobsRequest { hashes: vec![] })
+        .have_blobs(nodepb::HaveBlobsRequest {
+            hashes: vec![[7u8; 32].to_vec()],
+            pin,
+        })
         .await
         .map(|_| ())
 }
@@ -123,6 +135,16 @@ async fn a_grant_opens_one_operation_on_one_node_for_a_while_and_nodes_need_no_a
         .await
         .expect("the grant's own operation");
     have(n1, &backup).await.expect("a backup checks what a node has");
+    // Pinning what it finds is an import's to ask, not a backup's.
+    refused(
+        have_pinning(n1, &backup).await,
+        tonic::Code::PermissionDenied,
+        "takes an import grant",
+    );
+    let import_grant = grant(&mut c, "n1", "import", "").await;
+    have_pinning(n1, &import_grant)
+        .await
+        .expect("an import pins what the node holds");
     // Not another node, not another method, not another target.
     refused(
         have(n2, &backup).await,
@@ -182,6 +204,11 @@ async fn a_grant_opens_one_operation_on_one_node_for_a_while_and_nodes_need_no_a
     let read = grant(&mut r, "*", "read", "").await;
     for n in &nodes {
         have(n, &read).await.expect("a read grant for every node");
+        refused(
+            have_pinning(n, &read).await,
+            tonic::Code::PermissionDenied,
+            "takes an import grant",
+        );
     }
     refused(
         upload(n2, &read, &url).await,

@@ -469,7 +469,7 @@ async fn announcing_a_huge_size_evicts_no_cached_blob() {
         let hashes: Vec<Vec<u8>> = files[..6].iter().map(|f| f.0.clone()).collect();
         async move {
             local
-                .have_blobs(nodepb::HaveBlobsRequest { hashes })
+                .have_blobs(nodepb::HaveBlobsRequest { hashes, pin: false })
                 .await
                 .unwrap()
                 .into_inner()

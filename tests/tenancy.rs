@@ -511,6 +511,7 @@ async fn a_scoped_read_grant_opens_only_its_versions_blobs_on_every_node_over_gr
             .await
             .have_blobs(nodepb::HaveBlobsRequest {
                 hashes: vec![theirs.0.to_vec(), ours.0.to_vec()],
+                pin: false,
             })
             .await
             .unwrap()
@@ -682,6 +683,7 @@ async fn an_import_or_restore_over_its_teams_pinned_quota_is_refused_before_any_
             .await
             .have_blobs(nodepb::HaveBlobsRequest {
                 hashes: two_hashes.iter().map(|h| h.0.to_vec()).collect(),
+                pin: false,
             })
             .await
             .unwrap()

@@ -4,6 +4,7 @@
 //! at a time: no blocking thread ever waits on a client or a peer, so a reader that stops
 //! reading holds a little memory and its idle timeout, never a thread.
 
+use std::collections::HashSet;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
@@ -297,6 +298,42 @@ impl Node for NodeService {
             let mut opens = self.peers.grant_filter(g, &here).await?.into_iter();
             for p in present.iter_mut().filter(|p| **p) {
                 *p = opens.next().unwrap_or(false);
+            }
+        }
+        if q.pin {
+            // An import skips what the node holds: the blobs it skips must be pinned as
+            // the ones it sends are, or a blob cached unpinned (a deleted version's) could
+            // be evicted between this answer and the commit that lists it.
+            if let Some(g) = grant.as_deref().filter(|g| g.operation != "import") {
+                return Err(Status::permission_denied(format!(
+                    "HaveBlobs with pin takes an import grant; this one (issued to {}) is for {:?}",
+                    g.issued_to, g.operation
+                )));
+            }
+            let here: Vec<BlobHash> = hashes
+                .iter()
+                .zip(&present)
+                .filter(|(_, p)| **p)
+                .map(|(h, _)| *h)
+                .collect();
+            let store = self.store.clone();
+            let gone = tokio::task::spawn_blocking(move || -> Result<HashSet<BlobHash>, StoreError> {
+                let mut gone = HashSet::new();
+                for h in here {
+                    if !store.set_pinned(&h, true)? {
+                        gone.insert(h);
+                    }
+                }
+                Ok(gone)
+            })
+            .await
+            .map_err(|e| Status::internal(e.to_string()))?
+            .map_err(to_status)?;
+            // Evicted between the look and the pin: reported absent, so it is sent.
+            for (h, p) in hashes.iter().zip(present.iter_mut()) {
+                if *p && gone.contains(h) {
+                    *p = false;
+                }
             }
         }
         Ok(Response::new(nodepb::HaveBlobsResponse { present }))

@@ -62,7 +62,8 @@ pub trait ImportCluster: Send + Sync {
     fn cluster_id(&self) -> BoxFuture<'_, Result<String, tonic::Status>>;
     /// Drops the session's manifest now rather than at its expiry; best effort.
     fn abort(&self, session: u64) -> BoxFuture<'_, ()>;
-    /// Which of `blobs` the node holds already.
+    /// Which of `blobs` the node holds already; those it holds it pins for the import
+    /// (as it pins what it is sent), so none is evicted before the commit lists it.
     fn have<'a>(&'a self, node: &'a str, blobs: Vec<BlobHash>)
         -> BoxFuture<'a, Result<Vec<bool>, NodeError>>;
     /// Stores one blob on the node (which verifies it).
@@ -329,6 +330,7 @@ impl ImportCluster for GrpcCluster {
             for batch in blobs.chunks(50_000) {
                 let ask = c.have_blobs(nodepb::HaveBlobsRequest {
                     hashes: batch.iter().map(|h| h.0.to_vec()).collect(),
+                    pin: true,
                 });
                 let have = tokio::time::timeout(idle, ask)
                     .await

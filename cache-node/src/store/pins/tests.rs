@@ -46,3 +46,22 @@ fn pin_sync_keeps_what_writers_pinned_since_keep_since_and_unpins_the_rest() {
     assert!(!s.is_pinned(&written));
     assert_eq!(s.sync_pins(&none, unix_secs() + 1).unwrap(), (0, 0));
 }
+
+/// A blob its listing pinned (no writer's time) that an open import finds held and pins
+/// again (HaveBlobs with `pin`) is kept when the version that listed it is deleted before
+/// that import commits: the import's pin carries its time.
+#[test]
+fn a_listed_blob_an_open_import_pins_again_outlives_its_listing() {
+    let d = tempfile::tempdir().unwrap();
+    let s = open(d.path(), 1 << 30);
+    let reused = put(&s, b"listed by an old version, reused by a new import", false).unwrap();
+    let other = put(&s, b"listed by the old version only", false).unwrap();
+    let listing = HashSet::from([reused, other]);
+    assert_eq!(s.sync_pins(&listing, u32::MAX).unwrap(), (2, 0));
+    let import_began = unix_secs() - 5;
+    assert!(s.set_pinned(&reused, true).unwrap());
+    // The old version is deleted: its listing is gone while the import is open.
+    assert_eq!(s.sync_pins(&HashSet::new(), import_began).unwrap(), (1, 1));
+    assert!(s.is_pinned(&reused), "kept for the open import");
+    assert!(!s.is_pinned(&other), "no one wants it: evictable again");
+}
