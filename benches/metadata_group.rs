@@ -16,6 +16,11 @@
 //! - locality p50/p99 over 500 calls on that version: single service, the group's leader,
 //!   and a follower (which answers from its own catalogue and the leader's liveness view).
 //!
+//! The machine's free page reporting is stopped for the run (`SteadyMemory`): on a virtual
+//! machine that hands freed memory back to its host, every page-cache page a member writes
+//! into (its Raft log, its flushes and compactions) can cost a host fault, and a group
+//! writes three times what the single service writes, so the ratio measured the VM.
+//!
 //! Run:
 //!
 //!     cargo bench --bench metadata_group
@@ -108,6 +113,7 @@ async fn main() {
     let trials = env("LOCUS_FAILOVER_TRIALS", 20);
     let rejoin_too = env("LOCUS_GROUP_REJOIN", 1) != 0;
     let h = Harness::new("bench-group");
+    let _memory = SteadyMemory::hold();
 
     // The single service first, alone on the machine.
     let mut single = h.start_metadata("single", MetadataOpts::default()).await;

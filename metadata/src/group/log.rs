@@ -86,6 +86,25 @@ struct Segments {
     open: HashMap<u64, File>,
     /// A segment this long takes no more entries (`SEGMENT_BYTES`; smaller in tests).
     roll: u64,
+    /// The last entries appended, as they were handed in (consecutive, ending at the last
+    /// entry held): replication to each follower and the member's own apply read an
+    /// entry soon after its append, and reading it back from its segment cost a copy, a
+    /// checksum and a decode of every page, three times over on a leader.
+    recent: VecDeque<(Entry<TypeConfig>, usize)>,
+    /// The record bytes of `recent` (each entry's beside it).
+    recent_bytes: usize,
+}
+
+/// `Segments::recent` keeps at most this many record bytes and entries.
+const RECENT_BYTES: usize = 128 << 20;
+const RECENT_ENTRIES: usize = 4096;
+
+/// One record ready to append: header and the serialised entry, in one buffer.
+struct Appended {
+    id: LogId<u64>,
+    record: Vec<u8>,
+    /// The entry itself, kept in `Segments::recent`; None: not kept (a migration).
+    entry: Option<Entry<TypeConfig>>,
 }
 
 fn read_err(e: impl std::fmt::Display) -> SErr {
@@ -107,11 +126,32 @@ fn checksum(index: u64, payload: &[u8]) -> [u8; 8] {
 /// One record: header and payload.
 fn record(index: u64, payload: &[u8]) -> Vec<u8> {
     let mut r = Vec::with_capacity(HEADER + payload.len());
-    r.extend_from_slice(&(payload.len() as u32).to_le_bytes());
-    r.extend_from_slice(&index.to_le_bytes());
-    r.extend_from_slice(&checksum(index, payload));
+    r.resize(HEADER, 0);
     r.extend_from_slice(payload);
+    seal(&mut r, index);
     r
+}
+
+/// An entry's record, serialised straight into the buffer that is written (no copy of
+/// the payload into a second one).
+fn record_of(e: &Entry<TypeConfig>) -> Result<Vec<u8>, bincode::Error> {
+    let hint = match &e.payload {
+        openraft::EntryPayload::Normal(b) => b.encoded_len_hint(),
+        _ => 256,
+    };
+    let mut r = Vec::with_capacity(HEADER + 64 + hint);
+    r.resize(HEADER, 0);
+    bincode::serialize_into(&mut r, e)?;
+    seal(&mut r, e.log_id.index);
+    Ok(r)
+}
+
+/// Fills in the header of a record whose payload follows it.
+fn seal(r: &mut [u8], index: u64) {
+    let (h, payload) = r.split_at_mut(HEADER);
+    h[..4].copy_from_slice(&(payload.len() as u32).to_le_bytes());
+    h[4..12].copy_from_slice(&index.to_le_bytes());
+    h[12..20].copy_from_slice(&checksum(index, payload));
 }
 
 fn sync_dir(dir: &Path) -> std::io::Result<()> {
@@ -152,6 +192,8 @@ impl Segments {
             files: Default::default(),
             open: HashMap::new(),
             roll,
+            recent: VecDeque::new(),
+            recent_bytes: 0,
         };
         let mut next: Option<u64> = None;
         let mut last_payload = Vec::new();
@@ -241,9 +283,9 @@ impl Segments {
     }
 
     /// Appends records, rolling to a new segment past `SEGMENT_BYTES`; durable on return.
-    fn append(&mut self, entries: Vec<(LogId<u64>, Vec<u8>)>) -> std::io::Result<()> {
+    fn append(&mut self, entries: Vec<Appended>) -> std::io::Result<()> {
         let mut touched = Vec::new();
-        for (id, payload) in entries {
+        for Appended { id, record: r, entry } in entries {
             let index = id.index;
             let tail = self.files.iter().next_back().map(|(s, l)| (*s, *l));
             let seg = match tail {
@@ -262,7 +304,6 @@ impl Segments {
                 }
             };
             let off = self.files[&seg];
-            let r = record(index, &payload);
             self.file(seg)?.write_all_at(&r, off)?;
             if !touched.contains(&seg) {
                 touched.push(seg);
@@ -274,9 +315,10 @@ impl Segments {
             self.held.push_back(Loc {
                 seg,
                 off,
-                len: payload.len() as u32,
+                len: (r.len() - HEADER) as u32,
             });
             self.last = Some(id);
+            self.keep_recent(index, r.len(), entry);
         }
         for seg in touched {
             self.file(seg)?.sync_data()?;
@@ -284,8 +326,53 @@ impl Segments {
         Ok(())
     }
 
+    /// Keeps an entry just appended in `recent`, dropping the oldest past the bounds.
+    fn keep_recent(&mut self, index: u64, bytes: usize, entry: Option<Entry<TypeConfig>>) {
+        let follows = self
+            .recent
+            .back()
+            .is_none_or(|(e, _)| e.log_id.index + 1 == index);
+        let Some(e) = entry.filter(|_| follows) else {
+            self.recent.clear();
+            self.recent_bytes = 0;
+            return;
+        };
+        self.recent.push_back((e, bytes));
+        self.recent_bytes += bytes;
+        while self.recent.len() > 1
+            && (self.recent_bytes > RECENT_BYTES || self.recent.len() > RECENT_ENTRIES)
+        {
+            let (_, b) = self.recent.pop_front().expect("more than one");
+            self.recent_bytes -= b;
+        }
+    }
+
+    /// Entry `index` if `recent` has it.
+    fn recent_entry(&self, index: u64) -> Option<&Entry<TypeConfig>> {
+        let first = self.recent.front()?.0.log_id.index;
+        let i = usize::try_from(index.checked_sub(first)?).ok()?;
+        self.recent.get(i).map(|(e, _)| e)
+    }
+
+    /// Forgets what `recent` holds from `index` on (a truncation).
+    fn forget_recent_from(&mut self, index: u64) {
+        while self.recent.back().is_some_and(|(e, _)| e.log_id.index >= index) {
+            let (_, b) = self.recent.pop_back().expect("checked");
+            self.recent_bytes -= b;
+        }
+    }
+
+    /// Forgets what `recent` holds up to `index` (a purge).
+    fn forget_recent_to(&mut self, index: u64) {
+        while self.recent.front().is_some_and(|(e, _)| e.log_id.index <= index) {
+            let (_, b) = self.recent.pop_front().expect("checked");
+            self.recent_bytes -= b;
+        }
+    }
+
     /// Removes every entry from `index` on.
     fn truncate(&mut self, index: u64) -> std::io::Result<()> {
+        self.forget_recent_from(index);
         if index < self.first {
             return Ok(());
         }
@@ -325,6 +412,7 @@ impl Segments {
 
     /// Forgets entries up to `index` and deletes the segments that hold nothing else.
     fn drop_purged(&mut self, index: u64) -> std::io::Result<()> {
+        self.forget_recent_to(index);
         while self.first <= index && self.held.pop_front().is_some() {
             self.first += 1;
         }
@@ -362,6 +450,10 @@ impl Segments {
         let mut out = Vec::with_capacity(to.saturating_sub(from) as usize);
         let mut buf = Vec::new();
         for i in from..to {
+            if let Some(e) = self.recent_entry(i) {
+                out.push(e.clone());
+                continue;
+            }
             let loc = self.held[(i - self.first) as usize];
             buf.resize(HEADER + loc.len as usize, 0);
             let path = self.path(loc.seg);
@@ -505,7 +597,11 @@ fn migrate(db: &DB, segs: &mut Segments, purged: Option<u64>) -> Result<(), Stri
         {
             continue;
         }
-        batch.push((e.log_id, v.to_vec()));
+        batch.push(Appended {
+            id: e.log_id,
+            record: record(e.log_id.index, &v),
+            entry: None,
+        });
         if batch.len() >= 64 {
             segs.append(std::mem::take(&mut batch))
                 .map_err(|e| e.to_string())?;
@@ -587,7 +683,11 @@ impl RaftLogStorage<TypeConfig> for LogStore {
     {
         let mut records = Vec::new();
         for e in entries {
-            records.push((e.log_id, bincode::serialize(&e).map_err(write_err)?));
+            records.push(Appended {
+                id: e.log_id,
+                record: record_of(&e).map_err(write_err)?,
+                entry: Some(e),
+            });
         }
         let r = super::blocking(|| self.segs().append(records));
         let done = r

@@ -96,10 +96,61 @@ fn append(log: &LogStore, from: u64, to: u64, term: u64) {
     let records = (from..to)
         .map(|i| {
             let e = entry(i, term, 100);
-            (e.log_id, bincode::serialize(&e).unwrap())
+            Appended {
+                id: e.log_id,
+                record: record_of(&e).unwrap(),
+                entry: Some(e),
+            }
         })
         .collect();
     log.segs().append(records).unwrap();
+}
+
+/// What is read back is what was appended, whether it comes from the entries kept in
+/// memory since their append or from the segment files; a truncation and a purge drop
+/// what they drop from both.
+#[tokio::test(flavor = "multi_thread")]
+async fn entries_read_back_the_same_from_memory_and_from_their_segments() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("raft-log");
+    let state = Arc::new(RocksStore::open_replicated(&dir.path().join("db")).unwrap());
+    let n = RECENT_ENTRIES as u64 + 100;
+    let mut log = LogStore::open_rolling_at(&path, state.clone(), 1 << 16).unwrap();
+    append(&log, 1, n + 1, 1);
+    {
+        let s = log.segs();
+        assert_eq!(s.recent.len(), RECENT_ENTRIES, "bounded");
+        assert_eq!(
+            s.recent.front().unwrap().0.log_id.index,
+            n + 1 - RECENT_ENTRIES as u64
+        );
+    }
+    let want = |i: u64, term: u64| entry(i, term, 100);
+    let got = log.try_get_log_entries(1..n + 1).await.unwrap();
+    assert_eq!(got.len() as u64, n);
+    for (i, e) in (1..).zip(&got) {
+        assert_eq!(*e, want(i, 1), "entry {i}");
+    }
+    // Conflicting entries from n - 10 on go; new ones of term 2 take their place.
+    log.truncate(LogId::new(CommittedLeaderId::new(1, 1), n - 10))
+        .await
+        .unwrap();
+    append(&log, n - 10, n - 5, 2);
+    log.purge(LogId::new(CommittedLeaderId::new(1, 1), n - 20))
+        .await
+        .unwrap();
+    let got = log.try_get_log_entries(0..u64::MAX).await.unwrap();
+    let expect: Vec<_> = (n - 19..n - 10)
+        .map(|i| want(i, 1))
+        .chain((n - 10..n - 5).map(|i| want(i, 2)))
+        .collect();
+    assert_eq!(got, expect);
+    assert_eq!(log.segs().recent.front().unwrap().0.log_id.index, n - 19);
+    // From the files alone, after a reopen: the same.
+    drop(log);
+    let mut log = LogStore::open_rolling_at(&path, state, 1 << 16).unwrap();
+    assert!(log.segs().recent.is_empty());
+    assert_eq!(log.try_get_log_entries(0..u64::MAX).await.unwrap(), expect);
 }
 
 fn segment_files(dir: &Path) -> Vec<String> {
