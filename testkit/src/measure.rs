@@ -67,6 +67,34 @@ impl Drop for SteadyMemory {
     }
 }
 
+/// The machine's CPU time so far, from the first line of /proc/stat: (idle and iowait,
+/// all), in ticks. Two readings give the share of a part the cores sat idle, which says
+/// whether a part was bound by CPU or by waiting.
+pub fn machine_ticks() -> (u64, u64) {
+    let stat = std::fs::read_to_string("/proc/stat").unwrap_or_default();
+    let f: Vec<u64> = stat
+        .lines()
+        .next()
+        .unwrap_or_default()
+        .split_whitespace()
+        .skip(1)
+        .filter_map(|v| v.parse().ok())
+        .collect();
+    // user nice system idle iowait irq softirq steal (guest time is inside user).
+    let all = f.iter().take(8).sum();
+    let idle = f.get(3).copied().unwrap_or(0) + f.get(4).copied().unwrap_or(0);
+    (idle, all)
+}
+
+/// The share of the time between two `machine_ticks` readings the cores were idle.
+pub fn idle_share(before: (u64, u64), after: (u64, u64)) -> f64 {
+    let all = after.1.saturating_sub(before.1);
+    if all == 0 {
+        return 0.0;
+    }
+    after.0.saturating_sub(before.0) as f64 / all as f64
+}
+
 /// A bench setting from the environment, or its default.
 pub fn env_u64(k: &str, d: u64) -> u64 {
     std::env::var(k).ok().and_then(|v| v.parse().ok()).unwrap_or(d)
