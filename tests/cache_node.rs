@@ -1901,17 +1901,39 @@ async fn blobs_written_or_found_held_for_an_open_import_stay_pinned_across_pin_s
     let (m, nodes) = cluster(&h, 1, NodeOpts::host).await;
     let n = &nodes[0];
     let mut meta = m.client(None).await;
-    let s = meta
-        .begin_version(pb::BeginVersionRequest {
-            dataset: "ds".into(),
-            replication: 1,
-            ..Default::default()
-        })
-        .await
-        .unwrap()
-        .into_inner();
     let blob = |i: usize| format!("file {i} of an import still under way").into_bytes();
     let bytes: u64 = (0..40).map(|i| blob(i).len() as u64).sum();
+
+    // Three pin syncs while the session is open (one a second here): each would have
+    // unpinned the blobs, as no version names them. Then the import is given up: the next
+    // syncs unpin them, and they stay as cache.
+    let kept_until_aborted = |meta: &mut locus_proto::client::MetadataClient, session: u64| {
+        let mut meta = meta.clone();
+        async move {
+            let synced = counter(n, "locus_node_pin_syncs_total").await;
+            wait_until("three pin syncs", Duration::from_secs(30), || async {
+                (counter(n, "locus_node_pin_syncs_total").await >= synced + 3).then_some(())
+            })
+            .await;
+            assert_eq!(counter(n, "locus_node_pinned_bytes").await, bytes);
+            assert_eq!(counter(n, "locus_node_open_import_pinned_blobs").await, 40);
+            meta.abort_version(pb::AbortVersionRequest { session_id: session })
+                .await
+                .unwrap();
+            wait_until("the blobs to be unpinned", Duration::from_secs(30), || async {
+                (counter(n, "locus_node_pinned_bytes").await == 0).then_some(())
+            })
+            .await;
+            assert_eq!(counter(n, "locus_node_open_import_pinned_blobs").await, 0);
+            assert_eq!(
+                counter(n, "locus_node_used_bytes").await,
+                bytes,
+                "unpinned, not deleted"
+            );
+        }
+    };
+
+    let s = begin_import(&mut meta).await;
     let r = n
         .client()
         .await
@@ -1920,93 +1942,43 @@ async fn blobs_written_or_found_held_for_an_open_import_stay_pinned_across_pin_s
         .unwrap()
         .into_inner();
     assert_eq!(r.stored, 40);
-    // Three pin syncs after the write (one a second here): each would have unpinned
-    // them, as no version names them.
-    let synced = counter(n, "locus_node_pin_syncs_total").await;
-    wait_until("three pin syncs", Duration::from_secs(30), || async {
-        (counter(n, "locus_node_pin_syncs_total").await >= synced + 3).then_some(())
-    })
-    .await;
-    assert_eq!(counter(n, "locus_node_pinned_bytes").await, bytes);
-    assert_eq!(counter(n, "locus_node_open_import_pinned_blobs").await, 40);
-
-    // The import is given up: the next syncs unpin them (they stay as cache).
-    meta.abort_version(pb::AbortVersionRequest {
-        session_id: s.session_id,
-    })
-    .await
-    .unwrap();
-    wait_until("the blobs to be unpinned", Duration::from_secs(30), || async {
-        (counter(n, "locus_node_pinned_bytes").await == 0).then_some(())
-    })
-    .await;
-    assert_eq!(counter(n, "locus_node_open_import_pinned_blobs").await, 0);
-    assert_eq!(
-        counter(n, "locus_node_used_bytes").await,
-        bytes,
-        "unpinned, not deleted"
-    );
+    kept_until_aborted(&mut meta, s).await;
 
     // A second import of the same files finds them held and sends nothing. Asking
     // without `pin` leaves them evictable; asking as an import does pin them, and they
     // stay pinned across syncs until that import ends too.
-    let s2 = meta
-        .begin_version(pb::BeginVersionRequest {
-            dataset: "ds".into(),
-            replication: 1,
-            ..Default::default()
-        })
-        .await
-        .unwrap()
-        .into_inner();
-    let hashes: Vec<Vec<u8>> = (0..40)
+    let s2 = begin_import(&mut meta).await;
+    let mut asked: Vec<Vec<u8>> = (0..40)
         .map(|i| blake3::hash(&blob(i)).as_bytes().to_vec())
         .collect();
-    let mut absent = hashes.clone();
-    absent.push(blake3::hash(b"never written").as_bytes().to_vec());
+    asked.push(blake3::hash(b"never written").as_bytes().to_vec());
     let mut c = n.client().await;
-    let look = c
-        .have_blobs(nodepb::HaveBlobsRequest {
-            hashes: absent.clone(),
-            pin: false,
-        })
-        .await
-        .unwrap()
-        .into_inner()
-        .present;
-    assert_eq!(look, [vec![true; 40], vec![false]].concat());
-    assert_eq!(
-        counter(n, "locus_node_pinned_bytes").await,
-        0,
-        "a look pins nothing"
-    );
-    let held = c
-        .have_blobs(nodepb::HaveBlobsRequest {
-            hashes: absent,
-            pin: true,
-        })
-        .await
-        .unwrap()
-        .into_inner()
-        .present;
-    assert_eq!(held, [vec![true; 40], vec![false]].concat());
-    assert_eq!(counter(n, "locus_node_pinned_bytes").await, bytes);
-    let synced = counter(n, "locus_node_pin_syncs_total").await;
-    wait_until("three pin syncs", Duration::from_secs(30), || async {
-        (counter(n, "locus_node_pin_syncs_total").await >= synced + 3).then_some(())
-    })
-    .await;
-    assert_eq!(counter(n, "locus_node_pinned_bytes").await, bytes);
-    assert_eq!(counter(n, "locus_node_open_import_pinned_blobs").await, 40);
-    meta.abort_version(pb::AbortVersionRequest {
-        session_id: s2.session_id,
+    for pin in [false, true] {
+        let present = c
+            .have_blobs(nodepb::HaveBlobsRequest {
+                hashes: asked.clone(),
+                pin,
+            })
+            .await
+            .unwrap()
+            .into_inner()
+            .present;
+        assert_eq!(present, [vec![true; 40], vec![false]].concat());
+        let pinned = counter(n, "locus_node_pinned_bytes").await;
+        assert_eq!(pinned, if pin { bytes } else { 0 }, "pin: {pin}");
+    }
+    kept_until_aborted(&mut meta, s2).await;
+}
+
+/// Opens an import session of one replica for dataset "ds"; its id.
+async fn begin_import(meta: &mut locus_proto::client::MetadataClient) -> u64 {
+    meta.begin_version(pb::BeginVersionRequest {
+        dataset: "ds".into(),
+        replication: 1,
+        ..Default::default()
     })
     .await
-    .unwrap();
-    wait_until(
-        "the blobs to be unpinned again",
-        Duration::from_secs(30),
-        || async { (counter(n, "locus_node_pinned_bytes").await == 0).then_some(()) },
-    )
-    .await;
+    .unwrap()
+    .into_inner()
+    .session_id
 }

@@ -289,12 +289,7 @@ impl Node for NodeService {
         let mut present: Vec<bool> = hashes.iter().map(|h| self.store.contains(h)).collect();
         // A grant narrowed to versions learns nothing of blobs outside them.
         if let Some(g) = grant.as_deref().filter(|g| g.scoped) {
-            let here: Vec<BlobHash> = hashes
-                .iter()
-                .zip(&present)
-                .filter(|(_, p)| **p)
-                .map(|(h, _)| *h)
-                .collect();
+            let here = marked(&hashes, &present);
             let mut opens = self.peers.grant_filter(g, &here).await?.into_iter();
             for p in present.iter_mut().filter(|p| **p) {
                 *p = opens.next().unwrap_or(false);
@@ -310,12 +305,7 @@ impl Node for NodeService {
                     g.issued_to, g.operation
                 )));
             }
-            let here: Vec<BlobHash> = hashes
-                .iter()
-                .zip(&present)
-                .filter(|(_, p)| **p)
-                .map(|(h, _)| *h)
-                .collect();
+            let here = marked(&hashes, &present);
             let store = self.store.clone();
             let gone = tokio::task::spawn_blocking(move || -> Result<HashSet<BlobHash>, StoreError> {
                 let mut gone = HashSet::new();
@@ -652,6 +642,16 @@ impl Node for NodeService {
 }
 
 /// The grant a call came with, if it came with one.
+/// The hashes whose mark is set.
+fn marked(hashes: &[BlobHash], marks: &[bool]) -> Vec<BlobHash> {
+    hashes
+        .iter()
+        .zip(marks)
+        .filter(|(_, m)| **m)
+        .map(|(h, _)| *h)
+        .collect()
+}
+
 fn granted<T>(req: &Request<T>) -> Option<Arc<locus_proto::grant::GrantBody>> {
     req.extensions()
         .get::<locus_proto::auth::Principal>()
