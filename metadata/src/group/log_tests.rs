@@ -1,11 +1,13 @@
 //! The segment log: openraft's storage suite, and what a restart finds after appends,
 //! truncations, purges, a torn append, damage and a log left by older builds.
 
+use std::fs::OpenOptions;
 use std::path::Path;
 
 use openraft::{CommittedLeaderId, EntryPayload};
 
 use super::*;
+use crate::group::segments::RECENT_ENTRIES;
 use crate::store::{Batch, RocksStore, Table};
 
 struct Builder;

@@ -24,6 +24,7 @@ mod leading;
 mod log;
 mod network;
 mod ready;
+mod segments;
 mod state;
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
