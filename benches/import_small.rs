@@ -11,6 +11,8 @@
 //! tree read cold (page cache dropped, as before the import), every directory listed,
 //! every file stat'ed and read whole, by as many threads as the import reads with (8),
 //! with the CPU that took. An import cannot beat that read: its own reading is the same.
+//! Then the same tree is imported again, unchanged, as a new version: nothing is sent, and
+//! the nodes pin the blobs they already hold for it (`HaveBlobs` with `pin`).
 //!
 //! Run: `cargo bench --bench import_small` (200,000 files), or
 //! `LOCUS_BENCH_FILES=1000000 cargo bench --bench import_small`; with `LOCUS_BENCH_PERF=DIR`
@@ -113,6 +115,67 @@ async fn main() {
         .start_node("n2", &m, NodeOpts::host(2).with_capacity("64GiB"))
         .await;
     let pids = [m.daemon.pid(), n1.daemon.pid(), n2.daemon.pid()];
+    // LOCUS_BENCH_PERF=DIR: where every process spent its CPU during the import.
+    let perf = profile("import-small");
+    let first = import(&m, &src, &pids, n);
+    stop_profile(perf);
+    let r = &first.report;
+    println!(
+        "  import: {:.1}s, {:.0} files/s ({:.1}x the one-by-one fsync reference, {:.2}x the cold \
+         read of the source); hashing {:.1}s, sending {:.1}s",
+        first.took,
+        n as f64 / first.took,
+        n as f64 / first.took / fsync_rate,
+        n as f64 / first.took / read_rate,
+        r["hash_seconds"].as_f64().unwrap_or(0.0),
+        r["upload_seconds"].as_f64().unwrap_or(0.0),
+    );
+    for p in r["phases"].as_array().into_iter().flatten() {
+        println!(
+            "    {}: {:.1}s",
+            p["phase"].as_str().unwrap_or("?"),
+            p["seconds"].as_f64().unwrap_or(0.0)
+        );
+    }
+    first.print_cpu(n);
+
+    // The same tree again, unchanged: the nodes hold every blob, so nothing is sent, and
+    // what is left is reading and hashing the source, asking the nodes (which pin what
+    // they hold for the import) and the manifest.
+    let again = import(&m, &src, &pids, n);
+    println!(
+        "  import again, unchanged: {:.1}s, {:.0} files/s; sent {} bytes",
+        again.took,
+        n as f64 / again.took,
+        again.report["uploaded_bytes"].as_u64().unwrap_or(0),
+    );
+    again.print_cpu(n);
+}
+
+/// One `locus dataset import` of the tree: its time, the CPU of the CLI and of each
+/// process in `pids` (metadata, node, node), and its JSON report.
+struct Imported {
+    took: f64,
+    cli_cpu: f64,
+    cpu: Vec<f64>,
+    report: serde_json::Value,
+}
+
+impl Imported {
+    fn print_cpu(&self, n: usize) {
+        let per_k = |s: f64| s / n as f64 * 1000.0;
+        println!(
+            "  CPU per 1,000 files: CLI {:.3}s (at least; sampled every 50 ms), nodes {:.3}s + {:.3}s, metadata {:.3}s",
+            per_k(self.cli_cpu),
+            per_k(self.cpu[1]),
+            per_k(self.cpu[2]),
+            per_k(self.cpu[0])
+        );
+    }
+}
+
+/// Imports `src` as a new version of dataset "small" with the page cache dropped first.
+fn import(m: &Metadata, src: &Path, pids: &[u32; 3], n: usize) -> Imported {
     let before: Vec<f64> = pids.iter().map(|p| cpu_seconds(*p)).collect();
     drop_caches();
     let t = Instant::now();
@@ -128,8 +191,6 @@ async fn main() {
         ],
         &[],
     );
-    // LOCUS_BENCH_PERF=DIR: where every process spent its CPU during the import.
-    let perf = profile("import-small");
     let child = cmd.stdout(std::process::Stdio::piped()).spawn().unwrap();
     let cli_pid = child.id();
     // The CLI's CPU is read just before it is reaped.
@@ -145,34 +206,14 @@ async fn main() {
         }
     };
     let took = t.elapsed().as_secs_f64();
-    stop_profile(perf);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    let r: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-    assert_eq!(r["files"].as_u64(), Some(n as u64), "{r}");
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(report["files"].as_u64(), Some(n as u64), "{report}");
     let after: Vec<f64> = pids.iter().map(|p| cpu_seconds(*p)).collect();
-    let cpu: Vec<f64> = after.iter().zip(&before).map(|(a, b)| a - b).collect();
-    let per_k = |s: f64| s / n as f64 * 1000.0;
-    println!(
-        "  import: {took:.1}s, {:.0} files/s ({:.1}x the one-by-one fsync reference, {:.2}x the cold \
-         read of the source); hashing {:.1}s, sending {:.1}s",
-        n as f64 / took,
-        n as f64 / took / fsync_rate,
-        n as f64 / took / read_rate,
-        r["hash_seconds"].as_f64().unwrap_or(0.0),
-        r["upload_seconds"].as_f64().unwrap_or(0.0),
-    );
-    for p in r["phases"].as_array().into_iter().flatten() {
-        println!(
-            "    {}: {:.1}s",
-            p["phase"].as_str().unwrap_or("?"),
-            p["seconds"].as_f64().unwrap_or(0.0)
-        );
+    Imported {
+        took,
+        cli_cpu,
+        cpu: after.iter().zip(&before).map(|(a, b)| a - b).collect(),
+        report,
     }
-    println!(
-        "  CPU per 1,000 files: CLI {:.3}s (at least; sampled every 50 ms), nodes {:.3}s + {:.3}s, metadata {:.3}s",
-        per_k(cli_cpu),
-        per_k(cpu[1]),
-        per_k(cpu[2]),
-        per_k(cpu[0])
-    );
 }
