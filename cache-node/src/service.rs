@@ -641,7 +641,6 @@ impl Node for NodeService {
     }
 }
 
-/// The grant a call came with, if it came with one.
 /// The hashes whose mark is set.
 fn marked(hashes: &[BlobHash], marks: &[bool]) -> Vec<BlobHash> {
     hashes
@@ -652,6 +651,7 @@ fn marked(hashes: &[BlobHash], marks: &[bool]) -> Vec<BlobHash> {
         .collect()
 }
 
+/// The grant a call came with, if it came with one.
 fn granted<T>(req: &Request<T>) -> Option<Arc<locus_proto::grant::GrantBody>> {
     req.extensions()
         .get::<locus_proto::auth::Principal>()
