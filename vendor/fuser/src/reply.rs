@@ -255,23 +255,39 @@ impl ReplyData {
         }
         FILL_BUF.with(|cell| {
             let mut kept = cell.try_borrow_mut();
-            let mut once = Vec::new();
-            // Large or nested fills get a buffer of their own: a thread keeps little.
+            // Large or nested fills borrow from a pool shared by all threads: a thread
+            // keeps little, and a fresh multi-page buffer per reply costs a zeroing, a
+            // page fault per page and an munmap (most of a 1 MiB READ's own cost).
+            let mut shared = None;
             let v = match &mut kept {
                 Ok(v) if len <= FILL_KEEP => &mut **v,
-                _ => &mut once,
+                _ => shared.insert(LargeFill::take(len + FILL_ALIGN)),
             };
             if v.len() < len + FILL_ALIGN {
                 *v = vec![0; len + FILL_ALIGN];
             }
             let at = v.as_ptr().align_offset(FILL_ALIGN);
             let buf = &mut v[at..at + len];
-            match fill(buf) {
-                None => return Err(self),
-                Some(Ok(n)) => self.reply.send_ll(&ll::ResponseSlice(&buf[..n.min(len)])),
-                Some(Err(e)) => self.reply.error(e),
+            let outcome = fill(buf);
+            let sent = match outcome {
+                None => false,
+                Some(Ok(n)) => {
+                    self.reply.send_ll_mut(&ll::ResponseSlice(&buf[..n.min(len)]));
+                    true
+                }
+                Some(Err(e)) => {
+                    self.reply.send_ll_mut(&ll::ResponseErrno(e));
+                    true
+                }
+            };
+            if let Some(v) = shared {
+                LargeFill::give(v);
             }
-            Ok(())
+            if sent {
+                Ok(())
+            } else {
+                Err(self)
+            }
         })
     }
 
@@ -287,6 +303,42 @@ const FILL_KEEP: usize = 256 << 10;
 
 thread_local! {
     static FILL_BUF: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// Buffers of fills larger than a thread keeps (Locus addition), kept for the next
+/// such fill on any thread: their contents stay initialized, so only a buffer made
+/// afresh is zeroed. At most `LARGE_FILL_KEEP` bytes wait here.
+struct LargeFill;
+
+const LARGE_FILL_KEEP: usize = 32 << 20;
+
+static LARGE_FILLS: std::sync::Mutex<(Vec<Vec<u8>>, usize)> =
+    std::sync::Mutex::new((Vec::new(), 0));
+
+impl LargeFill {
+    /// A kept buffer of at least `len` bytes if one waits (else an empty one, which the
+    /// caller grows).
+    fn take(len: usize) -> Vec<u8> {
+        let mut kept = LARGE_FILLS.lock().unwrap();
+        let (list, bytes) = &mut *kept;
+        match list.iter().position(|v| v.len() >= len) {
+            Some(i) => {
+                let v = list.swap_remove(i);
+                *bytes -= v.len();
+                v
+            }
+            None => Vec::new(),
+        }
+    }
+
+    fn give(v: Vec<u8>) {
+        let mut kept = LARGE_FILLS.lock().unwrap();
+        let (list, bytes) = &mut *kept;
+        if *bytes + v.len() <= LARGE_FILL_KEEP {
+            *bytes += v.len();
+            list.push(v);
+        }
+    }
 }
 
 ///
