@@ -327,11 +327,17 @@ pub fn tcp_rate(from: &Host, to: &Host, bytes: u64) -> f64 {
 }
 
 /// With `LOCUS_BENCH_PERF=DIR`: starts `perf record -a -g` into `DIR/<name>.data` (what
-/// every process spent its CPU on) until [`stop_profile`]; None otherwise.
+/// every process spent its CPU on) until [`stop_profile`]; None otherwise. With
+/// `LOCUS_BENCH_PERF_DWARF=1` the call stacks are unwound from DWARF, which a release
+/// build without frame pointers needs for its own callers (the files grow large).
 pub fn profile(name: &str) -> Option<std::process::Child> {
     let dir = std::env::var("LOCUS_BENCH_PERF").ok()?;
+    let stacks = match std::env::var_os("LOCUS_BENCH_PERF_DWARF") {
+        Some(_) => "--call-graph=dwarf,16384",
+        None => "--call-graph=fp",
+    };
     let c = std::process::Command::new("perf")
-        .args(["record", "-a", "-g", "-F", "499", "-o"])
+        .args(["record", "-a", stacks, "-F", "499", "-o"])
         .arg(format!("{dir}/{name}.data"))
         .stdout(std::process::Stdio::null())
         .stderr(std::process::Stdio::null())
