@@ -573,24 +573,23 @@ impl Core {
     }
 
     /// A read of a file nobody opened through the mount (the kernel opened it): from the
-    /// node's verified file if the node provides it within its patience, else from remote
-    /// replicas, into `buf` (which must have room for the `size` bytes asked, rounded up
-    /// to a page, for a direct read). Returns how many bytes it holds and which source
-    /// served them ("local" or "remote"). Blocking.
-    pub fn read_by_inode_into(
+    /// node's verified file if the node provides it within its patience (the caller
+    /// reads `want` bytes of it, with `pread_local`, into the reply's buffer), else the
+    /// bytes from remote replicas, as a slice of the verified chunk (the caller sends
+    /// them from where they are: no copy into a buffer of its own). Blocking.
+    pub(crate) fn read_by_inode(
         self: &Arc<Self>,
         ino: u64,
         offset: u64,
         size: u32,
-        buf: &mut [u8],
-    ) -> Result<(usize, &'static str), FsError> {
+    ) -> Result<ops::ByInode, FsError> {
         let a = self.ns.attr(ino).ok_or(FsError::NotFound)?;
         if a.kind != Kind::File {
             return Err(FsError::IsDir);
         }
         let want = a.size.saturating_sub(offset).min(u64::from(size)) as usize;
         if want == 0 {
-            return Ok((0, "local"));
+            return Ok(ops::ByInode::Remote(bytes::Bytes::new()));
         }
         if self.local.is_some() {
             let (blob, _) = self
@@ -601,32 +600,32 @@ impl Core {
                 if fetched {
                     self.metrics.opened("local");
                 }
-                return self
-                    .pread_local(ino, &file, offset, want, true, buf)
-                    .map(|n| (n, "local"));
+                return Ok(ops::ByInode::Local { file, want });
             }
         }
         let ra = self.inode_readahead(ino);
-        let data = self.read_remote(ino, &ra, offset, size)?;
-        let n = data.len().min(buf.len());
-        buf[..n].copy_from_slice(&data[..n]);
-        Ok((n, "remote"))
+        Ok(ops::ByInode::Remote(self.read_remote(ino, &ra, offset, size)?))
     }
 
-    /// `read_by_inode_into` a buffer of its own.
+    /// `read_by_inode`'s bytes in a buffer of their own, and which source served them.
     #[cfg(test)]
-    pub(crate) fn read_by_inode(
+    pub(crate) fn read_by_inode_bytes(
         self: &Arc<Self>,
         ino: u64,
         offset: u64,
         size: u32,
     ) -> Result<(bytes::Bytes, &'static str), FsError> {
-        let align = io::DIRECT_ALIGN;
-        let mut v = vec![0u8; (size as usize).next_multiple_of(align) + align];
-        let at = v.as_ptr().align_offset(align);
-        let end = v.len() - align + at;
-        let (n, how) = self.read_by_inode_into(ino, offset, size, &mut v[at..end])?;
-        Ok((bytes::Bytes::from(v).slice(at..at + n), how))
+        match self.read_by_inode(ino, offset, size)? {
+            ops::ByInode::Remote(b) => Ok((b, "remote")),
+            ops::ByInode::Local { file, want } => {
+                let align = io::DIRECT_ALIGN;
+                let mut v = vec![0u8; want.next_multiple_of(align) + align];
+                let at = v.as_ptr().align_offset(align);
+                let end = v.len() - align + at;
+                let n = self.pread_local(ino, &file, offset, want, true, &mut v[at..end])?;
+                Ok((bytes::Bytes::from(v).slice(at..at + n), "local"))
+            }
+        }
     }
 }
 

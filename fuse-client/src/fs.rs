@@ -42,7 +42,7 @@ use fuser::{
     ReplyDirectoryPlus, ReplyEmpty, ReplyEntry, ReplyOpen, ReplyStatfs, Request,
 };
 
-use crate::core::ops::{LocalOpen, OpenPlan};
+use crate::core::ops::{ByInode, LocalOpen, OpenPlan};
 pub use crate::core::Settings;
 use crate::core::{pread_cached, Core, FsError, NodeFile, ReadAhead, DIRECT_ALIGN};
 use crate::metrics::Metrics;
@@ -364,6 +364,23 @@ impl Mount {
         });
     }
 
+    /// Answers a read with bytes from remote replicas: a slice of the verified chunk,
+    /// sent from where it is (through /dev/fuse one copy fewer than filling the reply's
+    /// buffer; under io_uring the one copy into the ring entry either way).
+    fn send_remote(&self, got: Result<bytes::Bytes, FsError>, size: u32, started: Instant, reply: ReplyData) {
+        match got {
+            Ok(data) => {
+                let n = data.len().min(size as usize);
+                self.metrics.read("remote", n, started.elapsed());
+                reply.data(&data[..n]);
+            }
+            Err(e) => {
+                self.metrics.read_error();
+                reply.error(errno("read", &e));
+            }
+        }
+    }
+
     /// Reads from remote replicas, which waits for the network: off the session thread.
     fn read_remote_off_thread(
         self: &Arc<Self>,
@@ -376,19 +393,15 @@ impl Mount {
     ) {
         let core = self.clone();
         self.rt.spawn_blocking(move || {
-            core.finish_read(size as usize, started, reply, |buf| {
-                let data = core.read_remote(ino, &ra, offset, size)?;
-                let n = data.len().min(buf.len());
-                buf[..n].copy_from_slice(&data[..n]);
-                Ok((n, "remote"))
-            })
+            let got = core.read_remote(ino, &ra, offset, size);
+            core.send_remote(got, size, started, reply)
         });
     }
 
     /// A read of a file the kernel opened by itself (`Settings::kernel_opens`): a file
     /// the node verified recently is read here when the page cache has the bytes; the
     /// rest (choosing the source, waiting for the node or the network) runs off the
-    /// session thread in `Core::read_by_inode`.
+    /// session thread (`Core::read_by_inode`).
     fn read_inode(self: &Arc<Self>, ino: u64, offset: u64, size: u32, started: Instant, reply: ReplyData) {
         // What needs no source is answered here, without a trip to the blocking pool.
         let want = match self.core.getattr(ino) {
@@ -405,13 +418,21 @@ impl Mount {
             }
         }
         let mount = self.clone();
-        self.rt.spawn_blocking(move || {
-            // Room for a direct read, which goes by whole pages.
-            let len = (size as usize).next_multiple_of(DIRECT_ALIGN);
-            mount.finish_read(len, started, reply, |buf| {
-                mount.core.read_by_inode_into(ino, offset, size, buf)
-            })
-        });
+        self.rt
+            .spawn_blocking(move || match mount.core.read_by_inode(ino, offset, size) {
+                Ok(ByInode::Local { file, want }) => {
+                    // Room for a direct read, which goes by whole pages.
+                    let len = want.next_multiple_of(DIRECT_ALIGN);
+                    mount.finish_read(len, started, reply, |buf| {
+                        mount
+                            .core
+                            .pread_local(ino, &file, offset, want, true, buf)
+                            .map(|n| (n, "local"))
+                    })
+                }
+                Ok(ByInode::Remote(data)) => mount.send_remote(Ok(data), size, started, reply),
+                Err(e) => mount.send_remote(Err(e), size, started, reply),
+            });
     }
 }
 

@@ -34,6 +34,14 @@ pub(crate) enum OpenPlan {
     },
 }
 
+/// Where a read of a file the kernel opened comes from (`Core::read_by_inode`).
+pub(crate) enum ByInode {
+    /// The node's verified file: `want` bytes of it are to be read.
+    Local { file: Arc<NodeFile>, want: usize },
+    /// Bytes from remote replicas, verified (empty at or past the end of the file).
+    Remote(bytes::Bytes),
+}
+
 /// How a local file is handed out.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum LocalOpen {

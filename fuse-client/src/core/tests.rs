@@ -323,7 +323,7 @@ fn fixture_with(
 fn read_all(f: &Fixture, step: u32) -> Result<Vec<u8>, FsError> {
     let mut out = Vec::new();
     loop {
-        let (b, _) = f.core.read_by_inode(f.ino, out.len() as u64, step)?;
+        let (b, _) = f.core.read_by_inode_bytes(f.ino, out.len() as u64, step)?;
         if b.is_empty() {
             return Ok(out);
         }
@@ -359,7 +359,7 @@ fn only_a_node_at_fault_is_passed_over_not_one_that_lacks_the_blob_or_a_grant() 
     let read = |f: &Fixture, index: u32| {
         let (b, _) = f
             .core
-            .read_by_inode(f.ino, u64::from(index) * u64::from(CHUNK), CHUNK)
+            .read_by_inode_bytes(f.ino, u64::from(index) * u64::from(CHUNK), CHUNK)
             .unwrap();
         let at = index as usize * CHUNK as usize;
         assert!(b[..] == f.data[at..at + b.len()]);
@@ -416,7 +416,7 @@ fn a_corrupt_chunk_is_never_returned_and_another_replica_serves_it() {
 #[test]
 fn when_every_source_fails_the_read_is_an_io_error_not_zeros() {
     let f = fixture(2, Behave::Fail, Behave::Corrupt, None);
-    match f.core.read_by_inode(f.ino, 0, CHUNK) {
+    match f.core.read_by_inode_bytes(f.ino, 0, CHUNK) {
         Err(FsError::Unavailable(why)) => {
             assert!(why.to_string().contains("no source could serve it"), "{why}")
         }
@@ -459,7 +459,7 @@ fn a_verified_local_file_is_read_locally_and_a_changed_one_is_refused() {
         Behave::Fail,
         Some(LocalBehave::File(PathBuf::new())),
     );
-    let (b, how) = f.core.read_by_inode(f.ino, 0, 1 << 20).unwrap();
+    let (b, how) = f.core.read_by_inode_bytes(f.ino, 0, 1 << 20).unwrap();
     assert_eq!(how, "local");
     assert!(b == f.data);
     assert!(f.replicas.log.lock().unwrap().is_empty(), "no replica was asked");
@@ -473,7 +473,7 @@ fn a_verified_local_file_is_read_locally_and_a_changed_one_is_refused() {
     changed[10] ^= 0xff;
     std::fs::write(p, &changed).unwrap();
     assert!(matches!(
-        f.core.read_by_inode(f.ino, 0, 100),
+        f.core.read_by_inode_bytes(f.ino, 0, 100),
         Err(FsError::LocalChanged("changed after it was verified"))
     ));
 }
@@ -482,7 +482,9 @@ fn a_verified_local_file_is_read_locally_and_a_changed_one_is_refused() {
 fn sequential_reads_fetch_the_next_chunks_ahead() {
     let f = fixture(8, Behave::Good, Behave::Good, None);
     for i in 0..3u64 {
-        f.core.read_by_inode(f.ino, i * u64::from(CHUNK), CHUNK).unwrap();
+        f.core
+            .read_by_inode_bytes(f.ino, i * u64::from(CHUNK), CHUNK)
+            .unwrap();
     }
     // A forward reader's window grows: after chunks 0, 1 and 2, chunks 3 and 4 are
     // asked for before anyone reads them.
@@ -496,12 +498,16 @@ fn sequential_reads_fetch_the_next_chunks_ahead() {
         std::thread::sleep(Duration::from_millis(5));
     }
     // Reading them is served from what was fetched ahead: no second request.
-    f.core.read_by_inode(f.ino, 3 * u64::from(CHUNK), CHUNK).unwrap();
+    f.core
+        .read_by_inode_bytes(f.ino, 3 * u64::from(CHUNK), CHUNK)
+        .unwrap();
     assert_eq!(f.replicas.requests_for(3), 1);
     // A reader that jumps about gets no read-ahead past what it asked for.
     let g = fixture(8, Behave::Good, Behave::Good, None);
-    g.core.read_by_inode(g.ino, 6 * u64::from(CHUNK), 10).unwrap();
-    g.core.read_by_inode(g.ino, u64::from(CHUNK), 10).unwrap();
+    g.core
+        .read_by_inode_bytes(g.ino, 6 * u64::from(CHUNK), 10)
+        .unwrap();
+    g.core.read_by_inode_bytes(g.ino, u64::from(CHUNK), 10).unwrap();
     std::thread::sleep(Duration::from_millis(100));
     assert_eq!(
         g.replicas.requests_for(7),

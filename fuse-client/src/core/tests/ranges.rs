@@ -10,7 +10,7 @@ const BIG: u32 = 256 << 10;
 
 /// `len` bytes at `at` through the core, checked against the file.
 fn read_at(f: &Fixture, at: u64, len: u32) -> Result<(), FsError> {
-    let (b, _) = f.core.read_by_inode(f.ino, at, len)?;
+    let (b, _) = f.core.read_by_inode_bytes(f.ino, at, len)?;
     assert!(
         b[..] == f.data[at as usize..at as usize + len as usize],
         "bytes at {at}"
@@ -111,7 +111,10 @@ fn a_range_no_replica_serves_right_is_read_as_a_whole_chunk_or_fails_eio() {
     assert_eq!(first_asked(&g, 30), "a1");
     // Nothing right anywhere: EIO, never wrong bytes.
     let h = fixture_sized(BIG, 64, Behave::Corrupt, Behave::Corrupt, None);
-    match h.core.read_by_inode(h.ino, 30 * u64::from(BIG) + 5_000, 8192) {
+    match h
+        .core
+        .read_by_inode_bytes(h.ino, 30 * u64::from(BIG) + 5_000, 8192)
+    {
         Err(FsError::Unavailable(why)) => {
             assert!(why.to_string().contains("no source could serve it"), "{why}")
         }
