@@ -179,6 +179,7 @@ pub enum ReadError {
 }
 
 mod cache;
+mod memory;
 use cache::ChunkCache;
 
 /// A boxed future, for the object-safe source traits.

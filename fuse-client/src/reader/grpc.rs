@@ -9,8 +9,8 @@ use locus_proto::{nodepb, pb, BlobHash};
 
 use super::*;
 
-/// Bytes per received piece: the largest read the kernel sends a mount (1 MiB), so an
-/// aligned read is one piece.
+/// Bytes hashed at a time as a chunk arrives: the largest read the kernel sends a mount
+/// (1 MiB), small enough to be hashed while the receive copy left it in the CPU's cache.
 const BULK_PIECE: usize = 1 << 20;
 
 /// The cluster's replicas over gRPC: node connections kept per address, the metadata
@@ -75,22 +75,34 @@ impl GrpcReplicas {
             .await
         {
             Ok(mut r) => {
-                // In pieces of the kernel's read size, each hashed as it arrives while
-                // it is still in the CPU's cache (a whole chunk received first and
-                // hashed after is read back from memory: measurably dearer per byte),
-                // and each answering one aligned kernel read without a copy.
-                let mut parts = Vec::with_capacity(r.len().div_ceil(BULK_PIECE as u64) as usize);
+                // Into one buffer for the chunk (`memory`: huge pages, reused), hashed a
+                // piece of the kernel's read size at a time as it arrives, while it is
+                // still in the CPU's cache (a whole chunk received first and hashed
+                // after is read back from memory: measurably dearer per byte). Any read
+                // inside the chunk is then answered with a slice of it.
+                let len = usize::try_from(r.len())
+                    .ok()
+                    .filter(|n| *n as u64 == c.len)
+                    .ok_or_else(|| SourceError::Wrong(format!("sends {} bytes for {}", r.len(), c.len)))?;
+                let mut mem = memory::ChunkMemory::take(len);
                 let mut hasher = c.at().hasher();
-                loop {
-                    match r.next(BULK_PIECE).await {
-                        Ok(Some(b)) => {
-                            hasher.update(&b);
-                            parts.push(b);
+                let buf = mem.as_mut_slice();
+                let mut done = 0;
+                while done < len {
+                    let piece = &mut buf[done..(done + BULK_PIECE).min(len)];
+                    let mut got = 0;
+                    while got < piece.len() {
+                        match r.read_into(&mut piece[got..]).await {
+                            Ok(0) => return Err(SourceError::Unreachable("the answer ended early".into())),
+                            Ok(n) => got += n,
+                            Err(e) => return Err(SourceError::Unreachable(e.to_string())),
                         }
-                        Ok(None) => return Ok(Pieces::hashed(parts, c.at(), &hasher)),
-                        Err(e) => return Err(SourceError::Unreachable(e.to_string())),
                     }
+                    hasher.update(piece);
+                    done += piece.len();
                 }
+                let whole = Bytes::from_owner(mem);
+                return Ok(Pieces::hashed(vec![whole], c.at(), &hasher));
             }
             Err(BulkError::Unsupported(_)) => {}
             Err(BulkError::Missing(m)) => return Err(SourceError::Missing(m)),
