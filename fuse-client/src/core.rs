@@ -572,6 +572,19 @@ impl Core {
         }
     }
 
+    /// The bytes a read of `size` at `offset` gets from file `ino` (0 at or past its end),
+    /// and the file's size; an error for what is not a file.
+    pub(crate) fn read_len(&self, ino: u64, offset: u64, size: u32) -> Result<(usize, u64), FsError> {
+        let a = self.ns.attr(ino).ok_or(FsError::NotFound)?;
+        if a.kind != Kind::File {
+            return Err(FsError::IsDir);
+        }
+        Ok((
+            a.size.saturating_sub(offset).min(u64::from(size)) as usize,
+            a.size,
+        ))
+    }
+
     /// A read of a file nobody opened through the mount (the kernel opened it): from the
     /// node's verified file if the node provides it within its patience (the caller
     /// reads `want` bytes of it, with `pread_local`, into the reply's buffer), else the
@@ -583,11 +596,7 @@ impl Core {
         offset: u64,
         size: u32,
     ) -> Result<ops::ByInode, FsError> {
-        let a = self.ns.attr(ino).ok_or(FsError::NotFound)?;
-        if a.kind != Kind::File {
-            return Err(FsError::IsDir);
-        }
-        let want = a.size.saturating_sub(offset).min(u64::from(size)) as usize;
+        let (want, file_size) = self.read_len(ino, offset, size)?;
         if want == 0 {
             return Ok(ops::ByInode::Remote(bytes::Bytes::new()));
         }
@@ -596,7 +605,7 @@ impl Core {
                 .ns
                 .blob(ino)
                 .ok_or(FsError::Damaged("a file without a blob"))?;
-            if let Some((file, fetched)) = self.local_file(ino, blob, a.size) {
+            if let Some((file, fetched)) = self.local_file(ino, blob, file_size) {
                 if fetched {
                     self.metrics.opened("local");
                 }

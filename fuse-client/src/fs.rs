@@ -404,10 +404,9 @@ impl Mount {
     /// session thread (`Core::read_by_inode`).
     fn read_inode(self: &Arc<Self>, ino: u64, offset: u64, size: u32, started: Instant, reply: ReplyData) {
         // What needs no source is answered here, without a trip to the blocking pool.
-        let want = match self.core.getattr(ino) {
+        let want = match self.core.read_len(ino, offset, size) {
             Err(e) => return reply.error(errno("read", &e)),
-            Ok(a) if a.kind != Kind::File => return reply.error(errno("read", &FsError::IsDir)),
-            Ok(a) => a.size.saturating_sub(offset).min(u64::from(size)),
+            Ok((want, _)) => want as u64,
         };
         if want == 0 {
             return self.finish_read(0, started, reply, |_| Ok((0, "local")));
