@@ -589,12 +589,14 @@ impl Core {
     /// node's verified file if the node provides it within its patience (the caller
     /// reads `want` bytes of it, with `pread_local`, into the reply's buffer), else the
     /// bytes from remote replicas, as a slice of the verified chunk (the caller sends
-    /// them from where they are: no copy into a buffer of its own). Blocking.
+    /// them from where they are: no copy into a buffer of its own). `keeps`: as for
+    /// `read_remote`. Blocking.
     pub(crate) fn read_by_inode(
         self: &Arc<Self>,
         ino: u64,
         offset: u64,
         size: u32,
+        keeps: bool,
     ) -> Result<ops::ByInode, FsError> {
         let (want, file_size) = self.read_len(ino, offset, size)?;
         if want == 0 {
@@ -613,10 +615,13 @@ impl Core {
             }
         }
         let ra = self.inode_readahead(ino);
-        Ok(ops::ByInode::Remote(self.read_remote(ino, &ra, offset, size)?))
+        Ok(ops::ByInode::Remote(
+            self.read_remote(ino, &ra, offset, size, keeps)?,
+        ))
     }
 
-    /// `read_by_inode`'s bytes in a buffer of their own, and which source served them.
+    /// `read_by_inode`'s bytes in a buffer of their own, and which source served them
+    /// (as a read the kernel does not keep: the chunk cache holds on to what it read).
     #[cfg(test)]
     pub(crate) fn read_by_inode_bytes(
         self: &Arc<Self>,
@@ -624,7 +629,19 @@ impl Core {
         offset: u64,
         size: u32,
     ) -> Result<(bytes::Bytes, &'static str), FsError> {
-        match self.read_by_inode(ino, offset, size)? {
+        self.read_by_inode_copied(ino, offset, size, false)
+    }
+
+    /// `read_by_inode_bytes`, for a read the kernel keeps or not (`keeps`).
+    #[cfg(test)]
+    pub(crate) fn read_by_inode_copied(
+        self: &Arc<Self>,
+        ino: u64,
+        offset: u64,
+        size: u32,
+        keeps: bool,
+    ) -> Result<(bytes::Bytes, &'static str), FsError> {
+        match self.read_by_inode(ino, offset, size, keeps)? {
             ops::ByInode::Remote(b) => Ok((b, "remote")),
             ops::ByInode::Local { file, want } => {
                 let align = io::DIRECT_ALIGN;

@@ -382,18 +382,20 @@ impl Mount {
     }
 
     /// Reads from remote replicas, which waits for the network: off the session thread.
+    #[allow(clippy::too_many_arguments)]
     fn read_remote_off_thread(
         self: &Arc<Self>,
         ino: u64,
         ra: Arc<Mutex<ReadAhead>>,
         offset: u64,
         size: u32,
+        keeps: bool,
         started: Instant,
         reply: ReplyData,
     ) {
         let core = self.clone();
         self.rt.spawn_blocking(move || {
-            let got = core.read_remote(ino, &ra, offset, size);
+            let got = core.read_remote(ino, &ra, offset, size, keeps);
             core.send_remote(got, size, started, reply)
         });
     }
@@ -402,7 +404,15 @@ impl Mount {
     /// the node verified recently is read here when the page cache has the bytes; the
     /// rest (choosing the source, waiting for the node or the network) runs off the
     /// session thread (`Core::read_by_inode`).
-    fn read_inode(self: &Arc<Self>, ino: u64, offset: u64, size: u32, started: Instant, reply: ReplyData) {
+    fn read_inode(
+        self: &Arc<Self>,
+        ino: u64,
+        offset: u64,
+        size: u32,
+        keeps: bool,
+        started: Instant,
+        reply: ReplyData,
+    ) {
         // What needs no source is answered here, without a trip to the blocking pool.
         let want = match self.core.read_len(ino, offset, size) {
             Err(e) => return reply.error(errno("read", &e)),
@@ -418,7 +428,7 @@ impl Mount {
         }
         let mount = self.clone();
         self.rt
-            .spawn_blocking(move || match mount.core.read_by_inode(ino, offset, size) {
+            .spawn_blocking(move || match mount.core.read_by_inode(ino, offset, size, keeps) {
                 Ok(ByInode::Local { file, want }) => {
                     // Room for a direct read, which goes by whole pages.
                     let len = want.next_multiple_of(DIRECT_ALIGN);
@@ -527,18 +537,21 @@ impl Filesystem for LocusFs {
         fh: FileHandle,
         offset: u64,
         size: u32,
-        _flags: OpenFlags,
+        flags: OpenFlags,
         _lock_owner: Option<LockOwner>,
         reply: ReplyData,
     ) {
         let started = Instant::now();
+        // What the kernel reads for its page cache it answers again itself; an O_DIRECT
+        // read it does not keep.
+        let keeps = flags.0 & libc::O_DIRECT == 0;
         if fh.0 == 0 {
-            return self.mount.read_inode(ino.0, offset, size, started, reply);
+            return self.mount.read_inode(ino.0, offset, size, keeps, started, reply);
         }
         let Some(h) = self.handles.lock().unwrap().get(&fh.0).cloned() else {
             // Opened by a previous process of this mount (which was restarted): the
             // inode says everything a read needs.
-            return self.mount.read_inode(ino.0, offset, size, started, reply);
+            return self.mount.read_inode(ino.0, offset, size, keeps, started, reply);
         };
         match &*h {
             Handle::Passthrough { _file: file, .. } | Handle::Local { file } => {
@@ -551,7 +564,7 @@ impl Filesystem for LocusFs {
             }
             Handle::Remote { ino, ra } => {
                 self.mount
-                    .read_remote_off_thread(*ino, ra.clone(), offset, size, started, reply)
+                    .read_remote_off_thread(*ino, ra.clone(), offset, size, keeps, started, reply)
             }
         }
     }

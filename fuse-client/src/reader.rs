@@ -385,7 +385,7 @@ impl Remote {
             .await
             .cloned();
         match &r {
-            Ok(b) if fetched => self.cache.filled(key, b.len()),
+            Ok(b) if fetched => self.cache.filled(key, &cell, b.len()),
             Ok(_) => {}
             Err(_) => self.cache.failed(key),
         }
@@ -410,6 +410,12 @@ impl Remote {
                 drop(permit);
             });
         }
+    }
+
+    /// Bytes `[from, to)` of chunk `c` (offsets within it) were handed to the kernel
+    /// for its page cache: a chunk every byte of which was is let go (`cache`).
+    pub fn handed(&self, c: &ChunkRef, from: u64, to: u64) {
+        self.cache.handed((c.blob, c.index), c.len, from, to);
     }
 
     /// Whether a chunk is in the cache or being fetched into it.

@@ -38,12 +38,17 @@ const NEAR: u64 = 4 << 20;
 const GOES_ON: u64 = 128 << 10;
 
 impl Core {
+    /// Bytes `[offset, offset + size)` of a file from remote replicas (the chunk cache,
+    /// read-ahead for sequential readers, verified ranges for random ones). `keeps`: the
+    /// kernel keeps what this read returns in its page cache (a READ that fills it, not
+    /// an O_DIRECT one), so a chunk handed over whole leaves the chunk cache. Blocking.
     pub(crate) fn read_remote(
         &self,
         ino: u64,
         ra: &Mutex<ReadAhead>,
         offset: u64,
         size: u32,
+        keeps: bool,
     ) -> Result<Bytes, FsError> {
         let a = self.ns.attr(ino).ok_or(FsError::NotFound)?;
         let end = offset.saturating_add(u64::from(size)).min(a.size);
@@ -110,10 +115,12 @@ impl Core {
                     tokio::spawn(async move {
                         let piece = match ranged {
                             true => r.range(c, from, to).await.map(|b| (b, false)),
-                            false => r
-                                .chunk(c)
-                                .await
-                                .map(|(p, cached)| (p.range(from as usize, to as usize), cached)),
+                            false => r.chunk(c).await.map(|(p, cached)| {
+                                if keeps {
+                                    r.handed(&c, from, to);
+                                }
+                                (p.range(from as usize, to as usize), cached)
+                            }),
                         };
                         (c, piece)
                     })

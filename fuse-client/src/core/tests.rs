@@ -331,6 +331,55 @@ fn read_all(f: &Fixture, step: u32) -> Result<Vec<u8>, FsError> {
     }
 }
 
+/// A chunk every page of which the kernel took into its page cache leaves the chunk
+/// cache (the kernel answers those reads itself): read again, it is fetched again. What
+/// the kernel does not keep (O_DIRECT), or only part of a chunk, stays cached.
+#[test]
+fn a_chunk_handed_whole_to_the_page_cache_leaves_the_chunk_cache() {
+    const BIG: u32 = 4 * 4096;
+    let fetches = |f: &Fixture| {
+        let log = f.replicas.log.lock().unwrap();
+        (0..3u32)
+            .map(|i| log.iter().filter(|(_, c)| *c == i).count())
+            .collect::<Vec<_>>()
+    };
+    let read = |f: &Fixture, keeps: bool| {
+        let mut out = Vec::new();
+        loop {
+            let (b, _) = f
+                .core
+                .read_by_inode_copied(f.ino, out.len() as u64, BIG, keeps)
+                .unwrap();
+            if b.is_empty() {
+                break;
+            }
+            out.extend_from_slice(&b);
+        }
+        assert!(out == f.data, "the bytes read are the file's");
+    };
+    let f = fixture_sized(BIG, 3, Behave::Good, Behave::Good, None);
+    read(&f, true);
+    assert_eq!(fetches(&f), [1, 1, 1]);
+    read(&f, true);
+    assert_eq!(fetches(&f), [2, 2, 2], "each chunk was let go once handed over");
+
+    let f = fixture_sized(BIG, 3, Behave::Good, Behave::Good, None);
+    read(&f, false);
+    read(&f, false);
+    assert_eq!(fetches(&f), [1, 1, 1], "O_DIRECT reads leave the chunks cached");
+
+    let f = fixture_sized(BIG, 3, Behave::Good, Behave::Good, None);
+    let half = BIG / 2;
+    f.core.read_by_inode_copied(f.ino, 0, half, true).unwrap();
+    f.core.read_by_inode_copied(f.ino, 0, half, true).unwrap();
+    assert_eq!(fetches(&f)[0], 1, "half of chunk 0 handed: it stays");
+    f.core
+        .read_by_inode_copied(f.ino, u64::from(half), half, true)
+        .unwrap();
+    f.core.read_by_inode_copied(f.ino, 0, BIG, true).unwrap();
+    assert_eq!(fetches(&f)[0], 2, "the other half too: it went, and came back");
+}
+
 #[test]
 fn a_failing_replica_fails_over_to_the_next() {
     let f = fixture(3, Behave::Fail, Behave::Good, None);
