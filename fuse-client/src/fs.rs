@@ -95,13 +95,6 @@ pub struct LocusFs {
     mount: Arc<Mount>,
 }
 
-impl std::ops::Deref for LocusFs {
-    type Target = Mount;
-    fn deref(&self) -> &Mount {
-        &self.mount
-    }
-}
-
 /// What the adapter keeps beside the core: the kernel's view (ids, open handles, backing
 /// files) and what init negotiated.
 pub struct Mount {
@@ -118,13 +111,6 @@ pub struct Mount {
     /// Told of every backing id registered (`Some`) or closed (`None`), before the kernel
     /// hears of it: the holder of the connection keeps the list for the next process.
     backing_observer: Option<BackingObserver>,
-}
-
-impl std::ops::Deref for Mount {
-    type Target = Core;
-    fn deref(&self) -> &Core {
-        &self.core
-    }
 }
 
 /// Pages stay cached across opens (nothing changes), and close does not send a flush
@@ -164,12 +150,12 @@ impl LocusFs {
     /// Whether passthrough is in use; readable after the filesystem moved into its
     /// session (the kernel's answer comes at init).
     pub fn passthrough_state(&self) -> Arc<AtomicBool> {
-        self.negotiated.passthrough.clone()
+        self.mount.core.negotiated.passthrough.clone()
     }
 
     /// Whether the kernel opens files by itself; readable like `passthrough_state`.
     pub fn kernel_opens_state(&self) -> Arc<AtomicBool> {
-        self.negotiated.kernel_opens.clone()
+        self.mount.core.negotiated.kernel_opens.clone()
     }
 }
 
@@ -236,9 +222,9 @@ impl Mount {
                         if let Some(f) = &self.backing_observer {
                             f(ino, Some(id.raw()));
                         }
-                        if backing.len() >= 2 * self.recent_max {
+                        if backing.len() >= 2 * self.core.recent_max {
                             // Closed files keep their backing id only while recent.
-                            let recent = self.recent.lock().unwrap();
+                            let recent = self.core.recent.lock().unwrap();
                             backing.retain(|ino, (_, n)| {
                                 let keep = *n > 0 || recent.contains_key(ino);
                                 if let (false, Some(f)) = (keep, &self.backing_observer) {
@@ -259,7 +245,7 @@ impl Mount {
             if let Some(id) = id {
                 drop(backing);
                 let fh = self.add_handle(Handle::Passthrough { ino, _file: file });
-                self.metrics.opened("passthrough");
+                self.core.metrics.opened("passthrough");
                 // The kernel refuses passthrough opens with any flag outside its small
                 // allowed set (KEEP_CACHE included: the backing file's own page cache
                 // is what gets used); NOFLUSH is allowed.
@@ -268,7 +254,7 @@ impl Mount {
             }
         }
         let fh = self.add_handle(Handle::Local { file });
-        self.metrics.opened("local");
+        self.core.metrics.opened("local");
         reply.opened(fh, OPEN_FLAGS);
     }
 
@@ -287,16 +273,18 @@ impl Mount {
     /// Answers an open whose bytes come from remote replicas (or an empty file).
     fn open_remote(&self, ino: u64, size: u64, reply: ReplyOpen) {
         // Start on the first chunk now; the reader almost always wants it.
-        if let Some(c) = self.chunk_ref(ino, 0) {
-            let remote = self.remote.clone();
-            let _guard = self.rt.enter();
+        if let Some(c) = self.core.chunk_ref(ino, 0) {
+            let remote = self.core.remote.clone();
+            let _guard = self.core.rt.enter();
             remote.prefetch(vec![c]);
         }
         let fh = self.add_handle(Handle::Remote {
             ino,
             ra: Arc::new(Mutex::new(ReadAhead::default())),
         });
-        self.metrics.opened(if size == 0 { "empty" } else { "remote" });
+        self.core
+            .metrics
+            .opened(if size == 0 { "empty" } else { "remote" });
         reply.opened(fh, OPEN_FLAGS);
     }
 
@@ -313,11 +301,11 @@ impl Mount {
         reply.try_fill(len, |buf| {
             Some(match read(buf)? {
                 Ok((n, how)) => {
-                    self.metrics.read(how, n, started.elapsed());
+                    self.core.metrics.read(how, n, started.elapsed());
                     Ok(n)
                 }
                 Err(e) => {
-                    self.metrics.read_error();
+                    self.core.metrics.read_error();
                     Err(errno("read", &e))
                 }
             })
@@ -350,15 +338,17 @@ impl Mount {
         let want = want as usize;
         let cached = self.try_finish_read(want, started, reply, |buf| {
             pread_cached(&file.file, file.base + offset, buf)
-                .then(|| self.check_unchanged(ino, &file).map(|()| (want, "local")))
+                .then(|| self.core.check_unchanged(ino, &file).map(|()| (want, "local")))
         });
         let Err(reply) = cached else { return };
-        let core = self.clone();
-        self.rt.spawn_blocking(move || {
+        let mount = self.clone();
+        self.core.rt.spawn_blocking(move || {
             // Not direct: the cached read above has started the kernel's read-ahead into
             // the page cache, which this read then finds (a direct read would read twice).
-            core.finish_read(want, started, reply, |buf| {
-                core.pread_local(ino, &file, offset, want, false, buf)
+            mount.finish_read(want, started, reply, |buf| {
+                mount
+                    .core
+                    .pread_local(ino, &file, offset, want, false, buf)
                     .map(|n| (n, "local"))
             })
         });
@@ -371,11 +361,11 @@ impl Mount {
         match got {
             Ok(data) => {
                 let n = data.len().min(size as usize);
-                self.metrics.read("remote", n, started.elapsed());
+                self.core.metrics.read("remote", n, started.elapsed());
                 reply.data(&data[..n]);
             }
             Err(e) => {
-                self.metrics.read_error();
+                self.core.metrics.read_error();
                 reply.error(errno("read", &e));
             }
         }
@@ -393,10 +383,10 @@ impl Mount {
         started: Instant,
         reply: ReplyData,
     ) {
-        let core = self.clone();
-        self.rt.spawn_blocking(move || {
-            let got = core.read_remote(ino, &ra, offset, size, keeps);
-            core.send_remote(got, size, started, reply)
+        let mount = self.clone();
+        self.core.rt.spawn_blocking(move || {
+            let got = mount.core.read_remote(ino, &ra, offset, size, keeps);
+            mount.send_remote(got, size, started, reply)
         });
     }
 
@@ -421,13 +411,14 @@ impl Mount {
         if want == 0 {
             return self.finish_read(0, started, reply, |_| Ok((0, "local")));
         }
-        if self.local.is_some() {
-            if let Some(file) = self.recent_file(ino) {
+        if self.core.local.is_some() {
+            if let Some(file) = self.core.recent_file(ino) {
                 return self.read_local(ino, file, offset, want, started, reply);
             }
         }
         let mount = self.clone();
-        self.rt
+        self.core
+            .rt
             .spawn_blocking(move || match mount.core.read_by_inode(ino, offset, size, keeps) {
                 Ok(ByInode::Local { file, want }) => {
                     // Room for a direct read, which goes by whole pages.
@@ -460,7 +451,7 @@ impl Filesystem for LocusFs {
         let _ = config.add_capabilities(InitFlags::FUSE_PARALLEL_DIROPS);
         // Adaptive decides per entry in every READDIRPLUS answer, so the kernel is to ask
         // READDIRPLUS always; Auto leaves the choice per directory to the kernel.
-        let _ = config.add_capabilities(match self.settings.readdirplus {
+        let _ = config.add_capabilities(match self.mount.core.settings.readdirplus {
             Readdirplus::Auto => InitFlags::FUSE_DO_READDIRPLUS | InitFlags::FUSE_READDIRPLUS_AUTO,
             Readdirplus::All | Readdirplus::Adaptive => InitFlags::FUSE_DO_READDIRPLUS,
         });
@@ -472,21 +463,31 @@ impl Filesystem for LocusFs {
         // payload (the kernel sizes it by max_write) and the largest READ (256 pages, the
         // kernel's own limit), so 1 MiB keeps every ring entry at 1 MiB instead of 16.
         let _ = config.set_max_write(1 << 20);
-        if self.settings.kernel_opens {
+        if self.mount.core.settings.kernel_opens {
             // Offered since Linux 5.1; without them ENOSYS would fail the open.
             let both = InitFlags::FUSE_NO_OPEN_SUPPORT | InitFlags::FUSE_NO_OPENDIR_SUPPORT;
             if config.capabilities().contains(both) {
-                self.negotiated.kernel_opens.store(true, Ordering::Relaxed);
+                self.mount
+                    .core
+                    .negotiated
+                    .kernel_opens
+                    .store(true, Ordering::Relaxed);
             } else {
                 tracing::info!("this kernel cannot open files by itself; every open asks the mount");
             }
         }
-        if self.settings.passthrough && !self.negotiated.kernel_opens.load(Ordering::Relaxed) {
+        if self.mount.core.settings.passthrough
+            && !self.mount.core.negotiated.kernel_opens.load(Ordering::Relaxed)
+        {
             match config.add_capabilities(InitFlags::FUSE_PASSTHROUGH) {
                 Ok(()) => {
                     // Backing files may live on a stacked filesystem (overlayfs) themselves.
                     let _ = config.set_max_stack_depth(2);
-                    self.negotiated.passthrough.store(true, Ordering::Relaxed);
+                    self.mount
+                        .core
+                        .negotiated
+                        .passthrough
+                        .store(true, Ordering::Relaxed);
                 }
                 Err(_) => {
                     tracing::info!("this kernel has no FUSE passthrough; local files are read with pread")
@@ -497,33 +498,43 @@ impl Filesystem for LocusFs {
     }
 
     fn lookup(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEntry) {
-        match self.core.lookup(parent.0, name) {
-            Ok(a) => reply.entry(&TTL, &self.file_attr(&a), Generation(self.settings.generation)),
+        match self.mount.core.lookup(parent.0, name) {
+            Ok(a) => reply.entry(
+                &TTL,
+                &self.mount.file_attr(&a),
+                Generation(self.mount.core.settings.generation),
+            ),
             Err(e) => reply.error(errno("lookup", &e)),
         }
     }
 
     fn getattr(&self, _req: &Request, ino: INodeNo, _fh: Option<FileHandle>, reply: ReplyAttr) {
-        match self.core.getattr(ino.0) {
-            Ok(a) => reply.attr(&TTL, &self.file_attr(&a)),
+        match self.mount.core.getattr(ino.0) {
+            Ok(a) => reply.attr(&TTL, &self.mount.file_attr(&a)),
             Err(e) => reply.error(errno("getattr", &e)),
         }
     }
 
     fn readlink(&self, _req: &Request, ino: INodeNo, reply: ReplyData) {
-        match self.core.readlink(ino.0) {
+        match self.mount.core.readlink(ino.0) {
             Ok(t) => reply.data(t.as_bytes()),
             Err(e) => reply.error(errno("readlink", &e)),
         }
     }
 
     fn open(&self, _req: &Request, ino: INodeNo, flags: OpenFlags, reply: ReplyOpen) {
-        match self.core.open(ino.0, flags.acc_mode() != OpenAccMode::O_RDONLY) {
+        match self
+            .mount
+            .core
+            .open(ino.0, flags.acc_mode() != OpenAccMode::O_RDONLY)
+        {
             Err(e) => reply.error(errno("open", &e)),
             Ok(OpenPlan::AskNode { ino, size, blob }) => {
                 // The node may copy the blob from a peer first: off the session thread.
                 let mount = self.mount.clone();
-                self.rt
+                self.mount
+                    .core
+                    .rt
                     .spawn_blocking(move || mount.opened(mount.core.open_fetched(ino, size, blob), reply));
             }
             Ok(plan) => self.mount.opened(plan, reply),
@@ -548,7 +559,7 @@ impl Filesystem for LocusFs {
         if fh.0 == 0 {
             return self.mount.read_inode(ino.0, offset, size, keeps, started, reply);
         }
-        let Some(h) = self.handles.lock().unwrap().get(&fh.0).cloned() else {
+        let Some(h) = self.mount.handles.lock().unwrap().get(&fh.0).cloned() else {
             // Opened by a previous process of this mount (which was restarted): the
             // inode says everything a read needs.
             return self.mount.read_inode(ino.0, offset, size, keeps, started, reply);
@@ -556,6 +567,8 @@ impl Filesystem for LocusFs {
         match &*h {
             Handle::Passthrough { _file: file, .. } | Handle::Local { file } => {
                 let want = self
+                    .mount
+                    .core
                     .ns
                     .attr(ino.0)
                     .map_or(0, |a| a.size.saturating_sub(offset).min(u64::from(size)));
@@ -592,15 +605,15 @@ impl Filesystem for LocusFs {
         _flush: bool,
         reply: ReplyEmpty,
     ) {
-        let h = self.handles.lock().unwrap().remove(&fh.0);
+        let h = self.mount.handles.lock().unwrap().remove(&fh.0);
         if let Some(h) = h {
             if let Handle::Passthrough { ino, .. } = &*h {
-                let mut backing = self.backing.lock().unwrap();
+                let mut backing = self.mount.backing.lock().unwrap();
                 if let Some((_, n)) = backing.get_mut(ino) {
                     *n -= 1;
-                    if *n == 0 && !self.core.keeps_backing(*ino) {
+                    if *n == 0 && !self.mount.core.keeps_backing(*ino) {
                         backing.remove(ino);
-                        if let Some(f) = &self.backing_observer {
+                        if let Some(f) = &self.mount.backing_observer {
                             f(*ino, None);
                         }
                     }
@@ -611,7 +624,7 @@ impl Filesystem for LocusFs {
     }
 
     fn opendir(&self, _req: &Request, ino: INodeNo, _flags: OpenFlags, reply: ReplyOpen) {
-        match self.core.opendir(ino.0) {
+        match self.mount.core.opendir(ino.0) {
             // As for files: the kernel opens directories itself from now on, and keeps
             // their listings cached.
             Ok(true) => reply.error(Errno::ENOSYS),
@@ -624,7 +637,7 @@ impl Filesystem for LocusFs {
     }
 
     fn readdir(&self, _req: &Request, ino: INodeNo, _fh: FileHandle, offset: u64, reply: ReplyDirectory) {
-        self.list(ino.0, offset, reply);
+        self.mount.list(ino.0, offset, reply);
     }
 
     fn readdirplus(
@@ -635,11 +648,11 @@ impl Filesystem for LocusFs {
         offset: u64,
         reply: ReplyDirectoryPlus,
     ) {
-        self.list_plus(ino.0, offset, reply);
+        self.mount.list_plus(ino.0, offset, reply);
     }
 
     fn statfs(&self, _req: &Request, _ino: INodeNo, reply: ReplyStatfs) {
-        let s = self.core.statfs();
+        let s = self.mount.core.statfs();
         reply.statfs(s.blocks, 0, 0, s.files, 0, s.block_size, s.name_max, s.block_size);
     }
 }

@@ -22,7 +22,7 @@ impl super::Mount {
 
     /// READDIRPLUS: names with attributes or without, as the policy decides.
     pub(super) fn list_plus(&self, ino: u64, offset: u64, mut reply: ReplyDirectoryPlus) {
-        let gen = Generation(self.settings.generation);
+        let gen = Generation(self.core.settings.generation);
         let listing = match self.core.list(ino, offset, true) {
             Ok(l) => l,
             Err(e) => return reply.error(errno("readdirplus", &e)),
@@ -41,7 +41,7 @@ impl super::Mount {
             }
             children += u64::from(!dot);
         }
-        self.metrics.listed(listing.attributes, children);
+        self.core.metrics.listed(listing.attributes, children);
         reply.ok();
     }
 }

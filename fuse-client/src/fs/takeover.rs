@@ -32,12 +32,16 @@ impl LocusFs {
     /// negotiated, and the backing ids it registered (kept for the life of this process,
     /// since files opened with them may stay open; a few dozen ids at most).
     pub fn restore(&self, n: Negotiated, inherited: HashMap<u64, u32>) {
-        self.negotiated
+        self.mount
+            .core
+            .negotiated
             .passthrough
             .store(n.passthrough, Ordering::Relaxed);
-        self.negotiated
+        self.mount
+            .core
+            .negotiated
             .kernel_opens
             .store(n.kernel_opens, Ordering::Relaxed);
-        *self.inherited.lock().unwrap() = inherited;
+        *self.mount.inherited.lock().unwrap() = inherited;
     }
 }
