@@ -7,7 +7,7 @@ use std::path::Path;
 use openraft::{CommittedLeaderId, EntryPayload};
 
 use super::*;
-use crate::group::segments::RECENT_ENTRIES;
+use crate::group::segments::{RECENT_BYTES, RECENT_ENTRIES};
 use crate::store::{Batch, RocksStore, Table};
 
 struct Builder;
@@ -153,6 +153,47 @@ async fn entries_read_back_the_same_from_memory_and_from_their_segments() {
     let mut log = LogStore::open_rolling_at(&path, state, 1 << 16).unwrap();
     assert!(log.segs().recent.is_empty());
     assert_eq!(log.try_get_log_entries(0..u64::MAX).await.unwrap(), expect);
+}
+
+/// However large its entries (manifest pages are ~4 MiB), the log keeps no more than
+/// `RECENT_BYTES` of them in memory: the newest that fit. The older ones read back from
+/// their segments, the same.
+#[tokio::test(flavor = "multi_thread")]
+async fn entries_kept_in_memory_stay_within_their_byte_bound() {
+    let dir = tempfile::tempdir().unwrap();
+    let state = Arc::new(RocksStore::open_replicated(&dir.path().join("db")).unwrap());
+    let mut log = LogStore::open_rolling_at(&dir.path().join("raft-log"), state, 64 << 20).unwrap();
+    let big = 4 << 20;
+    let n = (RECENT_BYTES / big + 8) as u64;
+    let mut record_len = 0;
+    for i in 1..=n {
+        let e = entry(i, 1, big);
+        let record = record_of(&e).unwrap();
+        record_len = record.len();
+        log.segs()
+            .append(vec![Appended {
+                id: e.log_id,
+                record,
+                entry: Some(e),
+            }])
+            .unwrap();
+    }
+    {
+        let s = log.segs();
+        let held: usize = s.recent.iter().map(|(_, b)| b).sum();
+        assert!(held <= RECENT_BYTES, "{held} bytes held, bound {RECENT_BYTES}");
+        assert!(
+            held + record_len > RECENT_BYTES,
+            "as many as fit are kept: {held} bytes held"
+        );
+        assert_eq!(s.recent.back().unwrap().0.log_id.index, n, "the newest");
+        assert!(s.recent.len() < n as usize);
+    }
+    let got = log.try_get_log_entries(1..n + 1).await.unwrap();
+    assert_eq!(got.len() as u64, n);
+    for (i, e) in (1..).zip(&got) {
+        assert!(*e == entry(i, 1, big), "entry {i}");
+    }
 }
 
 fn segment_files(dir: &Path) -> Vec<String> {
