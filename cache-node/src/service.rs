@@ -132,7 +132,7 @@ impl NodeService {
             Err(BulkError::Unsupported(_)) => {}
             Err(e) => return Err(crate::transfer::bulk_status(e)),
         }
-        let mut peer = self.peers.peer(source, Duration::from_secs(5)).await?;
+        let mut peer = self.peers.peer(source, crate::transfer::CONNECT).await?;
         let req = nodepb::ReadBlobRequest {
             hash: h.0.to_vec(),
             offset: c * cs,

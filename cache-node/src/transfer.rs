@@ -610,8 +610,8 @@ pub async fn fetch_from_origin(
     Ok(true)
 }
 
-/// Longest wait for a peer's connection to open.
-const CONNECT: Duration = Duration::from_secs(3);
+/// Longest wait for a peer's connection to open (copies, chunk fetches).
+pub(crate) const CONNECT: Duration = Duration::from_secs(3);
 
 #[cfg(test)]
 mod tests {
