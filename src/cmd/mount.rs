@@ -79,7 +79,9 @@ pub struct MountArgs {
     /// remote reads) never runs on these threads.
     #[arg(long, value_name = "N")]
     pub threads: Option<usize>,
-    /// Memory for verified chunks read from remote replicas.
+    /// Memory for verified chunks read from remote replicas: chunks read ahead, or read
+    /// only in part. A chunk whose every page went to the kernel's page cache leaves it
+    /// at once (the kernel answers those reads itself).
     #[arg(long, value_name = "SIZE", default_value = "1GiB")]
     pub cache_size: String,
     /// How far ahead of a sequential reader to fetch from remote replicas. All readers
