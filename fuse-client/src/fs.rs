@@ -446,12 +446,13 @@ fn file_type(k: Kind) -> FileType {
 
 impl Filesystem for LocusFs {
     fn init(&mut self, _req: &Request, config: &mut KernelConfig) -> std::io::Result<()> {
+        let (settings, negotiated) = (&self.mount.core.settings, &self.mount.core.negotiated);
         // Capabilities are wishes: what this kernel lacks is simply not used.
         let _ = config.add_capabilities(InitFlags::FUSE_CACHE_SYMLINKS);
         let _ = config.add_capabilities(InitFlags::FUSE_PARALLEL_DIROPS);
         // Adaptive decides per entry in every READDIRPLUS answer, so the kernel is to ask
         // READDIRPLUS always; Auto leaves the choice per directory to the kernel.
-        let _ = config.add_capabilities(match self.mount.core.settings.readdirplus {
+        let _ = config.add_capabilities(match settings.readdirplus {
             Readdirplus::Auto => InitFlags::FUSE_DO_READDIRPLUS | InitFlags::FUSE_READDIRPLUS_AUTO,
             Readdirplus::All | Readdirplus::Adaptive => InitFlags::FUSE_DO_READDIRPLUS,
         });
@@ -463,31 +464,21 @@ impl Filesystem for LocusFs {
         // payload (the kernel sizes it by max_write) and the largest READ (256 pages, the
         // kernel's own limit), so 1 MiB keeps every ring entry at 1 MiB instead of 16.
         let _ = config.set_max_write(1 << 20);
-        if self.mount.core.settings.kernel_opens {
+        if settings.kernel_opens {
             // Offered since Linux 5.1; without them ENOSYS would fail the open.
             let both = InitFlags::FUSE_NO_OPEN_SUPPORT | InitFlags::FUSE_NO_OPENDIR_SUPPORT;
             if config.capabilities().contains(both) {
-                self.mount
-                    .core
-                    .negotiated
-                    .kernel_opens
-                    .store(true, Ordering::Relaxed);
+                negotiated.kernel_opens.store(true, Ordering::Relaxed);
             } else {
                 tracing::info!("this kernel cannot open files by itself; every open asks the mount");
             }
         }
-        if self.mount.core.settings.passthrough
-            && !self.mount.core.negotiated.kernel_opens.load(Ordering::Relaxed)
-        {
+        if settings.passthrough && !negotiated.kernel_opens.load(Ordering::Relaxed) {
             match config.add_capabilities(InitFlags::FUSE_PASSTHROUGH) {
                 Ok(()) => {
                     // Backing files may live on a stacked filesystem (overlayfs) themselves.
                     let _ = config.set_max_stack_depth(2);
-                    self.mount
-                        .core
-                        .negotiated
-                        .passthrough
-                        .store(true, Ordering::Relaxed);
+                    negotiated.passthrough.store(true, Ordering::Relaxed);
                 }
                 Err(_) => {
                     tracing::info!("this kernel has no FUSE passthrough; local files are read with pread")
