@@ -668,6 +668,74 @@ async fn a_peer_that_sends_wrong_bytes_is_passed_over_and_nothing_wrong_is_kept(
     assert!(stored == big, "n3 stored wrong bytes");
 }
 
+/// What the kernel keeps in its page cache the mount lets go of: a file read twice with
+/// the page cache dropped between is fetched from the node twice. What it does not keep
+/// (O_DIRECT reads) the mount keeps: read again, nothing is fetched.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chunks_the_kernel_keeps_leave_the_mount_and_direct_reads_stay_cached() {
+    use std::io::Read;
+    use std::os::unix::fs::OpenOptionsExt;
+    assert!(drop_caches(), "dropping the page cache needs root");
+    let h = Harness::new("mount-handed");
+    let (m, _nodes) = cluster(&h, 1, NodeOpts::host).await;
+    let src = h.path("src");
+    std::fs::create_dir_all(&src).unwrap();
+    let data = pseudo_random(43, 12 << 20);
+    let len = data.len() as u64;
+    std::fs::write(src.join("f.bin"), &data).unwrap();
+    let out = import(&m, "ds", &src, &["--replicas", "1"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    // No node on the mount's side: every byte comes over the network.
+    let mnt = m.mount("remote", "ds@1", None, &[]);
+    let path = mnt.path.join("f.bin");
+    let total = |s: &serde_json::Value, k: &str| s["totals"][k].as_u64().unwrap_or(0);
+
+    assert!(std::fs::read(&path).unwrap() == data);
+    assert!(drop_caches());
+    assert!(std::fs::read(&path).unwrap() == data);
+    mnt.status_when("the second read fetched every byte again", |s| {
+        total(s, "bytes_remote") >= 2 * len
+    })
+    .await;
+
+    let direct = || {
+        let mut f = std::fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_DIRECT)
+            .open(&path)
+            .unwrap();
+        let mut v = vec![0u8; (1 << 20) + 4096];
+        let at = v.as_ptr().align_offset(4096);
+        let mut got = Vec::new();
+        loop {
+            let n = f.read(&mut v[at..at + (1 << 20)]).unwrap();
+            if n == 0 {
+                return got;
+            }
+            got.extend_from_slice(&v[at..at + n]);
+        }
+    };
+    assert!(direct() == data, "O_DIRECT reads the file's bytes");
+    mnt.status_when("the direct read fetched it", |s| {
+        total(s, "bytes_remote") >= 3 * len
+    })
+    .await;
+    // The status file is rewritten every 2 s: let it settle on the first direct read.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let before = mnt.status();
+    assert!(direct() == data);
+    let after = mnt
+        .status_when("the second direct read served from the mount's cache", |s| {
+            total(s, "bytes_cache") >= total(&before, "bytes_cache") + len
+        })
+        .await;
+    assert_eq!(
+        total(&after, "bytes_remote"),
+        total(&before, "bytes_remote"),
+        "nothing was fetched again: {after}"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_read_no_source_can_serve_fails_with_eio_and_bad_mounts_are_refused() {
     let h = Harness::new("mount-errors");
