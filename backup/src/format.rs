@@ -26,7 +26,8 @@ pub fn now_ms() -> i64 {
 pub fn new_snapshot_id(ms: i64) -> String {
     let secs = ms.div_euclid(1000);
     let (days, rem) = (secs.div_euclid(86_400), secs.rem_euclid(86_400));
-    let (y, m, d) = locus_proto::human::civil_from_days(days);
+    // A clock beyond the years ±9999 is not one to name snapshots by: the epoch's date.
+    let (y, m, d) = locus_proto::human::civil_from_days(days).unwrap_or((1970, 1, 1));
     let nonce =
         blake3::hash(format!("{ms}.{}.{:?}", std::process::id(), std::thread::current().id()).as_bytes());
     format!(
@@ -435,6 +436,6 @@ mod tests {
         check_snapshot_id(&a).unwrap();
         assert!(check_snapshot_id("../x").is_err());
         assert!(check_snapshot_id("").is_err());
-        assert_eq!(locus_proto::human::civil_from_days(20_786), (2026, 11, 29));
+        assert_eq!(locus_proto::human::civil_from_days(20_786), Some((2026, 11, 29)));
     }
 }

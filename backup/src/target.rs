@@ -55,17 +55,8 @@ impl Target {
         let r = {
             let root = root.clone();
             tokio::task::spawn_blocking(move || -> std::io::Result<()> {
-                use std::os::fd::AsRawFd;
                 let dir = std::fs::File::open(&root)?;
-                // SAFETY: syncfs only reads the descriptor, which `dir` keeps open for
-                // the call.
-                #[allow(unsafe_code)]
-                let rc = unsafe { libc::syncfs(dir.as_raw_fd()) };
-                if rc == 0 {
-                    Ok(())
-                } else {
-                    Err(std::io::Error::last_os_error())
-                }
+                Ok(nix::unistd::syncfs(&dir)?)
             })
             .await
         };

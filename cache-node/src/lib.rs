@@ -124,9 +124,7 @@ fn restrict_socket(p: &std::path::Path, gid: Option<u32>) -> Result<u32, NodeErr
         addr: p.display().to_string(),
         reason: e.to_string(),
     };
-    // SAFETY: getegid cannot fail and touches no memory of ours.
-    #[allow(unsafe_code)]
-    let gid = gid.unwrap_or_else(|| unsafe { libc::getegid() });
+    let gid = gid.unwrap_or_else(|| nix::unistd::getegid().as_raw());
     std::os::unix::fs::chown(p, None, Some(gid)).map_err(fail)?;
     std::fs::set_permissions(p, std::fs::Permissions::from_mode(0o660)).map_err(fail)?;
     Ok(gid)
@@ -135,9 +133,7 @@ fn restrict_socket(p: &std::path::Path, gid: Option<u32>) -> Result<u32, NodeErr
 /// Root, this node's user and members of the socket's group (by primary group) may use
 /// the socket.
 fn peer_allowed(s: &tokio::net::UnixStream, gid: u32) -> bool {
-    // SAFETY: geteuid cannot fail and touches no memory of ours.
-    #[allow(unsafe_code)]
-    let me = unsafe { libc::geteuid() };
+    let me = nix::unistd::geteuid().as_raw();
     match s.peer_cred() {
         Ok(c) if c.uid() == 0 || c.uid() == me || c.gid() == gid => true,
         Ok(c) => {

@@ -95,30 +95,27 @@ pub fn parse_duration(s: &str) -> Result<std::time::Duration, InvalidInput> {
     std::time::Duration::try_from_secs_f64(secs).map_err(|_| bad())
 }
 
-/// Days since 1970-01-01 → (year, month, day), proleptic Gregorian, after H. Hinnant's
-/// public-domain algorithm.
-pub fn civil_from_days(days: i64) -> (i64, u32, u32) {
-    let z = days + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z.rem_euclid(146_097);
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let d = (doy - (153 * mp + 2) / 5 + 1) as u32;
-    let m = (if mp < 10 { mp + 3 } else { mp - 9 }) as u32;
-    (yoe + era * 400 + i64::from(m <= 2), m, d)
+/// The Julian day number of 1970-01-01.
+const EPOCH_JULIAN_DAY: i64 = 2_440_588;
+
+/// Days since 1970-01-01 → (year, month, day), proleptic Gregorian; None beyond the
+/// years ±9999.
+pub fn civil_from_days(days: i64) -> Option<(i64, u32, u32)> {
+    let jd = i32::try_from(days.checked_add(EPOCH_JULIAN_DAY)?).ok()?;
+    let d = time::Date::from_julian_day(jd).ok()?;
+    Some((
+        i64::from(d.year()),
+        u32::from(u8::from(d.month())),
+        u32::from(d.day()),
+    ))
 }
 
 /// (year, month, day), proleptic Gregorian → days since 1970-01-01; the inverse of
-/// `civil_from_days`.
-pub fn days_from_civil(y: i64, m: u32, d: u32) -> i64 {
-    let y = if m <= 2 { y - 1 } else { y };
-    let era = y.div_euclid(400);
-    let yoe = y.rem_euclid(400);
-    let mp = i64::from(if m > 2 { m - 3 } else { m + 9 });
-    let doy = (153 * mp + 2) / 5 + i64::from(d) - 1;
-    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
-    era * 146_097 + doe - 719_468
+/// `civil_from_days`. None for a date that does not exist (a 13th month, February 30).
+pub fn days_from_civil(y: i64, m: u32, d: u32) -> Option<i64> {
+    let month = time::Month::try_from(u8::try_from(m).ok()?).ok()?;
+    let date = time::Date::from_calendar_date(i32::try_from(y).ok()?, month, u8::try_from(d).ok()?).ok()?;
+    Some(i64::from(date.to_julian_day()) - EPOCH_JULIAN_DAY)
 }
 
 /// Formats milliseconds since the Unix epoch as RFC 3339 in UTC:
@@ -128,7 +125,9 @@ pub fn format_time_ms(ms: i64) -> String {
     let millis = ms.rem_euclid(1000);
     let days = secs.div_euclid(86_400);
     let sod = secs.rem_euclid(86_400);
-    let (y, m, d) = civil_from_days(days);
+    let Some((y, m, d)) = civil_from_days(days) else {
+        return format!("{ms} ms after 1970-01-01");
+    };
     format!(
         "{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}.{millis:03}Z",
         sod / 3600,
@@ -144,10 +143,21 @@ mod tests {
     #[test]
     fn days_and_civil_dates_round_trip() {
         for days in (-800_000..800_000).step_by(97) {
-            let (y, m, d) = civil_from_days(days);
-            assert_eq!(days_from_civil(y, m, d), days, "{y}-{m}-{d}");
+            let (y, m, d) = civil_from_days(days).unwrap();
+            assert_eq!(days_from_civil(y, m, d), Some(days), "{y}-{m}-{d}");
         }
-        assert_eq!(days_from_civil(2026, 11, 30), 20_787);
+        assert_eq!(days_from_civil(2026, 11, 30), Some(20_787));
+        assert_eq!(civil_from_days(0), Some((1970, 1, 1)));
+        assert_eq!(civil_from_days(11_016), Some((2000, 2, 29)));
+        // Dates that do not exist, and days no calendar year holds, are refused.
+        assert_eq!(days_from_civil(2026, 2, 29), None);
+        assert_eq!(days_from_civil(2026, 13, 1), None);
+        assert_eq!(days_from_civil(2026, 4, 31), None);
+        assert_eq!(civil_from_days(i64::MAX), None);
+        assert_eq!(
+            format_time_ms(i64::MAX),
+            format!("{} ms after 1970-01-01", i64::MAX)
+        );
     }
 
     #[test]

@@ -7,24 +7,13 @@ use std::net::SocketAddr;
 /// holds a connection per node (thousands), a node one per peer and reader, a mount a
 /// descriptor per recently verified local file; a bench plays thousands of clients.
 /// Returns whether the limit is now the hard one.
-#[allow(unsafe_code)]
 pub fn raise_open_file_limit() -> bool {
-    let mut r = libc::rlimit {
-        rlim_cur: 0,
-        rlim_max: 0,
-    };
-    // SAFETY: getrlimit/setrlimit only read and write the rlimit struct we pass, which
-    // lives on this stack frame for the duration of both calls.
-    unsafe {
-        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut r) != 0 {
-            return false;
-        }
-        if r.rlim_cur < r.rlim_max {
-            r.rlim_cur = r.rlim_max;
-            return libc::setrlimit(libc::RLIMIT_NOFILE, &r) == 0;
-        }
+    use nix::sys::resource::{getrlimit, setrlimit, Resource};
+    match getrlimit(Resource::RLIMIT_NOFILE) {
+        Ok((soft, hard)) if soft < hard => setrlimit(Resource::RLIMIT_NOFILE, hard, hard).is_ok(),
+        Ok(_) => true,
+        Err(_) => false,
     }
-    true
 }
 
 /// Binds a listening TCP socket with SO_REUSEADDR, so a restarted daemon gets its port

@@ -339,7 +339,7 @@ fn not_after(cert: &[u8]) -> Option<i64> {
         _ => return None,
     };
     let n = |i: usize| rest.get(i..i + 2)?.parse::<i64>().ok();
-    let days = crate::human::days_from_civil(year, n(0)? as u32, n(2)? as u32);
+    let days = crate::human::days_from_civil(year, u32::try_from(n(0)?).ok()?, u32::try_from(n(2)?).ok()?)?;
     Some(days * 86_400 + n(4)? * 3600 + n(6)? * 60 + n(8)?)
 }
 

@@ -44,13 +44,10 @@ impl Drop for Daemon {
     }
 }
 
-#[allow(unsafe_code)]
+/// Asks a child we spawned and have not reaped yet to stop.
 fn terminate(child: &Child) {
-    // SAFETY: kill(2) with a pid we spawned and still own (not yet reaped) and a valid
-    // signal number has no memory-safety preconditions.
-    unsafe {
-        libc::kill(child.id() as libc::pid_t, libc::SIGTERM);
-    }
+    let pid = nix::unistd::Pid::from_raw(child.id() as i32);
+    let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM);
 }
 
 pub async fn run(a: DemoArgs, cfg: &Resolved) -> anyhow::Result<()> {

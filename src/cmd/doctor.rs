@@ -152,11 +152,7 @@ fn on_path(program: &str) -> Option<PathBuf> {
 }
 
 fn euid() -> u32 {
-    // SAFETY: geteuid has no preconditions.
-    #[allow(unsafe_code)]
-    unsafe {
-        libc::geteuid()
-    }
+    nix::unistd::geteuid().as_raw()
 }
 
 fn fusermount() -> Check {
@@ -280,19 +276,13 @@ fn io_uring_check(enable_uring: Option<&str>, io_uring_disabled: Option<&str>) -
 
 fn open_files() -> Check {
     const NAME: &str = "open files limit";
-    let mut r = libc::rlimit {
-        rlim_cur: 0,
-        rlim_max: 0,
-    };
-    // SAFETY: getrlimit writes into the struct we own.
-    #[allow(unsafe_code)]
-    let ok = unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut r) } == 0;
-    if !ok {
+    use nix::sys::resource::{getrlimit, Resource};
+    let Ok((soft, hard)) = getrlimit(Resource::RLIMIT_NOFILE) else {
         return check(NAME, Verdict::Warn, "cannot read RLIMIT_NOFILE", None);
-    }
+    };
     let fix = Some("raise it (LimitNOFILE=1048576 in the unit, or ulimit -n)");
-    let d = format!("{} (hard {})", r.rlim_cur, r.rlim_max);
-    match r.rlim_cur {
+    let d = format!("{soft} (hard {hard})");
+    match soft {
         n if n >= 65_536 => check(NAME, Verdict::Pass, d, None),
         n if n >= 1024 => check(
             NAME,
@@ -401,29 +391,23 @@ fn fs_type(magic: i64) -> &'static str {
 
 fn data_dir(dir: &Path) -> Check {
     let name = format!("data dir {}", dir.display());
-    let c = match std::ffi::CString::new(dir.as_os_str().as_encoded_bytes()) {
-        Ok(c) => c,
-        Err(_) => return check(name, Verdict::Fail, "the path holds a NUL byte", None),
-    };
-    // SAFETY: both calls write into structs we own; the path is NUL-terminated.
-    #[allow(unsafe_code)]
-    let (vfs, fs) = unsafe {
-        let mut vfs: libc::statvfs = std::mem::zeroed();
-        let mut fs: libc::statfs = std::mem::zeroed();
-        if libc::statvfs(c.as_ptr(), &mut vfs) != 0 || libc::statfs(c.as_ptr(), &mut fs) != 0 {
-            let e = std::io::Error::last_os_error();
+    if dir.as_os_str().as_encoded_bytes().contains(&0) {
+        return check(name, Verdict::Fail, "the path holds a NUL byte", None);
+    }
+    let (vfs, fs) = match (nix::sys::statvfs::statvfs(dir), nix::sys::statfs::statfs(dir)) {
+        (Ok(vfs), Ok(fs)) => (vfs, fs),
+        (Err(e), _) | (_, Err(e)) => {
             return check(
                 name,
                 Verdict::Fail,
-                e.to_string(),
+                std::io::Error::from(e).to_string(),
                 Some("create it, or fix the path"),
-            );
+            )
         }
-        (vfs, fs)
     };
-    let total = vfs.f_blocks * vfs.f_frsize;
-    let free = vfs.f_bavail * vfs.f_frsize;
-    let kind = fs_type(fs.f_type);
+    let total = vfs.blocks() * vfs.fragment_size();
+    let free = vfs.blocks_available() * vfs.fragment_size();
+    let kind = fs_type(fs.filesystem_type().0);
     let d = format!("{kind}, {} free of {}", output::size(free), output::size(total));
     // A node stops taking blobs at its reserve; below 1% (or 64 MiB) it cannot even
     // write its index.

@@ -114,14 +114,7 @@ impl BlobStore {
 
 /// Flushes everything written to the filesystem holding `dir`: one journal commit for a
 /// whole batch's files.
-#[allow(unsafe_code)]
 fn syncfs(dir: &std::path::Path) -> Result<(), StoreError> {
-    use std::os::fd::AsRawFd;
     let d = fs::File::open(dir).map_err(io)?;
-    // SAFETY: syncfs takes an open descriptor, which `d` keeps open for the call.
-    let rc = unsafe { libc::syncfs(d.as_raw_fd()) };
-    if rc != 0 {
-        return Err(io(std::io::Error::last_os_error()));
-    }
-    Ok(())
+    nix::unistd::syncfs(&d).map_err(|e| io(e.into()))
 }

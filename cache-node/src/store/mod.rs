@@ -310,22 +310,12 @@ pub fn fs_free(p: &Path) -> Option<u64> {
 }
 
 /// (free to unprivileged users, total) bytes of the filesystem holding `p`.
-#[allow(unsafe_code)]
 pub fn fs_space(p: &Path) -> Option<(u64, u64)> {
-    use std::os::unix::ffi::OsStrExt;
-    let c = std::ffi::CString::new(p.as_os_str().as_bytes()).ok()?;
-    let mut st: libc::statvfs = unsafe {
-        // SAFETY: statvfs is a plain C struct of integers; all-zero is a valid value.
-        std::mem::zeroed()
-    };
-    // SAFETY: `c` is a valid NUL-terminated path and `st` a valid, writable statvfs.
-    let rc = unsafe { libc::statvfs(c.as_ptr(), &mut st) };
-    (rc == 0).then(|| {
-        (
-            st.f_bavail as u64 * st.f_frsize as u64,
-            st.f_blocks as u64 * st.f_frsize as u64,
-        )
-    })
+    let st = nix::sys::statvfs::statvfs(p).ok()?;
+    Some((
+        st.blocks_available() * st.fragment_size(),
+        st.blocks() * st.fragment_size(),
+    ))
 }
 
 /// A poisoned lock still guards consistent maps: every critical section here only

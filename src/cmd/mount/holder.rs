@@ -37,6 +37,7 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
+use nix::sys::signal::Signal;
 use nix::sys::socket::{self, ControlMessage, ControlMessageOwned, MsgFlags};
 
 use super::runtime::status_path;
@@ -339,13 +340,13 @@ pub async fn run(mountpoint: &Path, notify_ready: bool, token: Option<&str>) -> 
             tokio::select! {
                 Some(m) = rx.recv() => apply(m, &mut fuse, &mut state, &mut ready, notify_ready),
                 st = child.wait() => break st?,
-                _ = term.recv() => { stopping = true; signal_child(&child, libc::SIGTERM) }
-                _ = int.recv() => { stopping = true; signal_child(&child, libc::SIGTERM) }
+                _ = term.recv() => { stopping = true; signal_child(&child, Signal::SIGTERM) }
+                _ = int.recv() => { stopping = true; signal_child(&child, Signal::SIGTERM) }
                 _ = hup.recv() => {
                     if fuse.is_some() && !stopping {
                         tracing::info!("SIGHUP: restarting the mount server from {}", exe.display());
                         killed_for_restart = true;
-                        signal_child(&child, libc::SIGKILL);
+                        signal_child(&child, Signal::SIGKILL);
                     }
                 }
             }
@@ -434,13 +435,9 @@ fn apply(
     }
 }
 
-fn signal_child(child: &tokio::process::Child, sig: i32) {
+fn signal_child(child: &tokio::process::Child, sig: Signal) {
     if let Some(pid) = child.id() {
-        // SAFETY: kill(2) on our own child's pid.
-        #[allow(unsafe_code)]
-        unsafe {
-            libc::kill(pid as i32, sig);
-        }
+        let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid as i32), sig);
     }
 }
 

@@ -20,11 +20,7 @@ pub fn runtime_dir() -> PathBuf {
 }
 
 fn euid() -> u32 {
-    // SAFETY: geteuid cannot fail and touches no memory of ours.
-    #[allow(unsafe_code)]
-    unsafe {
-        libc::geteuid()
-    }
+    nix::unistd::geteuid().as_raw()
 }
 
 /// The runtime dir and its `mounts/`, made (mode 0700) or checked before anything is
