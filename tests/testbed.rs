@@ -14,8 +14,8 @@ use std::time::{Duration, Instant};
 use locus_proto::pb;
 use support::*;
 
-/// The bed and a metadata service on its gateway; None (after saying why) where the
-/// machine cannot build one.
+/// The bed and a metadata service on its gateway; a machine that cannot build the bed
+/// fails the test, saying why.
 async fn bed(h: &Harness, per_rack: &[usize], liveness: &'static str) -> (Netbed, Metadata) {
     // A test that cannot have its hosts fails, loudly: it never passes untried.
     if let Some(why) = Netbed::unavailable() {
@@ -204,7 +204,7 @@ async fn import_backup_and_restore_cross_hosts_with_every_node_at_its_own_addres
     make_tree(&src, 80);
     let out = import(&m, "ds", &src, &["--replicas", "2", "--shard-size", "256KiB"]);
     assert!(out.status.success(), "{}", stderr(&out));
-    // Nodes upload the backup themselves, each over its own link.
+    // Nodes upload the backup themselves, each from its own host.
     let target = h.path("backup");
     let url = format!("file://{}", target.display());
     let o = m.cli(&["backup", "run", "--to", &url, "--json"]);
