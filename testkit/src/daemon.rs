@@ -145,18 +145,24 @@ impl Daemon {
     }
 
     pub fn sigstop(&self) {
-        signal(self.child.as_ref().expect("running"), libc::SIGSTOP);
+        signal(
+            self.child.as_ref().expect("running"),
+            nix::sys::signal::Signal::SIGSTOP,
+        );
     }
 
     pub fn sigcont(&self) {
-        signal(self.child.as_ref().expect("running"), libc::SIGCONT);
+        signal(
+            self.child.as_ref().expect("running"),
+            nix::sys::signal::Signal::SIGCONT,
+        );
     }
 
     /// SIGTERM, then waits for the exit status (panics after 30 s). Async so that the
     /// test's own client connections keep running and can answer the server's GOAWAY.
     pub async fn terminate(&mut self) -> ExitStatus {
         let mut c = self.child.take().expect("running");
-        signal(&c, libc::SIGTERM);
+        signal(&c, nix::sys::signal::Signal::SIGTERM);
         let deadline = Instant::now() + Duration::from_secs(30);
         loop {
             if let Some(st) = c.try_wait().expect("wait") {

@@ -116,12 +116,9 @@ impl Drop for Harness {
     }
 }
 
-#[allow(unsafe_code)]
-pub fn signal(child: &Child, sig: i32) {
-    // SAFETY: kill(2) on a pid we spawned and have not reaped; no memory is involved.
-    unsafe {
-        libc::kill(child.id() as libc::pid_t, sig);
-    }
+/// Sends `sig` to a child this process spawned and has not reaped (so the pid is its).
+pub fn signal(child: &Child, sig: nix::sys::signal::Signal) {
+    let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(child.id() as i32), sig);
 }
 
 /// A port that is free now, from 5000–11999: below the kernel's ephemeral range (32768 and

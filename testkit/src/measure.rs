@@ -123,27 +123,22 @@ pub fn cpu_seconds(pid: u32) -> f64 {
     // utime and stime are fields 14 and 15 of the line, 12 and 13 after the name.
     let ticks: u64 = f.get(11).and_then(|v| v.parse().ok()).unwrap_or(0)
         + f.get(12).and_then(|v| v.parse().ok()).unwrap_or(0);
-    // SAFETY: sysconf has no preconditions.
-    #[allow(unsafe_code)]
-    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
-    ticks as f64 / if hz > 0 { hz as f64 } else { 100.0 }
+    let hz = nix::unistd::sysconf(nix::unistd::SysconfVar::CLK_TCK)
+        .ok()
+        .flatten()
+        .filter(|hz| *hz > 0)
+        .unwrap_or(100);
+    ticks as f64 / hz as f64
 }
 
 /// User plus system CPU seconds of this process's children that have ended and been
 /// waited for: what a CLI command run to its end cost (take the difference around it).
 pub fn children_cpu_seconds() -> f64 {
-    let mut ru = std::mem::MaybeUninit::<libc::rusage>::zeroed();
-    // SAFETY: getrusage writes one rusage into the pointer, which points at a zeroed
-    // value of that type on this frame; it is read only if the call succeeded.
-    #[allow(unsafe_code)]
-    let ru = unsafe {
-        if libc::getrusage(libc::RUSAGE_CHILDREN, ru.as_mut_ptr()) != 0 {
-            return 0.0;
-        }
-        ru.assume_init()
-    };
-    let t = |v: libc::timeval| v.tv_sec as f64 + v.tv_usec as f64 / 1e6;
-    t(ru.ru_utime) + t(ru.ru_stime)
+    use nix::sys::time::TimeValLike;
+    match nix::sys::resource::getrusage(nix::sys::resource::UsageWho::RUSAGE_CHILDREN) {
+        Ok(ru) => (ru.user_time().num_microseconds() + ru.system_time().num_microseconds()) as f64 / 1e6,
+        Err(_) => 0.0,
+    }
 }
 
 /// One kept-alive HTTP/1.1 connection for benches that time many requests on it (as a
@@ -349,11 +344,7 @@ pub fn profile(name: &str) -> Option<std::process::Child> {
 
 pub fn stop_profile(c: Option<std::process::Child>) {
     if let Some(mut c) = c {
-        // SAFETY: kill(2) on a child we spawned and have not reaped.
-        #[allow(unsafe_code)]
-        unsafe {
-            libc::kill(c.id() as i32, libc::SIGINT);
-        }
+        crate::signal(&c, nix::sys::signal::Signal::SIGINT);
         let _ = c.wait();
     }
 }
@@ -364,7 +355,6 @@ pub fn stop_profile(c: Option<std::process::Child>) {
 /// bound for moving blob bytes between processes; drop the page cache first for a cold
 /// source. Returns (bytes, CPU of both ends, CPU of the receiving thread alone).
 pub fn tcp_copy_cpu(files: &[PathBuf]) -> (u64, f64, f64) {
-    use std::os::fd::AsRawFd;
     let listener = TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = listener.local_addr().unwrap();
     let before = cpu_seconds(std::process::id());
@@ -386,19 +376,12 @@ pub fn tcp_copy_cpu(files: &[PathBuf]) -> (u64, f64, f64) {
     for p in files {
         let f = std::fs::File::open(p).unwrap();
         let len = f.metadata().unwrap().len();
-        let mut off: libc::off_t = 0;
+        let mut off: i64 = 0;
         while (off as u64) < len {
-            // SAFETY: both descriptors are open for the call; `off` is a live local.
-            #[allow(unsafe_code)]
-            let rc = unsafe {
-                libc::sendfile(
-                    s.as_raw_fd(),
-                    f.as_raw_fd(),
-                    &mut off,
-                    (len - off as u64) as usize,
-                )
-            };
-            assert!(rc > 0, "sendfile: {}", std::io::Error::last_os_error());
+            let left = (len - off as u64) as usize;
+            let n = nix::sys::sendfile::sendfile64(&s, &f, Some(&mut off), left)
+                .unwrap_or_else(|e| panic!("sendfile: {e}"));
+            assert!(n > 0, "sendfile sent nothing before the end of {}", p.display());
         }
     }
     drop(s);

@@ -241,14 +241,10 @@ impl Drop for Mount {
 }
 
 /// Drops a file's pages from the page cache, so the next read asks the filesystem again.
-#[allow(unsafe_code)]
 pub fn drop_page_cache(path: &Path) {
-    use std::os::fd::AsRawFd;
+    use nix::fcntl::{posix_fadvise, PosixFadviseAdvice};
     if let Ok(f) = std::fs::File::open(path) {
-        // SAFETY: a valid open descriptor; posix_fadvise only advises the kernel.
-        unsafe {
-            libc::posix_fadvise(f.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED);
-        }
+        let _ = posix_fadvise(&f, 0, 0, PosixFadviseAdvice::POSIX_FADV_DONTNEED);
     }
 }
 

@@ -127,9 +127,7 @@ fn sweep(id: u8) {
 impl Netbed {
     /// Whether this machine can build a bed (root, iproute2, nsenter); the reason if not.
     pub fn unavailable() -> Option<String> {
-        // SAFETY: geteuid has no preconditions.
-        #[allow(unsafe_code)]
-        let root = unsafe { libc::geteuid() } == 0;
+        let root = nix::unistd::geteuid().is_root();
         if !root {
             return Some("network namespaces need root".into());
         }

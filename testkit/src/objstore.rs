@@ -220,11 +220,17 @@ impl Weed {
 
     /// Freezes it: connections stay open, nothing answers.
     pub fn sigstop(&self) {
-        signal(self.child.as_ref().expect("running"), libc::SIGSTOP);
+        signal(
+            self.child.as_ref().expect("running"),
+            nix::sys::signal::Signal::SIGSTOP,
+        );
     }
 
     pub fn sigcont(&self) {
-        signal(self.child.as_ref().expect("running"), libc::SIGCONT);
+        signal(
+            self.child.as_ref().expect("running"),
+            nix::sys::signal::Signal::SIGCONT,
+        );
     }
 
     /// Starts it again on the same data and ports.
