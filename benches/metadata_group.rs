@@ -17,6 +17,9 @@
 //! - locality p50/p99 over 500 calls on that version: single service, the group's leader,
 //!   and a follower (which answers from its own catalogue and the leader's liveness view).
 //!
+//! With `LOCUS_BENCH_PERF=DIR` the single service's and the group's uploads are profiled
+//! (`perf record -a`) into `DIR/metadata_group_single.data` and `DIR/metadata_group_group.data`.
+//!
 //! The machine's free page reporting is stopped for the run (`SteadyMemory`): on a virtual
 //! machine that hands freed memory back to its host, every page-cache page a member writes
 //! into (its Raft log, its flushes and compactions) can cost a host fault, and a group
@@ -121,7 +124,9 @@ async fn main() {
     let mut c = single.client(None).await;
     let cpu0 = cpu_seconds(single.pid());
     let ticks0 = machine_ticks();
+    let perf = profile("metadata_group_single");
     let (s_up, s_commit) = upload_and_commit(&mut c, files).await;
+    stop_profile(perf);
     let s_idle = idle_share(ticks0, machine_ticks());
     let s_cpu = cpu_seconds(single.pid()) - cpu0;
     eprintln!("single service: upload {s_up:?}, commit {s_commit:?}, {s_cpu:.1} CPU-s");
@@ -143,9 +148,11 @@ async fn main() {
     let mut c = ms[0].client(None).await;
     let cpu0: Vec<f64> = ms.iter().map(|m| cpu_seconds(m.pid())).collect();
     let ticks0 = machine_ticks();
+    let perf = profile("metadata_group_group");
     let (g_up, g_commit) = upload_and_commit(&mut c, files).await;
     let g_idle = idle_share(ticks0, machine_ticks());
     group_settled(&ms, Duration::from_secs(900)).await;
+    stop_profile(perf);
     // Until every member has applied the manifest: what the group spent on it.
     let g_cpu: Vec<f64> = ms
         .iter()
