@@ -173,6 +173,13 @@ pub struct SessionRecord {
     /// its teams' quotas until the session ends, by whichever member leads then.
     #[prost(uint64, tag = "13")]
     pub placed_bytes: u64,
+    /// Pages below this one have their `blob_shards` rows (derived a window at a time:
+    /// `Op::Derive`); the commit derives the rest.
+    #[prost(uint64, tag = "14")]
+    pub indexed_pages: u64,
+    /// Files stored in pages from `indexed_pages` on.
+    #[prost(uint64, tag = "15")]
+    pub unindexed_files: u64,
 }
 
 /// `backups` value: the last snapshot committed to (or restored from) a backup target.

@@ -186,3 +186,71 @@ fn a_malformed_shard_row_is_corruption() {
     assert!(keys::shard_blobs_row(&k, &[0; 44]).is_none());
     assert!(keys::shard_blobs_row(&keys::shard_blob_page(9, 0, 1), &[0; 4 + 39]).is_none());
 }
+
+/// The blob → shard rows of an upload: none until a window of files has been stored, then
+/// those of every page so far, and the rest with the commit; one row per (blob, shard),
+/// with the blob's size and chunk size, however many pages name the blob.
+#[test]
+fn the_blob_index_is_derived_a_window_of_pages_at_a_time_and_the_rest_at_the_commit() {
+    let f = fixture();
+    register(&f.cat, "n1");
+    let (s, _) = f.cat.begin_version(&name("ds"), 0, "", 1, false, "t").unwrap();
+    let shared = BlobHash::of(b"in pages 0 and 2");
+    let index = |f: &Fixture| -> Vec<([u8; 32], u32, u64)> {
+        f.cat
+            .store
+            .scan(Table::BlobShards, b"", None)
+            .map(|kv| kv.unwrap())
+            .filter(|(k, _)| keys::u64_value(&k[32..40]) == Some(s))
+            .map(|(k, v)| {
+                assert_eq!(v[8..12], (4u32 << 20).to_be_bytes(), "chunk size");
+                let shard = u32::from_be_bytes(k[40..44].try_into().unwrap());
+                (
+                    k[..32].try_into().unwrap(),
+                    shard,
+                    keys::u64_value(&v[..8]).unwrap(),
+                )
+            })
+            .collect()
+    };
+    let row = |p: &str, size: u64| (BlobHash::of(p.as_bytes()).0, 0u32, size);
+    // Page 0: 5 files, under the window (8 in tests): no rows yet.
+    let page0: Vec<Entry> = (0..4)
+        .map(|i| file(&format!("a/f{i}"), 3, 0))
+        .chain([file_with_blob("a/g", 9, 0, shared)])
+        .collect();
+    f.cat.put_entries(s, 0, [vec![dir("a")], page0].concat()).unwrap();
+    assert!(index(&f).is_empty(), "rows before a window was full");
+    // Page 1: 5 more, the window is full: the rows of pages 0 and 1.
+    let page1: Vec<Entry> = (0..5).map(|i| file(&format!("b/f{i}"), 4, 0)).collect();
+    f.cat.put_entries(s, 1, [vec![dir("b")], page1].concat()).unwrap();
+    let mut want: Vec<_> = (0..4)
+        .map(|i| row(&format!("a/f{i}"), 3))
+        .chain((0..5).map(|i| row(&format!("b/f{i}"), 4)))
+        .chain([(shared.0, 0, 9)])
+        .collect();
+    want.sort();
+    assert_eq!(index(&f), want);
+    // Page 2 names the shared blob again; the commit derives its rows.
+    f.cat
+        .put_entries(
+            s,
+            2,
+            vec![dir("c"), file("c/x", 5, 0), file_with_blob("c/y", 9, 0, shared)],
+        )
+        .unwrap();
+    assert_eq!(index(&f), want, "page 2 is under the window");
+    f.cat
+        .put_shards(s, 0, vec![shard(0, 12 + 20 + 9 + 5 + 9, 12, &["n1"])])
+        .unwrap();
+    let ns = f.cat.session_namespace(s).unwrap();
+    f.cat.commit(s, "t", Some(ns)).unwrap();
+    want.push(row("c/x", 5));
+    want.push((ns.0 .0, 0, ns.1));
+    want.sort();
+    assert_eq!(
+        index(&f),
+        want,
+        "the shared blob once, page 2's file, the namespace"
+    );
+}

@@ -257,7 +257,10 @@ fn touches_group_state(op: &crate::store::Op) -> bool {
     use crate::store::Op;
     matches!(
         op,
-        Op::Put(Table::Raft, ..) | Op::Delete(Table::Raft, ..) | Op::DeleteRange(Table::Raft, ..)
+        Op::Put(Table::Raft, ..)
+            | Op::Delete(Table::Raft, ..)
+            | Op::DeleteRange(Table::Raft, ..)
+            | Op::Derive(Table::Raft, _)
     )
 }
 

@@ -36,9 +36,21 @@ impl KvStore for MemStore {
     }
 
     fn write(&self, batch: Batch, _sync: bool) -> Result<(), StoreError> {
+        let mut derived = Vec::new();
+        for op in batch.ops() {
+            if let Op::Derive(t, what) = op {
+                derived.push((t, super::derived_rows(self, t, what)?));
+            }
+        }
         let mut m = self.tables.lock().expect("mem store lock poisoned");
+        for (t, rows) in derived {
+            for (k, v) in rows {
+                m.insert((t, k.to_vec()), v.to_vec());
+            }
+        }
         for op in batch.ops() {
             match op {
+                Op::Derive(..) => {}
                 Op::Put(t, k, v) => {
                     m.insert((t, k.to_vec()), v.to_vec());
                 }

@@ -1,16 +1,26 @@
-//! The RocksDB backend: one column family per table, batches as `WriteBatch`.
+//! The RocksDB backend: one column family per table, batches as `WriteBatch`; a batch that
+//! is one long sorted run of puts into one table is written as a table file and ingested.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use rocksdb::{
-    ColumnFamilyDescriptor, Direction, IteratorMode, Options, ReadOptions, WriteBatch, WriteOptions, DB,
+    ColumnFamilyDescriptor, Direction, IngestExternalFileOptions, IteratorMode, Options, ReadOptions,
+    SstFileWriter, WriteBatch, WriteOptions, DB,
 };
 
 use super::{Batch, KvStore, Op, ScanIter, StoreError, Table};
 
+/// Puts below this many go through the memtable even when sorted: a table file per small
+/// batch would leave level 0 full of tiny files for compaction to merge.
+pub const INGEST_AT_LEAST: usize = 4096;
+
 pub struct RocksStore {
     db: DB,
-    path: std::path::PathBuf,
+    path: PathBuf,
+    /// Where sorted runs are written before RocksDB takes them in (`ingest/` in the store).
+    staging: PathBuf,
+    staged: AtomicU64,
 }
 
 fn io(e: rocksdb::Error) -> StoreError {
@@ -45,29 +55,26 @@ impl RocksStore {
         // the end: a 64 MiB memtable flushed in one go makes a member's next Raft-log
         // `fdatasync` wait behind it (ext4 commits the journal for both).
         opts.set_bytes_per_sync(1 << 20);
-        let cfs = Table::ALL.iter().map(|t| {
-            let mut o = Options::default();
-            o.set_compression_type(rocksdb::DBCompressionType::Lz4);
-            if *t == Table::Entries {
-                o.set_write_buffer_size(64 << 20);
-            }
-            // Most point reads ask for keys that are not there (an import checks every
-            // path it receives for duplicates): bloom filters answer those without
-            // searching the memtable's skip list or reading SST blocks.
-            let mut table = rocksdb::BlockBasedOptions::default();
-            table.set_bloom_filter(10.0, false);
-            o.set_block_based_table_factory(&table);
-            o.set_memtable_prefix_bloom_ratio(0.05);
-            o.set_memtable_whole_key_filtering(true);
-            ColumnFamilyDescriptor::new(t.name(), o)
-        });
+        let cfs = Table::ALL
+            .iter()
+            .map(|t| ColumnFamilyDescriptor::new(t.name(), table_options(*t)));
         let db = DB::open_cf_descriptors(&opts, path, cfs).map_err(|e| StoreError::Open {
             path: path.display().to_string(),
             reason: e.into_string(),
         })?;
+        // Files staged for ingestion by a process that stopped before RocksDB took them are
+        // not part of the store: whatever wrote them is replayed or retried.
+        let staging = path.join("ingest");
+        let _ = std::fs::remove_dir_all(&staging);
+        std::fs::create_dir_all(&staging).map_err(|e| StoreError::Open {
+            path: staging.display().to_string(),
+            reason: e.to_string(),
+        })?;
         Ok(Self {
             db,
             path: path.to_path_buf(),
+            staging,
+            staged: AtomicU64::new(0),
         })
     }
 
@@ -81,14 +88,95 @@ impl RocksStore {
 
     fn write_opt(&self, batch: Batch, wo: &WriteOptions) -> Result<(), StoreError> {
         let mut wb = WriteBatch::default();
+        // Derived rows first, from the rows earlier batches stored (`Op::Derive`).
         for op in batch.ops() {
+            if let Op::Derive(t, what) = op {
+                let rows = super::derived_rows(self, t, what)?;
+                if rows.len() >= INGEST_AT_LEAST {
+                    self.ingest(t, rows.iter().map(|(k, v)| (&k[..], &v[..])))?;
+                } else {
+                    for (k, v) in &rows {
+                        wb.put_cf(self.cf(t), k, v);
+                    }
+                }
+            }
+        }
+        let ingested = match sorted_run(&batch) {
+            Some(t) => {
+                let puts = batch.ops().filter_map(|op| match op {
+                    Op::Put(u, k, v) if u == t => Some((k, v)),
+                    _ => None,
+                });
+                self.ingest(t, puts)?;
+                Some(t)
+            }
+            None => None,
+        };
+        for op in batch.ops() {
+            if ingested.is_some_and(|t| op.table() == t) {
+                continue;
+            }
             match op {
+                Op::Derive(..) => {}
                 Op::Put(t, k, v) => wb.put_cf(self.cf(t), k, v),
                 Op::Delete(t, k) => wb.delete_cf(self.cf(t), k),
                 Op::DeleteRange(t, from, to) => wb.delete_range_cf(self.cf(t), from, to),
             }
         }
+        if ingested.is_some() && wb.is_empty() {
+            return Ok(());
+        }
         self.db.write_opt(wb, wo).map_err(io)
+    }
+
+    /// Writes `rows` (ascending keys) into table `t` as one table file and hands it to
+    /// RocksDB, which links it into the tree without a memtable: for
+    /// keys in random order (the blob → shard index, keyed by hash) that is a sequential
+    /// write where a memtable insert searches a skip list of a million keys per row.
+    ///
+    /// Atomic on its own (RocksDB ingests a file whole, durably, and gives it one sequence
+    /// number); the rest of the batch is written after it: a group member's `applied`
+    /// mark, or what a derived change came with (a session's progress, a commit). Should a
+    /// crash fall between the two, a member replays the entry and a single service's
+    /// caller retries; putting the same rows again changes nothing, and rows of a session
+    /// belong to no version until its commit is written.
+    fn ingest<'a>(
+        &self,
+        t: Table,
+        rows: impl Iterator<Item = (&'a [u8], &'a [u8])>,
+    ) -> Result<(), StoreError> {
+        let opts = table_options(t);
+        let mut w = SstFileWriter::create(&opts);
+        let file = self.staging.join(format!(
+            "{}-{}.sst",
+            t.name(),
+            self.staged.fetch_add(1, Ordering::Relaxed)
+        ));
+        w.open(&file).map_err(io)?;
+        let written = (|| {
+            for (k, v) in rows {
+                w.put(k, v)?;
+            }
+            w.finish()
+        })();
+        let ingested = written.and_then(|()| {
+            let mut io = IngestExternalFileOptions::default();
+            // Linked, not copied: the file was written for this and nothing else reads it.
+            io.set_move_files(true);
+            self.db.ingest_external_file_cf_opts(self.cf(t), &io, vec![&file])
+        });
+        let _ = std::fs::remove_file(&file);
+        ingested.map_err(io)
+    }
+
+    /// Rows in a table's active memtable (what went in through `WriteBatch`, not ingested).
+    #[cfg(test)]
+    pub(super) fn memtable_rows(&self, t: Table) -> u64 {
+        self.db
+            .property_int_value_cf(self.cf(t), "rocksdb.num-entries-active-mem-table")
+            .ok()
+            .flatten()
+            .unwrap_or(0)
     }
 
     fn cf(&self, t: Table) -> &rocksdb::ColumnFamily {
@@ -152,6 +240,47 @@ impl KvStore for RocksStore {
         }
         Ok(())
     }
+}
+
+/// One table's column-family options, at open and for the table files `ingest` writes.
+fn table_options(t: Table) -> Options {
+    let mut o = Options::default();
+    o.set_compression_type(rocksdb::DBCompressionType::Lz4);
+    if t == Table::Entries {
+        o.set_write_buffer_size(64 << 20);
+    }
+    // Most point reads ask for keys that are not there (an import checks every
+    // path it receives for duplicates): bloom filters answer those without
+    // searching the memtable's skip list or reading SST blocks.
+    let mut table = rocksdb::BlockBasedOptions::default();
+    table.set_bloom_filter(10.0, false);
+    o.set_block_based_table_factory(&table);
+    o.set_memtable_prefix_bloom_ratio(0.05);
+    o.set_memtable_whole_key_filtering(true);
+    o
+}
+
+/// The table a batch is a sorted run of: at least `INGEST_AT_LEAST` puts into it in
+/// strictly ascending key order, and nothing else but the group's own marks (`Table::Raft`).
+fn sorted_run(batch: &Batch) -> Option<Table> {
+    if batch.len() < INGEST_AT_LEAST {
+        return None;
+    }
+    let (mut table, mut last, mut puts) = (None, None::<&[u8]>, 0usize);
+    for op in batch.ops() {
+        match op {
+            Op::Put(Table::Raft, ..) => {}
+            Op::Put(t, k, _) => {
+                if table.get_or_insert(t) != &t || last.is_some_and(|l| l >= k) {
+                    return None;
+                }
+                last = Some(k);
+                puts += 1;
+            }
+            _ => return None,
+        }
+    }
+    table.filter(|_| puts >= INGEST_AT_LEAST)
 }
 
 fn dir_size(p: &Path) -> u64 {

@@ -1,0 +1,76 @@
+//! Rows a store computes from rows it holds (`Op::Derive`). One kind so far: the blob →
+//! shard index (`blob_shards`) of a range of a session's manifest pages, from their
+//! `shard_blobs` page rows.
+//!
+//! Why: the index is keyed by hash, so written with each page its rows land all over the
+//! key space, and each was a memtable insert searching a skip list of a million keys, on
+//! the service and on every member of a group — two thirds of what a follower spent on a
+//! large upload. Derived a million rows at a time, they are sorted once in memory and go
+//! in as one table file (`RocksStore`), and a group's log carries 16 bytes for them.
+
+use super::{KvStore, StoreError, Table};
+use crate::keys;
+
+/// What a `Derive` of `blob_shards` names: the pages `[from, to)` of session `uid`.
+pub fn derive_blob_shards(uid: u64, from: u32, to: u32) -> Vec<u8> {
+    let mut v = uid.to_be_bytes().to_vec();
+    v.extend_from_slice(&from.to_be_bytes());
+    v.extend_from_slice(&to.to_be_bytes());
+    v
+}
+
+/// One derived `blob_shards` row: key (blob, uid, shard) and value (size, chunk size).
+pub type IndexRow = ([u8; 44], [u8; 12]);
+
+/// The rows `Op::Derive(t, what)` puts, in ascending key order without duplicates.
+pub fn derived_rows(store: &dyn KvStore, t: Table, what: &[u8]) -> Result<Vec<IndexRow>, StoreError> {
+    let bad = || {
+        StoreError::Io(format!(
+            "a derived change of {} names {} bytes",
+            t.name(),
+            what.len()
+        ))
+    };
+    if t != Table::BlobShards || what.len() != 16 {
+        return Err(bad());
+    }
+    let uid = keys::u64_value(&what[..8]).ok_or_else(bad)?;
+    let from = u32::from_be_bytes(what[8..12].try_into().expect("4 bytes"));
+    let to = u32::from_be_bytes(what[12..16].try_into().expect("4 bytes"));
+    // Fixed-size rows in one vector: a million of them is one allocation.
+    let mut rows: Vec<IndexRow> = Vec::new();
+    let (lo, hi) = keys::uid_range(uid);
+    for kv in store.scan(Table::ShardBlobs, &lo, Some(&hi)) {
+        let (k, v) = kv?;
+        // Page rows only (`uid | shard | page`); a version's namespace has a row per blob,
+        // written with its own index row.
+        if k.len() != 16 {
+            continue;
+        }
+        let page = u32::from_be_bytes(k[12..16].try_into().expect("4 bytes"));
+        if page < from || page >= to {
+            continue;
+        }
+        let shard: [u8; 4] = k[8..12].try_into().expect("4 bytes");
+        let Some((shard_id, blobs)) = keys::shard_blobs_row(&k, &v) else {
+            return Err(StoreError::Io(format!(
+                "shard_blobs row of page {page} of {uid} is malformed ({} bytes)",
+                v.len()
+            )));
+        };
+        debug_assert_eq!(shard_id.to_be_bytes(), shard);
+        for (h, size, chunk) in blobs {
+            let mut key = [0u8; 44];
+            key[..32].copy_from_slice(&h);
+            key[32..40].copy_from_slice(&uid.to_be_bytes());
+            key[40..].copy_from_slice(&shard);
+            let mut val = [0u8; 12];
+            val[..8].copy_from_slice(&size.to_be_bytes());
+            val[8..].copy_from_slice(&chunk.to_be_bytes());
+            rows.push((key, val));
+        }
+    }
+    rows.sort_unstable_by_key(|r| r.0);
+    rows.dedup_by(|a, b| a.0 == b.0);
+    Ok(rows)
+}
