@@ -39,35 +39,56 @@ pub fn derived_rows(store: &dyn KvStore, t: Table, what: &[u8]) -> Result<Vec<In
     let to = u32::from_be_bytes(what[12..16].try_into().expect("4 bytes"));
     // Fixed-size rows in one vector: a million of them is one allocation.
     let mut rows: Vec<IndexRow> = Vec::new();
-    let (lo, hi) = keys::uid_range(uid);
-    for kv in store.scan(Table::ShardBlobs, &lo, Some(&hi)) {
-        let (k, v) = kv?;
-        // Page rows only (`uid | shard | page`); a version's namespace has a row per blob,
-        // written with its own index row.
-        if k.len() != 16 {
-            continue;
+    let (_, hi) = keys::uid_range(uid);
+    // Rows are keyed uid | shard | page: each shard's pages in the range are one run, so
+    // the scan seeks to each shard's first page and leaves at its last, reading only the
+    // window's rows (a scan of every page so far, each window, grew with the square of
+    // the upload).
+    let mut shard = 0u32;
+    'shards: loop {
+        let start = keys::shard_blob_page(uid, shard, from);
+        let mut next = None;
+        for kv in store.scan(Table::ShardBlobs, &start, Some(&hi)) {
+            let (k, v) = kv?;
+            let Some(s) = keys::shard_id(&k) else { continue };
+            if s != shard {
+                // The next shard with rows: from its first page in the range.
+                next = Some(s);
+                break;
+            }
+            // Page rows only (`uid | shard | page`); a version's namespace has a row per
+            // blob, written with its own index row.
+            if k.len() != 16 {
+                continue;
+            }
+            let page = u32::from_be_bytes(k[12..16].try_into().expect("4 bytes"));
+            if page >= to {
+                next = shard.checked_add(1);
+                break;
+            }
+            if page < from {
+                continue;
+            }
+            let Some((_, blobs)) = keys::shard_blobs_row(&k, &v) else {
+                return Err(StoreError::Io(format!(
+                    "shard_blobs row of page {page} of {uid} is malformed ({} bytes)",
+                    v.len()
+                )));
+            };
+            for (h, size, chunk) in blobs {
+                let mut key = [0u8; 44];
+                key[..32].copy_from_slice(&h);
+                key[32..40].copy_from_slice(&uid.to_be_bytes());
+                key[40..].copy_from_slice(&shard.to_be_bytes());
+                let mut val = [0u8; 12];
+                val[..8].copy_from_slice(&size.to_be_bytes());
+                val[8..].copy_from_slice(&chunk.to_be_bytes());
+                rows.push((key, val));
+            }
         }
-        let page = u32::from_be_bytes(k[12..16].try_into().expect("4 bytes"));
-        if page < from || page >= to {
-            continue;
-        }
-        let shard: [u8; 4] = k[8..12].try_into().expect("4 bytes");
-        let Some((shard_id, blobs)) = keys::shard_blobs_row(&k, &v) else {
-            return Err(StoreError::Io(format!(
-                "shard_blobs row of page {page} of {uid} is malformed ({} bytes)",
-                v.len()
-            )));
-        };
-        debug_assert_eq!(shard_id.to_be_bytes(), shard);
-        for (h, size, chunk) in blobs {
-            let mut key = [0u8; 44];
-            key[..32].copy_from_slice(&h);
-            key[32..40].copy_from_slice(&uid.to_be_bytes());
-            key[40..].copy_from_slice(&shard);
-            let mut val = [0u8; 12];
-            val[..8].copy_from_slice(&size.to_be_bytes());
-            val[8..].copy_from_slice(&chunk.to_be_bytes());
-            rows.push((key, val));
+        match next {
+            Some(s) => shard = s,
+            None => break 'shards,
         }
     }
     rows.sort_unstable_by_key(|r| r.0);
