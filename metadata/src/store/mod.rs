@@ -136,11 +136,23 @@ mod bytes {
 /// The buffer is shared by clones: a group member hands the same page to its log, to
 /// each follower's replication and to its own apply, and a clone that copied megabytes
 /// each time was paid three times per page on the leader.
-#[derive(Default, Clone, PartialEq, Eq)]
+#[derive(Default, Clone)]
 pub struct Batch {
     buf: Arc<Vec<u8>>,
     n: usize,
+    /// A table whose rows the writer lets land before the rest (`ingest_first`). Not
+    /// serialised: a group member's applies are replayed from its log, so the store
+    /// decides for them by itself.
+    first: Option<Table>,
 }
+
+/// Equal changes make equal batches; `ingest_first` is how to write them, not what.
+impl PartialEq for Batch {
+    fn eq(&self, o: &Self) -> bool {
+        self.n == o.n && self.buf == o.buf
+    }
+}
+impl Eq for Batch {}
 
 const PUT: u8 = 0;
 const DELETE: u8 = 1;
@@ -176,6 +188,16 @@ impl Batch {
     /// See `Op::Derive`.
     pub fn derive(&mut self, t: Table, what: impl AsRef<[u8]>) {
         self.push(DERIVE, t, &[what.as_ref()]);
+    }
+    /// Lets the store make this batch's rows of `t` durable before the rest, as one table
+    /// file, should they be a long sorted run of puts (`RocksStore`). The writer vouches
+    /// that a crash between the two does no harm: that whoever retries the batch puts the
+    /// same rows again, and that rows nothing else points to yet mislead no reader.
+    pub fn ingest_first(&mut self, t: Table) {
+        self.first = Some(t);
+    }
+    pub fn may_ingest_first(&self) -> Option<Table> {
+        self.first
     }
     pub fn len(&self) -> usize {
         self.n
@@ -345,6 +367,7 @@ impl<'de> serde::Deserialize<'de> for Batch {
                 Ok(Batch {
                     buf: Arc::new(buf),
                     n,
+                    first: None,
                 })
             }
         }

@@ -1,5 +1,6 @@
-//! The RocksDB backend: one column family per table, batches as `WriteBatch`; a batch that
-//! is one long sorted run of puts into one table is written as a table file and ingested.
+//! The RocksDB backend: one column family per table, batches as `WriteBatch`; a long sorted
+//! run of puts into one table is written as a table file and ingested, ahead of the rest of
+//! its batch where that is safe (`write`, `write_unlogged`).
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -80,13 +81,18 @@ impl RocksStore {
 
     /// Writes `batch` without RocksDB's log: durable only once flushed. For a group member's
     /// applies alone (`open_replicated`), whose Raft log holds the entry until then.
+    ///
+    /// Any long sorted run of puts into one table goes in as a table file ahead of the
+    /// rest of the batch (a manifest page's entries): should the member crash between the
+    /// two, it replays the entry from its log, and the same rows are put again.
     pub fn write_unlogged(&self, batch: Batch) -> Result<(), StoreError> {
         let mut wo = WriteOptions::default();
         wo.disable_wal(true);
-        self.write_opt(batch, &wo)
+        let run = sorted_run(&batch, |_| true);
+        self.write_opt(batch, &wo, run)
     }
 
-    fn write_opt(&self, batch: Batch, wo: &WriteOptions) -> Result<(), StoreError> {
+    fn write_opt(&self, batch: Batch, wo: &WriteOptions, run: Option<Table>) -> Result<(), StoreError> {
         let mut wb = WriteBatch::default();
         // Derived rows first, from the rows earlier batches stored (`Op::Derive`).
         for op in batch.ops() {
@@ -101,7 +107,7 @@ impl RocksStore {
                 }
             }
         }
-        let ingested = match sorted_run(&batch) {
+        let ingested = match run {
             Some(t) => {
                 let puts = batch.ops().filter_map(|op| match op {
                     Op::Put(u, k, v) if u == t => Some((k, v)),
@@ -171,7 +177,7 @@ impl RocksStore {
 
     /// Rows in a table's active memtable (what went in through `WriteBatch`, not ingested).
     #[cfg(test)]
-    pub(super) fn memtable_rows(&self, t: Table) -> u64 {
+    pub(crate) fn memtable_rows(&self, t: Table) -> u64 {
         self.db
             .property_int_value_cf(self.cf(t), "rocksdb.num-entries-active-mem-table")
             .ok()
@@ -205,7 +211,12 @@ impl KvStore for RocksStore {
     fn write(&self, batch: Batch, sync: bool) -> Result<(), StoreError> {
         let mut wo = WriteOptions::default();
         wo.set_sync(sync);
-        self.write_opt(batch, &wo)
+        // A run may land ahead of the rest only where nothing else is in the batch (but a
+        // member's marks), or where the writer says a crash between is harmless.
+        let first = batch.may_ingest_first();
+        let run = sorted_run(&batch, |t| Some(t) == first)
+            .or_else(|| sorted_run(&batch, |_| true).filter(|t| only_run_and_marks(&batch, *t)));
+        self.write_opt(batch, &wo, run)
     }
 
     fn size_on_disk(&self) -> u64 {
@@ -260,27 +271,35 @@ fn table_options(t: Table) -> Options {
     o
 }
 
-/// The table a batch is a sorted run of: at least `INGEST_AT_LEAST` puts into it in
-/// strictly ascending key order, and nothing else but the group's own marks (`Table::Raft`).
-fn sorted_run(batch: &Batch) -> Option<Table> {
+/// A table, among those `may` allows, whose changes in this batch are all puts, at least
+/// `INGEST_AT_LEAST` of them, in strictly ascending key order. Never the group's own
+/// marks (`Table::Raft`), which are what says how far a member got.
+fn sorted_run(batch: &Batch, may: impl Fn(Table) -> bool) -> Option<Table> {
     if batch.len() < INGEST_AT_LEAST {
         return None;
     }
-    let (mut table, mut last, mut puts) = (None, None::<&[u8]>, 0usize);
+    // (puts so far, the last key, still a run) per table.
+    let mut runs: [(usize, Option<&[u8]>, bool); Table::ALL.len()] = [(0, None, true); Table::ALL.len()];
     for op in batch.ops() {
+        let r = &mut runs[op.table() as usize];
         match op {
-            Op::Put(Table::Raft, ..) => {}
-            Op::Put(t, k, _) => {
-                if table.get_or_insert(t) != &t || last.is_some_and(|l| l >= k) {
-                    return None;
-                }
-                last = Some(k);
-                puts += 1;
+            Op::Put(_, k, _) if r.2 && r.1.is_none_or(|l| l < k) => {
+                r.0 += 1;
+                r.1 = Some(k);
             }
-            _ => return None,
+            _ => r.2 = false,
         }
     }
-    table.filter(|_| puts >= INGEST_AT_LEAST)
+    Table::ALL.into_iter().find(|t| {
+        *t != Table::Raft && may(*t) && runs[*t as usize].2 && runs[*t as usize].0 >= INGEST_AT_LEAST
+    })
+}
+
+/// Whether `batch` holds nothing but its run of `t` and puts of the group's own marks.
+fn only_run_and_marks(batch: &Batch, t: Table) -> bool {
+    batch
+        .ops()
+        .all(|op| op.table() == t || matches!(op, Op::Put(Table::Raft, ..)))
 }
 
 fn dir_size(p: &Path) -> u64 {

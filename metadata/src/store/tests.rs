@@ -309,6 +309,89 @@ fn a_sorted_run_is_ingested_and_reads_like_any_write() {
     assert_eq!(s.memtable_rows(Table::BlobShards), n as u64);
 }
 
+/// A page-like batch (a long run of entries beside a few other rows): a member's apply,
+/// which its log replays after a crash, ingests the run ahead of the rest; a single
+/// service does so only where the writer allows it (`ingest_first`), and only for a run.
+#[test]
+fn a_run_beside_other_rows_is_ingested_where_a_crash_between_is_harmless() {
+    let key = |i: usize| format!("e{i:06}").into_bytes();
+    let n = rocks::INGEST_AT_LEAST + 3;
+    let page = |order: &mut dyn Iterator<Item = usize>, first: bool| {
+        let mut b = Batch::default();
+        for i in order {
+            b.put(Table::Entries, key(i), format!("v{i}"));
+        }
+        b.put(Table::ShardBlobs, b"s1", b"blobs");
+        b.put(Table::Sessions, b"u1", b"progress");
+        if first {
+            b.ingest_first(Table::Entries);
+        }
+        b
+    };
+    let check = |s: &RocksStore, case: &str| {
+        for i in [0, 1, n / 2, n - 1] {
+            assert_eq!(
+                s.get(Table::Entries, &key(i)).unwrap().unwrap(),
+                format!("v{i}").as_bytes(),
+                "{case}"
+            );
+        }
+        assert_eq!(
+            s.get(Table::ShardBlobs, b"s1").unwrap().unwrap(),
+            b"blobs",
+            "{case}"
+        );
+        assert_eq!(
+            s.get(Table::Sessions, b"u1").unwrap().unwrap(),
+            b"progress",
+            "{case}"
+        );
+        assert_eq!(s.scan(Table::Entries, b"", None).count(), n, "{case}");
+    };
+
+    let d = tempfile::tempdir().unwrap();
+    let member = RocksStore::open_replicated(d.path()).unwrap();
+    let mut b = page(&mut (0..n), false);
+    b.put(Table::Raft, b"applied", b"1");
+    member.write_unlogged(b.clone()).unwrap();
+    assert_eq!(
+        member.memtable_rows(Table::Entries),
+        0,
+        "a member ingests the run"
+    );
+    assert_eq!(member.memtable_rows(Table::ShardBlobs), 1);
+    // Replayed after a crash: the same rows again.
+    member.write_unlogged(b).unwrap();
+    check(&member, "member");
+
+    let d = tempfile::tempdir().unwrap();
+    let single = RocksStore::open(d.path()).unwrap();
+    single.write(page(&mut (0..n), false), false).unwrap();
+    assert_eq!(
+        single.memtable_rows(Table::Entries),
+        n as u64,
+        "not allowed: the memtable"
+    );
+    check(&single, "single, not allowed");
+
+    let d = tempfile::tempdir().unwrap();
+    let single = RocksStore::open(d.path()).unwrap();
+    single.write(page(&mut (0..n), true), false).unwrap();
+    assert_eq!(single.memtable_rows(Table::Entries), 0, "allowed: ingested");
+    assert_eq!(single.memtable_rows(Table::Sessions), 1);
+    check(&single, "single, allowed");
+
+    let d = tempfile::tempdir().unwrap();
+    let single = RocksStore::open(d.path()).unwrap();
+    single.write(page(&mut (0..n).rev(), true), false).unwrap();
+    assert_eq!(
+        single.memtable_rows(Table::Entries),
+        n as u64,
+        "allowed but not a run"
+    );
+    check(&single, "single, not a run");
+}
+
 #[test]
 fn rocks_export_is_one_instant() {
     let dir = tempfile::tempdir().unwrap();
