@@ -2,7 +2,7 @@
 
 use locus_proto::manifest::{BlobHash, EntryKind};
 
-use super::tests::{dir, file, fixture, name, register, shard, Fixture};
+use super::tests::{dir, file, fixture, fixture_on, name, register, shard, Fixture};
 use super::*;
 
 #[test]
@@ -182,4 +182,51 @@ fn a_page_arriving_one_ahead_waits_for_its_predecessor() {
         Err(CatalogError::Precondition(m)) => assert!(m.contains("expects entry page 2, got page 4"), "{m}"),
         other => panic!("a page two ahead was taken: {other:?}"),
     }
+}
+
+/// An ordered page's entries go into RocksDB as a table file ahead of its record, so a
+/// service stopped between the two leaves them stored and the page unrecorded: the
+/// uploader sends the page again and it is accepted. Out of order, a page is written as
+/// one batch (its retry would find its own rows and be refused as duplicates).
+#[test]
+fn an_ordered_page_lands_ahead_of_its_record_and_its_retry_is_accepted() {
+    let d = tempfile::tempdir().unwrap();
+    let store = Arc::new(crate::store::RocksStore::open(d.path()).unwrap());
+    let f = fixture_on(store.clone());
+    let (s, _) = f.cat.begin_version(&name("ds"), 0, "", 1, false, "t").unwrap();
+    let n = crate::store::rocks::INGEST_AT_LEAST + 5;
+    let page = |from: usize| -> Vec<Entry> {
+        (from..from + n)
+            .map(|i| file(&format!("f{i:07}"), 1, 0))
+            .collect()
+    };
+    f.cat.put_entries(s, 0, page(0)).unwrap();
+    assert_eq!(
+        store.memtable_rows(Table::Entries),
+        0,
+        "the ordered page was ingested"
+    );
+    // What a stop between the two writes leaves: page 1's entries, page 1 unrecorded.
+    let mut rows = Batch::default();
+    for e in page(n) {
+        rows.put(
+            Table::Entries,
+            keys::entry(s, e.path.as_str()),
+            entry_record(&e).encode_to_vec(),
+        );
+    }
+    store.write(rows, true).unwrap();
+    assert_eq!(f.cat.put_entries(s, 1, page(n)).unwrap(), (2 * n as u64, 2));
+    // Out of order from here on: every entry looked up, the page written in one batch.
+    let before = store.memtable_rows(Table::Entries);
+    f.cat.put_entries(s, 2, vec![file("a", 1, 0)]).unwrap();
+    let mut late: Vec<Entry> = (0..n).map(|i| file(&format!("g{i:07}"), 1, 0)).collect();
+    late.push(file("b", 1, 0));
+    late.sort_by(|a, b| a.path.as_str().cmp(b.path.as_str()));
+    f.cat.put_entries(s, 3, late).unwrap();
+    assert_eq!(
+        store.memtable_rows(Table::Entries),
+        before + 2 + n as u64,
+        "unordered pages use the memtable"
+    );
 }

@@ -270,7 +270,14 @@ impl Catalog {
             // version 1 refuse this catalogue rather than misread it.
             b.put(Table::Meta, keys::META_SCHEMA, SCHEMA_VERSION.to_be_bytes());
         }
-        if !ordered {
+        if ordered {
+            // The page's entries may go in as a table file ahead of the rest: should the
+            // service stop between the two, the page is not recorded, its uploader sends
+            // it again, and an ordered page is put again without any lookup (an unordered
+            // one would find its own rows and be refused as duplicates). An aborted or
+            // reaped session's entries are deleted with its range.
+            b.ingest_first(Table::Entries);
+        } else {
             rec.ordered_up_to.clear();
         }
         rec.entries += entries.len() as u64;

@@ -12,10 +12,15 @@ pub(super) struct Fixture {
 }
 
 pub(super) fn fixture() -> Fixture {
+    fixture_on(Arc::new(MemStore::default()))
+}
+
+/// A catalogue on `store` (a RocksDB store where how rows are written matters).
+pub(super) fn fixture_on(store: Arc<dyn KvStore>) -> Fixture {
     let clock = Arc::new(ManualClock::default());
     clock.advance_ms(1_000_000);
     let cat = Catalog::open(
-        Arc::new(MemStore::default()),
+        store,
         clock.clone(),
         CatalogConfig {
             liveness_timeout: Duration::from_secs(10),
