@@ -19,7 +19,7 @@ impl Catalog {
                 b.delete(Table::NodeShards, keys::node_shard(node, v.uid, id));
             }
         }
-        self.delete_shard_blobs(b, v.uid)?;
+        self.delete_shard_blobs(b, v.uid);
         b.delete_range(Table::Entries, from.clone(), to.clone());
         b.delete_range(Table::Shards, from.clone(), to.clone());
         b.delete_range(Table::Resident, from, to);

@@ -254,3 +254,99 @@ fn the_blob_index_is_derived_a_window_of_pages_at_a_time_and_the_rest_at_the_com
         "the shared blob once, page 2's file, the namespace"
     );
 }
+
+/// Counts the changes of the batches written through it.
+struct Counting(Arc<dyn KvStore>, std::sync::Mutex<Vec<usize>>);
+
+impl KvStore for Counting {
+    fn get(&self, t: Table, key: &[u8]) -> std::result::Result<Option<Vec<u8>>, StoreError> {
+        self.0.get(t, key)
+    }
+    fn scan<'a>(&'a self, t: Table, from: &[u8], to: Option<&[u8]>) -> crate::store::ScanIter<'a> {
+        self.0.scan(t, from, to)
+    }
+    fn write(&self, batch: Batch, sync: bool) -> std::result::Result<(), StoreError> {
+        self.1.lock().unwrap().push(batch.len());
+        self.0.write(batch, sync)
+    }
+    fn size_on_disk(&self) -> u64 {
+        self.0.size_on_disk()
+    }
+    fn export(
+        &self,
+        tables: &[Table],
+        visit: &mut crate::store::ExportVisitor<'_>,
+    ) -> std::result::Result<(), StoreError> {
+        self.0.export(tables, visit)
+    }
+}
+
+/// Deleting a version, or aborting an upload, names the blob → shard rows to go rather
+/// than listing them (a 10M-entry version's list was a ~500 MB batch, past what a group's
+/// log sends in one message): the batch does not grow with the files, and every row of
+/// the version goes, those of other versions stay.
+#[test]
+fn a_version_delete_or_an_abort_is_a_batch_that_does_not_grow_with_its_files() {
+    let store = Arc::new(Counting(
+        Arc::new(crate::store::MemStore::default()),
+        Default::default(),
+    ));
+    let f = super::tests::fixture_on(store.clone());
+    register(&f.cat, "n1");
+    let upload = |ds: &str, files: usize| {
+        let (s, _) = f.cat.begin_version(&name(ds), 0, "", 1, false, "t").unwrap();
+        for page in 0..4 {
+            let entries: Vec<Entry> = (0..files / 4)
+                .map(|i| file(&format!("p{page}/f{i:05}"), 3, (i % 2) as u32))
+                .collect();
+            f.cat
+                .put_entries(s, page, [vec![dir(&format!("p{page}"))], entries].concat())
+                .unwrap();
+        }
+        s
+    };
+    let indexed = |uid: u64| {
+        f.cat
+            .store
+            .scan(Table::BlobShards, b"", None)
+            .filter(|kv| kv.as_ref().unwrap().0[32..40] == uid.to_be_bytes())
+            .count()
+    };
+    let kept = upload("kept", 40);
+    for (s, n) in [(upload("big", 400), 400), (kept, 40)] {
+        let half = n as u64 / 2;
+        let shards = vec![
+            shard(0, 3 * half, half, &["n1"]),
+            shard(1, 3 * half, half, &["n1"]),
+        ];
+        f.cat.put_shards(s, 0, shards).unwrap();
+        let ns = f.cat.session_namespace(s).unwrap();
+        f.cat.commit(s, "t", Some(ns)).unwrap();
+    }
+    let uid = |ds: &str| {
+        f.cat
+            .resolve(&format!("{ds}@latest").parse().unwrap())
+            .unwrap()
+            .1
+            .uid
+    };
+    let (big, small) = (uid("big"), uid("kept"));
+    assert!(indexed(big) > 400 && indexed(small) > 40);
+    store.1.lock().unwrap().clear();
+    f.cat.delete_version(&name("big"), 1).unwrap();
+    let batches = store.1.lock().unwrap().clone();
+    assert_eq!(batches.len(), 1);
+    assert!(batches[0] < 20, "a delete of 400 files in {} changes", batches[0]);
+    assert_eq!(indexed(big), 0);
+    assert!(indexed(small) > 40, "the other version keeps its rows");
+
+    // An upload aborted after a window was derived: its rows go the same way.
+    let s = upload("aborted", 400);
+    assert!(indexed(s) > 0, "a window was derived");
+    store.1.lock().unwrap().clear();
+    f.cat.abort(s).unwrap();
+    let batches = store.1.lock().unwrap().clone();
+    assert!(batches.iter().all(|n| *n < 20), "{batches:?}");
+    assert_eq!(indexed(s), 0);
+    assert!(indexed(small) > 40);
+}

@@ -1,6 +1,7 @@
-//! Rows a store computes from rows it holds (`Op::Derive`). One kind so far: the blob →
-//! shard index (`blob_shards`) of a range of a session's manifest pages, from their
-//! `shard_blobs` page rows.
+//! Rows a store computes from rows it holds (`Op::Derive`), all of the blob → shard index
+//! (`blob_shards`): the rows of a range of a session's manifest pages, put, from their
+//! `shard_blobs` page rows; or every row a version's (or session's) `shard_blobs` rows
+//! name, deleted, when it goes.
 //!
 //! Why: the index is keyed by hash, so written with each page its rows land all over the
 //! key space, and each was a memtable insert searching a skip list of a million keys, on
@@ -19,18 +20,68 @@ pub fn derive_blob_shards(uid: u64, from: u32, to: u32) -> Vec<u8> {
     v
 }
 
+/// What a `Derive` that deletes names: every `blob_shards` row of `uid`'s `shard_blobs`
+/// rows. Deleting a 10M-entry version wrote 10M point deletes into one batch (~500 MB,
+/// past what a group's log sends in one message); these are 8 bytes.
+pub fn forget_blob_shards(uid: u64) -> Vec<u8> {
+    uid.to_be_bytes().to_vec()
+}
+
 /// One derived `blob_shards` row: key (blob, uid, shard) and value (size, chunk size).
 pub type IndexRow = ([u8; 44], [u8; 12]);
 
-/// The rows `Op::Derive(t, what)` puts, in ascending key order without duplicates.
+/// What an `Op::Derive` does: rows to put, or keys to delete, each in ascending key order
+/// without duplicates.
+pub enum Derived {
+    Put(Vec<IndexRow>),
+    Delete(Vec<[u8; 44]>),
+}
+
+/// What `Op::Derive(t, what)` changes, computed from the rows `store` holds now.
+pub fn derived(store: &dyn KvStore, t: Table, what: &[u8]) -> Result<Derived, StoreError> {
+    match (t, what.len()) {
+        (Table::BlobShards, 16) => derived_rows(store, t, what).map(Derived::Put),
+        (Table::BlobShards, 8) => forgotten_rows(store, what).map(Derived::Delete),
+        _ => Err(bad_derive(t, what)),
+    }
+}
+
+fn bad_derive(t: Table, what: &[u8]) -> StoreError {
+    StoreError::Io(format!(
+        "a derived change of {} names {} bytes",
+        t.name(),
+        what.len()
+    ))
+}
+
+/// The keys `forget_blob_shards(uid)` deletes: one per blob of each `shard_blobs` row of
+/// `uid` (its pages and its namespace's row), whether or not a window derived them yet.
+fn forgotten_rows(store: &dyn KvStore, what: &[u8]) -> Result<Vec<[u8; 44]>, StoreError> {
+    let uid = keys::u64_value(what).ok_or_else(|| bad_derive(Table::BlobShards, what))?;
+    let (from, to) = keys::uid_range(uid);
+    let mut gone = Vec::new();
+    for kv in store.scan(Table::ShardBlobs, &from, Some(&to)) {
+        let (k, v) = kv?;
+        let Some((shard, blobs)) = keys::shard_blobs_row(&k, &v) else {
+            continue;
+        };
+        for (h, _, _) in blobs {
+            let mut key = [0u8; 44];
+            key[..32].copy_from_slice(&h);
+            key[32..40].copy_from_slice(&uid.to_be_bytes());
+            key[40..].copy_from_slice(&shard.to_be_bytes());
+            gone.push(key);
+        }
+    }
+    gone.sort_unstable();
+    gone.dedup();
+    Ok(gone)
+}
+
+/// The rows `Op::Derive(t, what)` puts for a range of pages, in ascending key order
+/// without duplicates.
 pub fn derived_rows(store: &dyn KvStore, t: Table, what: &[u8]) -> Result<Vec<IndexRow>, StoreError> {
-    let bad = || {
-        StoreError::Io(format!(
-            "a derived change of {} names {} bytes",
-            t.name(),
-            what.len()
-        ))
-    };
+    let bad = || bad_derive(t, what);
     if t != Table::BlobShards || what.len() != 16 {
         return Err(bad());
     }

@@ -4,7 +4,7 @@ use std::collections::BTreeMap;
 use std::ops::Bound;
 use std::sync::Mutex;
 
-use super::{Batch, KvStore, Op, ScanIter, StoreError, Table};
+use super::{Batch, Derived, KvStore, Op, ScanIter, StoreError, Table};
 
 type Tables = BTreeMap<(Table, Vec<u8>), Vec<u8>>;
 
@@ -39,13 +39,22 @@ impl KvStore for MemStore {
         let mut derived = Vec::new();
         for op in batch.ops() {
             if let Op::Derive(t, what) = op {
-                derived.push((t, super::derived_rows(self, t, what)?));
+                derived.push((t, super::derived(self, t, what)?));
             }
         }
         let mut m = self.tables.lock().expect("mem store lock poisoned");
-        for (t, rows) in derived {
-            for (k, v) in rows {
-                m.insert((t, k.to_vec()), v.to_vec());
+        for (t, d) in derived {
+            match d {
+                Derived::Put(rows) => {
+                    for (k, v) in rows {
+                        m.insert((t, k.to_vec()), v.to_vec());
+                    }
+                }
+                Derived::Delete(keys) => {
+                    for k in keys {
+                        m.remove(&(t, k.to_vec()));
+                    }
+                }
             }
         }
         for op in batch.ops() {

@@ -11,7 +11,7 @@ mod derive;
 mod mem;
 pub(crate) mod rocks;
 
-pub use derive::{derive_blob_shards, derived_rows, IndexRow};
+pub use derive::{derive_blob_shards, derived, derived_rows, forget_blob_shards, Derived, IndexRow};
 pub use mem::MemStore;
 pub use rocks::RocksStore;
 
@@ -83,6 +83,10 @@ pub enum StoreError {
     /// caller may retry, elsewhere or later.
     #[error("{0}")]
     Unavailable(String),
+    /// A change too large for the store to take at all (a group's one-message bound);
+    /// nothing was written, and retrying the same change cannot help.
+    #[error("{0}")]
+    TooLarge(String),
 }
 
 /// One change inside a batch, borrowed from it.
@@ -101,10 +105,11 @@ pub enum Op<'a> {
         #[serde(with = "bytes")] &'a [u8],
         #[serde(with = "bytes")] &'a [u8],
     ),
-    /// Puts the rows of `Table` that the store computes from rows it already holds, as
-    /// `derived_rows` says: the change names them rather than carrying them (a group ships
-    /// 16 bytes where the rows are ~80 each), and every member computes them from its own
-    /// copy of the rows they come from. Applied before the batch's other changes.
+    /// Puts or deletes the rows of `Table` that the store computes from rows it already
+    /// holds, as `derived` says: the change names them rather than carrying them (a group
+    /// ships 16 bytes where the rows are ~80 each, 8 where a version's deletes were ~50
+    /// each), and every member computes them from its own copy of the rows they come
+    /// from. Computed before the batch's other changes, from what earlier batches stored.
     Derive(Table, #[serde(with = "bytes")] &'a [u8]),
 }
 

@@ -10,7 +10,7 @@ use rocksdb::{
     SstFileWriter, WriteBatch, WriteOptions, DB,
 };
 
-use super::{Batch, KvStore, Op, ScanIter, StoreError, Table};
+use super::{Batch, Derived, KvStore, Op, ScanIter, StoreError, Table};
 
 /// Puts below this many go through the memtable even when sorted: a table file per small
 /// batch would leave level 0 full of tiny files for compaction to merge.
@@ -83,26 +83,47 @@ impl RocksStore {
     /// applies alone (`open_replicated`), whose Raft log holds the entry until then.
     ///
     /// Any long sorted run of puts into one table goes in as a table file ahead of the
-    /// rest of the batch (a manifest page's entries): should the member crash between the
-    /// two, it replays the entry from its log, and the same rows are put again.
+    /// rest of the batch (a manifest page's entries), and so do a derived change's deletes
+    /// (a version's index rows): should the member crash between the two, it replays the
+    /// entry from its log, computes the same changes from the same rows, and makes them
+    /// again.
     pub fn write_unlogged(&self, batch: Batch) -> Result<(), StoreError> {
         let mut wo = WriteOptions::default();
         wo.disable_wal(true);
         let run = sorted_run(&batch, |_| true);
-        self.write_opt(batch, &wo, run)
+        self.write_opt(batch, &wo, run, true)
     }
 
-    fn write_opt(&self, batch: Batch, wo: &WriteOptions, run: Option<Table>) -> Result<(), StoreError> {
+    /// `deletes_first`: a derived change's deletes may go in as a table file ahead of the
+    /// rest (a replayed apply); else they stay in the batch, which is atomic — a version
+    /// whose index rows were gone while its record stayed would lose its replicas.
+    fn write_opt(
+        &self,
+        batch: Batch,
+        wo: &WriteOptions,
+        run: Option<Table>,
+        deletes_first: bool,
+    ) -> Result<(), StoreError> {
         let mut wb = WriteBatch::default();
-        // Derived rows first, from the rows earlier batches stored (`Op::Derive`).
+        // Derived changes first, from the rows earlier batches stored (`Op::Derive`).
         for op in batch.ops() {
             if let Op::Derive(t, what) = op {
-                let rows = super::derived_rows(self, t, what)?;
-                if rows.len() >= INGEST_AT_LEAST {
-                    self.ingest(t, rows.iter().map(|(k, v)| (&k[..], &v[..])))?;
-                } else {
-                    for (k, v) in &rows {
-                        wb.put_cf(self.cf(t), k, v);
+                match super::derived(self, t, what)? {
+                    Derived::Put(rows) if rows.len() >= INGEST_AT_LEAST => {
+                        self.ingest(t, rows.iter().map(|(k, v)| (&k[..], Some(&v[..]))))?
+                    }
+                    Derived::Put(rows) => {
+                        for (k, v) in &rows {
+                            wb.put_cf(self.cf(t), k, v);
+                        }
+                    }
+                    Derived::Delete(keys) if deletes_first && keys.len() >= INGEST_AT_LEAST => {
+                        self.ingest(t, keys.iter().map(|k| (&k[..], None)))?
+                    }
+                    Derived::Delete(keys) => {
+                        for k in &keys {
+                            wb.delete_cf(self.cf(t), k);
+                        }
                     }
                 }
             }
@@ -110,7 +131,7 @@ impl RocksStore {
         let ingested = match run {
             Some(t) => {
                 let puts = batch.ops().filter_map(|op| match op {
-                    Op::Put(u, k, v) if u == t => Some((k, v)),
+                    Op::Put(u, k, v) if u == t => Some((k, Some(v))),
                     _ => None,
                 });
                 self.ingest(t, puts)?;
@@ -135,8 +156,9 @@ impl RocksStore {
         self.db.write_opt(wb, wo).map_err(io)
     }
 
-    /// Writes `rows` (ascending keys) into table `t` as one table file and hands it to
-    /// RocksDB, which links it into the tree without a memtable: for
+    /// Writes `rows` (ascending keys; a row without a value is a delete) into table `t` as
+    /// one table file and hands it to RocksDB, which links it into the tree without a
+    /// memtable: for
     /// keys in random order (the blob → shard index, keyed by hash) that is a sequential
     /// write where a memtable insert searches a skip list of a million keys per row.
     ///
@@ -149,7 +171,7 @@ impl RocksStore {
     fn ingest<'a>(
         &self,
         t: Table,
-        rows: impl Iterator<Item = (&'a [u8], &'a [u8])>,
+        rows: impl Iterator<Item = (&'a [u8], Option<&'a [u8]>)>,
     ) -> Result<(), StoreError> {
         let opts = table_options(t);
         let mut w = SstFileWriter::create(&opts);
@@ -161,7 +183,10 @@ impl RocksStore {
         w.open(&file).map_err(io)?;
         let written = (|| {
             for (k, v) in rows {
-                w.put(k, v)?;
+                match v {
+                    Some(v) => w.put(k, v)?,
+                    None => w.delete(k)?,
+                }
             }
             w.finish()
         })();
@@ -216,7 +241,7 @@ impl KvStore for RocksStore {
         let first = batch.may_ingest_first();
         let run = sorted_run(&batch, |t| Some(t) == first)
             .or_else(|| sorted_run(&batch, |_| true).filter(|t| only_run_and_marks(&batch, *t)));
-        self.write_opt(batch, &wo, run)
+        self.write_opt(batch, &wo, run, false)
     }
 
     fn size_on_disk(&self) -> u64 {

@@ -160,9 +160,50 @@ fn derive_contract(s: &dyn KvStore, per_page: usize) {
     }
 }
 
+/// After `derive_contract`: the rest of both uids' rows derived, and the namespace's own
+/// index row put, as the catalogue writes them; then uid 5 forgotten with its page rows
+/// deleted in the same batch (`forget` writes it). Every row of uid 5 goes, the
+/// namespace's included; every row of uid 6 stays. Returns how many rows went.
+fn forget_contract(s: &dyn KvStore, forget: impl Fn(Batch)) -> usize {
+    let blob = |i: usize| *blake3::hash(&i.to_le_bytes()).as_bytes();
+    let mut b = Batch::default();
+    b.derive(Table::BlobShards, derive_blob_shards(5, 0, 1));
+    b.derive(Table::BlobShards, derive_blob_shards(5, 2, 3));
+    b.derive(Table::BlobShards, derive_blob_shards(6, 0, 3));
+    b.put(
+        Table::BlobShards,
+        keys::blob_shard(&blob(999_999), 5, 0),
+        keys::blob_shard_value(1, 4096),
+    );
+    s.write(b, false).unwrap();
+    let of = |uid: u64| {
+        s.scan(Table::BlobShards, b"", None)
+            .filter(|kv| kv.as_ref().unwrap().0[32..40] == uid.to_be_bytes())
+            .count()
+    };
+    let (five, six) = (of(5), of(6));
+    assert!(five > 0 && six > 0);
+    let mut b = Batch::default();
+    b.derive(Table::BlobShards, forget_blob_shards(5));
+    let (from, to) = keys::uid_range(5);
+    b.delete_range(Table::ShardBlobs, from.clone(), to.clone());
+    assert!(b.len() == 2, "the change names the rows, it does not list them");
+    forget(b);
+    assert_eq!(of(5), 0, "every index row of uid 5, the namespace's too");
+    assert_eq!(of(6), six, "uid 6 keeps its rows");
+    assert_eq!(s.scan(Table::ShardBlobs, &from, Some(&to)).count(), 0);
+    // A forget names one uid in 8 bytes; another table is refused.
+    let mut b = Batch::default();
+    b.derive(Table::Entries, forget_blob_shards(6));
+    assert!(s.write(b, false).is_err());
+    five
+}
+
 #[test]
 fn derived_rows_in_memory() {
-    derive_contract(&MemStore::default(), 5);
+    let s = MemStore::default();
+    derive_contract(&s, 5);
+    forget_contract(&s, |b| s.write(b, true).unwrap());
 }
 
 #[test]
@@ -171,11 +212,24 @@ fn derived_rows_in_rocksdb_go_in_as_a_file() {
     let s = RocksStore::open(dir.path()).unwrap();
     derive_contract(&s, rocks::INGEST_AT_LEAST);
     assert_eq!(s.memtable_rows(Table::BlobShards), 0);
+    // A member's apply, replayed from its log should it stop half-way: the deletes go in
+    // as a file too. (The namespace row's put is the memtable's one row, unless RocksDB
+    // flushed it because the file overlaps it.)
+    forget_contract(&s, |b| s.write_unlogged(b).unwrap());
+    assert!(s.memtable_rows(Table::BlobShards) <= 1);
+    // A single service's write is atomic: the deletes go with the rest of their batch.
+    let dir = tempfile::tempdir().unwrap();
+    let s = RocksStore::open(dir.path()).unwrap();
+    derive_contract(&s, rocks::INGEST_AT_LEAST);
+    let gone = forget_contract(&s, |b| s.write(b, true).unwrap());
+    assert!(gone >= rocks::INGEST_AT_LEAST);
+    assert_eq!(s.memtable_rows(Table::BlobShards), 1 + gone as u64);
     // Too few to be worth a file: through the memtable, the same rows.
     let dir = tempfile::tempdir().unwrap();
     let s = RocksStore::open(dir.path()).unwrap();
     derive_contract(&s, 3);
     assert_eq!(s.memtable_rows(Table::BlobShards), 3 * (1 + 3));
+    forget_contract(&s, |b| s.write_unlogged(b).unwrap());
 }
 
 #[test]
