@@ -630,6 +630,7 @@ impl KvStore for ReplicatedStore {
     }
     fn write(&self, batch: Batch, _sync: bool) -> Result<(), StoreError> {
         // Durability is the log's: an entry is committed once a quorum has it on disk.
+        network::fits_one_message(&batch)?;
         let raft = self.0.raft.clone();
         let handle = self.0.handle.clone();
         // Out of the async worker first (a write from one would otherwise panic in

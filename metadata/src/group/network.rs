@@ -26,6 +26,26 @@ use super::{Member, Raft, TypeConfig};
 /// at most the API's message size, or a 4 MiB snapshot piece; with room to spare.
 pub const MAX_RAFT_MESSAGE: usize = 2 * locus_proto::MAX_MESSAGE_BYTES;
 
+/// Refuses a change too large for one Raft message, before it is proposed. An entry the
+/// leader appends but cannot send is never committed, and every write behind it waits for
+/// it: the whole group stops taking changes (a 3M-entry version's delete did that, when
+/// it listed its index rows).
+pub fn fits_one_message(batch: &crate::store::Batch) -> Result<(), crate::store::StoreError> {
+    // Room for the rest of an AppendEntries message (term, indexes, framing).
+    const ROOM: usize = 1 << 20;
+    let size = batch.encoded_len_hint();
+    if size + ROOM <= MAX_RAFT_MESSAGE {
+        return Ok(());
+    }
+    Err(crate::store::StoreError::TooLarge(format!(
+        "a change of {} MiB ({} writes) is larger than a metadata group sends in one \
+         message ({} MiB); it was refused before it reached the log, and nothing changed",
+        size >> 20,
+        batch.len(),
+        (MAX_RAFT_MESSAGE - ROOM) >> 20
+    )))
+}
+
 type Client = RaftClient<InterceptedService<Channel, BearerToken>>;
 
 fn client(addr: &str, token: Option<&str>, tls: bool) -> Result<Client, Status> {
@@ -503,6 +523,24 @@ impl locus_proto::auth::Policy for RaftPolicy {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_change_larger_than_one_raft_message_is_refused_before_it_is_proposed() {
+        let mut b = crate::store::Batch::default();
+        let row = vec![7u8; 1 << 20];
+        for i in 0..(MAX_RAFT_MESSAGE >> 20) - 2 {
+            b.put(crate::store::Table::Entries, (i as u32).to_be_bytes(), &row);
+        }
+        fits_one_message(&b).expect("a change that fits");
+        b.put(crate::store::Table::Entries, b"one more", &row);
+        b.put(crate::store::Table::Entries, b"and another", &row);
+        let e = fits_one_message(&b).unwrap_err().to_string();
+        assert!(
+            e.contains("larger than a metadata group sends in one message"),
+            "{e}"
+        );
+        assert!(e.contains("64 MiB") && e.contains("63 MiB"), "{e}");
+    }
 
     fn request(data: Vec<u8>) -> InstallSnapshotRequest<TypeConfig> {
         let mut nodes = std::collections::BTreeMap::new();

@@ -6,6 +6,7 @@ use tonic::{Request, Status};
 
 use crate::auth::Principal;
 use crate::catalog::CatalogError;
+use crate::store::StoreError;
 
 /// Maps catalogue errors to gRPC codes. Storage failures are logged here, where they
 /// are handled; the caller gets a message without internals.
@@ -15,6 +16,10 @@ pub fn to_status(e: CatalogError) -> Status {
         CatalogError::NotFound(m) => Status::not_found(m),
         CatalogError::Precondition(m) => Status::failed_precondition(m),
         CatalogError::Taken(m) => Status::already_exists(m),
+        CatalogError::Store(StoreError::TooLarge(m)) => {
+            tracing::warn!("{m}");
+            Status::resource_exhausted(m)
+        }
         CatalogError::Store(e) => {
             tracing::error!("metadata store failure: {e}");
             Status::unavailable(format!("the metadata store failed: {e}"))
