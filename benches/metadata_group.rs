@@ -16,6 +16,9 @@
 //!   machine's cores sat idle (near 0: bound by CPU; more pages in flight would not help).
 //! - locality p50/p99 over 500 calls on that version: single service, the group's leader,
 //!   and a follower (which answers from its own catalogue and the leader's liveness view).
+//! - the version deleted (`DeleteVersion`), last: the time until the service answered, or
+//!   until every member has applied the delete, and the CPU that cost (`LOCUS_BENCH_DELETE=0`
+//!   leaves it out).
 //!
 //! With `LOCUS_BENCH_PERF=DIR` the single service's and the group's uploads are profiled
 //! (`perf record -a`) into `DIR/metadata_group_single.data` and `DIR/metadata_group_group.data`.
@@ -116,6 +119,7 @@ async fn main() {
     let files = env("LOCUS_SCALE_FILES", 1_000_000);
     let trials = env("LOCUS_FAILOVER_TRIALS", 20);
     let rejoin_too = env("LOCUS_GROUP_REJOIN", 1) != 0;
+    let delete_too = env("LOCUS_BENCH_DELETE", 1) != 0;
     let h = Harness::new("bench-group");
     let _memory = SteadyMemory::hold();
 
@@ -131,6 +135,14 @@ async fn main() {
     let s_cpu = cpu_seconds(single.pid()) - cpu0;
     eprintln!("single service: upload {s_up:?}, commit {s_commit:?}, {s_cpu:.1} CPU-s");
     let (s_p50, s_p99) = locality_latency(&mut c).await;
+    let s_delete = if delete_too {
+        let cpu0 = cpu_seconds(single.pid());
+        let t = Instant::now();
+        delete_big(&mut c).await;
+        Some((t.elapsed(), cpu_seconds(single.pid()) - cpu0))
+    } else {
+        None
+    };
     single.terminate().await;
 
     // The default election timeout (the harness sets a longer one for tests).
@@ -199,6 +211,22 @@ async fn main() {
     } else {
         None
     };
+    let g_delete = if delete_too {
+        group_settled(&ms, Duration::from_secs(900)).await;
+        let cpu0: Vec<f64> = ms.iter().map(|m| cpu_seconds(m.pid())).collect();
+        let t = Instant::now();
+        delete_big(&mut ms[0].client(None).await).await;
+        let answered = t.elapsed();
+        group_settled(&ms, Duration::from_secs(900)).await;
+        let cpu: Vec<f64> = ms
+            .iter()
+            .zip(&cpu0)
+            .map(|(m, c0)| cpu_seconds(m.pid()) - c0)
+            .collect();
+        Some((answered, t.elapsed(), cpu))
+    } else {
+        None
+    };
     // Heartbeat or AppendEntries rounds a member's leader gave up on (each a follower that
     // did not answer within one heartbeat interval), over the whole run.
     let timed_out: Vec<usize> = (1..=3)
@@ -250,6 +278,16 @@ async fn main() {
         ms_f(f_p50),
         ms_f(f_p99)
     );
+    if let (Some((s_took, s_cpu)), Some((g_answered, g_applied, g_cpu))) = (s_delete, &g_delete) {
+        println!(
+            "| the version deleted: answered (group: and applied by every member); CPU | {:.2} s; {s_cpu:.1} CPU-s | {:.2} s ({:.2} s); {} CPU-s | {:.2}× |",
+            s_took.as_secs_f64(),
+            g_answered.as_secs_f64(),
+            g_applied.as_secs_f64(),
+            g_cpu.iter().map(|c| format!("{c:.1}")).collect::<Vec<_>>().join(" + "),
+            g_applied.as_secs_f64() / s_took.as_secs_f64()
+        );
+    }
     if let Some((rejoin, snap)) = rejoin {
         println!(
             "| a wiped follower rejoins (--join) with the {files}-entry manifest in the state | | {:.2} s (snapshot {:.1} MiB) | |",
@@ -278,6 +316,20 @@ async fn main() {
             p99.as_secs_f64(),
             max.as_secs_f64()
         );
+    }
+}
+
+/// Deletes version 1 of the bench's dataset; panics, naming the error, if it is refused.
+async fn delete_big(c: &mut locus_proto::client::MetadataClient) {
+    if let Err(e) = c
+        .delete_version(pb::DeleteVersionRequest {
+            dataset: "big".into(),
+            version: 1,
+            force: false,
+        })
+        .await
+    {
+        panic!("deleting big@1: {e}");
     }
 }
 
