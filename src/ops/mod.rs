@@ -10,6 +10,7 @@ pub mod admission;
 pub mod backup;
 pub mod cluster;
 pub mod csi;
+pub mod doctor;
 pub mod import;
 pub mod kube;
 pub mod remote;
