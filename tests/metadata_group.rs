@@ -1043,3 +1043,61 @@ async fn with_a_member_down_a_call_during_a_followers_brief_stall_is_served_not_
         "the stall cost no election: the leader is the one that served the call"
     );
 }
+
+/// A version's delete names its blob → shard rows (8 bytes in the log) and every member
+/// computes them from its own copy: after it, no member's catalogue on disk holds a row
+/// of the deleted version's blobs, and each still holds the other version's, the same on
+/// all three. (The deleted version has enough blobs that a member writes its tombstones
+/// as a table file.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_deleted_versions_index_rows_are_gone_from_every_member_and_others_stay() {
+    let h = Harness::new("group-delete");
+    let mut ms = h.start_group("meta", 3, MetadataOpts::default()).await;
+    let mut c = ms[0].client(None).await;
+    let (gone, s) = synthetic_manifest("gone", 10_000, 1000, 2500, 1 << 20);
+    commit(&mut c, "gone", 1 << 20, gone.clone(), s).await.unwrap();
+    let (kept, s) = synthetic_manifest("kept", 300, 100, 100, 1 << 20);
+    commit(&mut c, "kept", 1 << 20, kept.clone(), s).await.unwrap();
+    c.delete_version(pb::DeleteVersionRequest {
+        dataset: "gone".into(),
+        version: 1,
+        force: false,
+    })
+    .await
+    .expect("the delete is committed");
+    assert!(versions(&mut c, "gone").await.is_empty());
+    group_settled(&ms, Duration::from_secs(60)).await;
+    for m in &mut ms {
+        m.terminate().await;
+    }
+    let blobs = |e: &[pb::Entry]| -> BTreeSet<Vec<u8>> {
+        e.iter().filter(|e| e.size > 0).map(|e| e.blob.clone()).collect()
+    };
+    let (gone, kept) = (blobs(&gone), blobs(&kept));
+    assert!(gone.len() > 4096, "enough rows for a table file of tombstones");
+    let mut held = Vec::new();
+    for (i, m) in ms.iter().enumerate() {
+        use locus_metadata::store::{KvStore, RocksStore, Table};
+        let db = RocksStore::open(&m.data_dir.join("db")).unwrap();
+        let rows: BTreeSet<Vec<u8>> = db
+            .scan(Table::BlobShards, b"", None)
+            .map(|kv| kv.unwrap().0[..32].to_vec())
+            .collect();
+        assert!(
+            rows.is_disjoint(&gone),
+            "member {} still indexes {} blobs of the deleted version",
+            i + 1,
+            rows.intersection(&gone).count()
+        );
+        assert!(
+            kept.is_subset(&rows),
+            "member {} lost rows of the kept version",
+            i + 1
+        );
+        held.push(rows);
+    }
+    assert!(
+        held.iter().all(|r| r == &held[0]),
+        "the members hold the same index"
+    );
+}
