@@ -351,9 +351,9 @@ pub fn stop_profile(c: Option<std::process::Child>) {
 
 /// CPU seconds spent copying `files` over one loopback TCP connection the way a lean data
 /// plane would: `sendfile` from each file on one thread, `recv` of 4 MiB at a time
-/// (`MSG_WAITALL`) into one reused buffer on another. The bound for moving blob bytes between processes; drop the page
-/// cache first for a cold source. Returns (bytes, CPU of both ends, CPU of the receiving
-/// thread alone).
+/// (`MSG_WAITALL`) into one reused buffer on another. The bound for moving blob bytes
+/// between processes; drop the page cache first for a cold source (`cold_tcp_copy_cpu`).
+/// Returns (bytes, CPU of both ends, CPU of the receiving thread alone).
 ///
 /// Each end is the CPU of its own thread (/proc/thread-self), not this process's less
 /// the receiver's: the process also runs the harness (its runtime, the pipes of the
