@@ -44,7 +44,7 @@ use fuser::{
 
 use crate::core::ops::{ByInode, LocalOpen, OpenPlan};
 pub use crate::core::Settings;
-use crate::core::{pread_cached, Core, FsError, NodeFile, ReadAhead, DIRECT_ALIGN};
+use crate::core::{cached, direct_room, pread_cached, Core, FsError, NodeFile, ReadAhead};
 use crate::metrics::Metrics;
 use crate::namespace::{Attr, Kind, Namespace};
 use crate::reader::Remote;
@@ -336,19 +336,32 @@ impl Mount {
         reply: ReplyData,
     ) {
         let want = want as usize;
-        let cached = self.try_finish_read(want, started, reply, |buf| {
-            pread_cached(&file.file, file.base + offset, buf)
-                .then(|| self.core.check_unchanged(ino, &file).map(|()| (want, "local")))
-        });
-        let Err(reply) = cached else { return };
+        // A read that ends a blob none of which is cached (a small file's one read, a
+        // large one's last) goes direct: asked first, as an attempt from the page cache
+        // would start the kernel's read-ahead of the same bytes.
+        let direct = self.core.ends_blob(ino, offset, want)
+            && cached(&file.file, file.base + offset, want) == Some(false);
+        let reply = match direct {
+            true => reply,
+            false => {
+                let cached = self.try_finish_read(want, started, reply, |buf| {
+                    pread_cached(&file.file, file.base + offset, buf)
+                        .then(|| self.core.check_unchanged(ino, &file).map(|()| (want, "local")))
+                });
+                let Err(reply) = cached else { return };
+                reply
+            }
+        };
         let mount = self.clone();
         self.core.rt.spawn_blocking(move || {
-            // Not direct: the cached read above has started the kernel's read-ahead into
-            // the page cache, which this read then finds (a direct read would read twice).
-            mount.finish_read(want, started, reply, |buf| {
+            // Otherwise not direct: the cached read above has started the kernel's
+            // read-ahead into the page cache, which this read then finds (a direct read
+            // would read twice).
+            let len = if direct { direct_room(want) } else { want };
+            mount.finish_read(len, started, reply, |buf| {
                 mount
                     .core
-                    .pread_local(ino, &file, offset, want, false, buf)
+                    .pread_local(ino, &file, offset, want, direct, buf)
                     .map(|n| (n, "local"))
             })
         });
@@ -422,7 +435,7 @@ impl Mount {
             .spawn_blocking(move || match mount.core.read_by_inode(ino, offset, size, keeps) {
                 Ok(ByInode::Local { file, want }) => {
                     // Room for a direct read, which goes by whole pages.
-                    let len = want.next_multiple_of(DIRECT_ALIGN);
+                    let len = direct_room(want);
                     mount.finish_read(len, started, reply, |buf| {
                         mount
                             .core

@@ -1,8 +1,9 @@
 //! Reading the node's blob files: what the page cache already holds without waiting
-//! (`pread_cached`), the ordinary read that does not keep a second copy of the bytes
-//! (`pread`, `RWF_DONTCACHE`), and the direct read of a file's end into the reply's own
-//! buffer (`pread_direct`). Split from `core` because these are the system-call edge of
-//! the read path, each with its own `unsafe` block.
+//! (`pread_cached`) or whether it holds them at all (`cached`), the ordinary read that
+//! does not keep a second copy of the bytes (`pread`, `RWF_DONTCACHE`), and the direct
+//! read of a blob's end into the reply's own buffer (`pread_direct`). Split from `core`
+//! because these are the system-call edge of the read path, each with its own `unsafe`
+//! block.
 
 use std::fs::File;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -67,10 +68,19 @@ pub(crate) fn pread_cached(file: &File, offset: u64, buf: &mut [u8]) -> bool {
 /// Direct reads go by pages: offsets, lengths and the buffer's address.
 pub(crate) const DIRECT_ALIGN: usize = 4096;
 
-/// The `want` bytes at `offset` that end the file, read with O_DIRECT into `buf` (the
-/// reply's own buffer): no page cache on the way. Returns how many were read (short if
-/// the file shrank). None when this file, filesystem or buffer cannot (then the caller
-/// reads the ordinary way): `buf` must start on a page and hold `want` rounded up to one.
+/// The room a direct read of `want` bytes needs in its buffer: whole pages, and one more
+/// for a start off a page boundary (a blob inside a pack starts anywhere).
+pub(crate) const fn direct_room(want: usize) -> usize {
+    want.next_multiple_of(DIRECT_ALIGN) + DIRECT_ALIGN
+}
+
+/// The `want` bytes at `offset` that end the blob, read with O_DIRECT into `buf` (the
+/// reply's own buffer): no page cache on the way. An offset off a page boundary (a blob
+/// inside a pack) reads the whole pages around the range and moves the bytes to the
+/// buffer's start; the neighbours' bytes read with them are never returned. Returns how
+/// many were read (short if the file shrank). None when this file, filesystem or buffer
+/// cannot (then the caller reads the ordinary way): `buf` must start on a page and hold
+/// the pages the range touches (`direct_room(want)` always does).
 #[allow(unsafe_code)]
 pub(crate) fn pread_direct(
     file: &File,
@@ -80,11 +90,10 @@ pub(crate) fn pread_direct(
 ) -> Option<std::io::Result<usize>> {
     use std::os::fd::AsRawFd;
     use std::os::unix::fs::OpenOptionsExt;
-    let len = want.div_ceil(DIRECT_ALIGN) * DIRECT_ALIGN;
-    if !offset.is_multiple_of(DIRECT_ALIGN as u64)
-        || buf.len() < len
-        || !(buf.as_ptr() as usize).is_multiple_of(DIRECT_ALIGN)
-    {
+    let skip = (offset % DIRECT_ALIGN as u64) as usize;
+    let start = offset - skip as u64;
+    let len = (skip + want).next_multiple_of(DIRECT_ALIGN);
+    if buf.len() < len || !(buf.as_ptr() as usize).is_multiple_of(DIRECT_ALIGN) {
         return None;
     }
     // A second open file description of the same inode: the flag must not change the one
@@ -95,8 +104,8 @@ pub(crate) fn pread_direct(
         .open(format!("/proc/self/fd/{}", file.as_raw_fd()))
         .ok()?;
     let mut got = 0;
-    while got < want {
-        let off = libc::off_t::try_from(offset + got as u64).ok()?;
+    while got < skip + want {
+        let off = libc::off_t::try_from(start + got as u64).ok()?;
         // SAFETY: `got < len <= buf.len()`, so the range written is inside `buf`, which
         // lives for the call; the descriptor is `direct`'s.
         let n = unsafe {
@@ -123,7 +132,68 @@ pub(crate) fn pread_direct(
             break;
         }
     }
-    Some(Ok(got.min(want)))
+    let n = got.saturating_sub(skip).min(want);
+    if skip > 0 {
+        buf.copy_within(skip..skip + n, 0);
+    }
+    Some(Ok(n))
+}
+
+/// Whether this kernel answers `cachestat` (Linux 6.5+); cleared at the first refusal.
+static CACHESTAT: AtomicBool = AtomicBool::new(true);
+
+/// Whether the page cache holds every page of `len` bytes at `offset` of `file`, asked
+/// without reading anything (`cachestat`). A read with RWF_NOWAIT would say so too, but
+/// it starts the kernel's read-ahead of what is missing, and a direct read of the same
+/// bytes after it reads them twice. None when this kernel cannot say.
+#[allow(unsafe_code)]
+pub(crate) fn cached(file: &File, offset: u64, len: usize) -> Option<bool> {
+    use std::os::fd::AsRawFd;
+    // The same number on every architecture: it came after the tables were unified.
+    const SYS_CACHESTAT: libc::c_long = 451;
+    #[repr(C)]
+    struct Range {
+        off: u64,
+        len: u64,
+    }
+    #[repr(C)]
+    #[derive(Default)]
+    struct Stat {
+        nr_cache: u64,
+        nr_dirty: u64,
+        nr_writeback: u64,
+        nr_evicted: u64,
+        nr_recently_evicted: u64,
+    }
+    if len == 0 || !CACHESTAT.load(Ordering::Relaxed) {
+        return None;
+    }
+    let page = DIRECT_ALIGN as u64;
+    let first = offset / page;
+    let pages = (offset + len as u64).div_ceil(page) - first;
+    let range = Range {
+        off: first * page,
+        len: pages * page,
+    };
+    let mut stat = Stat::default();
+    // SAFETY: both structs are the kernel's layout, live for the call; the descriptor is
+    // `file`'s, borrowed for the call.
+    let r = unsafe {
+        libc::syscall(
+            SYS_CACHESTAT,
+            file.as_raw_fd(),
+            &range as *const Range,
+            &mut stat as *mut Stat,
+            0 as libc::c_uint,
+        )
+    };
+    if r != 0 {
+        if std::io::Error::last_os_error().raw_os_error() == Some(libc::ENOSYS) {
+            CACHESTAT.store(false, Ordering::Relaxed);
+        }
+        return None;
+    }
+    Some(stat.nr_cache >= pages)
 }
 
 /// Fills `buf` from `offset`; short only at the end of the file.

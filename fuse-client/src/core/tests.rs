@@ -572,7 +572,7 @@ mod known;
 mod ops;
 
 #[test]
-fn a_read_that_ends_the_file_is_read_direct_with_the_same_bytes() {
+fn a_read_that_ends_a_blob_is_read_direct_with_the_same_bytes_from_any_offset() {
     use std::os::unix::fs::OpenOptionsExt;
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("blob");
@@ -588,24 +588,42 @@ fn a_read_that_ends_the_file_is_read_direct_with_the_same_bytes() {
         .custom_flags(libc::O_DIRECT)
         .open(&path)
         .is_ok();
-    // The reply's buffer: page-aligned, room for whole pages.
-    let mut space = vec![0u8; data.len() + 2 * DIRECT_ALIGN];
+    let mut space = vec![0u8; data.len() + 3 * DIRECT_ALIGN];
     let at = space.as_ptr().align_offset(DIRECT_ALIGN);
-    let buf = &mut space[at..at + data.len() + DIRECT_ALIGN];
-    for off in [0usize, 4096, 8192, 12288] {
-        match pread_direct(&file, off as u64, data.len() - off, buf) {
-            Some(r) => assert_eq!(&buf[..r.unwrap()], &data[off..], "at {off}"),
+    // A blob that ends the file, from a page boundary or from anywhere (the last blob of
+    // a pack); and one inside the file (a pack's blob with neighbours on both sides),
+    // whose read must give its bytes and none of the neighbours'.
+    let ranges = [
+        (0, data.len()),
+        (4096, data.len() - 4096),
+        (12288, data.len() - 12288),
+        (100, data.len() - 100),
+        (4097, data.len() - 4097),
+        (5000, 3000),
+        (4095, 2),
+        (1, 4096),
+    ];
+    for (off, want) in ranges {
+        // The reply's buffer: page-aligned, with the room the read path gives it.
+        let buf = &mut space[at..at + direct_room(want)];
+        buf.fill(0xEE);
+        match pread_direct(&file, off as u64, want, buf) {
+            Some(r) => {
+                let n = r.unwrap();
+                assert_eq!(n, want, "at {off}");
+                assert_eq!(&buf[..n], &data[off..off + want], "at {off}");
+            }
             None => assert!(
                 !takes_direct,
                 "O_DIRECT works here, so the read at {off} must be direct"
             ),
         }
     }
-    // Direct reads need aligned offsets; an unaligned one is left to the ordinary read.
-    assert!(pread_direct(&file, 100, data.len() - 100, buf).is_none());
-    // So does a buffer off a page boundary, or one too small for whole pages.
+    // A buffer off a page boundary, or one too small for the pages the range touches, is
+    // left to the ordinary read.
     assert!(pread_direct(&file, 0, data.len(), &mut space[at + 1..]).is_none());
     assert!(pread_direct(&file, 0, data.len(), &mut space[at..at + data.len()]).is_none());
+    assert!(pread_direct(&file, 100, 4096, &mut space[at..at + 4096]).is_none());
     // A file that shrank after its check reads short, for the caller to refuse.
     if takes_direct {
         std::fs::OpenOptions::new()
@@ -614,12 +632,47 @@ fn a_read_that_ends_the_file_is_read_direct_with_the_same_bytes() {
             .unwrap()
             .set_len(5000)
             .unwrap();
-        let buf = &mut space[at..at + data.len() + DIRECT_ALIGN];
-        let n = pread_direct(&file, 4096, data.len() - 4096, buf)
-            .unwrap()
-            .unwrap();
-        assert_eq!(&buf[..n], &data[4096..5000]);
+        for off in [4096, 4100] {
+            let want = data.len() - off;
+            let buf = &mut space[at..at + direct_room(want)];
+            let n = pread_direct(&file, off as u64, want, buf).unwrap().unwrap();
+            assert_eq!(&buf[..n], &data[off..5000], "at {off}");
+        }
     }
+}
+
+/// `cached` tells pages in the page cache from pages that are not, without reading
+/// them: a range written a moment ago is cached; a range never written nor read is not,
+/// and asking does not make it so (a read with RWF_NOWAIT would have started reading it).
+#[test]
+fn the_page_cache_is_asked_what_it_holds_without_reading_anything() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("blob");
+    let f = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(true)
+        .read(true)
+        .write(true)
+        .open(&path)
+        .unwrap();
+    use std::os::unix::fs::FileExt;
+    f.write_all_at(&[7u8; 3 * 4096], 0).unwrap();
+    f.set_len(4 << 20).unwrap();
+    let Some(first) = cached(&f, 100, 8000) else {
+        // Before Linux 6.5 nothing can say; the read path then reads as before.
+        eprintln!("this kernel has no cachestat");
+        return;
+    };
+    assert!(first, "pages written a moment ago are in the page cache");
+    assert_eq!(cached(&f, 2 << 20, 128 << 10), Some(false));
+    assert_eq!(
+        cached(&f, 2 << 20, 128 << 10),
+        Some(false),
+        "asking read nothing in"
+    );
+    // A range that is partly cached is not cached.
+    assert_eq!(cached(&f, 8192, 8192), Some(false));
+    assert_eq!(cached(&f, 0, 0), None, "an empty range has no answer");
 }
 
 /// The node's answers sorted by what they mean for the mount: its own trouble (not
