@@ -6,14 +6,19 @@
 //! order, so a shard's files are found by walking the inodes on either side of the first
 //! one opened.
 //!
+//! A shard is asked about again once the reopen window has passed since it was last
+//! asked: the files opened from its learned paths are reused for that window only, and a
+//! job's next pass over them (its next epoch) would otherwise ask for each file alone.
+//!
 //! A learned path is used only if the file opened there still has the identity the node
 //! verified (inode, ctime, size): any write since changes the ctime, so a stale or
 //! tampered file falls back to `EnsureLocal`, which hashes it again.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::os::unix::fs::MetadataExt;
 use std::path::PathBuf;
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use locus_proto::BlobHash;
 
@@ -37,9 +42,26 @@ pub struct KnownPath {
 #[derive(Default)]
 pub(crate) struct Known {
     paths: HashMap<u64, KnownPath>,
-    shards: HashSet<u32>,
-    /// Inode windows whose files were asked of a node that hands out files.
-    windows: HashSet<u64>,
+    /// When each shard was last asked about (`Known::ask`).
+    shards: HashMap<u32, Instant>,
+    /// When each inode window was last asked of a node that hands out files.
+    windows: HashMap<u64, Instant>,
+}
+
+/// Whether `key` is to be asked about now, noting it as asked if so: never asked, or
+/// asked longer ago than the reopen window. A learned path is used once, to open a file
+/// that is then reused for the reopen window; after it the files of the shard are
+/// needed again (a training job's next epoch), and asking for them again in one call is
+/// what spares each file its own round trip to the node. With the window at zero (ask
+/// at every open) a shard is asked once.
+fn ask<K: std::hash::Hash + Eq>(asked: &mut HashMap<K, Instant>, key: K, reopen: Duration) -> bool {
+    match asked.get(&key) {
+        Some(at) if reopen.is_zero() || at.elapsed() < reopen => false,
+        _ => {
+            asked.insert(key, Instant::now());
+            true
+        }
+    }
 }
 
 #[cfg(test)]
@@ -84,7 +106,8 @@ impl Core {
     }
 
     /// Learns, in the background, the node's verified paths for the files of `ino`'s
-    /// shard; once per shard (until the learned paths are dropped for room).
+    /// shard; once per shard and reopen window (and again after the learned paths were
+    /// dropped for room).
     pub(crate) fn learn_shard(self: &Arc<Self>, ino: u64) {
         if self.local.as_ref().is_some_and(|n| n.hands_out_files()) {
             return self.open_ahead(ino);
@@ -92,7 +115,11 @@ impl Core {
         let (Some(node), Some(shard)) = (self.local.clone(), self.ns.shard(ino)) else {
             return;
         };
-        if !self.known.lock().unwrap().shards.insert(shard) {
+        if !ask(
+            &mut self.known.lock().unwrap().shards,
+            shard,
+            self.settings.reopen_ttl,
+        ) {
             return;
         }
         let core = self.clone();
@@ -111,7 +138,7 @@ impl Core {
                     if k.paths.len() + paths.len() > KNOWN_MAX {
                         k.paths.clear();
                         k.shards.clear();
-                        k.shards.insert(shard);
+                        k.shards.insert(shard, Instant::now());
                     }
                     for (i, p) in inos.into_iter().zip(paths) {
                         if let Some(p) = p {
@@ -138,9 +165,10 @@ impl Core {
             if k.windows.len() >= WINDOWS_MAX {
                 k.windows.clear();
             }
+            let reopen = self.settings.reopen_ttl;
             [ino / WINDOW, ino / WINDOW + 1]
                 .into_iter()
-                .filter(|w| k.windows.insert(*w))
+                .filter(|w| ask(&mut k.windows, *w, reopen))
                 .collect()
         };
         if windows.is_empty() {
