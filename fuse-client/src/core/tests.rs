@@ -210,6 +210,22 @@ impl Drop for Fixture {
 }
 
 /// One file of `chunks` chunks on shard 0, replicated on n1 (cheapest) and n2.
+/// The settings of the tests' cores: the kernel opens files, nothing is passed through,
+/// four chunks of read-ahead; the node's patience and the reopen window as given.
+fn kernel_opens_settings(local_patience: Duration, reopen_ttl: Duration) -> Settings {
+    Settings {
+        kernel_opens: true,
+        passthrough: false,
+        passthrough_min_size: 0,
+        readahead_chunks: 4,
+        open_timeout: Duration::from_secs(2),
+        local_patience,
+        reopen_ttl,
+        generation: 1,
+        readdirplus: Default::default(),
+    }
+}
+
 fn fixture(chunks: usize, n1: Behave, n2: Behave, local: Option<LocalBehave>) -> Fixture {
     fixture_sized(CHUNK, chunks, n1, n2, local)
 }
@@ -287,17 +303,7 @@ fn fixture_with(
             calls: AtomicUsize::new(0),
         })
     });
-    let settings = Settings {
-        kernel_opens: true,
-        passthrough: false,
-        passthrough_min_size: 0,
-        readahead_chunks: 4,
-        open_timeout: Duration::from_secs(2),
-        local_patience: Duration::from_millis(300),
-        reopen_ttl: Duration::from_secs(60),
-        generation: 1,
-        readdirplus: Default::default(),
-    };
+    let settings = kernel_opens_settings(Duration::from_millis(300), Duration::from_secs(60));
     let mut settings = settings;
     tune(&mut settings);
     let core = Arc::new(Core::new(

@@ -108,17 +108,7 @@ impl Shards {
             ensured: AtomicUsize::new(0),
             listed: AtomicUsize::new(0),
         });
-        let settings = Settings {
-            kernel_opens: true,
-            passthrough: false,
-            passthrough_min_size: 0,
-            readahead_chunks: 4,
-            open_timeout: Duration::from_secs(2),
-            local_patience: Duration::from_secs(2),
-            reopen_ttl,
-            generation: 1,
-            readdirplus: Default::default(),
-        };
+        let settings = kernel_opens_settings(Duration::from_secs(2), reopen_ttl);
         let core = Arc::new(Core::new(
             ns.clone(),
             rt.handle().clone(),
