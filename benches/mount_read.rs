@@ -7,6 +7,13 @@
 //!     LOCUS_BENCH_MOUNT_ARGS="--threads 8" cargo bench --bench mount_read
 //!     LOCUS_BENCH_ONLY=small LOCUS_BENCH_SYSTEMS="locus (local node)" cargo bench --bench mount_read
 //!
+//!     LOCUS_BENCH_NEXT_EPOCH=6 LOCUS_BENCH_MOUNT_ARGS="--reopen-cache 5s" cargo bench --bench mount_read
+//!
+//! `LOCUS_BENCH_NEXT_EPOCH=S` adds, for each Locus row, a job's next epoch: S seconds
+//! after the warm samples (past the mount's reopen window, which the mount arguments
+//! shorten), the local directory and then the same mount read cold again, with the
+//! mount's CPU over that read (printed under the table).
+//!
 //! `LOCUS_BENCH_ONLY` (comma-separated: large, mixed, small) and `LOCUS_BENCH_SYSTEMS`
 //! (names separated by `;`, as names hold commas; matched as prefixes; the local
 //! directory is always read) run part of the table; `LOCUS_BENCH_PERF=DIR` records a
@@ -308,6 +315,7 @@ async fn main() {
     let large_n = env_usize("LOCUS_BENCH_LARGE_FILES", 4);
     let small_n = env_usize("LOCUS_BENCH_SMALL_FILES", 2000);
     let mixed_n = env_usize("LOCUS_BENCH_MIXED_FILES", 45);
+    let next_epoch = env_usize("LOCUS_BENCH_NEXT_EPOCH", 0);
     let h = Harness::new("bench-mount");
     let src = h.path("src");
     let mut large = Vec::new();
@@ -479,6 +487,7 @@ async fn main() {
     let mut rows: Vec<(String, [String; 6])> = Vec::new();
     let mut raw: [f64; 6] = [0.0; 6];
     let mut passthrough = Vec::new();
+    let mut epochs = Vec::new();
     systems.retain(|(name, _)| chosen(name));
     assert!(
         systems_s.is_empty() || systems.len() > 1,
@@ -559,6 +568,29 @@ async fn main() {
             samples.sort_by(|a, b| rate(*a, wi, files.len()).total_cmp(&rate(*b, wi, files.len())));
             let warm = samples[1];
             paired_raw.sort_by(f64::total_cmp);
+            if let (true, Some(pid)) = (next_epoch > 0 && can_drop, server) {
+                // The next epoch: the files the mount opened are past its reopen window.
+                std::thread::sleep(Duration::from_secs(next_epoch as u64));
+                drop_caches();
+                let (b, t) = read_all(&raw_root, files, *threads);
+                let raw_next = rate((1, b, t), wi, files.len());
+                drop_caches();
+                let before = cpu_seconds(pid as u32);
+                let (b, t) = read_all(&root, files, *threads);
+                let us = (cpu_seconds(pid as u32) - before) * 1e6;
+                let next = rate((1, b, t), wi, files.len());
+                let (unit, cpu) = match wi {
+                    2 => ("files/s", format!("{:.0} µs/file", us / files.len() as f64)),
+                    _ => (
+                        "GB/s",
+                        format!("{:.0} µs/MiB", us / (b as f64 / (1 << 20) as f64)),
+                    ),
+                };
+                epochs.push(format!(
+                    "{name}, {dir}: {next:.2} {unit} ({:.2}× raw {raw_next:.2}), mount CPU {cpu}",
+                    next / raw_next
+                ));
+            }
             if let Some(mnt) = guard.downcast_ref::<Mount>() {
                 // The status file is rewritten every two seconds.
                 std::thread::sleep(Duration::from_millis(2100));
@@ -640,6 +672,12 @@ async fn main() {
     println!("opens passed through to the kernel (of all opens the mount answered), cold and warm passes together, and the transport each mount ran:");
     for p in passthrough {
         println!("  {p}");
+    }
+    if !epochs.is_empty() {
+        println!("the next epoch, read cold {next_epoch} s after the warm samples through the same mount:");
+        for e in epochs {
+            println!("  {e}");
+        }
     }
     println!("peers read from: {}", s3.server);
     for n in notes {
