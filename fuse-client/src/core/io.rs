@@ -97,7 +97,9 @@ pub(crate) fn pread_direct(
         return None;
     }
     // A second open file description of the same inode: the flag must not change the one
-    // other readers share.
+    // other readers share. Reopening checks the file's own permissions again; where they
+    // refuse (a descriptor the node handed over its open socket to a user the file's
+    // mode does not admit), the read goes the ordinary way.
     let direct = std::fs::OpenOptions::new()
         .read(true)
         .custom_flags(libc::O_DIRECT)
