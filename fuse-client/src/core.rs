@@ -456,7 +456,7 @@ impl Core {
     /// pread of the node's verified file into `buf`, which must give all of it (the
     /// `want` bytes a read asks for that the file has). `direct`: a read that ends the
     /// blob may go straight from the disk into `buf` (`io::pread_direct`; `buf` then
-    /// starts on a page and has `io::direct_room(want)` of room).
+    /// starts on a page and has `io::direct_room(file.base + offset, want)` of room).
     pub(crate) fn pread_local(
         &self,
         ino: u64,
@@ -650,7 +650,7 @@ impl Core {
             ops::ByInode::Remote(b) => Ok((b, "remote")),
             ops::ByInode::Local { file, want } => {
                 let align = io::DIRECT_ALIGN;
-                let mut v = vec![0u8; io::direct_room(want) + align];
+                let mut v = vec![0u8; io::direct_room(file.base + offset, want) + align];
                 let at = v.as_ptr().align_offset(align);
                 let end = v.len() - align + at;
                 let n = self.pread_local(ino, &file, offset, want, true, &mut v[at..end])?;

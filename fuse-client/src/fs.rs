@@ -357,7 +357,11 @@ impl Mount {
             // Otherwise not direct: the cached read above has started the kernel's
             // read-ahead into the page cache, which this read then finds (a direct read
             // would read twice).
-            let len = if direct { direct_room(want) } else { want };
+            let len = if direct {
+                direct_room(file.base + offset, want)
+            } else {
+                want
+            };
             mount.finish_read(len, started, reply, |buf| {
                 mount
                     .core
@@ -435,7 +439,7 @@ impl Mount {
             .spawn_blocking(move || match mount.core.read_by_inode(ino, offset, size, keeps) {
                 Ok(ByInode::Local { file, want }) => {
                     // Room for a direct read, which goes by whole pages.
-                    let len = direct_room(want);
+                    let len = direct_room(file.base + offset, want);
                     mount.finish_read(len, started, reply, |buf| {
                         mount
                             .core

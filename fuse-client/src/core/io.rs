@@ -68,10 +68,11 @@ pub(crate) fn pread_cached(file: &File, offset: u64, buf: &mut [u8]) -> bool {
 /// Direct reads go by pages: offsets, lengths and the buffer's address.
 pub(crate) const DIRECT_ALIGN: usize = 4096;
 
-/// The room a direct read of `want` bytes needs in its buffer: whole pages, and one more
-/// for a start off a page boundary (a blob inside a pack starts anywhere).
-pub(crate) const fn direct_room(want: usize) -> usize {
-    want.next_multiple_of(DIRECT_ALIGN) + DIRECT_ALIGN
+/// The room a direct read of `want` bytes at `offset` of the file needs in its buffer:
+/// the whole pages the range touches (a blob inside a pack starts anywhere). Never more,
+/// so a 1 MiB read from a page boundary still fits an io_uring entry's 1 MiB payload.
+pub(crate) const fn direct_room(offset: u64, want: usize) -> usize {
+    ((offset % DIRECT_ALIGN as u64) as usize + want).next_multiple_of(DIRECT_ALIGN)
 }
 
 /// The `want` bytes at `offset` that end the blob, read with O_DIRECT into `buf` (the
@@ -80,7 +81,7 @@ pub(crate) const fn direct_room(want: usize) -> usize {
 /// buffer's start; the neighbours' bytes read with them are never returned. Returns how
 /// many were read (short if the file shrank). None when this file, filesystem or buffer
 /// cannot (then the caller reads the ordinary way): `buf` must start on a page and hold
-/// the pages the range touches (`direct_room(want)` always does).
+/// the pages the range touches (`direct_room(offset, want)`).
 #[allow(unsafe_code)]
 pub(crate) fn pread_direct(
     file: &File,

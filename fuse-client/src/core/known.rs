@@ -132,8 +132,16 @@ impl Core {
                 .iter()
                 .filter_map(|i| core.ns.blob(*i).map(|b| b.0))
                 .collect();
+            let asked = Instant::now();
             match node.local_paths(&blobs, core.settings.open_timeout) {
                 Ok(paths) => {
+                    tracing::debug!(
+                        shard,
+                        files = blobs.len(),
+                        verified = paths.iter().flatten().count(),
+                        ms = asked.elapsed().as_millis() as u64,
+                        "learned the node's verified paths of a shard"
+                    );
                     let mut k = core.known.lock().unwrap();
                     if k.paths.len() + paths.len() > KNOWN_MAX {
                         k.paths.clear();

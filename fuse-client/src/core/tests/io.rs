@@ -37,7 +37,7 @@ fn a_read_that_ends_a_blob_is_read_direct_with_the_same_bytes_from_any_offset() 
     ];
     for (off, want) in ranges {
         // The reply's buffer: page-aligned, with the room the read path gives it.
-        let buf = &mut space[at..at + direct_room(want)];
+        let buf = &mut space[at..at + direct_room(off as u64, want)];
         buf.fill(0xEE);
         match pread_direct(&file, off as u64, want, buf) {
             Some(r) => {
@@ -51,6 +51,11 @@ fn a_read_that_ends_a_blob_is_read_direct_with_the_same_bytes_from_any_offset() 
             ),
         }
     }
+    // The room is the pages the range touches, no more: a 1 MiB read from a page
+    // boundary fits an io_uring entry's 1 MiB payload.
+    assert_eq!(direct_room(0, 1 << 20), 1 << 20);
+    assert_eq!(direct_room(8192 + 100, 3996), 4096);
+    assert_eq!(direct_room(100, 3997), 8192);
     // A buffer off a page boundary, or one too small for the pages the range touches, is
     // left to the ordinary read.
     assert!(pread_direct(&file, 0, data.len(), &mut space[at + 1..]).is_none());
@@ -66,7 +71,7 @@ fn a_read_that_ends_a_blob_is_read_direct_with_the_same_bytes_from_any_offset() 
             .unwrap();
         for off in [4096, 4100] {
             let want = data.len() - off;
-            let buf = &mut space[at..at + direct_room(want)];
+            let buf = &mut space[at..at + direct_room(off as u64, want)];
             let n = pread_direct(&file, off as u64, want, buf).unwrap().unwrap();
             assert_eq!(&buf[..n], &data[off..5000], "at {off}");
         }
