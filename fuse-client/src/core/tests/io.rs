@@ -96,8 +96,11 @@ fn the_page_cache_is_asked_what_it_holds_without_reading_anything() {
     f.write_all_at(&[7u8; 3 * 4096], 0).unwrap();
     f.set_len(4 << 20).unwrap();
     let Some(first) = cached(&f, 100, 8000) else {
-        // Before Linux 6.5 nothing can say; the read path then reads as before.
-        eprintln!("this kernel has no cachestat");
+        // Before Linux 6.5 nothing can say, and then it must keep saying nothing: the
+        // read path takes None for "read as before" (RWF_NOWAIT first), never for cold.
+        eprintln!("this kernel has no cachestat: only the fallback is checked");
+        assert_eq!(cached(&f, 2 << 20, 128 << 10), None);
+        assert_eq!(cached(&f, 0, 4096), None);
         return;
     };
     assert!(first, "pages written a moment ago are in the page cache");
