@@ -215,7 +215,7 @@ impl Mount {
                     backing.insert(ino, (id.clone(), usize::MAX / 2));
                     Some(id)
                 }
-                None => match reply.open_backing(&file.file) {
+                None => match reply.open_backing(file.file()) {
                     Ok(id) => {
                         let id = Arc::new(id);
                         // The holder must know of the id before the kernel can use it.
@@ -340,12 +340,12 @@ impl Mount {
         // large one's last) goes direct: asked first, as an attempt from the page cache
         // would start the kernel's read-ahead of the same bytes.
         let direct = self.core.ends_blob(ino, offset, want)
-            && cached(&file.file, file.base + offset, want) == Some(false);
+            && cached(file.file(), file.base + offset, want) == Some(false);
         let reply = match direct {
             true => reply,
             false => {
                 let cached = self.try_finish_read(want, started, reply, |buf| {
-                    pread_cached(&file.file, file.base + offset, buf)
+                    pread_cached(file.file(), file.base + offset, buf)
                         .then(|| self.core.check_unchanged(ino, &file).map(|()| (want, "local")))
                 });
                 let Err(reply) = cached else { return };

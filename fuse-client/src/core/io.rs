@@ -75,37 +75,59 @@ pub(crate) const fn direct_room(offset: u64, want: usize) -> usize {
     ((offset % DIRECT_ALIGN as u64) as usize + want).next_multiple_of(DIRECT_ALIGN)
 }
 
+/// A second open file description of `file`'s inode that reads with O_DIRECT (the flag
+/// must not change the description other readers share). Reopening checks the file's
+/// own permissions again; where they refuse (a descriptor the node handed over its open
+/// socket to a user the file's mode does not admit), None: reads go the ordinary way.
+pub(crate) fn open_direct(file: &File) -> Option<File> {
+    use std::os::fd::AsRawFd;
+    use std::os::unix::fs::OpenOptionsExt;
+    std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_DIRECT)
+        .open(format!("/proc/self/fd/{}", file.as_raw_fd()))
+        .ok()
+}
+
+/// An O_DIRECT descriptor for one read: a pack's shared one, or one opened for the read.
+pub(crate) enum DirectFile<'a> {
+    Shared(&'a File),
+    Own(File),
+}
+
+impl std::ops::Deref for DirectFile<'_> {
+    type Target = File;
+
+    fn deref(&self) -> &File {
+        match self {
+            DirectFile::Shared(f) => f,
+            DirectFile::Own(f) => f,
+        }
+    }
+}
+
 /// The `want` bytes at `offset` that end the blob, read with O_DIRECT into `buf` (the
 /// reply's own buffer): no page cache on the way. An offset off a page boundary (a blob
 /// inside a pack) reads the whole pages around the range and moves the bytes to the
 /// buffer's start; the neighbours' bytes read with them are never returned. Returns how
 /// many were read (short if the file shrank). None when this file, filesystem or buffer
 /// cannot (then the caller reads the ordinary way): `buf` must start on a page and hold
-/// the pages the range touches (`direct_room(offset, want)`).
+/// the pages the range touches (`direct_room(offset, want)`). `direct` is the file opened
+/// with O_DIRECT (`open_direct`).
 #[allow(unsafe_code)]
 pub(crate) fn pread_direct(
-    file: &File,
+    direct: &File,
     offset: u64,
     want: usize,
     buf: &mut [u8],
 ) -> Option<std::io::Result<usize>> {
     use std::os::fd::AsRawFd;
-    use std::os::unix::fs::OpenOptionsExt;
     let skip = (offset % DIRECT_ALIGN as u64) as usize;
     let start = offset - skip as u64;
     let len = (skip + want).next_multiple_of(DIRECT_ALIGN);
     if buf.len() < len || !(buf.as_ptr() as usize).is_multiple_of(DIRECT_ALIGN) {
         return None;
     }
-    // A second open file description of the same inode: the flag must not change the one
-    // other readers share. Reopening checks the file's own permissions again; where they
-    // refuse (a descriptor the node handed over its open socket to a user the file's
-    // mode does not admit), the read goes the ordinary way.
-    let direct = std::fs::OpenOptions::new()
-        .read(true)
-        .custom_flags(libc::O_DIRECT)
-        .open(format!("/proc/self/fd/{}", file.as_raw_fd()))
-        .ok()?;
     let mut got = 0;
     while got < skip + want {
         let off = libc::off_t::try_from(start + got as u64).ok()?;

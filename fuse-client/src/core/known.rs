@@ -13,16 +13,22 @@
 //! A learned path is used only if the file opened there still has the identity the node
 //! verified (inode, ctime, size): any write since changes the ctime, so a stale or
 //! tampered file falls back to `EnsureLocal`, which hashes it again.
+//!
+//! Small blobs are packed on the node, so most learned paths name a pack. The files of
+//! one pack share its descriptors (and the O_DIRECT one its direct reads use) for as long
+//! as any of them is open here: a pack is never written again, so the identity the node
+//! verified is checked against the one the shared descriptors were opened with, and a
+//! pack replaced at its path is opened afresh.
 
 use std::collections::HashMap;
 use std::os::unix::fs::MetadataExt;
 use std::path::PathBuf;
-use std::sync::Arc;
+use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
 use locus_proto::BlobHash;
 
-use super::{Core, NodeFile};
+use super::{Core, Descriptors, NodeFile};
 use crate::namespace::Kind;
 
 /// A blob file the node verified, and the file's identity at that check.
@@ -46,6 +52,54 @@ pub(crate) struct Known {
     shards: HashMap<u32, Instant>,
     /// When each inode window was last asked of a node that hands out files.
     windows: HashMap<u64, Instant>,
+    /// Packs held open, by path: every blob of a pack read from learned paths shares one
+    /// pair of descriptors (`Known::pack_file`), kept while a file of the pack is open here.
+    packs: HashMap<PathBuf, Pack>,
+}
+
+/// A pack's descriptors and the identity the file had when they were opened.
+#[derive(Debug)]
+struct Pack {
+    fd: Weak<Descriptors>,
+    /// (inode, ctime, ctime ns, size), as `KnownPath` has them.
+    id: (u64, i64, i64, u64),
+    /// `NodeFile::seen` for files of this pack.
+    seen: Option<(u64, u64, i64, i64)>,
+}
+
+/// Packs remembered before entries whose descriptors are closed are swept out.
+const PACKS_SWEEP: usize = 4_096;
+
+impl Known {
+    /// A file of the pack at `k.path` on the descriptors already open here, when the file
+    /// had the identity the node verified when they were opened (a pack is never written
+    /// again, so that identity is the file's for as long as it exists).
+    fn pack_file(&self, k: &KnownPath) -> Option<NodeFile> {
+        let p = self.packs.get(&k.path)?;
+        if p.id != (k.ino, k.ctime_s, k.ctime_ns, k.size) {
+            return None;
+        }
+        Some(NodeFile {
+            fd: p.fd.upgrade()?,
+            seen: p.seen,
+            base: k.offset,
+            packed: true,
+        })
+    }
+
+    fn keep_pack(&mut self, path: PathBuf, f: &NodeFile, id: (u64, i64, i64, u64)) {
+        if self.packs.len() >= PACKS_SWEEP {
+            self.packs.retain(|_, p| p.fd.strong_count() > 0);
+        }
+        self.packs.insert(
+            path,
+            Pack {
+                fd: Arc::downgrade(&f.fd),
+                id,
+                seen: f.seen,
+            },
+        );
+    }
 }
 
 /// Whether `key` is to be asked about now, noting it as asked if so: never asked, or
@@ -88,18 +142,35 @@ impl Core {
     /// The node's file for `ino` from a learned path, opened and checked against the
     /// identity the node verified; None when nothing is learned or the file changed.
     pub(crate) fn known_file(&self, ino: u64) -> Option<Arc<NodeFile>> {
-        let k = self.known.lock().unwrap().paths.remove(&ino)?;
-        let f = NodeFile::open(&super::NodeBlob {
-            path: k.path.clone(),
-            offset: k.offset,
-            packed: k.packed,
-        })
-        .ok()?;
-        let m = f.file.metadata().ok()?;
-        if (m.ino(), m.ctime(), m.ctime_nsec(), m.len()) != (k.ino, k.ctime_s, k.ctime_ns, k.size) {
-            tracing::debug!(ino, path = %k.path.display(), "the node's file changed since it was verified; asking the node");
-            return None;
-        }
+        let (k, shared) = {
+            let mut known = self.known.lock().unwrap();
+            let k = known.paths.remove(&ino)?;
+            let shared = if k.packed { known.pack_file(&k) } else { None };
+            (k, shared)
+        };
+        // A sibling's pack already open: no system call at all.
+        let f = match shared {
+            Some(f) => f,
+            None => {
+                let file = std::fs::File::open(&k.path).ok()?;
+                let m = file.metadata().ok()?;
+                let id = (m.ino(), m.ctime(), m.ctime_nsec(), m.len());
+                if id != (k.ino, k.ctime_s, k.ctime_ns, k.size) {
+                    tracing::debug!(ino, path = %k.path.display(), "the node's file changed since it was verified; asking the node");
+                    return None;
+                }
+                let f = NodeFile {
+                    seen: Some((m.ino(), m.len(), m.mtime(), m.mtime_nsec())),
+                    fd: Descriptors::new(file),
+                    base: k.offset,
+                    packed: k.packed,
+                };
+                if k.packed {
+                    self.known.lock().unwrap().keep_pack(k.path, &f, id);
+                }
+                f
+            }
+        };
         let f = Arc::new(f);
         self.remember(ino, f.clone());
         Some(f)

@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use locus_proto::BlobHash;
 
-use super::{file_id, LocalError, LocalNode, NodeBlob, NodeFile};
+use super::{LocalError, LocalNode, NodeBlob, NodeFile};
 
 /// The node over its open socket (`locus_proto::open_socket`): each blob as a file
 /// descriptor, asked for under a read grant for the mounted version — what a user the
@@ -38,12 +38,7 @@ impl LocalNode for OpenSocketNode {
             .into_iter()
             .next()
             .ok_or_else(|| LocalError::Refused("the node answered without a descriptor".into()))?;
-        Ok(NodeFile {
-            seen: file_id(&file),
-            file,
-            base: resp.offset,
-            packed: resp.packed,
-        })
+        Ok(NodeFile::of(file, resp.offset, resp.packed))
     }
 
     fn hands_out_files(&self) -> bool {
@@ -64,12 +59,7 @@ impl LocalNode for OpenSocketNode {
             let mut files = files.into_iter();
             for m in resp.more {
                 let file = if m.present { files.next() } else { None };
-                out.push(file.map(|file| NodeFile {
-                    seen: file_id(&file),
-                    file,
-                    base: m.offset,
-                    packed: m.packed,
-                }));
+                out.push(file.map(|file| NodeFile::of(file, m.offset, m.packed)));
             }
         }
         Ok(out)

@@ -14,12 +14,20 @@ fn a_read_that_ends_a_blob_is_read_direct_with_the_same_bytes_from_any_offset() 
     std::fs::write(&path, &data).unwrap();
     let file = File::open(&path).unwrap();
     // Whether this filesystem takes O_DIRECT at all (tmpfs does not): then the direct
-    // read must engage, else it must step aside for the ordinary one.
+    // descriptor must open, else the read path keeps to the ordinary one.
     let takes_direct = std::fs::OpenOptions::new()
         .read(true)
         .custom_flags(libc::O_DIRECT)
         .open(&path)
         .is_ok();
+    let Some(file) = open_direct(&file) else {
+        assert!(
+            !takes_direct,
+            "O_DIRECT works here, so the direct descriptor must open"
+        );
+        return;
+    };
+    assert!(takes_direct, "a direct descriptor where O_DIRECT does not work");
     let mut space = vec![0u8; data.len() + 3 * DIRECT_ALIGN];
     let at = space.as_ptr().align_offset(DIRECT_ALIGN);
     // A blob that ends the file, from a page boundary or from anywhere (the last blob of
@@ -39,17 +47,11 @@ fn a_read_that_ends_a_blob_is_read_direct_with_the_same_bytes_from_any_offset() 
         // The reply's buffer: page-aligned, with the room the read path gives it.
         let buf = &mut space[at..at + direct_room(off as u64, want)];
         buf.fill(0xEE);
-        match pread_direct(&file, off as u64, want, buf) {
-            Some(r) => {
-                let n = r.unwrap();
-                assert_eq!(n, want, "at {off}");
-                assert_eq!(&buf[..n], &data[off..off + want], "at {off}");
-            }
-            None => assert!(
-                !takes_direct,
-                "O_DIRECT works here, so the read at {off} must be direct"
-            ),
-        }
+        let n = pread_direct(&file, off as u64, want, buf)
+            .unwrap_or_else(|| panic!("the read at {off} must be direct"))
+            .unwrap();
+        assert_eq!(n, want, "at {off}");
+        assert_eq!(&buf[..n], &data[off..off + want], "at {off}");
     }
     // The room is the pages the range touches, no more: a 1 MiB read from a page
     // boundary fits an io_uring entry's 1 MiB payload.
@@ -62,19 +64,17 @@ fn a_read_that_ends_a_blob_is_read_direct_with_the_same_bytes_from_any_offset() 
     assert!(pread_direct(&file, 0, data.len(), &mut space[at..at + data.len()]).is_none());
     assert!(pread_direct(&file, 100, 4096, &mut space[at..at + 4096]).is_none());
     // A file that shrank after its check reads short, for the caller to refuse.
-    if takes_direct {
-        std::fs::OpenOptions::new()
-            .write(true)
-            .open(&path)
-            .unwrap()
-            .set_len(5000)
-            .unwrap();
-        for off in [4096, 4100] {
-            let want = data.len() - off;
-            let buf = &mut space[at..at + direct_room(off as u64, want)];
-            let n = pread_direct(&file, off as u64, want, buf).unwrap().unwrap();
-            assert_eq!(&buf[..n], &data[off..5000], "at {off}");
-        }
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&path)
+        .unwrap()
+        .set_len(5000)
+        .unwrap();
+    for off in [4096, 4100] {
+        let want = data.len() - off;
+        let buf = &mut space[at..at + direct_room(off as u64, want)];
+        let n = pread_direct(&file, off as u64, want, buf).unwrap().unwrap();
+        assert_eq!(&buf[..n], &data[off..5000], "at {off}");
     }
 }
 

@@ -9,18 +9,31 @@ struct DirLocal {
     dir: PathBuf,
     ensured: AtomicUsize,
     listed: AtomicUsize,
+    /// Blobs kept in the pack file `pack` instead, at these offsets.
+    packed: HashMap<BlobHash, u64>,
 }
 
 impl DirLocal {
     fn file(&self, blob: &BlobHash) -> PathBuf {
-        self.dir.join(blob.to_hex())
+        match self.packed.contains_key(blob) {
+            true => self.dir.join("pack"),
+            false => self.dir.join(blob.to_hex()),
+        }
+    }
+
+    fn at(&self, blob: &BlobHash) -> NodeBlob {
+        NodeBlob {
+            path: self.file(blob),
+            offset: self.packed.get(blob).copied().unwrap_or(0),
+            packed: self.packed.contains_key(blob),
+        }
     }
 }
 
 impl LocalNode for DirLocal {
     fn ensure_local(&self, blob: BlobHash, _size: u64, _limit: Duration) -> Result<NodeBlob, LocalError> {
         self.ensured.fetch_add(1, Ordering::SeqCst);
-        Ok(NodeBlob::whole(self.file(&blob)))
+        Ok(self.at(&blob))
     }
 
     fn local_paths(
@@ -33,16 +46,16 @@ impl LocalNode for DirLocal {
         Ok(blobs
             .iter()
             .map(|b| {
-                let path = self.file(b);
-                let m = std::fs::metadata(&path).ok()?;
+                let at = self.at(b);
+                let m = std::fs::metadata(&at.path).ok()?;
                 Some(KnownPath {
-                    path,
+                    path: at.path,
                     ino: m.ino(),
                     ctime_s: m.ctime(),
                     ctime_ns: m.ctime_nsec(),
                     size: m.len(),
-                    offset: 0,
-                    packed: false,
+                    offset: at.offset,
+                    packed: at.packed,
                 })
             })
             .collect())
@@ -60,8 +73,31 @@ struct Shards {
     core: Arc<Core>,
 }
 
+/// The first shard's files (f0..f3) in one pack, each at an offset off any page boundary
+/// with a neighbour on both sides; written to `path`.
+fn write_pack(path: &std::path::Path, files: &[Vec<u8>]) -> HashMap<BlobHash, u64> {
+    let mut pack = vec![0xAAu8; 100];
+    let mut at = HashMap::new();
+    for data in &files[..4] {
+        at.insert(BlobHash::of(data), pack.len() as u64);
+        pack.extend_from_slice(data);
+        pack.extend_from_slice(&[0xBB; 37]);
+    }
+    std::fs::write(path, &pack).unwrap();
+    at
+}
+
 impl Shards {
     fn new(reopen_ttl: Duration) -> Shards {
+        Shards::build(reopen_ttl, false)
+    }
+
+    /// `new`, with the first shard's blobs in one pack.
+    fn packed(reopen_ttl: Duration) -> Shards {
+        Shards::build(reopen_ttl, true)
+    }
+
+    fn build(reopen_ttl: Duration, pack: bool) -> Shards {
         let dir = tempfile::tempdir().unwrap();
         let files: Vec<Vec<u8>> = (0..6u8).map(|i| vec![i + 1; 1000 + usize::from(i)]).collect();
         let entries: Vec<Entry> = files
@@ -103,10 +139,15 @@ impl Shards {
             1 << 20,
             metrics.clone(),
         );
+        let packed = match pack {
+            true => write_pack(&dir.path().join("pack"), &files),
+            false => HashMap::new(),
+        };
         let node = Arc::new(DirLocal {
             dir: dir.path().to_path_buf(),
             ensured: AtomicUsize::new(0),
             listed: AtomicUsize::new(0),
+            packed,
         });
         let settings = kernel_opens_settings(Duration::from_secs(2), reopen_ttl);
         let core = Arc::new(Core::new(
@@ -137,6 +178,22 @@ impl Shards {
         self.core
             .local_file(ino, self.blob(i), self.files[i].len() as u64)
             .map(|(f, _)| f)
+    }
+
+    fn ino(&self, i: usize) -> u64 {
+        self.ns.lookup(crate::namespace::ROOT, &format!("f{i}")).unwrap()
+    }
+
+    /// `f{i}` whole, as a read that ends the blob gets it: direct, into a page-aligned
+    /// buffer with the room the read path gives it.
+    fn read_direct(&self, i: usize, f: &NodeFile) -> Vec<u8> {
+        let want = self.files[i].len();
+        let room = direct_room(f.base, want);
+        let mut space = vec![0u8; room + DIRECT_ALIGN];
+        let at = space.as_ptr().align_offset(DIRECT_ALIGN);
+        let buf = &mut space[at..at + room];
+        let n = self.core.pread_local(self.ino(i), f, 0, want, true, buf).unwrap();
+        buf[..n].to_vec()
     }
 
     fn ensured(&self) -> usize {
@@ -174,7 +231,7 @@ fn the_first_open_in_a_shard_learns_its_siblings_paths_and_a_changed_sibling_is_
     for i in [0, 2] {
         let f = t.open(i).unwrap();
         let mut got = Vec::new();
-        std::io::Read::read_to_end(&mut &f.file, &mut got).unwrap();
+        std::io::Read::read_to_end(&mut f.file(), &mut got).unwrap();
         assert_eq!(got, t.files[i], "f{i}");
     }
     assert_eq!(t.ensured(), 1, "siblings opened without asking");
@@ -218,5 +275,75 @@ fn after_the_reopen_window_a_shards_files_are_learned_again_in_one_call() {
         (2, 2),
         "the rest of the shard opened from one more listing"
     );
+    t.stop();
+}
+
+/// Descriptors this process holds open on `path`.
+fn open_on(path: &std::path::Path) -> usize {
+    std::fs::read_dir("/proc/self/fd")
+        .unwrap()
+        .filter_map(|e| std::fs::read_link(e.ok()?.path()).ok())
+        .filter(|p| p == path)
+        .count()
+}
+
+/// Small files are packed on the nodes: a cold pass over a shard opens its pack once (and
+/// once more for direct reads), not twice per file, and each file still reads its own
+/// bytes and none of its neighbours'.
+#[test]
+fn the_files_of_one_pack_share_its_descriptors_and_read_their_own_bytes() {
+    let t = Shards::packed(Duration::from_secs(60));
+    let pack = t.dir.path().join("pack");
+    assert!(t.open(1).is_some());
+    t.wait_learned(3);
+    let files: Vec<_> = [0, 2, 3].map(|i| t.open(i).unwrap()).into();
+    assert_eq!(t.ensured(), 1, "siblings opened from learned paths");
+    assert!(
+        files.iter().all(|f| f.packed && Arc::ptr_eq(&f.fd, &files[0].fd)),
+        "one pack, one descriptor"
+    );
+    for (f, i) in files.iter().zip([0, 2, 3]) {
+        assert_eq!(t.read_direct(i, f), t.files[i], "f{i}");
+    }
+    // f1's own (from EnsureLocal), and the siblings' shared one with its direct twin.
+    let takes_direct = open_direct(files[0].file()).is_some();
+    assert_eq!(open_on(&pack), if takes_direct { 3 } else { 2 });
+    t.stop();
+}
+
+/// A pack replaced at the same path (a new inode) is never read through descriptors of the
+/// file it replaced: the identity the node verified must be the open file's.
+#[test]
+fn a_pack_replaced_at_its_path_is_opened_again_not_read_through_the_old_descriptors() {
+    let ttl = Duration::from_millis(300);
+    let t = Shards::packed(ttl);
+    let pack = t.dir.path().join("pack");
+    assert!(t.open(1).is_some());
+    t.wait_learned(3);
+    let old = t.open(0).unwrap();
+    std::thread::sleep(ttl + Duration::from_millis(50));
+    // The same blobs, each now at another offset, in a new file renamed over the old.
+    let files: Vec<Vec<u8>> = std::iter::once(vec![9u8; 5000])
+        .chain(t.files.iter().cloned())
+        .collect();
+    let tmp = t.dir.path().join("pack.new");
+    let at = write_pack(&tmp, &files[1..]);
+    assert_eq!(at, t.node.packed, "the offsets the node lists stay as they were");
+    std::fs::rename(&tmp, &pack).unwrap();
+    // Past the window: the next file asks the node, and the shard is listed again with
+    // the new file's identity.
+    assert!(t.open(1).is_some());
+    t.wait_learned(3);
+    let new = t.open(2).unwrap();
+    assert!(
+        !Arc::ptr_eq(&new.fd, &old.fd),
+        "the replaced pack's descriptors were reused"
+    );
+    use std::os::unix::fs::MetadataExt;
+    assert_eq!(
+        new.file().metadata().unwrap().ino(),
+        std::fs::metadata(&pack).unwrap().ino()
+    );
+    assert_eq!(t.read_direct(2, &new), t.files[2]);
     t.stop();
 }

@@ -166,12 +166,7 @@ fn backing_files_are_for_large_whole_files_while_the_kernel_takes_them_and_kept_
         LocalOpen::Pread,
         "below the threshold"
     );
-    let packed = NodeFile {
-        file: file.file.try_clone().unwrap(),
-        seen: None,
-        base: 4096,
-        packed: true,
-    };
+    let packed = NodeFile::of(file.file().try_clone().unwrap(), 4096, true);
     assert_eq!(
         f.core.local_open(size, &packed),
         LocalOpen::Pread,
