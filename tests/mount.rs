@@ -285,6 +285,52 @@ async fn readers_see_no_error_when_the_node_serving_them_is_killed() {
     assert_eq!(rs["totals"]["read_errors"], 0, "{rs}");
 }
 
+/// Reads answered off the ring's threads leave the mount serving once those threads have
+/// ended. A mount with no local node answers every read from a blocking-pool thread, which
+/// the pool lets go after 10 s idle. Under FUSE over io_uring the kernel completes a ring
+/// command on the thread that submitted it: an answer submitted by a pool thread tied the
+/// entry's next request to that thread, and once it had ended the request failed its
+/// reader with ECANCELED (and the entry was lost to its queue). Through `/dev/fuse` the
+/// same reads must pass too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reads_keep_working_after_the_threads_that_answered_earlier_ones_have_ended() {
+    let h = Harness::new("mount-threads-ended");
+    let (m, _nodes) = cluster(&h, 1, NodeOpts::host).await;
+    let src = h.path("src");
+    std::fs::create_dir_all(&src).unwrap();
+    for i in 0..400u64 {
+        std::fs::write(src.join(format!("f{i:03}")), pseudo_random(i, 40_000)).unwrap();
+    }
+    let out = import(&m, "ds", &src, &["--replicas", "1"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let remote = m.mount("remote", "ds@1", None, &[]);
+    // Eight readers at once, so the answers come from many pool threads and land on
+    // many ring entries.
+    let read_all = |range: std::ops::Range<u64>| {
+        let next = AtomicU64::new(range.start);
+        std::thread::scope(|s| {
+            for _ in 0..8 {
+                s.spawn(|| loop {
+                    let i = next.fetch_add(1, Ordering::Relaxed);
+                    if i >= range.end {
+                        break;
+                    }
+                    let name = format!("f{i:03}");
+                    let got =
+                        std::fs::read(remote.path.join(&name)).unwrap_or_else(|e| panic!("{name}: {e}"));
+                    assert!(got == pseudo_random(i, 40_000), "{name} differs");
+                });
+            }
+        });
+    };
+    read_all(0..200);
+    // Past the pool's keep-alive: the threads that answered are gone.
+    tokio::time::sleep(Duration::from_secs(13)).await;
+    read_all(200..400);
+    let st = remote.status();
+    assert_eq!(st["totals"]["read_errors"], 0, "{st}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_hung_node_does_not_hold_up_readers() {
     let h = Harness::new("mount-hung");

@@ -228,6 +228,41 @@ impl ReplyData {
         let _ = self.try_fill(len, |buf| Some(fill(buf)));
     }
 
+    /// Reads `len` bytes of the file `fd` at `offset` into the reply's own buffer
+    /// without waiting for them, and replies with what `done` makes of them once they are
+    /// there (Locus addition). Under FUSE over io_uring, on the thread of the ring the
+    /// request came in, the read goes on that ring: the request waits for the disk with
+    /// no thread of its own and no hand-off. `done` gets the read's outcome and the
+    /// buffer (page-aligned, `len` bytes, the first ones read) and gives the number of
+    /// bytes to send from its start, or the error; it runs on the ring's thread and keeps
+    /// `fd` open until then. Anywhere else (through `/dev/fuse`, on another thread, `len`
+    /// past the ring entry's payload) the reply comes back untouched.
+    #[cfg(target_os = "linux")]
+    pub fn read_by_ring(
+        mut self,
+        fd: std::os::fd::RawFd,
+        offset: u64,
+        len: usize,
+        done: impl FnOnce(std::io::Result<usize>, &mut [u8]) -> Result<usize, Errno> + Send + 'static,
+    ) -> Result<(), ReplyData> {
+        match &self.reply.sender {
+            Some(ReplySender::Ring(ring)) if ring.can_read(len) => {}
+            _ => return Err(self),
+        }
+        let Some(ReplySender::Ring(ring)) = self.reply.sender.take() else {
+            unreachable!()
+        };
+        let unique = self.reply.unique.0;
+        ring.read(
+            fd,
+            offset,
+            len,
+            unique,
+            Box::new(move |got, buf| done(got, buf).map_err(|e| e.code())),
+        );
+        Ok(())
+    }
+
     /// `fill` that may decline (`None`: nothing is sent, and the reply comes back to be
     /// answered later, e.g. after a read that must wait for the disk elsewhere).
     pub fn try_fill(

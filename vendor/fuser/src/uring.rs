@@ -18,6 +18,8 @@
 //! (at most 168-byte) headers are copied.
 
 use std::cell::Cell;
+use std::cell::RefCell;
+use std::collections::HashMap;
 use std::io;
 use std::io::IoSlice;
 use std::os::fd::AsRawFd;
@@ -53,6 +55,24 @@ const IN_HEADER_LEN: usize = 40;
 const OUT_HEADER_LEN: usize = 16;
 /// Each entry's header page; the request is rebuilt at its end, before the payload.
 const PAGE: usize = 4096;
+/// Marks the completion of a read of a file that an entry's request started
+/// (`RingReply::read`), not of a FUSE command: the rest of its `user_data` is the slot.
+const FILE_READ: u64 = 1 << 63;
+/// Marks the completion of the queue thread's poll of its wake-up eventfd.
+const WAKE: u64 = 1 << 62;
+
+/// What answers a request once the read of a file it started has completed: the read's
+/// outcome and the entry's payload, which holds what was read; gives the bytes of the
+/// reply at the payload's start, or an errno.
+pub(crate) type ReadDone = Box<dyn FnOnce(io::Result<usize>, &mut [u8]) -> Result<usize, i32> + Send>;
+
+/// A read of a file in flight for an entry, on its queue's ring.
+struct FileRead {
+    reply: RingReply,
+    unique: u64,
+    len: usize,
+    done: ReadDone,
+}
 
 /// Whether this process may create an io_uring with 128-byte entries (the kernel can
 /// forbid it: `kernel.io_uring_disabled`, seccomp). Asked before INIT is answered,
@@ -93,6 +113,9 @@ struct Queue {
     payload_cap: usize,
     /// Per entry: the iovecs (header page, payload) the REGISTER command points at.
     iovs: Vec<[libc::iovec; 2]>,
+    /// Written by a thread that answered a request elsewhere, to wake the queue's thread
+    /// to submit the answer (see `fetch_next`).
+    wake: std::os::fd::OwnedFd,
 }
 
 // SAFETY: the ring's submission side is only touched under `sq`, its completion side only
@@ -113,11 +136,14 @@ thread_local! {
     /// The queue whose thread this is (its address), or 0: a reply sent on the queue's
     /// own thread is submitted with its next wait, one sent elsewhere at once.
     static ON_QUEUE: Cell<usize> = const { Cell::new(0) };
+    /// Reads of files in flight on this thread's queue, by entry.
+    static FILE_READS: RefCell<HashMap<usize, FileRead>> = RefCell::new(HashMap::new());
 }
 
 impl Queue {
     fn new(qid: u16, dev: RawFd, depth: u16, payload_cap: usize) -> io::Result<Queue> {
-        let entries = u32::from(depth).next_power_of_two();
+        // Room for a command per entry and the wake-up poll.
+        let entries = (u32::from(depth) + 1).next_power_of_two();
         let ring = IoUring::<squeue::Entry128, cqueue::Entry>::builder()
             .setup_cqsize(entries * 2)
             .build(entries)?;
@@ -155,6 +181,16 @@ impl Queue {
                 ]
             })
             .collect();
+        // SAFETY: eventfd(2) with valid flags; the descriptor is owned from here on.
+        let wake = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
+        if wake < 0 {
+            let e = io::Error::last_os_error();
+            // SAFETY: mapped above with this length, not shared yet.
+            unsafe { libc::munmap(mem.cast(), mem_len) };
+            return Err(e);
+        }
+        // SAFETY: a fresh descriptor nothing else owns.
+        let wake = unsafe { <std::os::fd::OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(wake) };
         Ok(Queue {
             qid,
             dev,
@@ -164,6 +200,7 @@ impl Queue {
             mem_len,
             payload_cap,
             iovs,
+            wake,
         })
     }
 
@@ -258,14 +295,53 @@ impl Queue {
         self.fetch_next(slot, commit_id)
     }
 
-    /// Hands the entry back with COMMIT_AND_FETCH: submitted with the queue thread's
-    /// next wait when this is that thread, at once from any other.
+    /// Hands the entry back with COMMIT_AND_FETCH, always submitted by the queue's own
+    /// thread: with its next wait when this is that thread; from any other, the command is
+    /// queued and that thread woken to submit it.
+    ///
+    /// Why never from another thread: the kernel completes a ring command on the task
+    /// that submitted it. A command submitted by a blocking-pool thread tied the entry's
+    /// next request to that thread, which was woken only to pass it on to this queue's
+    /// thread; and once that thread had ended (a pool thread idle for a few seconds
+    /// does), the next request on the entry failed its reader with ECANCELED and the entry
+    /// was lost to the queue.
     fn fetch_next(self: &Arc<Self>, slot: usize, commit_id: u64) -> io::Result<()> {
         self.push(&self.command(CMD_COMMIT_AND_FETCH, slot, commit_id))?;
         if ON_QUEUE.get() != Arc::as_ptr(self) as usize {
-            self.ring.submitter().submit()?;
+            self.wake_thread()?;
         }
         Ok(())
+    }
+
+    fn wake_thread(&self) -> io::Result<()> {
+        let one = 1u64.to_ne_bytes();
+        // SAFETY: an 8-byte write from a local to the queue's own eventfd.
+        let n = unsafe { libc::write(self.wake.as_raw_fd(), one.as_ptr().cast(), one.len()) };
+        if n < 0 {
+            let e = io::Error::last_os_error();
+            // EAGAIN: the counter is at its maximum, so the thread is being woken anyway.
+            if e.raw_os_error() != Some(libc::EAGAIN) {
+                return Err(e);
+            }
+        }
+        Ok(())
+    }
+
+    /// Polls the wake-up eventfd (multishot: one completion per wake-up, armed until it
+    /// ends); the queue's thread arms it.
+    fn arm_wake(&self) -> io::Result<()> {
+        let sqe = opcode::PollAdd::new(Fd(self.wake.as_raw_fd()), libc::POLLIN as u32)
+            .multi(true)
+            .build()
+            .user_data(WAKE);
+        self.push(&sqe.into())
+    }
+
+    /// Empties the wake-up counter, so the next write wakes the thread again.
+    fn drain_wake(&self) {
+        let mut b = [0u8; 8];
+        // SAFETY: an 8-byte read into a local from the queue's own eventfd.
+        let _ = unsafe { libc::read(self.wake.as_raw_fd(), b.as_mut_ptr().cast(), b.len()) };
     }
 
     /// Answers the request in `slot` with EIO (one the parser could not read).
@@ -376,6 +452,66 @@ impl RingReply {
         self.queue
             .commit_in_place(self.slot, self.commit_id, unique, error, n)
     }
+
+    /// Whether `read` may take this reply: on its queue's own thread, for a request
+    /// whose payload buffer is free and holds `len` bytes.
+    pub(crate) fn can_read(&self, len: usize) -> bool {
+        ON_QUEUE.get() == Arc::as_ptr(&self.queue) as usize
+            && self.payload_free
+            && len <= self.queue.payload_cap
+            && u32::try_from(len).is_ok()
+    }
+
+    /// Reads `len` bytes of the file `fd` at `offset` into the entry's payload by this
+    /// queue's own ring, and answers the request with what `done` makes of them when the
+    /// read completes (on this thread). The request waits for the disk with no thread
+    /// of its own and no wake-up elsewhere: one completion, then one commit. `fd` must
+    /// stay open until then (`done` can own what keeps it open). Only after `can_read`.
+    pub(crate) fn read(self, fd: RawFd, offset: u64, len: usize, unique: u64, done: ReadDone) {
+        let sqe = opcode::Read::new(Fd(fd), self.queue.payload(self.slot), len as u32)
+            .offset(offset)
+            .build()
+            .user_data(FILE_READ | self.slot as u64);
+        if let Err(e) = self.queue.push(&sqe.into()) {
+            warn!("queue {} entry {}: {e}", self.queue.qid, self.slot);
+            let _ = self.commit_in_place(unique, -libc::EIO, 0);
+            return;
+        }
+        let slot = self.slot;
+        FILE_READS.with(|r| {
+            r.borrow_mut().insert(
+                slot,
+                FileRead {
+                    reply: self,
+                    unique,
+                    len,
+                    done,
+                },
+            )
+        });
+    }
+}
+
+/// Answers the request whose read of a file (`RingReply::read`) completed with `res`.
+fn file_read_done(queue: &Queue, slot: usize, res: i32) {
+    let Some(r) = FILE_READS.with(|r| r.borrow_mut().remove(&slot)) else {
+        warn!("queue {} entry {slot}: a read completed that no request started", queue.qid);
+        return;
+    };
+    let got = match res {
+        n if n >= 0 => Ok(n as usize),
+        e => Err(io::Error::from_raw_os_error(-e)),
+    };
+    // SAFETY: the kernel wrote the payload before completing the read; the entry belongs
+    // to this request until the commit below, and nothing else holds the slice.
+    let buf = unsafe { std::slice::from_raw_parts_mut(queue.payload(slot), r.len) };
+    let (error, n) = match (r.done)(got, buf) {
+        Ok(n) => (0, n.min(r.len)),
+        Err(e) => (-e, 0),
+    };
+    if let Err(e) = r.reply.commit_in_place(r.unique, error, n) {
+        warn!("queue {} entry {slot}: {e}", queue.qid);
+    }
 }
 
 /// The running queues of one connection.
@@ -462,19 +598,23 @@ fn serve_queue<FS: Filesystem>(
     };
     ON_QUEUE.set(Arc::as_ptr(&queue) as usize);
     let mut live = usize::from(depth);
-    let mut pending: Vec<(u64, i32)> = Vec::with_capacity(usize::from(depth));
+    let mut pending: Vec<(u64, i32, u32)> = Vec::with_capacity(usize::from(depth) + 1);
     let setup = (|| {
         for slot in 0..usize::from(depth) {
             queue.push(&queue.command(CMD_REGISTER, slot, 0))?;
         }
+        queue.arm_wake()?;
         queue.ring.submitter().submit()?;
         Ok::<(), io::Error>(())
     })();
     // A refused registration completes at once; an accepted one only when a request
     // arrives (which the loop below then serves).
     // SAFETY: only this thread reads the completion queue.
-    pending.extend(unsafe { queue.ring.completion_shared() }.map(|c| (c.user_data(), c.result())));
-    let refused = pending.iter().find(|(_, r)| *r < 0).map(|(_, r)| io::Error::from_raw_os_error(-r));
+    pending.extend(unsafe { queue.ring.completion_shared() }.map(|c| (c.user_data(), c.result(), c.flags())));
+    let refused = pending
+        .iter()
+        .find(|(u, r, _)| *u & (WAKE | FILE_READ) == 0 && *r < 0)
+        .map(|(_, r, _)| io::Error::from_raw_os_error(-r));
     match (setup, refused) {
         (Err(e), _) => {
             let _ = registered.send(Err(e));
@@ -490,7 +630,7 @@ fn serve_queue<FS: Filesystem>(
     let mut scratch = Vec::new();
     loop {
         // SAFETY: only this thread reads the completion queue.
-        pending.extend(unsafe { queue.ring.completion_shared() }.map(|c| (c.user_data(), c.result())));
+        pending.extend(unsafe { queue.ring.completion_shared() }.map(|c| (c.user_data(), c.result(), c.flags())));
         if pending.is_empty() {
             match queue.ring.submitter().submit_and_wait(1) {
                 Ok(_) => {}
@@ -503,7 +643,21 @@ fn serve_queue<FS: Filesystem>(
             }
             continue;
         }
-        for (slot, res) in pending.drain(..) {
+        for (slot, res, flags) in pending.drain(..) {
+            if slot == WAKE {
+                // Answers queued by other threads are submitted with the next wait.
+                queue.drain_wake();
+                if !io_uring::cqueue::more(flags) && live > 0 {
+                    if let Err(e) = queue.arm_wake() {
+                        warn!("queue {qid}: the wake-up poll: {e}");
+                    }
+                }
+                continue;
+            }
+            if slot & FILE_READ != 0 {
+                file_read_done(&queue, (slot & !FILE_READ) as usize, res);
+                continue;
+            }
             let slot = slot as usize;
             if res < 0 {
                 // The connection ended (ENOTCONN at unmount, ECANCELED when this thread's
@@ -511,7 +665,7 @@ fn serve_queue<FS: Filesystem>(
                 if res != -libc::ENOTCONN && res != -libc::ECANCELED && res != -libc::ECONNABORTED {
                     warn!("queue {qid} entry {slot}: {}", io::Error::from_raw_os_error(-res));
                 }
-                live -= 1;
+                live = live.saturating_sub(1);
                 continue;
             }
             let (ptr, len, commit_id, payload_free) = match queue.request(slot, &mut scratch) {
@@ -545,7 +699,8 @@ fn serve_queue<FS: Filesystem>(
                 }
             }
         }
-        if live == 0 {
+        // A file read still in flight writes into this queue's memory: wait for it.
+        if live == 0 && FILE_READS.with(|r| r.borrow().is_empty()) {
             debug!("queue {qid}: every entry has ended");
             return;
         }
