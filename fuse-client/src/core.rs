@@ -526,11 +526,23 @@ impl Core {
             // A packed blob's neighbour starts where it ends: never more than the blob.
             None => pread(file.file(), file.base + offset, &mut buf[..want]),
         };
+        self.judge_local(ino, file, want, read)
+    }
+
+    /// What a read of `want` bytes of the node's file gave, as the reader is to have it:
+    /// the bytes only if all came and nothing wrote to the file since the node checked it.
+    pub(crate) fn judge_local(
+        &self,
+        ino: u64,
+        file: &NodeFile,
+        want: usize,
+        read: std::io::Result<usize>,
+    ) -> Result<usize, FsError> {
         match read {
             // Short means the node's file shrank after it was verified: the kernel would
             // take it for the end of the file.
             Ok(n) if n < want => {
-                tracing::error!(ino, offset, "the node's local file is shorter than the blob");
+                tracing::error!(ino, want, n, "the node's local file is shorter than the blob");
                 self.forget(ino, file);
                 Err(FsError::LocalChanged("is shorter than the blob"))
             }
@@ -715,7 +727,6 @@ pub use open_node::OpenSocketNode;
 pub mod listing;
 pub mod ops;
 mod remote;
-#[cfg(test)]
 pub(crate) use io::DIRECT_ALIGN;
 pub(crate) use io::{cached, direct_room, open_direct, pread, pread_cached, pread_direct, DirectFile};
 pub use known::KnownPath;

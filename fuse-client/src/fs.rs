@@ -44,7 +44,9 @@ use fuser::{
 
 use crate::core::ops::{ByInode, LocalOpen, OpenPlan};
 pub use crate::core::Settings;
-use crate::core::{cached, direct_room, pread_cached, Core, FsError, NodeFile, ReadAhead};
+use crate::core::{
+    cached, direct_room, pread_cached, Core, DirectFile, FsError, NodeFile, ReadAhead, DIRECT_ALIGN,
+};
 use crate::metrics::Metrics;
 use crate::namespace::{Attr, Kind, Namespace};
 use crate::reader::Remote;
@@ -342,7 +344,10 @@ impl Mount {
         let direct = self.core.ends_blob(ino, offset, want)
             && cached(file.file(), file.base + offset, want) == Some(false);
         let reply = match direct {
-            true => reply,
+            true => match self.read_by_ring(ino, &file, offset, want, started, reply) {
+                Ok(()) => return,
+                Err(reply) => reply,
+            },
             false => {
                 let cached = self.try_finish_read(want, started, reply, |buf| {
                     pread_cached(file.file(), file.base + offset, buf)
@@ -369,6 +374,57 @@ impl Mount {
                     .map(|n| (n, "local"))
             })
         });
+    }
+
+    /// A direct read of a packed blob's end on the ring its request came in through
+    /// (FUSE over io_uring, on that ring's thread): the request waits for the disk with no
+    /// thread of its own, and the ring's thread answers it when the read completes. A
+    /// blocking-pool read costs a hand-off to a pool thread, and the pool thread's commit
+    /// then ties the entry's next request to a wake-up of that thread (the kernel runs a
+    /// ring command's completion on the thread that submitted it). The reply comes back
+    /// where that cannot be (`/dev/fuse`, a blob in a file of its own).
+    fn read_by_ring(
+        self: &Arc<Self>,
+        ino: u64,
+        file: &Arc<NodeFile>,
+        offset: u64,
+        want: usize,
+        started: Instant,
+        reply: ReplyData,
+    ) -> Result<(), ReplyData> {
+        use std::os::fd::AsRawFd;
+        // A pack's direct descriptor lives as long as its files: the one moved into
+        // `done` keeps it open until the read completes.
+        let Some(DirectFile::Shared(direct)) = file.direct() else {
+            return Err(reply);
+        };
+        let fd = direct.as_raw_fd();
+        let at = file.base + offset;
+        let skip = (at % DIRECT_ALIGN as u64) as usize;
+        let (mount, file) = (self.clone(), file.clone());
+        reply.read_by_ring(fd, at - skip as u64, direct_room(at, want), move |got, buf| {
+            let read = match got {
+                // The pages around the blob's bytes came: its own to the reply's start.
+                Ok(n) if n >= skip + want => {
+                    buf.copy_within(skip..skip + want, 0);
+                    mount.core.judge_local(ino, &file, want, Ok(want))
+                }
+                // Fewer: the file shrank since its check, or the disk gave less at once.
+                // The ordinary read tells which.
+                Ok(_) => mount.core.pread_local(ino, &file, offset, want, false, buf),
+                Err(e) => mount.core.judge_local(ino, &file, want, Err(e)),
+            };
+            match read {
+                Ok(n) => {
+                    mount.core.metrics.read("local", n, started.elapsed());
+                    Ok(n)
+                }
+                Err(e) => {
+                    mount.core.metrics.read_error();
+                    Err(errno("read", &e))
+                }
+            }
+        })
     }
 
     /// Answers a read with bytes from remote replicas: a slice of the verified chunk,
@@ -430,6 +486,12 @@ impl Mount {
         }
         if self.core.local.is_some() {
             if let Some(file) = self.core.recent_file(ino) {
+                return self.read_local(ino, file, offset, want, started, reply);
+            }
+            // A path the node listed with the file's shard: opened here (a sibling's pack
+            // is open already), so a cold file's read can go straight to the disk.
+            if let Some(file) = self.core.known_file(ino) {
+                self.core.metrics.opened("local");
                 return self.read_local(ino, file, offset, want, started, reply);
             }
         }
