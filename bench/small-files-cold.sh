@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# Cold 128 KiB files through mounts of two builds side by side, against the same files in a
+# local directory: one demo cluster (started with the second build), the version imported
+# with three replicas, one mount per build on node1 (kernel opens), and rounds that read
+# the local directory, then each mount, with the page cache dropped before each read.
+# The mounts stay up between rounds, as a training job's do between epochs.
+#
+#     bench/small-files-cold.sh OLD_LOCUS NEW_LOCUS [TRANSPORT] [ROUNDS] [READERS]
+#
+# TRANSPORT is io-uring (default; the fuse module's enable_uring is switched on for the
+# run and put back) or dev-fuse. Needs root (dropping caches, FUSE), gcc and python3.
+set -euo pipefail
+old=${1:?usage: $0 OLD_LOCUS NEW_LOCUS [TRANSPORT] [ROUNDS] [READERS]}
+new=${2:?usage: $0 OLD_LOCUS NEW_LOCUS [TRANSPORT] [ROUNDS] [READERS]}
+transport=${3:-io-uring}
+rounds=${4:-4}
+readers=${5:-8}
+files=2000
+[ "$(id -u)" = 0 ] || { echo "needs root (drop_caches, FUSE)" >&2; exit 1; }
+here=$(cd "$(dirname "$0")" && pwd)
+work=$(mktemp -d /var/tmp/locus-small-cold.XXXXXX)
+uring=/sys/module/fuse/parameters/enable_uring
+was=$(cat "$uring" 2>/dev/null || echo N)
+demo_pid=
+cleanup() {
+    for m in "$work"/m-old "$work"/m-new; do fusermount3 -u "$m" 2>/dev/null || true; done
+    [ -n "$demo_pid" ] && kill "$demo_pid" 2>/dev/null || true
+    [ -w "$uring" ] && echo "$was" > "$uring"
+    rm -rf "$work"
+}
+trap cleanup EXIT
+[ "$transport" = io-uring ] && echo Y > "$uring"
+
+gcc -O2 -pthread -o "$work/reader" "$here/cold_reader.c"
+mkdir -p "$work/src"
+python3 - "$work/src" "$files" <<'PY'
+import os, sys
+for i in range(int(sys.argv[2])):
+    with open(f"{sys.argv[1]}/f{i:05d}.bin", "wb") as f:
+        f.write(os.urandom(128 << 10))
+PY
+"$new" demo --keep-running --dir "$work/demo" > "$work/demo.log" 2>&1 &
+demo_pid=$!
+for _ in $(seq 60); do
+    grep -q "export LOCUS_METADATA=" "$work/demo.log" && break
+    sleep 1
+done
+LOCUS_METADATA=$(grep -o "export LOCUS_METADATA=[^ ]*" "$work/demo.log" | head -1 | cut -d= -f2)
+export LOCUS_METADATA
+"$new" dataset import small "$work/src" --replicas 3 > /dev/null
+for b in old new; do
+    bin=$old; [ $b = new ] && bin=$new
+    mkdir -p "$work/m-$b"
+    "$bin" mount small@1 "$work/m-$b" --node-socket "$work/demo/node1.sock" \
+        --fuse-transport "$transport" > "$work/mount-$b.log" 2>&1 &
+done
+for _ in $(seq 30); do
+    [ -e "$work/m-old/f00000.bin" ] && [ -e "$work/m-new/f00000.bin" ] && break
+    sleep 1
+done
+
+echo "cold 128 KiB files, $readers readers, $files files, transport $transport"
+echo "| round | local directory files/s | old files/s (× raw) | new files/s (× raw) |"
+echo "|---|---|---|---|"
+for r in $(seq "$rounds"); do
+    row=()
+    for d in src m-old m-new; do
+        sync
+        echo 3 > /proc/sys/vm/drop_caches
+        row+=("$("$work/reader" "$readers" "$work/$d" 0 "$files")")
+    done
+    python3 -c "import sys; raw, o, n = map(float, sys.argv[2:]); print(f'| {sys.argv[1]} | {raw:.0f} | {o:.0f} ({o/raw:.2f}×) | {n:.0f} ({n/raw:.2f}×) |')" "$r" "${row[@]}"
+done
