@@ -3,6 +3,7 @@
 //! sources are fakes behind the same traits the real ones implement.
 
 use std::collections::HashMap;
+use std::fs::File;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};

@@ -16,6 +16,10 @@
 //! out so that the first two can be copied in front of the payload, which makes the
 //! request one contiguous slice in the layout a `/dev/fuse` read gives; only the
 //! (at most 168-byte) headers are copied.
+//!
+//! One file (past 700 lines) on purpose: the entries' memory, the commands that point
+//! into it and the thread that owns each are one set of `unsafe` rules, kept in one place
+//! so that a move to a newer fuser carries this file over whole (vendor/README.md).
 
 use std::cell::Cell;
 use std::cell::RefCell;
@@ -134,7 +138,7 @@ impl Drop for Queue {
 
 thread_local! {
     /// The queue whose thread this is (its address), or 0: a reply sent on the queue's
-    /// own thread is submitted with its next wait, one sent elsewhere at once.
+    /// own thread is submitted with its next wait, one sent elsewhere wakes it to submit.
     static ON_QUEUE: Cell<usize> = const { Cell::new(0) };
     /// Reads of files in flight on this thread's queue, by entry.
     static FILE_READS: RefCell<HashMap<usize, FileRead>> = RefCell::new(HashMap::new());
