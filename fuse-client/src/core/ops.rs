@@ -134,7 +134,10 @@ impl Core {
         if self.local.is_none() || size == 0 {
             return Ok(OpenPlan::Remote { ino, size });
         }
-        match self.recent_file(ino) {
+        // A path the node listed with the file's shard is opened here, on the session
+        // thread (its pack is usually open already): only a file the node has not vouched
+        // for yet goes to the blocking pool to ask it.
+        match self.recent_file(ino).or_else(|| self.known_file(ino)) {
             Some(file) => Ok(OpenPlan::Local { ino, size, file }),
             None => Ok(OpenPlan::AskNode { ino, size, blob }),
         }
