@@ -118,7 +118,11 @@ impl Mount {
     ) -> Result<(), ReplyData> {
         use std::os::fd::AsRawFd;
         // A pack's direct descriptor lives as long as its files: the one moved into
-        // `done` keeps it open until the read completes.
+        // `done` keeps it open until the read completes. (Asked only of a pack: a file of
+        // its own would open a descriptor just to be turned away.)
+        if !file.packed {
+            return Err(reply);
+        }
         let Some(DirectFile::Shared(direct)) = file.direct() else {
             return Err(reply);
         };
