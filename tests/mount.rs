@@ -602,12 +602,30 @@ async fn corrupted_blobs(opens: &str) {
         assert_eq!(blake3::hash(&read().unwrap()).to_hex().as_str(), want);
         drop_page_cache(&local.path.join(rel));
         damage(&on_n1[want]);
+        // The damaged pack out of the page cache too: the mount reads a cold blob's end
+        // direct (over io_uring, on the request's own ring), and that path must refuse
+        // the damage as well.
+        std::fs::File::open(&on_n1[want].path)
+            .and_then(|f| f.sync_all())
+            .unwrap();
+        drop_page_cache(&on_n1[want].path);
         if opens == "mount" {
             let err = read().unwrap_err();
             assert_eq!(err.raw_os_error(), Some(libc::EIO), "{err}");
         }
         assert_eq!(blake3::hash(&read().unwrap()).to_hex().as_str(), want);
         assert_eq!(nodes[0].quarantined(), 2 + i);
+    }
+    // Over FUSE io_uring the reads of the damaged, uncached packs were read on the
+    // request's own ring (`Mount::read_by_ring`), one per file at least. Through
+    // /dev/fuse, never.
+    let ring_reads = |s: &serde_json::Value| s["totals"]["ring_reads"].as_u64().unwrap_or(0);
+    if std::env::var("LOCUS_FUSE_TRANSPORT").as_deref() == Ok("io-uring") {
+        local
+            .status_when("the ring reads to be counted", |s| ring_reads(s) >= 2)
+            .await;
+    } else {
+        assert_eq!(ring_reads(&local.status()), 0);
     }
 
     // From replicas, n1 first (the mount says it runs on n1's host): n1's copy of the

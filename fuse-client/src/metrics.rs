@@ -13,6 +13,7 @@
 //! | locus_mount_readahead_skipped_total | counter | times | read-ahead not started because the shared read-ahead budget was in use |
 //! | locus_mount_listed_entries_total | counter | entries | entries of READDIRPLUS answers by what they carry (`attributes`: the kernel makes an inode for each; `names`: name and type only) |
 //! | locus_mount_lookups_total | counter | calls | LOOKUPs answered (a stat or open of a path the kernel had no entry for) |
+//! | locus_mount_ring_reads_total | counter | calls | reads of the node's files submitted on the io_uring queue the request came in on (the rest of the local reads go through the page cache or the blocking pool) |
 //! | locus_mount_read_seconds | histogram | seconds | latency of read calls served by the mount |
 //! | locus_mount_fetch_seconds | histogram | seconds | latency of remote chunk fetches |
 
@@ -42,10 +43,11 @@ pub struct Metrics {
     range_reads: Counter,
     listed: Family<With, Counter>,
     lookups: Counter,
+    ring_reads: Counter,
     read_seconds: Histogram,
     fetch_seconds: Histogram,
     // Plain totals for the status file (prometheus-client cannot be read back cheaply).
-    totals: [AtomicU64; 14],
+    totals: [AtomicU64; 15],
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -68,6 +70,7 @@ const CORRUPT: usize = 10;
 const LISTED_ATTRIBUTES: usize = 11;
 const LISTED_NAMES: usize = 12;
 const LOOKUPS: usize = 13;
+const RING_READS: usize = 14;
 
 impl Default for Metrics {
     fn default() -> Self {
@@ -84,6 +87,7 @@ impl Default for Metrics {
             range_reads: Counter::default(),
             listed: Family::default(),
             lookups: Counter::default(),
+            ring_reads: Counter::default(),
             // 10 µs .. ~5 s
             read_seconds: Histogram::new(exponential_buckets(1e-5, 3.0, 12)),
             fetch_seconds: Histogram::new(exponential_buckets(1e-4, 3.0, 11)),
@@ -119,6 +123,11 @@ impl Default for Metrics {
             m.listed.clone(),
         );
         r.register("lookups", "LOOKUPs answered", m.lookups.clone());
+        r.register(
+            "ring_reads",
+            "Reads of the node's files submitted on the io_uring queue the request came in on",
+            m.ring_reads.clone(),
+        );
         r.register("read_seconds", "Latency of read calls", m.read_seconds.clone());
         r.register(
             "fetch_seconds",
@@ -155,6 +164,9 @@ pub struct Totals {
     pub listed_names_only: u64,
     #[serde(default)]
     pub lookups: u64,
+    /// Local reads submitted on the io_uring queue their request came in on.
+    #[serde(default)]
+    pub ring_reads: u64,
 }
 
 impl Metrics {
@@ -243,6 +255,12 @@ impl Metrics {
         self.add(i, n);
     }
 
+    /// A local read was submitted on the request's own io_uring queue.
+    pub fn ring_read(&self) {
+        self.ring_reads.inc();
+        self.add(RING_READS, 1);
+    }
+
     pub fn looked_up(&self) {
         self.lookups.inc();
         self.add(LOOKUPS, 1);
@@ -265,6 +283,7 @@ impl Metrics {
             listed_with_attributes: t(LISTED_ATTRIBUTES),
             listed_names_only: t(LISTED_NAMES),
             lookups: t(LOOKUPS),
+            ring_reads: t(RING_READS),
         }
     }
 

@@ -130,7 +130,8 @@ impl Mount {
         let at = file.base + offset;
         let skip = (at % DIRECT_ALIGN as u64) as usize;
         let (mount, file) = (self.clone(), file.clone());
-        reply.read_by_ring(fd, at - skip as u64, direct_room(at, want), move |got, buf| {
+        let metrics = self.core.metrics.clone();
+        let submitted = reply.read_by_ring(fd, at - skip as u64, direct_room(at, want), move |got, buf| {
             let read = match got {
                 // The pages around the blob's bytes came: its own to the reply's start.
                 Ok(n) if n >= skip + want => {
@@ -152,7 +153,11 @@ impl Mount {
                     Err(errno("read", &e))
                 }
             }
-        })
+        });
+        if submitted.is_ok() {
+            metrics.ring_read();
+        }
+        submitted
     }
 
     /// Answers a read with bytes from remote replicas: a slice of the verified chunk,
