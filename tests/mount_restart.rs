@@ -432,9 +432,11 @@ impl Drop for EnableUring {
 /// the mount serves through /dev/fuse and says so once; where it is on, requests come
 /// through the rings, and a server killed under them is replaced: reads made while no
 /// server runs (parked in the kernel's queues) are answered by the next server, byte for
-/// byte. (Reads the dead server held, or that reached its rings while it died, are not:
-/// the kernel cannot resend ring requests; docs/architecture.md.) It switches the
-/// kernel parameter, so CI's io_uring pass leaves it out.
+/// byte, and so are reads the dead server held in its ring entries when it was killed
+/// (the next server maps the entries' memory and answers them). Reads that reach a ring
+/// while its server is dying fail with ECANCELED, which no server can prevent
+/// (docs/architecture.md). It switches the kernel parameter, so CI's io_uring pass
+/// leaves it out.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn io_uring_falls_back_where_off_and_a_killed_server_is_replaced_where_on() {
     let h = Harness::new("mount-uring");
@@ -518,5 +520,54 @@ async fn io_uring_falls_back_where_off_and_a_killed_server_is_replaced_where_on(
         );
     }
     let o = mnt.umount();
+    assert!(o.status.success(), "{}", stderr(&o));
+
+    // Reads the server holds when it is killed: through a mount with no local node, with
+    // the only node stopped, each read waits inside the server in its ring entry. The
+    // next server finds them in the entries' memory and answers them once the node is
+    // back; nothing else reads meanwhile, so no request meets the dying rings.
+    let remote = m.mount("held", "ds", None, &["--fuse-transport", "io-uring"]);
+    assert_eq!(remote.status()["transport"].as_str(), Some("io_uring"));
+    let big: Vec<_> = files
+        .iter()
+        .filter(|(p, _)| std::fs::metadata(src.join(p)).unwrap().len() > 50_000)
+        .take(4)
+        .cloned()
+        .collect();
+    assert_eq!(big.len(), 4, "the tree has files of more than 50 kB");
+    n1.daemon.sigstop();
+    let stuck: Vec<_> = big
+        .into_iter()
+        .map(|(rel, want)| {
+            let p = remote.path.join(rel);
+            std::thread::spawn(move || -> Result<(), String> {
+                let data = read_direct(&p).map_err(|e| format!("{}: {e}", p.display()))?;
+                if blake3::hash(&data).to_hex().as_str() == want {
+                    Ok(())
+                } else {
+                    Err(format!("{}: wrong bytes", p.display()))
+                }
+            })
+        })
+        .collect();
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let waiting = stuck.iter().filter(|r| !r.is_finished()).count();
+    assert!(waiting >= 2, "only {waiting} reads waited on the stopped node");
+    let old = remote.server_pid();
+    signal(old, "-KILL");
+    new_server(&remote, old).await;
+    n1.daemon.sigcont();
+    wait_until(
+        "the reads the killed server held to be answered by the next",
+        Duration::from_secs(60),
+        || async { stuck.iter().all(|r| r.is_finished()).then_some(()) },
+    )
+    .await;
+    for r in stuck {
+        r.join().unwrap().unwrap();
+    }
+    let log = std::fs::read_to_string(&remote.log).unwrap();
+    assert!(log.contains("requests a previous server held"), "{log}");
+    let o = remote.umount();
     assert!(o.status.success(), "{}", stderr(&o));
 }

@@ -562,8 +562,10 @@ fn start_session(
                 backing: Default::default(),
                 device,
                 io_uring_payload: io_uring_payload.filter(|_| ring),
+                ring_memory: None,
             };
             h.session(s.as_fd(), &state)?;
+            hand_over_rings(&s, h);
         }
         return Ok((s.spawn()?, ours));
     };
@@ -573,8 +575,14 @@ fn start_session(
     let mut s = fuser::Session::from_initialized_fd(fs, r.fuse, acl, config, v);
     if let Some(p) = r.state.io_uring_payload {
         s = s.with_io_uring(p);
+        if let (Some(fd), Some(layout)) = (r.ring, r.state.ring_memory) {
+            s = s.adopt_ring_memory(fd, layout.into());
+        }
     }
     let ring = start_rings(&mut s);
+    if let Some(h) = &h {
+        hand_over_rings(&s, h);
+    }
     let fd = s.as_fd().try_clone_to_owned()?;
     let bg = s.spawn()?;
     if let Err(e) = holder::resend_lost_requests(fd.as_fd()) {
@@ -591,6 +599,16 @@ fn start_session(
         ring,
     };
     Ok((bg, ours))
+}
+
+/// Tells the holder where the ring queues' entries are, for the next server (a taken-over
+/// server whose memory is the holder's already sends it again: harmless).
+fn hand_over_rings(s: &fuser::Session<locus_fuse::LocusFs>, h: &holder::Channel) {
+    if let Some((fd, layout)) = s.ring_memory() {
+        if let Err(e) = h.rings(fd, layout.into()) {
+            tracing::warn!("cannot hand the holder the ring entries' memory: {e}");
+        }
+    }
 }
 
 /// Registers the connection's FUSE-over-io_uring queues when INIT negotiated them:

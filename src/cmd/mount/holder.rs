@@ -9,7 +9,9 @@
 //! - requests the kernel had not handed out yet wait in its queue;
 //! - requests the dead server had read but not answered sit on the connection's
 //!   processing list; the new server asks the kernel to queue them again
-//!   (`FUSE_NOTIFY_RESEND`, Linux 6.9+);
+//!   (`FUSE_NOTIFY_RESEND`, Linux 6.9+); under FUSE over io_uring, where the kernel
+//!   resends nothing, they sit in the dead server's ring entries, whose memory (a memfd)
+//!   the holder keeps: the new server maps it at the same address and answers them;
 //! - the kernel sends INIT once per connection, so the holder keeps what the first server
 //!   negotiated and the next one restores it (`Session::from_initialized_fd`, vendored);
 //! - inode numbers come from the manifest, the same in every server; a file handle from
@@ -20,8 +22,9 @@
 //!
 //! The server talks to the holder over a Unix datagram socket pair (`LOCUS_MOUNT_CHANNEL`,
 //! inherited): the descriptor and the negotiated state (with the descriptor attached),
-//! the ready line, and backing ids. The holder hands a restarted server the descriptor
-//! (`LOCUS_MOUNT_FUSE_FD`) and a state file (`LOCUS_MOUNT_SESSION`).
+//! the ring entries' memory, the ready line, and backing ids. The holder hands a
+//! restarted server the descriptor (`LOCUS_MOUNT_FUSE_FD`), the ring memory
+//! (`LOCUS_MOUNT_RING_FD`) and a state file (`LOCUS_MOUNT_SESSION`).
 //!
 //! Signals to the holder: TERM/INT unmount and stop (forwarded to the server, which
 //! unmounts); HUP restarts the server from the executable now at the path the holder was
@@ -45,6 +48,7 @@ use super::runtime::status_path;
 const CHANNEL_ENV: &str = "LOCUS_MOUNT_CHANNEL";
 const FUSE_FD_ENV: &str = "LOCUS_MOUNT_FUSE_FD";
 const SESSION_ENV: &str = "LOCUS_MOUNT_SESSION";
+const RING_FD_ENV: &str = "LOCUS_MOUNT_RING_FD";
 
 /// What a server taking over a live connection must know about it.
 #[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
@@ -65,11 +69,51 @@ pub struct SessionState {
     /// ring queues: the next server registers its own queues (see `wake_ring_queues`).
     #[serde(default)]
     pub io_uring_payload: Option<usize>,
+    /// Where the ring queues' entries are (a memfd the holder keeps, passed as
+    /// `LOCUS_MOUNT_RING_FD`): the next server maps it at the same address and answers
+    /// the requests a dead server held in its entries.
+    #[serde(default)]
+    pub ring_memory: Option<RingMemory>,
+}
+
+/// `fuser::RingLayout`, as the session file keeps it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct RingMemory {
+    pub addr: u64,
+    pub len: u64,
+    pub queues: u32,
+    pub depth: u16,
+    pub payload_cap: u64,
+}
+
+impl From<fuser::RingLayout> for RingMemory {
+    fn from(l: fuser::RingLayout) -> Self {
+        RingMemory {
+            addr: l.addr,
+            len: l.len,
+            queues: l.queues,
+            depth: l.depth,
+            payload_cap: l.payload_cap,
+        }
+    }
+}
+
+impl From<RingMemory> for fuser::RingLayout {
+    fn from(m: RingMemory) -> Self {
+        fuser::RingLayout {
+            addr: m.addr,
+            len: m.len,
+            queues: m.queues,
+            depth: m.depth,
+            payload_cap: m.payload_cap,
+        }
+    }
 }
 
 /// A message from the server.
 enum Msg {
     Session(OwnedFd, SessionState),
+    Rings(OwnedFd, RingMemory),
     Ready(String),
     Backing(u64, Option<u32>),
 }
@@ -105,6 +149,13 @@ impl Channel {
         self.send(&m, Some(fuse))
     }
 
+    /// Hands the holder the memory the ring queues' entries are in, for the next server.
+    pub fn rings(&self, memory: BorrowedFd<'_>, layout: RingMemory) -> std::io::Result<()> {
+        let mut m = b"rings ".to_vec();
+        m.extend(serde_json::to_vec(&layout).map_err(std::io::Error::other)?);
+        self.send(&m, Some(memory))
+    }
+
     pub fn ready(&self, msg: &str) -> std::io::Result<()> {
         self.send(format!("ready {msg}").as_bytes(), None)
     }
@@ -126,6 +177,8 @@ impl Channel {
 pub struct Reattach {
     pub fuse: OwnedFd,
     pub state: SessionState,
+    /// The ring entries' memory (see `SessionState::ring_memory`).
+    pub ring: Option<OwnedFd>,
 }
 
 impl Reattach {
@@ -141,7 +194,17 @@ impl Reattach {
         let fuse = unsafe { OwnedFd::from_raw_fd(fd) };
         let state = serde_json::from_slice(&std::fs::read(&path).with_context(|| path.clone())?)
             .with_context(|| format!("{path}: not a mount session"))?;
-        Ok(Some(Reattach { fuse, state }))
+        let ring = match take_env(RING_FD_ENV) {
+            Some(fd) => {
+                let fd: RawFd = fd.parse().context("LOCUS_MOUNT_RING_FD")?;
+                set_cloexec(fd);
+                // SAFETY: as above.
+                #[allow(unsafe_code)]
+                Some(unsafe { OwnedFd::from_raw_fd(fd) })
+            }
+            None => None,
+        };
+        Ok(Some(Reattach { fuse, state, ring }))
     }
 }
 
@@ -293,6 +356,7 @@ pub async fn run(mountpoint: &Path, notify_ready: bool, token: Option<&str>) -> 
 
     let mut fuse: Option<OwnedFd> = None;
     let mut state: Option<SessionState> = None;
+    let mut ring: Option<(OwnedFd, RingMemory)> = None;
     let mut ready = false;
     let mut stopping = false;
     let mut quick_deaths = 0u32;
@@ -314,7 +378,14 @@ pub async fn run(mountpoint: &Path, notify_ready: bool, token: Option<&str>) -> 
         }
         let mut pass = vec![theirs.as_raw_fd()];
         if let (Some(fd), Some(s)) = (&fuse, &state) {
-            write_private(&session_file, &serde_json::to_vec(s)?)?;
+            let mut s = s.clone();
+            s.ring_memory = None;
+            if let Some((memory, layout)) = ring.as_ref().filter(|_| s.io_uring_payload.is_some()) {
+                s.ring_memory = Some(*layout);
+                cmd.env(RING_FD_ENV, memory.as_raw_fd().to_string());
+                pass.push(memory.as_raw_fd());
+            }
+            write_private(&session_file, &serde_json::to_vec(&s)?)?;
             cmd.env(FUSE_FD_ENV, fd.as_raw_fd().to_string())
                 .env(SESSION_ENV, &session_file);
             pass.push(fd.as_raw_fd());
@@ -338,7 +409,7 @@ pub async fn run(mountpoint: &Path, notify_ready: bool, token: Option<&str>) -> 
         let mut killed_for_restart = false;
         let status = loop {
             tokio::select! {
-                Some(m) = rx.recv() => apply(m, &mut fuse, &mut state, &mut ready, notify_ready),
+                Some(m) = rx.recv() => apply(m, &mut fuse, &mut state, &mut ring, &mut ready, notify_ready),
                 st = child.wait() => break st?,
                 _ = term.recv() => { stopping = true; signal_child(&child, Signal::SIGTERM) }
                 _ = int.recv() => { stopping = true; signal_child(&child, Signal::SIGTERM) }
@@ -353,7 +424,7 @@ pub async fn run(mountpoint: &Path, notify_ready: bool, token: Option<&str>) -> 
         };
         // What the server sent just before it ended (a backing id, above all).
         while let Some(m) = rx.recv().await {
-            apply(m, &mut fuse, &mut state, &mut ready, notify_ready);
+            apply(m, &mut fuse, &mut state, &mut ring, &mut ready, notify_ready);
         }
         if stopping || status.success() {
             break status.code().unwrap_or(0);
@@ -369,11 +440,12 @@ pub async fn run(mountpoint: &Path, notify_ready: bool, token: Option<&str>) -> 
         if !killed_for_restart {
             tracing::warn!("the mount server died ({status}); starting another on the same connection");
         }
-        if state.as_ref().is_some_and(|s| s.io_uring_payload.is_some()) {
+        if state.as_ref().is_some_and(|s| s.io_uring_payload.is_some()) && ring.is_none() {
             // The kernel resends only what /dev/fuse readers held (FUSE_NOTIFY_RESEND
-            // does not reach ring queues, Linux 6.18).
+            // does not reach ring queues, Linux 6.18); without the entries' memory the
+            // next server cannot answer what this one held.
             tracing::warn!(
-                "requests the server held in its io_uring queues cannot be asked again: their readers wait until unmount"
+                "requests the server held in its io_uring queues cannot be answered again: their readers wait until unmount"
             );
         }
         // A server that keeps dying at once (a bad binary, no memory) is retried more
@@ -405,6 +477,7 @@ fn apply(
     m: Msg,
     fuse: &mut Option<OwnedFd>,
     state: &mut Option<SessionState>,
+    ring: &mut Option<(OwnedFd, RingMemory)>,
     ready: &mut bool,
     notify_ready: bool,
 ) {
@@ -413,6 +486,7 @@ fn apply(
             *fuse = Some(fd);
             *state = Some(s);
         }
+        Msg::Rings(fd, layout) => *ring = Some((fd, layout)),
         Msg::Ready(msg) if !*ready => {
             *ready = true;
             if notify_ready {
@@ -485,6 +559,7 @@ fn parse(m: &[u8], fd: Option<OwnedFd>) -> Option<Msg> {
     let (kind, rest) = text.split_once(' ').unwrap_or((text, ""));
     match kind {
         "session" => Some(Msg::Session(fd?, serde_json::from_str(rest).ok()?)),
+        "rings" => Some(Msg::Rings(fd?, serde_json::from_str(rest).ok()?)),
         "ready" => Some(Msg::Ready(rest.to_string())),
         "backing" => {
             let (ino, id) = rest.split_once(' ')?;
@@ -533,6 +608,30 @@ mod tests {
         // A session without its descriptor is no session.
         assert!(parse(br#"session {"version":1,"proto_major":7,"proto_minor":41,"negotiated":{"passthrough":true,"kernel_opens":false}}"#, None).is_none());
         assert!(parse(b"backing x 3", None).is_none());
+        // Ring memory comes with its descriptor and a whole layout, or not at all.
+        let layout =
+            br#"rings {"addr":17592186044416,"len":16842752,"queues":2,"depth":8,"payload_cap":1048576}"#;
+        assert!(parse(layout, None).is_none());
+        let memfd = OwnedFd::from(std::fs::File::open("/dev/null").unwrap());
+        match parse(layout, Some(memfd)) {
+            Some(Msg::Rings(_, l)) => {
+                assert_eq!(
+                    (l.addr, l.queues, l.depth, l.payload_cap),
+                    (1 << 44, 2, 8, 1 << 20)
+                );
+                let back: fuser::RingLayout = l.into();
+                assert_eq!(RingMemory::from(back), l);
+            }
+            _ => panic!("a rings message with its memory is understood"),
+        }
+        let memfd = OwnedFd::from(std::fs::File::open("/dev/null").unwrap());
+        assert!(parse(br#"rings {"addr":1}"#, Some(memfd)).is_none());
+        // A session file written before ring memory was kept still reads.
+        let old: SessionState = serde_json::from_str(
+            r#"{"version":1,"proto_major":7,"proto_minor":41,"negotiated":{"passthrough":true,"kernel_opens":false},"io_uring_payload":1048576}"#,
+        )
+        .unwrap();
+        assert_eq!(old.ring_memory, None);
         assert!(parse(b"\xff\xfe", None).is_none());
         assert!(parse(b"nonsense 1", None).is_none());
     }

@@ -103,6 +103,8 @@ mod session;
 mod time;
 #[cfg(target_os = "linux")]
 mod uring;
+#[cfg(target_os = "linux")]
+pub use crate::uring::RingLayout;
 
 /// We generally support async reads
 #[cfg(not(target_os = "macos"))]

@@ -144,6 +144,9 @@ pub struct Session<FS: Filesystem> {
     /// The running ring queues, once started.
     #[cfg(target_os = "linux")]
     pub(crate) rings: Option<crate::uring::Rings>,
+    /// The ring entries' memory a previous server of this connection left.
+    #[cfg(target_os = "linux")]
+    pub(crate) adopt_rings: Option<(OwnedFd, crate::uring::RingLayout)>,
     /// The filesystem once ring threads share it (it moved out of `filesystem`).
     pub(crate) shared_fs: Option<Arc<FilesystemHolder<FS>>>,
 }
@@ -196,6 +199,8 @@ impl<FS: Filesystem> Session<FS> {
             io_uring_payload: None,
             #[cfg(target_os = "linux")]
             rings: None,
+            #[cfg(target_os = "linux")]
+            adopt_rings: None,
             shared_fs: None,
         };
 
@@ -228,6 +233,8 @@ impl<FS: Filesystem> Session<FS> {
             io_uring_payload: None,
             #[cfg(target_os = "linux")]
             rings: None,
+            #[cfg(target_os = "linux")]
+            adopt_rings: None,
             shared_fs: None,
         };
 
@@ -263,6 +270,8 @@ impl<FS: Filesystem> Session<FS> {
             io_uring_payload: None,
             #[cfg(target_os = "linux")]
             rings: None,
+            #[cfg(target_os = "linux")]
+            adopt_rings: None,
             shared_fs: None,
         }
     }
@@ -274,6 +283,23 @@ impl<FS: Filesystem> Session<FS> {
     pub fn with_io_uring(mut self, payload: usize) -> Self {
         self.io_uring_payload = Some(payload);
         self
+    }
+
+    /// Takes over the ring entries a previous server of this connection registered in
+    /// `memory` (handed over as `ring_memory` gave it): `start_io_uring` maps them at the
+    /// same address and answers the requests that server held (Locus addition).
+    #[cfg(target_os = "linux")]
+    pub fn adopt_ring_memory(mut self, memory: OwnedFd, layout: crate::uring::RingLayout) -> Self {
+        self.adopt_rings = Some((memory, layout));
+        self
+    }
+
+    /// The memory the running ring queues' entries are in and where it is mapped, for
+    /// whoever starts the next server of this connection (`adopt_ring_memory`); None
+    /// without queues or where the memory is private (Locus addition).
+    #[cfg(target_os = "linux")]
+    pub fn ring_memory(&self) -> Option<(BorrowedFd<'_>, crate::uring::RingLayout)> {
+        self.rings.as_ref()?.memory()
     }
 
     /// The ring payload size if INIT negotiated FUSE over io_uring, else `None`.
@@ -312,6 +338,7 @@ impl<FS: Filesystem> Session<FS> {
             &self.ch.sender(),
             depth,
             payload,
+            self.adopt_rings.take(),
         );
         self.shared_fs = Some(filesystem);
         let (rings, registered) = started;
@@ -362,6 +389,8 @@ impl<FS: Filesystem> Session<FS> {
             io_uring_payload: _,
             #[cfg(target_os = "linux")]
             rings,
+            #[cfg(target_os = "linux")]
+                adopt_rings: _,
             shared_fs,
         } = self;
 

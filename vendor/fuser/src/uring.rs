@@ -17,9 +17,19 @@
 //! request one contiguous slice in the layout a `/dev/fuse` read gives; only the
 //! (at most 168-byte) headers are copied.
 //!
-//! One file (past 700 lines) on purpose: the entries' memory, the commands that point
-//! into it and the thread that owns each are one set of `unsafe` rules, kept in one place
-//! so that a move to a newer fuser carries this file over whole (vendor/README.md).
+//! The entries' memory outlives the server that registered them, so that the next server
+//! of the same connection (see `RingMemory`) can answer what a dead one held: the kernel
+//! finds a request by its id on COMMIT_AND_FETCH from any ring, and reads the reply from
+//! the addresses the entry was registered with, in whichever process commits. So the
+//! memory is a memfd the mount's holder keeps, mapped at the same address in each server;
+//! each entry's header page also keeps a copy of the request being answered (`keep`),
+//! since a reply overwrites the kernel's copy.
+//!
+//! The queues stay in one file (past 700 lines) on purpose: the entries, the commands
+//! that point into them and the thread that owns each are one set of `unsafe` rules, kept
+//! in one place. The memory under them (`uring/memory.rs`) and what a server taking over
+//! reads from it (`uring/held.rs`) sit beside it; a move to a newer fuser carries the three
+//! over whole (vendor/README.md).
 
 use std::cell::Cell;
 use std::cell::RefCell;
@@ -48,6 +58,13 @@ use crate::reply::ReplySender;
 use crate::request::RequestWithSender;
 use crate::session::SessionEventLoop;
 
+mod held;
+mod memory;
+
+use held::Held;
+pub use memory::RingLayout;
+use memory::RingMemory;
+
 const CMD_REGISTER: u32 = 1;
 const CMD_COMMIT_AND_FETCH: u32 = 2;
 /// `struct fuse_uring_req_header`: `in_out[128]`, `op_in[128]`, `fuse_uring_ent_in_out`.
@@ -64,6 +81,13 @@ const PAGE: usize = 4096;
 const FILE_READ: u64 = 1 << 63;
 /// Marks the completion of the queue thread's poll of its wake-up eventfd.
 const WAKE: u64 = 1 << 62;
+/// Marks the end of the wait before a held request whose entry a dead server was reading
+/// a file into is answered again (see `serve_queue`).
+const RECOVER: u64 = 1 << 61;
+/// How long a held request whose entry was being read into waits before it is answered
+/// again: the dead server's ring ends only once its reads have completed, which must not
+/// land in a reply of the next server.
+const READ_SETTLE: std::time::Duration = std::time::Duration::from_secs(1);
 
 /// What answers a request once the read of a file it started has completed: the read's
 /// outcome and the entry's payload, which holds what was read; gives the bytes of the
@@ -112,8 +136,8 @@ struct Queue {
     ring: IoUring<squeue::Entry128, cqueue::Entry>,
     /// Serializes pushes to the submission queue (the queue's thread and repliers).
     sq: Mutex<()>,
-    mem: *mut u8,
-    mem_len: usize,
+    /// Holds the entries' memory mapped while the queue lives.
+    _memory: Arc<RingMemory>,
     payload_cap: usize,
     /// Per entry: the iovecs (header page, payload) the REGISTER command points at.
     iovs: Vec<[libc::iovec; 2]>,
@@ -128,14 +152,6 @@ struct Queue {
 unsafe impl Send for Queue {}
 unsafe impl Sync for Queue {}
 
-impl Drop for Queue {
-    fn drop(&mut self) {
-        // SAFETY: mapped in `Queue::new` with this length; the ring (and with it every
-        // command that pointed here) is gone or going with `self`.
-        unsafe { libc::munmap(self.mem.cast(), self.mem_len) };
-    }
-}
-
 thread_local! {
     /// The queue whose thread this is (its address), or 0: a reply sent on the queue's
     /// own thread is submitted with its next wait, one sent elsewhere wakes it to submit.
@@ -145,30 +161,16 @@ thread_local! {
 }
 
 impl Queue {
-    fn new(qid: u16, dev: RawFd, depth: u16, payload_cap: usize) -> io::Result<Queue> {
+    fn new(qid: u16, dev: RawFd, memory: Arc<RingMemory>) -> io::Result<Queue> {
+        let depth = memory.layout.depth;
         // Room for a command per entry and the wake-up poll.
         let entries = (u32::from(depth) + 1).next_power_of_two();
         let ring = IoUring::<squeue::Entry128, cqueue::Entry>::builder()
             .setup_cqsize(entries * 2)
             .build(entries)?;
-        let payload_cap = payload_cap.next_multiple_of(PAGE);
+        let payload_cap = memory.layout.payload_cap as usize;
         let stride = PAGE + payload_cap;
-        let mem_len = stride * usize::from(depth);
-        // SAFETY: a fresh anonymous private mapping; pages are touched only as used.
-        let mem = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                mem_len,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
-                -1,
-                0,
-            )
-        };
-        if mem == libc::MAP_FAILED {
-            return Err(io::Error::last_os_error());
-        }
-        let mem = mem.cast::<u8>();
+        let mem = memory.queue_base(usize::from(qid));
         let iovs = (0..usize::from(depth))
             .map(|i| {
                 // SAFETY: within the mapping.
@@ -188,10 +190,7 @@ impl Queue {
         // SAFETY: eventfd(2) with valid flags; the descriptor is owned from here on.
         let wake = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
         if wake < 0 {
-            let e = io::Error::last_os_error();
-            // SAFETY: mapped above with this length, not shared yet.
-            unsafe { libc::munmap(mem.cast(), mem_len) };
-            return Err(e);
+            return Err(io::Error::last_os_error());
         }
         // SAFETY: a fresh descriptor nothing else owns.
         let wake = unsafe { <std::os::fd::OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(wake) };
@@ -200,8 +199,7 @@ impl Queue {
             dev,
             ring,
             sq: Mutex::new(()),
-            mem,
-            mem_len,
+            _memory: memory,
             payload_cap,
             iovs,
             wake,
@@ -259,7 +257,9 @@ impl Queue {
             // SAFETY: the entry is ours until committed; 16 bytes fit its header.
             unsafe { std::ptr::copy_nonoverlapping(h.as_ptr(), header, OUT_HEADER_LEN) };
             self.set_payload_len(slot, 0);
-            Err(io::Error::other(format!("reply of {total} bytes does not fit the ring entry")))
+            Err(io::Error::other(format!(
+                "reply of {total} bytes does not fit the ring entry"
+            )))
         } else {
             let mut at = 0usize;
             for b in bufs {
@@ -287,7 +287,14 @@ impl Queue {
 
     /// Answers the request in `slot` with the `n` bytes already in its payload (or with
     /// `-error` and none): only the 16-byte out header is written.
-    fn commit_in_place(self: &Arc<Self>, slot: usize, commit_id: u64, unique: u64, error: i32, n: usize) -> io::Result<()> {
+    fn commit_in_place(
+        self: &Arc<Self>,
+        slot: usize,
+        commit_id: u64,
+        unique: u64,
+        error: i32,
+        n: usize,
+    ) -> io::Result<()> {
         let n = if error == 0 { n.min(self.payload_cap) } else { 0 };
         let mut h = [0u8; OUT_HEADER_LEN];
         h[0..4].copy_from_slice(&((OUT_HEADER_LEN + n) as u32).to_ne_bytes());
@@ -383,11 +390,7 @@ impl Queue {
             // (288 bytes); the payload follows at PAGE.
             unsafe {
                 std::ptr::copy_nonoverlapping(header, header.add(start), IN_HEADER_LEN);
-                std::ptr::copy_nonoverlapping(
-                    header.add(OP_IN),
-                    header.add(start + IN_HEADER_LEN),
-                    op_len,
-                );
+                std::ptr::copy_nonoverlapping(header.add(OP_IN), header.add(start + IN_HEADER_LEN), op_len);
                 Ok((header.add(start).cast_const(), len, commit_id, payload_sz == 0))
             }
         } else {
@@ -425,7 +428,11 @@ pub(crate) struct RingReply {
 
 impl std::fmt::Debug for RingReply {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "RingReply(q{} e{} #{})", self.queue.qid, self.slot, self.commit_id)
+        write!(
+            f,
+            "RingReply(q{} e{} #{})",
+            self.queue.qid, self.slot, self.commit_id
+        )
     }
 }
 
@@ -476,7 +483,9 @@ impl RingReply {
             .offset(offset)
             .build()
             .user_data(FILE_READ | self.slot as u64);
+        self.queue.set_reading(self.slot, true);
         if let Err(e) = self.queue.push(&sqe.into()) {
+            self.queue.set_reading(self.slot, false);
             warn!("queue {} entry {}: {e}", self.queue.qid, self.slot);
             let _ = self.commit_in_place(unique, -libc::EIO, 0);
             return;
@@ -499,9 +508,13 @@ impl RingReply {
 /// Answers the request whose read of a file (`RingReply::read`) completed with `res`.
 fn file_read_done(queue: &Queue, slot: usize, res: i32) {
     let Some(r) = FILE_READS.with(|r| r.borrow_mut().remove(&slot)) else {
-        warn!("queue {} entry {slot}: a read completed that no request started", queue.qid);
+        warn!(
+            "queue {} entry {slot}: a read completed that no request started",
+            queue.qid
+        );
         return;
     };
+    queue.set_reading(slot, false);
     let got = match res {
         n if n >= 0 => Ok(n as usize),
         e => Err(io::Error::from_raw_os_error(-e)),
@@ -522,19 +535,49 @@ fn file_read_done(queue: &Queue, slot: usize, res: i32) {
 #[derive(Debug)]
 pub(crate) struct Rings {
     threads: Vec<JoinHandle<()>>,
+    memory: Option<Arc<RingMemory>>,
 }
 
 impl Rings {
     /// Registers `depth` entries on every queue, each served by its own thread through
     /// `se`'s filesystem. Returns once every queue has registered (or failed to: then
     /// the kernel goes back to `/dev/fuse` for this connection, and so does the error).
+    ///
+    /// With `adopt`, the memory a previous server of this connection registered its
+    /// entries in: its entries are taken over, and the requests it held answered.
     pub(crate) fn start<FS: Filesystem + 'static>(
         se: impl Fn(usize) -> SessionEventLoop<FS>,
         dev: &ChannelSender,
         depth: u16,
         payload_cap: usize,
+        adopt: Option<(std::os::fd::OwnedFd, RingLayout)>,
     ) -> (Rings, io::Result<()>) {
         let n = possible_cpus();
+        let adopted = adopt.and_then(|(fd, layout)| {
+            let fits = RingLayout::new(layout.addr as usize, n, depth, payload_cap) == layout;
+            let m = if fits {
+                RingMemory::adopt(fd, layout)
+            } else {
+                Err(io::Error::other(format!("its layout {layout:?} is not this server's")))
+            };
+            m.map_err(|e| {
+                warn!("cannot take over the previous server's ring entries ({e}): the requests it held wait until unmount")
+            })
+            .ok()
+        });
+        let adopting = adopted.is_some();
+        let memory = match adopted.map_or_else(|| RingMemory::create(n, depth, payload_cap), Ok) {
+            Ok(m) => Arc::new(m),
+            Err(e) => {
+                return (
+                    Rings {
+                        threads: Vec::new(),
+                        memory: None,
+                    },
+                    Err(e),
+                );
+            }
+        };
         let (tx, rx) = mpsc::channel::<io::Result<()>>();
         let mut threads = Vec::with_capacity(n);
         let mut first_err = None;
@@ -542,9 +585,10 @@ impl Rings {
             let se = se(qid);
             let dev = dev.clone();
             let tx = tx.clone();
+            let memory = memory.clone();
             match std::thread::Builder::new()
                 .name(format!("fuse-ring-{qid}"))
-                .spawn(move || serve_queue(qid as u16, se, dev, depth, payload_cap, tx))
+                .spawn(move || serve_queue(qid as u16, se, dev, memory, adopting, tx))
             {
                 Ok(t) => threads.push(t),
                 Err(e) => {
@@ -561,7 +605,18 @@ impl Rings {
         }
         // Queues that did register when another failed are torn down by the kernel at
         // unmount, which ends their threads: whoever joins the session joins them.
-        (Rings { threads }, first_err.map_or(Ok(()), Err))
+        let rings = Rings {
+            threads,
+            memory: Some(memory),
+        };
+        (rings, first_err.map_or(Ok(()), Err))
+    }
+
+    /// The entries' memory and where it is mapped, for the next server of this
+    /// connection; None when it is private to this process.
+    pub(crate) fn memory(&self) -> Option<(std::os::fd::BorrowedFd<'_>, RingLayout)> {
+        let m = self.memory.as_ref()?;
+        Some((std::os::fd::AsFd::as_fd(m.fd.as_ref()?), m.layout))
     }
 
     pub(crate) fn join(self) {
@@ -586,14 +641,15 @@ fn serve_queue<FS: Filesystem>(
     qid: u16,
     se: SessionEventLoop<FS>,
     dev: ChannelSender,
-    depth: u16,
-    payload_cap: usize,
+    memory: Arc<RingMemory>,
+    adopting: bool,
     registered: mpsc::Sender<io::Result<()>>,
 ) {
     // The kernel picks the queue by the caller's CPU: answering on that CPU keeps the
     // request and its reply there.
     pin_to_cpu(usize::from(qid));
-    let queue = match Queue::new(qid, dev.as_raw_fd(), depth, payload_cap) {
+    let depth = memory.layout.depth;
+    let queue = match Queue::new(qid, dev.as_raw_fd(), memory) {
         Ok(q) => Arc::new(q),
         Err(e) => {
             let _ = registered.send(Err(e));
@@ -603,21 +659,84 @@ fn serve_queue<FS: Filesystem>(
     ON_QUEUE.set(Arc::as_ptr(&queue) as usize);
     let mut live = usize::from(depth);
     let mut pending: Vec<(u64, i32, u32)> = Vec::with_capacity(usize::from(depth) + 1);
+    let mut scratch = Vec::new();
+    // Entries a previous server registered whose last request is being answered again:
+    // if the kernel no longer knows it (answered, or the entry ended with that server),
+    // the commit fails with ENOENT and the entry's memory is registered afresh.
+    let mut recovering = std::collections::HashSet::new();
+    let mut settling: HashMap<usize, (u64, Vec<u8>)> = HashMap::new();
+    let settle = io_uring::types::Timespec::from(READ_SETTLE);
+    let mut held = Vec::new();
     let setup = (|| {
         for slot in 0..usize::from(depth) {
-            queue.push(&queue.command(CMD_REGISTER, slot, 0))?;
+            match if adopting {
+                queue.held(slot, &mut scratch)
+            } else {
+                Held::Unused
+            } {
+                Held::Unused => queue.push(&queue.command(CMD_REGISTER, slot, 0))?,
+                Held::Request {
+                    unique,
+                    bytes,
+                    reading,
+                } => {
+                    recovering.insert(slot);
+                    if reading {
+                        let t = opcode::Timeout::new(&settle)
+                            .build()
+                            .user_data(RECOVER | slot as u64);
+                        queue.push(&t.into())?;
+                        settling.insert(slot, (unique, bytes));
+                    } else {
+                        held.push((slot, unique, bytes));
+                    }
+                }
+                Held::Unreadable(unique) => {
+                    recovering.insert(slot);
+                    queue.refuse(slot, unique);
+                }
+            }
         }
         queue.arm_wake()?;
         queue.ring.submitter().submit()?;
         Ok::<(), io::Error>(())
     })();
+    if !recovering.is_empty() {
+        log::info!(
+            "queue {qid}: answering again {} requests a previous server held",
+            recovering.len()
+        );
+    }
+    for (slot, unique, bytes) in held.drain(..) {
+        serve(&queue, &se, &dev, slot, unique, &bytes, &mut scratch);
+    }
     // A refused registration completes at once; an accepted one only when a request
-    // arrives (which the loop below then serves).
-    // SAFETY: only this thread reads the completion queue.
-    pending.extend(unsafe { queue.ring.completion_shared() }.map(|c| (c.user_data(), c.result(), c.flags())));
+    // arrives (which the loop below then serves). So does an answer to a request the
+    // kernel no longer knows: that entry is registered again before the queue counts as
+    // ready, so that every queue has entries when the caller wakes it.
+    loop {
+        let _ = queue.ring.submitter().submit();
+        // SAFETY: only this thread reads the completion queue.
+        pending.extend(
+            unsafe { queue.ring.completion_shared() }.map(|c| (c.user_data(), c.result(), c.flags())),
+        );
+        let before = pending.len();
+        pending.retain(|&(u, r, _)| {
+            let gone = u & (WAKE | FILE_READ | RECOVER) == 0
+                && r == -libc::ENOENT
+                && recovering.remove(&(u as usize));
+            if gone {
+                let _ = queue.push(&queue.command(CMD_REGISTER, u as usize, 0));
+            }
+            !gone
+        });
+        if pending.len() == before {
+            break;
+        }
+    }
     let refused = pending
         .iter()
-        .find(|(u, r, _)| *u & (WAKE | FILE_READ) == 0 && *r < 0)
+        .find(|(u, r, _)| *u & (WAKE | FILE_READ | RECOVER) == 0 && *r < 0)
         .map(|(_, r, _)| io::Error::from_raw_os_error(-r));
     match (setup, refused) {
         (Err(e), _) => {
@@ -631,10 +750,11 @@ fn serve_queue<FS: Filesystem>(
             let _ = registered.send(Ok(()));
         }
     }
-    let mut scratch = Vec::new();
     loop {
         // SAFETY: only this thread reads the completion queue.
-        pending.extend(unsafe { queue.ring.completion_shared() }.map(|c| (c.user_data(), c.result(), c.flags())));
+        pending.extend(
+            unsafe { queue.ring.completion_shared() }.map(|c| (c.user_data(), c.result(), c.flags())),
+        );
         if pending.is_empty() {
             match queue.ring.submitter().submit_and_wait(1) {
                 Ok(_) => {}
@@ -662,8 +782,22 @@ fn serve_queue<FS: Filesystem>(
                 file_read_done(&queue, (slot & !FILE_READ) as usize, res);
                 continue;
             }
+            if slot & RECOVER != 0 {
+                let slot = (slot & !RECOVER) as usize;
+                if let Some((unique, bytes)) = settling.remove(&slot) {
+                    serve(&queue, &se, &dev, slot, unique, &bytes, &mut scratch);
+                }
+                continue;
+            }
             let slot = slot as usize;
             if res < 0 {
+                if res == -libc::ENOENT && recovering.remove(&slot) {
+                    if let Err(e) = queue.push(&queue.command(CMD_REGISTER, slot, 0)) {
+                        warn!("queue {qid} entry {slot}: {e}");
+                        live = live.saturating_sub(1);
+                    }
+                    continue;
+                }
                 // The connection ended (ENOTCONN at unmount, ECANCELED when this thread's
                 // ring goes) or the kernel refused the entry: it takes no more requests.
                 if res != -libc::ENOTCONN && res != -libc::ECANCELED && res != -libc::ECONNABORTED {
@@ -672,6 +806,7 @@ fn serve_queue<FS: Filesystem>(
                 live = live.saturating_sub(1);
                 continue;
             }
+            recovering.remove(&slot);
             let (ptr, len, commit_id, payload_free) = match queue.request(slot, &mut scratch) {
                 Ok(r) => r,
                 Err(commit_id) => {
@@ -682,31 +817,71 @@ fn serve_queue<FS: Filesystem>(
             };
             // SAFETY: rebuilt by `request` in memory this entry owns until its reply.
             let data = unsafe { std::slice::from_raw_parts(ptr, len) };
-            let reply = RingReply {
-                queue: queue.clone(),
-                slot,
-                commit_id,
-                payload_free,
-                dev: dev.clone(),
-            };
-            match RequestWithSender::new(ReplySender::Ring(reply), data) {
-                Some(req) => {
-                    if let Ok(Operation::Destroy(_)) = req.request.operation() {
-                        req.reply::<crate::ReplyEmpty>().ok();
-                    } else {
-                        req.dispatch(&se);
-                    }
-                }
-                None => {
-                    warn!("queue {qid} entry {slot}: request not understood");
-                    queue.refuse(slot, commit_id);
-                }
-            }
+            queue.keep(slot, commit_id, data);
+            dispatch(&queue, &se, &dev, slot, commit_id, payload_free, data);
         }
         // A file read still in flight writes into this queue's memory: wait for it.
         if live == 0 && FILE_READS.with(|r| r.borrow().is_empty()) {
             debug!("queue {qid}: every entry has ended");
             return;
+        }
+    }
+}
+
+/// Answers again a request a previous server held in `slot` (see `Queue::held`).
+fn serve<FS: Filesystem>(
+    queue: &Arc<Queue>,
+    se: &SessionEventLoop<FS>,
+    dev: &ChannelSender,
+    slot: usize,
+    unique: u64,
+    bytes: &[u8],
+    scratch: &mut Vec<u8>,
+) {
+    // In an aligned copy, as the parser wants; the payload buffer is then free.
+    scratch.clear();
+    scratch.resize(bytes.len() + 8, 0);
+    let off = scratch.as_ptr().align_offset(8);
+    scratch[off..off + bytes.len()].copy_from_slice(bytes);
+    queue.keep(slot, unique, bytes);
+    dispatch(
+        queue,
+        se,
+        dev,
+        slot,
+        unique,
+        true,
+        &scratch[off..off + bytes.len()],
+    );
+}
+
+fn dispatch<FS: Filesystem>(
+    queue: &Arc<Queue>,
+    se: &SessionEventLoop<FS>,
+    dev: &ChannelSender,
+    slot: usize,
+    commit_id: u64,
+    payload_free: bool,
+    data: &[u8],
+) {
+    let reply = RingReply {
+        queue: queue.clone(),
+        slot,
+        commit_id,
+        payload_free,
+        dev: dev.clone(),
+    };
+    match RequestWithSender::new(ReplySender::Ring(reply), data) {
+        Some(req) => {
+            if let Ok(Operation::Destroy(_)) = req.request.operation() {
+                req.reply::<crate::ReplyEmpty>().ok();
+            } else {
+                req.dispatch(se);
+            }
+        }
+        None => {
+            warn!("queue {} entry {slot}: request not understood", queue.qid);
+            queue.refuse(slot, commit_id);
         }
     }
 }
