@@ -135,7 +135,9 @@ impl Mount {
             let read = match got {
                 // The pages around the blob's bytes came: its own to the reply's start.
                 Ok(n) if n >= skip + want => {
-                    buf.copy_within(skip..skip + want, 0);
+                    if skip > 0 {
+                        buf.copy_within(skip..skip + want, 0);
+                    }
                     mount.core.judge_local(ino, &file, want, Ok(want))
                 }
                 // Fewer: the file shrank since its check, or the disk gave less at once.
