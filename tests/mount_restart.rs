@@ -433,8 +433,9 @@ impl Drop for EnableUring {
 /// through the rings, and a server killed under them is replaced: reads made while no
 /// server runs (parked in the kernel's queues) are answered by the next server, byte for
 /// byte, and so are reads the dead server held in its ring entries when it was killed
-/// (the next server maps the entries' memory and answers them). Reads that reach a ring
-/// while its server is dying fail with ECANCELED, which no server can prevent
+/// (the next server maps the entries' memory and answers them), and an upgrade in place
+/// (SIGHUP) under readers that never stop fails none of their reads. Reads that reach a
+/// ring while its server crashes fail with ECANCELED, which no server can prevent
 /// (docs/architecture.md). It switches the kernel parameter, so CI's io_uring pass
 /// leaves it out.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -519,6 +520,67 @@ async fn io_uring_falls_back_where_off_and_a_killed_server_is_replaced_where_on(
             "round {round}"
         );
     }
+
+    // A planned restart (SIGHUP to the holder: an upgrade in place) under readers that
+    // never stop: the server freezes its queues, every free entry is filled before it is
+    // killed, and the next answers what they hold, so no read fails, not even with the
+    // ECANCELED a plain kill gives readers here.
+    let stop = Arc::new(AtomicBool::new(false));
+    let reads = Arc::new(AtomicU64::new(0));
+    let readers: Vec<_> = (0..4usize)
+        .map(|r| {
+            let (files, root, stop, reads) = (files.clone(), mnt.path.clone(), stop.clone(), reads.clone());
+            std::thread::spawn(move || -> Result<(), String> {
+                let mut i = r * 7;
+                while !stop.load(Ordering::Relaxed) {
+                    let (rel, want) = &files[i % files.len()];
+                    let got = read_direct(&root.join(rel)).map_err(|e| format!("{}: {e}", rel.display()))?;
+                    if blake3::hash(&got).to_hex().as_str() != want {
+                        return Err(format!("{}: wrong bytes", rel.display()));
+                    }
+                    reads.fetch_add(1, Ordering::Relaxed);
+                    i += 1;
+                }
+                Ok(())
+            })
+        })
+        .collect();
+    let reads_past = |n: u64| {
+        let reads = reads.clone();
+        move || {
+            let reads = reads.clone();
+            async move { (reads.load(Ordering::Relaxed) > n).then_some(()) }
+        }
+    };
+    wait_until("readers to get going", Duration::from_secs(30), reads_past(50)).await;
+    for round in 0..3 {
+        let old = mnt.server_pid();
+        signal(mnt.pid(), "-HUP");
+        new_server(&mnt, old).await;
+        let at = reads.load(Ordering::Relaxed);
+        wait_until(
+            &format!("readers to go on after restart {round}"),
+            Duration::from_secs(60),
+            reads_past(at + 50),
+        )
+        .await;
+    }
+    stop.store(true, Ordering::Relaxed);
+    wait_until("every reader to finish", Duration::from_secs(60), || async {
+        readers.iter().all(|r| r.is_finished()).then_some(())
+    })
+    .await;
+    for (i, r) in readers.into_iter().enumerate() {
+        r.join()
+            .unwrap()
+            .unwrap_or_else(|e| panic!("reader {i} failed: {e}"));
+    }
+    let log = std::fs::read_to_string(&mnt.log).unwrap();
+    assert!(log.contains("frozen with every entry held"), "{log}");
+    assert!(
+        !log.contains("did not freeze its io_uring queues in time"),
+        "{log}"
+    );
     let o = mnt.umount();
     assert!(o.status.success(), "{}", stderr(&o));
 

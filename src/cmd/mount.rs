@@ -428,8 +428,20 @@ async fn serve(a: MountArgs, mountpoint: PathBuf, cfg: &Resolved) -> anyhow::Res
     let mut last_refresh = Instant::now();
     let shutdown = super::shutdown_signal();
     tokio::pin!(shutdown);
+    // The holder's "freeze before I kill you" for a planned restart (holder.rs).
+    let mut freeze = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::user_defined2())?;
     loop {
         tokio::select! {
+            _ = freeze.recv() => {
+                match (&ours.control, &holder) {
+                    (Some(c), Some(h)) => {
+                        tracing::info!("freezing the io_uring queues for a restart");
+                        let h = h.clone();
+                        c.freeze(move || h.held());
+                    }
+                    _ => tracing::info!("SIGUSR2 ignored: no io_uring queues to freeze"),
+                }
+            }
             _ = &mut shutdown => {
                 tracing::info!("unmounting {}", mountpoint.display());
                 if reattached {
@@ -547,6 +559,7 @@ fn start_session(
             fuse: s.as_fd().try_clone_to_owned()?,
             device: device.clone(),
             ring,
+            control: s.ring_control(),
         };
         if let Some(h) = &h {
             let v = s.proto_version().unwrap_or(fuser::Version(7, 0));
@@ -583,6 +596,7 @@ fn start_session(
     if let Some(h) = &h {
         hand_over_rings(&s, h);
     }
+    let control = s.ring_control();
     let fd = s.as_fd().try_clone_to_owned()?;
     let bg = s.spawn()?;
     if let Err(e) = holder::resend_lost_requests(fd.as_fd()) {
@@ -597,6 +611,7 @@ fn start_session(
         fuse: fd,
         device: r.state.device.clone(),
         ring,
+        control,
     };
     Ok((bg, ours))
 }
@@ -630,6 +645,8 @@ struct Ours {
     device: Option<String>,
     /// Requests come through FUSE-over-io_uring queues.
     ring: bool,
+    /// Freezes those queues before a planned restart (SIGUSR2 from the holder).
+    control: Option<Arc<fuser::RingControl>>,
 }
 
 /// How often the server checks the kernel still has the mount, writes its status file

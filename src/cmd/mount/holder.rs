@@ -28,7 +28,10 @@
 //!
 //! Signals to the holder: TERM/INT unmount and stop (forwarded to the server, which
 //! unmounts); HUP restarts the server from the executable now at the path the holder was
-//! started from — an upgrade in place, under the readers' feet.
+//! started from — an upgrade in place, under the readers' feet. Under FUSE over io_uring
+//! the server is first told to freeze its queues (SIGUSR2), and killed once every free
+//! ring entry holds a request (`hold_ring_queues`): a request reaching a free entry of a
+//! dying server would fail.
 
 use std::collections::BTreeMap;
 use std::ffi::OsString;
@@ -49,6 +52,8 @@ const CHANNEL_ENV: &str = "LOCUS_MOUNT_CHANNEL";
 const FUSE_FD_ENV: &str = "LOCUS_MOUNT_FUSE_FD";
 const SESSION_ENV: &str = "LOCUS_MOUNT_SESSION";
 const RING_FD_ENV: &str = "LOCUS_MOUNT_RING_FD";
+/// How long a planned restart waits for the server's io_uring queues to freeze.
+const FREEZE_WAIT: Duration = Duration::from_secs(5);
 
 /// What a server taking over a live connection must know about it.
 #[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
@@ -114,6 +119,8 @@ impl From<RingMemory> for fuser::RingLayout {
 enum Msg {
     Session(OwnedFd, SessionState),
     Rings(OwnedFd, RingMemory),
+    /// The frozen server's ring entries are all held: it may be killed.
+    Held,
     Ready(String),
     Backing(u64, Option<u32>),
 }
@@ -154,6 +161,13 @@ impl Channel {
         let mut m = b"rings ".to_vec();
         m.extend(serde_json::to_vec(&layout).map_err(std::io::Error::other)?);
         self.send(&m, Some(memory))
+    }
+
+    /// Says every ring entry is held after a freeze (see `hold_ring_queues`).
+    pub fn held(&self) {
+        if let Err(e) = self.send(b"held", None) {
+            tracing::warn!("cannot tell the holder the queues are frozen: {e}");
+        }
     }
 
     pub fn ready(&self, msg: &str) -> std::io::Result<()> {
@@ -233,19 +247,44 @@ pub fn wake_ring_queues(mp: &Path) {
         let _ = std::thread::Builder::new()
             .name(format!("ring-wake-{cpu}"))
             .spawn(move || {
-                // SAFETY: a zeroed cpu_set_t is empty; CPU_SET stays within it below 1024.
-                #[allow(unsafe_code)]
-                let pinned = cpu < 1024
-                    && unsafe {
-                        let mut set: libc::cpu_set_t = std::mem::zeroed();
-                        libc::CPU_SET(cpu, &mut set);
-                        libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set) == 0
-                    };
-                if pinned {
+                if pin_to(cpu) {
                     let _ = nix::sys::statfs::statfs(&mp);
                 }
             });
     }
+}
+
+/// Before a planned restart of an io_uring mount's server: `depth` STATFS calls from a
+/// thread pinned to each CPU, into the frozen server (`fuser::RingControl`). Each takes a
+/// free ring entry of its CPU's queue, or waits in the kernel's queue once none is left,
+/// so that no request can meet a free entry of the server while it dies. They return
+/// when the next server answers them.
+pub fn hold_ring_queues(mp: &Path, depth: u16) {
+    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+    for cpu in 0..cpus {
+        for _ in 0..depth {
+            let mp = mp.to_path_buf();
+            let _ = std::thread::Builder::new()
+                .name(format!("ring-hold-{cpu}"))
+                .spawn(move || {
+                    if pin_to(cpu) {
+                        let _ = nix::sys::statfs::statfs(&mp);
+                    }
+                });
+        }
+    }
+}
+
+fn pin_to(cpu: usize) -> bool {
+    // SAFETY: a zeroed cpu_set_t is empty; CPU_SET stays within it below 1024.
+    #[allow(unsafe_code)]
+    let pinned = cpu < 1024
+        && unsafe {
+            let mut set: libc::cpu_set_t = std::mem::zeroed();
+            libc::CPU_SET(cpu, &mut set);
+            libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set) == 0
+        };
+    pinned
 }
 
 /// Detaches the mount at `mp` if it is still the one on connection `fuse` (mounted as
@@ -407,17 +446,49 @@ pub async fn run(mountpoint: &Path, notify_ready: bool, token: Option<&str>) -> 
         let started = Instant::now();
         let mut rx = receive(ours);
         let mut killed_for_restart = false;
+        // A planned restart of an io_uring server waits (a while) for its queues to freeze.
+        let mut freezing: Option<tokio::time::Instant> = None;
         let status = loop {
+            let until = freezing.unwrap_or_else(|| tokio::time::Instant::now() + Duration::from_secs(3600));
             tokio::select! {
-                Some(m) = rx.recv() => apply(m, &mut fuse, &mut state, &mut ring, &mut ready, notify_ready),
+                Some(m) = rx.recv() => {
+                    if matches!(m, Msg::Held) {
+                        if freezing.take().is_some() {
+                            signal_child(&child, Signal::SIGKILL);
+                        }
+                    } else {
+                        apply(m, &mut fuse, &mut state, &mut ring, &mut ready, notify_ready);
+                    }
+                }
+                // Until it says so, more requests on every CPU: a queue whose free
+                // entries outnumber what arrived would otherwise wait out the deadline.
+                _ = tokio::time::sleep(Duration::from_millis(50)), if freezing.is_some() => {
+                    hold_ring_queues(mountpoint, 1);
+                }
+                _ = tokio::time::sleep_until(until), if freezing.is_some() => {
+                    tracing::warn!("the mount server did not freeze its io_uring queues in time: restarting it anyway");
+                    freezing = None;
+                    signal_child(&child, Signal::SIGKILL);
+                }
                 st = child.wait() => break st?,
                 _ = term.recv() => { stopping = true; signal_child(&child, Signal::SIGTERM) }
                 _ = int.recv() => { stopping = true; signal_child(&child, Signal::SIGTERM) }
                 _ = hup.recv() => {
-                    if fuse.is_some() && !stopping {
+                    if fuse.is_some() && !stopping && freezing.is_none() {
                         tracing::info!("SIGHUP: restarting the mount server from {}", exe.display());
                         killed_for_restart = true;
-                        signal_child(&child, Signal::SIGKILL);
+                        let depth = ring.as_ref().map(|(_, l)| l.depth);
+                        match depth.filter(|_| state.as_ref().is_some_and(|s| s.io_uring_payload.is_some())) {
+                            // Under io_uring a request that meets a free entry of a dying
+                            // server fails: the server freezes first, and every free entry
+                            // is filled (see `hold_ring_queues`).
+                            Some(depth) => {
+                                signal_child(&child, Signal::SIGUSR2);
+                                hold_ring_queues(mountpoint, depth);
+                                freezing = Some(tokio::time::Instant::now() + FREEZE_WAIT);
+                            }
+                            None => signal_child(&child, Signal::SIGKILL),
+                        }
                     }
                 }
             }
@@ -498,6 +569,7 @@ fn apply(
             }
         }
         Msg::Ready(_) => tracing::info!("the restarted mount server is serving"),
+        Msg::Held => {}
         Msg::Backing(ino, id) => {
             if let Some(s) = state {
                 match id {
@@ -561,6 +633,7 @@ fn parse(m: &[u8], fd: Option<OwnedFd>) -> Option<Msg> {
         "session" => Some(Msg::Session(fd?, serde_json::from_str(rest).ok()?)),
         "rings" => Some(Msg::Rings(fd?, serde_json::from_str(rest).ok()?)),
         "ready" => Some(Msg::Ready(rest.to_string())),
+        "held" => Some(Msg::Held),
         "backing" => {
             let (ino, id) = rest.split_once(' ')?;
             Some(Msg::Backing(ino.parse().ok()?, Some(id.parse().ok()?)))

@@ -104,6 +104,8 @@ mod time;
 #[cfg(target_os = "linux")]
 mod uring;
 #[cfg(target_os = "linux")]
+pub use crate::uring::RingControl;
+#[cfg(target_os = "linux")]
 pub use crate::uring::RingLayout;
 
 /// We generally support async reads

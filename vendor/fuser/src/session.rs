@@ -302,6 +302,13 @@ impl<FS: Filesystem> Session<FS> {
         self.rings.as_ref()?.memory()
     }
 
+    /// What freezes the running ring queues before a planned restart (`RingControl`);
+    /// None without queues (Locus addition).
+    #[cfg(target_os = "linux")]
+    pub fn ring_control(&self) -> Option<Arc<crate::uring::RingControl>> {
+        self.rings.as_ref()?.control()
+    }
+
     /// The ring payload size if INIT negotiated FUSE over io_uring, else `None`.
     pub fn io_uring_payload(&self) -> Option<usize> {
         self.io_uring_payload

@@ -134,8 +134,12 @@ struct Queue {
     qid: u16,
     dev: RawFd,
     ring: IoUring<squeue::Entry128, cqueue::Entry>,
-    /// Serializes pushes to the submission queue (the queue's thread and repliers).
-    sq: Mutex<()>,
+    /// Serializes pushes to the submission queue (the queue's thread and repliers), and
+    /// lists what was pushed and not yet taken by the kernel, in order: whether each is
+    /// an entry's command (see `consumed`).
+    sq: Mutex<std::collections::VecDeque<bool>>,
+    /// Set by `RingControl::freeze`: nothing more is submitted.
+    control: Arc<RingControl>,
     /// Holds the entries' memory mapped while the queue lives.
     _memory: Arc<RingMemory>,
     payload_cap: usize,
@@ -161,7 +165,7 @@ thread_local! {
 }
 
 impl Queue {
-    fn new(qid: u16, dev: RawFd, memory: Arc<RingMemory>) -> io::Result<Queue> {
+    fn new(qid: u16, dev: RawFd, memory: Arc<RingMemory>, control: Arc<RingControl>) -> io::Result<Queue> {
         let depth = memory.layout.depth;
         // Room for a command per entry and the wake-up poll.
         let entries = (u32::from(depth) + 1).next_power_of_two();
@@ -198,7 +202,8 @@ impl Queue {
             qid,
             dev,
             ring,
-            sq: Mutex::new(()),
+            sq: Mutex::new(std::collections::VecDeque::new()),
+            control,
             _memory: memory,
             payload_cap,
             iovs,
@@ -234,12 +239,31 @@ impl Queue {
     }
 
     fn push(&self, sqe: &squeue::Entry128) -> io::Result<()> {
-        let _g = self.sq.lock();
+        self.push_as(sqe, false)
+    }
+
+    /// Pushes an entry's command (REGISTER, COMMIT_AND_FETCH).
+    fn push_command(&self, sqe: &squeue::Entry128) -> io::Result<()> {
+        self.push_as(sqe, true)
+    }
+
+    fn push_as(&self, sqe: &squeue::Entry128, command: bool) -> io::Result<()> {
+        let mut log = self.sq.lock();
         // SAFETY: the lock makes this the only submission-queue handle alive.
         let mut sq = unsafe { self.ring.submission_shared() };
         // Never full: each entry has at most one command waiting to be submitted, and
         // the queue has room for every entry.
-        unsafe { sq.push(sqe) }.map_err(|_| io::Error::other("io_uring submission queue full"))
+        unsafe { sq.push(sqe) }.map_err(|_| io::Error::other("io_uring submission queue full"))?;
+        log.push_back(command);
+        Ok(())
+    }
+
+    /// How many entries' commands were among the `n` submissions the kernel just took
+    /// (it takes them in the order they were pushed).
+    fn consumed(&self, n: usize) -> usize {
+        let mut log = self.sq.lock();
+        let n = n.min(log.len());
+        log.drain(..n).filter(|&c| c).count()
     }
 
     /// Answers the request in `slot`: the reply into the entry, then COMMIT_AND_FETCH.
@@ -317,7 +341,7 @@ impl Queue {
     /// does), the next request on the entry failed its reader with ECANCELED and the entry
     /// was lost to the queue.
     fn fetch_next(self: &Arc<Self>, slot: usize, commit_id: u64) -> io::Result<()> {
-        self.push(&self.command(CMD_COMMIT_AND_FETCH, slot, commit_id))?;
+        self.push_command(&self.command(CMD_COMMIT_AND_FETCH, slot, commit_id))?;
         if ON_QUEUE.get() != Arc::as_ptr(self) as usize {
             self.wake_thread()?;
         }
@@ -531,11 +555,60 @@ fn file_read_done(queue: &Queue, slot: usize, res: i32) {
     }
 }
 
+/// Stops a connection's queues before a planned restart, so that no request meets an
+/// entry of a dying server (the kernel fails such a request with ECANCELED). Once frozen,
+/// a queue submits and serves nothing more; each entry the kernel still holds free is
+/// taken by the next request to arrive, which stays there for the next server to answer
+/// (`held.rs`), and requests beyond those wait in the kernel's queue. When no queue has
+/// a free entry left, `freeze`'s callback runs: the server may then be killed losing
+/// nothing. Whoever freezes must make requests arrive on every CPU (a STATFS from a
+/// thread pinned to each, `depth` of them), or idle queues keep free entries.
+pub struct RingControl {
+    frozen: std::sync::atomic::AtomicBool,
+    queues: Mutex<Vec<std::sync::Weak<Queue>>>,
+    total: usize,
+    held: std::sync::atomic::AtomicUsize,
+    on_held: Mutex<Option<Box<dyn FnOnce() + Send>>>,
+}
+
+impl std::fmt::Debug for RingControl {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "RingControl({} queues)", self.total)
+    }
+}
+
+impl RingControl {
+    /// Freezes every queue; `on_held` runs once none has a free entry left.
+    pub fn freeze(&self, on_held: impl FnOnce() + Send + 'static) {
+        *self.on_held.lock() = Some(Box::new(on_held));
+        self.frozen.store(true, std::sync::atomic::Ordering::SeqCst);
+        for q in self.queues.lock().iter().filter_map(std::sync::Weak::upgrade) {
+            if let Err(e) = q.wake_thread() {
+                warn!("queue {}: cannot wake it to freeze: {e}", q.qid);
+            }
+        }
+    }
+
+    fn is_frozen(&self) -> bool {
+        self.frozen.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    fn queue_held(&self) {
+        let n = self.held.fetch_add(1, std::sync::atomic::Ordering::SeqCst) + 1;
+        if n == self.total {
+            if let Some(f) = self.on_held.lock().take() {
+                f();
+            }
+        }
+    }
+}
+
 /// The running queues of one connection.
 #[derive(Debug)]
 pub(crate) struct Rings {
     threads: Vec<JoinHandle<()>>,
     memory: Option<Arc<RingMemory>>,
+    control: Option<Arc<RingControl>>,
 }
 
 impl Rings {
@@ -573,11 +646,19 @@ impl Rings {
                     Rings {
                         threads: Vec::new(),
                         memory: None,
+                        control: None,
                     },
                     Err(e),
                 );
             }
         };
+        let control = Arc::new(RingControl {
+            frozen: std::sync::atomic::AtomicBool::new(false),
+            queues: Mutex::new(Vec::with_capacity(n)),
+            total: n,
+            held: std::sync::atomic::AtomicUsize::new(0),
+            on_held: Mutex::new(None),
+        });
         let (tx, rx) = mpsc::channel::<io::Result<()>>();
         let mut threads = Vec::with_capacity(n);
         let mut first_err = None;
@@ -585,10 +666,10 @@ impl Rings {
             let se = se(qid);
             let dev = dev.clone();
             let tx = tx.clone();
-            let memory = memory.clone();
+            let (memory, control) = (memory.clone(), control.clone());
             match std::thread::Builder::new()
                 .name(format!("fuse-ring-{qid}"))
-                .spawn(move || serve_queue(qid as u16, se, dev, memory, adopting, tx))
+                .spawn(move || serve_queue(qid as u16, se, dev, memory, control, adopting, tx))
             {
                 Ok(t) => threads.push(t),
                 Err(e) => {
@@ -608,6 +689,7 @@ impl Rings {
         let rings = Rings {
             threads,
             memory: Some(memory),
+            control: Some(control),
         };
         (rings, first_err.map_or(Ok(()), Err))
     }
@@ -617,6 +699,11 @@ impl Rings {
     pub(crate) fn memory(&self) -> Option<(std::os::fd::BorrowedFd<'_>, RingLayout)> {
         let m = self.memory.as_ref()?;
         Some((std::os::fd::AsFd::as_fd(m.fd.as_ref()?), m.layout))
+    }
+
+    /// What freezes the queues before a planned restart.
+    pub(crate) fn control(&self) -> Option<Arc<RingControl>> {
+        self.control.clone()
     }
 
     pub(crate) fn join(self) {
@@ -642,6 +729,7 @@ fn serve_queue<FS: Filesystem>(
     se: SessionEventLoop<FS>,
     dev: ChannelSender,
     memory: Arc<RingMemory>,
+    control: Arc<RingControl>,
     adopting: bool,
     registered: mpsc::Sender<io::Result<()>>,
 ) {
@@ -649,7 +737,7 @@ fn serve_queue<FS: Filesystem>(
     // request and its reply there.
     pin_to_cpu(usize::from(qid));
     let depth = memory.layout.depth;
-    let queue = match Queue::new(qid, dev.as_raw_fd(), memory) {
+    let queue = match Queue::new(qid, dev.as_raw_fd(), memory, control) {
         Ok(q) => Arc::new(q),
         Err(e) => {
             let _ = registered.send(Err(e));
@@ -657,6 +745,11 @@ fn serve_queue<FS: Filesystem>(
         }
     };
     ON_QUEUE.set(Arc::as_ptr(&queue) as usize);
+    queue.control.queues.lock().push(Arc::downgrade(&queue));
+    // Entries whose command the kernel has taken and which have not come back with a
+    // request: the free ones a freeze waits for (see `RingControl`).
+    let mut in_kernel = 0usize;
+    let mut reported = false;
     let mut live = usize::from(depth);
     let mut pending: Vec<(u64, i32, u32)> = Vec::with_capacity(usize::from(depth) + 1);
     let mut scratch = Vec::new();
@@ -674,7 +767,7 @@ fn serve_queue<FS: Filesystem>(
             } else {
                 Held::Unused
             } {
-                Held::Unused => queue.push(&queue.command(CMD_REGISTER, slot, 0))?,
+                Held::Unused => queue.push_command(&queue.command(CMD_REGISTER, slot, 0))?,
                 Held::Request {
                     unique,
                     bytes,
@@ -698,7 +791,8 @@ fn serve_queue<FS: Filesystem>(
             }
         }
         queue.arm_wake()?;
-        queue.ring.submitter().submit()?;
+        let n = queue.ring.submitter().submit()?;
+        in_kernel += queue.consumed(n);
         Ok::<(), io::Error>(())
     })();
     if !recovering.is_empty() {
@@ -715,7 +809,9 @@ fn serve_queue<FS: Filesystem>(
     // kernel no longer knows: that entry is registered again before the queue counts as
     // ready, so that every queue has entries when the caller wakes it.
     loop {
-        let _ = queue.ring.submitter().submit();
+        if let Ok(n) = queue.ring.submitter().submit() {
+            in_kernel += queue.consumed(n);
+        }
         // SAFETY: only this thread reads the completion queue.
         pending.extend(
             unsafe { queue.ring.completion_shared() }.map(|c| (c.user_data(), c.result(), c.flags())),
@@ -726,7 +822,8 @@ fn serve_queue<FS: Filesystem>(
                 && r == -libc::ENOENT
                 && recovering.remove(&(u as usize));
             if gone {
-                let _ = queue.push(&queue.command(CMD_REGISTER, u as usize, 0));
+                in_kernel = in_kernel.saturating_sub(1);
+                let _ = queue.push_command(&queue.command(CMD_REGISTER, u as usize, 0));
             }
             !gone
         });
@@ -755,8 +852,25 @@ fn serve_queue<FS: Filesystem>(
         pending.extend(
             unsafe { queue.ring.completion_shared() }.map(|c| (c.user_data(), c.result(), c.flags())),
         );
+        let frozen = queue.control.is_frozen();
+        if frozen && !reported {
+            debug!("queue {qid}: frozen, {in_kernel} entries free");
+        }
+        if frozen && in_kernel == 0 && !reported {
+            reported = true;
+            log::info!("queue {qid}: frozen with every entry held");
+            queue.control.queue_held();
+        }
         if pending.is_empty() {
-            match queue.ring.submitter().submit_and_wait(1) {
+            let waited = if frozen {
+                // Completions only: nothing more goes to the kernel.
+                // SAFETY: io_uring_enter with no submission, waiting for one completion.
+                unsafe { queue.ring.submitter().enter::<libc::sigset_t>(0, 1, 1, None) }
+            } else {
+                queue.ring.submitter().submit_and_wait(1)
+            };
+            match waited {
+                Ok(n) if !frozen => in_kernel += queue.consumed(n),
                 Ok(_) => {}
                 Err(e) if e.raw_os_error() == Some(libc::EINTR) => {}
                 Err(e) if e.raw_os_error() == Some(libc::EBUSY) => {}
@@ -784,15 +898,23 @@ fn serve_queue<FS: Filesystem>(
             }
             if slot & RECOVER != 0 {
                 let slot = (slot & !RECOVER) as usize;
+                if frozen {
+                    continue;
+                }
                 if let Some((unique, bytes)) = settling.remove(&slot) {
                     serve(&queue, &se, &dev, slot, unique, &bytes, &mut scratch);
                 }
                 continue;
             }
             let slot = slot as usize;
+            in_kernel = in_kernel.saturating_sub(1);
+            if frozen && res >= 0 {
+                // Left to the next server, which finds it in the entry.
+                continue;
+            }
             if res < 0 {
                 if res == -libc::ENOENT && recovering.remove(&slot) {
-                    if let Err(e) = queue.push(&queue.command(CMD_REGISTER, slot, 0)) {
+                    if let Err(e) = queue.push_command(&queue.command(CMD_REGISTER, slot, 0)) {
                         warn!("queue {qid} entry {slot}: {e}");
                         live = live.saturating_sub(1);
                     }
