@@ -331,6 +331,94 @@ async fn reads_keep_working_after_the_threads_that_answered_earlier_ones_have_en
     assert_eq!(st["totals"]["read_errors"], 0, "{st}");
 }
 
+/// A file system handler that panics answers its request EIO and leaves its thread
+/// serving: the next request from the same CPU (the same io_uring queue, when the
+/// environment asks for that transport) is answered. In-process, a file system of one
+/// name that panics; a thread of the session's one (or of the queue's) would otherwise
+/// die with the panic and leave that CPU's requests unanswered.
+#[test]
+fn a_handler_that_panics_answers_eio_and_its_thread_keeps_serving() {
+    struct Boom;
+    impl fuser::Filesystem for Boom {
+        fn lookup(
+            &self,
+            _: &fuser::Request,
+            _: fuser::INodeNo,
+            name: &std::ffi::OsStr,
+            reply: fuser::ReplyEntry,
+        ) {
+            if name == "boom" {
+                panic!("a lookup that panics, on purpose");
+            }
+            reply.error(fuser::Errno::ENOENT);
+        }
+    }
+    // Every request from CPU 0: one queue under io_uring.
+    // SAFETY: a zeroed cpu_set_t is empty; CPU 0 is set in it.
+    #[allow(unsafe_code)]
+    unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        libc::CPU_SET(0, &mut set);
+        assert_eq!(
+            libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set),
+            0
+        );
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let mp = dir.path().join("m");
+    std::fs::create_dir(&mp).unwrap();
+    let mut config = fuser::Config::default();
+    // Named as a Locus mount, so that the mount table finds its connection below.
+    config.mount_options = vec![
+        fuser::MountOption::FSName(format!("{}panic-test@1", locus_fuse::SOURCE_PREFIX)),
+        fuser::MountOption::Subtype(locus_fuse::SUBTYPE.into()),
+        fuser::MountOption::RO,
+    ];
+    config.n_threads = Some(1);
+    let ring = std::env::var("LOCUS_FUSE_TRANSPORT").is_ok_and(|t| t == "io-uring");
+    config.io_uring = ring.then_some(4);
+    let mut s = fuser::Session::new(Boom, &mp, &config)
+        .unwrap_or_else(|e| panic!("mount at {} (needs /dev/fuse and root): {e}", mp.display()));
+    if ring {
+        assert!(
+            s.start_io_uring().expect("io_uring queues"),
+            "requests come through io_uring"
+        );
+    }
+    let session = s.spawn().unwrap();
+    // The connection's number, for aborting it should a stat never be answered.
+    let conn =
+        locus_fuse::mount_device(&mp).and_then(|d| d.split_once(':').map(|(_, minor)| minor.to_string()));
+    let answer = |name: &str| {
+        let p = mp.join(name);
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let _ = tx.send(std::fs::metadata(&p).map(|_| ()));
+        });
+        rx.recv_timeout(Duration::from_secs(10)).unwrap_or_else(|_| {
+            // Unblock the waiting stat before failing, or this process could not end.
+            if let Some(c) = &conn {
+                let ctl = Path::new("/sys/fs/fuse/connections");
+                if !ctl.join(c).exists() {
+                    let _ = std::process::Command::new("mount")
+                        .args(["-t", "fusectl", "none"])
+                        .arg(ctl)
+                        .status();
+                }
+                let _ = std::fs::write(ctl.join(c).join("abort"), "1");
+            }
+            panic!("no answer for {name}: the thread that panicked stopped serving")
+        })
+    };
+    for round in 0..3 {
+        let e = answer("boom").expect_err("a lookup that panicked cannot succeed");
+        assert_eq!(e.raw_os_error(), Some(libc::EIO), "round {round}: {e}");
+        let e = answer("ok").expect_err("no such file");
+        assert_eq!(e.raw_os_error(), Some(libc::ENOENT), "round {round}: {e}");
+    }
+    drop(session);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_hung_node_does_not_hold_up_readers() {
     let h = Harness::new("mount-hung");

@@ -56,10 +56,18 @@ impl<'a> RequestWithSender<'a> {
     /// request and sends back the returned reply to the kernel
     pub(crate) fn dispatch<FS: Filesystem>(&self, se: &SessionEventLoop<FS>) {
         debug!("{} thread={}", self.request, se.thread_name);
-        match self.dispatch_req(se) {
-            Ok(Some(resp)) => self.reply::<ReplyRaw>().send_ll(&resp),
-            Ok(None) => {}
-            Err(errno) => self.reply::<ReplyRaw>().send_ll(&ResponseErrno(errno)),
+        // A handler that panics must not take its thread with it (Locus addition): under
+        // FUSE over io_uring that thread is its CPU's whole queue. The reply it held is
+        // dropped as the panic unwinds, which answers the request EIO.
+        let run = std::panic::AssertUnwindSafe(|| self.dispatch_req(se));
+        match std::panic::catch_unwind(run) {
+            Ok(Ok(Some(resp))) => self.reply::<ReplyRaw>().send_ll(&resp),
+            Ok(Ok(None)) => {}
+            Ok(Err(errno)) => self.reply::<ReplyRaw>().send_ll(&ResponseErrno(errno)),
+            Err(_) => error!(
+                "{}: the file system panicked answering it (answered EIO)",
+                self.request
+            ),
         }
     }
 
