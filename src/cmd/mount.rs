@@ -417,6 +417,9 @@ async fn serve(a: MountArgs, mountpoint: PathBuf, cfg: &Resolved) -> anyhow::Res
         output::size(v.bytes),
         load_took.as_secs_f64(),
     );
+    // The holder's "freeze before I kill you" for a planned restart (holder.rs), taken
+    // before the holder hears we serve: it sends it only to a server that said so.
+    let mut freeze = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::user_defined2())?;
     match &holder {
         Some(h) => h.ready(&msg)?,
         None => eprint!("{msg}"),
@@ -428,8 +431,6 @@ async fn serve(a: MountArgs, mountpoint: PathBuf, cfg: &Resolved) -> anyhow::Res
     let mut last_refresh = Instant::now();
     let shutdown = super::shutdown_signal();
     tokio::pin!(shutdown);
-    // The holder's "freeze before I kill you" for a planned restart (holder.rs).
-    let mut freeze = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::user_defined2())?;
     loop {
         tokio::select! {
             _ = freeze.recv() => {

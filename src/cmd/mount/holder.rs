@@ -322,6 +322,8 @@ pub async fn run(mountpoint: &Path, notify_ready: bool, token: Option<&str>) -> 
         let mut killed_for_restart = false;
         // A planned restart of an io_uring server waits (a while) for its queues to freeze.
         let mut freezing: Option<tokio::time::Instant> = None;
+        // This server said it serves (it takes SIGUSR2 only from then on).
+        let mut serving = false;
         let status = loop {
             let until = freezing.unwrap_or_else(|| tokio::time::Instant::now() + Duration::from_secs(3600));
             tokio::select! {
@@ -331,6 +333,7 @@ pub async fn run(mountpoint: &Path, notify_ready: bool, token: Option<&str>) -> 
                             signal_child(&child, Signal::SIGKILL);
                         }
                     } else {
+                        serving |= matches!(m, Msg::Ready(_));
                         apply(m, &mut fuse, &mut state, &mut ring, &mut ready, notify_ready);
                     }
                 }
@@ -352,7 +355,8 @@ pub async fn run(mountpoint: &Path, notify_ready: bool, token: Option<&str>) -> 
                         tracing::info!("SIGHUP: restarting the mount server from {}", exe.display());
                         killed_for_restart = true;
                         let depth = ring.as_ref().map(|(_, l)| l.depth);
-                        match depth.filter(|_| state.as_ref().is_some_and(|s| s.io_uring_payload.is_some())) {
+                        let ring_mount = state.as_ref().is_some_and(|s| s.io_uring_payload.is_some());
+                        match depth.filter(|_| ring_mount && serving) {
                             // Under io_uring a request that meets a free entry of a dying
                             // server fails: the server freezes first, and every free entry
                             // is filled (see `hold_ring_queues`).
