@@ -407,6 +407,7 @@ fn a_handler_that_panics_answers_eio_and_its_thread_keeps_serving() {
                 }
                 let _ = std::fs::write(ctl.join(c).join("abort"), "1");
             }
+            let _ = std::process::Command::new("umount").arg("-l").arg(&mp).status();
             panic!("no answer for {name}: the thread that panicked stopped serving")
         })
     };

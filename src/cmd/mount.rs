@@ -437,8 +437,9 @@ async fn serve(a: MountArgs, mountpoint: PathBuf, cfg: &Resolved) -> anyhow::Res
                 match (&ours.control, &holder) {
                     (Some(c), Some(h)) => {
                         tracing::info!("freezing the io_uring queues for a restart");
-                        let h = h.clone();
-                        c.freeze(move || h.held());
+                        let held = h.clone();
+                        c.freeze(move || held.held());
+                        h.freezing();
                     }
                     _ => tracing::info!("SIGUSR2 ignored: no io_uring queues to freeze"),
                 }

@@ -49,6 +49,13 @@ impl Channel {
         self.send(&m, Some(memory))
     }
 
+    /// Says the io_uring queues are frozen: requests that come now stay where they land.
+    pub fn freezing(&self) {
+        if let Err(e) = self.send(b"freezing", None) {
+            tracing::warn!("cannot tell the holder the queues are freezing: {e}");
+        }
+    }
+
     /// Says every ring entry is held after a freeze (see `hold_ring_queues`).
     pub fn held(&self) {
         if let Err(e) = self.send(b"held", None) {
