@@ -118,6 +118,8 @@ impl From<RingMemory> for fuser::RingLayout {
 enum Msg {
     Session(OwnedFd, SessionState),
     Rings(OwnedFd, RingMemory),
+    /// The server has stopped its io_uring queues: requests now stay where they land.
+    Freezing,
     /// The frozen server's ring entries are all held: it may be killed.
     Held,
     Ready(String),
@@ -332,6 +334,12 @@ pub async fn run(mountpoint: &Path, notify_ready: bool, token: Option<&str>) -> 
                         if freezing.take().is_some() {
                             signal_child(&child, Signal::SIGKILL);
                         }
+                    } else if matches!(m, Msg::Freezing) {
+                        // Only now: sent before, they would have been answered, and
+                        // their entries left free again.
+                        if let (Some(_), Some((_, l))) = (freezing, &ring) {
+                            hold_ring_queues(mountpoint, l.depth);
+                        }
                     } else {
                         serving |= matches!(m, Msg::Ready(_));
                         apply(m, &mut fuse, &mut state, &mut ring, &mut ready, notify_ready);
@@ -360,9 +368,8 @@ pub async fn run(mountpoint: &Path, notify_ready: bool, token: Option<&str>) -> 
                             // Under io_uring a request that meets a free entry of a dying
                             // server fails: the server freezes first, and every free entry
                             // is filled (see `hold_ring_queues`).
-                            Some(depth) => {
+                            Some(_) => {
                                 signal_child(&child, Signal::SIGUSR2);
-                                hold_ring_queues(mountpoint, depth);
                                 freezing = Some(tokio::time::Instant::now() + FREEZE_WAIT);
                             }
                             None => signal_child(&child, Signal::SIGKILL),
@@ -398,7 +405,13 @@ pub async fn run(mountpoint: &Path, notify_ready: bool, token: Option<&str>) -> 
             );
         }
         // A server that keeps dying at once (a bad binary, no memory) is retried more
-        // slowly, up to every 5 s; readers wait meanwhile, they do not fail.
+        // slowly, up to every 5 s; readers wait meanwhile, they do not fail. A restart
+        // asked for (SIGHUP) is no death: its readers wait only for the next server, and
+        // upgrades in a row must not back off (measured: 140, 240, 440 ms stalls for three
+        // in a row, each one pause longer).
+        if killed_for_restart {
+            continue;
+        }
         quick_deaths = if started.elapsed() < Duration::from_secs(10) {
             quick_deaths + 1
         } else {
@@ -447,7 +460,7 @@ fn apply(
             }
         }
         Msg::Ready(_) => tracing::info!("the restarted mount server is serving"),
-        Msg::Held => {}
+        Msg::Held | Msg::Freezing => {}
         Msg::Backing(ino, id) => {
             if let Some(s) = state {
                 match id {
@@ -512,6 +525,7 @@ fn parse(m: &[u8], fd: Option<OwnedFd>) -> Option<Msg> {
         "rings" => Some(Msg::Rings(fd?, serde_json::from_str(rest).ok()?)),
         "ready" => Some(Msg::Ready(rest.to_string())),
         "held" => Some(Msg::Held),
+        "freezing" => Some(Msg::Freezing),
         "backing" => {
             let (ino, id) = rest.split_once(' ')?;
             Some(Msg::Backing(ino.parse().ok()?, Some(id.parse().ok()?)))
