@@ -53,6 +53,35 @@ fn read_direct(p: &Path) -> std::io::Result<Vec<u8>> {
 }
 
 /// Waits until the mount has a live server other than `old`, and returns it.
+/// Whole reads of `files` under `root`, each on a thread of its own and with O_DIRECT (so
+/// each is a request the server must answer), checked against their hashes.
+fn direct_reads(
+    root: &Path,
+    files: impl IntoIterator<Item = (PathBuf, String)>,
+) -> Vec<std::thread::JoinHandle<Result<(), String>>> {
+    files
+        .into_iter()
+        .map(|(rel, want)| {
+            let p = root.join(rel);
+            drop_page_cache(&p);
+            std::thread::spawn(move || -> Result<(), String> {
+                let data = read_direct(&p).map_err(|e| format!("{}: {e}", p.display()))?;
+                if blake3::hash(&data).to_hex().as_str() == want {
+                    Ok(())
+                } else {
+                    Err(format!("{}: wrong bytes", p.display()))
+                }
+            })
+        })
+        .collect()
+}
+
+/// How many of `reads` still wait after 1.5 s.
+async fn still_waiting(reads: &[std::thread::JoinHandle<Result<(), String>>]) -> usize {
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    reads.iter().filter(|r| !r.is_finished()).count()
+}
+
 async fn new_server(m: &Mount, old: u32) -> u32 {
     wait_until("a new mount server", Duration::from_secs(20), || {
         let now = std::panic::catch_unwind(|| m.server_pid()).unwrap_or(old);
@@ -231,25 +260,15 @@ async fn readers_see_no_error_when_the_mount_server_is_killed_or_upgraded() {
     let remote = &mounts[2];
     n1.daemon.sigstop();
     _n2.daemon.sigstop();
-    let stuck: Vec<_> = files
-        .iter()
-        .filter(|(p, _)| std::fs::metadata(src.join(p)).unwrap().len() > 100_000)
-        .take(4)
-        .map(|(rel, want)| {
-            let (p, want) = (remote.path.join(rel), want.clone());
-            drop_page_cache(&p);
-            std::thread::spawn(move || -> Result<(), String> {
-                let data = read_direct(&p).map_err(|e| format!("{}: {e}", p.display()))?;
-                if blake3::hash(&data).to_hex().as_str() == want {
-                    Ok(())
-                } else {
-                    Err(format!("{}: wrong bytes", p.display()))
-                }
-            })
-        })
-        .collect();
-    tokio::time::sleep(Duration::from_millis(1500)).await;
-    let waiting = stuck.iter().filter(|r| !r.is_finished()).count();
+    let stuck = direct_reads(
+        &remote.path,
+        files
+            .iter()
+            .filter(|(p, _)| std::fs::metadata(src.join(p)).unwrap().len() > 100_000)
+            .take(4)
+            .cloned(),
+    );
+    let waiting = still_waiting(&stuck).await;
     assert!(waiting >= 2, "only {waiting} reads waited on the stopped nodes");
     let old = remote.server_pid();
     signal(old, "-KILL");
@@ -598,22 +617,8 @@ async fn io_uring_falls_back_where_off_and_a_killed_server_is_replaced_where_on(
         .collect();
     assert_eq!(big.len(), 4, "the tree has files of more than 50 kB");
     n1.daemon.sigstop();
-    let stuck: Vec<_> = big
-        .into_iter()
-        .map(|(rel, want)| {
-            let p = remote.path.join(rel);
-            std::thread::spawn(move || -> Result<(), String> {
-                let data = read_direct(&p).map_err(|e| format!("{}: {e}", p.display()))?;
-                if blake3::hash(&data).to_hex().as_str() == want {
-                    Ok(())
-                } else {
-                    Err(format!("{}: wrong bytes", p.display()))
-                }
-            })
-        })
-        .collect();
-    tokio::time::sleep(Duration::from_millis(1500)).await;
-    let waiting = stuck.iter().filter(|r| !r.is_finished()).count();
+    let stuck = direct_reads(&remote.path, big);
+    let waiting = still_waiting(&stuck).await;
     assert!(waiting >= 2, "only {waiting} reads waited on the stopped node");
     let old = remote.server_pid();
     signal(old, "-KILL");
