@@ -453,7 +453,8 @@ impl Drop for EnableUring {
 /// server runs (parked in the kernel's queues) are answered by the next server, byte for
 /// byte, and so are reads the dead server held in its ring entries when it was killed
 /// (the next server maps the entries' memory and answers them), and an upgrade in place
-/// (SIGHUP) under readers that never stop fails none of their reads. Reads that reach a
+/// (SIGHUP) under readers that never stop fails none of their reads, nor does a freeze
+/// that no restart follows (the server thaws). Reads that reach a
 /// ring while its server crashes fail with ECANCELED, which no server can prevent
 /// (docs/architecture.md). It switches the kernel parameter, so CI's io_uring pass
 /// leaves it out.
@@ -584,6 +585,16 @@ async fn io_uring_falls_back_where_off_and_a_killed_server_is_replaced_where_on(
         )
         .await;
     }
+    // A freeze nobody follows with a kill (the holder gone, or SIGUSR2 by hand): the
+    // server thaws after 15 s and serves what reached it meanwhile.
+    let at = reads.load(Ordering::Relaxed);
+    signal(mnt.server_pid(), "-USR2");
+    wait_until(
+        "readers to go on after a freeze nobody ended",
+        Duration::from_secs(60),
+        reads_past(at + 50),
+    )
+    .await;
     stop.store(true, Ordering::Relaxed);
     wait_until("every reader to finish", Duration::from_secs(60), || async {
         readers.iter().all(|r| r.is_finished()).then_some(())
@@ -596,6 +607,10 @@ async fn io_uring_falls_back_where_off_and_a_killed_server_is_replaced_where_on(
     }
     let log = std::fs::read_to_string(&mnt.log).unwrap();
     assert!(log.contains("frozen with every entry held"), "{log}");
+    assert!(
+        log.contains("nobody restarted this server: serving again"),
+        "{log}"
+    );
     assert!(
         !log.contains("did not freeze its io_uring queues in time"),
         "{log}"

@@ -84,6 +84,12 @@ const WAKE: u64 = 1 << 62;
 /// Marks the end of the wait before a held request whose entry a dead server was reading
 /// a file into is answered again (see `serve_queue`).
 const RECOVER: u64 = 1 << 61;
+/// Marks a request that reached a frozen queue and waits there, if the queue thaws
+/// (`RingControl::thaw`), to be served.
+const STASHED: u64 = 1 << 60;
+/// How long a frozen server that nobody has stopped waits before it serves again: its
+/// holder kills it within seconds of a freeze, unless the holder itself is gone.
+const THAW_AFTER: std::time::Duration = std::time::Duration::from_secs(15);
 /// How long a held request whose entry was being read into waits before it is answered
 /// again: the dead server's ring ends only once its reads have completed, which must not
 /// land in a reply of the next server.
@@ -578,13 +584,33 @@ impl std::fmt::Debug for RingControl {
 }
 
 impl RingControl {
-    /// Freezes every queue; `on_held` runs once none has a free entry left.
-    pub fn freeze(&self, on_held: impl FnOnce() + Send + 'static) {
+    /// Freezes every queue; `on_held` runs once none has a free entry left. A server
+    /// still alive `THAW_AFTER` later (nobody came to kill it) thaws and serves what
+    /// reached it meanwhile: frozen for good, its readers would wait until unmount.
+    pub fn freeze(self: &Arc<Self>, on_held: impl FnOnce() + Send + 'static) {
         *self.on_held.lock() = Some(Box::new(on_held));
+        self.held.store(0, std::sync::atomic::Ordering::SeqCst);
         self.frozen.store(true, std::sync::atomic::Ordering::SeqCst);
+        self.wake_all();
+        let me = Arc::downgrade(self);
+        let _ = std::thread::Builder::new()
+            .name("fuse-ring-thaw".into())
+            .spawn(move || {
+                std::thread::sleep(THAW_AFTER);
+                if let Some(c) = me.upgrade() {
+                    if c.is_frozen() {
+                        warn!("the io_uring queues were frozen {THAW_AFTER:?} ago and nobody restarted this server: serving again");
+                        c.frozen.store(false, std::sync::atomic::Ordering::SeqCst);
+                        c.wake_all();
+                    }
+                }
+            });
+    }
+
+    fn wake_all(&self) {
         for q in self.queues.lock().iter().filter_map(std::sync::Weak::upgrade) {
             if let Err(e) = q.wake_thread() {
-                warn!("queue {}: cannot wake it to freeze: {e}", q.qid);
+                warn!("queue {}: cannot wake it: {e}", q.qid);
             }
         }
     }
@@ -750,6 +776,8 @@ fn serve_queue<FS: Filesystem>(
     // request: the free ones a freeze waits for (see `RingControl`).
     let mut in_kernel = 0usize;
     let mut reported = false;
+    // What reached the queue while it was frozen (see `RingControl::freeze`).
+    let mut stash: Vec<(u64, i32, u32)> = Vec::new();
     let mut live = usize::from(depth);
     let mut pending: Vec<(u64, i32, u32)> = Vec::with_capacity(usize::from(depth) + 1);
     let mut scratch = Vec::new();
@@ -853,6 +881,11 @@ fn serve_queue<FS: Filesystem>(
             unsafe { queue.ring.completion_shared() }.map(|c| (c.user_data(), c.result(), c.flags())),
         );
         let frozen = queue.control.is_frozen();
+        if !frozen && !stash.is_empty() {
+            // Thawed: what reached the queue while it was frozen is served now.
+            reported = false;
+            pending.append(&mut stash);
+        }
         if frozen && !reported {
             debug!("queue {qid}: frozen, {in_kernel} entries free");
         }
@@ -897,21 +930,27 @@ fn serve_queue<FS: Filesystem>(
                 continue;
             }
             if slot & RECOVER != 0 {
-                let slot = (slot & !RECOVER) as usize;
                 if frozen {
+                    stash.push((slot, res, flags));
                     continue;
                 }
+                let slot = (slot & !RECOVER) as usize;
                 if let Some((unique, bytes)) = settling.remove(&slot) {
                     serve(&queue, &se, &dev, slot, unique, &bytes, &mut scratch);
                 }
                 continue;
             }
-            let slot = slot as usize;
-            in_kernel = in_kernel.saturating_sub(1);
+            // Came back from the kernel when it arrived (counted then), or now.
+            if slot & STASHED == 0 {
+                in_kernel = in_kernel.saturating_sub(1);
+            }
             if frozen && res >= 0 {
-                // Left to the next server, which finds it in the entry.
+                // Left to the next server, which finds it in the entry; kept here in
+                // case the queue thaws instead.
+                stash.push((slot | STASHED, res, flags));
                 continue;
             }
+            let slot = (slot & !STASHED) as usize;
             if res < 0 {
                 if res == -libc::ENOENT && recovering.remove(&slot) {
                     if let Err(e) = queue.push_command(&queue.command(CMD_REGISTER, slot, 0)) {

@@ -120,6 +120,14 @@ impl RingMemory {
     /// Maps the memory a previous server of the connection left, at its address.
     pub(super) fn adopt(fd: OwnedFd, layout: RingLayout) -> io::Result<RingMemory> {
         let len = layout.len as usize;
+        // Mapped past the memfd's end, the entries would fault (SIGBUS) when touched.
+        let size = std::fs::File::from(fd.try_clone()?).metadata()?.len();
+        if size < layout.len {
+            return Err(io::Error::other(format!(
+                "the ring memory holds {size} bytes, its layout says {}",
+                layout.len
+            )));
+        }
         let at = layout.addr as usize as *mut u8;
         let base = map(
             at,
