@@ -585,10 +585,30 @@ async fn io_uring_falls_back_where_off_and_a_killed_server_is_replaced_where_on(
         )
         .await;
     }
-    // A freeze nobody follows with a kill (the holder gone, or SIGUSR2 by hand): the
-    // server thaws after 15 s and serves what reached it meanwhile.
-    let at = reads.load(Ordering::Relaxed);
+    // A freeze nobody follows with a kill (the holder gone, or SIGUSR2 by hand): reads
+    // stop while the server is frozen, and it thaws after 15 s and serves what reached
+    // it meanwhile. Counted from once the server says it froze (and reads it was
+    // already answering are done), as reads go on until the signal is taken.
+    let freezes = || {
+        std::fs::read_to_string(&mnt.log)
+            .unwrap()
+            .matches("freezing the io_uring queues for a restart")
+            .count()
+    };
+    let before = freezes();
     signal(mnt.server_pid(), "-USR2");
+    wait_until("the server to freeze", Duration::from_secs(10), || async {
+        (freezes() > before).then_some(())
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let at = reads.load(Ordering::Relaxed);
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(
+        reads.load(Ordering::Relaxed),
+        at,
+        "no read is answered while frozen"
+    );
     wait_until(
         "readers to go on after a freeze nobody ended",
         Duration::from_secs(60),

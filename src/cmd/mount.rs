@@ -256,6 +256,11 @@ pub async fn run(a: MountArgs, cfg: &Resolved) -> anyhow::Result<()> {
 }
 
 async fn serve(a: MountArgs, mountpoint: PathBuf, cfg: &Resolved) -> anyhow::Result<()> {
+    // The holder's "freeze before I kill you" for a planned restart (holder.rs). Taken
+    // first thing: SIGUSR2's default action ends the process, and the status file that
+    // names this server (and so lets anyone signal it) is written before the loop below.
+    // One that arrives early waits in the stream until the loop takes it.
+    let mut freeze = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::user_defined2())?;
     let (dataset, mut version) = parse_target(&a.target)?;
     // A server taking over a live mount must serve the version the kernel has been
     // shown, never a newer one that `DATASET@latest` would now name.
@@ -419,9 +424,6 @@ async fn serve(a: MountArgs, mountpoint: PathBuf, cfg: &Resolved) -> anyhow::Res
         output::size(v.bytes),
         load_took.as_secs_f64(),
     );
-    // The holder's "freeze before I kill you" for a planned restart (holder.rs), taken
-    // before the holder hears we serve: it sends it only to a server that said so.
-    let mut freeze = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::user_defined2())?;
     match &holder {
         Some(h) => h.ready(&msg)?,
         None => eprint!("{msg}"),
