@@ -1244,3 +1244,107 @@ async fn a_version_from_before_sealed_namespaces_mounts_once_sealed() {
         assert_eq!(blake3::hash(&got).to_hex().as_str(), want, "{}", rel.display());
     }
 }
+
+/// A mount started in-process by the one library call (`locus_fuse::start::start`) from
+/// its options: it serves every file of the version, and reads its replica locations
+/// again as often as `replica_refresh` says. Both mounts here have no local node and
+/// learn the version's replicas (all on n1) at start; n1 is then drained onto n2 and
+/// killed, and the version's origin deleted. Both read every file back from n2, but the
+/// mount refreshing every second goes there first, with no failed read, while the one
+/// told to refresh hourly still tries the dead n1 first and has to ask where the blobs
+/// are now. Bad starts are refused for their reason: an unknown dataset as a load error
+/// (NOT_FOUND), a missing mountpoint as a mount error naming it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_mount_started_by_one_call_serves_every_file_and_refreshes_replicas_as_its_options_say() {
+    use locus_fuse::start::{start, MountOptions, StartError};
+    let h = Harness::new("mount-start");
+    let m = h.start_metadata("meta", MetadataOpts::default()).await;
+    let mut n1 = h.start_node("n1", &m, NodeOpts::host(1)).await;
+    let src = h.path("src");
+    make_tree(&src, 120);
+    let out = import(&m, "ds", &src, &["--replicas", "1"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let _n2 = h.start_node("n2", &m, NodeOpts::host(2)).await;
+    let want = nonempty_files(&src);
+    let place = || locus_fuse::Place {
+        host: "elsewhere".into(),
+        ..Default::default()
+    };
+    let io_uring = std::env::var("LOCUS_FUSE_TRANSPORT").is_ok_and(|t| t == "io-uring");
+    let mount = |name: &str, refresh: Duration| {
+        let mp = h.path(name);
+        std::fs::create_dir_all(&mp).unwrap();
+        let mut o = MountOptions::new("ds", mp, place());
+        o.token = m.token("admin");
+        o.replica_refresh = refresh;
+        o.io_uring = io_uring;
+        o
+    };
+    let mut client = m.client(m.token("admin").map(|_| "admin")).await;
+    let fresh = start(&mut client, mount("fresh", Duration::from_secs(1)), None, None)
+        .await
+        .unwrap_or_else(|e| panic!("mount (needs /dev/fuse and root): {e}"));
+    let stale = start(&mut client, mount("stale", Duration::from_secs(3600)), None, None)
+        .await
+        .unwrap();
+    assert_eq!(fresh.transport(), if io_uring { "io_uring" } else { "/dev/fuse" });
+    assert_eq!(fresh.version.version, 1);
+    let (fresh_mp, stale_mp) = (h.path("fresh"), h.path("stale"));
+
+    let out = m.cli(&["node", "drain", "n1"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    wait_moved_off_to(&m, "ds", "n1", 1).await;
+    n1.daemon.kill9();
+    std::fs::remove_dir_all(&src).unwrap();
+    // Two refreshes of the fresh mount.
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    let bad = tokio::task::spawn_blocking(move || {
+        let mut bad = Vec::new();
+        for mp in [&fresh_mp, &stale_mp] {
+            for (rel, hash) in &want {
+                match std::fs::read(mp.join(rel)) {
+                    Ok(b) if blake3::hash(&b).to_hex().as_str() == hash.as_str() => {}
+                    Ok(_) => bad.push(format!("{}: wrong bytes", mp.join(rel).display())),
+                    Err(e) => bad.push(format!("{}: {e}", mp.join(rel).display())),
+                }
+            }
+        }
+        bad
+    })
+    .await
+    .unwrap();
+    assert!(bad.is_empty(), "not read back identical: {bad:?}");
+    let (f, st) = (fresh.metrics.totals(), stale.metrics.totals());
+    assert!(f.bytes_remote > 0 && st.bytes_remote > 0);
+    assert_eq!(
+        (f.bytes_origin, st.bytes_origin),
+        (0, 0),
+        "the origin was deleted"
+    );
+    assert_eq!(f.failovers, 0, "the refreshed mount went to n2 first");
+    assert!(st.failovers > 0, "the stale mount tried the dead n1 first");
+    for s in [fresh, stale] {
+        let session = s.session;
+        tokio::task::spawn_blocking(move || session.umount_and_join())
+            .await
+            .unwrap()
+            .unwrap();
+    }
+
+    let mut o = mount("none", Duration::from_secs(30));
+    o.dataset = "no-such-dataset".into();
+    match start(&mut client, o, None, None).await {
+        Err(StartError::Load(locus_fuse::LoadError::Status(s))) => {
+            assert_eq!(s.code(), tonic::Code::NotFound, "{s:?}")
+        }
+        Err(e) => panic!("an unknown dataset is a load error: {e}"),
+        Ok(_) => panic!("an unknown dataset mounted"),
+    }
+    let mut o = mount("gone", Duration::from_secs(30));
+    o.mountpoint = h.path("not-there");
+    match start(&mut client, o, None, None).await {
+        Err(e @ StartError::Mount { .. }) => assert!(e.to_string().contains("not-there"), "{e}"),
+        Err(e) => panic!("a missing mountpoint is a mount error: {e}"),
+        Ok(_) => panic!("mounted on a directory that does not exist"),
+    }
+}

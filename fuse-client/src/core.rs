@@ -149,6 +149,7 @@ pub(crate) struct Pending {
     pub(crate) started: Instant,
 }
 
+#[derive(Clone)]
 pub struct Settings {
     /// Let the kernel open files without asking this process (it then never sends OPEN,
     /// FLUSH or RELEASE, and keeps pages across opens): a cached small file costs no

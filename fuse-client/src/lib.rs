@@ -7,17 +7,21 @@
 //!   what a listing carries), with typed errors, no kernel and unit tests for each;
 //! - `fs`: the fuser adapter: a request in, the core's answer out as a reply (one errno
 //!   mapping), plus what only the kernel's side has (handles, backing ids, INIT);
-//! - `metrics`: what the mount reports.
+//! - `metrics`: what the mount reports;
+//! - `start`: a mount from its options to serving the kernel, in one call;
+//! - `handoff`: what one server of a mount leaves the next on the same live connection.
 //!
 //! `load` reads everything a mount needs once (the namespace from nodes, not from the
-//! metadata service); `session_config` configures the mount. The `locus mount` command
-//! adds the process around them (daemonizing, signals, the status file).
+//! metadata service); `start` builds the rest on it and meets the kernel. The `locus
+//! mount` command adds the process around them (daemonizing, the holder, signals, the
+//! status file, the lease).
 //!
 //! It depends on `locus-proto` (wire and formats) and `locus-backup` (a version's origin
 //! as the last source), never on the metadata service or the node.
 
 pub mod core;
 pub mod fs;
+pub mod handoff;
 pub mod load;
 pub mod metrics;
 pub mod namespace;

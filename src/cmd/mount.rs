@@ -13,10 +13,10 @@
 //! carries the mount's totals for `locus status`; the runtime dir is `$LOCUS_RUNTIME_DIR`,
 //! else `/tmp/locus-<uid>`.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use anyhow::Context;
 use clap::Args;
@@ -134,15 +134,6 @@ pub struct MountArgs {
     pub serve: bool,
 }
 
-/// One session thread per CPU: each kernel round trip wakes a thread, and on a busy host
-/// extra threads only trade places with the readers (16 threads on 2 CPUs served 40k
-/// small-file opens a second, 2 threads 66k).
-fn default_threads() -> usize {
-    std::thread::available_parallelism()
-        .map_or(2, |n| n.get())
-        .clamp(2, 32)
-}
-
 /// What a directory listing tells the kernel (`--readdirplus`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum Readdirplus {
@@ -208,11 +199,9 @@ mod detach;
 mod holder;
 mod lease;
 mod runtime;
-mod session;
 pub use detach::umount;
 use detach::{check_empty, check_mountpoint, check_node_socket, local_node, spawn_background};
 use runtime::{private_runtime_dir, status_path};
-use session::start_session;
 
 /// Statuses of this host's live Locus mounts.
 pub fn statuses() -> Vec<MountStatus> {
@@ -261,23 +250,12 @@ async fn serve(a: MountArgs, mountpoint: PathBuf, cfg: &Resolved) -> anyhow::Res
     // names this server (and so lets anyone signal it) is written before the loop below.
     // One that arrives early waits in the stream until the loop takes it.
     let mut freeze = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::user_defined2())?;
-    let (dataset, mut version) = parse_target(&a.target)?;
-    // A server taking over a live mount must serve the version the kernel has been
-    // shown, never a newer one that `DATASET@latest` would now name.
-    let reattach = holder::Reattach::from_env()?;
-    if let Some(r) = &reattach {
-        version = r.state.version;
-    }
+    let (dataset, version) = parse_target(&a.target)?;
+    let takeover = holder::takeover_from_env()?;
     private_runtime_dir()?;
-    let cache_bytes = size_arg("--cache-size", &a.cache_size)? as usize;
-    let readahead = size_arg("--readahead", &a.readahead)?;
-    let mut labels = crate::cmd::node::parse_labels(&a.labels)?;
-    let place_host = labels.remove("host").unwrap_or_else(crate::cmd::node::hostname);
-    let place = Place {
-        host: place_host.clone(),
-        rack: labels.remove("rack"),
-        zone: labels.remove("zone"),
-    };
+    let mut options = mount_options(&a, &dataset, version, &mountpoint, cfg)?;
+    let place_host = options.place.host.clone();
+    let passthrough_min_size = options.settings.passthrough_min_size;
     let mut client = cfg.connect().await?;
     let lease_client = client.clone();
     let cluster_id = client
@@ -285,100 +263,24 @@ async fn serve(a: MountArgs, mountpoint: PathBuf, cfg: &Resolved) -> anyhow::Res
         .await
         .map(|r| r.into_inner().cluster_id)
         .unwrap_or_default();
-    let (local, local_open) = match &a.node_socket {
+    (options.local, options.local_open) = match &a.node_socket {
         Some(p) => local_node(&crate::absolute(p.clone())).await,
         None => (None, None),
     };
-    let fail = |e: locus_fuse::LoadError| anyhow::anyhow!("cannot load {}: {e}", a.target);
-    let passthrough_min_size = size_arg("--passthrough-min-size", &a.passthrough_min_size)?;
     // The mount keeps recently verified local files open, up to a quarter of its
     // open-file limit: the usual soft limit of 1,024 would remember only 256 files.
     super::raise_open_file_limit();
-    let options = locus_fuse::start::MountOptions {
-        dataset: dataset.clone(),
-        version,
-        place,
-        local,
-        local_open,
-        token: cfg.token.clone(),
-        cache_bytes,
-        readahead,
-        cache_dir: Some(runtime::namespace_dir()?),
-        opens: match a.opens {
-            Opens::Auto => locus_fuse::start::Opens::Auto,
-            Opens::Kernel => locus_fuse::start::Opens::Kernel,
-            Opens::Mount => locus_fuse::start::Opens::Mount,
-        },
-        settings: Settings {
-            passthrough: !a.no_passthrough,
-            passthrough_min_size,
-            reopen_ttl: locus_proto::human::parse_duration(&a.reopen_cache)
-                .map_err(|e| anyhow::anyhow!("--reopen-cache: {}", e.reason))?,
-            readdirplus: match a.readdirplus {
-                Readdirplus::Adaptive => locus_fuse::Readdirplus::Adaptive,
-                Readdirplus::All => locus_fuse::Readdirplus::All,
-                Readdirplus::Auto => locus_fuse::Readdirplus::Auto,
-            },
-            ..Settings::default()
-        },
-    };
-    let locus_fuse::start::Prepared {
-        fs,
-        version: v,
-        namespace: ns,
-        remote,
-        metrics,
-        namespace_from,
-        took: load_took,
-        ..
-    } = locus_fuse::start::prepare(&mut client, options)
-        .await
-        .map_err(fail)?;
-    tracing::info!(
-        dataset = %dataset,
-        version = v.version,
-        entries = ns.len(),
-        "namespace ({}) from {}{}; ready to mount after {:.2}s",
-        output::size(ns.sealed_bytes() as u64),
-        namespace_from,
-        if ns.is_mapped() { ", mapped" } else { ", in memory" },
-        load_took.as_secs_f64(),
-    );
-    let passthrough = fs.passthrough_state();
-    let kernel_opened = fs.kernel_opens_state();
-    let source = format!("{}{dataset}@{}", locus_fuse::SOURCE_PREFIX, v.version);
-    let threads = a.threads.unwrap_or_else(default_threads);
-    let want_ring = a.fuse_transport != FuseTransport::DevFuse;
-    let config = locus_fuse::session_config(&source, a.allow_other, threads, want_ring);
     let holder = holder::Channel::from_env().map(Arc::new);
-    let fs = match &holder {
-        Some(h) => {
-            let h = h.clone();
-            fs.with_backing_observer(Arc::new(move |ino, id| h.backing(ino, id)))
-        }
-        None => fs,
-    };
-    let reattached = reattach.is_some();
-    let mp = mountpoint.clone();
-    let h = holder.clone();
-    let mounted_version = v.version;
-    let session =
-        tokio::task::spawn_blocking(move || start_session(fs, &mp, config, reattach, h, mounted_version))
-            .await?
-            .map_err(|e| mount_error(&mountpoint, e))?;
-    let (session, ours) = session;
-    let transport = if ours.ring { "io_uring" } else { "/dev/fuse" };
-    if want_ring && !ours.ring && !reattached {
-        tracing::info!(
-            "FUSE over io_uring is not available here; serving through /dev/fuse (see `locus doctor`)"
-        );
-    }
-    tracing::info!("kernel requests come through {transport}");
-    if reattached {
-        tracing::info!("took over the live mount at {}", mountpoint.display());
-    }
-
-    raise_readahead(&mountpoint, readahead.min(KERNEL_READAHEAD));
+    let reports = holder.clone().map(|h| h as Arc<dyn locus_fuse::handoff::Holder>);
+    let serving = locus_fuse::start::start(&mut client, options, takeover, reports)
+        .await
+        .map_err(|e| match e {
+            locus_fuse::start::StartError::Load(e) => anyhow::anyhow!("cannot load {}: {e}", a.target),
+            e => anyhow::anyhow!("{e}"),
+        })?;
+    let v = &serving.version;
+    let transport = serving.transport();
+    let metrics = serving.metrics.clone();
     if let Some(addr) = &a.metrics_listen {
         serve_metrics(addr, metrics.clone()).await?;
     }
@@ -406,14 +308,14 @@ async fn serve(a: MountArgs, mountpoint: PathBuf, cfg: &Resolved) -> anyhow::Res
         totals: Default::default(),
         cluster_id: cluster_id.clone(),
     };
-    let negotiated = (passthrough.clone(), kernel_opened.clone());
-    let write_status = status_writer(status, metrics.clone(), negotiated, ours.fuse.try_clone()?);
+    let negotiated = (serving.passthrough.clone(), serving.kernel_opens.clone());
+    let write_status = status_writer(status, metrics.clone(), negotiated, serving.fuse.try_clone()?);
     write_status();
 
     let how = reading_how(
         a.node_socket.is_some(),
-        kernel_opened.load(Ordering::Relaxed),
-        passthrough.load(Ordering::Relaxed),
+        serving.kernel_opens.load(Ordering::Relaxed),
+        serving.passthrough.load(Ordering::Relaxed),
         passthrough_min_size,
     );
     let msg = format!(
@@ -422,7 +324,7 @@ async fn serve(a: MountArgs, mountpoint: PathBuf, cfg: &Resolved) -> anyhow::Res
         mountpoint.display(),
         v.files,
         output::size(v.bytes),
-        load_took.as_secs_f64(),
+        serving.load_took.as_secs_f64(),
     );
     match &holder {
         Some(h) => h.ready(&msg)?,
@@ -432,13 +334,12 @@ async fn serve(a: MountArgs, mountpoint: PathBuf, cfg: &Resolved) -> anyhow::Res
     lease.tick().await;
 
     let mut tick = tokio::time::interval(TICK);
-    let mut last_refresh = Instant::now();
     let shutdown = super::shutdown_signal();
     tokio::pin!(shutdown);
     loop {
         tokio::select! {
             _ = freeze.recv() => {
-                match (&ours.control, &holder) {
+                match (&serving.control, &holder) {
                     (Some(c), Some(h)) => {
                         tracing::info!("freezing the io_uring queues for a restart");
                         let held = h.clone();
@@ -450,10 +351,11 @@ async fn serve(a: MountArgs, mountpoint: PathBuf, cfg: &Resolved) -> anyhow::Res
             }
             _ = &mut shutdown => {
                 tracing::info!("unmounting {}", mountpoint.display());
-                if reattached {
+                if serving.took_over {
                     // Only the server that mounted holds fuser's unmount handle.
-                    holder::unmount_if_ours(&mountpoint, std::os::fd::AsFd::as_fd(&ours.fuse), ours.device.as_deref());
+                    holder::unmount_if_ours(&mountpoint, std::os::fd::AsFd::as_fd(&serving.fuse), serving.device.as_deref());
                 }
+                let session = serving.session;
                 let r = tokio::task::spawn_blocking(move || session.umount_and_join()).await?;
                 if let Err(e) = r {
                     tracing::warn!("unmount: {e}");
@@ -461,21 +363,14 @@ async fn serve(a: MountArgs, mountpoint: PathBuf, cfg: &Resolved) -> anyhow::Res
                 break;
             }
             _ = tick.tick() => {
-                if session.guard.is_finished() {
+                if serving.session.guard.is_finished() {
                     tracing::info!("{} was unmounted", mountpoint.display());
+                    let session = serving.session;
                     let _ = tokio::task::spawn_blocking(move || session.join()).await;
                     break;
                 }
                 write_status();
                 lease.tick().await;
-                // Replica sets change with repair; a background refresh keeps the
-                // cheapest-first order right without touching the read path.
-                if last_refresh.elapsed() > REFRESH {
-                    last_refresh = Instant::now();
-                    if let Err(e) = remote.refresh().await {
-                        tracing::warn!("cannot refresh replica locations: {e}");
-                    }
-                }
             }
         }
     }
@@ -484,6 +379,53 @@ async fn serve(a: MountArgs, mountpoint: PathBuf, cfg: &Resolved) -> anyhow::Res
     lease.end().await;
     runtime::remove_status_of(&mountpoint, holder_pid);
     Ok(())
+}
+
+/// The mount's options from its arguments (the local node's clients are added once
+/// connected).
+fn mount_options(
+    a: &MountArgs,
+    dataset: &str,
+    version: u64,
+    mountpoint: &std::path::Path,
+    cfg: &Resolved,
+) -> anyhow::Result<locus_fuse::start::MountOptions> {
+    let mut labels = crate::cmd::node::parse_labels(&a.labels)?;
+    let place_host = labels.remove("host").unwrap_or_else(crate::cmd::node::hostname);
+    let place = Place {
+        host: place_host,
+        rack: labels.remove("rack"),
+        zone: labels.remove("zone"),
+    };
+    let mut options = locus_fuse::start::MountOptions::new(dataset, mountpoint.to_path_buf(), place);
+    options.version = version;
+    options.cache_bytes = size_arg("--cache-size", &a.cache_size)? as usize;
+    options.readahead = size_arg("--readahead", &a.readahead)?;
+    options.token = cfg.token.clone();
+    options.cache_dir = Some(runtime::namespace_dir()?);
+    options.opens = match a.opens {
+        Opens::Auto => locus_fuse::start::Opens::Auto,
+        Opens::Kernel => locus_fuse::start::Opens::Kernel,
+        Opens::Mount => locus_fuse::start::Opens::Mount,
+    };
+    options.settings = Settings {
+        passthrough: !a.no_passthrough,
+        passthrough_min_size: size_arg("--passthrough-min-size", &a.passthrough_min_size)?,
+        reopen_ttl: locus_proto::human::parse_duration(&a.reopen_cache)
+            .map_err(|e| anyhow::anyhow!("--reopen-cache: {}", e.reason))?,
+        readdirplus: match a.readdirplus {
+            Readdirplus::Adaptive => locus_fuse::Readdirplus::Adaptive,
+            Readdirplus::All => locus_fuse::Readdirplus::All,
+            Readdirplus::Auto => locus_fuse::Readdirplus::Auto,
+        },
+        ..Settings::default()
+    };
+    options.allow_other = a.allow_other;
+    if let Some(n) = a.threads {
+        options.threads = n;
+    }
+    options.io_uring = a.fuse_transport != FuseTransport::DevFuse;
+    Ok(options)
 }
 
 /// Writes the mount's status file (what `locus status` and `locus umount` read) when
@@ -544,50 +486,6 @@ fn reading_how(local: bool, kernel_opens: bool, passthrough: bool, passthrough_m
 /// How often the server checks the kernel still has the mount, writes its status file
 /// (what `locus status` and `locus umount` read) and renews its lease when due.
 const TICK: Duration = Duration::from_secs(2);
-/// How often the replica locations are read again (repair moves them), in the background.
-const REFRESH: Duration = Duration::from_secs(30);
-
-/// How far ahead of a sequential reader the kernel sends read requests (when root may
-/// set it). Only a few 1 MiB requests need to be in flight: the mount reads ahead
-/// itself (`--readahead`, remote chunks) and the node's file has its own read-ahead. A
-/// kernel window as deep as `--readahead` (32 MiB) only parked up to 32 requests on
-/// blocking threads at once, and reading the node's files through kernel opens took
-/// 30–45% more of the mount's CPU per MiB than with 1–4 MiB here, for no more speed
-/// (512 MiB read cold, 3 rounds; remote reads were even within their noise).
-const KERNEL_READAHEAD: u64 = 4 << 20;
-
-/// The kernel caps a FUSE mount's read-ahead at 128 KiB whatever the filesystem asks for
-/// at init, so sequential reads that reach us (remote and pread modes) arrive in 128 KiB
-/// requests. Root may raise it through the mount's backing device in sysfs; others keep
-/// the default (passthrough reads use the backing file's own read-ahead either way).
-fn raise_readahead(mountpoint: &Path, bytes: u64) {
-    use std::os::unix::fs::MetadataExt;
-    let Ok(md) = std::fs::metadata(mountpoint) else {
-        return;
-    };
-    let dev = md.dev();
-    let major = ((dev >> 8) & 0xfff) | ((dev >> 32) & !0xfff);
-    let minor = (dev & 0xff) | ((dev >> 12) & !0xff);
-    let knob = format!("/sys/class/bdi/{major}:{minor}/read_ahead_kb");
-    let kb = (bytes / 1024).max(128);
-    match std::fs::write(&knob, kb.to_string()) {
-        Ok(()) => tracing::debug!("read-ahead set to {kb} KiB ({knob})"),
-        Err(e) => tracing::debug!("cannot raise read-ahead ({knob}): {e}"),
-    }
-}
-
-fn mount_error(mountpoint: &Path, e: std::io::Error) -> anyhow::Error {
-    let hint = match e.raw_os_error() {
-        Some(libc::EPERM) | Some(libc::EACCES) => {
-            " (not allowed: check /dev/fuse permissions, fusermount3, and user_allow_other for --allow-other)"
-        }
-        Some(libc::ENOENT) => " (is fusermount3 installed? Debian: apt-get install fuse3)",
-        Some(libc::EBUSY) => " (something is already mounted there)",
-        _ => "",
-    };
-    anyhow::anyhow!("cannot mount on {}: {e}{hint}", mountpoint.display())
-}
-
 async fn serve_metrics(addr: &str, metrics: Arc<locus_fuse::metrics::Metrics>) -> anyhow::Result<()> {
     let listener = tokio::net::TcpListener::bind(addr)
         .await

@@ -232,6 +232,11 @@ pub async fn shards(c: &mut locus_proto::client::MetadataClient, ds: &str, v: u6
 /// Waits until every shard of `ds@1` has two replicas, none on `node` (after a drain or
 /// a kill and repair).
 pub async fn wait_moved_off(m: &Metadata, ds: &str, node: &str) {
+    wait_moved_off_to(m, ds, node, 2).await
+}
+
+/// Waits until every shard of `ds@1` has `replicas` replicas, none on `node`.
+pub async fn wait_moved_off_to(m: &Metadata, ds: &str, node: &str, replicas: usize) {
     // The admin's token where the service has tokens (listing shards needs one).
     let opts = m.client_options(m.token("admin"));
     wait_until(
@@ -243,7 +248,7 @@ pub async fn wait_moved_off(m: &Metadata, ds: &str, node: &str) {
                 let mut c = locus_proto::client::connect(&opts).await.ok()?;
                 let s = shards(&mut c, ds, 1).await;
                 s.iter()
-                    .all(|s| s.replicas.len() == 2 && !s.replicas.iter().any(|r| r == node))
+                    .all(|s| s.replicas.len() == replicas && !s.replicas.iter().any(|r| r == node))
                     .then_some(())
             }
         },

@@ -33,7 +33,6 @@
 //! ring entry holds a request (`hold_ring_queues`): a request reaching a free entry of a
 //! dying server would fail.
 
-use std::collections::BTreeMap;
 use std::ffi::OsString;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
 use std::path::{Path, PathBuf};
@@ -54,65 +53,7 @@ const RING_FD_ENV: &str = "LOCUS_MOUNT_RING_FD";
 /// How long a planned restart waits for the server's io_uring queues to freeze.
 const FREEZE_WAIT: Duration = Duration::from_secs(5);
 
-/// What a server taking over a live connection must know about it.
-#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
-pub struct SessionState {
-    /// The version mounted: a restarted server loads this one, whatever "latest" is now.
-    pub version: u64,
-    pub proto_major: u32,
-    pub proto_minor: u32,
-    pub negotiated: locus_fuse::fs::Negotiated,
-    /// Backing ids registered on the connection and not closed, by inode.
-    #[serde(default)]
-    pub backing: BTreeMap<u64, u32>,
-    /// The mount's device ("major:minor" in the mount table): another mount at the same
-    /// path has another, so an ending mount unmounts only its own (`unmount_if_ours`).
-    #[serde(default)]
-    pub device: Option<String>,
-    /// The FUSE-over-io_uring payload size when the connection's requests come through
-    /// ring queues: the next server registers its own queues (see `wake_ring_queues`).
-    #[serde(default)]
-    pub io_uring_payload: Option<usize>,
-    /// Where the ring queues' entries are (a memfd the holder keeps, passed as
-    /// `LOCUS_MOUNT_RING_FD`): the next server maps it at the same address and answers
-    /// the requests a dead server held in its entries.
-    #[serde(default)]
-    pub ring_memory: Option<RingMemory>,
-}
-
-/// `fuser::RingLayout`, as the session file keeps it.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-pub struct RingMemory {
-    pub addr: u64,
-    pub len: u64,
-    pub queues: u32,
-    pub depth: u16,
-    pub payload_cap: u64,
-}
-
-impl From<fuser::RingLayout> for RingMemory {
-    fn from(l: fuser::RingLayout) -> Self {
-        RingMemory {
-            addr: l.addr,
-            len: l.len,
-            queues: l.queues,
-            depth: l.depth,
-            payload_cap: l.payload_cap,
-        }
-    }
-}
-
-impl From<RingMemory> for fuser::RingLayout {
-    fn from(m: RingMemory) -> Self {
-        fuser::RingLayout {
-            addr: m.addr,
-            len: m.len,
-            queues: m.queues,
-            depth: m.depth,
-            payload_cap: m.payload_cap,
-        }
-    }
-}
+pub use locus_fuse::handoff::{RingMemory, SessionState};
 
 /// A message from the server.
 enum Msg {
@@ -128,7 +69,7 @@ enum Msg {
 
 // The server's side.
 mod server_side;
-pub use server_side::{resend_lost_requests, wake_ring_queues, Channel, Reattach};
+pub use server_side::{takeover_from_env, Channel};
 
 /// Before a planned restart of an io_uring mount's server: `depth` STATFS calls from a
 /// thread pinned to each CPU, into the frozen server (`fuser::RingControl`). Each takes a
@@ -136,31 +77,7 @@ pub use server_side::{resend_lost_requests, wake_ring_queues, Channel, Reattach}
 /// so that no request can meet a free entry of the server while it dies. They return
 /// when the next server answers them.
 pub fn hold_ring_queues(mp: &Path, depth: u16) {
-    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
-    for cpu in 0..cpus {
-        for _ in 0..depth {
-            let mp = mp.to_path_buf();
-            let _ = std::thread::Builder::new()
-                .name(format!("ring-hold-{cpu}"))
-                .spawn(move || {
-                    if pin_to(cpu) {
-                        let _ = nix::sys::statfs::statfs(&mp);
-                    }
-                });
-        }
-    }
-}
-
-fn pin_to(cpu: usize) -> bool {
-    // SAFETY: a zeroed cpu_set_t is empty; CPU_SET stays within it below 1024.
-    #[allow(unsafe_code)]
-    let pinned = cpu < 1024
-        && unsafe {
-            let mut set: libc::cpu_set_t = std::mem::zeroed();
-            libc::CPU_SET(cpu, &mut set);
-            libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set) == 0
-        };
-    pinned
+    locus_fuse::handoff::statfs_from_each_cpu(mp, depth, "ring-hold");
 }
 
 /// Detaches the mount at `mp` if it is still the one on connection `fuse` (mounted as
@@ -584,19 +501,11 @@ mod tests {
                     (l.addr, l.queues, l.depth, l.payload_cap),
                     (1 << 44, 2, 8, 1 << 20)
                 );
-                let back: fuser::RingLayout = l.into();
-                assert_eq!(RingMemory::from(back), l);
             }
             _ => panic!("a rings message with its memory is understood"),
         }
         let memfd = OwnedFd::from(std::fs::File::open("/dev/null").unwrap());
         assert!(parse(br#"rings {"addr":1}"#, Some(memfd)).is_none());
-        // A session file written before ring memory was kept still reads.
-        let old: SessionState = serde_json::from_str(
-            r#"{"version":1,"proto_major":7,"proto_minor":41,"negotiated":{"passthrough":true,"kernel_opens":false},"io_uring_payload":1048576}"#,
-        )
-        .unwrap();
-        assert_eq!(old.ring_memory, None);
         assert!(parse(b"\xff\xfe", None).is_none());
         assert!(parse(b"nonsense 1", None).is_none());
     }
