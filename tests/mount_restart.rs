@@ -673,3 +673,177 @@ async fn io_uring_falls_back_where_off_and_a_killed_server_is_replaced_where_on(
     let o = remote.umount();
     assert!(o.status.success(), "{}", stderr(&o));
 }
+
+/// Closes of a file by the last holder of it (IN_CLOSE_NOWRITE), watched with inotify.
+struct CloseWatch {
+    fd: std::os::fd::OwnedFd,
+    names: Vec<(i32, String)>,
+}
+
+impl CloseWatch {
+    fn new() -> CloseWatch {
+        use std::os::fd::FromRawFd;
+        // SAFETY: inotify_init1 returns a new descriptor (checked) that we own.
+        #[allow(unsafe_code)]
+        let fd = unsafe { libc::inotify_init1(libc::IN_NONBLOCK | libc::IN_CLOEXEC) };
+        assert!(fd >= 0, "inotify: {}", std::io::Error::last_os_error());
+        #[allow(unsafe_code)]
+        let fd = unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) };
+        CloseWatch {
+            fd,
+            names: Vec::new(),
+        }
+    }
+
+    fn watch(&mut self, path: &Path, name: &str) {
+        use std::os::fd::AsRawFd;
+        use std::os::unix::ffi::OsStrExt;
+        let c = std::ffi::CString::new(path.as_os_str().as_bytes()).unwrap();
+        // SAFETY: a valid descriptor and C string.
+        #[allow(unsafe_code)]
+        let wd = unsafe { libc::inotify_add_watch(self.fd.as_raw_fd(), c.as_ptr(), libc::IN_CLOSE_NOWRITE) };
+        assert!(
+            wd >= 0,
+            "watch {}: {}",
+            path.display(),
+            std::io::Error::last_os_error()
+        );
+        self.names.push((wd, name.to_string()));
+    }
+
+    /// Names of the watched files closed since the last call, waiting up to `wait` for
+    /// the first.
+    fn closed(&self, wait: Duration) -> Vec<String> {
+        use std::os::fd::AsRawFd;
+        let mut pfd = libc::pollfd {
+            fd: self.fd.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: one valid pollfd.
+        #[allow(unsafe_code)]
+        unsafe {
+            libc::poll(&mut pfd, 1, wait.as_millis() as i32)
+        };
+        let mut buf = [0u8; 4096];
+        let mut out = Vec::new();
+        loop {
+            // SAFETY: reads into a buffer of its length.
+            #[allow(unsafe_code)]
+            let n = unsafe { libc::read(self.fd.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len()) };
+            if n <= 0 {
+                return out;
+            }
+            let mut at = 0;
+            while at + 16 <= n as usize {
+                let wd = i32::from_ne_bytes(buf[at..at + 4].try_into().unwrap());
+                let len = u32::from_ne_bytes(buf[at + 12..at + 16].try_into().unwrap()) as usize;
+                if let Some((_, name)) = self.names.iter().find(|(w, _)| *w == wd) {
+                    out.push(name.clone());
+                }
+                at += 16 + len;
+            }
+        }
+    }
+}
+
+/// A server that takes a mount over closes the passthrough backing ids its predecessor
+/// registered as soon as no file uses them: at takeover for a file that was opened and
+/// closed (its id kept for reopens), and at the last release of a file held open across
+/// the takeover, whose id the new server reused meanwhile (the kernel refuses a second
+/// backing file for an inode in use). Before, every inherited id stayed registered for
+/// the new server's life, pinning the node's blob files in the kernel. Seen from the
+/// node's blob files: the kernel's last reference to each, dropped when its id is
+/// closed, is their final close (inotify).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_taken_over_mount_closes_the_backing_ids_no_file_uses_any_more() {
+    let h = Harness::new("mount-backing");
+    let m = h.start_metadata("meta", MetadataOpts::default()).await;
+    let n1 = h.start_node("n1", &m, NodeOpts::host(1)).await;
+    let src = h.path("src");
+    make_tree(&src, 20);
+    std::fs::write(src.join("held.bin"), pseudo_random(7, 4 << 20)).unwrap();
+    std::fs::write(src.join("closed.bin"), pseudo_random(8, 4 << 20)).unwrap();
+    let out = import(&m, "ds", &src, &["--replicas", "1"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let mnt = m.mount(
+        "pt",
+        "ds",
+        Some(&n1),
+        &["--opens", "mount", "--passthrough-min-size", "1MiB"],
+    );
+    let hash = |name: &str| {
+        blake3::hash(&std::fs::read(src.join(name)).unwrap())
+            .to_hex()
+            .to_string()
+    };
+    let (held_hash, closed_hash) = (hash("held.bin"), hash("closed.bin"));
+    let mut held = std::fs::File::open(mnt.path.join("held.bin")).unwrap();
+    let mut first = vec![0u8; 1 << 20];
+    held.read_exact(&mut first).unwrap();
+    let closed = std::fs::read(mnt.path.join("closed.bin")).unwrap();
+    assert_eq!(blake3::hash(&closed).to_hex().as_str(), closed_hash);
+    assert_eq!(mnt.status()["passthrough"], true, "the files were passed through");
+
+    let blobs = n1.blob_files();
+    let mut w = CloseWatch::new();
+    w.watch(&blobs[&held_hash].path, "held");
+    w.watch(&blobs[&closed_hash].path, "closed");
+    let old = mnt.server_pid();
+    signal(old, "-KILL");
+    new_server(&mnt, old).await;
+    let mut seen = w.closed(Duration::from_secs(10));
+    // Anything else closing it late would show here too.
+    seen.extend(w.closed(Duration::from_millis(500)));
+    assert_eq!(
+        seen,
+        ["closed"],
+        "the id of the file no longer open is closed at takeover, the held one's is not"
+    );
+
+    // The held file reads on through its inherited id. Once it is closed, the last file
+    // the old server opened with that id is gone, and so is the id: what the holder
+    // passes to the next server after another kill lists no backing id at all.
+    let mut rest = Vec::new();
+    held.read_to_end(&mut rest).unwrap();
+    first.extend(rest);
+    assert_eq!(blake3::hash(&first).to_hex().as_str(), held_hash);
+    drop(held);
+    let session = mnt
+        .runtime_dir
+        .join("mounts")
+        .read_dir()
+        .unwrap()
+        .flatten()
+        .map(|e| e.path())
+        .find(|p| {
+            p.to_string_lossy()
+                .ends_with(&format!(".{}.session.json", mnt.pid()))
+        })
+        .expect("the holder's session file");
+    let mut state = serde_json::Value::Null;
+    // The RELEASE reaches the server after close(2) returns: give it a moment, and the
+    // next server another, should the kill come first (it is resent to that one).
+    for _ in 0..5 {
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        let old = mnt.server_pid();
+        signal(old, "-KILL");
+        new_server(&mnt, old).await;
+        state = serde_json::from_slice(&std::fs::read(&session).unwrap()).unwrap();
+        if state["backing"].as_object().is_some_and(|b| b.is_empty()) {
+            break;
+        }
+    }
+    assert_eq!(
+        state["backing"],
+        serde_json::json!({}),
+        "no backing id left: {state}"
+    );
+    assert_eq!(state["open"], serde_json::json!({}), "no file open: {state}");
+    let again = std::fs::read(mnt.path.join("held.bin")).unwrap();
+    assert_eq!(blake3::hash(&again).to_hex().as_str(), held_hash);
+    let log = std::fs::read_to_string(&mnt.log).unwrap();
+    assert!(log.contains("took over the live mount"), "{log}");
+    let o = mnt.umount();
+    assert!(o.status.success(), "{}", stderr(&o));
+}

@@ -54,7 +54,7 @@ mod read;
 mod takeover;
 
 pub use crate::core::Readdirplus;
-pub use takeover::{BackingObserver, Negotiated};
+pub use takeover::{Backing, BackingObserver, Negotiated};
 
 /// The one place a core error becomes what the kernel sees, and the one log rule: an
 /// answer (ENOENT, EISDIR, ...) is not logged; a fault is, at debug level (the core has
@@ -107,11 +107,25 @@ pub struct Mount {
     /// The kernel wants one backing file per inode while any handle of it is open.
     backing: Mutex<HashMap<u64, (Arc<BackingId>, usize)>>,
     /// Backing ids a previous process of this mount registered, by inode: files it opened
-    /// may still be open, and the kernel refuses a second backing file for their inode.
-    inherited: Mutex<HashMap<u64, u32>>,
+    /// may still be open, and the kernel refuses a second backing file for their inode
+    /// (`takeover`).
+    inherited: Mutex<HashMap<u64, takeover::Inherited>>,
+    /// The connection taken over, for closing inherited ids no reply is at hand for.
+    connection: Mutex<Option<std::os::fd::OwnedFd>>,
     /// Told of every backing id registered (`Some`) or closed (`None`), before the kernel
     /// hears of it: the holder of the connection keeps the list for the next process.
     backing_observer: Option<BackingObserver>,
+}
+
+/// Marks a handle opened with passthrough. A server that took the connection over
+/// gets RELEASEs of its predecessor's handles, and must know which held a backing id.
+const PASSTHROUGH_FH: u64 = 1 << 63;
+
+/// The first handle of this process: its pid (23 bits, Linux's largest) above a 40-bit
+/// count, so a server that took the connection over never hands out a handle of its
+/// predecessor's, whose RELEASE would otherwise close one of its own.
+fn first_fh() -> u64 {
+    (u64::from(std::process::id()) & 0x7f_ffff) << 40 | 1
 }
 
 /// Pages stay cached across opens (nothing changes), and close does not send a flush
@@ -139,10 +153,11 @@ impl LocusFs {
                 core: Arc::new(Core::new(ns, rt, local, remote, metrics, settings)),
                 uid,
                 gid,
-                next_fh: AtomicU64::new(1),
+                next_fh: AtomicU64::new(first_fh()),
                 handles: Mutex::new(HashMap::new()),
                 backing: Mutex::new(HashMap::new()),
                 inherited: Mutex::new(HashMap::new()),
+                connection: Mutex::new(None),
                 backing_observer: None,
             }),
         }
@@ -190,7 +205,10 @@ impl Mount {
     }
 
     fn add_handle(&self, h: Handle) -> FileHandle {
-        let fh = self.next_fh.fetch_add(1, Ordering::Relaxed);
+        let mut fh = self.next_fh.fetch_add(1, Ordering::Relaxed);
+        if matches!(h, Handle::Passthrough { .. }) {
+            fh |= PASSTHROUGH_FH;
+        }
         self.handles.lock().unwrap().insert(fh, Arc::new(h));
         FileHandle(fh)
     }
@@ -207,13 +225,15 @@ impl Mount {
                     Some(id.clone())
                 }
                 None if self.inherited.lock().unwrap().contains_key(&ino) => {
-                    let raw = self.inherited.lock().unwrap()[&ino];
+                    let old = self.inherited.lock().unwrap().remove(&ino).expect("checked");
                     // SAFETY: the id was registered on this connection by the previous
                     // process and never closed (the holder hears of every close); it is
-                    // wrapped once, and kept (count never reaching 0) while we live.
+                    // wrapped once, and counted with the predecessor's files still open
+                    // on it (kept while we live when that count is unknown).
                     #[allow(unsafe_code)]
-                    let id = Arc::new(unsafe { reply.wrap_backing(raw) });
-                    backing.insert(ino, (id.clone(), usize::MAX / 2));
+                    let id = Arc::new(unsafe { reply.wrap_backing(old.id) });
+                    let n = old.open.map_or(usize::MAX / 2, |n| n as usize + 1);
+                    backing.insert(ino, (id.clone(), n));
                     Some(id)
                 }
                 None => match reply.open_backing(file.file()) {
@@ -221,7 +241,7 @@ impl Mount {
                         let id = Arc::new(id);
                         // The holder must know of the id before the kernel can use it.
                         if let Some(f) = &self.backing_observer {
-                            f(ino, Some(id.raw()));
+                            f(ino, Backing::Registered(id.raw()));
                         }
                         if backing.len() >= 2 * self.core.recent_max {
                             // Closed files keep their backing id only while recent.
@@ -229,7 +249,7 @@ impl Mount {
                             backing.retain(|ino, (_, n)| {
                                 let keep = *n > 0 || recent.contains_key(ino);
                                 if let (false, Some(f)) = (keep, &self.backing_observer) {
-                                    f(*ino, None);
+                                    f(*ino, Backing::Closed);
                                 }
                                 keep
                             });
@@ -245,6 +265,11 @@ impl Mount {
             };
             if let Some(id) = id {
                 drop(backing);
+                // Before the kernel hears of it: a holder must never count fewer files
+                // open on an id than there are (the next server would close it in use).
+                if let Some(f) = &self.backing_observer {
+                    f(ino, Backing::Opened);
+                }
                 let fh = self.add_handle(Handle::Passthrough { ino, _file: file });
                 self.core.metrics.opened("passthrough");
                 // The kernel refuses passthrough opens with any flag outside its small
@@ -443,7 +468,7 @@ impl Filesystem for LocusFs {
     fn release(
         &self,
         _req: &Request,
-        _ino: INodeNo,
+        ino: INodeNo,
         fh: FileHandle,
         _flags: OpenFlags,
         _lock_owner: Option<LockOwner>,
@@ -451,15 +476,22 @@ impl Filesystem for LocusFs {
         reply: ReplyEmpty,
     ) {
         let h = self.mount.handles.lock().unwrap().remove(&fh.0);
+        if h.is_none() && fh.0 & PASSTHROUGH_FH != 0 {
+            // Opened by the process this one took over from.
+            self.mount.release_inherited(ino.0);
+        }
         if let Some(h) = h {
             if let Handle::Passthrough { ino, .. } = &*h {
+                if let Some(f) = &self.mount.backing_observer {
+                    f(*ino, Backing::Released);
+                }
                 let mut backing = self.mount.backing.lock().unwrap();
                 if let Some((_, n)) = backing.get_mut(ino) {
                     *n -= 1;
                     if *n == 0 && !self.mount.core.keeps_backing(*ino) {
                         backing.remove(ino);
                         if let Some(f) = &self.mount.backing_observer {
-                            f(*ino, None);
+                            f(*ino, Backing::Closed);
                         }
                     }
                 }

@@ -23,8 +23,9 @@ pub trait Holder: Send + Sync {
     fn session(&self, fuse: BorrowedFd<'_>, s: &SessionState) -> std::io::Result<()>;
     /// The memory the io_uring queues' entries are in, for the next server.
     fn rings(&self, memory: BorrowedFd<'_>, layout: RingMemory) -> std::io::Result<()>;
-    /// A passthrough backing id registered (`Some`) or closed (`None`) for an inode.
-    fn backing(&self, ino: u64, id: Option<u32>);
+    /// What happened to an inode's passthrough backing id (registered, closed, a file
+    /// opened or released with it).
+    fn backing(&self, ino: u64, what: crate::fs::Backing);
 }
 
 /// A live connection a server takes over from its predecessor.
@@ -46,6 +47,11 @@ pub struct SessionState {
     /// Backing ids registered on the connection and not closed, by inode.
     #[serde(default)]
     pub backing: BTreeMap<u64, u32>,
+    /// Files open with passthrough, by inode (inodes with none left out): the next
+    /// server closes the ids no file uses. `None` from a holder that does not count
+    /// them; its ids are then kept.
+    #[serde(default)]
+    pub open: Option<BTreeMap<u64, u32>>,
     /// The mount's device ("major:minor" in the mount table): another mount at the same
     /// path has another, so an ending mount unmounts only its own.
     #[serde(default)]
@@ -191,5 +197,6 @@ mod tests {
         .unwrap();
         assert_eq!(old.version, 3);
         assert!(old.ring_memory.is_none() && old.io_uring_payload.is_none() && old.backing.is_empty());
+        assert!(old.open.is_none(), "a holder that did not count: ids are kept");
     }
 }

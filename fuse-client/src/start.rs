@@ -441,6 +441,7 @@ fn session(
                     kernel_opens: ko.load(Ordering::Relaxed),
                 },
                 backing: Default::default(),
+                open: Some(Default::default()),
                 device: device.clone(),
                 io_uring_payload: io_uring_payload.filter(|_| ring),
                 ring_memory: None,
@@ -456,7 +457,12 @@ fn session(
             control,
         });
     };
-    fs.restore(t.state.negotiated, t.state.backing.clone().into_iter().collect());
+    fs.restore(
+        t.state.negotiated,
+        t.state.backing.clone().into_iter().collect(),
+        t.state.open.as_ref().map(|o| o.clone().into_iter().collect()),
+        t.fuse.try_clone()?,
+    );
     let acl = config.acl;
     let v = fuser::Version(t.state.proto_major, t.state.proto_minor);
     let mut s = fuser::Session::from_initialized_fd(fs, t.fuse, acl, config, v);

@@ -1,15 +1,67 @@
 //! What a mount server needs to take over a live FUSE connection from a predecessor
 //! that died (see `locus mount`'s holder): the state INIT negotiated, and the passthrough
-//! backing ids it registered, reported as they come and go so the holder can pass them on.
+//! backing ids it registered with how many files are open on each, reported as they come
+//! and go so the holder can pass them on.
+//!
+//! An inherited id must be reused for its inode while any file the predecessor opened
+//! with it is open: the kernel refuses a second backing file for an inode in use
+//! (EBUSY on the reader's open). Once none is, keeping it only pins the node's blob file
+//! in the kernel (its disk space too, should the node evict it), so an inherited id is
+//! closed as soon as its count of open files is known to be zero: at takeover for ids
+//! no file uses, at the last RELEASE of the predecessor's handles for the others. Where
+//! the count is unknown (a holder from before counts were kept) it is kept for the
+//! server's life, as before.
 
 use std::collections::HashMap;
+use std::os::fd::{AsRawFd, OwnedFd};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use super::LocusFs;
 
-/// See `Mount::backing_observer`: (inode, backing id or `None` when closed).
-pub type BackingObserver = Arc<dyn Fn(u64, Option<u32>) + Send + Sync>;
+/// What happens to an inode's passthrough backing id, as the holder is told.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Backing {
+    /// Registered with the kernel (before any open uses it).
+    Registered(u32),
+    /// Closed (no file is open with it).
+    Closed,
+    /// A file was opened with it (told before the kernel hears of the open).
+    Opened,
+    /// A file opened with it was released.
+    Released,
+}
+
+/// See `Mount::backing_observer`: (inode, what happened to its backing id).
+pub type BackingObserver = Arc<dyn Fn(u64, Backing) + Send + Sync>;
+
+/// An id a predecessor registered, and how many files it opened with it are still open
+/// (`None`: not known).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Inherited {
+    pub(crate) id: u32,
+    pub(crate) open: Option<u32>,
+}
+
+/// Closes a backing id registered on the connection `fuse` (FUSE_DEV_IOC_BACKING_CLOSE,
+/// `_IOW(229, 2, u32)`).
+pub(crate) fn close_backing(fuse: &OwnedFd, id: u32) -> std::io::Result<()> {
+    const FUSE_DEV_IOC_BACKING_CLOSE: libc::c_ulong = 0x4004_e502;
+    // SAFETY: the ioctl reads one u32 from the pointer, which outlives the call.
+    #[allow(unsafe_code)]
+    let r = unsafe {
+        libc::ioctl(
+            fuse.as_raw_fd(),
+            FUSE_DEV_IOC_BACKING_CLOSE as _,
+            &id as *const u32,
+        )
+    };
+    if r < 0 {
+        Err(std::io::Error::last_os_error())
+    } else {
+        Ok(())
+    }
+}
 
 /// What init negotiated with the kernel, which a process taking over a live connection
 /// must restore (the kernel sends INIT once per connection).
@@ -28,20 +80,91 @@ impl LocusFs {
         self
     }
 
-    /// Takes over a connection another process of this mount initialized: what it
-    /// negotiated, and the backing ids it registered (kept for the life of this process,
-    /// since files opened with them may stay open; a few dozen ids at most).
-    pub fn restore(&self, n: Negotiated, inherited: HashMap<u64, u32>) {
-        self.mount
-            .core
+    /// Takes over a connection another process of this mount initialized (`fuse`): what
+    /// it negotiated, and the backing ids it registered with the count of files open on
+    /// each (`open`, by inode; `None` when the holder did not count). Ids no file uses
+    /// are closed now; the others are reused for their inode and closed once the last
+    /// of those files is released.
+    pub fn restore(
+        &self,
+        n: Negotiated,
+        inherited: HashMap<u64, u32>,
+        open: Option<HashMap<u64, u32>>,
+        fuse: OwnedFd,
+    ) {
+        let m = &self.mount;
+        m.core
             .negotiated
             .passthrough
             .store(n.passthrough, Ordering::Relaxed);
-        self.mount
-            .core
+        m.core
             .negotiated
             .kernel_opens
             .store(n.kernel_opens, Ordering::Relaxed);
-        *self.mount.inherited.lock().unwrap() = inherited;
+        let mut kept = HashMap::new();
+        for (ino, id) in inherited {
+            let count = open.as_ref().map(|o| o.get(&ino).copied().unwrap_or(0));
+            if count == Some(0) {
+                m.close_inherited(ino, id, &fuse);
+            } else {
+                kept.insert(ino, Inherited { id, open: count });
+            }
+        }
+        *m.inherited.lock().unwrap() = kept;
+        *m.connection.lock().unwrap() = Some(fuse);
+    }
+}
+
+impl super::Mount {
+    /// Closes an inherited id no open file uses, and tells the holder.
+    pub(crate) fn close_inherited(&self, ino: u64, id: u32, fuse: &OwnedFd) {
+        match close_backing(fuse, id) {
+            Ok(()) => tracing::debug!(ino, id, "closed an inherited backing id no file uses"),
+            // Already gone with its files, or never ours: nothing is pinned either way.
+            Err(e) => tracing::debug!(ino, id, "closing an inherited backing id: {e}"),
+        }
+        if let Some(f) = &self.backing_observer {
+            f(ino, Backing::Closed);
+        }
+    }
+
+    /// A RELEASE of a handle a predecessor opened with passthrough on `ino`: one file
+    /// fewer on its backing id, which is closed with the last.
+    pub(crate) fn release_inherited(&self, ino: u64) {
+        if let Some(f) = &self.backing_observer {
+            f(ino, Backing::Released);
+        }
+        let mut backing = self.backing.lock().unwrap();
+        if let Some((_, n)) = backing.get_mut(&ino) {
+            // Reused since: counted with this server's own opens.
+            *n = n.saturating_sub(1);
+            if *n == 0 && !self.core.keeps_backing(ino) {
+                backing.remove(&ino);
+                if let Some(f) = &self.backing_observer {
+                    f(ino, Backing::Closed);
+                }
+            }
+            return;
+        }
+        drop(backing);
+        let mut inherited = self.inherited.lock().unwrap();
+        let Some(Inherited { id, open: Some(n) }) = inherited.get_mut(&ino).map(|i| *i) else {
+            return;
+        };
+        if n > 1 {
+            inherited.insert(
+                ino,
+                Inherited {
+                    id,
+                    open: Some(n - 1),
+                },
+            );
+            return;
+        }
+        inherited.remove(&ino);
+        drop(inherited);
+        if let Some(fuse) = &*self.connection.lock().unwrap() {
+            self.close_inherited(ino, id, fuse);
+        }
     }
 }

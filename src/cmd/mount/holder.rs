@@ -53,6 +53,7 @@ const RING_FD_ENV: &str = "LOCUS_MOUNT_RING_FD";
 /// How long a planned restart waits for the server's io_uring queues to freeze.
 const FREEZE_WAIT: Duration = Duration::from_secs(5);
 
+use locus_fuse::fs::Backing;
 pub use locus_fuse::handoff::{RingMemory, SessionState};
 
 /// A message from the server.
@@ -64,7 +65,7 @@ enum Msg {
     /// The frozen server's ring entries are all held: it may be killed.
     Held,
     Ready(String),
-    Backing(u64, Option<u32>),
+    Backing(u64, locus_fuse::fs::Backing),
 }
 
 // The server's side.
@@ -378,12 +379,40 @@ fn apply(
         }
         Msg::Ready(_) => tracing::info!("the restarted mount server is serving"),
         Msg::Held | Msg::Freezing => {}
-        Msg::Backing(ino, id) => {
+        Msg::Backing(ino, what) => {
             if let Some(s) = state {
-                match id {
-                    Some(id) => s.backing.insert(ino, id),
-                    None => s.backing.remove(&ino),
-                };
+                count_backing(s, ino, what);
+            }
+        }
+    }
+}
+
+/// Keeps the session's backing ids and the count of files open on each up to date, for
+/// the next server (`locus_fuse::fs::takeover`).
+fn count_backing(s: &mut SessionState, ino: u64, what: Backing) {
+    match what {
+        Backing::Registered(id) => {
+            s.backing.insert(ino, id);
+        }
+        Backing::Closed => {
+            s.backing.remove(&ino);
+            if let Some(o) = &mut s.open {
+                o.remove(&ino);
+            }
+        }
+        Backing::Opened => {
+            if let Some(o) = &mut s.open {
+                *o.entry(ino).or_default() += 1;
+            }
+        }
+        Backing::Released => {
+            if let Some(o) = &mut s.open {
+                if let Some(n) = o.get_mut(&ino) {
+                    *n -= 1;
+                    if *n == 0 {
+                        o.remove(&ino);
+                    }
+                }
             }
         }
     }
@@ -445,9 +474,14 @@ fn parse(m: &[u8], fd: Option<OwnedFd>) -> Option<Msg> {
         "freezing" => Some(Msg::Freezing),
         "backing" => {
             let (ino, id) = rest.split_once(' ')?;
-            Some(Msg::Backing(ino.parse().ok()?, Some(id.parse().ok()?)))
+            Some(Msg::Backing(
+                ino.parse().ok()?,
+                Backing::Registered(id.parse().ok()?),
+            ))
         }
-        "unbacking" => Some(Msg::Backing(rest.parse().ok()?, None)),
+        "unbacking" => Some(Msg::Backing(rest.parse().ok()?, Backing::Closed)),
+        "opened" => Some(Msg::Backing(rest.parse().ok()?, Backing::Opened)),
+        "released" => Some(Msg::Backing(rest.parse().ok()?, Backing::Released)),
         _ => {
             tracing::warn!("unknown message from the mount server: {text:?}");
             None
@@ -481,11 +515,11 @@ mod tests {
         assert!(matches!(parse(b"ready mounted x\n", None), Some(Msg::Ready(m)) if m == "mounted x\n"));
         assert!(matches!(
             parse(b"backing 12 3", None),
-            Some(Msg::Backing(12, Some(3)))
+            Some(Msg::Backing(12, Backing::Registered(3)))
         ));
         assert!(matches!(
             parse(b"unbacking 12", None),
-            Some(Msg::Backing(12, None))
+            Some(Msg::Backing(12, Backing::Closed))
         ));
         // A session without its descriptor is no session.
         assert!(parse(br#"session {"version":1,"proto_major":7,"proto_minor":41,"negotiated":{"passthrough":true,"kernel_opens":false}}"#, None).is_none());
@@ -506,7 +540,50 @@ mod tests {
         }
         let memfd = OwnedFd::from(std::fs::File::open("/dev/null").unwrap());
         assert!(parse(br#"rings {"addr":1}"#, Some(memfd)).is_none());
+        assert!(matches!(
+            parse(b"opened 12", None),
+            Some(Msg::Backing(12, Backing::Opened))
+        ));
+        assert!(matches!(
+            parse(b"released 12", None),
+            Some(Msg::Backing(12, Backing::Released))
+        ));
+        assert!(parse(b"opened x", None).is_none());
         assert!(parse(b"\xff\xfe", None).is_none());
         assert!(parse(b"nonsense 1", None).is_none());
+    }
+
+    #[test]
+    fn the_holder_counts_files_open_on_each_backing_id() {
+        let mut s: SessionState = serde_json::from_str(
+            r#"{"version":1,"proto_major":7,"proto_minor":41,"negotiated":{"passthrough":true,"kernel_opens":false},"open":{}}"#,
+        )
+        .unwrap();
+        count_backing(&mut s, 5, Backing::Registered(1));
+        count_backing(&mut s, 6, Backing::Registered(2));
+        for _ in 0..2 {
+            count_backing(&mut s, 5, Backing::Opened);
+        }
+        count_backing(&mut s, 6, Backing::Opened);
+        count_backing(&mut s, 5, Backing::Released);
+        count_backing(&mut s, 6, Backing::Released);
+        assert_eq!(
+            s.backing.clone().into_iter().collect::<Vec<_>>(),
+            [(5, 1), (6, 2)]
+        );
+        assert_eq!(
+            s.open.clone().unwrap().into_iter().collect::<Vec<_>>(),
+            [(5, 1)],
+            "an inode with no file open is left out"
+        );
+        count_backing(&mut s, 5, Backing::Closed);
+        assert!(s.open.unwrap().is_empty());
+        // A state from a holder that did not count stays uncounted.
+        let mut old: SessionState = serde_json::from_str(
+            r#"{"version":1,"proto_major":7,"proto_minor":41,"negotiated":{"passthrough":true,"kernel_opens":false}}"#,
+        )
+        .unwrap();
+        count_backing(&mut old, 5, Backing::Opened);
+        assert!(old.open.is_none());
     }
 }

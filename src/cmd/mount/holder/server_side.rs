@@ -70,12 +70,15 @@ impl locus_fuse::handoff::Holder for Channel {
         self.send(&m, Some(memory))
     }
 
-    /// Reports a backing id registered (`Some`) or closed (`None`). Failure is logged,
-    /// not fatal: a holder that is gone cannot restart us anyway.
-    fn backing(&self, ino: u64, id: Option<u32>) {
-        let m = match id {
-            Some(id) => format!("backing {ino} {id}"),
-            None => format!("unbacking {ino}"),
+    /// Reports what happened to a backing id. Failure is logged, not fatal: a holder
+    /// that is gone cannot restart us anyway.
+    fn backing(&self, ino: u64, what: locus_fuse::fs::Backing) {
+        use locus_fuse::fs::Backing;
+        let m = match what {
+            Backing::Registered(id) => format!("backing {ino} {id}"),
+            Backing::Closed => format!("unbacking {ino}"),
+            Backing::Opened => format!("opened {ino}"),
+            Backing::Released => format!("released {ino}"),
         };
         if let Err(e) = self.send(m.as_bytes(), None) {
             tracing::debug!("cannot tell the holder of a backing id: {e}");
