@@ -49,11 +49,13 @@ use crate::metrics::Metrics;
 use crate::namespace::{Attr, Kind, Namespace};
 use crate::reader::Remote;
 
+mod open_counts;
 mod plus;
 mod read;
 mod takeover;
 
 pub use crate::core::Readdirplus;
+pub use open_counts::OpenCounts;
 pub use takeover::{Backing, BackingObserver, Negotiated};
 
 /// The one place a core error becomes what the kernel sees, and the one log rule: an
@@ -112,6 +114,8 @@ pub struct Mount {
     inherited: Mutex<HashMap<u64, takeover::Inherited>>,
     /// The connection taken over, for closing inherited ids no reply is at hand for.
     connection: Mutex<Option<std::os::fd::OwnedFd>>,
+    /// Files open with passthrough per inode, kept for the next server (`open_counts`).
+    open_counts: Option<Arc<OpenCounts>>,
     /// Told of every backing id registered (`Some`) or closed (`None`), before the kernel
     /// hears of it: the holder of the connection keeps the list for the next process.
     backing_observer: Option<BackingObserver>,
@@ -158,6 +162,7 @@ impl LocusFs {
                 backing: Mutex::new(HashMap::new()),
                 inherited: Mutex::new(HashMap::new()),
                 connection: Mutex::new(None),
+                open_counts: None,
                 backing_observer: None,
             }),
         }
@@ -267,8 +272,8 @@ impl Mount {
                 drop(backing);
                 // Before the kernel hears of it: a holder must never count fewer files
                 // open on an id than there are (the next server would close it in use).
-                if let Some(f) = &self.backing_observer {
-                    f(ino, Backing::Opened);
+                if let Some(c) = &self.open_counts {
+                    c.opened(ino);
                 }
                 let fh = self.add_handle(Handle::Passthrough { ino, _file: file });
                 self.core.metrics.opened("passthrough");
@@ -482,8 +487,8 @@ impl Filesystem for LocusFs {
         }
         if let Some(h) = h {
             if let Handle::Passthrough { ino, .. } = &*h {
-                if let Some(f) = &self.mount.backing_observer {
-                    f(*ino, Backing::Released);
+                if let Some(c) = &self.mount.open_counts {
+                    c.released(*ino);
                 }
                 let mut backing = self.mount.backing.lock().unwrap();
                 if let Some((_, n)) = backing.get_mut(ino) {

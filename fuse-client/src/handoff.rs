@@ -23,8 +23,10 @@ pub trait Holder: Send + Sync {
     fn session(&self, fuse: BorrowedFd<'_>, s: &SessionState) -> std::io::Result<()>;
     /// The memory the io_uring queues' entries are in, for the next server.
     fn rings(&self, memory: BorrowedFd<'_>, layout: RingMemory) -> std::io::Result<()>;
-    /// What happened to an inode's passthrough backing id (registered, closed, a file
-    /// opened or released with it).
+    /// The memory the counts of files open with passthrough are in (`fs::OpenCounts`),
+    /// for `len` inodes, for the next server.
+    fn open_counts(&self, memory: BorrowedFd<'_>, len: usize) -> std::io::Result<()>;
+    /// A passthrough backing id registered or closed for an inode.
     fn backing(&self, ino: u64, what: crate::fs::Backing);
 }
 
@@ -34,6 +36,8 @@ pub struct Takeover {
     pub state: SessionState,
     /// The ring entries' memory (see `SessionState::ring_memory`).
     pub ring: Option<OwnedFd>,
+    /// The counts of files open with passthrough (see `SessionState::open_counts`).
+    pub open_counts: Option<OwnedFd>,
 }
 
 /// What a server taking over a live connection must know about it.
@@ -47,11 +51,11 @@ pub struct SessionState {
     /// Backing ids registered on the connection and not closed, by inode.
     #[serde(default)]
     pub backing: BTreeMap<u64, u32>,
-    /// Files open with passthrough, by inode (inodes with none left out): the next
-    /// server closes the ids no file uses. `None` from a holder that does not count
-    /// them; its ids are then kept.
+    /// How many inodes the counts of files open with passthrough cover (a memfd the
+    /// holder keeps, `fs::OpenCounts`): the next server closes the backing ids no file
+    /// uses. `None` from a holder that does not keep them; the ids are then kept.
     #[serde(default)]
-    pub open: Option<BTreeMap<u64, u32>>,
+    pub open_counts: Option<u64>,
     /// The mount's device ("major:minor" in the mount table): another mount at the same
     /// path has another, so an ending mount unmounts only its own.
     #[serde(default)]
@@ -197,6 +201,9 @@ mod tests {
         .unwrap();
         assert_eq!(old.version, 3);
         assert!(old.ring_memory.is_none() && old.io_uring_payload.is_none() && old.backing.is_empty());
-        assert!(old.open.is_none(), "a holder that did not count: ids are kept");
+        assert!(
+            old.open_counts.is_none(),
+            "a holder that did not count: ids are kept"
+        );
     }
 }

@@ -18,6 +18,7 @@ use locus_proto::client::{MetadataClient, NodeClient};
 use locus_proto::pb;
 
 use crate::core::Settings;
+use crate::fs::OpenCounts;
 use crate::handoff::{Holder, SessionState, Takeover};
 use crate::metrics::Metrics;
 use crate::namespace::Namespace;
@@ -339,24 +340,28 @@ pub async fn start(
     let kernel_opens = p.fs.kernel_opens_state();
     let source = format!("{}{}@{}", crate::SOURCE_PREFIX, o.dataset, p.version.version);
     let config = crate::session_config(&source, o.allow_other, o.threads, o.io_uring);
+    let mut takeover = takeover;
+    let (counts, counted) = open_counts(holder.as_deref(), takeover.as_mut(), ns.len() + 1);
     let fs = match &holder {
         Some(h) => {
             let h = h.clone();
-            p.fs.with_backing_observer(Arc::new(move |ino, id| h.backing(ino, id)))
+            p.fs.with_handoff(Arc::new(move |ino, id| h.backing(ino, id)), counts)
         }
         None => p.fs,
     };
     let took_over = takeover.is_some();
     let mp = o.mountpoint.clone();
     let version = p.version.version;
-    let started = tokio::task::spawn_blocking(move || session(fs, &mp, config, takeover, holder, version))
-        .await
-        .map_err(std::io::Error::other)
-        .and_then(|r| r)
-        .map_err(|source| StartError::Mount {
-            mountpoint: o.mountpoint.clone(),
-            source,
-        })?;
+    let started = tokio::task::spawn_blocking(move || {
+        session(fs, &mp, config, takeover.map(|t| (t, counted)), holder, version)
+    })
+    .await
+    .map_err(std::io::Error::other)
+    .and_then(|r| r)
+    .map_err(|source| StartError::Mount {
+        mountpoint: o.mountpoint.clone(),
+        source,
+    })?;
     if o.io_uring && !started.ring && !took_over {
         tracing::info!(
             "FUSE over io_uring is not available here; serving through /dev/fuse (see `locus doctor`)"
@@ -416,12 +421,12 @@ fn session(
     fs: LocusFs,
     mp: &Path,
     config: fuser::Config,
-    takeover: Option<Takeover>,
+    takeover: Option<(Takeover, bool)>,
     holder: Option<Arc<dyn Holder>>,
     mounted_version: u64,
 ) -> std::io::Result<Started> {
     let (pt, ko) = (fs.passthrough_state(), fs.kernel_opens_state());
-    let Some(t) = takeover else {
+    let Some((t, counted)) = takeover else {
         let mut s = fuser::Session::new(fs, mp, &config)?;
         // Read now, while nothing else can have mounted over it.
         let device = crate::mount_device(mp);
@@ -441,7 +446,7 @@ fn session(
                     kernel_opens: ko.load(Ordering::Relaxed),
                 },
                 backing: Default::default(),
-                open: Some(Default::default()),
+                open_counts: None,
                 device: device.clone(),
                 io_uring_payload: io_uring_payload.filter(|_| ring),
                 ring_memory: None,
@@ -460,7 +465,7 @@ fn session(
     fs.restore(
         t.state.negotiated,
         t.state.backing.clone().into_iter().collect(),
-        t.state.open.as_ref().map(|o| o.clone().into_iter().collect()),
+        counted,
         t.fuse.try_clone()?,
     );
     let acl = config.acl;
@@ -494,6 +499,41 @@ fn session(
         ring,
         control,
     })
+}
+
+/// The counts of files open with passthrough for a mount with a holder: the
+/// predecessor's when it left them (then `true`: they can be trusted to close the ids it
+/// registered), else new ones; either way the holder is told where they are.
+fn open_counts(
+    holder: Option<&dyn Holder>,
+    takeover: Option<&mut Takeover>,
+    inodes: usize,
+) -> (Option<Arc<OpenCounts>>, bool) {
+    let h = match holder {
+        Some(h) => h,
+        None => return (None, false),
+    };
+    let left = takeover.and_then(|t| Some((t.open_counts.take()?, t.state.open_counts?)));
+    let (counts, counted) = match left {
+        Some((fd, len)) if len == inodes as u64 => match OpenCounts::adopt(fd, inodes) {
+            Ok(c) => (Some(c), true),
+            Err(e) => {
+                tracing::warn!(
+                    "cannot use the previous server's open counts ({e}): its backing ids are kept"
+                );
+                (OpenCounts::create(inodes).ok(), false)
+            }
+        },
+        _ => (OpenCounts::create(inodes).ok(), false),
+    };
+    let Some(counts) = counts.map(Arc::new) else {
+        tracing::warn!("cannot keep open counts for the next server: its backing ids will be kept");
+        return (None, false);
+    };
+    if let Err(e) = h.open_counts(counts.memory(), counts.len()) {
+        tracing::warn!("cannot hand the holder the open counts: {e}");
+    }
+    (Some(counts), counted)
 }
 
 /// Tells the holder where the ring queues' entries are, for the next server (a taken-over

@@ -17,7 +17,7 @@ use std::os::fd::{AsRawFd, OwnedFd};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
-use super::LocusFs;
+use super::{LocusFs, OpenCounts};
 
 /// What happens to an inode's passthrough backing id, as the holder is told.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -26,10 +26,6 @@ pub enum Backing {
     Registered(u32),
     /// Closed (no file is open with it).
     Closed,
-    /// A file was opened with it (told before the kernel hears of the open).
-    Opened,
-    /// A file opened with it was released.
-    Released,
 }
 
 /// See `Mount::backing_observer`: (inode, what happened to its backing id).
@@ -72,26 +68,22 @@ pub struct Negotiated {
 }
 
 impl LocusFs {
-    /// Reports backing ids to `f` (see `Mount::backing_observer`). Call before mounting.
-    pub fn with_backing_observer(mut self, f: BackingObserver) -> Self {
-        Arc::get_mut(&mut self.mount)
-            .expect("set before the filesystem is shared")
-            .backing_observer = Some(f);
+    /// Reports backing ids to `f` (see `Mount::backing_observer`) and counts files
+    /// opened with passthrough in `counts` (shared with the next server). Call before
+    /// mounting.
+    pub fn with_handoff(mut self, f: BackingObserver, counts: Option<Arc<OpenCounts>>) -> Self {
+        let m = Arc::get_mut(&mut self.mount).expect("set before the filesystem is shared");
+        m.backing_observer = Some(f);
+        m.open_counts = counts;
         self
     }
 
     /// Takes over a connection another process of this mount initialized (`fuse`): what
-    /// it negotiated, and the backing ids it registered with the count of files open on
-    /// each (`open`, by inode; `None` when the holder did not count). Ids no file uses
-    /// are closed now; the others are reused for their inode and closed once the last
-    /// of those files is released.
-    pub fn restore(
-        &self,
-        n: Negotiated,
-        inherited: HashMap<u64, u32>,
-        open: Option<HashMap<u64, u32>>,
-        fuse: OwnedFd,
-    ) {
+    /// it negotiated, and the backing ids it registered. With the counts of files open
+    /// on each (`with_handoff`, adopted from the predecessor: `counted`), ids no file
+    /// uses are closed now, and the others are reused for their inode and closed once
+    /// the last of those files is released; without, every id is kept.
+    pub fn restore(&self, n: Negotiated, inherited: HashMap<u64, u32>, counted: bool, fuse: OwnedFd) {
         let m = &self.mount;
         m.core
             .negotiated
@@ -103,7 +95,10 @@ impl LocusFs {
             .store(n.kernel_opens, Ordering::Relaxed);
         let mut kept = HashMap::new();
         for (ino, id) in inherited {
-            let count = open.as_ref().map(|o| o.get(&ino).copied().unwrap_or(0));
+            let count = match (&m.open_counts, counted) {
+                (Some(c), true) => Some(c.get(ino)),
+                _ => None,
+            };
             if count == Some(0) {
                 m.close_inherited(ino, id, &fuse);
             } else {
@@ -131,8 +126,8 @@ impl super::Mount {
     /// A RELEASE of a handle a predecessor opened with passthrough on `ino`: one file
     /// fewer on its backing id, which is closed with the last.
     pub(crate) fn release_inherited(&self, ino: u64) {
-        if let Some(f) = &self.backing_observer {
-            f(ino, Backing::Released);
+        if let Some(c) = &self.open_counts {
+            c.released(ino);
         }
         let mut backing = self.backing.lock().unwrap();
         if let Some((_, n)) = backing.get_mut(&ino) {

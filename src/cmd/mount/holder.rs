@@ -50,16 +50,24 @@ const CHANNEL_ENV: &str = "LOCUS_MOUNT_CHANNEL";
 const FUSE_FD_ENV: &str = "LOCUS_MOUNT_FUSE_FD";
 const SESSION_ENV: &str = "LOCUS_MOUNT_SESSION";
 const RING_FD_ENV: &str = "LOCUS_MOUNT_RING_FD";
+const OPENS_FD_ENV: &str = "LOCUS_MOUNT_OPENS_FD";
 /// How long a planned restart waits for the server's io_uring queues to freeze.
 const FREEZE_WAIT: Duration = Duration::from_secs(5);
 
 use locus_fuse::fs::Backing;
 pub use locus_fuse::handoff::{RingMemory, SessionState};
 
+/// The ring entries' memory the holder keeps for the next server, and their layout.
+type KeptRing = Option<(OwnedFd, RingMemory)>;
+/// The open counts' memory the holder keeps for the next server, and how many inodes.
+type KeptCounts = Option<(OwnedFd, u64)>;
+
 /// A message from the server.
 enum Msg {
     Session(OwnedFd, SessionState),
     Rings(OwnedFd, RingMemory),
+    /// The memory of the counts of files open with passthrough, for `len` inodes.
+    OpenCounts(OwnedFd, u64),
     /// The server has stopped its io_uring queues: requests now stay where they land.
     Freezing,
     /// The frozen server's ring entries are all held: it may be killed.
@@ -189,7 +197,8 @@ pub async fn run(mountpoint: &Path, notify_ready: bool, token: Option<&str>) -> 
 
     let mut fuse: Option<OwnedFd> = None;
     let mut state: Option<SessionState> = None;
-    let mut ring: Option<(OwnedFd, RingMemory)> = None;
+    let mut ring: KeptRing = None;
+    let mut counts: KeptCounts = None;
     let mut ready = false;
     let mut stopping = false;
     let mut quick_deaths = 0u32;
@@ -216,6 +225,12 @@ pub async fn run(mountpoint: &Path, notify_ready: bool, token: Option<&str>) -> 
             if let Some((memory, layout)) = ring.as_ref().filter(|_| s.io_uring_payload.is_some()) {
                 s.ring_memory = Some(*layout);
                 cmd.env(RING_FD_ENV, memory.as_raw_fd().to_string());
+                pass.push(memory.as_raw_fd());
+            }
+            s.open_counts = None;
+            if let Some((memory, len)) = &counts {
+                s.open_counts = Some(*len);
+                cmd.env(OPENS_FD_ENV, memory.as_raw_fd().to_string());
                 pass.push(memory.as_raw_fd());
             }
             write_private(&session_file, &serde_json::to_vec(&s)?)?;
@@ -260,7 +275,7 @@ pub async fn run(mountpoint: &Path, notify_ready: bool, token: Option<&str>) -> 
                         }
                     } else {
                         serving |= matches!(m, Msg::Ready(_));
-                        apply(m, &mut fuse, &mut state, &mut ring, &mut ready, notify_ready);
+                        apply(m, &mut fuse, &mut state, (&mut ring, &mut counts), &mut ready, notify_ready);
                     }
                 }
                 // Until it says so, more requests on every CPU: a queue whose free
@@ -298,7 +313,14 @@ pub async fn run(mountpoint: &Path, notify_ready: bool, token: Option<&str>) -> 
         };
         // What the server sent just before it ended (a backing id, above all).
         while let Some(m) = rx.recv().await {
-            apply(m, &mut fuse, &mut state, &mut ring, &mut ready, notify_ready);
+            apply(
+                m,
+                &mut fuse,
+                &mut state,
+                (&mut ring, &mut counts),
+                &mut ready,
+                notify_ready,
+            );
         }
         if stopping || status.success() {
             break status.code().unwrap_or(0);
@@ -357,7 +379,7 @@ fn apply(
     m: Msg,
     fuse: &mut Option<OwnedFd>,
     state: &mut Option<SessionState>,
-    ring: &mut Option<(OwnedFd, RingMemory)>,
+    (ring, counts): (&mut KeptRing, &mut KeptCounts),
     ready: &mut bool,
     notify_ready: bool,
 ) {
@@ -367,6 +389,7 @@ fn apply(
             *state = Some(s);
         }
         Msg::Rings(fd, layout) => *ring = Some((fd, layout)),
+        Msg::OpenCounts(fd, len) => *counts = Some((fd, len)),
         Msg::Ready(msg) if !*ready => {
             *ready = true;
             if notify_ready {
@@ -381,41 +404,18 @@ fn apply(
         Msg::Held | Msg::Freezing => {}
         Msg::Backing(ino, what) => {
             if let Some(s) = state {
-                count_backing(s, ino, what);
+                keep_backing(s, ino, what);
             }
         }
     }
 }
 
-/// Keeps the session's backing ids and the count of files open on each up to date, for
-/// the next server (`locus_fuse::fs::takeover`).
-fn count_backing(s: &mut SessionState, ino: u64, what: Backing) {
+/// Keeps the session's backing ids up to date, for the next server.
+fn keep_backing(s: &mut SessionState, ino: u64, what: Backing) {
     match what {
-        Backing::Registered(id) => {
-            s.backing.insert(ino, id);
-        }
-        Backing::Closed => {
-            s.backing.remove(&ino);
-            if let Some(o) = &mut s.open {
-                o.remove(&ino);
-            }
-        }
-        Backing::Opened => {
-            if let Some(o) = &mut s.open {
-                *o.entry(ino).or_default() += 1;
-            }
-        }
-        Backing::Released => {
-            if let Some(o) = &mut s.open {
-                if let Some(n) = o.get_mut(&ino) {
-                    *n -= 1;
-                    if *n == 0 {
-                        o.remove(&ino);
-                    }
-                }
-            }
-        }
-    }
+        Backing::Registered(id) => s.backing.insert(ino, id),
+        Backing::Closed => s.backing.remove(&ino),
+    };
 }
 
 fn signal_child(child: &tokio::process::Child, sig: Signal) {
@@ -469,6 +469,7 @@ fn parse(m: &[u8], fd: Option<OwnedFd>) -> Option<Msg> {
     match kind {
         "session" => Some(Msg::Session(fd?, serde_json::from_str(rest).ok()?)),
         "rings" => Some(Msg::Rings(fd?, serde_json::from_str(rest).ok()?)),
+        "opens" => Some(Msg::OpenCounts(fd?, rest.parse().ok()?)),
         "ready" => Some(Msg::Ready(rest.to_string())),
         "held" => Some(Msg::Held),
         "freezing" => Some(Msg::Freezing),
@@ -480,8 +481,6 @@ fn parse(m: &[u8], fd: Option<OwnedFd>) -> Option<Msg> {
             ))
         }
         "unbacking" => Some(Msg::Backing(rest.parse().ok()?, Backing::Closed)),
-        "opened" => Some(Msg::Backing(rest.parse().ok()?, Backing::Opened)),
-        "released" => Some(Msg::Backing(rest.parse().ok()?, Backing::Released)),
         _ => {
             tracing::warn!("unknown message from the mount server: {text:?}");
             None
@@ -540,50 +539,16 @@ mod tests {
         }
         let memfd = OwnedFd::from(std::fs::File::open("/dev/null").unwrap());
         assert!(parse(br#"rings {"addr":1}"#, Some(memfd)).is_none());
+        // Open counts come with their memory and a length, or not at all.
+        assert!(parse(b"opens 100", None).is_none());
+        let memfd = OwnedFd::from(std::fs::File::open("/dev/null").unwrap());
         assert!(matches!(
-            parse(b"opened 12", None),
-            Some(Msg::Backing(12, Backing::Opened))
+            parse(b"opens 100", Some(memfd)),
+            Some(Msg::OpenCounts(_, 100))
         ));
-        assert!(matches!(
-            parse(b"released 12", None),
-            Some(Msg::Backing(12, Backing::Released))
-        ));
-        assert!(parse(b"opened x", None).is_none());
+        let memfd = OwnedFd::from(std::fs::File::open("/dev/null").unwrap());
+        assert!(parse(b"opens x", Some(memfd)).is_none());
         assert!(parse(b"\xff\xfe", None).is_none());
         assert!(parse(b"nonsense 1", None).is_none());
-    }
-
-    #[test]
-    fn the_holder_counts_files_open_on_each_backing_id() {
-        let mut s: SessionState = serde_json::from_str(
-            r#"{"version":1,"proto_major":7,"proto_minor":41,"negotiated":{"passthrough":true,"kernel_opens":false},"open":{}}"#,
-        )
-        .unwrap();
-        count_backing(&mut s, 5, Backing::Registered(1));
-        count_backing(&mut s, 6, Backing::Registered(2));
-        for _ in 0..2 {
-            count_backing(&mut s, 5, Backing::Opened);
-        }
-        count_backing(&mut s, 6, Backing::Opened);
-        count_backing(&mut s, 5, Backing::Released);
-        count_backing(&mut s, 6, Backing::Released);
-        assert_eq!(
-            s.backing.clone().into_iter().collect::<Vec<_>>(),
-            [(5, 1), (6, 2)]
-        );
-        assert_eq!(
-            s.open.clone().unwrap().into_iter().collect::<Vec<_>>(),
-            [(5, 1)],
-            "an inode with no file open is left out"
-        );
-        count_backing(&mut s, 5, Backing::Closed);
-        assert!(s.open.unwrap().is_empty());
-        // A state from a holder that did not count stays uncounted.
-        let mut old: SessionState = serde_json::from_str(
-            r#"{"version":1,"proto_major":7,"proto_minor":41,"negotiated":{"passthrough":true,"kernel_opens":false}}"#,
-        )
-        .unwrap();
-        count_backing(&mut old, 5, Backing::Opened);
-        assert!(old.open.is_none());
     }
 }

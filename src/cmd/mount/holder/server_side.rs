@@ -12,7 +12,8 @@ use nix::sys::socket::{self, ControlMessage, MsgFlags};
 use locus_fuse::handoff::Takeover;
 
 use super::{
-    set_cloexec, take_env, RingMemory, SessionState, CHANNEL_ENV, FUSE_FD_ENV, RING_FD_ENV, SESSION_ENV,
+    set_cloexec, take_env, RingMemory, SessionState, CHANNEL_ENV, FUSE_FD_ENV, OPENS_FD_ENV, RING_FD_ENV,
+    SESSION_ENV,
 };
 
 /// The server's end of the channel to its holder (`None`: not started by a holder).
@@ -70,6 +71,11 @@ impl locus_fuse::handoff::Holder for Channel {
         self.send(&m, Some(memory))
     }
 
+    /// Hands the holder the memory the counts of passthrough files open are in.
+    fn open_counts(&self, memory: BorrowedFd<'_>, len: usize) -> std::io::Result<()> {
+        self.send(format!("opens {len}").as_bytes(), Some(memory))
+    }
+
     /// Reports what happened to a backing id. Failure is logged, not fatal: a holder
     /// that is gone cannot restart us anyway.
     fn backing(&self, ino: u64, what: locus_fuse::fs::Backing) {
@@ -77,8 +83,6 @@ impl locus_fuse::handoff::Holder for Channel {
         let m = match what {
             Backing::Registered(id) => format!("backing {ino} {id}"),
             Backing::Closed => format!("unbacking {ino}"),
-            Backing::Opened => format!("opened {ino}"),
-            Backing::Released => format!("released {ino}"),
         };
         if let Err(e) = self.send(m.as_bytes(), None) {
             tracing::debug!("cannot tell the holder of a backing id: {e}");
@@ -91,23 +95,32 @@ pub fn takeover_from_env() -> anyhow::Result<Option<Takeover>> {
     let Some(fd) = take_env(FUSE_FD_ENV) else {
         return Ok(None);
     };
-    let fd: RawFd = fd.parse().context("LOCUS_MOUNT_FUSE_FD")?;
-    let path = take_env(SESSION_ENV).context("LOCUS_MOUNT_SESSION")?;
+    let fd: RawFd = fd.parse().context(FUSE_FD_ENV)?;
+    let path = take_env(SESSION_ENV).context(SESSION_ENV)?;
     set_cloexec(fd);
-    // SAFETY: as for the channel: passed open by the holder, owned by nobody else.
+    // SAFETY: as in `take_fd`.
     #[allow(unsafe_code)]
     let fuse = unsafe { OwnedFd::from_raw_fd(fd) };
     let state = serde_json::from_slice(&std::fs::read(&path).with_context(|| path.clone())?)
         .with_context(|| format!("{path}: not a mount session"))?;
-    let ring = match take_env(RING_FD_ENV) {
-        Some(fd) => {
-            let fd: RawFd = fd.parse().context("LOCUS_MOUNT_RING_FD")?;
-            set_cloexec(fd);
-            // SAFETY: as above.
-            #[allow(unsafe_code)]
-            Some(unsafe { OwnedFd::from_raw_fd(fd) })
-        }
-        None => None,
+    let ring = take_fd(RING_FD_ENV)?;
+    let open_counts = take_fd(OPENS_FD_ENV)?;
+    Ok(Some(Takeover {
+        fuse,
+        state,
+        ring,
+        open_counts,
+    }))
+}
+
+/// A descriptor the holder passed open and named in the environment variable `name`.
+fn take_fd(name: &'static str) -> anyhow::Result<Option<OwnedFd>> {
+    let Some(fd) = take_env(name) else {
+        return Ok(None);
     };
-    Ok(Some(Takeover { fuse, state, ring }))
+    let fd: RawFd = fd.parse().context(name)?;
+    set_cloexec(fd);
+    // SAFETY: passed open by the holder, owned by nobody else in this process.
+    #[allow(unsafe_code)]
+    Ok(Some(unsafe { OwnedFd::from_raw_fd(fd) }))
 }
