@@ -10,6 +10,7 @@
 # TRANSPORT is io-uring (default; the fuse module's enable_uring is switched on for the
 # run and put back) or dev-fuse. Needs root (dropping caches, FUSE), gcc and python3.
 set -euo pipefail
+. "$(dirname "$0")/demo-lib.sh"
 old=${1:?usage: $0 OLD_LOCUS NEW_LOCUS [TRANSPORT] [ROUNDS] [READERS]}
 new=${2:?usage: $0 OLD_LOCUS NEW_LOCUS [TRANSPORT] [ROUNDS] [READERS]}
 transport=${3:-io-uring}
@@ -32,21 +33,8 @@ trap cleanup EXIT
 [ "$transport" = io-uring ] && echo Y > "$uring"
 
 gcc -O2 -pthread -o "$work/reader" "$here/cold_reader.c"
-mkdir -p "$work/src"
-python3 - "$work/src" "$files" <<'PY'
-import os, sys
-for i in range(int(sys.argv[2])):
-    with open(f"{sys.argv[1]}/f{i:05d}.bin", "wb") as f:
-        f.write(os.urandom(128 << 10))
-PY
-"$new" demo --keep-running --dir "$work/demo" > "$work/demo.log" 2>&1 &
-demo_pid=$!
-for _ in $(seq 60); do
-    grep -q "export LOCUS_METADATA=" "$work/demo.log" && break
-    sleep 1
-done
-LOCUS_METADATA=$(grep -o "export LOCUS_METADATA=[^ ]*" "$work/demo.log" | head -1 | cut -d= -f2)
-export LOCUS_METADATA
+make_files "$work/src" "$files" $((128 << 10))
+start_demo "$new" "$work/demo"
 "$new" dataset import small "$work/src" --replicas 3 > /dev/null
 for b in old new; do
     bin=$old; [ $b = new ] && bin=$new

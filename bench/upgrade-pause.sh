@@ -10,6 +10,7 @@
 # TRANSPORT is io-uring (default; the fuse module's enable_uring is switched on for the
 # run and put back) or dev-fuse. Needs root (FUSE) and python3.
 set -euo pipefail
+. "$(dirname "$0")/demo-lib.sh"
 bin=${1:?usage: $0 LOCUS [TRANSPORT] [ROUNDS]}
 transport=${2:-io-uring}
 rounds=${3:-3}
@@ -27,21 +28,9 @@ cleanup() {
 trap cleanup EXIT
 [ "$transport" = io-uring ] && echo Y > "$uring"
 
-mkdir -p "$work/src" "$work/m"
-python3 - "$work/src" <<'PY'
-import os, sys
-for i in range(2000):
-    with open(f"{sys.argv[1]}/f{i:05d}.bin", "wb") as f:
-        f.write(os.urandom(128 << 10))
-PY
-"$bin" demo --keep-running --dir "$work/demo" > "$work/demo.log" 2>&1 &
-demo_pid=$!
-for _ in $(seq 60); do
-    grep -q "export LOCUS_METADATA=" "$work/demo.log" && break
-    sleep 1
-done
-LOCUS_METADATA=$(grep -o "export LOCUS_METADATA=[^ ]*" "$work/demo.log" | head -1 | cut -d= -f2)
-export LOCUS_METADATA
+mkdir -p "$work/m"
+make_files "$work/src" 2000 $((128 << 10))
+start_demo "$bin" "$work/demo"
 "$bin" dataset import small "$work/src" --replicas 3 > /dev/null
 "$bin" mount small@1 "$work/m" --fuse-transport "$transport" > /dev/null
 # The holder: the oldest process of the mount (it starts the server).

@@ -1,0 +1,27 @@
+# Shared by the bench scripts that run against a demo cluster; sourced, not run.
+#
+#   make_files DIR COUNT BYTES    COUNT files of BYTES random bytes (f00000.bin, ...)
+#   start_demo LOCUS DIR          a demo cluster kept running in DIR: sets demo_pid and
+#                                 exports LOCUS_METADATA (stop it with kill "$demo_pid")
+
+make_files() {
+    mkdir -p "$1"
+    python3 - "$1" "$2" "$3" <<'PY'
+import os, sys
+for i in range(int(sys.argv[2])):
+    with open(f"{sys.argv[1]}/f{i:05d}.bin", "wb") as f:
+        f.write(os.urandom(int(sys.argv[3])))
+PY
+}
+
+start_demo() {
+    "$1" demo --keep-running --dir "$2" > "$2.log" 2>&1 &
+    demo_pid=$!
+    for _ in $(seq 60); do
+        grep -q "export LOCUS_METADATA=" "$2.log" && break
+        sleep 1
+    done
+    LOCUS_METADATA=$(grep -o "export LOCUS_METADATA=[^ ]*" "$2.log" | head -1 | cut -d= -f2)
+    [ -n "$LOCUS_METADATA" ] || { echo "the demo cluster did not start: $2.log" >&2; exit 1; }
+    export LOCUS_METADATA
+}
