@@ -481,6 +481,11 @@ impl Filesystem for LocusFs {
         reply: ReplyEmpty,
     ) {
         let h = self.mount.handles.lock().unwrap().remove(&fh.0);
+        // Answered before the counts are lowered: a server killed in between leaves a
+        // count high (an id kept longer), never low, as lowering first would when the
+        // kernel resends the unanswered RELEASE to the next server (an id closed while
+        // a file uses it, and the next open of that file refused).
+        reply.ok();
         if h.is_none() && fh.0 & PASSTHROUGH_FH != 0 {
             // Opened by the process this one took over from.
             self.mount.release_inherited(ino.0);
@@ -502,7 +507,6 @@ impl Filesystem for LocusFs {
                 }
             }
         }
-        reply.ok();
     }
 
     fn opendir(&self, _req: &Request, ino: INodeNo, _flags: OpenFlags, reply: ReplyOpen) {

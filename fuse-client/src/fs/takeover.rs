@@ -1,7 +1,7 @@
 //! What a mount server needs to take over a live FUSE connection from a predecessor
-//! that died (see `locus mount`'s holder): the state INIT negotiated, and the passthrough
-//! backing ids it registered with how many files are open on each, reported as they come
-//! and go so the holder can pass them on.
+//! that died (see `locus mount`'s holder): the state INIT negotiated, the passthrough
+//! backing ids it registered (reported to the holder as they come and go), and how many
+//! files are open on each (`OpenCounts`, memory the holder keeps).
 //!
 //! An inherited id must be reused for its inode while any file the predecessor opened
 //! with it is open: the kernel refuses a second backing file for an inode in use
