@@ -3,6 +3,9 @@
 #   make_files DIR COUNT BYTES    COUNT files of BYTES random bytes (f00000.bin, ...)
 #   start_demo LOCUS DIR          a demo cluster kept running in DIR: sets demo_pid and
 #                                 exports LOCUS_METADATA (stop it with kill "$demo_pid")
+#   mount_builds OLD NEW TARGET WORK [ARGS...]
+#                                 TARGET mounted with each build on the demo's node1, at
+#                                 WORK/m-old and WORK/m-new (returns once both serve)
 
 make_files() {
     mkdir -p "$1"
@@ -24,4 +27,14 @@ start_demo() {
     LOCUS_METADATA=$(grep -o "export LOCUS_METADATA=[^ ]*" "$2.log" | head -1 | cut -d= -f2)
     [ -n "$LOCUS_METADATA" ] || { echo "the demo cluster did not start: $2.log" >&2; exit 1; }
     export LOCUS_METADATA
+}
+
+mount_builds() {
+    local old=$1 new=$2 target=$3 work=$4 b bin
+    shift 4
+    for b in old new; do
+        bin=$old; [ $b = new ] && bin=$new
+        mkdir -p "$work/m-$b"
+        "$bin" mount "$target" "$work/m-$b" --node-socket "$work/demo/node1.sock" "$@" > /dev/null
+    done
 }

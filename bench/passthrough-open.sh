@@ -32,11 +32,8 @@ gcc -O2 -o "$work/open_close" "$here/open_close.c"
 make_files "$work/src" 4 $((4 << 20))
 start_demo "$new" "$work/demo"
 "$new" dataset import pt "$work/src" --replicas 3 > /dev/null
+mount_builds "$old" "$new" pt@1 "$work" --opens mount --passthrough-min-size 0
 for b in old new; do
-    bin=$old; [ $b = new ] && bin=$new
-    mkdir -p "$work/m-$b"
-    "$bin" mount pt@1 "$work/m-$b" --node-socket "$work/demo/node1.sock" \
-        --opens mount --passthrough-min-size 0 > /dev/null
     "$work/open_close" "$work/m-$b/f00000.bin" 2000 > /dev/null
 done
 

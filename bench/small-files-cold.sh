@@ -36,16 +36,7 @@ gcc -O2 -pthread -o "$work/reader" "$here/cold_reader.c"
 make_files "$work/src" "$files" $((128 << 10))
 start_demo "$new" "$work/demo"
 "$new" dataset import small "$work/src" --replicas 3 > /dev/null
-for b in old new; do
-    bin=$old; [ $b = new ] && bin=$new
-    mkdir -p "$work/m-$b"
-    "$bin" mount small@1 "$work/m-$b" --node-socket "$work/demo/node1.sock" \
-        --fuse-transport "$transport" > "$work/mount-$b.log" 2>&1 &
-done
-for _ in $(seq 30); do
-    [ -e "$work/m-old/f00000.bin" ] && [ -e "$work/m-new/f00000.bin" ] && break
-    sleep 1
-done
+mount_builds "$old" "$new" small@1 "$work" --fuse-transport "$transport"
 
 echo "cold 128 KiB files, $readers readers, $files files, transport $transport"
 echo "| round | local directory files/s | old files/s (× raw) | new files/s (× raw) |"
