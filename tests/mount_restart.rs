@@ -850,3 +850,55 @@ async fn a_taken_over_mount_closes_the_backing_ids_no_file_uses_any_more() {
     let o = mnt.umount();
     assert!(o.status.success(), "{}", stderr(&o));
 }
+
+/// A handle the killed server issued and the kernel releases after the takeover leaves
+/// the new server's own handles alone. Every server numbered its handles from 1, so the
+/// new server's first passthrough handle (file Y) had the number of the old server's
+/// still-open one (file X): X's RELEASE took Y's handle and its backing count with it,
+/// closing Y's backing id while Y was open, and the next open of Y failed with EIO (the
+/// kernel allows one backing file per inode in use, and refused the new one). With
+/// `--reopen-cache 0s` no id is kept for reopens, so the count alone decides.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_released_handle_of_a_killed_server_leaves_the_new_servers_handles_alone() {
+    let h = Harness::new("mount-fh");
+    let m = h.start_metadata("meta", MetadataOpts::default()).await;
+    let n1 = h.start_node("n1", &m, NodeOpts::host(1)).await;
+    let src = h.path("src");
+    std::fs::create_dir_all(&src).unwrap();
+    std::fs::write(src.join("x.bin"), pseudo_random(21, 2 << 20)).unwrap();
+    std::fs::write(src.join("y.bin"), pseudo_random(22, 2 << 20)).unwrap();
+    let out = import(&m, "ds", &src, &["--replicas", "1"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let mnt = m.mount(
+        "pt",
+        "ds",
+        Some(&n1),
+        &[
+            "--opens",
+            "mount",
+            "--passthrough-min-size",
+            "1MiB",
+            "--reopen-cache",
+            "0s",
+        ],
+    );
+    let want_y = blake3::hash(&std::fs::read(src.join("y.bin")).unwrap());
+    let x = std::fs::File::open(mnt.path.join("x.bin")).unwrap();
+    let old = mnt.server_pid();
+    signal(old, "-KILL");
+    new_server(&mnt, old).await;
+    let mut y = std::fs::File::open(mnt.path.join("y.bin")).unwrap();
+    assert_eq!(mnt.status()["passthrough"], true, "y is passed through");
+    drop(x);
+    // The RELEASE of x is answered asynchronously; give it time to land.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let again =
+        std::fs::read(mnt.path.join("y.bin")).unwrap_or_else(|e| panic!("y opened again while open: {e}"));
+    assert_eq!(blake3::hash(&again), want_y);
+    let mut first = Vec::new();
+    y.read_to_end(&mut first).unwrap();
+    assert_eq!(blake3::hash(&first), want_y);
+    drop(y);
+    let o = mnt.umount();
+    assert!(o.status.success(), "{}", stderr(&o));
+}

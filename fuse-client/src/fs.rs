@@ -484,7 +484,7 @@ impl Filesystem for LocusFs {
         // Answered before the counts are lowered: a server killed in between leaves a
         // count high (an id kept longer), never low, as lowering first would when the
         // kernel resends the unanswered RELEASE to the next server (an id closed while
-        // a file uses it, and the next open of that file refused).
+        // a file uses it, and the next open of that file failing with EIO).
         reply.ok();
         if h.is_none() && fh.0 & PASSTHROUGH_FH != 0 {
             // Opened by the process this one took over from.

@@ -4,9 +4,9 @@
 //! files are open on each (`OpenCounts`, memory the holder keeps).
 //!
 //! An inherited id must be reused for its inode while any file the predecessor opened
-//! with it is open: the kernel refuses a second backing file for an inode in use
-//! (EBUSY on the reader's open). Once none is, keeping it only pins the node's blob file
-//! in the kernel (its disk space too, should the node evict it), so an inherited id is
+//! with it is open: the kernel refuses a second backing file for an inode in use (the
+//! reader's open fails with EIO). Once none is, keeping it only pins the node's blob
+//! file in the kernel (its disk space too, should the node evict it), so an inherited id is
 //! closed as soon as its count of open files is known to be zero: at takeover for ids
 //! no file uses, at the last RELEASE of the predecessor's handles for the others. Where
 //! the count is unknown (a holder from before counts were kept) it is kept for the
