@@ -676,74 +676,45 @@ async fn io_uring_falls_back_where_off_and_a_killed_server_is_replaced_where_on(
 
 /// Closes of a file by the last holder of it (IN_CLOSE_NOWRITE), watched with inotify.
 struct CloseWatch {
-    fd: std::os::fd::OwnedFd,
-    names: Vec<(i32, String)>,
+    inotify: nix::sys::inotify::Inotify,
+    names: Vec<(nix::sys::inotify::WatchDescriptor, String)>,
 }
 
 impl CloseWatch {
     fn new() -> CloseWatch {
-        use std::os::fd::FromRawFd;
-        // SAFETY: inotify_init1 returns a new descriptor (checked) that we own.
-        #[allow(unsafe_code)]
-        let fd = unsafe { libc::inotify_init1(libc::IN_NONBLOCK | libc::IN_CLOEXEC) };
-        assert!(fd >= 0, "inotify: {}", std::io::Error::last_os_error());
-        #[allow(unsafe_code)]
-        let fd = unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) };
+        use nix::sys::inotify::{InitFlags, Inotify};
+        let inotify = Inotify::init(InitFlags::IN_NONBLOCK | InitFlags::IN_CLOEXEC).expect("inotify");
         CloseWatch {
-            fd,
+            inotify,
             names: Vec::new(),
         }
     }
 
     fn watch(&mut self, path: &Path, name: &str) {
-        use std::os::fd::AsRawFd;
-        use std::os::unix::ffi::OsStrExt;
-        let c = std::ffi::CString::new(path.as_os_str().as_bytes()).unwrap();
-        // SAFETY: a valid descriptor and C string.
-        #[allow(unsafe_code)]
-        let wd = unsafe { libc::inotify_add_watch(self.fd.as_raw_fd(), c.as_ptr(), libc::IN_CLOSE_NOWRITE) };
-        assert!(
-            wd >= 0,
-            "watch {}: {}",
-            path.display(),
-            std::io::Error::last_os_error()
-        );
+        let wd = self
+            .inotify
+            .add_watch(path, nix::sys::inotify::AddWatchFlags::IN_CLOSE_NOWRITE)
+            .unwrap_or_else(|e| panic!("watch {}: {e}", path.display()));
         self.names.push((wd, name.to_string()));
     }
 
     /// Names of the watched files closed since the last call, waiting up to `wait` for
     /// the first.
     fn closed(&self, wait: Duration) -> Vec<String> {
-        use std::os::fd::AsRawFd;
-        let mut pfd = libc::pollfd {
-            fd: self.fd.as_raw_fd(),
-            events: libc::POLLIN,
-            revents: 0,
-        };
-        // SAFETY: one valid pollfd.
-        #[allow(unsafe_code)]
-        unsafe {
-            libc::poll(&mut pfd, 1, wait.as_millis() as i32)
-        };
-        let mut buf = [0u8; 4096];
+        use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
+        use std::os::fd::AsFd;
+        let mut fds = [PollFd::new(self.inotify.as_fd(), PollFlags::POLLIN)];
+        let ms = PollTimeout::try_from(wait.as_millis() as i32).unwrap_or(PollTimeout::MAX);
+        let _ = poll(&mut fds, ms);
         let mut out = Vec::new();
-        loop {
-            // SAFETY: reads into a buffer of its length.
-            #[allow(unsafe_code)]
-            let n = unsafe { libc::read(self.fd.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len()) };
-            if n <= 0 {
-                return out;
-            }
-            let mut at = 0;
-            while at + 16 <= n as usize {
-                let wd = i32::from_ne_bytes(buf[at..at + 4].try_into().unwrap());
-                let len = u32::from_ne_bytes(buf[at + 12..at + 16].try_into().unwrap()) as usize;
-                if let Some((_, name)) = self.names.iter().find(|(w, _)| *w == wd) {
+        while let Ok(events) = self.inotify.read_events() {
+            for e in events {
+                if let Some((_, name)) = self.names.iter().find(|(w, _)| *w == e.wd) {
                     out.push(name.clone());
                 }
-                at += 16 + len;
             }
         }
+        out
     }
 }
 

@@ -147,33 +147,15 @@ pub fn statfs_from_each_cpu(mp: &Path, per_cpu: u16, name: &str) {
 
 /// One STATFS of the mount at `mp` from this thread's CPU (which queue it reaches).
 pub fn statfs(mp: &Path) -> std::io::Result<()> {
-    use std::os::unix::ffi::OsStrExt as _;
-    let c = std::ffi::CString::new(mp.as_os_str().as_bytes()).map_err(std::io::Error::other)?;
-    // SAFETY: `c` is a valid C string; the struct is plain data the call fills.
-    #[allow(unsafe_code)]
-    let r = unsafe {
-        let mut st: libc::statfs = std::mem::zeroed();
-        libc::statfs(c.as_ptr(), &mut st)
-    };
-    if r == 0 {
-        Ok(())
-    } else {
-        Err(std::io::Error::last_os_error())
-    }
+    nix::sys::statfs::statfs(mp)?;
+    Ok(())
 }
 
 /// Pins the calling thread to `cpu`: a ring request goes to the queue of the CPU that
 /// makes it. False when it cannot be.
 pub fn pin_to(cpu: usize) -> bool {
-    // SAFETY: a zeroed cpu_set_t is empty; CPU_SET stays within it below 1024.
-    #[allow(unsafe_code)]
-    let pinned = cpu < 1024
-        && unsafe {
-            let mut set: libc::cpu_set_t = std::mem::zeroed();
-            libc::CPU_SET(cpu, &mut set);
-            libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set) == 0
-        };
-    pinned
+    let mut set = nix::sched::CpuSet::new();
+    set.set(cpu).is_ok() && nix::sched::sched_setaffinity(nix::unistd::Pid::from_raw(0), &set).is_ok()
 }
 
 #[cfg(test)]

@@ -8,7 +8,7 @@
 //! measurable, and the memory outlives a server that dies at any instruction. A count is
 //! raised before the kernel hears of the open, so it is never lower than the truth.
 
-use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::sync::atomic::{AtomicU32, Ordering};
 
 /// One u32 per inode, mapped shared.
@@ -29,21 +29,9 @@ impl OpenCounts {
     /// Zeroed counts for inodes `0..len`, in a new memfd (sparse: a page is only made
     /// for inodes opened).
     pub fn create(len: usize) -> std::io::Result<OpenCounts> {
-        // SAFETY: memfd_create with a valid name and flags; the descriptor is owned below.
-        #[allow(unsafe_code)]
-        let raw = unsafe { libc::memfd_create(c"locus-open-counts".as_ptr(), libc::MFD_CLOEXEC) };
-        if raw < 0 {
-            return Err(std::io::Error::last_os_error());
-        }
-        // SAFETY: a new descriptor nothing else owns.
-        #[allow(unsafe_code)]
-        let fd = unsafe { OwnedFd::from_raw_fd(raw) };
-        let bytes = (len.max(1) * 4) as libc::off_t;
-        // SAFETY: a valid descriptor.
-        #[allow(unsafe_code)]
-        if unsafe { libc::ftruncate(fd.as_raw_fd(), bytes) } != 0 {
-            return Err(std::io::Error::last_os_error());
-        }
+        use nix::sys::memfd::{memfd_create, MFdFlags};
+        let fd = memfd_create(c"locus-open-counts", MFdFlags::MFD_CLOEXEC)?;
+        nix::unistd::ftruncate(&fd, (len.max(1) * 4) as libc::off_t)?;
         Self::map(fd, len)
     }
 
@@ -60,24 +48,24 @@ impl OpenCounts {
     }
 
     fn map(fd: OwnedFd, len: usize) -> std::io::Result<OpenCounts> {
-        // SAFETY: maps the memfd's first len*4 bytes shared; checked below.
+        use nix::sys::mman::{mmap, MapFlags, ProtFlags};
+        let bytes = std::num::NonZeroUsize::new(len.max(1) * 4).expect("at least 4 bytes");
+        // SAFETY: maps the memfd's first `bytes` shared; only atomics touch it, until
+        // `drop` unmaps it.
         #[allow(unsafe_code)]
         let ptr = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                len.max(1) * 4,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_SHARED,
-                fd.as_raw_fd(),
+            mmap(
+                None,
+                bytes,
+                ProtFlags::PROT_READ | ProtFlags::PROT_WRITE,
+                MapFlags::MAP_SHARED,
+                &fd,
                 0,
-            )
+            )?
         };
-        if ptr == libc::MAP_FAILED {
-            return Err(std::io::Error::last_os_error());
-        }
         Ok(OpenCounts {
             fd,
-            ptr: ptr.cast(),
+            ptr: ptr.as_ptr().cast(),
             len,
         })
     }
@@ -133,7 +121,10 @@ impl Drop for OpenCounts {
         // SAFETY: unmaps exactly what `map` mapped; nothing borrows it past self.
         #[allow(unsafe_code)]
         unsafe {
-            libc::munmap(self.ptr.cast(), self.len.max(1) * 4);
+            let _ = nix::sys::mman::munmap(
+                std::ptr::NonNull::new_unchecked(self.ptr.cast()),
+                self.len.max(1) * 4,
+            );
         }
     }
 }

@@ -39,24 +39,17 @@ pub(crate) struct Inherited {
     pub(crate) open: Option<u32>,
 }
 
-/// Closes a backing id registered on the connection `fuse` (FUSE_DEV_IOC_BACKING_CLOSE,
-/// `_IOW(229, 2, u32)`).
+// FUSE_DEV_IOC_BACKING_CLOSE: `_IOW(229, 2, uint32_t)` in <linux/fuse.h>.
+nix::ioctl_write_ptr!(backing_close, 229, 2, u32);
+
+/// Closes a backing id registered on the connection `fuse`.
 pub(crate) fn close_backing(fuse: &OwnedFd, id: u32) -> std::io::Result<()> {
-    const FUSE_DEV_IOC_BACKING_CLOSE: libc::c_ulong = 0x4004_e502;
     // SAFETY: the ioctl reads one u32 from the pointer, which outlives the call.
     #[allow(unsafe_code)]
-    let r = unsafe {
-        libc::ioctl(
-            fuse.as_raw_fd(),
-            FUSE_DEV_IOC_BACKING_CLOSE as _,
-            &id as *const u32,
-        )
-    };
-    if r < 0 {
-        Err(std::io::Error::last_os_error())
-    } else {
-        Ok(())
+    unsafe {
+        backing_close(fuse.as_raw_fd(), &id)?;
     }
+    Ok(())
 }
 
 /// What init negotiated with the kernel, which a process taking over a live connection
