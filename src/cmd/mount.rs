@@ -109,9 +109,11 @@ pub struct MountArgs {
     /// each request answered on the CPU that made it with one system call, else
     /// /dev/fuse (said once in the log). It pays off for metadata: a stat of a file not
     /// yet looked up costs 3-5x less (walks and stats of many files); cold reads of small
-    /// files are no faster (bench/RESULTS.md). Not the default because a server that dies
-    /// (crash, kill -9, SIGHUP upgrade) cannot hand the requests it held to the next one
-    /// under io_uring: their readers wait until unmount (docs/architecture.md).
+    /// files are no faster (bench/RESULTS.md). A server restarted in place (SIGHUP) or
+    /// killed hands the requests it held to the next one either way; not the default
+    /// because a server that crashes (kill -9, the OOM killer) under io_uring fails the
+    /// reads that reach it while it dies with ECANCELED, where /dev/fuse resends them
+    /// (docs/architecture.md).
     #[arg(
         long,
         env = "LOCUS_FUSE_TRANSPORT",
