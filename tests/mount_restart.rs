@@ -541,6 +541,23 @@ async fn io_uring_falls_back_where_off_and_a_killed_server_is_replaced_where_on(
         );
     }
 
+    // Each kill came to an idle server: every request its entries last had was answered
+    // in the entry, so the next server sent those answers again and ran none of the
+    // requests again (an OPEN run twice leaves a handle and a backing id nobody
+    // releases; a RELEASE run twice would lower an open count twice).
+    let log = std::fs::read_to_string(&mnt.log).unwrap();
+    let takeovers: Vec<&str> = log
+        .lines()
+        .filter(|l| l.contains("requests a previous server held"))
+        .collect();
+    assert!(!takeovers.is_empty(), "{log}");
+    for l in &takeovers {
+        assert!(
+            l.contains(": 0 answered again (opcodes [])"),
+            "a request was run again: {l}"
+        );
+    }
+
     // A planned restart (SIGHUP to the holder: an upgrade in place) under readers that
     // never stop: the server freezes its queues, every free entry is filled before it is
     // killed, and the next answers what they hold, so no read fails, not even with the

@@ -347,6 +347,9 @@ impl Queue {
     /// does), the next request on the entry failed its reader with ECANCELED and the entry
     /// was lost to the queue.
     fn fetch_next(self: &Arc<Self>, slot: usize, commit_id: u64) -> io::Result<()> {
+        // The answer is whole in the entry: a server taking over sends it again rather
+        // than run the request again (see `held`).
+        self.replied(slot);
         self.push_command(&self.command(CMD_COMMIT_AND_FETCH, slot, commit_id))?;
         if ON_QUEUE.get() != Arc::as_ptr(self) as usize {
             self.wake_thread()?;
@@ -788,6 +791,7 @@ fn serve_queue<FS: Filesystem>(
     let mut settling: HashMap<usize, (u64, Vec<u8>)> = HashMap::new();
     let settle = io_uring::types::Timespec::from(READ_SETTLE);
     let mut held = Vec::new();
+    let mut replayed = 0usize;
     let setup = (|| {
         for slot in 0..usize::from(depth) {
             match if adopting {
@@ -812,6 +816,11 @@ fn serve_queue<FS: Filesystem>(
                         held.push((slot, unique, bytes));
                     }
                 }
+                Held::Replied(unique) => {
+                    recovering.insert(slot);
+                    replayed += 1;
+                    queue.push_command(&queue.command(CMD_COMMIT_AND_FETCH, slot, unique))?;
+                }
                 Held::Unreadable(unique) => {
                     recovering.insert(slot);
                     queue.refuse(slot, unique);
@@ -824,9 +833,19 @@ fn serve_queue<FS: Filesystem>(
         Ok::<(), io::Error>(())
     })();
     if !recovering.is_empty() {
+        // The opcodes say what was held (FUSE_READ 15, FUSE_STATFS 17, ...).
+        let opcode = |b: &Vec<u8>| b.get(4..8).map(|o| u32::from_ne_bytes(o.try_into().unwrap()));
+        let ops: Vec<u32> = held
+            .iter()
+            .map(|(_, _, b)| b)
+            .chain(settling.values().map(|(_, b)| b))
+            .filter_map(opcode)
+            .collect();
         log::info!(
-            "queue {qid}: answering again {} requests a previous server held",
-            recovering.len()
+            "queue {qid}: {} requests a previous server held: {} answered again (opcodes {ops:?}), {} answers sent again",
+            recovering.len(),
+            ops.len(),
+            replayed,
         );
     }
     for (slot, unique, bytes) in held.drain(..) {

@@ -20,18 +20,24 @@ const NOT_KEPT: u32 = u32::MAX;
 const _: () = assert!(NOTE >= HEADER_LEN && NOTE_DATA + NOTE_CAP <= PAGE - IN_HEADER_LEN - OP_IN_LEN);
 /// Note flag: a read of a file into the entry's payload is in flight (`RingReply::read`).
 const READING: u32 = 1;
+/// Note flag: the answer to the request is whole in the entry, and was or is about to be
+/// submitted (`Queue::fetch_next`).
+const REPLIED: u32 = 2;
 
 /// What a server taking over finds in an entry a previous one registered.
 pub(super) enum Held {
     /// No request ever came to it.
     Unused,
-    /// The request last handed to it (answered or not: only the kernel knows), and
+    /// The request last handed to it, whose answer was not yet whole in the entry, and
     /// whether a read of a file into its payload was in flight.
     Request {
         unique: u64,
         bytes: Vec<u8>,
         reading: bool,
     },
+    /// The request last handed to it, whose answer is whole in the entry: it is sent
+    /// again as it is (COMMIT_AND_FETCH; ENOENT if the kernel had taken it).
+    Replied(u64),
     /// A request that cannot be rebuilt: it is answered EIO.
     Unreadable(u64),
 }
@@ -64,6 +70,14 @@ impl Queue {
         }
     }
 
+    /// Marks the answer to the request in `slot` whole in the entry (its header and
+    /// payload), just before its COMMIT_AND_FETCH is pushed.
+    pub(super) fn replied(&self, slot: usize) {
+        // SAFETY: the note's flags; nothing else writes them until the entry's next
+        // request is kept.
+        unsafe { std::ptr::write_volatile(self.note(slot).add(12).cast::<u32>(), REPLIED) };
+    }
+
     pub(super) fn set_reading(&self, slot: usize, on: bool) {
         // SAFETY: the note's flags; the entry belongs to the request being answered.
         unsafe { std::ptr::write_volatile(self.note(slot).add(12).cast::<u32>(), u32::from(on) * READING) };
@@ -91,6 +105,14 @@ impl Queue {
                 std::ptr::read(note.add(12).cast::<u32>()),
             )
         };
+        if marker == unique && flags & REPLIED != 0 {
+            // Answered in the entry, and no request came to it since. The kernel may have
+            // taken the answer (then the entry was waiting for its next request) or not
+            // (the server died before submitting it): the same answer is sent again, and
+            // the request is never run twice (an OPEN run twice left a handle and a
+            // backing id nobody releases).
+            return Held::Replied(unique);
+        }
         let bytes = if marker == unique {
             if kept == NOT_KEPT || kept as usize > NOTE_CAP {
                 return Held::Unreadable(unique);
