@@ -90,6 +90,29 @@ async fn new_server(m: &Mount, old: u32) -> u32 {
     .await
 }
 
+/// Stops readers that read until `stop` is set, waits for each to end (a request lost
+/// with a dead server would leave its reader blocked for good) and returns what each
+/// returned, panicking on the first that failed.
+async fn finish_readers<T>(
+    stop: &AtomicBool,
+    readers: Vec<std::thread::JoinHandle<Result<T, String>>>,
+) -> Vec<T> {
+    stop.store(true, Ordering::Relaxed);
+    wait_until("every reader to finish", Duration::from_secs(60), || async {
+        readers.iter().all(|r| r.is_finished()).then_some(())
+    })
+    .await;
+    readers
+        .into_iter()
+        .enumerate()
+        .map(|(i, r)| {
+            r.join()
+                .unwrap()
+                .unwrap_or_else(|e| panic!("reader {i} failed: {e}"))
+        })
+        .collect()
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn readers_see_no_error_when_the_mount_server_is_killed_or_upgraded() {
     let h = Harness::new("mount-restart");
@@ -227,17 +250,7 @@ async fn readers_see_no_error_when_the_mount_server_is_killed_or_upgraded() {
     )
     .await;
 
-    stop.store(true, Ordering::Relaxed);
-    // A request lost with a dead server would leave its reader blocked for good.
-    wait_until("every reader to finish", Duration::from_secs(60), || async {
-        readers.iter().all(|r| r.is_finished()).then_some(())
-    })
-    .await;
-    for (i, r) in readers.into_iter().enumerate() {
-        let n = r
-            .join()
-            .unwrap()
-            .unwrap_or_else(|e| panic!("reader {i} failed: {e}"));
+    for (i, n) in finish_readers(&stop, readers).await.into_iter().enumerate() {
         assert!(n > 0, "reader {i} read nothing");
     }
     // The holders never changed, and every mount still reads the version exactly.
@@ -632,16 +645,7 @@ async fn io_uring_falls_back_where_off_and_a_killed_server_is_replaced_where_on(
         reads_past(at + 50),
     )
     .await;
-    stop.store(true, Ordering::Relaxed);
-    wait_until("every reader to finish", Duration::from_secs(60), || async {
-        readers.iter().all(|r| r.is_finished()).then_some(())
-    })
-    .await;
-    for (i, r) in readers.into_iter().enumerate() {
-        r.join()
-            .unwrap()
-            .unwrap_or_else(|e| panic!("reader {i} failed: {e}"));
-    }
+    finish_readers(&stop, readers).await;
     let log = std::fs::read_to_string(&mnt.log).unwrap();
     assert!(log.contains("frozen with every entry held"), "{log}");
     assert!(
@@ -735,6 +739,41 @@ impl CloseWatch {
     }
 }
 
+/// A cluster of one node holding `files` (name, seed, bytes; pseudo-random), imported
+/// with one replica, and a mount of it on that node where every open asks the mount and
+/// files of 1 MiB and more are passed through (`extra`: more mount arguments). Fields
+/// drop in order, the harness last.
+struct Passthrough {
+    mnt: Mount,
+    n1: Node,
+    _m: Metadata,
+    src: PathBuf,
+    _h: Harness,
+}
+
+async fn passthrough_mount(name: &str, files: &[(&str, u64, usize)], extra: &[&str]) -> Passthrough {
+    let h = Harness::new(name);
+    let m = h.start_metadata("meta", MetadataOpts::default()).await;
+    let n1 = h.start_node("n1", &m, NodeOpts::host(1)).await;
+    let src = h.path("src");
+    make_tree(&src, 20);
+    for (file, seed, len) in files {
+        std::fs::write(src.join(file), pseudo_random(*seed, *len)).unwrap();
+    }
+    let out = import(&m, "ds", &src, &["--replicas", "1"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let mut args = vec!["--opens", "mount", "--passthrough-min-size", "1MiB"];
+    args.extend(extra);
+    let mnt = m.mount("pt", "ds", Some(&n1), &args);
+    Passthrough {
+        mnt,
+        n1,
+        _m: m,
+        src,
+        _h: h,
+    }
+}
+
 /// A server that takes a mount over closes the passthrough backing ids its predecessor
 /// registered as soon as no file uses them: at takeover for a file that was opened and
 /// closed (its id kept for reopens), and at the last release of a file held open across
@@ -745,21 +784,12 @@ impl CloseWatch {
 /// closed, is their final close (inotify).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_taken_over_mount_closes_the_backing_ids_no_file_uses_any_more() {
-    let h = Harness::new("mount-backing");
-    let m = h.start_metadata("meta", MetadataOpts::default()).await;
-    let n1 = h.start_node("n1", &m, NodeOpts::host(1)).await;
-    let src = h.path("src");
-    make_tree(&src, 20);
-    std::fs::write(src.join("held.bin"), pseudo_random(7, 4 << 20)).unwrap();
-    std::fs::write(src.join("closed.bin"), pseudo_random(8, 4 << 20)).unwrap();
-    let out = import(&m, "ds", &src, &["--replicas", "1"]);
-    assert!(out.status.success(), "{}", stderr(&out));
-    let mnt = m.mount(
-        "pt",
-        "ds",
-        Some(&n1),
-        &["--opens", "mount", "--passthrough-min-size", "1MiB"],
-    );
+    let Passthrough { mnt, n1, src, .. } = &passthrough_mount(
+        "mount-backing",
+        &[("held.bin", 7, 4 << 20), ("closed.bin", 8, 4 << 20)],
+        &[],
+    )
+    .await;
     let hash = |name: &str| {
         blake3::hash(&std::fs::read(src.join(name)).unwrap())
             .to_hex()
@@ -779,7 +809,7 @@ async fn a_taken_over_mount_closes_the_backing_ids_no_file_uses_any_more() {
     w.watch(&blobs[&closed_hash].path, "closed");
     let old = mnt.server_pid();
     signal(old, "-KILL");
-    new_server(&mnt, old).await;
+    new_server(mnt, old).await;
     let mut seen = w.closed(Duration::from_secs(10));
     // Anything else closing it late would show here too.
     seen.extend(w.closed(Duration::from_millis(500)));
@@ -816,7 +846,7 @@ async fn a_taken_over_mount_closes_the_backing_ids_no_file_uses_any_more() {
         tokio::time::sleep(Duration::from_secs(1)).await;
         let old = mnt.server_pid();
         signal(old, "-KILL");
-        new_server(&mnt, old).await;
+        new_server(mnt, old).await;
         state = serde_json::from_slice(&std::fs::read(&session).unwrap()).unwrap();
         if state["backing"].as_object().is_some_and(|b| b.is_empty()) {
             break;
@@ -848,33 +878,17 @@ async fn a_taken_over_mount_closes_the_backing_ids_no_file_uses_any_more() {
 /// `--reopen-cache 0s` no id is kept for reopens, so the count alone decides.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_released_handle_of_a_killed_server_leaves_the_new_servers_handles_alone() {
-    let h = Harness::new("mount-fh");
-    let m = h.start_metadata("meta", MetadataOpts::default()).await;
-    let n1 = h.start_node("n1", &m, NodeOpts::host(1)).await;
-    let src = h.path("src");
-    std::fs::create_dir_all(&src).unwrap();
-    std::fs::write(src.join("x.bin"), pseudo_random(21, 2 << 20)).unwrap();
-    std::fs::write(src.join("y.bin"), pseudo_random(22, 2 << 20)).unwrap();
-    let out = import(&m, "ds", &src, &["--replicas", "1"]);
-    assert!(out.status.success(), "{}", stderr(&out));
-    let mnt = m.mount(
-        "pt",
-        "ds",
-        Some(&n1),
-        &[
-            "--opens",
-            "mount",
-            "--passthrough-min-size",
-            "1MiB",
-            "--reopen-cache",
-            "0s",
-        ],
-    );
+    let Passthrough { mnt, src, .. } = &passthrough_mount(
+        "mount-fh",
+        &[("x.bin", 21, 2 << 20), ("y.bin", 22, 2 << 20)],
+        &["--reopen-cache", "0s"],
+    )
+    .await;
     let want_y = blake3::hash(&std::fs::read(src.join("y.bin")).unwrap());
     let x = std::fs::File::open(mnt.path.join("x.bin")).unwrap();
     let old = mnt.server_pid();
     signal(old, "-KILL");
-    new_server(&mnt, old).await;
+    new_server(mnt, old).await;
     let mut y = std::fs::File::open(mnt.path.join("y.bin")).unwrap();
     assert_eq!(mnt.status()["passthrough"], true, "y is passed through");
     drop(x);
