@@ -90,6 +90,12 @@ async fn new_server(m: &Mount, old: u32) -> u32 {
     .await
 }
 
+/// For `wait_until`: done once more than `n` reads were counted.
+fn reads_past(reads: &Arc<AtomicU64>, n: u64) -> impl Fn() -> std::future::Ready<Option<()>> {
+    let reads = reads.clone();
+    move || std::future::ready((reads.load(Ordering::Relaxed) > n).then_some(()))
+}
+
 /// Stops readers that read until `stop` is set, waits for each to end (a request lost
 /// with a dead server would leave its reader blocked for good) and returns what each
 /// returned, panicking on the first that failed.
@@ -182,14 +188,12 @@ async fn readers_see_no_error_when_the_mount_server_is_killed_or_upgraded() {
             Ok(done)
         }));
     }
-    let reads_past = |n: u64| {
-        let reads = reads.clone();
-        move || {
-            let reads = reads.clone();
-            async move { (reads.load(Ordering::Relaxed) > n).then_some(()) }
-        }
-    };
-    wait_until("readers to get going", Duration::from_secs(30), reads_past(100)).await;
+    wait_until(
+        "readers to get going",
+        Duration::from_secs(30),
+        reads_past(&reads, 100),
+    )
+    .await;
 
     // A version 2 in which every file differs, committed before the servers restart.
     let src2 = h.path("src2");
@@ -225,7 +229,7 @@ async fn readers_see_no_error_when_the_mount_server_is_killed_or_upgraded() {
         wait_until(
             "readers to go on after the kill",
             Duration::from_secs(60),
-            reads_past(at + 60),
+            reads_past(&reads, at + 60),
         )
         .await;
         assert_ne!(now, old);
@@ -246,7 +250,7 @@ async fn readers_see_no_error_when_the_mount_server_is_killed_or_upgraded() {
     wait_until(
         "readers to go on after the upgrade",
         Duration::from_secs(60),
-        reads_past(at + 60),
+        reads_past(&reads, at + 60),
     )
     .await;
 
@@ -595,14 +599,12 @@ async fn io_uring_falls_back_where_off_and_a_killed_server_is_replaced_where_on(
             })
         })
         .collect();
-    let reads_past = |n: u64| {
-        let reads = reads.clone();
-        move || {
-            let reads = reads.clone();
-            async move { (reads.load(Ordering::Relaxed) > n).then_some(()) }
-        }
-    };
-    wait_until("readers to get going", Duration::from_secs(30), reads_past(50)).await;
+    wait_until(
+        "readers to get going",
+        Duration::from_secs(30),
+        reads_past(&reads, 50),
+    )
+    .await;
     for round in 0..3 {
         let old = mnt.server_pid();
         signal(mnt.pid(), "-HUP");
@@ -611,7 +613,7 @@ async fn io_uring_falls_back_where_off_and_a_killed_server_is_replaced_where_on(
         wait_until(
             &format!("readers to go on after restart {round}"),
             Duration::from_secs(60),
-            reads_past(at + 50),
+            reads_past(&reads, at + 50),
         )
         .await;
     }
@@ -642,7 +644,7 @@ async fn io_uring_falls_back_where_off_and_a_killed_server_is_replaced_where_on(
     wait_until(
         "readers to go on after a freeze nobody ended",
         Duration::from_secs(60),
-        reads_past(at + 50),
+        reads_past(&reads, at + 50),
     )
     .await;
     finish_readers(&stop, readers).await;

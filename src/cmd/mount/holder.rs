@@ -17,14 +17,20 @@
 //! - inode numbers come from the manifest, the same in every server; a file handle from
 //!   the dead server is unknown to the next, which then reads by inode;
 //! - passthrough backing ids belong to the connection: the server reports each one
-//!   registered or closed before the kernel sees it, and the next server reuses them
-//!   (the kernel refuses a second backing file for an inode whose file is still open).
+//!   registered or closed before the kernel sees it, and counts the files open on each
+//!   in memory the holder keeps (a memfd); the next server reuses the ids files still
+//!   use (the kernel refuses a second backing file for an inode whose file is open) and
+//!   closes the rest (`locus_fuse::fs::takeover`);
+//! - a file handle from the dead server is never one the next issues (handles count from
+//!   the server's pid).
 //!
 //! The server talks to the holder over a Unix datagram socket pair (`LOCUS_MOUNT_CHANNEL`,
 //! inherited): the descriptor and the negotiated state (with the descriptor attached),
-//! the ring entries' memory, the ready line, and backing ids. The holder hands a
-//! restarted server the descriptor (`LOCUS_MOUNT_FUSE_FD`), the ring memory
-//! (`LOCUS_MOUNT_RING_FD`) and a state file (`LOCUS_MOUNT_SESSION`).
+//! the ring entries' memory, the open counts' memory, the ready line, and backing ids.
+//! The holder hands a restarted server the descriptor (`LOCUS_MOUNT_FUSE_FD`), the ring
+//! memory (`LOCUS_MOUNT_RING_FD`), the open counts (`LOCUS_MOUNT_OPENS_FD`) and a state
+//! file (`LOCUS_MOUNT_SESSION`). The server's side of this contract is
+//! `locus_fuse::handoff`; the socket protocol is `server_side`.
 //!
 //! Signals to the holder: TERM/INT unmount and stop (forwarded to the server, which
 //! unmounts); HUP restarts the server from the executable now at the path the holder was
