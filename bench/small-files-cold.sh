@@ -5,18 +5,21 @@
 # the local directory, then each mount, with the page cache dropped before each read.
 # The mounts stay up between rounds, as a training job's do between epochs.
 #
-#     bench/small-files-cold.sh OLD_LOCUS NEW_LOCUS [TRANSPORT] [ROUNDS] [READERS]
+#     bench/small-files-cold.sh OLD_LOCUS NEW_LOCUS [TRANSPORT] [ROUNDS] [READERS] [FILES]
 #
 # TRANSPORT is io-uring (default; the fuse module's enable_uring is switched on for the
-# run and put back) or dev-fuse. Needs root (dropping caches, FUSE), gcc and python3.
+# run and put back) or dev-fuse. FILES (default 2,000) sets how long one read lasts: 2,000
+# files take a third of a second at these rates, short enough that one round of the same
+# build moves by ±0.15× raw, so judge a change with 7,000 (the most the demo nodes hold) and the medians printed
+# last. Needs root (dropping caches, FUSE), gcc and python3.
 set -euo pipefail
 . "$(dirname "$0")/demo-lib.sh"
-old=${1:?usage: $0 OLD_LOCUS NEW_LOCUS [TRANSPORT] [ROUNDS] [READERS]}
-new=${2:?usage: $0 OLD_LOCUS NEW_LOCUS [TRANSPORT] [ROUNDS] [READERS]}
+old=${1:?usage: $0 OLD_LOCUS NEW_LOCUS [TRANSPORT] [ROUNDS] [READERS] [FILES]}
+new=${2:?usage: $0 OLD_LOCUS NEW_LOCUS [TRANSPORT] [ROUNDS] [READERS] [FILES]}
 transport=${3:-io-uring}
 rounds=${4:-4}
 readers=${5:-8}
-files=2000
+files=${6:-2000}
 [ "$(id -u)" = 0 ] || { echo "needs root (drop_caches, FUSE)" >&2; exit 1; }
 here=$(cd "$(dirname "$0")" && pwd)
 work=$(mktemp -d /var/tmp/locus-small-cold.XXXXXX)
@@ -34,6 +37,9 @@ trap cleanup EXIT
 
 gcc -O2 -pthread -o "$work/reader" "$here/cold_reader.c"
 make_files "$work/src" "$files" $((128 << 10))
+# The demo's nodes re-verify their blobs in the background (64 MiB/s each by default): 3
+# nodes reading ~40 MiB/s from the same disk moved the per-read latency of every row.
+export LOCUS_NODE_SCRUB_RATE=${LOCUS_NODE_SCRUB_RATE:-0}
 start_demo "$new" "$work/demo"
 "$new" dataset import small "$work/src" --replicas 3 > /dev/null
 mount_builds "$old" "$new" small@1 "$work" --fuse-transport "$transport"
@@ -41,6 +47,7 @@ mount_builds "$old" "$new" small@1 "$work" --fuse-transport "$transport"
 echo "cold 128 KiB files, $readers readers, $files files, transport $transport"
 echo "| round | local directory files/s | old files/s (× raw) | new files/s (× raw) |"
 echo "|---|---|---|---|"
+: > "$work/rounds"
 for r in $(seq "$rounds"); do
     row=()
     for d in src m-old m-new; do
@@ -48,5 +55,14 @@ for r in $(seq "$rounds"); do
         echo 3 > /proc/sys/vm/drop_caches
         row+=("$("$work/reader" "$readers" "$work/$d" 0 "$files")")
     done
+    echo "${row[*]}" >> "$work/rounds"
     python3 -c "import sys; raw, o, n = map(float, sys.argv[2:]); print(f'| {sys.argv[1]} | {raw:.0f} | {o:.0f} ({o/raw:.2f}×) | {n:.0f} ({n/raw:.2f}×) |')" "$r" "${row[@]}"
 done
+python3 - "$work/rounds" <<'PY'
+import statistics, sys
+rows = [list(map(float, l.split())) for l in open(sys.argv[1])]
+old = [o / raw for raw, o, _ in rows]
+new = [n / raw for raw, _, n in rows]
+print(f"medians: old {statistics.median(old):.2f}× raw (range {min(old):.2f}–{max(old):.2f}), "
+      f"new {statistics.median(new):.2f}× raw (range {min(new):.2f}–{max(new):.2f})")
+PY

@@ -290,22 +290,31 @@ impl Core {
         Some(file)
     }
 
-    /// Keeps a verified local file open for reopens within the reopen window (the one
-    /// place that window is applied, with `recent_file`: whether the node is asked again,
-    /// and whether a closed file keeps its backing id, `ops::keeps_backing`).
+    /// Keeps a verified local file open for reopens within the reopen window (where that
+    /// window is applied to open files, with `recent_file`: whether the node is asked
+    /// again, and whether a closed file keeps its backing id, `ops::keeps_backing`; the
+    /// paths the node listed keep it in `known`).
     pub(crate) fn remember(&self, ino: u64, file: Arc<NodeFile>) {
         let ttl = self.settings.reopen_ttl;
         if ttl.is_zero() {
             return;
         }
         let mut recent = self.recent.lock().unwrap();
+        let mut dropped = false;
         if recent.len() >= self.recent_max {
             recent.retain(|_, (_, at)| at.elapsed() < ttl);
             if recent.len() >= self.recent_max {
                 recent.clear();
+                dropped = true;
             }
         }
         recent.insert(ino, (file, Instant::now()));
+        drop(recent);
+        if dropped {
+            // Files a node handed out live only here: their windows are to be asked for
+            // again, or each would now be opened by the node alone until the window ends.
+            self.known.lock().unwrap().forget_windows();
+        }
     }
 
     /// The node's verified file for this inode: the one verified within the reopen

@@ -172,7 +172,12 @@ pub struct ServeArgs {
     )]
     pub origin_root: Vec<PathBuf>,
     /// Background re-verification rate per second (0 disables).
-    #[arg(long, value_name = "SIZE", default_value = "64MiB")]
+    #[arg(
+        long,
+        env = "LOCUS_NODE_SCRUB_RATE",
+        value_name = "SIZE",
+        default_value = "64MiB"
+    )]
     pub scrub_rate: String,
     /// Not needed any more: a node accepts no token from callers, only grants the
     /// metadata service signs (importers, backups, mounts, peers and the service's own

@@ -6,9 +6,15 @@
 //! order, so a shard's files are found by walking the inodes on either side of the first
 //! one opened.
 //!
-//! A shard is asked about again once the reopen window has passed since it was last
-//! asked: the files opened from its learned paths are reused for that window only, and a
-//! job's next pass over them (its next epoch) would otherwise ask for each file alone.
+//! A learned path stays usable for the reopen window from when it was learned, however
+//! often it is used: a version holds more files than a mount keeps open (a quarter of
+//! its open-file limit), so a job's next pass within the window finds most of its files
+//! closed again, and reopening them from their paths (a pack's files from its shared
+//! descriptors) is what spares each its own round trip to the node and a hash of its
+//! bytes there. A shard is asked about again once the window has passed since it was
+//! last asked, so a pass after the window (a job's next epoch) asks in one call per
+//! shard, not per file. With the window at zero (the node asked at every open) a learned
+//! path serves one open.
 //!
 //! A learned path is used only if the file opened there still has the identity the node
 //! verified (inode, ctime, size): any write since changes the ctime, so a stale or
@@ -44,10 +50,11 @@ pub struct KnownPath {
     pub packed: bool,
 }
 
-/// What the mount has learned: paths by inode, and the shards already asked about.
+/// What the mount has learned: paths by inode (with when), and the shards already asked
+/// about.
 #[derive(Default)]
 pub(crate) struct Known {
-    paths: HashMap<u64, KnownPath>,
+    paths: HashMap<u64, (KnownPath, Instant)>,
     /// When each shard was last asked about (`Known::ask`).
     shards: HashMap<u32, Instant>,
     /// When each inode window was last asked of a node that hands out files.
@@ -87,6 +94,12 @@ impl Known {
         })
     }
 
+    /// Forgets which inode windows were asked of a node that hands out files: their
+    /// files were closed for room (`Core::remember`).
+    pub(crate) fn forget_windows(&mut self) {
+        self.windows.clear();
+    }
+
     fn keep_pack(&mut self, path: PathBuf, f: &NodeFile, id: (u64, i64, i64, u64)) {
         if self.packs.len() >= PACKS_SWEEP {
             self.packs.retain(|_, p| p.fd.strong_count() > 0);
@@ -103,11 +116,10 @@ impl Known {
 }
 
 /// Whether `key` is to be asked about now, noting it as asked if so: never asked, or
-/// asked longer ago than the reopen window. A learned path is used once, to open a file
-/// that is then reused for the reopen window; after it the files of the shard are
-/// needed again (a training job's next epoch), and asking for them again in one call is
-/// what spares each file its own round trip to the node. With the window at zero (ask
-/// at every open) a shard is asked once.
+/// asked longer ago than the reopen window. Learned paths serve the window; after it the
+/// files of the shard are needed again (a training job's next epoch), and asking for them
+/// again in one call is what spares each file its own round trip to the node. With the
+/// window at zero (ask at every open) a shard is asked once.
 fn ask<K: std::hash::Hash + Eq>(asked: &mut HashMap<K, Instant>, key: K, reopen: Duration) -> bool {
     match asked.get(&key) {
         Some(at) if reopen.is_zero() || at.elapsed() < reopen => false,
@@ -120,9 +132,12 @@ fn ask<K: std::hash::Hash + Eq>(asked: &mut HashMap<K, Instant>, key: K, reopen:
 
 #[cfg(test)]
 impl Known {
-    /// Paths learned and not yet used.
-    pub(crate) fn len(&self) -> usize {
-        self.paths.len()
+    /// Paths learned less than `window` ago (and, with a zero window, not yet used).
+    pub(crate) fn fresh(&self, window: Duration) -> usize {
+        self.paths
+            .values()
+            .filter(|(_, at)| window.is_zero() || at.elapsed() < window)
+            .count()
     }
 }
 
@@ -142,9 +157,18 @@ impl Core {
     /// The node's file for `ino` from a learned path, opened and checked against the
     /// identity the node verified; None when nothing is learned or the file changed.
     pub(crate) fn known_file(&self, ino: u64) -> Option<Arc<NodeFile>> {
+        let window = self.settings.reopen_ttl;
         let (k, shared) = {
             let mut known = self.known.lock().unwrap();
-            let k = known.paths.remove(&ino)?;
+            let k = match known.paths.get(&ino) {
+                None => return None,
+                Some(_) if window.is_zero() => known.paths.remove(&ino)?.0,
+                Some((_, at)) if at.elapsed() >= window => {
+                    known.paths.remove(&ino);
+                    return None;
+                }
+                Some((k, _)) => k.clone(),
+            };
             let shared = if k.packed { known.pack_file(&k) } else { None };
             (k, shared)
         };
@@ -219,9 +243,10 @@ impl Core {
                         k.shards.clear();
                         k.shards.insert(shard, Instant::now());
                     }
+                    // Dated from the question: the node vouched for them no later.
                     for (i, p) in inos.into_iter().zip(paths) {
                         if let Some(p) = p {
-                            k.paths.insert(i, p);
+                            k.paths.insert(i, (p, asked));
                         }
                     }
                 }
