@@ -421,7 +421,7 @@ async fn kubernetes_extender_scores_and_filters_in_kube_schedulers_shapes() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn warm_copies_a_version_onto_chosen_nodes_and_resumes() {
+async fn warm_copies_a_version_onto_chosen_nodes_and_a_rerun_copies_nothing() {
     let h = Harness::new("warm");
     let (m, mut nodes, src, total) = imported(&h, 80, "1").await;
 

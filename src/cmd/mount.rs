@@ -195,6 +195,13 @@ pub struct MountStatus {
     /// only its own cluster's mounts.
     #[serde(default)]
     pub cluster_id: String,
+    /// When this server took over io_uring queues from a previous one: the requests that
+    /// one held unanswered, run again here, and the answers it had written, sent again
+    /// (a request run twice would open a handle nobody releases). 0 otherwise.
+    #[serde(default)]
+    pub takeover_rerun: u64,
+    #[serde(default)]
+    pub takeover_resent: u64,
 }
 
 mod detach;
@@ -294,7 +301,11 @@ async fn serve(a: MountArgs, mountpoint: PathBuf, cfg: &Resolved) -> anyhow::Res
     } else {
         std::process::id()
     };
+    // Final once the session has started: every queue settled what it adopted first.
+    let (rerun, resent) = serving.control.as_ref().map_or((0, 0), |c| c.taken_over());
     let status = MountStatus {
+        takeover_rerun: rerun as u64,
+        takeover_resent: resent as u64,
         mountpoint: mountpoint.clone(),
         dataset: dataset.clone(),
         version: v.version,

@@ -578,6 +578,10 @@ pub struct RingControl {
     total: usize,
     held: std::sync::atomic::AtomicUsize,
     on_held: Mutex<Option<Box<dyn FnOnce() + Send>>>,
+    /// At takeover: requests a previous server held unanswered, run again here, and
+    /// answers it had written, sent again (see `serve_queue`).
+    rerun: std::sync::atomic::AtomicUsize,
+    resent: std::sync::atomic::AtomicUsize,
 }
 
 impl std::fmt::Debug for RingControl {
@@ -616,6 +620,15 @@ impl RingControl {
                 warn!("queue {}: cannot wake it: {e}", q.qid);
             }
         }
+    }
+
+    /// What this server did with the requests a previous one held in the queues:
+    /// (run again, answers sent again). Final once the session has started.
+    pub fn taken_over(&self) -> (usize, usize) {
+        (
+            self.rerun.load(std::sync::atomic::Ordering::SeqCst),
+            self.resent.load(std::sync::atomic::Ordering::SeqCst),
+        )
     }
 
     fn is_frozen(&self) -> bool {
@@ -687,6 +700,8 @@ impl Rings {
             total: n,
             held: std::sync::atomic::AtomicUsize::new(0),
             on_held: Mutex::new(None),
+            rerun: std::sync::atomic::AtomicUsize::new(0),
+            resent: std::sync::atomic::AtomicUsize::new(0),
         });
         let (tx, rx) = mpsc::channel::<io::Result<()>>();
         let mut threads = Vec::with_capacity(n);
@@ -847,6 +862,13 @@ fn serve_queue<FS: Filesystem>(
             ops.len(),
             replayed,
         );
+        let control = &queue.control;
+        control
+            .rerun
+            .fetch_add(held.len() + settling.len(), std::sync::atomic::Ordering::SeqCst);
+        control
+            .resent
+            .fetch_add(replayed, std::sync::atomic::Ordering::SeqCst);
     }
     for (slot, unique, bytes) in held.drain(..) {
         serve(&queue, &se, &dev, slot, unique, &bytes, &mut scratch);
