@@ -1348,3 +1348,64 @@ async fn a_mount_started_by_one_call_serves_every_file_and_refreshes_replicas_as
         Ok(_) => panic!("mounted on a directory that does not exist"),
     }
 }
+
+/// A version holds more files than a mount keeps open (a quarter of its descriptor
+/// limit): a job's second pass within the reopen window finds most of its files closed
+/// for room. It opens them again from the paths the node listed with their shard, and
+/// asks the node nothing per file; before, each went to the node alone (`EnsureLocal`,
+/// which hashes the blob again), and such a pass over 7,000 cold small files ran at
+/// 0.35–0.44× raw against 0.6–0.8× for the first (bench/RESULTS.md session 25).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_pass_over_more_files_than_the_mount_keeps_open_asks_the_node_nothing_per_file() {
+    let h = Harness::new("mount-room");
+    let m = h.start_metadata("meta", MetadataOpts::default()).await;
+    let n1 = h.start_node("n1", &m, NodeOpts::host(1)).await;
+    let src = h.path("src");
+    std::fs::create_dir_all(&src).unwrap();
+    let files: Vec<(String, Vec<u8>)> = (0..200u64)
+        .map(|i| (format!("f{i:03}.bin"), pseudo_random(7_000 + i, 20_000)))
+        .collect();
+    for (name, data) in &files {
+        std::fs::write(src.join(name), data).unwrap();
+    }
+    let out = import(&m, "ds", &src, &["--replicas", "1"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+
+    // A limit of 128 descriptors: the mount keeps 32 files open.
+    let mnt = m.mount_with_nofile("m", "ds@1", Some(&n1), &[], 128);
+    let limits = std::fs::read_to_string(format!("/proc/{}/limits", mnt.server_pid())).unwrap();
+    assert!(
+        limits
+            .lines()
+            .any(|l| l.starts_with("Max open files") && l.contains(" 128 ")),
+        "{limits}"
+    );
+
+    // Every read is a request the mount answers from the node's file (O_DIRECT: the page
+    // cache holds nothing for it).
+    let pass = || {
+        for (name, data) in &files {
+            let got = read_direct(&mnt.path.join(name)).unwrap_or_else(|e| panic!("{name}: {e}"));
+            assert!(got == *data, "{name}: wrong bytes");
+        }
+    };
+    pass();
+    let asked = (
+        counter(&n1, "locus_node_ensure_local_total").await,
+        counter(&n1, "locus_node_local_paths_total").await,
+    );
+    assert!(asked.1 >= 1, "the first pass listed no shard: {asked:?}");
+    pass();
+    let again = (
+        counter(&n1, "locus_node_ensure_local_total").await - asked.0,
+        counter(&n1, "locus_node_local_paths_total").await - asked.1,
+    );
+    // The file whose open had the shard listed was never listed itself: it may be
+    // asked for again, alone.
+    assert!(
+        again.0 <= 1 && again.1 == 0,
+        "the second pass asked the node {} times for single files and listed {} shards again",
+        again.0,
+        again.1
+    );
+}

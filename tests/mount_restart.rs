@@ -39,19 +39,6 @@ fn read_slowly(p: &Path, pause: Duration) -> std::io::Result<Vec<u8>> {
     }
 }
 
-/// Reads `p` with O_DIRECT: each read is one synchronous request whose error reaches the
-/// reader (a failed read-ahead would be retried by the kernel and hide it).
-fn read_direct(p: &Path) -> std::io::Result<Vec<u8>> {
-    use std::os::unix::fs::OpenOptionsExt;
-    let mut f = std::fs::OpenOptions::new()
-        .read(true)
-        .custom_flags(libc::O_DIRECT)
-        .open(p)?;
-    let mut out = Vec::new();
-    f.read_to_end(&mut out)?;
-    Ok(out)
-}
-
 /// Waits until the mount has a live server other than `old`, and returns it.
 /// Whole reads of `files` under `root`, each on a thread of its own and with O_DIRECT (so
 /// each is a request the server must answer), checked against their hashes.

@@ -7,6 +7,8 @@
 //! | locus_node_bulk_received_bytes_total | counter | bytes | blob bytes received over the bulk path (imports) |
 //! | locus_node_bulk_connections | gauge | connections | bulk-path connections open now (a thread each) |
 //! | locus_node_opened_blobs_total | counter | blobs | blobs handed out as open descriptors on the open socket |
+//! | locus_node_ensure_local_total | counter | calls | blobs a client had this node make present and verified, one per call (`EnsureLocal`: a same-host mount asks it for a file it has no path for) |
+//! | locus_node_local_paths_total | counter | calls | lists of verified paths given (`LocalPaths`: a mount asks once per shard and reopen window) |
 //! | locus_node_written_bytes_total | counter | bytes | blob bytes stored, verified (WriteBlob, fetches) |
 //! | locus_node_blobs_written_total | counter | blobs | blobs stored by how they came (client, peer, backup, origin) |
 //! | locus_node_write_refusals_total | counter | calls | writes refused by reason (full, mismatch) |
@@ -59,6 +61,8 @@ pub struct Metrics {
     pub bulk_received: Counter,
     pub bulk_connections: Gauge,
     pub opened_blobs: Counter,
+    pub ensure_local: Counter,
+    pub local_paths: Counter,
     pub outboards_kept_used: Counter,
     pub outboards_computed: Counter,
     pub written_bytes: Counter,
@@ -104,6 +108,8 @@ impl Metrics {
             bulk_received: Counter::default(),
             bulk_connections: Gauge::default(),
             opened_blobs: Counter::default(),
+            ensure_local: Counter::default(),
+            local_paths: Counter::default(),
             outboards_kept_used: Counter::default(),
             outboards_computed: Counter::default(),
             written_bytes: Counter::default(),
@@ -160,6 +166,16 @@ impl Metrics {
             "opened_blobs",
             "Blobs handed out as open descriptors on the open socket",
             m.opened_blobs.clone(),
+        );
+        r.register(
+            "ensure_local",
+            "EnsureLocal calls: blobs made present and verified for a client, one per call",
+            m.ensure_local.clone(),
+        );
+        r.register(
+            "local_paths",
+            "LocalPaths calls: lists of verified paths given to a same-host mount",
+            m.local_paths.clone(),
         );
         r.register(
             "written_bytes",

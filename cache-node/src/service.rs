@@ -475,6 +475,7 @@ impl Node for NodeService {
         &self,
         req: Request<nodepb::LocalPathsRequest>,
     ) -> Result<Response<nodepb::LocalPathsResponse>, Status> {
+        self.metrics.local_paths.inc();
         self.paths_here(req.into_inner()).await.map(Response::new)
     }
 
@@ -482,6 +483,7 @@ impl Node for NodeService {
         &self,
         req: Request<nodepb::EnsureLocalRequest>,
     ) -> Result<Response<nodepb::EnsureLocalResponse>, Status> {
+        self.metrics.ensure_local.inc();
         // The local socket's clients are trusted with every blob and name no team: what
         // they have cached counts as untagged.
         self.make_local(req.into_inner(), crate::store::TeamId::NONE)

@@ -69,6 +69,21 @@ impl Metadata {
         o.0
     }
 
+    /// `mount` with the mount process (and the server it starts) limited to `nofile`
+    /// open descriptors, soft and hard, as a host's limits would have it (`prlimit`).
+    pub fn mount_with_nofile(
+        &self,
+        name: &str,
+        target: &str,
+        node: Option<&Node>,
+        extra: &[&str],
+        nofile: u64,
+    ) -> Mount {
+        let o = self.try_mount_limited(None, name, target, node, extra, &[], Some(nofile));
+        assert!(o.1.status.success(), "mount failed: {}", stderr(&o.1));
+        o.0
+    }
+
     /// `mount_on` with more environment for the mount process.
     pub fn mount_on_with_env(
         &self,
@@ -103,6 +118,20 @@ impl Metadata {
         extra: &[&str],
         env: &[(&str, &str)],
     ) -> (Mount, Output) {
+        self.try_mount_limited(on, name, target, node, extra, env, None)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn try_mount_limited(
+        &self,
+        on: Option<&Host>,
+        name: &str,
+        target: &str,
+        node: Option<&Node>,
+        extra: &[&str],
+        env: &[(&str, &str)],
+        nofile: Option<u64>,
+    ) -> (Mount, Output) {
         let path = self.dir.parent().unwrap().join(name);
         std::fs::create_dir_all(&path).unwrap();
         let runtime_dir = self.dir.parent().unwrap().join("runtime");
@@ -119,10 +148,18 @@ impl Metadata {
             args.push(n.socket.to_str().unwrap());
         }
         args.extend_from_slice(extra);
-        let mut cmd = match on {
-            Some(h) => h.command(locus()),
-            None => Command::new(locus()),
+        // With a limit, `prlimit` sets it and runs `locus`.
+        let program: &std::ffi::OsStr = match nofile {
+            Some(_) => "prlimit".as_ref(),
+            None => locus().as_os_str(),
         };
+        let mut cmd = match on {
+            Some(h) => h.command(program),
+            None => Command::new(program),
+        };
+        if let Some(n) = nofile {
+            cmd.arg(format!("--nofile={n}:{n}")).arg("--").arg(locus());
+        }
         cmd.args(&args)
             .env("LOCUS_METADATA", self.url())
             .env("LOCUS_RUNTIME_DIR", &runtime_dir)
@@ -263,6 +300,21 @@ impl Drop for MountingProcess {
             let _ = Command::new("umount").arg("-l").arg(&m).status();
         }
     }
+}
+
+/// Reads `p` with O_DIRECT: through a mount, each read is one synchronous request the
+/// server must answer, whatever the page cache holds, and whose error reaches the reader
+/// (a failed read-ahead would be retried by the kernel and hide it).
+pub fn read_direct(p: &Path) -> std::io::Result<Vec<u8>> {
+    use std::io::Read;
+    use std::os::unix::fs::OpenOptionsExt;
+    let mut f = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(nix::fcntl::OFlag::O_DIRECT.bits())
+        .open(p)?;
+    let mut out = Vec::new();
+    f.read_to_end(&mut out)?;
+    Ok(out)
 }
 
 /// Mount points under `root`, outermost first.
