@@ -64,7 +64,16 @@ impl Metadata {
         extra: &[&str],
         env: &[(&str, &str)],
     ) -> Mount {
-        let o = self.try_mount_env(None, name, target, node, extra, env);
+        let o = self.spawn_mount(
+            name,
+            target,
+            node,
+            extra,
+            How {
+                env,
+                ..How::default()
+            },
+        );
         assert!(o.1.status.success(), "mount failed: {}", stderr(&o.1));
         o.0
     }
@@ -79,7 +88,11 @@ impl Metadata {
         extra: &[&str],
         nofile: u64,
     ) -> Mount {
-        let o = self.try_mount_limited(None, name, target, node, extra, &[], Some(nofile));
+        let how = How {
+            nofile: Some(nofile),
+            ..How::default()
+        };
+        let o = self.spawn_mount(name, target, node, extra, how);
         assert!(o.1.status.success(), "mount failed: {}", stderr(&o.1));
         o.0
     }
@@ -93,7 +106,12 @@ impl Metadata {
         extra: &[&str],
         env: &[(&str, &str)],
     ) -> Mount {
-        let o = self.try_mount_env(Some(on), name, target, None, extra, env);
+        let how = How {
+            on: Some(on),
+            env,
+            ..How::default()
+        };
+        let o = self.spawn_mount(name, target, None, extra, how);
         assert!(o.1.status.success(), "mount failed: {}", stderr(&o.1));
         o.0
     }
@@ -106,31 +124,16 @@ impl Metadata {
         node: Option<&Node>,
         extra: &[&str],
     ) -> (Mount, Output) {
-        self.try_mount_env(on, name, target, node, extra, &[])
+        self.spawn_mount(name, target, node, extra, How { on, ..How::default() })
     }
 
-    fn try_mount_env(
+    fn spawn_mount(
         &self,
-        on: Option<&Host>,
         name: &str,
         target: &str,
         node: Option<&Node>,
         extra: &[&str],
-        env: &[(&str, &str)],
-    ) -> (Mount, Output) {
-        self.try_mount_limited(on, name, target, node, extra, env, None)
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    fn try_mount_limited(
-        &self,
-        on: Option<&Host>,
-        name: &str,
-        target: &str,
-        node: Option<&Node>,
-        extra: &[&str],
-        env: &[(&str, &str)],
-        nofile: Option<u64>,
+        How { on, env, nofile }: How<'_>,
     ) -> (Mount, Output) {
         let path = self.dir.parent().unwrap().join(name);
         std::fs::create_dir_all(&path).unwrap();
@@ -188,6 +191,15 @@ impl Metadata {
             out,
         )
     }
+}
+
+/// Where and how `locus mount` runs: on a test-bed host (else here), with more
+/// environment, under a descriptor limit.
+#[derive(Default)]
+struct How<'a> {
+    on: Option<&'a Host>,
+    env: &'a [(&'a str, &'a str)],
+    nofile: Option<u64>,
 }
 
 impl Mount {
