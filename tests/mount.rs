@@ -1351,12 +1351,14 @@ async fn a_mount_started_by_one_call_serves_every_file_and_refreshes_replicas_as
 
 /// A version holds more files than a mount keeps open (a quarter of its descriptor
 /// limit): a job's second pass within the reopen window finds most of its files closed
-/// for room. It opens them again from the paths the node listed with their shard, and
-/// asks the node nothing per file; before, each went to the node alone (`EnsureLocal`,
+/// for room. It opens them again from the paths the node listed with their shard (only
+/// the file whose open had the shard listed, never listed itself, may be asked for
+/// alone); before, each went to the node alone (`EnsureLocal`,
 /// which hashes the blob again), and such a pass over 7,000 cold small files ran at
 /// 0.35–0.44× raw against 0.6–0.8× for the first (bench/RESULTS.md session 25).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_second_pass_over_more_files_than_the_mount_keeps_open_asks_the_node_nothing_per_file() {
+async fn a_second_pass_over_more_files_than_the_mount_keeps_open_reopens_them_from_the_paths_the_node_listed()
+{
     let h = Harness::new("mount-room");
     let m = h.start_metadata("meta", MetadataOpts::default()).await;
     let n1 = h.start_node("n1", &m, NodeOpts::host(1)).await;
