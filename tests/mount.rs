@@ -1411,3 +1411,57 @@ async fn a_second_pass_over_more_files_than_the_mount_keeps_open_reopens_them_fr
         again.1
     );
 }
+
+/// Under FUSE over io_uring, a small file the node holds is read from the disk from its
+/// LOOKUP on, and its READ takes those bytes (the reader's wait for the disk starts
+/// earlier); a walk that only looks files up stops reading ahead after a few dozen.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn small_files_are_read_ahead_from_their_lookup_and_a_walk_that_only_stats_stops_it() {
+    let _on = EnableUring::set(true);
+    let h = Harness::new("mount-ahead");
+    let m = h.start_metadata("meta", MetadataOpts::default()).await;
+    let n1 = h.start_node("n1", &m, NodeOpts::host(1)).await;
+    let src = h.path("src");
+    let files: Vec<(String, Vec<u8>)> = (0..300u64)
+        .map(|i| {
+            let dir = if i < 100 { "read" } else { "stat" };
+            (format!("{dir}/f{i:03}.bin"), pseudo_random(9_000 + i, 20_000))
+        })
+        .collect();
+    for (name, data) in &files {
+        let p = src.join(name);
+        std::fs::create_dir_all(p.parent().unwrap()).unwrap();
+        std::fs::write(p, data).unwrap();
+    }
+    let out = import(&m, "ds", &src, &["--replicas", "1"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let mnt = m.mount("m", "ds@1", Some(&n1), &["--fuse-transport", "io-uring"]);
+    assert_eq!(mnt.status()["transport"].as_str(), Some("io_uring"));
+    let total = |s: &serde_json::Value, k: &str| s["totals"][k].as_u64().unwrap_or(0);
+
+    // The node's packs out of the page cache: each file's bytes come from the disk.
+    assert!(drop_caches(), "dropping the page cache needs root");
+    for (name, data) in &files[..100] {
+        let got = std::fs::read(mnt.path.join(name)).unwrap_or_else(|e| panic!("{name}: {e}"));
+        assert!(got == *data, "{name}: wrong bytes");
+    }
+    let s = mnt
+        .status_when("most reads took bytes read ahead", |s| {
+            total(s, "read_aheads_taken") >= 80
+        })
+        .await;
+    let before = total(&s, "read_aheads_started");
+
+    // Only lookups: what is read ahead goes untaken, and the gate closes.
+    for (name, _) in &files[100..] {
+        std::fs::metadata(mnt.path.join(name)).unwrap();
+    }
+    let s = mnt
+        .status_when("the walk's totals", |s| total(s, "lookups") >= 300)
+        .await;
+    let during = total(&s, "read_aheads_started") - before;
+    assert!(
+        during <= 60,
+        "{during} of 200 files looked up only were read ahead: {s}"
+    );
+}

@@ -426,31 +426,6 @@ async fn a_remount_after_fusermount_u_umount_or_umount_l_is_not_torn_down_by_the
     );
 }
 
-/// The fuse module's `enable_uring` parameter, set for the life of the value and put back
-/// as it was when dropped.
-struct EnableUring(Option<String>);
-
-const ENABLE_URING: &str = "/sys/module/fuse/parameters/enable_uring";
-
-impl EnableUring {
-    fn set(on: bool) -> EnableUring {
-        let was = std::fs::read_to_string(ENABLE_URING).unwrap_or_else(|e| {
-            panic!("{ENABLE_URING}: {e} (this test needs a kernel with FUSE over io_uring, Linux 6.14+, and root)")
-        });
-        std::fs::write(ENABLE_URING, if on { "Y" } else { "N" })
-            .unwrap_or_else(|e| panic!("{ENABLE_URING}: {e} (this test needs root)"));
-        EnableUring(Some(was.trim().to_string()))
-    }
-}
-
-impl Drop for EnableUring {
-    fn drop(&mut self) {
-        if let Some(was) = self.0.take() {
-            let _ = std::fs::write(ENABLE_URING, was);
-        }
-    }
-}
-
 /// `--fuse-transport io-uring`: on a kernel that does not offer it (the parameter off)
 /// the mount serves through /dev/fuse and says so once; where it is on, requests come
 /// through the rings, and a server killed under them is replaced: reads made while no

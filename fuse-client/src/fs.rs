@@ -119,6 +119,8 @@ pub struct Mount {
     /// Told of every backing id registered (`Some`) or closed (`None`), before the kernel
     /// hears of it: the holder of the connection keeps the list for the next process.
     backing_observer: Option<BackingObserver>,
+    /// Whether lookups are followed by reads (`read::ReadAheadGate`).
+    read_ahead: read::ReadAheadGate,
 }
 
 /// Marks a handle opened with passthrough. A server that took the connection over
@@ -164,6 +166,7 @@ impl LocusFs {
                 connection: Mutex::new(None),
                 open_counts: None,
                 backing_observer: None,
+                read_ahead: read::ReadAheadGate::default(),
             }),
         }
     }
@@ -374,11 +377,14 @@ impl Filesystem for LocusFs {
 
     fn lookup(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEntry) {
         match self.mount.core.lookup(parent.0, name) {
-            Ok(a) => reply.entry(
-                &TTL,
-                &self.mount.file_attr(&a),
-                Generation(self.mount.core.settings.generation),
-            ),
+            Ok(a) => {
+                self.mount.read_ahead_on_lookup(&a);
+                reply.entry(
+                    &TTL,
+                    &self.mount.file_attr(&a),
+                    Generation(self.mount.core.settings.generation),
+                )
+            }
             Err(e) => reply.error(errno("lookup", &e)),
         }
     }

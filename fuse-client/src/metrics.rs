@@ -167,6 +167,15 @@ pub struct Totals {
     /// Local reads submitted on the io_uring queue their request came in on.
     #[serde(default)]
     pub ring_reads: u64,
+    /// Small files read ahead at their LOOKUP (under FUSE over io_uring): started, taken
+    /// by their READ, and dropped untaken (`fuser::prefetch`; the process's, whatever
+    /// its mounts).
+    #[serde(default)]
+    pub read_aheads_started: u64,
+    #[serde(default)]
+    pub read_aheads_taken: u64,
+    #[serde(default)]
+    pub read_aheads_dropped: u64,
 }
 
 impl Metrics {
@@ -268,6 +277,7 @@ impl Metrics {
 
     pub fn totals(&self) -> Totals {
         let t = |i: usize| self.totals[i].load(Ordering::Relaxed);
+        let (started, taken, dropped) = fuser::prefetch::counts();
         Totals {
             opens_passthrough: t(OPEN_PASSTHROUGH),
             opens_local: t(OPEN_LOCAL),
@@ -284,6 +294,9 @@ impl Metrics {
             listed_names_only: t(LISTED_NAMES),
             lookups: t(LOOKUPS),
             ring_reads: t(RING_READS),
+            read_aheads_started: started,
+            read_aheads_taken: taken,
+            read_aheads_dropped: dropped,
         }
     }
 

@@ -415,3 +415,28 @@ pub async fn wait_for_socket(sock: &Path) {
     )
     .await
 }
+
+/// The fuse module's `enable_uring` parameter, set for the life of the value and put back
+/// as it was when dropped.
+pub struct EnableUring(Option<String>);
+
+const ENABLE_URING: &str = "/sys/module/fuse/parameters/enable_uring";
+
+impl EnableUring {
+    pub fn set(on: bool) -> EnableUring {
+        let was = std::fs::read_to_string(ENABLE_URING).unwrap_or_else(|e| {
+            panic!("{ENABLE_URING}: {e} (this test needs a kernel with FUSE over io_uring, Linux 6.14+, and root)")
+        });
+        std::fs::write(ENABLE_URING, if on { "Y" } else { "N" })
+            .unwrap_or_else(|e| panic!("{ENABLE_URING}: {e} (this test needs root)"));
+        EnableUring(Some(was.trim().to_string()))
+    }
+}
+
+impl Drop for EnableUring {
+    fn drop(&mut self) {
+        if let Some(was) = self.0.take() {
+            let _ = std::fs::write(ENABLE_URING, was);
+        }
+    }
+}

@@ -62,11 +62,18 @@ impl Mount {
         reply: ReplyData,
     ) {
         let want = want as usize;
+        let reply = match self.take_read_ahead(ino, &file, offset, want, started, reply) {
+            Ok(()) => return,
+            Err(reply) => reply,
+        };
         // A read that ends a blob none of which is cached (a small file's one read, a
         // large one's last) goes direct: asked first, as an attempt from the page cache
         // would start the kernel's read-ahead of the same bytes.
         let direct = self.core.ends_blob(ino, offset, want)
             && cached(file.file(), file.base + offset, want) == Some(false);
+        if direct {
+            self.read_ahead.cold_read();
+        }
         let reply = match direct {
             true => match self.read_by_ring(ino, &file, offset, want, started, reply) {
                 Ok(()) => return,
@@ -253,5 +260,114 @@ impl Mount {
                 Ok(ByInode::Remote(data)) => mount.send_remote(Ok(data), size, started, reply),
                 Err(e) => mount.send_remote(Err(e), size, started, reply),
             });
+    }
+}
+
+/// Files read ahead at their LOOKUP are at most this large: a cold small file, which the
+/// kernel reads in one READ.
+const READ_AHEAD_MAX: u64 = 256 << 10;
+/// How far the gate's score goes either way: reading ahead stops after about this many
+/// reads ahead went untaken more than were taken, and starts again after as many reads.
+const GATE: i64 = 8;
+
+/// Whether LOOKUPs of small files are followed by their READs, so that reading a file
+/// ahead at its LOOKUP pays: a score raised by each read ahead a READ took and each cold
+/// READ that found none, lowered by each read ahead dropped untaken (a walk that only
+/// stats files). Approximate under concurrency, which is all it needs to be.
+#[derive(Default)]
+pub(crate) struct ReadAheadGate {
+    score: std::sync::atomic::AtomicI64,
+    seen_used: std::sync::atomic::AtomicU64,
+    seen_unused: std::sync::atomic::AtomicU64,
+}
+
+impl ReadAheadGate {
+    fn open(&self) -> bool {
+        use std::sync::atomic::Ordering::Relaxed;
+        let (_, used, unused) = fuser::prefetch::counts();
+        let taken = used.saturating_sub(self.seen_used.swap(used, Relaxed)) as i64;
+        let dropped = unused.saturating_sub(self.seen_unused.swap(unused, Relaxed)) as i64;
+        let s = (self.score.load(Relaxed) + taken - dropped).clamp(-GATE, GATE);
+        self.score.store(s, Relaxed);
+        s > -GATE
+    }
+
+    fn cold_read(&self) {
+        use std::sync::atomic::Ordering::Relaxed;
+        let s = self.score.load(Relaxed);
+        self.score.store((s + 1).min(GATE), Relaxed);
+    }
+}
+
+impl Mount {
+    /// At the LOOKUP of a small file the local node holds in a pack, not in the page
+    /// cache: its bytes read from the disk on the queue's ring from now, not from its
+    /// READ, which comes a few dozen microseconds later (`fuser::prefetch`). Only under
+    /// FUSE over io_uring (elsewhere nothing starts), and while the gate says lookups are
+    /// followed by reads.
+    pub(super) fn read_ahead_on_lookup(&self, a: &crate::namespace::Attr) {
+        use std::os::fd::AsRawFd;
+        if a.kind != crate::namespace::Kind::File
+            || a.size == 0
+            || a.size > READ_AHEAD_MAX
+            || self.core.local.is_none()
+            || !self.read_ahead.open()
+        {
+            return;
+        }
+        let Some(file) = self
+            .core
+            .recent_file(a.ino)
+            .or_else(|| self.core.known_file(a.ino))
+        else {
+            return;
+        };
+        if !file.packed || cached(file.file(), file.base, a.size as usize) != Some(false) {
+            return;
+        }
+        let Some(DirectFile::Shared(direct)) = file.direct() else {
+            return;
+        };
+        let fd = direct.as_raw_fd();
+        let skip = file.base % DIRECT_ALIGN as u64;
+        let len = direct_room(file.base, a.size as usize);
+        let keep: Box<dyn std::any::Any + Send> = Box::new(file.clone());
+        fuser::prefetch::start(fd, file.base - skip, len, a.ino, keep);
+    }
+
+    /// Answers a read with what was read ahead for its file at its LOOKUP, on this
+    /// queue; else the reply comes back.
+    fn take_read_ahead(
+        self: &Arc<Self>,
+        ino: u64,
+        file: &Arc<NodeFile>,
+        offset: u64,
+        want: usize,
+        started: Instant,
+        reply: ReplyData,
+    ) -> Result<(), ReplyData> {
+        let from = (file.base % DIRECT_ALIGN as u64) as usize + offset as usize;
+        let (mount, file) = (self.clone(), file.clone());
+        reply.take_read_ahead(ino, want, move |got, buf| {
+            let read = match got {
+                Ok(src) if src.len() >= from + want => {
+                    buf[..want].copy_from_slice(&src[from..from + want]);
+                    mount.core.judge_local(ino, &file, want, Ok(want))
+                }
+                // Fewer (the file shrank since its check), the read failed, or another
+                // READ took it meanwhile: the ordinary read tells.
+                _ => mount.core.pread_local(ino, &file, offset, want, false, buf),
+            };
+            match read {
+                Ok(n) => {
+                    mount.core.metrics.read("local", n, started.elapsed());
+                    Ok(n)
+                }
+                Err(e) => {
+                    mount.core.metrics.read_error();
+                    Err(errno("read", &e))
+                }
+            }
+        })
     }
 }

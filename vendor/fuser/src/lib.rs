@@ -106,6 +106,8 @@ mod uring;
 #[cfg(target_os = "linux")]
 pub use crate::uring::RingControl;
 #[cfg(target_os = "linux")]
+pub use crate::uring::prefetch;
+#[cfg(target_os = "linux")]
 pub use crate::uring::RingLayout;
 
 /// We generally support async reads

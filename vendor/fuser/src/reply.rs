@@ -263,6 +263,37 @@ impl ReplyData {
         Ok(())
     }
 
+    /// Answers with what the read ahead under `key` (`prefetch::start`) read: `done`
+    /// gets those bytes and the reply's buffer (`want` bytes) and gives the number of
+    /// bytes to send from its start, or the error (Locus addition). Now if the read has
+    /// completed, else on the ring's thread when it does. The reply comes back untouched
+    /// where this queue's thread keeps no read ahead under `key` (another queue, or
+    /// through `/dev/fuse`).
+    #[cfg(target_os = "linux")]
+    pub fn take_read_ahead(
+        mut self,
+        key: u64,
+        want: usize,
+        done: impl FnOnce(std::io::Result<&[u8]>, &mut [u8]) -> Result<usize, Errno> + Send + 'static,
+    ) -> Result<(), ReplyData> {
+        match &self.reply.sender {
+            Some(ReplySender::Ring(ring)) if ring.can_read(want) && crate::uring::prefetch::kept(key) => {}
+            _ => return Err(self),
+        }
+        let Some(ReplySender::Ring(ring)) = self.reply.sender.take() else {
+            unreachable!()
+        };
+        let unique = self.reply.unique.0;
+        crate::uring::prefetch::take(
+            key,
+            ring,
+            unique,
+            want,
+            Box::new(move |got, buf| done(got, buf).map_err(|e| e.code())),
+        );
+        Ok(())
+    }
+
     /// `fill` that may decline (`None`: nothing is sent, and the reply comes back to be
     /// answered later, e.g. after a read that must wait for the disk elsewhere).
     pub fn try_fill(

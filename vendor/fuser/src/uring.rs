@@ -60,6 +60,7 @@ use crate::session::SessionEventLoop;
 
 mod held;
 mod memory;
+pub mod prefetch;
 
 use held::Held;
 pub use memory::RingLayout;
@@ -887,7 +888,7 @@ fn serve_queue<FS: Filesystem>(
         );
         let before = pending.len();
         pending.retain(|&(u, r, _)| {
-            let gone = u & (WAKE | FILE_READ | RECOVER) == 0
+            let gone = u & (WAKE | FILE_READ | RECOVER | prefetch::PREFETCH) == 0
                 && r == -libc::ENOENT
                 && recovering.remove(&(u as usize));
             if gone {
@@ -902,7 +903,7 @@ fn serve_queue<FS: Filesystem>(
     }
     let refused = pending
         .iter()
-        .find(|(u, r, _)| *u & (WAKE | FILE_READ | RECOVER) == 0 && *r < 0)
+        .find(|(u, r, _)| *u & (WAKE | FILE_READ | RECOVER | prefetch::PREFETCH) == 0 && *r < 0)
         .map(|(_, r, _)| io::Error::from_raw_os_error(-r));
     match (setup, refused) {
         (Err(e), _) => {
@@ -970,6 +971,10 @@ fn serve_queue<FS: Filesystem>(
                 file_read_done(&queue, (slot & !FILE_READ) as usize, res);
                 continue;
             }
+            if slot & prefetch::PREFETCH != 0 {
+                prefetch::completed(slot & !prefetch::PREFETCH, res);
+                continue;
+            }
             if slot & RECOVER != 0 {
                 if frozen {
                     stash.push((slot, res, flags));
@@ -1023,7 +1028,7 @@ fn serve_queue<FS: Filesystem>(
             dispatch(&queue, &se, &dev, slot, commit_id, payload_free, data);
         }
         // A file read still in flight writes into this queue's memory: wait for it.
-        if live == 0 && FILE_READS.with(|r| r.borrow().is_empty()) {
+        if live == 0 && FILE_READS.with(|r| r.borrow().is_empty()) && !prefetch::in_flight() {
             debug!("queue {qid}: every entry has ended");
             return;
         }
