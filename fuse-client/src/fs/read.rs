@@ -307,7 +307,9 @@ impl Mount {
     /// followed by reads.
     pub(super) fn read_ahead_on_lookup(&self, a: &crate::namespace::Attr) {
         use std::os::fd::AsRawFd;
-        if a.kind != crate::namespace::Kind::File
+        // Nothing is opened, counted or asked unless a read ahead can start here.
+        if !fuser::prefetch::possible()
+            || a.kind != crate::namespace::Kind::File
             || a.size == 0
             || a.size > READ_AHEAD_MAX
             || self.core.local.is_none()
@@ -315,12 +317,17 @@ impl Mount {
         {
             return;
         }
-        let Some(file) = self
-            .core
-            .recent_file(a.ino)
-            .or_else(|| self.core.known_file(a.ino))
-        else {
-            return;
+        let file = match self.core.recent_file(a.ino) {
+            Some(f) => f,
+            None => {
+                // Opened from the path the node listed, as the READ would have (and
+                // counted as it would have been there).
+                let Some(f) = self.core.known_file(a.ino) else {
+                    return;
+                };
+                self.core.metrics.opened("local");
+                f
+            }
         };
         if !file.packed || cached(file.file(), file.base, a.size as usize) != Some(false) {
             return;

@@ -101,6 +101,11 @@ struct Ahead {
 static AHEAD: std::sync::LazyLock<Mutex<HashMap<u64, Ahead>>> =
     std::sync::LazyLock::new(|| Mutex::new(HashMap::new()));
 
+/// Whether this thread is an io_uring queue's, where `start` can start a read ahead.
+pub fn possible() -> bool {
+    ON_QUEUE.get() != 0
+}
+
 /// Starts reading `len` bytes of `fd` at `offset` (O_DIRECT alignment is the caller's)
 /// under `key`, on the ring of the queue whose thread this is, submitted with its next
 /// wait; `keep` keeps `fd` open until the read has completed. False when this is no
