@@ -152,16 +152,7 @@ impl Mount {
                 Ok(_) => mount.core.pread_local(ino, &file, offset, want, false, buf),
                 Err(e) => mount.core.judge_local(ino, &file, want, Err(e)),
             };
-            match read {
-                Ok(n) => {
-                    mount.core.metrics.read("local", n, started.elapsed());
-                    Ok(n)
-                }
-                Err(e) => {
-                    mount.core.metrics.read_error();
-                    Err(errno("read", &e))
-                }
-            }
+            mount.local_read_done(read, started)
         });
         if submitted.is_ok() {
             metrics.ring_read();
@@ -342,6 +333,20 @@ impl Mount {
         fuser::prefetch::start(fd, file.base - skip, len, a.ino, keep);
     }
 
+    /// A local read's outcome as the reply gets it, counted.
+    fn local_read_done(&self, read: Result<usize, FsError>, started: Instant) -> Result<usize, fuser::Errno> {
+        match read {
+            Ok(n) => {
+                self.core.metrics.read("local", n, started.elapsed());
+                Ok(n)
+            }
+            Err(e) => {
+                self.core.metrics.read_error();
+                Err(errno("read", &e))
+            }
+        }
+    }
+
     /// Answers a read with what was read ahead for its file at its LOOKUP, on this
     /// queue; else the reply comes back.
     fn take_read_ahead(
@@ -365,16 +370,7 @@ impl Mount {
                 // READ took it meanwhile: the ordinary read tells.
                 _ => mount.core.pread_local(ino, &file, offset, want, false, buf),
             };
-            match read {
-                Ok(n) => {
-                    mount.core.metrics.read("local", n, started.elapsed());
-                    Ok(n)
-                }
-                Err(e) => {
-                    mount.core.metrics.read_error();
-                    Err(errno("read", &e))
-                }
-            }
+            mount.local_read_done(read, started)
         })
     }
 }
