@@ -266,9 +266,10 @@ impl ReplyData {
     /// Answers with what the read ahead under `key` (`prefetch::start`) read: `done`
     /// gets those bytes and the reply's buffer (`want` bytes) and gives the number of
     /// bytes to send from its start, or the error (Locus addition). Now if the read has
-    /// completed, else on the ring's thread when it does. The reply comes back untouched
-    /// where this queue's thread keeps no read ahead under `key` (another queue, or
-    /// through `/dev/fuse`).
+    /// completed, else when it does (on the thread of the ring that read it, which hands
+    /// the answer to this reply's queue when that is another). The reply comes back
+    /// untouched where no read ahead is kept under `key`, or the reply does not come
+    /// from an io_uring queue's own thread (`/dev/fuse`).
     #[cfg(target_os = "linux")]
     pub fn take_read_ahead(
         mut self,

@@ -97,9 +97,14 @@ struct Ahead {
     _keep: Box<dyn std::any::Any + Send>,
 }
 
-/// Every queue's reads ahead, by key.
+/// Every queue's reads ahead, by key. One table for the process, so that a READ finds
+/// its file's read ahead whichever queue started it; `start` scans it (at most `MAX` per
+/// queue), which is cheap at a few queues and wants sharding at hundreds.
 static AHEAD: std::sync::LazyLock<Mutex<HashMap<u64, Ahead>>> =
     std::sync::LazyLock::new(|| Mutex::new(HashMap::new()));
+/// How many `AHEAD` holds, written under its lock: a READ of a mount that reads nothing
+/// ahead (large files, `/dev/fuse`, the gate closed) asks without taking it.
+static KEPT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
 
 /// Whether this thread is an io_uring queue's, where `start` can start a read ahead.
 pub fn possible() -> bool {
@@ -138,11 +143,13 @@ pub fn start(fd: RawFd, offset: u64, len: usize, key: u64, keep: Box<dyn std::an
             }
             None => {
                 UNUSED.fetch_add(dropped, Ordering::Relaxed);
+                KEPT.store(a.len(), Ordering::Relaxed);
                 return false;
             }
         }
     }
     UNUSED.fetch_add(dropped, Ordering::Relaxed);
+    KEPT.store(a.len(), Ordering::Relaxed);
     let Some(buf) = Buf::new(len) else {
         return false;
     };
@@ -166,18 +173,18 @@ pub fn start(fd: RawFd, offset: u64, len: usize, key: u64, keep: Box<dyn std::an
             _keep: keep,
         },
     );
+    KEPT.store(a.len(), Ordering::Relaxed);
     true
 }
 
 /// Whether a read ahead under `key` is kept, and not yet taken.
 pub(crate) fn kept(key: u64) -> bool {
-    AHEAD.lock().get(&key).is_some_and(|x| x.waiting.is_none())
+    KEPT.load(Ordering::Relaxed) > 0 && AHEAD.lock().get(&key).is_some_and(|x| x.waiting.is_none())
 }
 
 /// The read ahead under `key` (`kept`) answers the request of `reply` with `want` bytes
 /// at most, now if it has completed, else when it does.
 pub(crate) fn take(key: u64, reply: RingReply, unique: u64, want: usize, done: TakeDone) {
-    USED.fetch_add(1, Ordering::Relaxed);
     let waiting = Waiting {
         reply,
         unique,
@@ -188,8 +195,11 @@ pub(crate) fn take(key: u64, reply: RingReply, unique: u64, want: usize, done: T
         let mut a = AHEAD.lock();
         match a.get_mut(&key) {
             Some(x) if x.waiting.is_none() => {
+                USED.fetch_add(1, Ordering::Relaxed);
                 x.waiting = Some(waiting);
-                if x.res.is_some() { a.remove(&key) } else { None }
+                let done = if x.res.is_some() { a.remove(&key) } else { None };
+                KEPT.store(a.len(), Ordering::Relaxed);
+                done
             }
             // Taken or dropped since `kept`: answered as a failed read, which the
             // caller's `done` turns into the ordinary read.
@@ -210,7 +220,9 @@ pub(super) fn completed(key: u64, res: i32) {
         let mut a = AHEAD.lock();
         let Some(x) = a.get_mut(&key) else { return };
         x.res = Some(res);
-        if x.waiting.is_some() { a.remove(&key) } else { None }
+        let done = if x.waiting.is_some() { a.remove(&key) } else { None };
+        KEPT.store(a.len(), Ordering::Relaxed);
+        done
     };
     if let Some(x) = ready {
         answer(x);
