@@ -176,11 +176,17 @@ impl Core {
         let f = match shared {
             Some(f) => f,
             None => {
-                let file = std::fs::File::open(&k.path).ok()?;
-                let m = file.metadata().ok()?;
+                // A path gone or changed is forgotten: kept for the window, it would be
+                // opened and turned away at every open of its file.
+                let opened = std::fs::File::open(&k.path).and_then(|f| f.metadata().map(|m| (f, m)));
+                let Ok((file, m)) = opened else {
+                    self.known.lock().unwrap().paths.remove(&ino);
+                    return None;
+                };
                 let id = (m.ino(), m.ctime(), m.ctime_nsec(), m.len());
                 if id != (k.ino, k.ctime_s, k.ctime_ns, k.size) {
                     tracing::debug!(ino, path = %k.path.display(), "the node's file changed since it was verified; asking the node");
+                    self.known.lock().unwrap().paths.remove(&ino);
                     return None;
                 }
                 let f = NodeFile {

@@ -260,6 +260,11 @@ fn the_first_open_in_a_shard_learns_its_siblings_paths_and_a_changed_sibling_is_
     assert_eq!(t.ensured(), 1, "siblings opened without asking");
     assert!(t.open(3).is_some());
     assert_eq!(t.ensured(), 2, "a changed file is asked about again");
+    assert_eq!(
+        t.core.known.lock().unwrap().fresh(Duration::from_secs(60)),
+        2,
+        "the changed file's path is forgotten, its siblings' kept"
+    );
     // Another shard is not known from this one.
     assert!(t.open(4).is_some());
     assert_eq!(t.ensured(), 3);
