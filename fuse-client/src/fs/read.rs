@@ -347,8 +347,8 @@ impl Mount {
         }
     }
 
-    /// Answers a read with what was read ahead for its file at its LOOKUP, on this
-    /// queue; else the reply comes back.
+    /// Answers a read with what was read ahead for its file at its LOOKUP (on whichever
+    /// queue); else the reply comes back.
     fn take_read_ahead(
         self: &Arc<Self>,
         ino: u64,
@@ -366,8 +366,9 @@ impl Mount {
                     buf[..want].copy_from_slice(&src[from..from + want]);
                     mount.core.judge_local(ino, &file, want, Ok(want))
                 }
-                // Fewer (the file shrank since its check), the read failed, or another
-                // READ took it meanwhile: the ordinary read tells.
+                // Fewer (the file shrank since its check) or the read failed: the
+                // ordinary read tells (a read ahead another READ took first never comes
+                // here: the reply comes back to read as if none had been started).
                 _ => mount.core.pread_local(ino, &file, offset, want, false, buf),
             };
             mount.local_read_done(read, started)

@@ -278,21 +278,21 @@ impl ReplyData {
         done: impl FnOnce(std::io::Result<&[u8]>, &mut [u8]) -> Result<usize, Errno> + Send + 'static,
     ) -> Result<(), ReplyData> {
         match &self.reply.sender {
-            Some(ReplySender::Ring(ring)) if ring.can_read(want) && crate::uring::prefetch::kept(key) => {}
+            Some(ReplySender::Ring(ring)) if ring.can_read(want) => {}
             _ => return Err(self),
         }
         let Some(ReplySender::Ring(ring)) = self.reply.sender.take() else {
             unreachable!()
         };
         let unique = self.reply.unique.0;
-        crate::uring::prefetch::take(
-            key,
-            ring,
-            unique,
-            want,
-            Box::new(move |got, buf| done(got, buf).map_err(|e| e.code())),
-        );
-        Ok(())
+        let done = Box::new(move |got: std::io::Result<&[u8]>, buf: &mut [u8]| done(got, buf).map_err(|e| e.code()));
+        match crate::uring::prefetch::take(key, ring, unique, want, done) {
+            Ok(()) => Ok(()),
+            Err(ring) => {
+                self.reply.sender = Some(ReplySender::Ring(ring));
+                Err(self)
+            }
+        }
     }
 
     /// `fill` that may decline (`None`: nothing is sent, and the reply comes back to be

@@ -937,10 +937,15 @@ fn serve_queue<FS: Filesystem>(
             queue.control.queue_held();
         }
         if pending.is_empty() {
+            let look_again = prefetch::before_wait();
             let waited = if frozen {
                 // Completions only: nothing more goes to the kernel.
                 // SAFETY: io_uring_enter with no submission, waiting for one completion.
                 unsafe { queue.ring.submitter().enter::<libc::sigset_t>(0, 1, 1, None) }
+            } else if let Some(after) = look_again {
+                let ts = io_uring::types::Timespec::from(after);
+                let args = io_uring::types::SubmitArgs::new().timespec(&ts);
+                queue.ring.submitter().submit_with_args(1, &args)
             } else {
                 queue.ring.submitter().submit_and_wait(1)
             };
@@ -949,6 +954,8 @@ fn serve_queue<FS: Filesystem>(
                 Ok(_) => {}
                 Err(e) if e.raw_os_error() == Some(libc::EINTR) => {}
                 Err(e) if e.raw_os_error() == Some(libc::EBUSY) => {}
+                // The wait for reads ahead to go stale (`prefetch::before_wait`) ended.
+                Err(e) if e.raw_os_error() == Some(libc::ETIME) => {}
                 Err(e) => {
                     warn!("queue {qid}: io_uring_enter: {e}");
                     return;

@@ -11,12 +11,18 @@
 //! and counted (`unused`), so a file system can stop reading ahead when lookups are not
 //! followed by reads (a walk that only stats files). A buffer lives until its read has
 //! completed, whatever becomes of its request: the queue's thread does not end before.
+//!
+//! What it costs at scale: a LOOKUP that starts one takes one shard's lock of `SHARDS`
+//! (and, once its queue keeps `MAX`, the shards of its own up to `MAX`), a READ takes
+//! its file's shard's lock only when that shard holds anything; nothing scans other
+//! queues' reads ahead, so a host with hundreds of queues pays what one with two does.
 
 use std::alloc::Layout;
-use std::collections::HashMap;
+use std::cell::{Cell, RefCell};
+use std::collections::{HashMap, VecDeque};
 use std::io;
 use std::os::fd::RawFd;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use io_uring::{opcode, types::Fd};
@@ -90,25 +96,115 @@ struct Waiting {
 struct Ahead {
     buf: Buf,
     res: Option<i32>,
-    started: Instant,
     waiting: Option<Waiting>,
-    /// The queue whose ring reads it (its address): that queue's thread ends only after.
+    /// The queue whose ring reads it (its address).
     queue: usize,
     _keep: Box<dyn std::any::Any + Send>,
 }
 
-/// Every queue's reads ahead, by key. One table for the process, so that a READ finds
-/// its file's read ahead whichever queue started it; `start` scans it (at most `MAX` per
-/// queue), which is cheap at a few queues and wants sharding at hundreds.
-static AHEAD: std::sync::LazyLock<Mutex<HashMap<u64, Ahead>>> =
-    std::sync::LazyLock::new(|| Mutex::new(HashMap::new()));
-/// How many `AHEAD` holds, written under its lock: a READ of a mount that reads nothing
-/// ahead (large files, `/dev/fuse`, the gate closed) asks without taking it.
-static KEPT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+/// Shards of the table of reads ahead: a power of two. A READ finds its file's read ahead
+/// whichever queue started it, so the table is the process's; its shards keep a host with
+/// hundreds of queues from meeting on one lock.
+const SHARDS: usize = 64;
+
+/// A part of the table, alone on its cache lines.
+#[repr(align(128))]
+struct Shard {
+    map: Mutex<HashMap<u64, Ahead>>,
+    /// How many `map` holds, written under its lock: a READ of a mount that reads nothing
+    /// ahead (large files, `/dev/fuse`, the gate closed) asks without taking it.
+    len: AtomicUsize,
+}
+
+impl Shard {
+    fn insert(&self, key: u64, a: Ahead) {
+        let mut m = self.map.lock();
+        m.insert(key, a);
+        self.len.store(m.len(), Ordering::Relaxed);
+    }
+}
+
+static TABLE: std::sync::LazyLock<Vec<Shard>> = std::sync::LazyLock::new(|| {
+    (0..SHARDS)
+        .map(|_| Shard {
+            map: Mutex::new(HashMap::new()),
+            len: AtomicUsize::new(0),
+        })
+        .collect()
+});
+
+fn shard(key: u64) -> &'static Shard {
+    // Keys are inode numbers, often consecutive: Fibonacci hashing spreads them.
+    &TABLE[(key.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> (64 - SHARDS.trailing_zeros())) as usize]
+}
+
+thread_local! {
+    /// The keys this thread's queue started reads ahead under, oldest first, with when:
+    /// only the queue's thread starts them, so its bound (`MAX`) and its stale ones are
+    /// found here, without a look at any other queue's.
+    static MINE: RefCell<VecDeque<(u64, Instant)>> = const { RefCell::new(VecDeque::new()) };
+    /// Reads ahead in flight on this thread's queue (their buffers must live): they
+    /// complete on this queue's ring, so on this thread.
+    static IN_FLIGHT: Cell<usize> = const { Cell::new(0) };
+}
 
 /// Whether this thread is an io_uring queue's, where `start` can start a read ahead.
 pub fn possible() -> bool {
     ON_QUEUE.get() != 0
+}
+
+/// Settles the reads ahead queue `q` started (`mine`): forgets those taken meanwhile and
+/// drops its own not taken within `STALE`; for `room`, also its oldest that completed
+/// untaken when it keeps `MAX`. Gives whether it keeps fewer than `MAX`.
+fn settle(mine: &mut VecDeque<(u64, Instant)>, q: usize, now: Instant, room: bool) -> bool {
+    let mut dropped = 0;
+    // Drops the read ahead under `key` if it is this queue's, done, not taken, and
+    // `drop_it`; gives whether `mine` is to forget it.
+    let mut forget = |key: u64, drop_it: bool| -> bool {
+        let s = shard(key);
+        let mut m = s.map.lock();
+        match m.get(&key) {
+            // Taken and answered, or started again since by another queue.
+            None => true,
+            Some(x) if x.queue != q => true,
+            Some(x) if drop_it && x.res.is_some() && x.waiting.is_none() => {
+                m.remove(&key);
+                s.len.store(m.len(), Ordering::Relaxed);
+                dropped += 1;
+                true
+            }
+            Some(_) => false,
+        }
+    };
+    mine.retain(|&(key, at)| !forget(key, now.duration_since(at) >= STALE));
+    if room && mine.len() >= MAX {
+        if let Some(i) = mine.iter().position(|&(key, _)| forget(key, true)) {
+            mine.remove(i);
+        }
+    }
+    UNUSED.fetch_add(dropped, Ordering::Relaxed);
+    mine.len() < MAX
+}
+
+/// Before this queue's thread waits: its reads ahead not taken within `STALE` are
+/// dropped, and while it keeps any, how long it may wait before it looks again, so an
+/// idle queue does not hold their buffers.
+pub(super) fn before_wait() -> Option<Duration> {
+    let q = ON_QUEUE.get();
+    MINE.with(|m| {
+        let mut m = m.borrow_mut();
+        let oldest = m.front()?.1;
+        let now = Instant::now();
+        if now.duration_since(oldest) >= STALE {
+            settle(&mut m, q, now, false);
+        }
+        let oldest = m.front()?.1;
+        Some(
+            STALE
+                .saturating_sub(now.duration_since(oldest))
+                .max(Duration::from_millis(10)),
+        )
+    })
 }
 
 /// Starts reading `len` bytes of `fd` at `offset` (O_DIRECT alignment is the caller's)
@@ -123,33 +219,14 @@ pub fn start(fd: RawFd, offset: u64, len: usize, key: u64, keep: Box<dyn std::an
     }
     // SAFETY: set by this thread to its queue, which its thread holds while it serves.
     let queue = unsafe { &*(q as *const Queue) };
-    let mut a = AHEAD.lock();
-    if a.contains_key(&key) {
+    let s = shard(key);
+    if s.len.load(Ordering::Relaxed) > 0 && s.map.lock().contains_key(&key) {
         return false;
     }
-    let before = a.len();
-    a.retain(|_, x| x.res.is_none() || x.waiting.is_some() || x.started.elapsed() < STALE);
-    let mut dropped = (before - a.len()) as u64;
-    if a.values().filter(|x| x.queue == q).count() >= MAX {
-        let oldest = a
-            .iter()
-            .filter(|(_, x)| x.queue == q && x.res.is_some() && x.waiting.is_none())
-            .min_by_key(|(_, x)| x.started)
-            .map(|(k, _)| *k);
-        match oldest {
-            Some(k) => {
-                a.remove(&k);
-                dropped += 1;
-            }
-            None => {
-                UNUSED.fetch_add(dropped, Ordering::Relaxed);
-                KEPT.store(a.len(), Ordering::Relaxed);
-                return false;
-            }
-        }
+    let now = Instant::now();
+    if !MINE.with(|m| settle(&mut m.borrow_mut(), q, now, true)) {
+        return false;
     }
-    UNUSED.fetch_add(dropped, Ordering::Relaxed);
-    KEPT.store(a.len(), Ordering::Relaxed);
     let Some(buf) = Buf::new(len) else {
         return false;
     };
@@ -161,68 +238,78 @@ pub fn start(fd: RawFd, offset: u64, len: usize, key: u64, keep: Box<dyn std::an
         warn!("queue {}: a read ahead: {e}", queue.qid);
         return false;
     }
-    STARTED.fetch_add(1, Ordering::Relaxed);
-    a.insert(
+    // Its completion comes on this thread's ring, so after this.
+    s.insert(
         key,
         Ahead {
             buf,
             res: None,
-            started: Instant::now(),
             waiting: None,
             queue: q,
             _keep: keep,
         },
     );
-    KEPT.store(a.len(), Ordering::Relaxed);
+    IN_FLIGHT.set(IN_FLIGHT.get() + 1);
+    MINE.with(|m| m.borrow_mut().push_back((key, now)));
+    STARTED.fetch_add(1, Ordering::Relaxed);
     true
 }
 
-/// Whether a read ahead under `key` is kept, and not yet taken.
-pub(crate) fn kept(key: u64) -> bool {
-    KEPT.load(Ordering::Relaxed) > 0 && AHEAD.lock().get(&key).is_some_and(|x| x.waiting.is_none())
-}
-
-/// The read ahead under `key` (`kept`) answers the request of `reply` with `want` bytes
-/// at most, now if it has completed, else when it does.
-pub(crate) fn take(key: u64, reply: RingReply, unique: u64, want: usize, done: TakeDone) {
-    let waiting = Waiting {
-        reply,
-        unique,
-        want,
-        done,
-    };
+/// The read ahead under `key`, kept and not yet taken, answers the request of `reply`
+/// with `want` bytes at most: now if it has completed, else when it does. Without one
+/// the reply comes back untouched.
+pub(crate) fn take(
+    key: u64,
+    reply: RingReply,
+    unique: u64,
+    want: usize,
+    done: TakeDone,
+) -> Result<(), RingReply> {
+    let s = shard(key);
+    if s.len.load(Ordering::Relaxed) == 0 {
+        return Err(reply);
+    }
     let ready = {
-        let mut a = AHEAD.lock();
-        match a.get_mut(&key) {
-            Some(x) if x.waiting.is_none() => {
-                USED.fetch_add(1, Ordering::Relaxed);
-                x.waiting = Some(waiting);
-                let done = if x.res.is_some() { a.remove(&key) } else { None };
-                KEPT.store(a.len(), Ordering::Relaxed);
-                done
-            }
-            // Taken or dropped since `kept`: answered as a failed read, which the
-            // caller's `done` turns into the ordinary read.
-            _ => {
-                drop(a);
-                return answer_with(waiting, Err(io::Error::from_raw_os_error(libc::EAGAIN)));
-            }
+        let mut m = s.map.lock();
+        let Some(x) = m.get_mut(&key).filter(|x| x.waiting.is_none()) else {
+            return Err(reply);
+        };
+        USED.fetch_add(1, Ordering::Relaxed);
+        x.waiting = Some(Waiting {
+            reply,
+            unique,
+            want,
+            done,
+        });
+        if x.res.is_some() {
+            let a = m.remove(&key);
+            s.len.store(m.len(), Ordering::Relaxed);
+            a
+        } else {
+            None
         }
     };
     if let Some(x) = ready {
         answer(x);
     }
+    Ok(())
 }
 
-/// The read ahead under `key` completed with `res`.
+/// The read ahead under `key` completed with `res`, on this thread's queue's ring.
 pub(super) fn completed(key: u64, res: i32) {
+    IN_FLIGHT.set(IN_FLIGHT.get().saturating_sub(1));
+    let s = shard(key);
     let ready = {
-        let mut a = AHEAD.lock();
-        let Some(x) = a.get_mut(&key) else { return };
+        let mut m = s.map.lock();
+        let Some(x) = m.get_mut(&key) else { return };
         x.res = Some(res);
-        let done = if x.waiting.is_some() { a.remove(&key) } else { None };
-        KEPT.store(a.len(), Ordering::Relaxed);
-        done
+        if x.waiting.is_some() {
+            let a = m.remove(&key);
+            s.len.store(m.len(), Ordering::Relaxed);
+            a
+        } else {
+            None
+        }
     };
     if let Some(x) = ready {
         answer(x);
@@ -231,8 +318,7 @@ pub(super) fn completed(key: u64, res: i32) {
 
 /// Whether a read ahead of this thread's queue is still in flight (its buffer must live).
 pub(super) fn in_flight() -> bool {
-    let q = ON_QUEUE.get();
-    AHEAD.lock().values().any(|x| x.queue == q && x.res.is_none())
+    IN_FLIGHT.get() > 0
 }
 
 fn answer(x: Ahead) {
