@@ -1435,7 +1435,13 @@ async fn small_files_are_read_ahead_from_their_lookup_and_a_walk_that_only_stats
     }
     let out = import(&m, "ds", &src, &["--replicas", "1"]);
     assert!(out.status.success(), "{}", stderr(&out));
-    let mnt = m.mount("m", "ds@1", Some(&n1), &["--fuse-transport", "io-uring"]);
+    let metrics = format!("127.0.0.1:{}", free_low_port());
+    let mnt = m.mount(
+        "m",
+        "ds@1",
+        Some(&n1),
+        &["--fuse-transport", "io-uring", "--metrics-listen", &metrics],
+    );
     assert_eq!(mnt.status()["transport"].as_str(), Some("io_uring"));
     let total = |s: &serde_json::Value, k: &str| s["totals"][k].as_u64().unwrap_or(0);
 
@@ -1451,6 +1457,16 @@ async fn small_files_are_read_ahead_from_their_lookup_and_a_walk_that_only_stats
         })
         .await;
     let before = total(&s, "read_aheads_started");
+    // The same counts for Prometheus.
+    let scraped = http_get(metrics.parse().unwrap(), "/metrics").await;
+    let metric = |outcome: &str| -> u64 {
+        let name = format!("locus_mount_read_aheads_total{{outcome=\"{outcome}\"}} ");
+        let line = scraped.lines().find(|l| l.starts_with(&name));
+        line.and_then(|l| l[name.len()..].trim().parse().ok())
+            .unwrap_or_else(|| panic!("no {name}in:\n{scraped}"))
+    };
+    assert!(metric("taken") >= 80, "{scraped}");
+    assert!(metric("started") >= metric("taken"), "{scraped}");
 
     // Only lookups: what is read ahead goes untaken, and the gate closes.
     for (name, _) in &files[100..] {

@@ -14,6 +14,7 @@
 //! | locus_mount_listed_entries_total | counter | entries | entries of READDIRPLUS answers by what they carry (`attributes`: the kernel makes an inode for each; `names`: name and type only) |
 //! | locus_mount_lookups_total | counter | calls | LOOKUPs answered (a stat or open of a path the kernel had no entry for) |
 //! | locus_mount_ring_reads_total | counter | calls | reads of the node's files submitted on the io_uring queue the request came in on (the rest of the local reads go through the page cache or the blocking pool) |
+//! | locus_mount_read_aheads_total | counter | reads | small files read ahead at their LOOKUP under FUSE over io_uring, by outcome (`started`; `taken` by their READ; `dropped` untaken: a walk that only stats files, which turns reading ahead off) |
 //! | locus_mount_read_seconds | histogram | seconds | latency of read calls served by the mount |
 //! | locus_mount_fetch_seconds | histogram | seconds | latency of remote chunk fetches |
 
@@ -44,10 +45,18 @@ pub struct Metrics {
     listed: Family<With, Counter>,
     lookups: Counter,
     ring_reads: Counter,
+    /// Synced from `fuser::prefetch::counts` when encoded (under `sync`).
+    read_aheads: Family<Outcome, Counter>,
+    sync: std::sync::Mutex<()>,
     read_seconds: Histogram,
     fetch_seconds: Histogram,
     // Plain totals for the status file (prometheus-client cannot be read back cheaply).
     totals: [AtomicU64; 15],
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct Outcome {
+    pub outcome: &'static str,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -88,6 +97,8 @@ impl Default for Metrics {
             listed: Family::default(),
             lookups: Counter::default(),
             ring_reads: Counter::default(),
+            read_aheads: Family::default(),
+            sync: Default::default(),
             // 10 µs .. ~5 s
             read_seconds: Histogram::new(exponential_buckets(1e-5, 3.0, 12)),
             fetch_seconds: Histogram::new(exponential_buckets(1e-4, 3.0, 11)),
@@ -127,6 +138,11 @@ impl Default for Metrics {
             "ring_reads",
             "Reads of the node's files submitted on the io_uring queue the request came in on",
             m.ring_reads.clone(),
+        );
+        r.register(
+            "read_aheads",
+            "Small files read ahead at their LOOKUP, by outcome",
+            m.read_aheads.clone(),
         );
         r.register("read_seconds", "Latency of read calls", m.read_seconds.clone());
         r.register(
@@ -301,6 +317,16 @@ impl Metrics {
     }
 
     pub fn encode(&self) -> String {
+        {
+            // The reads ahead are counted by fuser, for the process: brought up to date
+            // here, one encoder at a time so that none is added twice.
+            let _one = self.sync.lock().unwrap_or_else(|e| e.into_inner());
+            let (started, taken, dropped) = fuser::prefetch::counts();
+            for (outcome, n) in [("started", started), ("taken", taken), ("dropped", dropped)] {
+                let c = self.read_aheads.get_or_create(&Outcome { outcome });
+                c.inc_by(n.saturating_sub(c.get()));
+            }
+        }
         let mut out = String::new();
         prometheus_client::encoding::text::encode(&mut out, &self.registry)
             .expect("writing to a String cannot fail");
