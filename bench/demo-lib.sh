@@ -3,6 +3,10 @@
 #   make_files DIR COUNT BYTES    COUNT files of BYTES random bytes (f00000.bin, ...)
 #   start_demo LOCUS DIR          a demo cluster kept running in DIR: sets demo_pid and
 #                                 exports LOCUS_METADATA (stop it with kill "$demo_pid")
+#   bench_work NAME MOUNT...      a fresh work directory /var/tmp/locus-NAME.* (sets work),
+#                                 removed at exit after each WORK/MOUNT is unmounted, the
+#                                 demo cluster (if any) stopped and the fuse module's
+#                                 enable_uring put back as it was
 #   mount_builds OLD NEW TARGET WORK [ARGS...]
 #                                 TARGET mounted with each build on the demo's node1, at
 #                                 WORK/m-old and WORK/m-new (returns once both serve)
@@ -37,4 +41,22 @@ mount_builds() {
         mkdir -p "$work/m-$b"
         "$bin" mount "$target" "$work/m-$b" --node-socket "$work/demo/node1.sock" "$@" > /dev/null
     done
+}
+
+bench_work() {
+    work=$(mktemp -d "/var/tmp/locus-$1.XXXXXX")
+    shift
+    bench_mounts=("$@")
+    uring=/sys/module/fuse/parameters/enable_uring
+    uring_was=$(cat "$uring" 2>/dev/null || echo N)
+    demo_pid=
+    trap bench_cleanup EXIT
+}
+
+bench_cleanup() {
+    local m
+    for m in "${bench_mounts[@]}"; do fusermount3 -u "$work/$m" 2>/dev/null || true; done
+    [ -n "$demo_pid" ] && kill "$demo_pid" 2>/dev/null || true
+    [ -w "$uring" ] && echo "$uring_was" > "$uring"
+    rm -rf "$work"
 }

@@ -18,15 +18,8 @@ rounds=${3:-3}
 opens=${4:-50000}
 [ "$(id -u)" = 0 ] || { echo "needs root (FUSE)" >&2; exit 1; }
 here=$(cd "$(dirname "$0")" && pwd)
-work=$(mktemp -d /var/tmp/locus-pt-open.XXXXXX)
+bench_work pt-open m-old m-new
 export LOCUS_RUNTIME_DIR=$work/run
-demo_pid=
-cleanup() {
-    for m in "$work"/m-old "$work"/m-new; do fusermount3 -u "$m" 2>/dev/null || true; done
-    [ -n "$demo_pid" ] && kill "$demo_pid" 2>/dev/null || true
-    rm -rf "$work"
-}
-trap cleanup EXIT
 
 gcc -O2 -o "$work/open_close" "$here/open_close.c"
 make_files "$work/src" 4 $((4 << 20))

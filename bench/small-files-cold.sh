@@ -25,17 +25,7 @@ readers=${5:-8}
 files=${6:-7000}
 [ "$(id -u)" = 0 ] || { echo "needs root (drop_caches, FUSE)" >&2; exit 1; }
 here=$(cd "$(dirname "$0")" && pwd)
-work=$(mktemp -d /var/tmp/locus-small-cold.XXXXXX)
-uring=/sys/module/fuse/parameters/enable_uring
-was=$(cat "$uring" 2>/dev/null || echo N)
-demo_pid=
-cleanup() {
-    for m in "$work"/m-old "$work"/m-new; do fusermount3 -u "$m" 2>/dev/null || true; done
-    [ -n "$demo_pid" ] && kill "$demo_pid" 2>/dev/null || true
-    [ -w "$uring" ] && echo "$was" > "$uring"
-    rm -rf "$work"
-}
-trap cleanup EXIT
+bench_work small-cold m-old m-new
 t_old=${transport%,*}
 t_new=${transport#*,}
 case "$t_old $t_new" in *io-uring*) echo Y > "$uring" ;; esac

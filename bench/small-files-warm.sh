@@ -21,17 +21,7 @@ files=${5:-2000}
 passes=${6:-10}
 [ "$(id -u)" = 0 ] || { echo "needs root (FUSE)" >&2; exit 1; }
 here=$(cd "$(dirname "$0")" && pwd)
-work=$(mktemp -d /var/tmp/locus-small-warm.XXXXXX)
-uring=/sys/module/fuse/parameters/enable_uring
-was=$(cat "$uring" 2>/dev/null || echo N)
-demo_pid=
-cleanup() {
-    for m in "$work"/m-kernel "$work"/m-mount; do fusermount3 -u "$m" 2>/dev/null || true; done
-    [ -n "$demo_pid" ] && kill "$demo_pid" 2>/dev/null || true
-    [ -w "$uring" ] && echo "$was" > "$uring"
-    rm -rf "$work"
-}
-trap cleanup EXIT
+bench_work small-warm m-kernel m-mount
 [ "$transport" = io-uring ] && echo Y > "$uring"
 
 gcc -O2 -pthread -o "$work/reader" "$here/cold_reader.c"

@@ -15,17 +15,7 @@ bin=${1:?usage: $0 LOCUS [TRANSPORT] [ROUNDS]}
 transport=${2:-io-uring}
 rounds=${3:-3}
 [ "$(id -u)" = 0 ] || { echo "needs root (FUSE)" >&2; exit 1; }
-work=$(mktemp -d /var/tmp/locus-upgrade.XXXXXX)
-uring=/sys/module/fuse/parameters/enable_uring
-was=$(cat "$uring" 2>/dev/null || echo N)
-demo_pid=
-cleanup() {
-    "$bin" umount "$work/m" > /dev/null 2>&1 || true
-    [ -n "$demo_pid" ] && kill "$demo_pid" 2>/dev/null || true
-    [ -w "$uring" ] && echo "$was" > "$uring"
-    rm -rf "$work"
-}
-trap cleanup EXIT
+bench_work upgrade m
 [ "$transport" = io-uring ] && echo Y > "$uring"
 
 mkdir -p "$work/m"
