@@ -187,8 +187,11 @@ fn settle(mine: &mut VecDeque<(u64, Instant)>, q: usize, now: Instant, room: boo
 }
 
 /// Before this queue's thread waits: its reads ahead not taken within `STALE` are
-/// dropped, and while it keeps any, how long it may wait before it looks again, so an
-/// idle queue does not hold their buffers.
+/// dropped, and while it keeps any that may yet go stale, how long it may wait before it
+/// looks again, so an idle queue does not hold their buffers. A stale one still kept is
+/// in flight (or a READ waits on it): its completion on this queue's ring wakes the
+/// thread, so it sets no timer (on a slow disk it would wake the thread every few
+/// milliseconds until the read completes).
 pub(super) fn before_wait() -> Option<Duration> {
     let q = ON_QUEUE.get();
     MINE.with(|m| {
@@ -198,12 +201,11 @@ pub(super) fn before_wait() -> Option<Duration> {
         if now.duration_since(oldest) >= STALE {
             settle(&mut m, q, now, false);
         }
-        let oldest = m.front()?.1;
-        Some(
-            STALE
-                .saturating_sub(now.duration_since(oldest))
-                .max(Duration::from_millis(10)),
-        )
+        let age = m
+            .iter()
+            .map(|&(_, at)| now.duration_since(at))
+            .find(|&age| age < STALE)?;
+        Some((STALE - age).max(Duration::from_millis(1)))
     })
 }
 
