@@ -861,3 +861,115 @@ async fn a_released_handle_of_a_killed_server_leaves_the_new_servers_handles_alo
     let o = mnt.umount();
     assert!(o.status.success(), "{}", stderr(&o));
 }
+
+/// Every file under `dir` out of the page cache.
+fn drop_page_caches_under(dir: &Path) {
+    for e in std::fs::read_dir(dir).unwrap().flatten() {
+        let p = e.path();
+        if e.file_type().unwrap().is_dir() {
+            drop_page_caches_under(&p);
+        } else {
+            drop_page_cache(&p);
+        }
+    }
+}
+
+/// A READ waiting on the read ahead its file's LOOKUP started, when its server is
+/// killed: the disk is made slow for the mount server alone (a block-I/O cgroup), so the
+/// reads ahead are still in flight when the READs come and take them; the next server
+/// finds the READs in their entries, runs them again and answers them, byte for byte.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_read_waiting_on_a_read_ahead_when_the_server_is_killed_is_answered_by_the_next() {
+    let _on = EnableUring::set(true);
+    let h = Harness::new("mount-ahead-kill");
+    let m = h.start_metadata("meta", MetadataOpts::default()).await;
+    let n1 = h.start_node("n1", &m, NodeOpts::host(1)).await;
+    let src = h.path("src");
+    // Enough files for the node to keep them in a pack (the read ahead's kind of file).
+    let files: Vec<(String, Vec<u8>)> = (0..24u64)
+        .map(|i| (format!("f{i:02}.bin"), pseudo_random(7_100 + i, 40_000)))
+        .collect();
+    std::fs::create_dir_all(&src).unwrap();
+    for (name, data) in &files {
+        std::fs::write(src.join(name), data).unwrap();
+    }
+    let out = import(&m, "ds", &src, &["--replicas", "1"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let metrics: std::net::SocketAddr = format!("127.0.0.1:{}", free_low_port()).parse().unwrap();
+    let mnt = m.mount(
+        "m",
+        "ds@1",
+        Some(&n1),
+        &[
+            "--fuse-transport",
+            "io-uring",
+            "--metrics-listen",
+            &metrics.to_string(),
+        ],
+    );
+    assert_eq!(mnt.status()["transport"].as_str(), Some("io_uring"));
+    let taken = || async move {
+        let scraped = http_get(metrics, "/metrics").await;
+        let name = "locus_mount_read_aheads_total{outcome=\"taken\"} ";
+        let line = scraped.lines().find(|l| l.starts_with(name));
+        line.and_then(|l| l[name.len()..].trim().parse::<u64>().ok())
+            .unwrap_or_else(|| panic!("no {name}in:\n{scraped}"))
+    };
+
+    // The first open asks the node, which hands out the paths of the files around it:
+    // the LOOKUPs of those read them ahead.
+    let (first, want) = &files[0];
+    assert!(
+        std::fs::read(mnt.path.join(first)).unwrap() == *want,
+        "{first}: wrong bytes"
+    );
+    // Only the node's files leave the page cache: a page the server faults in comes from
+    // the slowed disk too (dropping every cache left the server crawling on its own
+    // code's page faults), so its binary is read into the cache first.
+    let old = mnt.server_pid();
+    std::fs::read(format!("/proc/{old}/exe")).unwrap();
+    drop_page_caches_under(&n1.data_dir);
+    let slow = SlowDisk::new(&n1.data_dir, 1);
+    slow.add(old);
+    let readers: Vec<_> = files[1..7]
+        .iter()
+        .cloned()
+        .map(|(name, want)| {
+            let p = mnt.path.join(&name);
+            std::thread::spawn(move || -> Result<(), String> {
+                let got = std::fs::read(&p).map_err(|e| format!("{name}: {e}"))?;
+                (got == want).then_some(()).ok_or(format!("{name}: wrong bytes"))
+            })
+        })
+        .collect();
+    // One read a second: the first read ahead may land at once, the others wait their
+    // turn with their READs attached.
+    wait_until(
+        "READs to wait on reads ahead",
+        Duration::from_secs(20),
+        || async { (taken().await >= 3).then_some(()) },
+    )
+    .await;
+    let waiting = readers.iter().filter(|r| !r.is_finished()).count();
+    assert!(waiting >= 2, "only {waiting} readers still wait on a read ahead");
+    signal(old, "-KILL");
+    new_server(&mnt, old).await;
+    wait_until(
+        "the READs the killed server held to be answered by the next",
+        Duration::from_secs(60),
+        || async { readers.iter().all(|r| r.is_finished()).then_some(()) },
+    )
+    .await;
+    for r in readers {
+        r.join().unwrap().unwrap();
+    }
+    let status = mnt.status();
+    eprintln!("after the takeover: {status}");
+    assert!(
+        status["takeover_rerun"].as_u64() >= Some(2),
+        "the READs were not run again by the next server: {status}"
+    );
+    drop(slow);
+    let o = mnt.umount();
+    assert!(o.status.success(), "{}", stderr(&o));
+}

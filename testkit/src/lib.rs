@@ -18,6 +18,7 @@ mod netbed;
 mod node;
 mod objstore;
 mod proxy;
+mod slow_disk;
 mod slurm;
 
 pub use cluster::*;
@@ -31,6 +32,7 @@ pub use netbed::*;
 pub use node::*;
 pub use objstore::*;
 pub use proxy::*;
+pub use slow_disk::*;
 pub use slurm::*;
 
 use std::net::SocketAddr;
