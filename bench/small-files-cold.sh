@@ -14,7 +14,9 @@
 # nodes hold) sets how long one read lasts: 2,000 files take a third of a second at these
 # rates, short enough that one round of the same build moved by ±0.15× raw, and fit in
 # what a mount keeps open, which hid a second pass's cost (bench/RESULTS.md session 25).
-# Judge by the medians printed last. Needs root (dropping caches, FUSE), gcc and python3.
+# Judge by the medians printed last, of runs in both orders (OLD NEW, then NEW OLD): the
+# two mounts' places are not neutral even with the read order rotating (a build was ahead
+# in 11 of 14 rounds as OLD and 10 of 20 as NEW, bench/RESULTS.md session 26). Needs root (dropping caches, FUSE), gcc and python3.
 set -euo pipefail
 . "$(dirname "$0")/demo-lib.sh"
 old=${1:?usage: $0 OLD_LOCUS NEW_LOCUS [TRANSPORT[,TRANSPORT]] [ROUNDS] [READERS] [FILES]}
