@@ -38,6 +38,10 @@ impl SlowDisk {
             } else {
                 panic!("no block-I/O cgroup here (cgroup v2 `io` or v1 `blkio`): a slow disk cannot be made");
             };
+        if file == "io.max" {
+            // A child's io.max exists only once the root hands the controller down.
+            let _ = std::fs::write(root.join("cgroup.subtree_control"), "+io");
+        }
         let dir = root.join(name);
         std::fs::create_dir(&dir).unwrap_or_else(|e| panic!("{}: {e} (needs root)", dir.display()));
         let slow = SlowDisk { dir, root };
