@@ -116,14 +116,6 @@ struct Shard {
     len: AtomicUsize,
 }
 
-impl Shard {
-    fn insert(&self, key: u64, a: Ahead) {
-        let mut m = self.map.lock();
-        m.insert(key, a);
-        self.len.store(m.len(), Ordering::Relaxed);
-    }
-}
-
 static TABLE: std::sync::LazyLock<Vec<Shard>> = std::sync::LazyLock::new(|| {
     (0..SHARDS)
         .map(|_| Shard {
@@ -229,6 +221,13 @@ pub fn start(fd: RawFd, offset: u64, len: usize, key: u64, keep: Box<dyn std::an
     if !MINE.with(|m| settle(&mut m.borrow_mut(), q, now, true)) {
         return false;
     }
+    // Looked for again under the shard's lock, held until the entry is in: LOOKUPs of one
+    // file on two CPUs must not both start one, or the second entry would replace the
+    // first and free its buffer while the first's read still writes into it.
+    let mut m = s.map.lock();
+    if m.contains_key(&key) {
+        return false;
+    }
     let Some(buf) = Buf::new(len) else {
         return false;
     };
@@ -241,7 +240,7 @@ pub fn start(fd: RawFd, offset: u64, len: usize, key: u64, keep: Box<dyn std::an
         return false;
     }
     // Its completion comes on this thread's ring, so after this.
-    s.insert(
+    m.insert(
         key,
         Ahead {
             buf,
@@ -251,6 +250,8 @@ pub fn start(fd: RawFd, offset: u64, len: usize, key: u64, keep: Box<dyn std::an
             _keep: keep,
         },
     );
+    s.len.store(m.len(), Ordering::Relaxed);
+    drop(m);
     IN_FLIGHT.set(IN_FLIGHT.get() + 1);
     MINE.with(|m| m.borrow_mut().push_back((key, now)));
     STARTED.fetch_add(1, Ordering::Relaxed);
